@@ -1,0 +1,157 @@
+"""The gradient-transformation protocol, the empty state, and the identity transform.
+
+A :class:`GradientTransformation` is a pair of pure functions:
+
+* ``init(params) -> state`` builds the transform's state, a pytree of tensors;
+* ``update(updates, state, params=None, **extra) -> (updates, state)`` turns
+  gradients (or updates from an earlier transform) into new updates.
+
+``update`` never mutates ``updates``, ``state`` or ``params``; it returns new
+trees. Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
+member of a chain, and a transform ignores the ones it does not use.
+
+A transform may also return ``None`` as its updates: that means "hold", the
+step produced no update (an open accumulation window). A chain stops at a hold,
+so nothing after it runs and nothing after it changes its state.
+
+Reserved extras, passed by :class:`gradtx.TransformedOptimizer` (and by users
+who own their buffers, as in a donated functional step):
+
+* ``inplace=True``: the caller donates the ``updates`` buffers, so a transform
+  may write its result into them. The numbers are the same as the pure path.
+* ``running_sum=True``: ``updates`` already hold the sum of the window's
+  micro-batch gradients (autograd summed them into ``.grad``), so
+  :func:`gradtx.accumulate` keeps no buffer of its own.
+* ``deferred``: a :class:`DeferredScale` into which scalar transforms
+  (clipping, accumulation's normalisation, :func:`gradtx.scale`) may put
+  their factor instead of applying it, so the caller can fold it into a fused
+  optimizer kernel. See :class:`DeferredScale`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol
+
+import torch
+
+PyTree = Any
+Params = PyTree
+Updates = PyTree
+OptState = PyTree
+Schedule = Callable[[torch.Tensor], Any]
+
+
+class InitFn(Protocol):
+    def __call__(self, params: Params) -> OptState: ...
+
+
+class UpdateFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates | None, OptState]: ...
+
+
+class GradientTransformation(NamedTuple):
+    """A pure gradient transformation: ``init(params)`` and ``update(updates, state, params, **extra)``."""
+
+    init: InitFn
+    update: UpdateFn
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transform."""
+
+
+def identity() -> GradientTransformation:
+    """Return the updates unchanged.
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    Example:
+      >>> tx = identity()
+      >>> updates, _ = tx.update({"w": torch.ones(2)}, tx.init(None))
+    """
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        return updates, state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class DeferredScale:
+    """A scalar factor that scalar transforms fold in instead of applying.
+
+    Clipping by global norm, accumulation's normalisation and :func:`scale`
+    all multiply every update by one scalar. When the caller passes
+    ``deferred=DeferredScale()``, such a transform multiplies its factor into
+    :attr:`factor` and returns the updates untouched, so the factor can ride
+    inside a fused optimizer kernel (``grad_scale``) instead of costing a pass
+    over memory. The true updates are always ``updates * factor``.
+
+    A transform that is not scalar (AGC, Adam, clipping by value, anything a
+    user writes) must see the true updates, so :func:`gradtx.chain` applies
+    the pending factor before calling any member that has not declared itself
+    scale-aware with :func:`scale_aware`.
+    """
+
+    def __init__(self) -> None:
+        self.factor: torch.Tensor | None = None
+
+    def fold(self, factor: torch.Tensor) -> None:
+        """Multiply ``factor`` (a 0-d tensor) into the pending factor."""
+        self.factor = factor if self.factor is None else self.factor * factor
+
+    def take(self) -> torch.Tensor | None:
+        """Return the pending factor and clear it."""
+        factor, self.factor = self.factor, None
+        return factor
+
+
+_SCALE_AWARE = "_gradtx_scale_aware"
+
+
+def scale_aware(update_fn: UpdateFn) -> UpdateFn:
+    """Mark ``update_fn`` as able to take updates with a pending :class:`DeferredScale`."""
+    setattr(update_fn, _SCALE_AWARE, True)
+    return update_fn
+
+
+def is_scale_aware(tx: GradientTransformation) -> bool:
+    """Whether ``tx.update`` accepts updates that still carry a pending deferred factor."""
+    return bool(getattr(tx.update, _SCALE_AWARE, False))
+
+
+def metrics(state: OptState) -> dict[str, torch.Tensor]:
+    """Named scalars found anywhere in a (chain) state: ``{"grad_norm": ..., "clip_coef": ...}``.
+
+    A state NamedTuple declares what it exports with a ``_metrics`` class
+    attribute mapping field name to metric name. When two members export the
+    same name, the first one in chain order wins. Values are tensors; nothing
+    is read to the host.
+
+    Example:
+      >>> updates, state = tx.update(grads, state, params)
+      >>> float(metrics(state)["grad_norm"])
+    """
+    found: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any) -> None:
+        exported = getattr(type(node), "_metrics", None)
+        if isinstance(node, tuple) and exported:
+            for field, name in exported.items():
+                found.setdefault(name, getattr(node, field))
+        if isinstance(node, dict):
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (tuple, list)):
+            for v in node:
+                walk(v)
+
+    walk(state)
+    return found

@@ -1,0 +1,214 @@
+"""Clipping: by value, by global norm, and adaptive (AGC)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from gradtx import norms
+from gradtx import tree as tu
+from gradtx.base import EmptyState, GradientTransformation, Params, scale_aware
+
+
+def _check_positive(value: Any, *, arg: str, name: str, allow_zero: bool = False, allow_inf: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name}: {arg} must not be NaN")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}: {arg} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if math.isinf(value) and not allow_inf:
+        raise ValueError(f"{name}: {arg} must be finite, got {value}")
+    return value
+
+
+def _leaves(updates: Any, *, name: str) -> tuple[list[torch.Tensor], Any]:
+    leaves, spec = tu.flatten(updates)
+    tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
+    return leaves, spec
+
+
+# --- clip by value ---------------------------------------------------------------------
+
+
+def clip(max_delta: float) -> GradientTransformation:
+    """Clip every update element to ``[-max_delta, max_delta]``.
+
+    Matches ``torch.nn.utils.clip_grad_value_``.
+
+    Args:
+      max_delta: the largest magnitude an element may keep; ``>= 0``.
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    Example:
+      >>> tx = clip(0.5)
+      >>> tx.update({"w": torch.tensor([-2.0, 0.1])}, tx.init(None))[0]
+      {'w': tensor([-0.5000,  0.1000])}
+    """
+    max_delta = _check_positive(max_delta, arg="max_delta", name="clip", allow_zero=True)
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params
+        leaves, spec = _leaves(updates, name="clip")
+        locals_ = [tu.local(t) for t in leaves]
+        out = list(leaves)
+        for _, idx in tu.group_by_device_dtype(locals_).items():
+            group = [locals_[i] for i in idx]
+            if extra.get("inplace", False):
+                torch._foreach_clamp_min_(group, -max_delta)
+                torch._foreach_clamp_max_(group, max_delta)
+            else:
+                clipped = torch._foreach_clamp_max(torch._foreach_clamp_min(group, -max_delta), max_delta)
+                for i, c in zip(idx, clipped):
+                    out[i] = tu.like(leaves[i], c)
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --- clip by global norm -----------------------------------------------------------------
+
+
+class ClipByGlobalNormState(NamedTuple):
+    """The last step's pre-clip global norm and the coefficient applied (fp32, 0-d)."""
+
+    grad_norm: torch.Tensor
+    clip_coef: torch.Tensor
+
+    _metrics = {"grad_norm": "grad_norm", "clip_coef": "clip_coef"}
+
+
+def clip_by_global_norm(
+    max_norm: float, *, norm_type: float = 2.0, mesh_groups: Any | None = None
+) -> GradientTransformation:
+    """Scale all updates together so that their global norm is at most ``max_norm``.
+
+    The coefficient is ``clamp(max_norm / (norm + 1e-6), max=1)``, exactly as in
+    ``torch.nn.utils.clip_grad_norm_``, and is computed as a tensor, with no
+    host sync. The norm is accumulated in fp32 whatever the grads' dtype, the
+    grads keep their dtype, and the pre-clip norm is kept in the state.
+
+    Args:
+      max_norm: the largest global norm allowed; ``> 0`` (``inf`` only measures).
+      norm_type: the order of the norm: any ``p > 0`` or ``inf``.
+      mesh_groups: for sharded grads (DTensors or manually sharded tensors), the
+        plan from :func:`gradtx.mesh_groups` that says which process groups
+        each grad's norm is reduced over. ``None`` for unsharded grads.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`ClipByGlobalNormState`.
+
+    References:
+      Pascanu, Mikolov & Bengio, "On the difficulty of training recurrent neural networks", 2013.
+
+    Example:
+      >>> tx = clip_by_global_norm(1.0)
+      >>> updates, state = tx.update(grads, tx.init(params))
+      >>> state.grad_norm  # the norm before clipping
+    """
+    max_norm = _check_positive(max_norm, arg="max_norm", name="clip_by_global_norm")
+    norm_type = norms.check_norm_type(norm_type, name="clip_by_global_norm")
+
+    def init_fn(params: Params) -> ClipByGlobalNormState:
+        del params
+        zero = torch.zeros((), dtype=torch.float32)
+        return ClipByGlobalNormState(grad_norm=zero, clip_coef=torch.ones((), dtype=torch.float32))
+
+    @scale_aware
+    def update_fn(updates, state, params=None, **extra):
+        del params
+        tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
+        leaves, spec = _leaves(updates, name="clip_by_global_norm")
+        if mesh_groups is None:
+            norm = norms.combine_norms(norms.tensor_norms(leaves, norm_type), norm_type)
+        else:
+            norm = mesh_groups.global_norm(leaves, norm_type)
+        deferred = extra.get("deferred")
+        if deferred is not None and deferred.factor is not None:
+            norm = norm * deferred.factor.abs()  # the true updates are leaves * factor
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        if deferred is not None:
+            deferred.fold(coef)
+            out = updates
+        else:
+            out = tu.unflatten(spec, tu.scale_leaves(leaves, coef, inplace=bool(extra.get("inplace", False))))
+        return out, ClipByGlobalNormState(grad_norm=norm, clip_coef=coef)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --- adaptive gradient clipping ----------------------------------------------------------
+
+
+def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
+    """The fp32 L2 norm of each output unit of ``x``, in PyTorch layouts, broadcastable to ``x``.
+
+    A Linear weight is ``(out, in)`` and a Conv weight ``(out, in, kh, kw)``, so
+    a unit is a slice along dim 0 and the norm reduces over dims ``1..ndim-1``.
+    A 0-d or 1-d tensor is one unit, and so is any tensor when ``unitwise`` is False.
+    """
+    x = tu.local(x).float()
+    if x.ndim <= 1 or not unitwise:
+        return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def adaptive_clip(clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool = True) -> GradientTransformation:
+    """Adaptive gradient clipping (AGC): clip each unit's gradient relative to its weight.
+
+    A unit's gradient ``g_u`` is rescaled to norm ``clipping * max(||w_u||, eps)``
+    when it is larger than that. Units follow PyTorch layouts (see
+    :func:`unitwise_norm`): dim 0 is the output unit. Optax's default axes
+    assume JAX's ``(in, out)`` layout; this does not.
+
+    Args:
+      clipping: the largest allowed ratio of gradient norm to weight norm; ``> 0``.
+      eps: the floor on a unit's weight norm, so zero-initialised units can move.
+      unitwise: clip per output unit (True) or per whole tensor (False).
+
+    Returns:
+      A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
+
+    References:
+      Brock, De, Smith & Simonyan, "High-Performance Large-Scale Image Recognition
+      Without Normalization", 2021.
+
+    Example:
+      >>> tx = adaptive_clip(0.01)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+    """
+    clipping = _check_positive(clipping, arg="clipping", name="adaptive_clip", allow_inf=False)
+    eps = _check_positive(eps, arg="eps", name="adaptive_clip", allow_zero=True, allow_inf=False)
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
+        leaves, spec = _leaves(updates, name="adaptive_clip")
+        tu.check_structure(params, updates, what="adaptive_clip: updates", against="params")
+        out = []
+        for g, w in zip(leaves, tu.flatten(params)[0]):
+            max_norm = clipping * torch.clamp(unitwise_norm(w, unitwise=unitwise), min=eps)
+            g_norm = unitwise_norm(g, unitwise=unitwise)
+            factor = torch.where(g_norm > max_norm, max_norm / torch.clamp(g_norm, min=1e-6), 1.0)
+            g_local = tu.local(g)
+            if extra.get("inplace", False):
+                g_local.mul_(factor.to(g_local.dtype))
+                out.append(g)
+            else:
+                out.append(tu.like(g, g_local * factor.to(g_local.dtype)))
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,6 @@
+"""The communication layer: the only code in gradtx that issues collectives."""
+
+from gradtx.comm.base import Comm, GroupKey, ReduceOp
+from gradtx.comm.local import LocalComm
+
+__all__ = ["Comm", "GroupKey", "LocalComm", "ReduceOp"]

@@ -1,0 +1,35 @@
+"""The Comm protocol: the only way a transform talks to other processes.
+
+A transform never imports ``torch.distributed``. It asks a :class:`Comm` to
+reduce a list of tensors over a named group, and a :class:`LocalComm` answers
+in one process, so every transform can be unit-tested without a process group.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Hashable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+GroupKey = Hashable
+
+
+class ReduceOp(str, Enum):
+    """The reductions a transform may ask for."""
+
+    SUM = "sum"
+    MAX = "max"
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """Collectives over named groups; every rank calls them in the same order."""
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        """Reduce every tensor over ``group`` in one coalesced collective; returns new tensors."""
+        ...
+
+    def size(self, group: GroupKey) -> int:
+        """The number of ranks in ``group``."""
+        ...

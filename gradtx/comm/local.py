@@ -1,0 +1,24 @@
+"""LocalComm: the single-process Comm, where every group has one rank."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from gradtx.comm.base import GroupKey, ReduceOp
+
+
+class LocalComm:
+    """A :class:`~gradtx.comm.Comm` for one process: every reduction is the identity."""
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        del op, group
+        return list(tensors)
+
+    def size(self, group: GroupKey) -> int:
+        del group
+        return 1
+
+    def __repr__(self) -> str:
+        return "LocalComm()"

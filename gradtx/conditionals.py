@@ -1,0 +1,127 @@
+"""Robustness: skip a step whose gradients are not finite."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from gradtx import norms
+from gradtx import tree as tu
+from gradtx.base import GradientTransformation, OptState, Params
+from gradtx.comm.base import ReduceOp
+
+
+class ApplyIfFiniteState(NamedTuple):
+    """Skip counters and the inner state.
+
+    Attributes:
+      notfinite_count: consecutive non-finite steps so far (int64, 0-d).
+      last_finite: whether the last step's updates were finite (bool, 0-d).
+      skipped: whether the last step was skipped (bool, 0-d).
+      total_skipped: skipped steps over the whole run (int64, 0-d).
+      inner_state: the wrapped transform's state.
+    """
+
+    notfinite_count: torch.Tensor
+    last_finite: torch.Tensor
+    skipped: torch.Tensor
+    total_skipped: torch.Tensor
+    inner_state: OptState
+
+    _metrics = {"total_skipped": "skipped", "notfinite_count": "notfinite_count"}
+
+
+def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every element of every (local) leaf is finite, as a 0-d bool tensor; no host sync."""
+    if not leaves:
+        return torch.ones((), dtype=torch.bool)
+    # The inf-norm is finite exactly when every element is (NaN propagates through max).
+    return torch.isfinite(norms.combine_norms(norms.tensor_norms(leaves, float("inf")), float("inf")))
+
+
+def apply_if_finite(
+    inner: GradientTransformation, max_consecutive_errors: int, *, comm: Any | None = None, group: Any = "world"
+) -> GradientTransformation:
+    """Run ``inner`` only on finite updates; skip, and count, a step with any NaN or inf.
+
+    A skipped step returns zero updates and leaves the inner state exactly as
+    it was (no moment, count or schedule moves). The decision is a tensor
+    ``torch.where``, with no host sync. After ``max_consecutive_errors``
+    skips in a row, the next non-finite update is applied anyway, as in
+    optax, so a run that keeps producing NaNs fails loudly instead of stalling.
+
+    With a ``comm``, the verdict is agreed over ``group`` with one MAX
+    reduction: if any rank sees a non-finite value, every rank skips, and
+    replicated params stay identical.
+
+    Put :func:`gradtx.accumulate` before this transform, not inside it.
+
+    Args:
+      inner: the transform to protect.
+      max_consecutive_errors: skips in a row allowed before updates pass through; ``>= 0``.
+      comm: a :class:`gradtx.comm.Comm` for global agreement; ``None`` for one process.
+      group: the comm group over which ranks must agree.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`ApplyIfFiniteState`.
+
+    Example:
+      >>> tx = chain(accumulate(4), apply_if_finite(chain(clip_by_global_norm(1.0), adamw(3e-4)), 5))
+    """
+    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
+        raise TypeError(f"apply_if_finite: max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
+    if max_consecutive_errors < 0:
+        raise ValueError(f"apply_if_finite: max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}")
+
+    def init_fn(params: Params) -> ApplyIfFiniteState:
+        return ApplyIfFiniteState(
+            notfinite_count=torch.zeros((), dtype=torch.int64),
+            last_finite=torch.ones((), dtype=torch.bool),
+            skipped=torch.zeros((), dtype=torch.bool),
+            total_skipped=torch.zeros((), dtype=torch.int64),
+            inner_state=inner.init(params),
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
+        leaves, spec = tu.flatten(updates)
+        tu.check_tensors(leaves, tu.paths(updates), what="apply_if_finite: updates")
+        finite = all_finite(leaves)
+        if comm is not None:
+            (notfinite,) = comm.all_reduce([(~finite).to(torch.float32)], ReduceOp.MAX, group)
+            finite = notfinite == 0
+        device = state.notfinite_count.device
+        finite = finite.to(device)
+        notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
+        accept = finite | (notfinite_count > max_consecutive_errors)
+
+        # The inner transform must see its own state unscaled; a factor deferred
+        # inside it could be NaN on a bad step, so it applies its own.
+        inner_extra = {k: v for k, v in extra.items() if k != "deferred"}
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **inner_extra)
+        if new_updates is None:
+            raise ValueError("apply_if_finite: the inner transform held (returned None); put accumulate() before it")
+
+        def pick(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+            if not isinstance(new, torch.Tensor):
+                return new
+            return tu.like(new, torch.where(accept.to(tu.local(new).device), tu.local(new), tu.local(old)))
+
+        out_leaves, out_spec = tu.flatten(new_updates)
+        out = [
+            tu.like(u, torch.where(accept.to(tu.local(u).device), tu.local(u), torch.zeros((), dtype=u.dtype)))
+            for u in out_leaves
+        ]
+        new_state = ApplyIfFiniteState(
+            notfinite_count=notfinite_count,
+            last_finite=finite,
+            skipped=~accept,
+            total_skipped=state.total_skipped + (~accept).to(torch.int64),
+            inner_state=tu.tree_map(pick, new_inner, state.inner_state),
+        )
+        return tu.unflatten(out_spec, out), new_state
+
+    return GradientTransformation(init_fn, update_fn)

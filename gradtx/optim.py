@@ -1,0 +1,246 @@
+"""TransformedOptimizer: run a gradtx chain on ``p.grad`` in front of any ``torch.optim`` optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+from gradtx import tree as tu
+from gradtx.base import DeferredScale, GradientTransformation, OptState, metrics
+from gradtx.combine import chain
+from gradtx.conditionals import ApplyIfFiniteState
+
+
+def _find(state: OptState, state_type: type) -> list[Any]:
+    found: list[Any] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, state_type):
+            found.append(node)
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, (tuple, list)):
+            for v in node:
+                walk(v)
+
+    walk(state)
+    return found
+
+
+class TransformedOptimizer(torch.optim.Optimizer):
+    """Make any ``torch.optim`` optimizer apply a gradtx transform to ``p.grad`` first.
+
+    ``step(**extra)`` reads every ``p.grad``, runs ``tx`` on them (extras such as
+    ``tokens=n`` or ``flush=True`` reach every member), writes the result back
+    to ``p.grad`` and calls the inner optimizer's ``step`` only when the chain
+    emits. It returns whether the inner optimizer stepped.
+
+    The wrapper owns the ``.grad`` buffers, so it runs the chain on the
+    in-place path (same numbers as the pure path, no extra copies). With
+    :func:`gradtx.accumulate` in the chain, autograd's own summation into
+    ``.grad`` is the accumulator, so no second gradient-sized buffer is kept,
+    and :meth:`zero_grad` does nothing while a window is open: the ordinary
+    ``backward(); step(); zero_grad()`` loop accumulates unchanged.
+
+    When the inner optimizer is fused (``torch.optim.Adam/AdamW/SGD(fused=True)``),
+    a trailing scalar factor from the chain (the clip coefficient, the
+    accumulation mean) is folded into the kernel's ``grad_scale`` instead of
+    costing a pass over the grads, and a skip decided by
+    :func:`gradtx.apply_if_finite` rides in its ``found_inf``, with no host
+    sync (the kernel writes the scaled grads back into ``p.grad`` as it
+    reads them). Other optimizers get the scaled grads written into ``p.grad``
+    before their step.
+
+    ``param_groups`` is the inner optimizer's own list, so
+    ``torch.optim.lr_scheduler`` schedulers work on the wrapper.
+
+    Args:
+      optimizer: the inner ``torch.optim.Optimizer``.
+      tx: the gradient transformation to run on the grads.
+
+    Example:
+      >>> opt = TransformedOptimizer(torch.optim.AdamW(model.parameters(), fused=True),
+      ...                            chain(accumulate(4), clip_by_global_norm(1.0)))
+      >>> for batch in loader:
+      ...     model(batch).backward()
+      ...     if opt.step():
+      ...         log(opt.metrics)
+      ...     opt.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, tx: GradientTransformation) -> None:
+        # Deliberately no super().__init__: param_groups and state are the inner optimizer's own.
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"TransformedOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
+        self.optimizer = optimizer
+        self.tx = chain(tx)
+        self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        self.tx_state = self.tx.init(self._params())
+        self._window_open = False
+        self._last_metrics: dict[str, torch.Tensor] = {}
+
+    # torch.optim.Optimizer surface, delegated to the inner optimizer -----------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return f"TransformedOptimizer({self.optimizer!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("TransformedOptimizer: add param groups to the inner optimizer before wrapping it")
+
+    # the tree the transform sees: one list per param group, params that require grad ----------
+
+    def _params(self) -> list[list[torch.Tensor]]:
+        return [[p for p in g["params"] if p.requires_grad] for g in self.optimizer.param_groups]
+
+    def _grads(self, params: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        # A param without a grad this step contributes zeros; its grad stays None,
+        # so the inner optimizer skips it.
+        return [[p.grad if p.grad is not None else torch.zeros_like(p) for p in group] for group in params]
+
+    # stepping -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, **extra: Any) -> bool:  # type: ignore[override]
+        """Run the transform on the grads and step the inner optimizer if it emitted.
+
+        Args:
+          closure: not supported (gradtx needs the grads before the inner step).
+          **extra: forwarded to every transform, e.g. ``tokens=n``, ``flush=True``.
+
+        Returns:
+          True when the inner optimizer stepped.
+        """
+        if closure is not None:
+            raise ValueError("TransformedOptimizer.step: closures are not supported")
+        params = self._params()
+        deferred = DeferredScale() if self._fused else None
+        updates, new_state = self.tx.update(
+            self._grads(params), self.tx_state, params, inplace=True, running_sum=True, deferred=deferred, **extra
+        )
+        self.tx_state = new_state
+        self._last_metrics = metrics(new_state)
+        if updates is None:  # an accumulation window is still open
+            self._window_open = True
+            return False
+        self._window_open = False
+
+        for group_params, group_updates in zip(params, updates):
+            for p, u in zip(group_params, group_updates):
+                if p.grad is not None and u is not p.grad:
+                    p.grad = u
+
+        skipped = [s.skipped for s in _find(new_state, ApplyIfFiniteState)]
+        factor = deferred.take() if deferred is not None else None
+        if self._fused:
+            self.optimizer.grad_scale = None if factor is None else (1.0 / factor)  # type: ignore[attr-defined]
+            self.optimizer.found_inf = (  # type: ignore[attr-defined]
+                torch.stack(skipped).any().to(torch.float32) if skipped else None
+            )
+            try:
+                self.optimizer.step()
+            finally:
+                self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+                self.optimizer.found_inf = None  # type: ignore[attr-defined]
+            return True
+        if skipped and bool(torch.stack(skipped).any()):  # a non-fused optimizer cannot skip on its own
+            return False
+        self.optimizer.step()
+        return True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the grads, except while an accumulation window is open (they are the accumulator)."""
+        if not self._window_open:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """The last step's logged scalars: grad_norm, clip_coef, micro_step, tokens, skipped (as present)."""
+        return dict(self._last_metrics)
+
+    @property
+    def window_open(self) -> bool:
+        """Whether an accumulation window is open (the grads hold a partial sum)."""
+        return self._window_open
+
+    # checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's state dict, the transform state, and the partial grads of an open window."""
+        leaves, _ = tu.flatten(self.tx_state)
+        out: dict[str, Any] = {"inner": self.optimizer.state_dict(), "tx_state": leaves, "window_open": self._window_open}
+        if self._window_open:
+            out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self._params()]
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore what :meth:`state_dict` saved; a run resumed mid-window continues it exactly."""
+        for key in ("inner", "tx_state", "window_open"):
+            if key not in state_dict:
+                raise ValueError(f"TransformedOptimizer.load_state_dict: missing key {key!r}")
+        leaves, spec = tu.flatten(self.tx_state)
+        saved = state_dict["tx_state"]
+        if len(saved) != len(leaves):
+            raise ValueError(
+                f"TransformedOptimizer.load_state_dict: tx_state has {len(saved)} tensors, this transform has {len(leaves)}"
+            )
+        params = self._params()
+        grads = state_dict.get("grads")
+        if grads is not None and [len(g) for g in grads] != [len(g) for g in params]:
+            raise ValueError("TransformedOptimizer.load_state_dict: saved grads do not match the param groups")
+        self.optimizer.load_state_dict(state_dict["inner"])
+        self.tx_state = tu.unflatten(spec, [s.to(cur.device) for s, cur in zip(saved, leaves)])
+        self._window_open = bool(state_dict["window_open"])
+        if grads is not None:
+            for group, saved_group in zip(params, grads):
+                for p, g in zip(group, saved_group):
+                    p.grad = None if g is None else g.to(p.device).clone()
+        self._last_metrics = metrics(self.tx_state)
+
+
+@contextlib.contextmanager
+def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
+    """Skip the data-parallel gradient sync of one backward unless ``sync`` is True.
+
+    Works for FSDP2 (``set_requires_gradient_sync``) and DDP (``no_sync``); a
+    no-op for any other module. Use ``sync=True`` on the last micro-step of an
+    accumulation window, so the sync happens once per optimizer step.
+
+    Example:
+      >>> with no_sync(model, sync=(micro_step == k - 1)):
+      ...     loss.backward()
+    """
+    if sync:
+        yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    else:
+        yield

@@ -1,0 +1,134 @@
+"""Helpers for testing gradient transformations, yours included, in one process.
+
+Example:
+  >>> from gradtx import testing
+  >>> testing.assert_pure(my_tx, grads, params)
+  >>> testing.assert_trees_close(got, expected, rtol=1e-6)
+  >>> comm = testing.RecordingComm()
+  >>> tx = clip_by_global_norm(1.0, mesh_groups=plan_using(comm))
+  >>> assert [c.op for c in comm.calls] == ["sum"]
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import torch
+
+from gradtx import tree as tu
+from gradtx.base import GradientTransformation, PyTree
+from gradtx.comm.base import Comm, GroupKey, ReduceOp
+from gradtx.comm.local import LocalComm
+
+
+def _tensor_leaves(tree: PyTree) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (tu.path_str(p), leaf)
+        for p, leaf in zip(tu.paths(tree), tu.flatten(tree)[0])
+        if isinstance(leaf, torch.Tensor)
+    ]
+
+
+def _snapshot(tree: PyTree) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    return [(path, t, tu.local(t).detach().clone(), t._version) for path, t in _tensor_leaves(tree)]
+
+
+def _check_unchanged(snapshot: list[tuple[str, torch.Tensor, torch.Tensor, int]], what: str) -> None:
+    for path, t, copy, version in snapshot:
+        if t._version != version:
+            raise AssertionError(f"{what} at {path} was modified in place (its version counter moved)")
+        if not torch.equal(tu.local(t).detach(), copy) and not _both_nan_equal(tu.local(t).detach(), copy):
+            raise AssertionError(f"{what} at {path} changed value")
+
+
+def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
+
+
+def assert_pure(
+    tx: GradientTransformation,
+    updates: PyTree,
+    params: PyTree | None = None,
+    state: PyTree | None = None,
+    *,
+    steps: int = 2,
+    **extra: Any,
+) -> tuple[PyTree, PyTree]:
+    """Check that ``tx`` mutates none of its inputs, and is deterministic.
+
+    Runs ``init`` (unless ``state`` is given) and ``steps`` updates with the
+    same inputs, and fails if any input tensor's version counter moved or its
+    value changed, or if running the same update twice gives different results.
+
+    Returns:
+      The ``(updates, state)`` of the last step.
+    """
+    params_snap = _snapshot(params)
+    if state is None:
+        state = tx.init(params if params is not None else updates)
+        _check_unchanged(params_snap, "init: params")
+    result: tuple[PyTree, PyTree] = (None, state)
+    for _ in range(steps):
+        snaps = [(_snapshot(updates), "update: updates"), (_snapshot(state), "update: state"), (params_snap, "params")]
+        first = tx.update(updates, state, params, **extra)
+        again = tx.update(updates, state, params, **extra)
+        for snap, what in snaps:
+            _check_unchanged(snap, what)
+        assert_trees_equal(first, again, msg="update is not deterministic: ")
+        result, state = first, first[1]
+    return result
+
+
+def assert_trees_close(actual: PyTree, expected: PyTree, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = "") -> None:
+    """Assert two trees have the same structure and every leaf is close (NaNs equal)."""
+    tu.check_structure(expected, actual, what=f"{msg}actual tree", against="expected tree")
+    for (path, a), (_, e) in zip(_tensor_leaves(actual), _tensor_leaves(expected)):
+        a, e = tu.local(a).detach(), tu.local(e).detach()
+        if a.dtype != e.dtype:
+            raise AssertionError(f"{msg}{path}: dtype {a.dtype} != {e.dtype}")
+        try:
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
+        except AssertionError as err:
+            raise AssertionError(f"{msg}{path}: {err}") from None
+
+
+def assert_trees_equal(actual: PyTree, expected: PyTree, *, msg: str = "") -> None:
+    """Assert two trees are bitwise equal (NaNs equal)."""
+    assert_trees_close(actual, expected, rtol=0.0, atol=0.0, msg=msg)
+
+
+class Collective(NamedTuple):
+    """One collective a :class:`RecordingComm` saw."""
+
+    op: str
+    group: GroupKey
+    num_tensors: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
+class RecordingComm:
+    """A :class:`~gradtx.comm.Comm` that logs every collective, then forwards it.
+
+    Tests use it to assert how many collectives a step issues, over which
+    groups; wrap a ``TorchComm`` to count real ones, or use it alone (it
+    forwards to a :class:`LocalComm`).
+    """
+
+    def __init__(self, inner: Comm | None = None) -> None:
+        self.inner: Comm = inner if inner is not None else LocalComm()
+        self.calls: list[Collective] = []
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        self.calls.append(
+            Collective(ReduceOp(op).value, group, len(tensors), tuple(tuple(t.shape) for t in tensors))
+        )
+        return self.inner.all_reduce(tensors, op, group)
+
+    def size(self, group: GroupKey) -> int:
+        return self.inner.size(group)
+
+    def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
+        return getattr(self.inner, name)
+
+    def reset(self) -> None:
+        self.calls.clear()

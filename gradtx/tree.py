@@ -1,0 +1,142 @@
+"""Small optree helpers: leaf paths for error messages, structure checks, foreach grouping.
+
+Every transform flattens its trees with :func:`flatten`, so leaves come in one
+order everywhere, and reports a bad tree through :func:`check_structure`,
+which names the first pytree path that differs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Sequence
+
+import optree
+import torch
+
+from gradtx.base import PyTree
+
+try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+Path = tuple[Any, ...]
+
+
+def path_str(path: Path) -> str:
+    """Render an optree path like ``['fc']['weight'][0]``; the root is ``<root>``."""
+    if not path:
+        return "<root>"
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flatten ``tree`` into its leaves and treespec (``None`` is an empty subtree)."""
+    return optree.tree_flatten(tree)
+
+
+def paths(tree: PyTree) -> list[Path]:
+    """The path of every leaf of ``tree``, in flatten order."""
+    return optree.tree_paths(tree)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[Any]) -> PyTree:
+    return optree.tree_unflatten(spec, list(leaves))
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    return optree.tree_map(fn, tree, *rest)
+
+
+def first_mismatch(expected: PyTree, got: PyTree) -> str | None:
+    """Describe where ``got`` first differs in structure from ``expected``, or ``None``."""
+    exp_paths, exp_leaves, exp_spec = optree.tree_flatten_with_path(expected)
+    got_paths, got_leaves, got_spec = optree.tree_flatten_with_path(got)
+    if exp_spec == got_spec:
+        for path, e, g in zip(exp_paths, exp_leaves, got_leaves):
+            e_shape = getattr(e, "shape", None)
+            g_shape = getattr(g, "shape", None)
+            if e_shape is not None and g_shape is not None and tuple(e_shape) != tuple(g_shape):
+                return f"{path_str(path)}: expected shape {tuple(e_shape)}, got {tuple(g_shape)}"
+        return None
+    for e, g in zip(exp_paths, got_paths):
+        if e != g:
+            return f"{path_str(g)}: expected a leaf at {path_str(e)}"
+    if len(exp_paths) > len(got_paths):
+        return f"{path_str(exp_paths[len(got_paths)])}: missing"
+    if len(got_paths) > len(exp_paths):
+        return f"{path_str(got_paths[len(exp_paths)])}: unexpected"
+    return f"<root>: expected structure {exp_spec}, got {got_spec}"
+
+
+def check_structure(expected: PyTree, got: PyTree, *, what: str, against: str) -> None:
+    """Raise ``ValueError`` naming the first path where ``got`` differs from ``expected``."""
+    where = first_mismatch(expected, got)
+    if where is not None:
+        raise ValueError(f"{what} does not match {against} at {where}")
+
+
+def require_state(state: Any, state_type: type, *, name: str) -> None:
+    """Raise a clear error when ``update`` gets no state, or another transform's state."""
+    if state is None:
+        raise ValueError(f"{name}: state is None; call init(params) before update()")
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"{name}: expected state of type {state_type.__name__}, got {type(state).__name__}; "
+            "pass the state that this transform's init() returned"
+        )
+
+
+def check_tensors(leaves: Sequence[Any], leaf_paths: Sequence[Path], *, what: str) -> None:
+    """Raise ``TypeError`` naming the first leaf that is not a tensor."""
+    for path, leaf in zip(leaf_paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what} leaf at {path_str(path)} is a {type(leaf).__name__}, not a torch.Tensor")
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself; no communication."""
+    if DTensor is not None and isinstance(x, DTensor):
+        return x._local_tensor
+    return x
+
+
+def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:
+    """Wrap ``local_result`` the way ``template`` is wrapped (a DTensor with the same spec), with no communication."""
+    if DTensor is not None and isinstance(template, DTensor):
+        return DTensor.from_local(
+            local_result,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
+    return local_result
+
+
+def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), the unit a foreach kernel takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(i)
+    return dict(groups)
+
+
+def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplace: bool) -> list[torch.Tensor]:
+    """Multiply every leaf by the 0-d tensor ``factor``, through local shards, keeping dtypes.
+
+    With ``inplace`` the leaves' storage is overwritten and the same objects
+    are returned; otherwise new tensors are returned and the leaves are untouched.
+    """
+    locals_ = [local(t) for t in leaves]
+    out: list[torch.Tensor] = list(leaves)
+    for (device, _), idx in group_by_device_dtype(locals_).items():
+        group = [locals_[i] for i in idx]
+        f = factor.to(device, non_blocking=True)
+        if inplace:
+            torch._foreach_mul_(group, f)
+        else:
+            for i, r in zip(idx, torch._foreach_mul(group, f)):
+                out[i] = like(leaves[i], r)
+    return out

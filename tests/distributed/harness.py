@@ -1,0 +1,72 @@
+"""Run a test body in N real processes on CPU with the gloo backend, and return each rank's result.
+
+Example:
+    def body(rank, world_size, x):
+        return some_tensor_result
+
+    results = run_distributed(body, world_size=4, args=(x,))  # one result per rank
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
+
+    ``fn`` must be importable (a module-level function). Results travel back
+    through a queue, so return tensors or plain Python values. Any rank's
+    exception fails the caller with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    for _ in range(world_size):
+        rank, status, payload = queue.get()
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors.append(f"rank {rank}:\n{payload}")
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise AssertionError("distributed test failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,204 @@
+"""accumulate: exactness against a full-batch step, gating, token weighting, flush, and errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad
+
+import gradtx as gtx
+from gradtx.testing import assert_trees_close, assert_trees_equal
+
+
+def test_mean_of_1_2_3_4_emits_2_5_only_on_the_4th_step():
+    tx = gtx.accumulate(4)
+    state = tx.init({"w": torch.zeros(())})
+    outs = []
+    for v in (1.0, 2.0, 3.0, 4.0):
+        out, state = tx.update({"w": torch.tensor(v)}, state)
+        outs.append(out)
+    assert outs[:3] == [None, None, None]
+    assert float(outs[3]["w"]) == 2.5
+    assert bool(state.emitted) and int(state.micro_step) == 0
+
+
+def _lm_model(seed=0, vocab=11, dim=8):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, dim), torch.nn.Tanh(), torch.nn.Linear(dim, vocab))
+
+
+def _batch(seed, n=16, seq=6, vocab=11, pad_frac=0.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (n, seq), generator=g)
+    y = torch.randint(0, vocab, (n, seq), generator=g)
+    if pad_frac:
+        y[torch.rand(n, seq, generator=g) < pad_frac] = -100
+    return x, y
+
+
+def _loss(model, params, x, y, reduction):
+    logits = functional_call(model, params, (x,))
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction=reduction)
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_plain_mean_over_k_microbatches_equals_full_batch_step():
+    model = _lm_model()
+    params = _params(model)
+    x, y = _batch(1)
+    k = 4
+    full = grad(lambda p: _loss(model, p, x, y, "mean"))(params)
+    tx = gtx.accumulate(k)
+    state = tx.init(params)
+    for xi, yi in zip(x.chunk(k), y.chunk(k)):
+        out, state = tx.update(grad(lambda p: _loss(model, p, xi, yi, "mean"))(params), state)
+    assert_trees_close(out, full, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_token_weighted_with_unequal_padding_then_optimizer_equals_full_batch_step(optimizer):
+    model = _lm_model()
+    params = _params(model)
+    x, y = _batch(2, pad_frac=0.4)
+    y[:4] = -100  # the first micro-batch is all padding: it must contribute zero, not NaN
+    k = 4
+    make = (lambda: gtx.sgd(0.1)) if optimizer == "sgd" else (lambda: gtx.adamw(1e-2, weight_decay=0.1))
+
+    # Reference: one step on the token mean over the whole batch.
+    ref_tx = make()
+    full = grad(lambda p: _loss(model, p, x, y, "mean"))(params)
+    ref_updates, _ = ref_tx.update(full, ref_tx.init(params), params)
+    expected = gtx.apply_updates(params, ref_updates)
+
+    tx = gtx.chain(gtx.accumulate(k, token_weighted=True), make())
+    state = tx.init(params)
+    new_params = params
+    for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        g = grad(lambda p: _loss(model, p, xi, yi, "sum"))(params)
+        updates, state = tx.update(g, state, params, tokens=int((yi != -100).sum()))
+        assert (updates is None) == (i < k - 1)
+        new_params = gtx.apply_updates(new_params, updates)
+    assert_trees_close(new_params, expected, rtol=1e-5, atol=1e-6)
+    assert int(gtx.metrics(state)["tokens"]) == int((y != -100).sum())
+
+
+def test_downstream_does_not_run_or_change_state_on_held_steps():
+    calls = []
+
+    def spy_update(updates, state, params=None, **extra):
+        calls.append(extra)
+        return updates, state + 1
+
+    spy = gtx.GradientTransformation(lambda p: torch.zeros((), dtype=torch.int64), spy_update)
+    tx = gtx.chain(gtx.accumulate(3), spy, gtx.adam(0.1))
+    params = {"w": torch.ones(2)}
+    state = tx.init(params)
+    init_adam = state[2]
+    for step in range(2):
+        updates, state = tx.update({"w": torch.ones(2)}, state, params)
+        assert updates is None
+    assert calls == [] and int(state[1]) == 0
+    assert_trees_equal(state[2], init_adam)
+    updates, state = tx.update({"w": torch.ones(2)}, state, params)
+    assert updates is not None and len(calls) == 1 and int(state[1]) == 1
+    assert gtx.apply_updates(params, None) is params
+
+
+def test_flush_emits_a_short_window_normalised_by_its_real_size():
+    tx = gtx.accumulate(4)
+    state = tx.init({"w": torch.zeros(())})
+    _, state = tx.update({"w": torch.tensor(1.0)}, state)
+    out, state = tx.update({"w": torch.tensor(5.0)}, state, flush=True)
+    assert float(out["w"]) == 3.0
+    assert int(state.micro_step) == 0
+
+    tok = gtx.accumulate(4, token_weighted=True)
+    state = tok.init({"w": torch.zeros(())})
+    _, state = tok.update({"w": torch.tensor(2.0)}, state, tokens=1)
+    out, state = tok.update({"w": torch.tensor(6.0)}, state, tokens=3, flush=True)
+    assert float(out["w"]) == 2.0  # (2 + 6) / (1 + 3)
+
+
+def test_low_precision_grads_accumulate_in_fp32_and_emit_their_dtype():
+    k = 64
+    tx = gtx.accumulate(k)
+    g = {"w": torch.full((8,), 1.0 + 2**-7, dtype=torch.bfloat16)}
+    state = tx.init(g)
+    for i in range(k - 1):
+        _, state = tx.update({"w": g["w"] * (1 if i % 2 else -1) + 1}, state)
+        assert state.acc["w"].dtype == torch.float32
+    out, _ = tx.update({"w": g["w"] + 1}, state)
+    assert out["w"].dtype == torch.bfloat16
+    # Exact mean computed in fp64 from the same bf16 inputs, then rounded once to bf16.
+    inputs = [(g["w"] * (1 if i % 2 else -1) + 1).double() for i in range(k - 1)] + [(g["w"] + 1).double()]
+    assert_trees_equal(out["w"], (sum(inputs) / k).to(torch.bfloat16))
+
+
+def test_accumulator_is_empty_between_windows():
+    tx = gtx.accumulate(2)
+    params = {"w": torch.zeros(1000)}
+    state = tx.init(params)
+    assert state.acc["w"].numel() == 0
+    _, state = tx.update({"w": torch.ones(1000)}, state)
+    assert state.acc["w"].numel() == 1000
+    _, state = tx.update({"w": torch.ones(1000)}, state)
+    assert state.acc["w"].numel() == 0
+
+
+@pytest.mark.parametrize("k", [0, -1])
+def test_bad_k_raises(k):
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        gtx.accumulate(k)
+
+
+def test_k_must_be_an_int():
+    with pytest.raises(TypeError, match="k must be an int"):
+        gtx.accumulate(2.0)
+
+
+@pytest.mark.parametrize(
+    "tokens, err, match",
+    [
+        (None, ValueError, "needs update"),
+        (-1, ValueError, ">= 0"),
+        (2.5, ValueError, "whole number"),
+        (torch.tensor(2.0), TypeError, "integer count"),
+        (torch.tensor([1, 2]), ValueError, "scalar"),
+        ("3", TypeError, "integer count"),
+        (True, TypeError, "integer count"),
+    ],
+)
+def test_bad_tokens_raise_and_leave_state_untouched(tokens, err, match):
+    tx = gtx.accumulate(2, token_weighted=True)
+    state = tx.init({"w": torch.zeros(2)})
+    _, state = tx.update({"w": torch.ones(2)}, state, tokens=3)
+    before = (state.micro_step.clone(), state.tokens.clone(), state.acc["w"].clone())
+    with pytest.raises(err, match=match):
+        tx.update({"w": torch.ones(2)}, state, tokens=tokens)
+    assert_trees_equal((state.micro_step, state.tokens, state.acc["w"]), before)
+
+
+def test_zero_token_window_raises_instead_of_nan():
+    tx = gtx.accumulate(2, token_weighted=True)
+    state = tx.init({"w": torch.zeros(2)})
+    _, state = tx.update({"w": torch.zeros(2)}, state, tokens=0)
+    with pytest.raises(ValueError, match="sum to 0"):
+        tx.update({"w": torch.zeros(2)}, state, tokens=0)
+    assert int(state.micro_step) == 1  # the caller's state is unchanged
+
+
+def test_integer_tensor_tokens_accepted():
+    tx = gtx.accumulate(1, token_weighted=True)
+    out, _ = tx.update({"w": torch.tensor(6.0)}, tx.init({"w": torch.zeros(())}), tokens=torch.tensor(3))
+    assert float(out["w"]) == 2.0
+
+
+def test_structure_mismatch_names_the_path():
+    tx = gtx.accumulate(2)
+    state = tx.init({"a": torch.zeros(2), "b": torch.zeros(2)})
+    with pytest.raises(ValueError, match=r"\['c'\]"):
+        tx.update({"a": torch.zeros(2), "c": torch.zeros(2)}, state)
+    with pytest.raises(ValueError, match="call init"):
+        tx.update({"a": torch.zeros(2)}, None)

@@ -1,0 +1,221 @@
+"""TransformedOptimizer against plain torch.optim loops."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradtx as gtx
+from gradtx.testing import assert_trees_close, assert_trees_equal
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+
+
+def batches(n, seed=1, size=8):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, 6, generator=g) * 3, torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
+
+
+def state_of(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+OPTS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+    "adam_fused": lambda p: torch.optim.Adam(p, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("opt_name", list(OPTS))
+def test_wrapper_clip_equals_torch_clip_then_step(opt_name):
+    ref, ours = make_model(), make_model()
+    ref_opt = OPTS[opt_name](ref.parameters())
+    opt = gtx.TransformedOptimizer(OPTS[opt_name](ours.parameters()), gtx.clip_by_global_norm(0.5))
+    for x, y in batches(15):
+        F.cross_entropy(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        F.cross_entropy(ours(x), y).backward()
+        assert opt.step() is True
+        torch.testing.assert_close(opt.metrics["grad_norm"], ref_norm, rtol=1e-5, atol=0)
+        opt.zero_grad()
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
+def test_wrapper_accumulation_equals_torch_loop_with_scaled_loss(opt_name):
+    k = 4
+    ref, ours = make_model(), make_model()
+    ref_opt = OPTS[opt_name](ref.parameters())
+    opt = gtx.TransformedOptimizer(
+        OPTS[opt_name](ours.parameters()), gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(1.0))
+    )
+    data = batches(3 * k)
+    for i, (x, y) in enumerate(data):
+        (F.cross_entropy(ref(x), y) / k).backward()
+        if (i + 1) % k == 0:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        F.cross_entropy(ours(x), y).backward()  # no 1/k: gradtx normalises by the real count
+        stepped = opt.step()
+        assert stepped == ((i + 1) % k == 0)
+        assert opt.window_open == (not stepped)
+        opt.zero_grad()  # a no-op while the window is open: .grad is the accumulator
+        # No second gradient-sized buffer: the transform's accumulator stays empty.
+        acc = opt.tx_state[0][0].acc
+        assert all(t.numel() == 0 for group in acc for t in group)
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_wrapper_token_weighted_equals_full_batch_token_mean():
+    k = 3
+    ref, ours = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.5), gtx.accumulate(k, token_weighted=True))
+    data = batches(k, size=10)
+    masks = [torch.arange(10) < n for n in (10, 3, 0)]  # unequal valid counts, one micro-batch all padding
+    x_all = torch.cat([x for x, _ in data])
+    y_all = torch.cat([torch.where(m, y, -100) for (_, y), m in zip(data, masks)])
+    F.cross_entropy(ref(x_all), y_all, ignore_index=-100).backward()
+    ref_opt.step()
+    for (x, y), m in zip(data, masks):
+        y = torch.where(m, y, -100)
+        F.cross_entropy(ours(x), y, ignore_index=-100, reduction="sum").backward()
+        opt.step(tokens=int(m.sum()))
+        opt.zero_grad()
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-5, atol=1e-7)
+    assert int(opt.metrics["tokens"]) == 13
+
+
+def test_fused_fold_equals_materialised_clip():
+    a, b = make_model(), make_model()
+    tx = gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(0.3))
+    fused = gtx.TransformedOptimizer(torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True), tx)
+    plain = gtx.TransformedOptimizer(torch.optim.AdamW(b.parameters(), lr=1e-2, fused=False, foreach=False), tx)
+    for x, y in batches(8):
+        for m, o in ((a, fused), (b, plain)):
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert_trees_close(state_of(a), state_of(b), rtol=1e-5, atol=1e-7)
+
+
+def test_lr_scheduler_drives_the_wrapper():
+    ref, ours = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.2), gtx.clip_by_global_norm(1.0))
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    assert opt.param_groups is opt.optimizer.param_groups
+    for x, y in batches(6):
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        F.cross_entropy(ours(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.2 * 0.5**3)
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_resume_mid_window_matches_uninterrupted_run(fused):
+    k = 3
+    data = batches(4 * k)
+
+    def build(model):
+        tx = gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(0.5))
+        return gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused), tx)
+
+    def train(model, opt, steps):
+        for x, y in steps:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    full = make_model()
+    train(full, build(full), data)
+
+    first = make_model()
+    opt = build(first)
+    train(first, opt, data[:7])  # stop in the middle of the third window
+    assert opt.window_open
+    checkpoint = copy.deepcopy({"model": first.state_dict(), "opt": opt.state_dict()})
+    del first, opt
+
+    resumed = make_model(seed=123)  # different init: everything must come from the checkpoint
+    resumed.load_state_dict(checkpoint["model"])
+    opt = build(resumed)
+    opt.load_state_dict(checkpoint["opt"])
+    train(resumed, opt, data[7:])
+    assert_trees_equal(state_of(resumed), state_of(full))
+
+
+def test_params_without_grads_are_skipped():
+    model = make_model()
+    unused = torch.nn.Parameter(torch.ones(4))
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    params = list(model.parameters()) + [unused, frozen]
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(params, lr=0.1), gtx.clip_by_global_norm(1.0))
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    assert opt.step()
+    assert unused.grad is None and torch.equal(unused, torch.ones(4)) and torch.equal(frozen, torch.ones(2))
+    assert unused not in opt.optimizer.state
+
+
+def test_metrics_has_the_logged_scalars():
+    model = make_model()
+    tx = gtx.chain(gtx.accumulate(2, token_weighted=True), gtx.apply_if_finite(gtx.clip_by_global_norm(1.0), 3))
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)
+    for x, y in batches(2):
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        opt.step(tokens=len(y))
+    assert {"grad_norm", "clip_coef", "micro_step", "tokens", "skipped"} <= set(opt.metrics)
+    assert int(opt.metrics["tokens"]) == 16 and int(opt.metrics["skipped"]) == 0
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_non_finite_grads_skip_the_inner_step(fused):
+    model = make_model()
+    opt = gtx.TransformedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.1, fused=fused),
+        gtx.apply_if_finite(gtx.clip_by_global_norm(1.0), max_consecutive_errors=5),
+    )
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    before = state_of(model)
+    inner_before = copy.deepcopy(opt.optimizer.state_dict())
+    F.cross_entropy(model(x), y).backward()
+    model[0].weight.grad[0, 0] = float("nan")
+    stepped = opt.step()
+    assert stepped is (True if fused else False)  # fused: the kernel skips via found_inf, without a host sync
+    assert_trees_equal(state_of(model), before)
+    after = opt.optimizer.state_dict()
+    for i, s in inner_before["state"].items():
+        assert_trees_equal(dict(after["state"][i]), dict(s))
+    assert int(opt.metrics["skipped"]) == 1
+
+
+def test_wrapper_rejects_bad_arguments():
+    model = make_model()
+    with pytest.raises(TypeError, match="optimizer"):
+        gtx.TransformedOptimizer(model.parameters(), gtx.identity())
+    with pytest.raises(TypeError, match="tx"):
+        gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "clip")
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.identity())
+    with pytest.raises(ValueError, match="missing key"):
+        opt.load_state_dict({"inner": {}})

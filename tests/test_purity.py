@@ -1,0 +1,104 @@
+"""Every public transform is pure: no input is mutated, and the same inputs give the same outputs."""
+
+import inspect
+
+import pytest
+import torch
+
+import gradtx as gtx
+from gradtx.testing import assert_pure
+
+
+def _tree(seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(4, 3, generator=g).to(dtype),
+        "b": torch.randn(4, generator=g).to(dtype),
+        "nested": {"s": torch.randn((), generator=g).to(dtype)},
+    }
+
+
+# name -> (factory, extras). Each factory builds one configured transform.
+CASES = {
+    "identity": (lambda: gtx.identity(), {}),
+    "chain": (lambda: gtx.chain(gtx.clip_by_global_norm(0.1), gtx.adam(0.1)), {}),
+    "named_chain": (lambda: gtx.named_chain(("clip", gtx.clip(0.1)), ("sgd", gtx.sgd(0.1, momentum=0.9))), {}),
+    "masked": (lambda: gtx.masked(gtx.adamw(0.1), lambda p: {"w": True, "b": False, "nested": {"s": True}}), {}),
+    "partition": (
+        lambda: gtx.partition(
+            {"a": gtx.adam(0.1), "b": gtx.sgd(0.1, momentum=0.5)}, {"w": "a", "b": "b", "nested": {"s": "a"}}
+        ),
+        {},
+    ),
+    "clip": (lambda: gtx.clip(0.1), {}),
+    "clip_by_global_norm": (lambda: gtx.clip_by_global_norm(0.1), {}),
+    "clip_by_global_norm_inf": (lambda: gtx.clip_by_global_norm(0.1, norm_type=float("inf")), {}),
+    "adaptive_clip": (lambda: gtx.adaptive_clip(0.01), {}),
+    "adaptive_clip_tensorwise": (lambda: gtx.adaptive_clip(0.01, unitwise=False), {}),
+    "accumulate": (lambda: gtx.accumulate(2), {}),
+    "accumulate_k1": (lambda: gtx.accumulate(1), {}),
+    "accumulate_token_weighted": (lambda: gtx.accumulate(2, token_weighted=True), {"tokens": 5}),
+    "accumulate_flush": (lambda: gtx.accumulate(3), {"flush": True}),
+    "apply_if_finite": (lambda: gtx.apply_if_finite(gtx.adam(0.1), 2), {}),
+    "scale": (lambda: gtx.scale(0.5), {}),
+    "scale_by_learning_rate": (lambda: gtx.scale_by_learning_rate(0.1), {}),
+    "scale_by_learning_rate_schedule": (lambda: gtx.scale_by_learning_rate(lambda c: 0.1 / (1 + c)), {}),
+    "scale_by_adam": (lambda: gtx.scale_by_adam(), {}),
+    "add_decayed_weights": (lambda: gtx.add_decayed_weights(0.1), {}),
+    "trace": (lambda: gtx.trace(0.9), {}),
+    "trace_nesterov": (lambda: gtx.trace(0.9, nesterov=True), {}),
+    "sgd": (lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1), {}),
+    "adam": (lambda: gtx.adam(0.1, weight_decay=0.1), {}),
+    "adamw": (lambda: gtx.adamw(0.1), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transform_is_pure(name, dtype):
+    make, extra = CASES[name]
+    grads, params = _tree(0, dtype), _tree(1, dtype)
+    assert_pure(make(), grads, params, steps=3, **extra)
+
+
+def test_every_public_transform_is_covered():
+    """A new public transform must be added to CASES above."""
+    factories = {
+        name
+        for name in gtx.__all__
+        if inspect.isfunction(obj := getattr(gtx, name))
+        and inspect.signature(obj).return_annotation in (gtx.GradientTransformation, "GradientTransformation")
+    }
+    covered = {name.split("_inf")[0] for name in CASES}
+    covered |= {n for n in factories if any(c.startswith(n) for c in CASES)}
+    assert factories - covered == set()
+
+
+def test_assert_pure_catches_an_in_place_transform():
+    def bad_update(updates, state, params=None, **extra):
+        updates["b"].mul_(2)
+        return updates, state
+
+    bad = gtx.GradientTransformation(lambda p: gtx.EmptyState(), bad_update)
+    with pytest.raises(AssertionError, match="modified in place"):
+        assert_pure(bad, _tree(0), _tree(1))
+
+
+def test_assert_pure_catches_state_mutation():
+    def init(params):
+        return {"count": torch.zeros(())}
+
+    def bad_update(updates, state, params=None, **extra):
+        state["count"].add_(1)
+        return updates, state
+
+    with pytest.raises(AssertionError, match="state"):
+        assert_pure(gtx.GradientTransformation(init, bad_update), _tree(0), _tree(1))
+
+
+def test_assert_pure_catches_nondeterminism():
+    def noisy(updates, state, params=None, **extra):
+        return {k: v + torch.rand(()) for k, v in updates.items()}, state
+
+    with pytest.raises(AssertionError, match="deterministic"):
+        assert_pure(gtx.GradientTransformation(lambda p: gtx.EmptyState(), noisy), {"a": torch.ones(2)})
