@@ -7,7 +7,9 @@ A :class:`GradientTransformation` is a pair of pure functions:
   gradients (or updates from an earlier transform) into new updates.
 
 ``update`` never mutates ``updates``, ``state`` or ``params``; it returns new
-trees. Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
+trees. The updates it returns never share storage with the state it returns,
+so a later transform that writes into its updates (``inplace=True``) cannot
+corrupt an earlier transform's state. Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
 member of a chain, and a transform ignores the ones it does not use.
 
 A transform may also return ``None`` as its updates: that means "hold", the

@@ -138,5 +138,6 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
             torch._foreach_mul_(group, f)
         else:
             for i, r in zip(idx, torch._foreach_mul(group, f)):
-                out[i] = like(leaves[i], r)
+                # A 0-d low-precision leaf times a 0-d fp32 factor would promote to fp32.
+                out[i] = like(leaves[i], r if r.dtype == locals_[i].dtype else r.to(locals_[i].dtype))
     return out

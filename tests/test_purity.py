@@ -43,6 +43,7 @@ CASES = {
     "scale": (lambda: gtx.scale(0.5), {}),
     "scale_by_learning_rate": (lambda: gtx.scale_by_learning_rate(0.1), {}),
     "scale_by_learning_rate_schedule": (lambda: gtx.scale_by_learning_rate(lambda c: 0.1 / (1 + c)), {}),
+    "scale_by_schedule": (lambda: gtx.scale_by_schedule(lambda c: 0.5 * (c + 1)), {}),
     "scale_by_adam": (lambda: gtx.scale_by_adam(), {}),
     "add_decayed_weights": (lambda: gtx.add_decayed_weights(0.1), {}),
     "trace": (lambda: gtx.trace(0.9), {}),

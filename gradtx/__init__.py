@@ -1,0 +1,75 @@
+"""gradtx: pure, composable gradient transformations for PyTorch, DTensors included."""
+
+from gradtx import comm, testing
+from gradtx.accumulation import AccumulateState, accumulate
+from gradtx.base import (
+    DeferredScale,
+    EmptyState,
+    GradientTransformation,
+    identity,
+    metrics,
+    scale_aware,
+)
+from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
+from gradtx.combine import MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
+from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
+from gradtx.norms import global_norm
+from gradtx.optim import TransformedOptimizer, no_sync
+from gradtx.optimizers import (
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    TraceState,
+    adam,
+    adamw,
+    add_decayed_weights,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_schedule,
+    sgd,
+    trace,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AccumulateState",
+    "ApplyIfFiniteState",
+    "ClipByGlobalNormState",
+    "DeferredScale",
+    "EmptyState",
+    "GradientTransformation",
+    "MaskedState",
+    "PartitionState",
+    "TransformedOptimizer",
+    "accumulate",
+    "adam",
+    "adamw",
+    "adaptive_clip",
+    "add_decayed_weights",
+    "apply_if_finite",
+    "apply_updates",
+    "chain",
+    "clip",
+    "clip_by_global_norm",
+    "comm",
+    "global_norm",
+    "identity",
+    "masked",
+    "metrics",
+    "named_chain",
+    "no_sync",
+    "partition",
+    "scale",
+    "scale_aware",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "scale_by_schedule",
+    "sgd",
+    "testing",
+    "trace",
+    "unitwise_norm",
+]

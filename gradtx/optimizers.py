@@ -1,0 +1,591 @@
+"""Optimizers as transforms: scale, learning rates and schedules, Adam, weight decay, momentum; sgd, adam, adamw.
+
+The building blocks turn gradients into updates, and the aliases chain them the
+way optax does. An update is what to *add* to the params
+(:func:`gradtx.apply_updates` computes ``p + u``), so the learning-rate scaling
+is negative.
+
+The aliases match ``torch.optim.SGD``, ``Adam`` and ``AdamW`` numerically (same
+hyperparameters, same bias correction), to fp32 rounding.
+
+Moments (Adam's ``mu`` and ``nu``, the momentum trace) are kept in fp32 for
+fp16 and bf16 params, and in the param's dtype otherwise; the updates come out
+in the dtype the gradients came in. Step counts are 0-d int64 tensors on the
+first param's device, so nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from gradtx import tree as tu
+from gradtx.base import EmptyState, GradientTransformation, Params, PyTree, Schedule, Updates, scale_aware
+from gradtx.combine import chain
+
+ScalarOrSchedule = float | Schedule
+
+__all__ = [
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "sgd",
+    "trace",
+]
+
+
+# --- validation and small helpers --------------------------------------------------------
+
+
+def _number(value: Any, *, arg: str, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name}: {arg} must not be NaN")
+    if math.isinf(value):
+        raise ValueError(f"{name}: {arg} must be finite, got {value}")
+    return value
+
+
+def _non_negative(value: Any, *, arg: str, name: str) -> float:
+    value = _number(value, arg=arg, name=name)
+    if value < 0:
+        raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
+    return value
+
+
+def _beta(value: Any, *, arg: str, name: str) -> float:
+    value = _number(value, arg=arg, name=name)
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}: {arg} must be in [0, 1), got {value}")
+    return value
+
+
+def _learning_rate(learning_rate: Any, *, name: str) -> float | Schedule:
+    if callable(learning_rate):
+        return learning_rate
+    return _non_negative(learning_rate, arg="learning_rate", name=name)
+
+
+def _leaves(tree: PyTree, *, name: str, what: str = "updates") -> tuple[list[torch.Tensor], Any]:
+    leaves, spec = tu.flatten(tree)
+    tu.check_tensors(leaves, tu.paths(tree), what=f"{name}: {what}")
+    return leaves, spec
+
+
+def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for low-precision floating params, the param's own dtype otherwise."""
+    if dtype.is_floating_point and dtype.itemsize < 4:
+        return torch.float32
+    return dtype
+
+
+def _zeros_moments(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
+    return [torch.zeros_like(p, dtype=_moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+
+
+def _count_device(leaves: Sequence[torch.Tensor]) -> torch.device:
+    # The count lives beside the params, so bias corrections and schedules need no host sync.
+    return tu.local(leaves[0]).device if leaves else torch.device("cpu")
+
+
+def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=_count_device(leaves))
+
+
+def _scalar_update(updates: Updates, factor: torch.Tensor, extra: dict[str, Any], *, name: str) -> Updates:
+    """Multiply every update by the 0-d ``factor``: fold it into ``deferred``, or scale in place or purely."""
+    deferred = extra.get("deferred")
+    if deferred is not None:
+        deferred.fold(factor)
+        return updates
+    leaves, spec = _leaves(updates, name=name)
+    out = tu.scale_leaves(leaves, factor, inplace=bool(extra.get("inplace", False)))
+    # A 0-d bf16 leaf times the 0-d fp32 factor promotes to fp32 (both are 0-d); keep each leaf's dtype.
+    out = [o if o.dtype == g.dtype else o.to(g.dtype) for o, g in zip(out, leaves)]
+    return tu.unflatten(spec, out)
+
+
+def _to_factor(value: Any, sign: float) -> torch.Tensor:
+    # A schedule should return a tensor computed from the count; a Python number is
+    # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
+    if isinstance(value, torch.Tensor):
+        factor = value.to(torch.float32)
+    else:
+        factor = torch.tensor(float(value), dtype=torch.float32)
+    return -factor if sign < 0 else factor
+
+
+# --- scale ---------------------------------------------------------------------------------
+
+
+def scale(step_size: float) -> GradientTransformation:
+    """Multiply every update by the scalar ``step_size``.
+
+    A pure scalar multiplication, so it is scale-aware: given
+    ``deferred=DeferredScale()`` it folds its factor in and returns the updates
+    untouched; given ``inplace=True`` it scales the donated buffers in place.
+
+    Args:
+      step_size: the factor; any finite number (negative to descend).
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    References:
+      Optax's ``scale`` (DeepMind, 2020).
+
+    Example:
+      >>> tx = scale(0.5)
+      >>> tx.update({"w": torch.tensor([2.0, -4.0])}, tx.init(None))[0]
+      {'w': tensor([ 1., -2.])}
+    """
+    step_size = _number(step_size, arg="step_size", name="scale")
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    @scale_aware
+    def update_fn(updates, state, params=None, **extra):
+        del params
+        tu.require_state(state, EmptyState, name="scale")
+        factor = torch.tensor(step_size, dtype=torch.float32)
+        return _scalar_update(updates, factor, extra, name="scale"), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class ScaleByScheduleState(NamedTuple):
+    """The number of updates made so far: a 0-d int64 tensor."""
+
+    count: torch.Tensor
+
+
+def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+    """Multiply every update by ``step_size_fn(count)``, where ``count`` is the number of earlier updates.
+
+    ``count`` is a 0-d int64 tensor (0 on the first update), so a schedule
+    written with tensor ops (``0.1 * 0.99 ** count``, ``torch.clamp(...)``)
+    runs with no host sync. A schedule may also return a Python number.
+    Scale-aware, like :func:`scale`.
+
+    Args:
+      step_size_fn: a callable from the step count to the factor.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`ScaleByScheduleState`.
+
+    References:
+      Optax's ``scale_by_schedule`` (DeepMind, 2020).
+
+    Example:
+      >>> tx = scale_by_schedule(lambda count: 0.5**count)
+      >>> updates, state = tx.update(grads, tx.init(params))  # grads * 1, then * 0.5, ...
+    """
+    return _scale_by_schedule(step_size_fn, sign=1.0, name="scale_by_schedule")
+
+
+def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> GradientTransformation:
+    if not callable(step_size_fn):
+        raise TypeError(f"{name}: the schedule must be callable, got {type(step_size_fn).__name__}")
+
+    def init_fn(params: Params) -> ScaleByScheduleState:
+        return ScaleByScheduleState(count=_zero_count(tu.flatten(params)[0]))
+
+    @scale_aware
+    def update_fn(updates, state, params=None, **extra):
+        del params
+        tu.require_state(state, ScaleByScheduleState, name=name)
+        factor = _to_factor(step_size_fn(state.count), sign)
+        return _scalar_update(updates, factor, extra, name=name), ScaleByScheduleState(count=state.count + 1)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
+    """Multiply every update by ``-learning_rate`` (a constant or a schedule of the step count).
+
+    Updates are added to the params, so the sign is flipped by default to
+    descend. A constant is :func:`scale`; a callable is
+    :func:`scale_by_schedule` (called with the 0-d int64 count, 0 on the first
+    update, as ``torch.optim.lr_scheduler.LambdaLR`` calls its lambda with the
+    epoch). Either way the transform is scale-aware.
+
+    Args:
+      learning_rate: a number ``>= 0``, or a callable ``count -> learning rate``.
+      flip_sign: multiply by ``-learning_rate`` (True) or ``learning_rate``.
+
+    Returns:
+      A :class:`GradientTransformation`: stateless for a constant, with
+      :class:`ScaleByScheduleState` for a schedule.
+
+    References:
+      Optax's ``scale_by_learning_rate`` (DeepMind, 2020).
+
+    Example:
+      >>> tx = scale_by_learning_rate(lambda count: 1e-3 * torch.clamp((count + 1) / 100, max=1.0))
+      >>> updates, state = tx.update(grads, tx.init(params))
+    """
+    learning_rate = _learning_rate(learning_rate, name="scale_by_learning_rate")
+    sign = -1.0 if flip_sign else 1.0
+    if callable(learning_rate):
+        return _scale_by_schedule(learning_rate, sign=sign, name="scale_by_learning_rate")
+    return scale(sign * learning_rate)
+
+
+# --- Adam ----------------------------------------------------------------------------------
+
+
+class ScaleByAdamState(NamedTuple):
+    """Adam's step count (0-d int64) and first and second moments (trees mirroring the params)."""
+
+    count: torch.Tensor
+    mu: PyTree
+    nu: PyTree
+
+
+def _bias_correction(beta: float, t: torch.Tensor) -> torch.Tensor:
+    """``1 - beta**t`` as ``-expm1(t * log(beta))``: accurate in fp32 even when ``beta**t`` is close to 1."""
+    log_beta = math.log(beta) if beta > 0 else -math.inf
+    return -torch.expm1(t * log_beta)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+    """Rescale updates by Adam's bias-corrected moment estimates.
+
+    With ``t`` the step (1 on the first update), ``m = b1*m + (1-b1)*g`` and
+    ``v = b2*v + (1-b2)*g**2``, the update is
+    ``m / (1 - b1**t) / (sqrt(v) / sqrt(1 - b2**t) + eps)``, which is what
+    ``torch.optim.Adam`` computes before multiplying by ``-lr``. Chain it with
+    :func:`scale_by_learning_rate` (or use :func:`adam`).
+
+    Args:
+      b1: decay of the first moment; in ``[0, 1)``.
+      b2: decay of the second moment; in ``[0, 1)``.
+      eps: added to the denominator for stability; ``>= 0``.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`ScaleByAdamState`;
+      moments are fp32 for fp16/bf16 params.
+
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
+
+    Example:
+      >>> tx = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
+      >>> updates, state = tx.update(grads, tx.init(params))
+    """
+    b1 = _beta(b1, arg="b1", name="scale_by_adam")
+    b2 = _beta(b2, arg="b2", name="scale_by_adam")
+    eps = _non_negative(eps, arg="eps", name="scale_by_adam")
+
+    def init_fn(params: Params) -> ScaleByAdamState:
+        leaves, spec = _leaves(params, name="scale_by_adam", what="params")
+        return ScaleByAdamState(
+            count=_zero_count(leaves),
+            mu=tu.unflatten(spec, _zeros_moments(leaves)),
+            nu=tu.unflatten(spec, _zeros_moments(leaves)),
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, ScaleByAdamState, name="scale_by_adam")
+        leaves, spec = _leaves(updates, name="scale_by_adam")
+        tu.check_structure(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
+        mu_leaves, mu_spec = tu.flatten(state.mu)
+        nu_leaves, nu_spec = tu.flatten(state.nu)
+
+        count = state.count + 1
+        t = count.to(torch.float32)
+        bc1 = _bias_correction(b1, t)
+        bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
+
+        mu_locals = [tu.local(m) for m in mu_leaves]
+        out: list[torch.Tensor] = list(leaves)
+        new_mu: list[torch.Tensor] = list(mu_leaves)
+        new_nu: list[torch.Tensor] = list(nu_leaves)
+        for (device, dtype), idx in tu.group_by_device_dtype(mu_locals).items():
+            g = [tu.local(leaves[i]).to(dtype) for i in idx]
+            m = torch._foreach_lerp([mu_locals[i] for i in idx], g, 1 - b1)
+            v = torch._foreach_mul([tu.local(nu_leaves[i]) for i in idx], b2)
+            torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bc2_sqrt.to(device, non_blocking=True))
+            torch._foreach_add_(denom, eps)
+            u = torch._foreach_div(m, denom)
+            torch._foreach_div_(u, bc1.to(device, non_blocking=True))
+            for j, i in enumerate(idx):
+                new_mu[i] = tu.like(mu_leaves[i], m[j])
+                new_nu[i] = tu.like(nu_leaves[i], v[j])
+                out[i] = tu.like(leaves[i], u[j].to(leaves[i].dtype))
+        new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
+        return tu.unflatten(spec, out), new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --- weight decay --------------------------------------------------------------------------
+
+
+def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+    """Add ``weight_decay * params`` to the updates.
+
+    Before :func:`scale_by_adam` this is L2 regularisation (``torch.optim.Adam``'s
+    ``weight_decay``); after it, decoupled weight decay (``AdamW``). ``update``
+    needs ``params``, even when ``weight_decay`` is 0.
+
+    Args:
+      weight_decay: the decay coefficient; ``>= 0``.
+
+    Returns:
+      A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
+
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019.
+
+    Example:
+      >>> tx = add_decayed_weights(0.1)
+      >>> updates, _ = tx.update(grads, tx.init(params), params)
+    """
+    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        tu.require_state(state, EmptyState, name="add_decayed_weights")
+        if params is None:
+            raise ValueError("add_decayed_weights: update() needs params (the weights to decay), got params=None")
+        leaves, spec = _leaves(updates, name="add_decayed_weights")
+        tu.check_structure(params, updates, what="add_decayed_weights: updates", against="params")
+        if weight_decay == 0.0:
+            return updates, state
+        param_leaves, _ = tu.flatten(params)
+        locals_ = [tu.local(u) for u in leaves]
+        out: list[torch.Tensor] = list(leaves)
+        inplace = bool(extra.get("inplace", False))
+        for (_, dtype), idx in tu.group_by_device_dtype(locals_).items():
+            group = [locals_[i] for i in idx]
+            p = [tu.local(param_leaves[i]).to(dtype) for i in idx]
+            if inplace:
+                torch._foreach_add_(group, p, alpha=weight_decay)
+            else:
+                for i, r in zip(idx, torch._foreach_add(group, p, alpha=weight_decay)):
+                    out[i] = tu.like(leaves[i], r)
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --- momentum ------------------------------------------------------------------------------
+
+
+class TraceState(NamedTuple):
+    """The momentum buffer: a tree mirroring the params (fp32 for fp16/bf16 params)."""
+
+    trace: PyTree
+
+
+def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+    """Heavy-ball momentum: ``trace = decay * trace + g``; the update is ``trace`` (or ``g + decay * trace``).
+
+    This is ``torch.optim.SGD``'s momentum buffer with zero dampening, and its
+    Nesterov variant. The returned updates never share storage with the state.
+
+    Args:
+      decay: the momentum coefficient; ``>= 0``.
+      nesterov: use Nesterov momentum, ``g + decay * trace``.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`TraceState`.
+
+    References:
+      Polyak, "Some methods of speeding up the convergence of iteration methods", 1964;
+      Sutskever, Martens, Dahl & Hinton, "On the importance of initialization and momentum in deep learning", 2013.
+
+    Example:
+      >>> tx = trace(0.9)
+      >>> updates, state = tx.update(grads, tx.init(params))
+    """
+    decay = _non_negative(decay, arg="decay", name="trace")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"trace: nesterov must be a bool, got {type(nesterov).__name__}")
+
+    def init_fn(params: Params) -> TraceState:
+        leaves, spec = _leaves(params, name="trace", what="params")
+        return TraceState(trace=tu.unflatten(spec, _zeros_moments(leaves)))
+
+    def update_fn(updates, state, params=None, **extra):
+        del params
+        tu.require_state(state, TraceState, name="trace")
+        leaves, spec = _leaves(updates, name="trace")
+        tu.check_structure(state.trace, updates, what="trace: updates", against="the state's trace")
+        tr_leaves, tr_spec = tu.flatten(state.trace)
+        tr_locals = [tu.local(t) for t in tr_leaves]
+        inplace = bool(extra.get("inplace", False))
+
+        out: list[torch.Tensor] = list(leaves)
+        new_tr: list[torch.Tensor] = list(tr_leaves)
+        for (_, dtype), idx in tu.group_by_device_dtype(tr_locals).items():
+            g = [tu.local(leaves[i]).to(dtype) for i in idx]
+            tr = torch._foreach_mul([tr_locals[i] for i in idx], decay)
+            torch._foreach_add_(tr, g)  # tr is ours: a fresh tensor
+            u = torch._foreach_add(g, tr, alpha=decay) if nesterov else tr
+            for j, i in enumerate(idx):
+                new_tr[i] = tu.like(tr_leaves[i], tr[j])
+                if inplace:  # write into the donated buffer, never hand out the state itself
+                    tu.local(leaves[i]).copy_(u[j])
+                else:
+                    out[i] = tu.like(leaves[i], u[j].to(leaves[i].dtype, copy=not nesterov))
+        return tu.unflatten(spec, out), TraceState(trace=tu.unflatten(tr_spec, new_tr))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+# --- aliases -------------------------------------------------------------------------------
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+) -> GradientTransformation:
+    """Stochastic gradient descent, optionally with (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
+
+    ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov),
+    scale_by_learning_rate(learning_rate))``, leaving out the members that are
+    no-ops (``weight_decay == 0``, ``momentum == 0``). With weight decay,
+    ``update`` needs ``params``.
+
+    Args:
+      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
+      momentum: the momentum coefficient; ``>= 0``.
+      nesterov: use Nesterov momentum (needs ``momentum > 0``).
+      weight_decay: L2 penalty added to the gradient; ``>= 0``.
+
+    Returns:
+      A :class:`GradientTransformation` (a :func:`gradtx.chain`).
+
+    References:
+      Robbins & Monro, "A Stochastic Approximation Method", 1951;
+      Sutskever, Martens, Dahl & Hinton, "On the importance of initialization and momentum in deep learning", 2013.
+
+    Example:
+      >>> tx = sgd(0.1, momentum=0.9)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+      >>> params = apply_updates(params, updates)
+    """
+    learning_rate = _learning_rate(learning_rate, name="sgd")
+    momentum = _non_negative(momentum, arg="momentum", name="sgd")
+    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="sgd")
+    if not isinstance(nesterov, bool):
+        raise TypeError(f"sgd: nesterov must be a bool, got {type(nesterov).__name__}")
+    if nesterov and momentum == 0.0:
+        raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0.0")
+    txs = []
+    if weight_decay != 0.0:
+        txs.append(add_decayed_weights(weight_decay))
+    if momentum != 0.0:
+        txs.append(trace(momentum, nesterov))
+    txs.append(scale_by_learning_rate(learning_rate))
+    return chain(*txs)
+
+
+def adam(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Adam, as ``torch.optim.Adam``: ``weight_decay`` is an L2 penalty added to the gradient.
+
+    ``chain(add_decayed_weights(weight_decay), scale_by_adam(b1, b2, eps),
+    scale_by_learning_rate(learning_rate))``, without the first member when
+    ``weight_decay == 0``. With weight decay, ``update`` needs ``params``.
+
+    Args:
+      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
+      b1: decay of the first moment; in ``[0, 1)``.
+      b2: decay of the second moment; in ``[0, 1)``.
+      eps: added to the denominator for stability; ``>= 0``.
+      weight_decay: L2 penalty added to the gradient; ``>= 0``.
+
+    Returns:
+      A :class:`GradientTransformation` (a :func:`gradtx.chain`).
+
+    References:
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
+
+    Example:
+      >>> tx = adam(1e-3)
+      >>> updates, state = tx.update(grads, tx.init(params))
+      >>> params = apply_updates(params, updates)
+    """
+    learning_rate = _learning_rate(learning_rate, name="adam")
+    b1 = _beta(b1, arg="b1", name="adam")
+    b2 = _beta(b2, arg="b2", name="adam")
+    eps = _non_negative(eps, arg="eps", name="adam")
+    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adam")
+    txs = [add_decayed_weights(weight_decay)] if weight_decay != 0.0 else []
+    txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
+    return chain(*txs)
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+) -> GradientTransformation:
+    """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
+
+    ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay),
+    scale_by_learning_rate(learning_rate))``, so the decay is scaled by the
+    (scheduled) learning rate but not by Adam's denominator; the decay member
+    is left out when ``weight_decay == 0``. With weight decay, ``update`` needs
+    ``params``. Use :func:`gradtx.masked` to exempt biases and norms.
+
+    Args:
+      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
+      b1: decay of the first moment; in ``[0, 1)``.
+      b2: decay of the second moment; in ``[0, 1)``.
+      eps: added to the denominator for stability; ``>= 0``.
+      weight_decay: the decoupled decay coefficient; ``>= 0``.
+
+    Returns:
+      A :class:`GradientTransformation` (a :func:`gradtx.chain`).
+
+    References:
+      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019;
+      Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
+
+    Example:
+      >>> tx = adamw(3e-4, weight_decay=0.1)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+      >>> params = apply_updates(params, updates)
+    """
+    learning_rate = _learning_rate(learning_rate, name="adamw")
+    b1 = _beta(b1, arg="b1", name="adamw")
+    b2 = _beta(b2, arg="b2", name="adamw")
+    eps = _non_negative(eps, arg="eps", name="adamw")
+    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adamw")
+    txs = [scale_by_adam(b1, b2, eps)]
+    if weight_decay != 0.0:
+        txs.append(add_decayed_weights(weight_decay))
+    txs.append(scale_by_learning_rate(learning_rate))
+    return chain(*txs)
