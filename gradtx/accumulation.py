@@ -9,7 +9,7 @@ import torch
 
 from gradtx import tree as tu
 from gradtx.base import GradientTransformation, Params, PyTree, scale_aware
-from gradtx.comm.base import ReduceOp
+from gradtx.comm.base import Comm, GroupKey, ReduceOp
 
 
 class AccumulateState(NamedTuple):
@@ -24,6 +24,9 @@ class AccumulateState(NamedTuple):
       acc: the fp32 running sum, a tree like the updates. Its leaves are empty
         while no window is open, and always when autograd is the accumulator
         (``running_sum=True``), so no second gradient-sized buffer is kept.
+      k: the window length (CPU int64, 0-d), a constant. It is kept in the
+        state so that :meth:`gradtx.TransformedOptimizer.maybe_no_sync` can
+        tell which micro-step will emit, and so which backward must sync.
     """
 
     micro_step: torch.Tensor
@@ -31,8 +34,10 @@ class AccumulateState(NamedTuple):
     emitted: torch.Tensor
     last_tokens: torch.Tensor
     acc: PyTree
+    k: torch.Tensor
 
-    _metrics = {"micro_step": "micro_step", "last_tokens": "tokens", "emitted": "emitted"}
+    # A NamedTuple cannot declare a ClassVar; this mapping is read-only by convention.
+    _metrics = (("micro_step", "micro_step"), ("last_tokens", "tokens"), ("emitted", "emitted"))
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +64,14 @@ def _token_count(tokens: Any) -> int:
     return tokens
 
 
-def accumulate(k: int, *, token_weighted: bool = False, comm: Any | None = None, group: Any = "dp") -> GradientTransformation:
+def accumulate(
+    k: int,
+    *,
+    token_weighted: bool = False,
+    comm: Comm | None = None,
+    group: GroupKey = "dp",
+    reduce_grads: bool = False,
+) -> GradientTransformation:
     """Accumulate ``k`` micro-batches and emit their mean; a chain member that gates what follows it.
 
     Each ``update`` adds the micro-batch's gradient to an fp32 running sum. On
@@ -82,28 +94,68 @@ def accumulate(k: int, *, token_weighted: bool = False, comm: Any | None = None,
     contributes zero rather than NaN. With a ``comm``, the token total is summed
     over ``group`` (the data-parallel ranks) with one scalar collective per
     optimizer step, so the result is the token mean of the global batch. A
-    window whose total is 0 raises ``ValueError`` before any state changes.
+    rank whose window has no valid tokens is fine; a window whose *global*
+    total is 0 raises ``ValueError`` on every rank before any state changes.
+
+    Data-parallel ranks (``comm``): who sums the gradients across ranks?
+
+    * A DDP or FSDP2 model already does, on its last micro-step's backward
+      (see :meth:`gradtx.TransformedOptimizer.maybe_no_sync`). Give
+      ``comm`` (for the token total) and leave ``reduce_grads=False``; make
+      the wrapper *sum* rather than average with :func:`gradtx.sum_grad_reduction`
+      when token-weighted.
+    * A functional step (``torch.func.grad`` on each rank) does not: pass
+      ``reduce_grads=True`` and gradtx sums the window's accumulated grads
+      over ``group`` once, at emission, in one coalesced collective (in fp32
+      unless autograd is the accumulator, then in the grads' dtype). The
+      emitted update is then ``sum over ranks and micro-steps of grad /
+      global token total`` (token-weighted) or ``... / (micro-steps * ranks)``
+      (plain mean), identical on every rank.
+
+    Per emitted update this issues at most two collectives over ``group``: one
+    scalar SUM of the token total (token-weighted with a ``comm``), then one
+    coalesced SUM of the grads (``reduce_grads``). Non-emitting micro-steps
+    issue none. The token total is read on the host once per emitted update,
+    to refuse a global zero.
 
     Args:
       k: micro-steps per emitted update; ``>= 1``.
       token_weighted: weight micro-batches by their valid-token counts.
-      comm: a :class:`gradtx.comm.Comm` to sum token totals across data-parallel
-        ranks; ``None`` for one process.
+      comm: a :class:`gradtx.comm.Comm` over the data-parallel ranks; ``None``
+        for one process.
       group: the comm group of the data-parallel ranks.
+      reduce_grads: sum the accumulated grads over ``group`` at emission (for
+        functional steps with no DDP/FSDP2 wrapper); needs ``comm``.
 
     Returns:
       A :class:`GradientTransformation` with state :class:`AccumulateState`.
+
+    References:
+      Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017.
 
     Example:
       >>> tx = chain(accumulate(4), clip_by_global_norm(1.0), adamw(3e-4))
       >>> updates, state = tx.update(grads, state, params)
       >>> if updates is not None:  # the 4th micro-step
       ...     params = apply_updates(params, updates)
+      >>> # functional data parallelism: token mean of the global batch
+      >>> tx = chain(accumulate(4, token_weighted=True, comm=comm, reduce_grads=True), adamw(3e-4))
+      >>> updates, state = tx.update(sum_loss_grads, state, params, tokens=n_valid)
     """
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"accumulate: k must be an int, got {type(k).__name__}")
     if k < 1:
         raise ValueError(f"accumulate: k must be >= 1, got {k}")
+    if not isinstance(token_weighted, bool):
+        raise TypeError(f"accumulate: token_weighted must be a bool, got {type(token_weighted).__name__}")
+    if not isinstance(reduce_grads, bool):
+        raise TypeError(f"accumulate: reduce_grads must be a bool, got {type(reduce_grads).__name__}")
+    if comm is not None and not isinstance(comm, Comm):
+        raise TypeError(
+            f"accumulate: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__}"
+        )
+    if reduce_grads and comm is None:
+        raise ValueError("accumulate: reduce_grads=True needs a comm over the data-parallel ranks (comm=...)")
 
     def init_fn(params: Params) -> AccumulateState:
         return AccumulateState(
@@ -112,6 +164,7 @@ def accumulate(k: int, *, token_weighted: bool = False, comm: Any | None = None,
             emitted=torch.zeros((), dtype=torch.bool),
             last_tokens=torch.zeros((), dtype=torch.int64),
             acc=tu.tree_map(_empty_like, params),
+            k=torch.tensor(k, dtype=torch.int64),
         )
 
     @scale_aware
@@ -143,6 +196,7 @@ def accumulate(k: int, *, token_weighted: bool = False, comm: Any | None = None,
                 emitted=torch.tensor(False),
                 last_tokens=state.last_tokens,
                 acc=state.acc if running_sum else tu.unflatten(spec, acc_leaves),
+                k=torch.tensor(k, dtype=torch.int64),
             )
 
         if token_weighted:
@@ -151,23 +205,34 @@ def accumulate(k: int, *, token_weighted: bool = False, comm: Any | None = None,
                 (total,) = comm.all_reduce([total], ReduceOp.SUM, group)
             total = int(total.cpu())  # one scalar per optimizer step
             if total == 0:
+                # Every rank sees the same global total, so every rank raises here, after the
+                # same collectives: no rank is left waiting in the grad reduction below.
                 raise ValueError(
-                    "accumulate: the window's valid tokens sum to 0, so the token mean is undefined; "
-                    "nothing was changed (skip such windows, or count tokens before backward)"
+                    "accumulate: the window's valid tokens sum to 0"
+                    + (" over all data-parallel ranks" if comm is not None else "")
+                    + ", so the token mean is undefined; nothing was changed "
+                    "(skip such windows, or count tokens before backward)"
                 )
             denom = total
         else:
-            total, denom = 0, micro_step
+            total = 0
+            denom = micro_step * (comm.size(group) if reduce_grads else 1)
         factor = torch.tensor(1.0 / denom, dtype=torch.float32)
+        inplace = bool(extra.get("inplace", False))
 
         deferred = extra.get("deferred")
         if running_sum:
+            out = leaves
+            if reduce_grads:
+                out = _reduce(leaves, copy_into=leaves if inplace else None)
             if deferred is not None:
                 deferred.fold(factor)
-                out = leaves
             else:
-                out = tu.scale_leaves(leaves, factor, inplace=bool(extra.get("inplace", False)))
+                # A comm may hand back its inputs (LocalComm does), so only donated buffers are scaled in place.
+                out = tu.scale_leaves(out, factor, inplace=inplace)
         else:
+            if reduce_grads:
+                acc_leaves = _reduce(acc_leaves, copy_into=None)
             scaled = tu.scale_leaves(acc_leaves, factor, inplace=True)  # acc_leaves are ours
             out = [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]
         new_state = AccumulateState(
@@ -176,7 +241,19 @@ def accumulate(k: int, *, token_weighted: bool = False, comm: Any | None = None,
             emitted=torch.tensor(True),
             last_tokens=torch.tensor(total, dtype=torch.int64),
             acc=tu.tree_map(_empty_like, updates),
+            k=torch.tensor(k, dtype=torch.int64),
         )
         return tu.unflatten(spec, out), new_state
+
+    def _reduce(leaves: list[torch.Tensor], *, copy_into: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """Sum ``leaves`` over ``group`` in one coalesced collective, through their local shards."""
+        assert comm is not None
+        reduced = comm.all_reduce([tu.local(t) for t in leaves], ReduceOp.SUM, group)
+        if copy_into is None:
+            return [tu.like(t, r) for t, r in zip(leaves, reduced)]
+        for t, r in zip(copy_into, reduced):
+            if r is not tu.local(t):
+                tu.local(t).copy_(r)  # keep the donated .grad objects (and their DTensor metadata)
+        return list(copy_into)
 
     return GradientTransformation(init_fn, update_fn)

@@ -32,7 +32,8 @@ who own their buffers, as in a donated functional step):
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -133,7 +134,7 @@ def metrics(state: OptState) -> dict[str, torch.Tensor]:
     """Named scalars found anywhere in a (chain) state: ``{"grad_norm": ..., "clip_coef": ...}``.
 
     A state NamedTuple declares what it exports with a ``_metrics`` class
-    attribute mapping field name to metric name. When two members export the
+    attribute: a tuple of ``(field name, metric name)`` pairs. When two members export the
     same name, the first one in chain order wins. Values are tensors; nothing
     is read to the host.
 
@@ -146,7 +147,7 @@ def metrics(state: OptState) -> dict[str, torch.Tensor]:
     def walk(node: Any) -> None:
         exported = getattr(type(node), "_metrics", None)
         if isinstance(node, tuple) and exported:
-            for field, name in exported.items():
+            for field, name in exported:
                 found.setdefault(name, getattr(node, field))
         if isinstance(node, dict):
             for v in node.values():

@@ -25,6 +25,14 @@ def _check_positive(value: Any, *, arg: str, name: str, allow_zero: bool = False
     return value
 
 
+def _check_plan(mesh_groups: Any, method: str, *, name: str) -> None:
+    if mesh_groups is not None and not callable(getattr(mesh_groups, method, None)):
+        raise TypeError(
+            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...) (with .{method}), "
+            f"got {type(mesh_groups).__name__}"
+        )
+
+
 def _leaves(updates: Any, *, name: str) -> tuple[list[torch.Tensor], Any]:
     leaves, spec = tu.flatten(updates)
     tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
@@ -61,7 +69,7 @@ def clip(max_delta: float) -> GradientTransformation:
         leaves, spec = _leaves(updates, name="clip")
         locals_ = [tu.local(t) for t in leaves]
         out = list(leaves)
-        for _, idx in tu.group_by_device_dtype(locals_).items():
+        for idx in tu.group_by_device_dtype(locals_).values():
             group = [locals_[i] for i in idx]
             if extra.get("inplace", False):
                 torch._foreach_clamp_min_(group, -max_delta)
@@ -84,7 +92,7 @@ class ClipByGlobalNormState(NamedTuple):
     grad_norm: torch.Tensor
     clip_coef: torch.Tensor
 
-    _metrics = {"grad_norm": "grad_norm", "clip_coef": "clip_coef"}
+    _metrics = (("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"))
 
 
 def clip_by_global_norm(
@@ -117,6 +125,7 @@ def clip_by_global_norm(
     """
     max_norm = _check_positive(max_norm, arg="max_norm", name="clip_by_global_norm")
     norm_type = norms.check_norm_type(norm_type, name="clip_by_global_norm")
+    _check_plan(mesh_groups, "global_norm", name="clip_by_global_norm")
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         del params
@@ -162,7 +171,9 @@ def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
-def adaptive_clip(clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool = True) -> GradientTransformation:
+def adaptive_clip(
+    clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool = True, mesh_groups: Any | None = None
+) -> GradientTransformation:
     """Adaptive gradient clipping (AGC): clip each unit's gradient relative to its weight.
 
     A unit's gradient ``g_u`` is rescaled to norm ``clipping * max(||w_u||, eps)``
@@ -174,6 +185,12 @@ def adaptive_clip(clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool =
       clipping: the largest allowed ratio of gradient norm to weight norm; ``> 0``.
       eps: the floor on a unit's weight norm, so zero-initialised units can move.
       unitwise: clip per output unit (True) or per whole tensor (False).
+      mesh_groups: for sharded weights, the plan from :func:`gradtx.mesh_groups`.
+        A weight split along dim 0 (``Shard(0)``, colwise TP, FSDP2) has its
+        units on one rank and needs nothing; one split along another dim
+        (``Shard(1)``, rowwise TP) has units that span ranks, so the partial
+        unit sums of squares of grads and weights are all-reduced over those
+        groups: one collective per group per step. ``None`` for unsharded weights.
 
     Returns:
       A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
@@ -188,6 +205,10 @@ def adaptive_clip(clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool =
     """
     clipping = _check_positive(clipping, arg="clipping", name="adaptive_clip", allow_inf=False)
     eps = _check_positive(eps, arg="eps", name="adaptive_clip", allow_zero=True, allow_inf=False)
+    _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
+    if mesh_groups is not None:
+        for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
+            mesh_groups.unit_groups(i, unitwise=unitwise)
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -198,10 +219,15 @@ def adaptive_clip(clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool =
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
         leaves, spec = _leaves(updates, name="adaptive_clip")
         tu.check_structure(params, updates, what="adaptive_clip: updates", against="params")
+        weights = tu.flatten(params)[0]
+        if mesh_groups is None:
+            g_norms = [unitwise_norm(g, unitwise=unitwise) for g in leaves]
+            w_norms = [unitwise_norm(w, unitwise=unitwise) for w in weights]
+        else:
+            g_norms, w_norms = mesh_groups.unitwise_norms([leaves, weights], unitwise=unitwise)
         out = []
-        for g, w in zip(leaves, tu.flatten(params)[0]):
-            max_norm = clipping * torch.clamp(unitwise_norm(w, unitwise=unitwise), min=eps)
-            g_norm = unitwise_norm(g, unitwise=unitwise)
+        for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
+            max_norm = clipping * torch.clamp(w_norm, min=eps)
             factor = torch.where(g_norm > max_norm, max_norm / torch.clamp(g_norm, min=1e-6), 1.0)
             g_local = tu.local(g)
             if extra.get("inplace", False):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -123,7 +124,7 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
 
 def _labels_for(labels: PyTree | Callable[[Params], PyTree], tree: PyTree, *, name: str) -> list[Any]:
     resolved = labels(tree) if callable(labels) else labels
-    leaves, spec = tu.flatten(tree)
+    _, spec = tu.flatten(tree)
     try:
         label_leaves = spec.flatten_up_to(resolved)
     except (ValueError, TypeError) as e:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from gradtx import norms
 from gradtx import tree as tu
 from gradtx.base import GradientTransformation, OptState, Params
-from gradtx.comm.base import ReduceOp
+from gradtx.comm.base import Comm, GroupKey, ReduceOp
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -29,7 +29,8 @@ class ApplyIfFiniteState(NamedTuple):
     total_skipped: torch.Tensor
     inner_state: OptState
 
-    _metrics = {"total_skipped": "skipped", "notfinite_count": "notfinite_count"}
+    # A NamedTuple cannot declare a ClassVar; this mapping is read-only by convention.
+    _metrics = (("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
 
 
 def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
@@ -41,7 +42,11 @@ def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
 
 
 def apply_if_finite(
-    inner: GradientTransformation, max_consecutive_errors: int, *, comm: Any | None = None, group: Any = "world"
+    inner: GradientTransformation,
+    max_consecutive_errors: int,
+    *,
+    comm: Comm | None = None,
+    group: GroupKey = "world",
 ) -> GradientTransformation:
     """Run ``inner`` only on finite updates; skip, and count, a step with any NaN or inf.
 
@@ -51,9 +56,13 @@ def apply_if_finite(
     skips in a row, the next non-finite update is applied anyway, as in
     optax, so a run that keeps producing NaNs fails loudly instead of stalling.
 
-    With a ``comm``, the verdict is agreed over ``group`` with one MAX
-    reduction: if any rank sees a non-finite value, every rank skips, and
-    replicated params stay identical.
+    With a ``comm``, the verdict is agreed over ``group`` with one scalar MAX
+    reduction per step: if any rank sees a non-finite value, every rank skips,
+    so replicated params stay bitwise identical and sharded ones stay
+    consistent. Agreement matters whenever ranks see different values: FSDP2
+    or TP shards (a NaN lands in one rank's shard only), or rank-local grads
+    in a functional step. ``group`` must span every rank that holds a piece
+    of the model (usually ``"world"``).
 
     Put :func:`gradtx.accumulate` before this transform, not inside it.
 
@@ -66,6 +75,9 @@ def apply_if_finite(
     Returns:
       A :class:`GradientTransformation` with state :class:`ApplyIfFiniteState`.
 
+    References:
+      Micikevicius et al., "Mixed Precision Training", 2018 (skipping non-finite steps).
+
     Example:
       >>> tx = chain(accumulate(4), apply_if_finite(chain(clip_by_global_norm(1.0), adamw(3e-4)), 5))
     """
@@ -75,19 +87,26 @@ def apply_if_finite(
         raise ValueError(f"apply_if_finite: max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}")
+    if comm is not None and not isinstance(comm, Comm):
+        raise TypeError(
+            f"apply_if_finite: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__}"
+        )
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
+        # The counters live where the grads do, so the per-step verdict never crosses to the host.
+        tensors = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
+        device = tu.local(tensors[0]).device if tensors else torch.device("cpu")
         return ApplyIfFiniteState(
-            notfinite_count=torch.zeros((), dtype=torch.int64),
-            last_finite=torch.ones((), dtype=torch.bool),
-            skipped=torch.zeros((), dtype=torch.bool),
-            total_skipped=torch.zeros((), dtype=torch.int64),
+            notfinite_count=torch.zeros((), dtype=torch.int64, device=device),
+            last_finite=torch.ones((), dtype=torch.bool, device=device),
+            skipped=torch.zeros((), dtype=torch.bool, device=device),
+            total_skipped=torch.zeros((), dtype=torch.int64, device=device),
             inner_state=inner.init(params),
         )
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
-        leaves, spec = tu.flatten(updates)
+        leaves, _ = tu.flatten(updates)
         tu.check_tensors(leaves, tu.paths(updates), what="apply_if_finite: updates")
         finite = all_finite(leaves)
         if comm is not None:
@@ -112,7 +131,14 @@ def apply_if_finite(
 
         out_leaves, out_spec = tu.flatten(new_updates)
         out = [
-            tu.like(u, torch.where(accept.to(tu.local(u).device), tu.local(u), torch.zeros((), dtype=u.dtype)))
+            tu.like(
+                u,
+                torch.where(
+                    accept.to(tu.local(u).device),
+                    tu.local(u),
+                    torch.zeros((), dtype=u.dtype, device=tu.local(u).device),
+                ),
+            )
             for u in out_leaves
         ]
         new_state = ApplyIfFiniteState(

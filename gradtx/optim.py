@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import torch
 
 from gradtx import tree as tu
+from gradtx.accumulation import AccumulateState
 from gradtx.base import DeferredScale, GradientTransformation, OptState, metrics
 from gradtx.combine import chain
 from gradtx.conditionals import ApplyIfFiniteState
+
+try:  # a CPU-only or old build may lack torch.distributed
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+except ImportError:  # pragma: no cover
+    FSDPModule = DistributedDataParallel = None  # type: ignore[assignment,misc]
+
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
 
 def _find(state: OptState, state_type: type) -> list[Any]:
@@ -56,6 +66,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
     ``param_groups`` is the inner optimizer's own list, so
     ``torch.optim.lr_scheduler`` schedulers work on the wrapper.
 
+    Data parallel (DDP or FSDP2): wrap each micro-step's forward and backward
+    in :meth:`maybe_no_sync`, so only the backward whose ``step()`` will emit
+    syncs the grads. For token-weighted accumulation, call
+    :func:`sum_grad_reduction` on the model once, and give
+    :func:`gradtx.accumulate` a ``comm`` to sum the token totals.
+
     Args:
       optimizer: the inner ``torch.optim.Optimizer``.
       tx: the gradient transformation to run on the grads.
@@ -73,7 +89,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, tx: GradientTransformation) -> None:
         # Deliberately no super().__init__: param_groups and state are the inner optimizer's own.
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"TransformedOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"TransformedOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
         self.optimizer = optimizer
@@ -184,12 +202,60 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """Whether an accumulation window is open (the grads hold a partial sum)."""
         return self._window_open
 
+    def emits_next(self, *, flush: bool = False) -> bool:
+        """Whether the next :meth:`step` will emit, so its backward must sync the grads across ranks.
+
+        True without :func:`gradtx.accumulate` in the chain (every step emits),
+        on the last micro-step of a window, and when the next step will be
+        passed ``flush=True``. Reads only host-side counters.
+
+        Args:
+          flush: the next ``step`` will be called with ``flush=True``.
+
+        Returns:
+          Whether the next ``step`` closes its accumulation window.
+        """
+        found = _find(self.tx_state, AccumulateState)
+        if flush or not found:
+            return True
+        state = found[0]
+        return int(state.micro_step) + 1 >= int(state.k)
+
+    @contextlib.contextmanager
+    def maybe_no_sync(self, model: torch.nn.Module, *, flush: bool = False) -> Iterator[None]:
+        """Run one micro-step's forward and backward, syncing the grads only if the next ``step`` emits.
+
+        The wrapper knows where its accumulation window stands, so the data-parallel
+        sync (DDP's all-reduce, FSDP2's reduce-scatter) happens once per optimizer
+        step, on the last micro-step, instead of ``k`` times. Wrap the forward
+        *and* the backward: DDP decides in its forward whether the backward syncs.
+        A model that is neither DDP nor FSDP2 runs unchanged. See :func:`no_sync`.
+
+        Args:
+          model: the DDP- or FSDP2-wrapped model whose backward runs inside.
+          flush: this micro-step's ``step`` will get ``flush=True`` (a short final window).
+
+        Example:
+          >>> for x, y in micro_batches:
+          ...     with opt.maybe_no_sync(model):
+          ...         loss_sum = F.cross_entropy(model(x), y, ignore_index=-100, reduction="sum")
+          ...         loss_sum.backward()
+          ...     opt.step(tokens=int((y != -100).sum()))
+          ...     opt.zero_grad()
+        """
+        with no_sync(model, sync=self.emits_next(flush=flush)):
+            yield
+
     # checkpoints --------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The inner optimizer's state dict, the transform state, and the partial grads of an open window."""
         leaves, _ = tu.flatten(self.tx_state)
-        out: dict[str, Any] = {"inner": self.optimizer.state_dict(), "tx_state": leaves, "window_open": self._window_open}
+        out: dict[str, Any] = {
+            "inner": self.optimizer.state_dict(),
+            "tx_state": leaves,
+            "window_open": self._window_open,
+        }
         if self._window_open:
             out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self._params()]
         return out
@@ -225,7 +291,14 @@ def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
 
     Works for FSDP2 (``set_requires_gradient_sync``) and DDP (``no_sync``); a
     no-op for any other module. Use ``sync=True`` on the last micro-step of an
-    accumulation window, so the sync happens once per optimizer step.
+    accumulation window, so the sync happens once per optimizer step. Wrap the
+    forward too: DDP reads the flag in its forward. With a
+    :class:`TransformedOptimizer`, :meth:`TransformedOptimizer.maybe_no_sync`
+    works out ``sync`` for you.
+
+    Args:
+      model: the DDP- or FSDP2-wrapped model.
+      sync: whether this backward syncs the grads across ranks.
 
     Example:
       >>> with no_sync(model, sync=(micro_step == k - 1)):
@@ -244,3 +317,67 @@ def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def _ddp_sum_hook(process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+    # DDP has no switch for its divide by the group size, and gradtx issues collectives only
+    # from gradtx.comm. So DDP keeps its own (stock, overlapped) all-reduce, and the mean is
+    # multiplied back into the sum when the bucket lands: exact for power-of-two groups,
+    # within an ulp otherwise, and no wider in range than the sum itself.
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    size = float(process_group.size())
+    return allreduce_hook(process_group, bucket).then(lambda fut: fut.value()[0].mul_(size))
+
+
+def sum_grad_reduction(model: ModuleT) -> ModuleT:
+    """Make a DDP or FSDP2 model *sum* its grads across data-parallel ranks instead of averaging them.
+
+    Token-weighted accumulation needs the raw sum ``sum over ranks of grad``:
+    gradtx divides it by the global token total (see :func:`gradtx.accumulate`).
+    The wrappers average by default, which would divide a second time, by the
+    world size, and weight every rank equally however many tokens it saw.
+
+    * FSDP2: every ``fully_shard``-ed module gets ``set_gradient_divide_factor(1.0)``
+      and ``set_force_sum_reduction_for_comms(True)``, so the reduce-scatter
+      (and HSDP's all-reduce) is a plain SUM with no pre- or post-scaling
+      (gloo has no ``PREMUL_SUM``, and NCCL's zero-copy paths need plain SUM).
+    * DDP: a comm hook returns the sum (DDP's stock all-reduce, with its
+      mean multiplied back by the group size). DDP takes one comm hook; call
+      this before the first backward, and not on a model that has one.
+    * Pipelining (``torch.distributed.pipelining``) is configured elsewhere:
+      build the schedule with ``scale_grads=False``.
+
+    Args:
+      model: the DDP-wrapped model, or a model containing FSDP2 (``fully_shard``) modules.
+
+    Returns:
+      ``model``, configured in place.
+
+    Raises:
+      TypeError: ``model`` is neither DDP nor holds FSDP2 modules (a one-process
+        model sums nothing; do not call this on ``ddp.module`` either).
+
+    References:
+      xorl, "Gradient Accumulation & Token Normalization" (FSDP2 ``set_gradient_divide_factor(1.0)``).
+
+    Example:
+      >>> model = gtx.sum_grad_reduction(fully_shard(model))
+      >>> tx = gtx.chain(gtx.accumulate(4, token_weighted=True, comm=comm, group="dp"), gtx.adamw(3e-4))
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"sum_grad_reduction: model must be a torch.nn.Module, got {type(model).__name__}")
+    fsdp = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+    if fsdp:
+        # Both setters act on one module's own state, not recursively, so each is visited.
+        for module in fsdp:
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+        return model
+    if DistributedDataParallel is not None and isinstance(model, DistributedDataParallel):
+        model.register_comm_hook(model.process_group, _ddp_sum_hook)
+        return model
+    raise TypeError(
+        f"sum_grad_reduction: model must be DistributedDataParallel or contain fully_shard (FSDP2) modules, "
+        f"got {type(model).__name__}; a one-process model needs no call"
+    )

@@ -11,7 +11,8 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,9 +24,7 @@ from gradtx.comm.local import LocalComm
 
 def _tensor_leaves(tree: PyTree) -> list[tuple[str, torch.Tensor]]:
     return [
-        (tu.path_str(p), leaf)
-        for p, leaf in zip(tu.paths(tree), tu.flatten(tree)[0])
-        if isinstance(leaf, torch.Tensor)
+        (tu.path_str(p), leaf) for p, leaf in zip(tu.paths(tree), tu.flatten(tree)[0]) if isinstance(leaf, torch.Tensor)
     ]
 
 
@@ -79,7 +78,9 @@ def assert_pure(
     return result
 
 
-def assert_trees_close(actual: PyTree, expected: PyTree, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = "") -> None:
+def assert_trees_close(
+    actual: PyTree, expected: PyTree, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = ""
+) -> None:
     """Assert two trees have the same structure and every leaf is close (NaNs equal)."""
     tu.check_structure(expected, actual, what=f"{msg}actual tree", against="expected tree")
     for (path, a), (_, e) in zip(_tensor_leaves(actual), _tensor_leaves(expected)):
@@ -119,9 +120,7 @@ class RecordingComm:
         self.calls: list[Collective] = []
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
-        self.calls.append(
-            Collective(ReduceOp(op).value, group, len(tensors), tuple(tuple(t.shape) for t in tensors))
-        )
+        self.calls.append(Collective(ReduceOp(op).value, group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
         return self.inner.all_reduce(tensors, op, group)
 
     def size(self, group: GroupKey) -> int:

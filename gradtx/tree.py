@@ -8,7 +8,8 @@ which names the first pytree path that differs.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import optree
 import torch

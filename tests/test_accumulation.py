@@ -40,6 +40,10 @@ def _loss(model, params, x, y, reduction):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction=reduction)
 
 
+def _loss_fn(model, x, y, reduction):
+    return lambda p: _loss(model, p, x, y, reduction)
+
+
 def _params(model):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
@@ -53,7 +57,7 @@ def test_plain_mean_over_k_microbatches_equals_full_batch_step():
     tx = gtx.accumulate(k)
     state = tx.init(params)
     for xi, yi in zip(x.chunk(k), y.chunk(k)):
-        out, state = tx.update(grad(lambda p: _loss(model, p, xi, yi, "mean"))(params), state)
+        out, state = tx.update(grad(_loss_fn(model, xi, yi, "mean"))(params), state)
     assert_trees_close(out, full, rtol=1e-5, atol=1e-7)
 
 
@@ -76,7 +80,7 @@ def test_token_weighted_with_unequal_padding_then_optimizer_equals_full_batch_st
     state = tx.init(params)
     new_params = params
     for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k))):
-        g = grad(lambda p: _loss(model, p, xi, yi, "sum"))(params)
+        g = grad(_loss_fn(model, xi, yi, "sum"))(params)
         updates, state = tx.update(g, state, params, tokens=int((yi != -100).sum()))
         assert (updates is None) == (i < k - 1)
         new_params = gtx.apply_updates(new_params, updates)

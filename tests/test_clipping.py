@@ -111,9 +111,7 @@ def test_clip_by_global_norm_inplace_and_deferred_paths_equal_pure_path():
 
 # --- hypothesis properties ---------------------------------------------------------------
 
-tensors = st.lists(
-    st.tuples(st.integers(1, 5), st.integers(1, 5), st.floats(0.01, 100.0)), min_size=1, max_size=4
-)
+tensors = st.lists(st.tuples(st.integers(1, 5), st.integers(1, 5), st.floats(0.01, 100.0)), min_size=1, max_size=4)
 
 
 def _tree_from(spec, seed):

@@ -146,7 +146,7 @@ def test_deferred_factor_is_applied_before_a_member_that_is_not_scale_aware():
     plain = gtx.GradientTransformation(lambda p: gtx.EmptyState(), update)
     tx = gtx.chain(gtx.scale(0.5), plain, gtx.scale(2.0))
     deferred = gtx.DeferredScale()
-    out, _ = tx.update(g, tx.init(g), deferred=deferred)
+    tx.update(g, tx.init(g), deferred=deferred)
     assert_trees_equal(seen[0], torch.tensor([1.5, 2.0]))  # the pending 0.5 was applied before `plain`
     assert float(deferred.take()) == 2.0  # the trailing scale stays deferred for the caller
 

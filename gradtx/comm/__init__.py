@@ -2,5 +2,6 @@
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp
 from gradtx.comm.local import LocalComm
+from gradtx.comm.torch_dist import TorchComm
 
-__all__ = ["Comm", "GroupKey", "LocalComm", "ReduceOp"]
+__all__ = ["Comm", "GroupKey", "LocalComm", "ReduceOp", "TorchComm"]

@@ -7,8 +7,9 @@ in one process, so every transform can be unit-tested without a process group.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from enum import Enum
-from typing import Hashable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
