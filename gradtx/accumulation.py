@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, Params, PyTree, scale_aware
+from gradtx.base import GradientTransformation, Params, PyTree, gate, scale_aware
+from gradtx.combine import apply_deferred
 from gradtx.comm.base import Comm, GroupKey, ReduceOp
 
 
@@ -36,7 +37,6 @@ class AccumulateState(NamedTuple):
     acc: PyTree
     k: torch.Tensor
 
-    # A NamedTuple cannot declare a ClassVar; this mapping is read-only by convention.
     _metrics = (("micro_step", "micro_step"), ("last_tokens", "tokens"), ("emitted", "emitted"))
 
 
@@ -167,10 +167,14 @@ def accumulate(
             k=torch.tensor(k, dtype=torch.int64),
         )
 
+    @gate
     @scale_aware
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, running_sum=False, **extra):
         del params
         tu.require_state(state, AccumulateState, name="accumulate")
+        if not running_sum:
+            # A factor deferred by a transform ahead of us belongs to this micro-batch only.
+            updates = apply_deferred(updates, extra)
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tu.paths(updates), what="accumulate: updates")
         tu.check_structure(
@@ -200,7 +204,9 @@ def accumulate(
             )
 
         if token_weighted:
-            total = torch.tensor(window_tokens, dtype=torch.int64)
+            # On the grads' device: a GPU process group (NCCL) reduces device tensors only.
+            device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
+            total = torch.tensor(window_tokens, dtype=torch.int64, device=device)
             if comm is not None:
                 (total,) = comm.all_reduce([total], ReduceOp.SUM, group)
             total = int(total.cpu())  # one scalar per optimizer step

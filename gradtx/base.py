@@ -130,6 +130,20 @@ def is_scale_aware(tx: GradientTransformation) -> bool:
     return bool(getattr(tx.update, _SCALE_AWARE, False))
 
 
+_GATE = "_gradtx_gate"
+
+
+def gate(update_fn: UpdateFn) -> UpdateFn:
+    """Mark ``update_fn`` as a gate: it may hold (return ``None``), like :func:`gradtx.accumulate`."""
+    setattr(update_fn, _GATE, True)
+    return update_fn
+
+
+def is_gate(tx: GradientTransformation) -> bool:
+    """Whether ``tx`` is, or contains, a gate that may hold."""
+    return bool(getattr(tx.update, _GATE, False))
+
+
 def metrics(state: OptState) -> dict[str, torch.Tensor]:
     """Named scalars found anywhere in a (chain) state: ``{"grad_norm": ..., "clip_coef": ...}``.
 

@@ -16,6 +16,8 @@ from gradtx.base import (
     Params,
     PyTree,
     Updates,
+    gate,
+    is_gate,
     is_scale_aware,
     scale_aware,
 )
@@ -38,6 +40,15 @@ def _run(
     params: Params | None,
     extra: dict[str, Any],
 ) -> tuple[Updates | None, list[OptState]]:
+    if extra.get("running_sum"):
+        late = [i for i, tx in enumerate(txs) if i > 0 and is_gate(tx)]
+        if late:
+            # Autograd's running sum is the sum of micro-batch grads only before any transform
+            # touches it; a transform ahead of the gate would act on partial sums, every micro-step.
+            raise ValueError(
+                f"chain: member {late[0]} accumulates, but autograd sums the micro-batches into .grad "
+                "(TransformedOptimizer), so accumulate() must be the first transform of the chain"
+            )
     new_states = list(states)
     for i, tx in enumerate(txs):
         if not is_scale_aware(tx):
@@ -83,6 +94,8 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         updates, new_states = _run(txs, updates, state, params, extra)
         return updates, tuple(new_states)
 
+    if any(is_gate(tx) for tx in txs):
+        gate(update_fn)
     return GradientTransformation(init_fn, update_fn)
 
 
@@ -113,6 +126,8 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
         updates, new_states = _run(txs, updates, [state[n] for n in names], params, extra)
         return updates, dict(zip(names, new_states))
 
+    if any(is_gate(tx) for tx in txs):
+        gate(update_fn)
     return GradientTransformation(init_fn, update_fn)
 
 
@@ -171,7 +186,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
     Args:
       inner: the transform to apply to the masked leaves.
       mask: a pytree of bools with the structure of the params, or a callable
-        ``params -> mask``. Resolved at ``init``.
+        ``params -> mask``, evaluated on every call.
 
     Returns:
       A :class:`GradientTransformation` with state ``MaskedState(inner_state)``.

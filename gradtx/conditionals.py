@@ -29,7 +29,6 @@ class ApplyIfFiniteState(NamedTuple):
     total_skipped: torch.Tensor
     inner_state: OptState
 
-    # A NamedTuple cannot declare a ClassVar; this mapping is read-only by convention.
     _metrics = (("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
 
 

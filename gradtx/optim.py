@@ -148,7 +148,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
           **extra: forwarded to every transform, e.g. ``tokens=n``, ``flush=True``.
 
         Returns:
-          True when the inner optimizer stepped.
+          True when the inner optimizer's step ran. With a fused inner optimizer, a
+          step that :func:`gradtx.apply_if_finite` skips is skipped inside the
+          kernel (``found_inf``, no host sync), so this still returns True and
+          ``metrics["skipped"]`` counts it; other optimizers return False.
         """
         if closure is not None:
             raise ValueError("TransformedOptimizer.step: closures are not supported")
@@ -319,7 +322,8 @@ def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
         yield
 
 
-def _ddp_sum_hook(process_group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+def _ddp_sum_hook(process_group: Any, bucket):
+    # Unannotated on purpose: DDP checks the annotations by identity, and this module's are strings.
     # DDP has no switch for its divide by the group size, and gradtx issues collectives only
     # from gradtx.comm. So DDP keeps its own (stock, overlapped) all-reduce, and the mean is
     # multiplied back into the sum when the bucket lands: exact for power-of-two groups,
@@ -327,7 +331,8 @@ def _ddp_sum_hook(process_group: Any, bucket: Any) -> torch.futures.Future[torch
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     size = float(process_group.size())
-    return allreduce_hook(process_group, bucket).then(lambda fut: fut.value()[0].mul_(size))
+    # The stock hook's future already holds the reduced bucket tensor (not a list).
+    return allreduce_hook(process_group, bucket).then(lambda fut: fut.value().mul_(size))
 
 
 def sum_grad_reduction(model: ModuleT) -> ModuleT:

@@ -82,7 +82,9 @@ def assert_trees_close(
     actual: PyTree, expected: PyTree, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = ""
 ) -> None:
     """Assert two trees have the same structure and every leaf is close (NaNs equal)."""
-    tu.check_structure(expected, actual, what=f"{msg}actual tree", against="expected tree")
+    where = tu.first_mismatch(expected, actual)
+    if where is not None:
+        raise AssertionError(f"{msg}actual tree does not match expected tree at {where}")
     for (path, a), (_, e) in zip(_tensor_leaves(actual), _tensor_leaves(expected)):
         a, e = tu.local(a).detach(), tu.local(e).detach()
         if a.dtype != e.dtype:

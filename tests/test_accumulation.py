@@ -206,3 +206,17 @@ def test_structure_mismatch_names_the_path():
         tx.update({"a": torch.zeros(2), "c": torch.zeros(2)}, state)
     with pytest.raises(ValueError, match="call init"):
         tx.update({"a": torch.zeros(2)}, None)
+
+
+def test_transforms_before_accumulate_clip_each_micro_batch_on_every_path():
+    grads = [{"w": torch.tensor([3.0, 4.0])}, {"w": torch.tensor([0.3, 0.4])}]
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.accumulate(2))
+    expected = {"w": (torch.tensor([3.0, 4.0]) / (5 + 1e-6) + torch.tensor([0.3, 0.4])) / 2}
+    for deferred in (False, True):
+        state = tx.init(grads[0])
+        for g in grads:
+            d = gtx.DeferredScale() if deferred else None
+            out, state = tx.update(g, state, deferred=d)
+        if deferred and (factor := d.take()) is not None:
+            out = {"w": out["w"] * factor}
+        assert_trees_close(out, expected, rtol=1e-6)

@@ -219,3 +219,16 @@ def test_wrapper_rejects_bad_arguments():
     opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.identity())
     with pytest.raises(ValueError, match="missing key"):
         opt.load_state_dict({"inner": {}})
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_wrapper_requires_accumulate_first(fused):
+    model = make_model()
+    tx = gtx.chain(gtx.scale(0.5), gtx.accumulate(2))
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, fused=fused), tx)
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="must be the first transform"):
+        opt.step()
+    assert_trees_equal([p.grad for p in model.parameters()], before)
