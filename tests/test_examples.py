@@ -1,0 +1,109 @@
+"""The examples run as scripts, exit 0, and train; and the user guide's code blocks run as written."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+# The examples' last line: "initial_loss=1.534783 final_loss=0.377835".
+LOSSES = re.compile(r"^initial_loss=(\S+) final_loss=(\S+)$", re.MULTILINE)
+
+
+def run_example(script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    # The package may not be installed into the interpreter (a plain checkout): import it from the repo.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert result.returncode == 0, f"{script.name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.mark.parametrize("name", ["functional_step.py", "wrap_torch_optimizer.py"])
+def test_example_runs_and_loss_falls(name):
+    out = run_example(EXAMPLES / name).stdout
+    found = LOSSES.findall(out)
+    assert found, f"{name} printed no 'initial_loss=... final_loss=...' line:\n{out}"
+    initial, final = (float(v) for v in found[-1])
+    assert final < initial, f"{name}: final loss {final} is not below initial loss {initial}"
+    if name == "wrap_torch_optimizer.py":  # the script also exits 1 if the resumed run differs
+        assert "max |param diff| = 0.0e+00" in out, out
+
+
+TINY_LM = EXAMPLES / "train_tiny_lm.py"
+
+
+@pytest.mark.skipif(
+    not TINY_LM.exists() or "--quick" not in TINY_LM.read_text(encoding="utf-8"),
+    reason="examples/train_tiny_lm.py with --quick is not there",
+)
+def test_train_tiny_lm_quick_writes_its_plot(tmp_path):
+    source = TINY_LM.read_text(encoding="utf-8")
+    if '"--out"' in source:
+        png = tmp_path / "train_tiny_lm.png"
+        run_example(TINY_LM, "--quick", "--out", str(png))
+    else:
+        png = ROOT / "out" / "train_tiny_lm.png"
+        png.unlink(missing_ok=True)
+        run_example(TINY_LM, "--quick")
+    assert png.is_file() and png.stat().st_size > 0
+
+
+# --- the user guide's code blocks ---------------------------------------------------------
+
+DOCS = ROOT / "docs"
+# The concept pages whose every ```python block must run, in order, in one namespace per page.
+DOC_PAGES = [
+    "index.md",
+    "transforms.md",
+    "chaining.md",
+    "clipping.md",
+    "agc.md",
+    "accumulation.md",
+    "wrapper.md",
+    "testing.md",
+]
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
+
+
+def _parametrized_calls(fn) -> list[dict]:
+    """The keyword arguments pytest would call ``fn`` with, from its ``parametrize`` marks."""
+    calls: list[dict] = [{}]
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name == "parametrize":
+            names = [n.strip() for n in mark.args[0].split(",")]
+            values = [v if len(names) > 1 else (v,) for v in mark.args[1]]
+            calls = [{**c, **dict(zip(names, v))} for c, v in itertools.product(calls, values)]
+    return calls
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_doc_code_blocks_run(page):
+    path = DOCS / page
+    if not path.exists():
+        pytest.skip(f"docs/{page} is not there")
+    blocks = PYTHON_BLOCK.findall(path.read_text(encoding="utf-8"))
+    assert blocks, f"docs/{page} has no python code block"
+    namespace: dict = {"__name__": f"docs_{path.stem}"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/{page} (python block {i + 1})", "exec"), namespace)  # noqa: S102 (our own docs)
+    # A page may define pytest-style tests (testing.md does): run them too.
+    for name, fn in list(namespace.items()):
+        if name.startswith("test_") and callable(fn):
+            for kwargs in _parametrized_calls(fn):
+                fn(**kwargs)
