@@ -13,8 +13,9 @@ from gradtx.base import (
 from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
 from gradtx.combine import MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
-from gradtx.norms import global_norm
+from gradtx.norms import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.optim import TransformedOptimizer, no_sync
+from gradtx.pipeline import pp_reduce
 from gradtx.optimizers import (
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -28,6 +29,7 @@ from gradtx.optimizers import (
     scale_by_schedule,
     sgd,
     trace,
+    update_and_apply,
 )
 
 __version__ = "0.1.0"
@@ -40,9 +42,11 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "MaskedState",
+    "MeshGroups",
     "PartitionState",
     "ScaleByAdamState",
     "ScaleByScheduleState",
+    "Sharded",
     "TraceState",
     "TransformedOptimizer",
     "accumulate",
@@ -59,10 +63,12 @@ __all__ = [
     "global_norm",
     "identity",
     "masked",
+    "mesh_groups",
     "metrics",
     "named_chain",
     "no_sync",
     "partition",
+    "pp_reduce",
     "scale",
     "scale_aware",
     "scale_by_adam",
@@ -72,4 +78,5 @@ __all__ = [
     "testing",
     "trace",
     "unitwise_norm",
+    "update_and_apply",
 ]

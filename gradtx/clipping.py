@@ -206,7 +206,7 @@ def adaptive_clip(
     clipping = _check_positive(clipping, arg="clipping", name="adaptive_clip", allow_inf=False)
     eps = _check_positive(eps, arg="eps", name="adaptive_clip", allow_zero=True, allow_inf=False)
     _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
-    if mesh_groups is not None:
+    if isinstance(mesh_groups, norms.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
             mesh_groups.unit_groups(i, unitwise=unitwise)
 

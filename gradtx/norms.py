@@ -41,13 +41,18 @@ def check_norm_type(norm_type: float, *, name: str) -> float:
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """The fp32 ``norm_type``-norm of each tensor's local shard, one foreach kernel per (device, dtype)."""
+    """The fp32 ``norm_type``-norm of each tensor's local shard, one foreach kernel per (device, dtype).
+
+    Low-precision tensors accumulate in fp32; fp64 ones accumulate in fp64
+    (foreach refuses a narrowing accumulator) and only the norm is rounded to fp32.
+    """
     locals_ = [tu.local(t) for t in tensors]
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
-    for idx in tu.group_by_device_dtype(locals_).values():
-        norms = torch._foreach_norm([locals_[i] for i in idx], norm_type, dtype=torch.float32)
+    for (_, dtype), idx in tu.group_by_device_dtype(locals_).items():
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        norms = torch._foreach_norm([locals_[i] for i in idx], norm_type, dtype=acc)
         for i, n in zip(idx, norms):
-            out[i] = n
+            out[i] = n if acc == torch.float32 else n.float()
     return out
 
 
@@ -400,6 +405,19 @@ def reduce_over_groups(
     return values
 
 
+def _mesh_dim_key(mesh: Any, mesh_dim: int, resolve: Callable[[GroupKey], Any] | None) -> GroupKey:
+    """The key of a mesh dim's group: its name when the comm resolves that name to the same group, else the group."""
+    group = mesh.get_group(mesh_dim)
+    names = mesh.mesh_dim_names
+    if names is not None and resolve is not None:
+        try:
+            if resolve(names[mesh_dim]) is group:
+                return names[mesh_dim]  # readable in logs and in RecordingComm's calls
+        except (ValueError, TypeError, KeyError):
+            pass
+    return group
+
+
 def mesh_groups(
     params: PyTree,
     *,
@@ -481,6 +499,7 @@ def mesh_groups(
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
 
     used: set[int] = set()
+    checked: set[GroupKey] = set()
     infos: list[_Leaf] = []
     for path, leaf in zip(dotted, flat_leaves):
         shards: list[tuple[GroupKey, int | None]] = []
@@ -495,7 +514,16 @@ def mesh_groups(
                         "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
-                    shards.append((canonical(mesh.get_group(mesh_dim)), placement.dim))
+                    key = canonical(_mesh_dim_key(mesh, mesh_dim, resolve))
+                    if key not in checked:  # a LocalComm here would silently drop the other shards
+                        if comm.size(key) != mesh.size(mesh_dim):
+                            raise ValueError(
+                                f"mesh_groups: leaf at {path} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
+                                f"ranks, but comm reports {comm.size(key)} for its group; pass a comm over the "
+                                "same process groups, e.g. TorchComm(mesh)"
+                            )
+                        checked.add(key)
+                    shards.append((key, placement.dim))
         for n, (key, decl) in enumerate(sharded.items()):
             if _match(key, path, leaf):
                 used.add(n)

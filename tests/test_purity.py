@@ -18,6 +18,10 @@ def _tree(seed, dtype=torch.float32):
     }
 
 
+def _local_plan(**kw):
+    return gtx.mesh_groups(_tree(1), comm=gtx.comm.LocalComm(), pp_group="pp", **kw)
+
+
 # name -> (factory, extras). Each factory builds one configured transform.
 CASES = {
     "identity": (lambda: gtx.identity(), {}),
@@ -51,6 +55,10 @@ CASES = {
     "sgd": (lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True, weight_decay=0.1), {}),
     "adam": (lambda: gtx.adam(0.1, weight_decay=0.1), {}),
     "adamw": (lambda: gtx.adamw(0.1), {}),
+    # One process: the plan's collectives go through a LocalComm, a one-rank world.
+    "pp_reduce": (lambda: gtx.pp_reduce(_local_plan(tied={"w": "pp"})), {}),
+    "clip_by_global_norm_mesh_groups": (lambda: gtx.clip_by_global_norm(0.1, mesh_groups=_local_plan()), {}),
+    "adaptive_clip_mesh_groups": (lambda: gtx.adaptive_clip(0.01, mesh_groups=_local_plan()), {}),
 }
 
 

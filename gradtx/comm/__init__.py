@@ -2,6 +2,10 @@
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp
 from gradtx.comm.local import LocalComm
-from gradtx.comm.torch_dist import TorchComm
+
+try:  # a torch build without distributed support still has LocalComm
+    from gradtx.comm.torch_dist import TorchComm
+except ImportError:  # pragma: no cover
+    TorchComm = None  # type: ignore[assignment,misc]
 
 __all__ = ["Comm", "GroupKey", "LocalComm", "ReduceOp", "TorchComm"]

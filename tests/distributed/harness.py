@@ -9,7 +9,9 @@ Example:
 
 from __future__ import annotations
 
+import io
 import os
+import queue as queue_lib
 import socket
 import traceback
 from collections.abc import Callable
@@ -34,8 +36,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # Serialise here: tensors shared through the queue would die with this process.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -47,11 +51,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; return results by rank.
 
     ``fn`` must be importable (a module-level function). Results travel back
-    through a queue, so return tensors or plain Python values. Any rank's
-    exception fails the caller with that rank's traceback.
+    serialised with ``torch.save``, so return tensors or plain Python values.
+    Any rank's exception, or no answer within ``timeout`` seconds, fails the
+    caller with that rank's traceback.
     """
     ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
+    queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
     for p in procs:
@@ -59,13 +64,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
     results: dict[int, Any] = {}
     errors: list[str] = []
     for _ in range(world_size):
-        rank, status, payload = queue.get()
+        try:
+            rank, status, payload = queue.get(timeout=timeout)
+        except queue_lib.Empty:
+            errors.append(f"no result within {timeout:.0f} s (a rank hung or died)")
+            break
         if status == "ok":
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"rank {rank}:\n{payload}")
     for p in procs:
-        p.join(timeout)
+        p.join(timeout if not errors else 5)
         if p.is_alive():
             p.kill()
     if errors:

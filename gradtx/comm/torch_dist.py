@@ -1,0 +1,140 @@
+"""TorchComm: the :class:`~gradtx.comm.Comm` over ``torch.distributed`` process groups and ``DeviceMesh`` dims.
+
+This is the only module in gradtx that issues ``torch.distributed``
+collectives (a test scans the package for any other). Everything above it
+names groups with keys and never touches a process group directly.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from gradtx.comm.base import GroupKey, ReduceOp
+
+_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
+
+
+class TorchComm:
+    """A :class:`~gradtx.comm.Comm` that reduces over ``torch.distributed`` process groups.
+
+    A group key is one of:
+
+    * a ``ProcessGroup``, used as is (this is what :func:`gradtx.mesh_groups`
+      derives from a DTensor's mesh dims);
+    * a string naming a dim of ``mesh`` (``"dp"``, ``"tp"``, ``"pp"``), resolved
+      with ``mesh.get_group(name)``, or a key of ``groups``;
+    * ``"world"`` (or ``None``), the default group.
+
+    Every call to :meth:`all_reduce` issues one collective for its whole list
+    of tensors: they are flattened into one buffer, reduced, and split back.
+    Tensors of different dtypes cost one collective per dtype, because a sum
+    must run in each tensor's own dtype to stay exact for integers.
+
+    Args:
+      mesh: the device mesh whose dim names are valid group keys, or ``None``.
+      groups: extra named groups, e.g. ``{"tied": embedding_and_head_group}``.
+
+    Returns:
+      A comm to pass to :func:`gradtx.mesh_groups`, :func:`gradtx.pp_reduce`
+      and the other transforms that communicate.
+
+    Example:
+      >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
+      >>> comm = TorchComm(mesh)
+      >>> total, peak = comm.all_reduce([x, y], ReduceOp.SUM, "tp")
+    """
+
+    def __init__(
+        self, mesh: DeviceMesh | None = None, *, groups: Mapping[str, dist.ProcessGroup] | None = None
+    ) -> None:
+        if mesh is not None and not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"TorchComm: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+        groups = dict(groups or {})
+        for name, group in groups.items():
+            if not isinstance(name, str):
+                raise TypeError(f"TorchComm: groups keys must be strings, got {name!r}")
+            if not isinstance(group, dist.ProcessGroup):
+                raise TypeError(f"TorchComm: groups[{name!r}] must be a ProcessGroup, got {type(group).__name__}")
+        dim_names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+        clash = sorted(set(dim_names) & set(groups))
+        if clash:
+            raise ValueError(f"TorchComm: groups names {clash} are also mesh dim names; pick other names")
+        self.mesh = mesh
+        self.groups = groups
+
+    def resolve(self, group: GroupKey) -> dist.ProcessGroup | None:
+        """The process group a key names (``None`` is the default group)."""
+        if group is None or group == "world":
+            return None
+        if isinstance(group, dist.ProcessGroup):
+            return group
+        if isinstance(group, str):
+            if group in self.groups:
+                return self.groups[group]
+            if self.mesh is not None and group in (self.mesh.mesh_dim_names or ()):
+                return self.mesh.get_group(group)
+            known = sorted(self.groups) + list(self.mesh.mesh_dim_names or () if self.mesh is not None else ())
+            raise ValueError(
+                f"TorchComm: unknown group {group!r}; known names are {['world', *known]}"
+                + ("" if self.mesh is not None else " (pass mesh=DeviceMesh to name its dims)")
+            )
+        raise TypeError(
+            f"TorchComm: a group key is a ProcessGroup, a mesh dim name or 'world', got {type(group).__name__}"
+        )
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        """Reduce every tensor over ``group`` in one collective (per dtype); returns new tensors.
+
+        Args:
+          tensors: dense tensors, all on one device; the inputs are not modified.
+          op: ``ReduceOp.SUM`` or ``ReduceOp.MAX``.
+          group: a group key (see the class docstring).
+
+        Returns:
+          The reduced tensors, in order, with the inputs' shapes and dtypes.
+        """
+        reduce_op = _OPS[ReduceOp(op)]
+        pg = self.resolve(group)
+        tensors = list(tensors)
+        if not tensors:
+            return []
+        device = tensors[0].device
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                raise TypeError(
+                    f"TorchComm.all_reduce: tensors[{i}] must be a plain torch.Tensor (a DTensor's local shard), "
+                    f"got {type(t).__name__}"
+                )
+            if t.device != device:
+                raise ValueError(f"TorchComm.all_reduce: tensors[{i}] is on {t.device}, tensors[0] on {device}")
+        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
+        for i, t in enumerate(tensors):
+            by_dtype[t.dtype].append(i)
+        out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
+        for idx in by_dtype.values():
+            # One flat buffer per dtype: a single collective, and the inputs are never aliased.
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            dist.all_reduce(flat, op=reduce_op, group=pg)
+            offset = 0
+            for i in idx:
+                n = tensors[i].numel()
+                out[i] = flat[offset : offset + n].view(tensors[i].shape)
+                offset += n
+        return out
+
+    def size(self, group: GroupKey) -> int:
+        """The number of ranks in ``group``."""
+        return dist.get_world_size(self.resolve(group))
+
+    def rank(self, group: GroupKey) -> int:
+        """This process's rank within ``group``."""
+        return dist.get_rank(self.resolve(group))
+
+    def __repr__(self) -> str:
+        return f"TorchComm(mesh={self.mesh!r}, groups={sorted(self.groups)})"

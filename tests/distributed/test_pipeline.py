@@ -1,0 +1,129 @@
+"""pp_reduce and the pipeline-aware norm on a real 2-stage torch.distributed.pipelining run, against one device.
+
+The model is a tiny LM whose LM head is tied to its token embedding: stage 0
+holds the embedding, stage 1 the head, each as its own copy. The reference is
+the same LM on one device, where the two are one ``Parameter``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+import gradtx as gtx
+from gradtx.comm import TorchComm
+from gradtx.norms import mesh_groups
+from gradtx.pipeline import pp_reduce
+from gradtx.testing import RecordingComm
+from tests.distributed import models
+from tests.distributed.harness import run_distributed
+
+NORM_TYPES = (2.0, math.inf)
+MAX_NORM = 0.05
+LR = 0.5
+
+
+def _ref_name(stage: int, name: str) -> str:
+    # The reference's tied weight appears once, under the embedding's name.
+    return "stage0.emb.weight" if (stage, name) == (1, "head.weight") else f"stage{stage}.{name}"
+
+
+def _body(rank: int, world: int) -> bytes:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
+    comm = TorchComm(mesh)
+    ref = models.TiedLM(seed=0)
+    module = models.tied_lm_stages(seed=0)[rank]
+    stage = PipelineStage(module, rank, world, torch.device("cpu"), group=mesh.get_group("pp"))
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=models.lm_loss)
+    ids, targets = models.lm_batch(seed=1)
+    if rank == 0:
+        schedule.step(ids)
+    else:
+        schedule.step(target=targets)
+    ref_grads = models.reference_grads(ref, models.lm_loss(ref(ids), targets))
+
+    tied = {"emb.weight": "pp"} if rank == 0 else {"head.weight": "pp"}
+    params = dict(module.named_parameters())
+    out: dict = {"rank": rank}
+    for norm_type in NORM_TYPES:
+        rec = RecordingComm(comm)
+        plan = mesh_groups(params, comm=rec, pp_group="pp", tied=tied)
+        tx = gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(MAX_NORM, norm_type=norm_type, mesh_groups=plan))
+        grads = {n: p.grad.clone() for n, p in params.items()}
+        clipped, state = tx.update(grads, tx.init(params), params)
+        ref_norm, ref_clipped = models.reference_clip(ref_grads, MAX_NORM, norm_type)
+        out[norm_type] = {
+            "norm": gtx.metrics(state)["grad_norm"],
+            "ref_norm": ref_norm,
+            "clipped": clipped,
+            "ref_clipped": {n: ref_clipped[_ref_name(rank, n)] for n in clipped},
+            "calls": [(c.op, c.group, c.num_tensors) for c in rec.calls],
+            "grads_untouched": all(torch.equal(grads[n], p.grad) for n, p in params.items()),
+        }
+
+    # A rank with no grads at all still joins the PP reduction, and gets the same norm.
+    x = torch.tensor([3.0, -4.0])
+    empty = {} if rank == 1 else {"x": x}
+    out["empty"] = [
+        mesh_groups(empty, comm=comm, pp_group="pp").global_norm(list(empty.values()), p) for p in NORM_TYPES
+    ]
+
+    # The same chain through TransformedOptimizer (in-place path, tree of param groups, tie by identity).
+    tie = module.emb.weight if rank == 0 else module.head.weight
+    plan = mesh_groups([list(module.parameters())], comm=comm, pp_group="pp", tied={lambda path, p: p is tie: "pp"})
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(module.parameters(), lr=LR),
+        gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(MAX_NORM, mesh_groups=plan)),
+    )
+    opt.step()
+    _, ref_clipped = models.reference_clip(ref_grads, MAX_NORM, 2.0)
+    ref_params = dict(ref.named_parameters())
+    out["stepped"] = {n: p.detach().clone() for n, p in module.named_parameters()}
+    out["ref_stepped"] = {
+        n: (ref_params[_ref_name(rank, n)] - LR * ref_clipped[_ref_name(rank, n)]).detach() for n in out["stepped"]
+    }
+    out["tied_after_step"] = tie.detach().clone()
+    return models.pack(out)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return [models.unpack(r) for r in run_distributed(_body, world_size=2)]
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_pipeline_norm_and_clipped_grads_match_single_device(results, norm_type):
+    norms = [r[norm_type]["norm"] for r in results]
+    assert torch.equal(norms[0], norms[1])
+    for r in results:
+        got = r[norm_type]
+        torch.testing.assert_close(got["norm"], got["ref_norm"], rtol=1e-5, atol=0)
+        assert set(got["clipped"]) == set(got["ref_clipped"])
+        for name, ref in got["ref_clipped"].items():
+            torch.testing.assert_close(got["clipped"][name], ref, rtol=1e-5, atol=1e-7, msg=f"rank {r['rank']} {name}")
+        assert got["grads_untouched"]  # the pure path never writes into the grads it is given
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_pipeline_collectives_one_tie_reduce_and_one_norm_reduce(results, norm_type):
+    op = "max" if math.isinf(norm_type) else "sum"
+    for r in results:
+        # pp_reduce: the tied grad, summed once; the norm: one reduction over the PP group.
+        assert r[norm_type]["calls"] == [("sum", "pp", 1), (op, "pp", 1)]
+
+
+def test_empty_stage_joins_the_pp_reduction(results):
+    for r in results:
+        torch.testing.assert_close(r["empty"][0], torch.tensor(5.0))
+        torch.testing.assert_close(r["empty"][1], torch.tensor(4.0))
+
+
+def test_transformed_optimizer_step_matches_single_device_and_keeps_tied_copies_equal(results):
+    for r in results:
+        for name, ref in r["ref_stepped"].items():
+            torch.testing.assert_close(r["stepped"][name], ref, rtol=1e-5, atol=1e-7, msg=f"rank {r['rank']} {name}")
+    assert torch.equal(results[0]["tied_after_step"], results[1]["tied_after_step"])

@@ -1,0 +1,232 @@
+"""The comm layer: LocalComm, RecordingComm, TorchComm on real gloo processes, and the only-comm-communicates rule."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+import torch
+
+from gradtx.comm import Comm, LocalComm, ReduceOp, TorchComm
+from gradtx.testing import RecordingComm
+from tests.distributed import models
+from tests.distributed.harness import run_distributed
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "gradtx"
+
+# --- only gradtx/comm/ issues collectives ------------------------------------------------------
+
+# torch.distributed (and functional-collectives) entry points that communicate.
+COLLECTIVES = {
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_object",
+    "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "broadcast", "broadcast_object_list", "reduce", "scatter", "scatter_object_list", "gather",
+    "gather_object", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "send_object_list", "recv_object_list", "_coalescing_manager", "all_reduce_inplace",
+}  # fmt: skip
+# Methods that communicate whatever object they are called on: DTensor's, and ProcessGroup's own.
+COMMUNICATING_METHODS = {"full_tensor", "redistribute", "allreduce", "allgather", "reduce_scatter", "alltoall_base"}
+DIST_MODULES = ("torch.distributed", "torch.distributed.distributed_c10d", "torch.distributed._functional_collectives")
+
+
+def _dotted(node: ast.AST) -> str | None:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def collective_calls(source: str) -> list[str]:
+    """``line: call`` for every collective a module's source issues (through any alias of torch.distributed)."""
+    tree = ast.parse(source)
+    modules = {m: m for m in DIST_MODULES}  # local name -> module it aliases
+    functions: dict[str, str] = {}  # local name -> collective imported by name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in DIST_MODULES and alias.asname:
+                    modules[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                local = alias.asname or alias.name
+                if full in DIST_MODULES:
+                    modules[local] = full
+                elif node.module in DIST_MODULES and alias.name in COLLECTIVES:
+                    functions[local] = full
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        name = _dotted(func)
+        if isinstance(func, ast.Name) and func.id in functions:
+            found.append(f"{node.lineno}: {func.id}")
+        elif isinstance(func, ast.Attribute):
+            owner = _dotted(func.value)
+            if func.attr in COLLECTIVES and owner in modules:
+                found.append(f"{node.lineno}: {name}")
+            elif func.attr in COMMUNICATING_METHODS:
+                found.append(f"{node.lineno}: .{func.attr}()")
+    return found
+
+
+def test_scanner_finds_collectives_through_every_kind_of_alias():
+    planted = """
+import torch.distributed as dist
+import torch.distributed
+from torch import distributed as td
+from torch.distributed import all_reduce as ar, broadcast
+import torch.distributed._functional_collectives as funcol
+from gradtx.comm import ReduceOp
+
+def f(x, comm, dt):
+    dist.all_reduce(x)
+    torch.distributed.barrier()
+    td.all_gather_into_tensor(x, x)
+    ar(x)
+    broadcast(x, 0)
+    funcol.all_reduce(x, "sum", group=None)
+    dt.full_tensor()
+    dt.redistribute(placements=[])
+    comm.all_reduce([x], ReduceOp.SUM, "tp")   # the Comm protocol: allowed
+    dist.get_rank()                             # not a collective: allowed
+"""
+    found = collective_calls(planted)
+    assert len(found) == 8, found
+    assert not any("comm.all_reduce" in f or "get_rank" in f for f in found)
+
+
+def test_only_gradtx_comm_issues_collectives():
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (PACKAGE / "comm") in path.parents:
+            continue
+        offenders += [f"{path.relative_to(PACKAGE.parent)}:{hit}" for hit in collective_calls(path.read_text())]
+    assert not offenders, "collectives outside gradtx/comm/ (go through a Comm instead):\n" + "\n".join(offenders)
+
+
+def test_the_comm_package_is_where_collectives_live():
+    # The scan would pass vacuously if it could not see a collective at all.
+    assert collective_calls((PACKAGE / "comm" / "torch_dist.py").read_text())
+
+
+# --- LocalComm and RecordingComm --------------------------------------------------------------
+
+
+def test_local_comm_is_the_identity_and_a_comm():
+    comm = LocalComm()
+    x, y = torch.tensor([1.0, 2.0]), torch.tensor(3)
+    assert isinstance(comm, Comm)
+    out = comm.all_reduce([x, y], ReduceOp.SUM, "tp")
+    assert out[0] is x and out[1] is y
+    assert comm.size("anything") == 1
+
+
+def test_recording_comm_logs_and_forwards():
+    comm = RecordingComm()
+    comm.all_reduce([torch.zeros(2, 3), torch.zeros(())], ReduceOp.MAX, "dp")
+    comm.all_reduce([], "sum", "pp")
+    assert [(c.op, c.group, c.num_tensors, c.shapes) for c in comm.calls] == [
+        ("max", "dp", 2, ((2, 3), ())),
+        ("sum", "pp", 0, ()),
+    ]
+
+
+# --- TorchComm --------------------------------------------------------------------------------
+
+
+def test_torch_comm_rejects_bad_arguments_without_a_process_group():
+    with pytest.raises(TypeError, match="mesh must be a DeviceMesh"):
+        TorchComm("dp")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"groups\['tp'\] must be a ProcessGroup"):
+        TorchComm(groups={"tp": 3})  # type: ignore[dict-item]
+    comm = TorchComm()
+    with pytest.raises(ValueError, match="unknown group 'tp'.*pass mesh=DeviceMesh"):
+        comm.resolve("tp")
+    with pytest.raises(TypeError, match="group key"):
+        comm.resolve(3.5)
+    assert comm.resolve("world") is None and comm.resolve(None) is None
+    assert comm.all_reduce([], ReduceOp.SUM, "world") == []  # nothing to reduce: no collective at all
+
+
+def _torch_comm_body(rank: int, world: int) -> bytes:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    comm = TorchComm(mesh, groups={"pair": dist.new_group([0, 1])})
+    a = torch.full((2, 3), float(rank + 1))
+    b = torch.tensor(float(10 * (rank + 1)))
+    c = torch.arange(3, dtype=torch.int64) * (rank + 1)
+    a_before = a.clone()
+    out: dict = {}
+    calls.clear()
+    out["sum"] = comm.all_reduce([a, b], ReduceOp.SUM, "dp")
+    out["sum_calls"] = list(calls)
+    calls.clear()
+    out["max"] = comm.all_reduce([a, b], ReduceOp.MAX, mesh.get_group("dp"))
+    out["max_calls"] = list(calls)
+    calls.clear()
+    out["mixed"] = comm.all_reduce([a, c, b], ReduceOp.SUM, "world")
+    out["mixed_calls"] = list(calls)
+    out["pair"] = comm.all_reduce([b], "sum", "pair")
+    out["unmodified"] = torch.equal(a, a_before)
+    out["size"] = (comm.size("dp"), comm.size("world"), comm.size("pair"))
+    out["rank"] = comm.rank("dp")
+    try:
+        comm.all_reduce([DTensor.from_local(a, mesh, [Replicate()])], ReduceOp.SUM, "dp")
+        out["dtensor_error"] = None
+    except TypeError as err:
+        out["dtensor_error"] = str(err)
+    try:
+        comm.resolve("tp")
+        out["unknown_error"] = None
+    except ValueError as err:
+        out["unknown_error"] = str(err)
+    dist.all_reduce = real
+    return models.pack(out)
+
+
+@pytest.fixture(scope="module")
+def torch_comm_results() -> list[dict]:
+    return [models.unpack(r) for r in run_distributed(_torch_comm_body, world_size=2)]
+
+
+def test_torch_comm_reduces_a_list_in_one_collective(torch_comm_results):
+    for r in torch_comm_results:
+        total, peak = r["sum"]
+        assert torch.equal(total, torch.full((2, 3), 3.0)) and total.dtype == torch.float32
+        assert torch.equal(peak, torch.tensor(30.0)) and peak.shape == ()
+        assert r["sum_calls"] == [7]  # one flat buffer: 6 + 1 elements, one collective
+        assert torch.equal(r["max"][0], torch.full((2, 3), 2.0)) and torch.equal(r["max"][1], torch.tensor(20.0))
+        assert r["max_calls"] == [7]
+        assert r["unmodified"]
+
+
+def test_torch_comm_mixed_dtypes_reduce_exactly_one_collective_per_dtype(torch_comm_results):
+    for r in torch_comm_results:
+        a, c, b = r["mixed"]
+        assert c.dtype == torch.int64 and torch.equal(c, torch.arange(3) * 3)
+        assert torch.equal(a, torch.full((2, 3), 3.0)) and torch.equal(b, torch.tensor(30.0))
+        assert sorted(r["mixed_calls"]) == [3, 7]
+
+
+def test_torch_comm_group_keys_sizes_and_errors(torch_comm_results):
+    for rank, r in enumerate(torch_comm_results):
+        assert torch.equal(r["pair"][0], torch.tensor(30.0))
+        assert r["size"] == (2, 2, 2) and r["rank"] == rank
+        assert "plain torch.Tensor" in r["dtensor_error"]
+        assert "unknown group 'tp'" in r["unknown_error"] and "'dp'" in r["unknown_error"]

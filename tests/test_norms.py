@@ -1,0 +1,294 @@
+"""Norms in one process: global_norm against torch, and the mesh_groups plan's bookkeeping.
+
+The plan's arithmetic across ranks is checked here with ``MirrorComm``, which
+stands for N ranks that all hold the same shard: a SUM multiplies by N and a
+MAX is the identity. The same plan on real layouts is tested in
+``tests/distributed/test_norms.py`` and ``test_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+
+import gradtx as gtx
+from gradtx.comm import LocalComm, ReduceOp
+from gradtx.norms import MeshGroups, Sharded, mesh_groups
+from gradtx.pipeline import pp_reduce
+from gradtx.testing import RecordingComm, assert_pure, assert_trees_close
+
+NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
+
+
+class MirrorComm:
+    """N ranks holding identical data: SUM is ``x * n``, MAX is ``x``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def all_reduce(self, tensors, op, group):
+        del group
+        return [t * self.n if ReduceOp(op) is ReduceOp.SUM else t.clone() for t in tensors]
+
+    def size(self, group) -> int:
+        del group
+        return self.n
+
+
+def leaves(t) -> list[torch.Tensor]:
+    """Leaves in flatten order (optree sorts dict keys), the order a plan is bound to."""
+    return optree.tree_leaves(t)
+
+
+def tree(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"emb": (6, 4), "l0.w": (5, 4), "l0.b": (5,), "l1.w": (3, 5), "norm": (3,), "s": ()}
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+# --- global_norm ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_global_norm_matches_torch(norm_type):
+    grads = tree()
+    expected = torch.nn.utils.get_total_norm(leaves(grads), norm_type)
+    torch.testing.assert_close(gtx.global_norm(grads, norm_type), expected, rtol=1e-6, atol=0)
+
+
+def test_global_norm_bad_input():
+    with pytest.raises(ValueError, match="norm_type must be > 0"):
+        gtx.global_norm(tree(), 0.0)
+    with pytest.raises(TypeError, match=r"leaf at \['b'\] is a str"):
+        gtx.global_norm({"a": torch.ones(1), "b": "x"})
+
+
+# --- the plan on unsharded tensors: same numbers, no collective ------------------------------
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_plan_on_plain_tensors_is_the_single_process_norm_with_no_collective(norm_type):
+    grads = tree()
+    comm = RecordingComm()
+    plan = mesh_groups(grads, comm=comm)
+    got = plan.global_norm(leaves(grads), norm_type)
+    torch.testing.assert_close(got, gtx.global_norm(grads, norm_type), rtol=1e-6, atol=0)
+    assert got.dtype == torch.float32 and got.ndim == 0
+    assert comm.calls == []
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_by_global_norm_with_a_local_plan_equals_without(norm_type):
+    grads = tree(1)
+    plain = gtx.clip_by_global_norm(0.3, norm_type=norm_type)
+    planned = gtx.clip_by_global_norm(0.3, norm_type=norm_type, mesh_groups=mesh_groups(grads, comm=LocalComm()))
+    out_a, st_a = plain.update(grads, plain.init(grads))
+    out_b, st_b = planned.update(grads, planned.init(grads))
+    assert_trees_close(out_b, out_a, rtol=1e-6)
+    torch.testing.assert_close(st_b.grad_norm, st_a.grad_norm, rtol=1e-6, atol=0)
+    assert_pure(planned, grads, grads)
+
+
+# --- collectives: one per group, in first-appearance order, pp last ---------------------------
+
+
+@pytest.mark.parametrize("n_layers", [1, 7])
+def test_one_collective_per_group_however_many_tensors(n_layers):
+    grads = {}
+    for i in range(n_layers):
+        grads |= {f"l{i}.colwise": torch.ones(4, 2), f"l{i}.rowwise": torch.ones(2, 4), f"l{i}.norm": torch.ones(2)}
+    comm = RecordingComm()
+    plan = mesh_groups(
+        grads,
+        comm=comm,
+        sharded={"*.colwise": ["dp", Sharded("tp", dim=0)], "*.rowwise": ["dp", Sharded("tp", dim=1)], "*.norm": "dp"},
+        pp_group="pp",
+    )
+    plan.global_norm(leaves(grads), 2.0)
+    # optree sorts dict keys, so "l0.colwise" comes first: dp, then tp; pp is always last.
+    assert [c.group for c in comm.calls] == ["dp", "tp", "pp"]
+    # dp carries both buckets ({dp} and {dp, tp}), tp only the {dp, tp} bucket: never one per tensor.
+    assert [c.num_tensors for c in comm.calls] == [2, 1, 1]
+    assert plan.num_collectives() == 3 and plan.group_order == ("dp", "tp")
+
+
+def test_reduction_over_a_group_sums_shards_and_max_for_inf():
+    x = torch.tensor([[3.0, 0.0], [0.0, 4.0]])
+    r = torch.tensor([1.0, 2.0])
+    plan = mesh_groups({"x": x, "r": r}, comm=MirrorComm(4), sharded={"x": "tp"})
+    # Four ranks with identical shards of x: |x|^2 counted four times; r replicated: once.
+    torch.testing.assert_close(plan.global_norm([r, x], 2.0), torch.tensor(math.sqrt(4 * 25 + 5)))
+    torch.testing.assert_close(plan.global_norm([r, x], math.inf), torch.tensor(4.0))
+    torch.testing.assert_close(plan.global_norm([r, x], 1.0), torch.tensor(4 * 7 + 3.0))
+
+
+def test_pp_stages_add_and_tied_weight_counts_once():
+    emb = torch.tensor([3.0, 4.0])
+    block = torch.tensor([1.0])
+    plan = mesh_groups({"emb": emb, "block": block}, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
+    # Two stages: each holds a copy of emb (counted once overall) and its own block (counted per stage).
+    torch.testing.assert_close(plan.global_norm([block, emb], 2.0), torch.tensor(math.sqrt(25 + 2 * 1)))
+    torch.testing.assert_close(plan.global_norm([block, emb], math.inf), torch.tensor(4.0))
+
+
+def test_empty_rank_still_joins_the_pp_reduction():
+    comm = RecordingComm()
+    plan = mesh_groups({}, comm=comm, pp_group="pp")
+    norm = plan.global_norm([], 2.0)
+    assert float(norm) == 0.0 and [c.group for c in comm.calls] == ["pp"]
+
+
+def test_mesh_dim_keys_dedupe_through_the_comm_resolver():
+    class Resolving(RecordingComm):
+        def resolve(self, group):
+            return {"tp": "TP", "tensor": "TP"}.get(group, group)
+
+    comm = Resolving()
+    t = {"a": torch.ones(2), "b": torch.ones(2)}
+    plan = mesh_groups(t, comm=comm, sharded={"a": "tp", "b": "tensor"})  # two names, one process group
+    plan.global_norm(leaves(t), 2.0)
+    assert [c.group for c in comm.calls] == ["tp"]
+
+
+# --- matching and errors ----------------------------------------------------------------------
+
+
+def test_paths_are_dotted_and_keys_match_by_path_glob_or_predicate():
+    params = {"layers": [{"w": torch.ones(2, 2)}, {"w": torch.ones(2, 2)}], "head": torch.ones(3)}
+    comm = RecordingComm()
+    plan = mesh_groups(params, comm=comm, sharded={"layers.0.w": "a", "layers.*.w": "b", lambda p, x: x.ndim == 1: "c"})
+    assert plan.paths == ["head", "layers.0.w", "layers.1.w"]
+    assert plan.groups_of(0) == ("c",) and plan.groups_of(1) == ("a", "b") and plan.groups_of(2) == ("b",)
+
+
+def test_plan_errors_name_the_argument_or_path():
+    t = tree()
+    with pytest.raises(TypeError, match="comm must implement"):
+        mesh_groups(t, comm=object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"keys \['l9.w'\] match no leaf; paths look like 'emb', 'l0.b'"):
+        mesh_groups(t, comm=LocalComm(), sharded={"l9.w": "tp"})
+    with pytest.raises(TypeError, match="sharded keys must be a dotted path"):
+        mesh_groups(t, comm=LocalComm(), sharded={3: "tp"})
+    with pytest.raises(ValueError, match="dim 2 is out of range for leaf l0.w"):
+        mesh_groups(t, comm=LocalComm(), sharded={"l0.w": Sharded("tp", dim=2)})
+    with pytest.raises(ValueError, match="leaf at emb is sharded over group 'tp' twice"):
+        mesh_groups(t, comm=LocalComm(), sharded={"emb": "tp", "e*": "tp"})
+    with pytest.raises(ValueError, match="tied weights need pp_group"):
+        mesh_groups(t, comm=LocalComm(), tied={"emb": "pp"})
+    with pytest.raises(ValueError, match="matches several tied keys"):
+        mesh_groups(t, comm=LocalComm(), pp_group="pp", tied={"emb": "pp", "e*": "pp"})
+    with pytest.raises(TypeError, match=r"leaf at \['x'\] is a int"):
+        mesh_groups({"x": 3}, comm=LocalComm())
+
+
+def test_step_checks_name_the_path_that_differs():
+    t = tree()
+    plan = mesh_groups(t, comm=LocalComm())
+    flat = leaves(t)
+    with pytest.raises(ValueError, match="built for 6 leaves, got 5"):
+        plan.global_norm(flat[:5], 2.0)
+    bad = list(flat)
+    bad[1] = torch.ones(7)  # flatten order: emb, l0.b, l0.w, ...
+    with pytest.raises(ValueError, match=r"leaf at l0.b has shape \(7,\), the mesh_groups plan has \(5,\)"):
+        plan.global_norm(bad, 2.0)
+    tx = gtx.clip_by_global_norm(1.0, mesh_groups=plan)
+    with pytest.raises(ValueError, match="clip_by_global_norm|mesh_groups.global_norm"):
+        tx.update({"only": torch.ones(1)}, tx.init(None))
+
+
+def test_transforms_reject_a_plan_that_is_not_one():
+    with pytest.raises(TypeError, match="clip_by_global_norm: mesh_groups must be a plan"):
+        gtx.clip_by_global_norm(1.0, mesh_groups=object())
+    with pytest.raises(TypeError, match="adaptive_clip: mesh_groups must be a plan"):
+        gtx.adaptive_clip(0.1, mesh_groups="tp")
+    with pytest.raises(TypeError, match="pp_reduce: mesh_groups must be a plan"):
+        pp_reduce({"emb": "pp"})  # type: ignore[arg-type]
+
+
+# --- adaptive_clip with a plan ------------------------------------------------------------------
+
+
+def test_adaptive_clip_with_a_local_plan_equals_without():
+    grads, params = tree(2), tree(3)
+    plan = mesh_groups(params, comm=LocalComm(), sharded={"l1.w": Sharded("tp", dim=1)})
+    a, _ = gtx.adaptive_clip(0.05).update(grads, None, params)
+    b, _ = gtx.adaptive_clip(0.05, mesh_groups=plan).update(grads, None, params)
+    assert_trees_close(b, a, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_adaptive_clip_units_span_ranks_only_when_split_along_dim_1(dim):
+    g = torch.Generator().manual_seed(4)
+    grad, weight = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g) * 0.5
+    comm = RecordingComm(MirrorComm(2))
+    plan = mesh_groups({"w": weight}, comm=comm, sharded={"w": Sharded("tp", dim=dim)})
+    out, _ = gtx.adaptive_clip(0.5, mesh_groups=plan).update({"w": grad}, None, {"w": weight})
+    # The reference: the full tensor two identical shards make, clipped on one device.
+    full_g, full_w = torch.cat([grad, grad], dim=dim), torch.cat([weight, weight], dim=dim)
+    ref, _ = gtx.adaptive_clip(0.5).update({"w": full_g}, None, {"w": full_w})
+    expected = ref["w"].chunk(2, dim=dim)[0]
+    torch.testing.assert_close(out["w"], expected, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(out["w"], grad)  # some unit really was clipped
+    # Units split along dim 1 need one reduction (grads and weights together); along dim 0, none.
+    assert [(c.group, c.num_tensors) for c in comm.calls] == ([("tp", 2)] if dim == 1 else [])
+
+
+def test_adaptive_clip_one_unit_tensors_span_every_group():
+    b = torch.tensor([3.0, 4.0])
+    plan = mesh_groups({"b": b}, comm=MirrorComm(2), sharded={"b": Sharded("tp", dim=0)})
+    (g_norm,), (w_norm,) = plan.unitwise_norms([[b], [b * 2]], unitwise=True)
+    torch.testing.assert_close(g_norm, torch.tensor(5.0 * math.sqrt(2)))
+    torch.testing.assert_close(w_norm, torch.tensor(10.0 * math.sqrt(2)))
+
+
+def test_adaptive_clip_needs_the_dim_of_a_manual_shard():
+    plan = mesh_groups({"w": torch.ones(2, 2)}, comm=LocalComm(), sharded={"w": "tp"})
+    with pytest.raises(ValueError, match=r"leaf at w is declared sharded over 'tp' with no dim.*Sharded\(group, dim"):
+        gtx.adaptive_clip(0.1, mesh_groups=plan)
+    gtx.adaptive_clip(0.1, unitwise=False, mesh_groups=plan)  # one unit per tensor: the dim does not matter
+
+
+# --- pp_reduce --------------------------------------------------------------------------------
+
+
+def test_pp_reduce_sums_tied_grads_only_and_is_pure():
+    grads = {"emb": torch.tensor([1.0, 2.0]), "block": torch.tensor([5.0])}
+    comm = RecordingComm(MirrorComm(2))
+    plan = mesh_groups(grads, comm=comm, pp_group="pp", tied={"emb": "pp"})
+    tx = pp_reduce(plan)
+    out, _ = assert_pure(tx, grads, grads)
+    assert torch.equal(out["emb"], torch.tensor([2.0, 4.0])) and torch.equal(out["block"], grads["block"])
+    assert {(c.group, c.num_tensors) for c in comm.calls} == {("pp", 1)}
+
+
+def test_pp_reduce_in_place_writes_into_the_donated_buffers():
+    grads = {"emb": torch.tensor([1.0, 2.0]), "block": torch.tensor([5.0])}
+    plan = mesh_groups(grads, comm=MirrorComm(3), pp_group="pp", tied={"emb": "pp"})
+    emb = grads["emb"]
+    out, _ = pp_reduce(plan).update(grads, None, inplace=True)
+    assert out["emb"] is emb and torch.equal(emb, torch.tensor([3.0, 6.0]))
+
+
+def test_pp_reduce_without_tied_weights_issues_nothing():
+    comm = RecordingComm()
+    grads = {"block": torch.ones(2)}
+    out, _ = pp_reduce(mesh_groups(grads, comm=comm, pp_group="pp")).update(grads, None)
+    assert out["block"] is grads["block"] and comm.calls == []
+
+
+def test_plan_repr_and_type():
+    plan = mesh_groups(tree(), comm=LocalComm(), sharded={"l0.*": "tp"}, pp_group="pp")
+    assert isinstance(plan, MeshGroups) and len(plan) == 6
+    assert "['tp']x2" in repr(plan) and "pp_group='pp'" in repr(plan)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_global_norm_of_fp64_tensors_is_fp32_and_exact(norm_type):
+    grads = {k: v.double() for k, v in tree(5).items()}
+    got = gtx.global_norm(grads, norm_type)
+    expected = torch.nn.utils.get_total_norm(list(grads.values()), norm_type)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
