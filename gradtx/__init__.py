@@ -14,8 +14,7 @@ from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_
 from gradtx.combine import MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.norms import MeshGroups, Sharded, global_norm, mesh_groups
-from gradtx.optim import TransformedOptimizer, no_sync
-from gradtx.pipeline import pp_reduce
+from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -31,6 +30,7 @@ from gradtx.optimizers import (
     trace,
     update_and_apply,
 )
+from gradtx.pipeline import pp_reduce
 
 __version__ = "0.1.0"
 
@@ -75,6 +75,7 @@ __all__ = [
     "scale_by_learning_rate",
     "scale_by_schedule",
     "sgd",
+    "sum_grad_reduction",
     "testing",
     "trace",
     "unitwise_norm",

@@ -97,7 +97,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.tx = chain(tx)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        self.tx_state = self.tx.init(self._params())
+        self.tx_state = self.tx.init(self.param_tree())
         self._window_open = False
         self._last_metrics: dict[str, torch.Tensor] = {}
 
@@ -129,13 +129,22 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # the tree the transform sees: one list per param group, params that require grad ----------
 
-    def _params(self) -> list[list[torch.Tensor]]:
+    def param_tree(self) -> list[list[torch.Tensor]]:
+        """The params tree the transform sees: one list per param group, the params that require grad.
+
+        Build a :func:`gradtx.mesh_groups` plan for the wrapper from this tree, so
+        the plan's leaf order is the transform's.
+        """
         return [[p for p in g["params"] if p.requires_grad] for g in self.optimizer.param_groups]
 
-    def _grads(self, params: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        # A param without a grad this step contributes zeros; its grad stays None,
-        # so the inner optimizer skips it.
-        return [[p.grad if p.grad is not None else torch.zeros_like(p) for p in group] for group in params]
+    def _grads(self, params: list[list[torch.Tensor]], *, emitting: bool) -> list[list[torch.Tensor]]:
+        # A param without a grad contributes zeros to an emitting step; its grad stays None, so the
+        # inner optimizer skips it. A held step reads no grad values (accumulate comes first and
+        # only counts), so a missing grad there, as under FSDP2's no-sync, costs no allocation.
+        def missing(p: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(p) if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
+
+        return [[p.grad if p.grad is not None else missing(p) for p in group] for group in params]
 
     # stepping -----------------------------------------------------------------------------
 
@@ -155,10 +164,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("TransformedOptimizer.step: closures are not supported")
-        params = self._params()
+        params = self.param_tree()
+        grads = self._grads(params, emitting=self.emits_next(flush=bool(extra.get("flush", False))))
         deferred = DeferredScale() if self._fused else None
         updates, new_state = self.tx.update(
-            self._grads(params), self.tx_state, params, inplace=True, running_sum=True, deferred=deferred, **extra
+            grads, self.tx_state, params, inplace=True, running_sum=True, deferred=deferred, **extra
         )
         self.tx_state = new_state
         self._last_metrics = metrics(new_state)
@@ -260,7 +270,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             "window_open": self._window_open,
         }
         if self._window_open:
-            out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self._params()]
+            out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self.param_tree()]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -274,7 +284,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"TransformedOptimizer.load_state_dict: tx_state has {len(saved)} tensors, this transform has {len(leaves)}"
             )
-        params = self._params()
+        params = self.param_tree()
         grads = state_dict.get("grads")
         if grads is not None and [len(g) for g in grads] != [len(g) for g in params]:
             raise ValueError("TransformedOptimizer.load_state_dict: saved grads do not match the param groups")
@@ -322,19 +332,6 @@ def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
         yield
 
 
-def _ddp_sum_hook(process_group: Any, bucket):
-    # Unannotated on purpose: DDP checks the annotations by identity, and this module's are strings.
-    # DDP has no switch for its divide by the group size, and gradtx issues collectives only
-    # from gradtx.comm. So DDP keeps its own (stock, overlapped) all-reduce, and the mean is
-    # multiplied back into the sum when the bucket lands: exact for power-of-two groups,
-    # within an ulp otherwise, and no wider in range than the sum itself.
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    size = float(process_group.size())
-    # The stock hook's future already holds the reduced bucket tensor (not a list).
-    return allreduce_hook(process_group, bucket).then(lambda fut: fut.value().mul_(size))
-
-
 def sum_grad_reduction(model: ModuleT) -> ModuleT:
     """Make a DDP or FSDP2 model *sum* its grads across data-parallel ranks instead of averaging them.
 
@@ -347,8 +344,8 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
       and ``set_force_sum_reduction_for_comms(True)``, so the reduce-scatter
       (and HSDP's all-reduce) is a plain SUM with no pre- or post-scaling
       (gloo has no ``PREMUL_SUM``, and NCCL's zero-copy paths need plain SUM).
-    * DDP: a comm hook returns the sum (DDP's stock all-reduce, with its
-      mean multiplied back by the group size). DDP takes one comm hook; call
+    * DDP: :func:`gradtx.comm.torch_dist.ddp_sum_hook` replaces DDP's
+      averaging all-reduce with a summing one. DDP takes one comm hook; call
       this before the first backward, and not on a model that has one.
     * Pipelining (``torch.distributed.pipelining``) is configured elsewhere:
       build the schedule with ``scale_grads=False``.
@@ -380,7 +377,9 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
             module.set_force_sum_reduction_for_comms(True)
         return model
     if DistributedDataParallel is not None and isinstance(model, DistributedDataParallel):
-        model.register_comm_hook(model.process_group, _ddp_sum_hook)
+        from gradtx.comm.torch_dist import ddp_sum_hook  # the comm layer issues the collective
+
+        model.register_comm_hook(model.process_group, ddp_sum_hook)
         return model
     raise TypeError(
         f"sum_grad_reduction: model must be DistributedDataParallel or contain fully_shard (FSDP2) modules, "

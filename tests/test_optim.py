@@ -232,3 +232,18 @@ def test_wrapper_requires_accumulate_first(fused):
     with pytest.raises(ValueError, match="must be the first transform"):
         opt.step()
     assert_trees_equal([p.grad for p in model.parameters()], before)
+
+
+def test_params_without_grads_in_an_accumulation_window():
+    model = make_model()
+    unused = torch.nn.Parameter(torch.ones(4))
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD([*model.parameters(), unused], lr=0.1), gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0))
+    )
+    assert [len(g) for g in opt.param_tree()] == [5]
+    for x, y in batches(2):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert unused.grad is None and torch.equal(unused, torch.ones(4))
+    assert float(opt.metrics["grad_norm"]) > 0

@@ -138,3 +138,18 @@ class TorchComm:
 
     def __repr__(self) -> str:
         return f"TorchComm(mesh={self.mesh!r}, groups={sorted(self.groups)})"
+
+
+def ddp_sum_hook(process_group, bucket):  # unannotated: DDP compares hook annotations by identity
+    """A DDP comm hook that *sums* each gradient bucket over ``process_group``.
+
+    DDP's stock hook divides by the group size; token-weighted accumulation
+    needs the raw sum (see :func:`gradtx.sum_grad_reduction`). The all-reduce
+    stays asynchronous, so DDP still overlaps it with the backward pass.
+
+    Example:
+      >>> ddp_model.register_comm_hook(None, ddp_sum_hook)
+    """
+    group = process_group if process_group is not None else dist.group.WORLD
+    future = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+    return future.then(lambda fut: fut.value()[0])

@@ -1,0 +1,355 @@
+"""Token-weighted accumulation across 2 data-parallel gloo ranks, against a one-process full-batch step.
+
+Each rank runs k=4 micro-batches per optimizer step with unequal padding per
+micro-batch and per rank; rank 1 has one all-padding micro-batch. After two
+optimizer steps (SGD with momentum, whose update scales with the gradient, so a
+wrong normalisation cannot hide the way it would under Adam's first step) the
+params must equal the single-process run that takes the token mean over the
+whole global batch. Three ways of running the same thing:
+
+* functional: ``torch.func.grad`` per rank, ``accumulate(..., reduce_grads=True)``;
+* ``TransformedOptimizer`` + DDP, with ``sum_grad_reduction`` and ``maybe_no_sync``;
+* ``TransformedOptimizer`` + FSDP2, likewise.
+
+Each also counts its collectives: grads are synced once per optimizer step
+(on the last micro-step), and the token total costs one scalar collective.
+
+All parts run in one spawn of 2 processes (a spawn costs seconds); each part
+reports its own error, so one failing part does not hide the others.
+"""
+
+from __future__ import annotations
+
+import io
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any, Self
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tests.distributed.harness import run_distributed
+
+WORLD, K, STEPS = 2, 4, 2
+VOCAB, DIM, BATCH, SEQ = 13, 8, 2, 6
+LR, MOMENTUM = 0.5, 0.9
+# Fraction of padded targets per (rank, micro-step): unequal everywhere; rank 1's micro-step 2 is all padding.
+PAD = ((0.0, 0.2, 0.5, 0.1), (0.7, 0.9, 1.0, 0.3))
+
+
+def lm(seed: int = 0) -> nn.Sequential:
+    """Embedding, then an LM head: the smallest model whose grads depend on which tokens are valid."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCAB, DIM), nn.Tanh(), nn.Linear(DIM, VOCAB))
+
+
+def micro_batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    y[torch.rand(BATCH, SEQ, generator=g) < PAD[rank][micro]] = -100
+    return x, y
+
+
+def n_valid(y: torch.Tensor) -> int:
+    return int((y != -100).sum())
+
+
+def sum_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+
+
+def reference_params() -> dict[str, torch.Tensor]:
+    """One process, no gradtx: SGD on the token-mean loss over each step's whole global batch."""
+    model = lm()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    for step in range(STEPS):
+        batches = [micro_batch(r, step, i) for r in range(WORLD) for i in range(K)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def global_tokens(step: int) -> int:
+    return sum(n_valid(micro_batch(r, step, i)[1]) for r in range(WORLD) for i in range(K))
+
+
+# --- the parts, run on every rank ----------------------------------------------------------------
+
+
+def _functional(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.func import functional_call, grad
+
+    import gradtx as gtx
+    from gradtx.comm.torch_dist import TorchComm
+    from gradtx.testing import RecordingComm
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    comm = RecordingComm(TorchComm(mesh))
+    model = lm()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tx = gtx.chain(
+        gtx.accumulate(K, token_weighted=True, comm=comm, group="dp", reduce_grads=True),
+        gtx.sgd(LR, momentum=MOMENTUM),
+    )
+    state = tx.init(params)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return sum_loss(functional_call(model, p, (x,)), y)
+
+    calls_after_each_micro_step, tokens = [], []
+    for step in range(STEPS):
+        for i in range(K):
+            x, y = micro_batch(rank, step, i)
+            updates, state = tx.update(grad(loss_fn)(params, x, y), state, params, tokens=n_valid(y))
+            params = gtx.apply_updates(params, updates)
+            calls_after_each_micro_step.append(len(comm.calls))
+        tokens.append(int(gtx.metrics(state)["tokens"]))
+    return {
+        "params": params,
+        "calls_after_each_micro_step": calls_after_each_micro_step,
+        "calls": [(c.op, c.group, c.num_tensors, c.shapes) for c in comm.calls],
+        "tokens": tokens,
+        "num_leaves": len(params),
+    }
+
+
+def _global_zero_tokens(rank: int) -> dict[str, Any]:
+    """A window with no valid tokens on any rank raises everywhere, in step, and the run can go on."""
+    import gradtx as gtx
+    from gradtx.comm.torch_dist import TorchComm
+
+    tx = gtx.accumulate(2, token_weighted=True, comm=TorchComm(), group="world", reduce_grads=True)
+    state = tx.init({"w": torch.zeros(3)})
+    _, state = tx.update({"w": torch.zeros(3)}, state, tokens=0)
+    try:
+        tx.update({"w": torch.zeros(3)}, state, tokens=0)
+        raised = None
+    except ValueError as err:
+        raised = str(err)
+    # The same (unchanged) state takes the window's last micro-step again; only rank 0 has tokens now.
+    g = torch.full((3,), 6.0 * (rank + 1))
+    out, state = tx.update({"w": g}, state, tokens=3 if rank == 0 else 0)
+    return {"raised": raised, "out": out["w"], "tokens": int(state.last_tokens)}
+
+
+class _CountingAllReduce:
+    """Count every ``torch.distributed.all_reduce`` by (step, micro-step, dtype, numel) while installed."""
+
+    def __init__(self) -> None:
+        self.where: tuple[int, int] = (-1, -1)
+        self.log: list[tuple[int, int, str, int]] = []
+        self._orig: Callable[..., Any] | None = None
+
+    def __enter__(self) -> Self:
+        self._orig = dist.all_reduce
+
+        def counting(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.log.append((*self.where, str(tensor.dtype), tensor.numel()))
+            return self._orig(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce = self._orig
+
+
+def _train_wrapped(rank: int, model: nn.Module, comm: Any, group: str, where: Callable[[int, int], None]) -> Any:
+    import gradtx as gtx
+
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
+        gtx.accumulate(K, token_weighted=True, comm=comm, group=group),
+    )
+    stepped, synced_flags, tokens = [], [], []
+    for step in range(STEPS):
+        for i in range(K):
+            where(step, i)
+            x, y = micro_batch(rank, step, i)
+            synced_flags.append(opt.emits_next())
+            with opt.maybe_no_sync(model):
+                sum_loss(model(x), y).backward()
+            stepped.append(opt.step(tokens=n_valid(y)))
+            opt.zero_grad()
+        tokens.append(int(opt.metrics["tokens"]))
+    return {"stepped": stepped, "synced": synced_flags, "tokens": tokens}
+
+
+def _ddp(rank: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradtx.comm.torch_dist import TorchComm
+    from gradtx.optim import sum_grad_reduction
+
+    model = sum_grad_reduction(DDP(lm()))
+    with _CountingAllReduce() as counter:
+        result = _train_wrapped(rank, model, TorchComm(), "world", lambda s, i: setattr(counter, "where", (s, i)))
+    result["params"] = {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    result["all_reduces"] = counter.log
+    return result
+
+
+def _fsdp2(rank: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+    from gradtx.comm.torch_dist import TorchComm
+    from gradtx.optim import sum_grad_reduction
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # a view output; harmless here
+    where = [(-1, -1)]
+    reduce_scatters: list[tuple[int, int, int]] = []
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        # Installed through FSDP2's public set_custom_reduce_scatter: sees every grad reduce-scatter.
+        def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            reduce_scatters.append((*where[0], input_tensor.numel()))
+            return super().__call__(output_tensor, input_tensor, *args, **kw)
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    model = lm()
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sum_grad_reduction(model)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(CountingReduceScatter())
+    divide = [
+        (g.gradient_divide_factor, g.force_sum_reduction_for_comms)
+        for m in model.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    ]
+    with _CountingAllReduce() as counter:
+
+        def at(step: int, micro: int) -> None:
+            where[0] = (step, micro)
+            counter.where = (step, micro)
+
+        result = _train_wrapped(rank, model, TorchComm(mesh), "dp", at)
+    result["params"] = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    result["reduce_scatters"] = reduce_scatters
+    result["all_reduces"] = counter.log
+    result["divide"] = divide
+    return result
+
+
+PARTS: dict[str, Callable[[int], Any]] = {
+    "functional": _functional,
+    "global_zero_tokens": _global_zero_tokens,
+    "ddp": _ddp,
+    "fsdp2": _fsdp2,
+}
+
+
+def _body(rank: int, world_size: int) -> bytes:
+    assert world_size == WORLD
+    out: dict[str, Any] = {}
+    for name, part in PARTS.items():
+        try:
+            out[name] = part(rank)
+        except Exception:  # noqa: BLE001 - reported per part by the tests below
+            out[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    # As bytes: a tensor sent through the queue is shared by file descriptor, which the parent
+    # cannot open once this process has exited.
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in run_distributed(_body, world_size=WORLD)]
+
+
+def _part(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    results = [r[name] for r in ranks]
+    for rank, res in enumerate(results):
+        if "error" in res:
+            pytest.fail(f"rank {rank}, part {name!r}:\n{res['error']}")
+    return results
+
+
+def _assert_params_match_reference(results: list[dict[str, Any]]) -> None:
+    expected = reference_params()
+    start = {n: p.detach() for n, p in lm().named_parameters()}
+    for rank, res in enumerate(results):
+        assert set(res["params"]) == set(expected)
+        for name, want in expected.items():
+            assert not torch.equal(want, start[name]), "the reference did not move; the test would prove nothing"
+            torch.testing.assert_close(res["params"][name], want, rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
+
+
+def test_test_data_has_unequal_padding_and_an_all_padding_micro_batch() -> None:
+    counts = [[n_valid(micro_batch(r, 0, i)[1]) for i in range(K)] for r in range(WORLD)]
+    assert 0 in counts[1] and 0 not in counts[0]
+    assert len({c for row in counts for c in row}) > 3 and sum(counts[0]) != sum(counts[1])
+
+
+def test_functional_token_weighted_equals_full_batch_token_mean(ranks: list[dict[str, Any]]) -> None:
+    results = _part(ranks, "functional")
+    _assert_params_match_reference(results)
+    for res in results:
+        assert res["tokens"] == [global_tokens(s) for s in range(STEPS)]
+
+
+def test_functional_communicates_once_per_step(ranks: list[dict[str, Any]]) -> None:
+    for res in _part(ranks, "functional"):
+        # Nothing on the 3 holding micro-steps; 2 collectives on the emitting one.
+        assert res["calls_after_each_micro_step"] == [0, 0, 0, 2, 2, 2, 2, 4]
+        token_call, grad_call = res["calls"][:2]
+        assert token_call == ("sum", "dp", 1, ((),))
+        assert grad_call[:3] == ("sum", "dp", res["num_leaves"])  # one coalesced call for every leaf
+        assert res["calls"][2:] == res["calls"][:2]
+
+
+def test_global_zero_tokens_raises_on_every_rank_and_a_zero_rank_is_fine(ranks: list[dict[str, Any]]) -> None:
+    results = _part(ranks, "global_zero_tokens")
+    for res in results:
+        assert res["raised"] is not None and "sum to 0 over all data-parallel ranks" in res["raised"]
+        # Rank 1 had no tokens: it still contributes its (here nonzero) grad sum to the global sum.
+        torch.testing.assert_close(res["out"], torch.full((3,), (6.0 + 12.0) / 3), rtol=0, atol=0)
+        assert res["tokens"] == 3
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_wrapper_token_weighted_equals_full_batch_token_mean(ranks: list[dict[str, Any]], wrapper: str) -> None:
+    results = _part(ranks, wrapper)
+    _assert_params_match_reference(results)
+    for res in results:
+        assert res["stepped"] == [False, False, False, True] * STEPS
+        assert res["synced"] == res["stepped"]
+        assert res["tokens"] == [global_tokens(s) for s in range(STEPS)]
+
+
+def test_ddp_syncs_grads_once_per_step(ranks: list[dict[str, Any]]) -> None:
+    for res in _part(ranks, "ddp"):
+        grad_syncs = [(s, i) for s, i, dtype, _ in res["all_reduces"] if dtype == "torch.float32"]
+        token_syncs = [(s, i, n) for s, i, dtype, n in res["all_reduces"] if dtype == "torch.int64"]
+        assert grad_syncs, "no DDP grad all-reduce was seen; the counter is broken"
+        assert {i for _, i in grad_syncs} == {K - 1}, f"DDP synced on non-final micro-steps: {grad_syncs}"
+        per_step = [sum(1 for s, _ in grad_syncs if s == step) for step in range(STEPS)]
+        assert per_step[0] == per_step[1] >= 1
+        assert token_syncs == [(s, K - 1, 1) for s in range(STEPS)]
+
+
+def test_fsdp2_sums_and_reduce_scatters_once_per_step(ranks: list[dict[str, Any]]) -> None:
+    for res in _part(ranks, "fsdp2"):
+        assert res["divide"] and all(d == (1.0, True) for d in res["divide"])
+        # Two param groups (embedding, head): one reduce-scatter each, on the last micro-step only.
+        assert [(s, i) for s, i, _ in res["reduce_scatters"]] == [(s, K - 1) for s in range(STEPS) for _ in range(2)]
+        assert [(s, i, d, n) for s, i, d, n in res["all_reduces"]] == [
+            (s, K - 1, "torch.int64", 1) for s in range(STEPS)
+        ]

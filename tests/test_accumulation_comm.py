@@ -1,0 +1,292 @@
+"""accumulate / apply_if_finite / TransformedOptimizer with a comm, in one process.
+
+The data-parallel math is checked against a simulated second rank: :class:`PeerComm`
+adds the other rank's tensors (given by the test) to this rank's, so the expected
+numbers can be written down by hand. :class:`gradtx.testing.RecordingComm` counts
+the collectives. The real multi-process runs are in ``tests/distributed/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradtx as gtx
+from gradtx.comm import LocalComm, ReduceOp
+from gradtx.optim import sum_grad_reduction
+from gradtx.testing import RecordingComm, assert_pure, assert_trees_close, assert_trees_equal
+
+
+class PeerComm:
+    """A two-rank :class:`~gradtx.comm.Comm` in one process: each call folds in the next queued peer tensors."""
+
+    def __init__(self, *peers: Sequence[torch.Tensor]) -> None:
+        self.peers = [list(p) for p in peers]
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: object) -> list[torch.Tensor]:
+        del group
+        peer = self.peers.pop(0)
+        assert len(peer) == len(tensors), "the test queued the wrong number of peer tensors"
+        combine = torch.add if ReduceOp(op) is ReduceOp.SUM else torch.maximum
+        return [combine(t, p.to(t.dtype)) for t, p in zip(tensors, peer)]
+
+    def size(self, group: object) -> int:
+        del group
+        return 2
+
+
+def _tokens(n: int) -> torch.Tensor:
+    return torch.tensor(n, dtype=torch.int64)
+
+
+# --- accumulate: reduce_grads and the token total -------------------------------------------------
+
+
+def test_token_weighted_reduce_grads_divides_the_global_sum_by_the_global_token_count():
+    g1, g2 = (
+        {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor(3.0)},
+        {"w": torch.tensor([5.0, -4.0]), "b": torch.tensor(1.0)},
+    )
+    peer_sum = {"w": torch.tensor([10.0, 20.0]), "b": torch.tensor(-6.0)}  # the other rank's window, summed
+    # optree flattens a dict in sorted key order: "b", then "w".
+    comm = RecordingComm(PeerComm([_tokens(7)], [peer_sum["b"], peer_sum["w"]]))
+    tx = gtx.accumulate(2, token_weighted=True, comm=comm, group="dp", reduce_grads=True)
+    state = tx.init(g1)
+    out, state = tx.update(g1, state, tokens=2)
+    assert out is None and comm.calls == []  # a holding micro-step never communicates
+    out, state = tx.update(g2, state, tokens=3)
+    total = 2 + 3 + 7
+    expected = {k: (g1[k] + g2[k] + peer_sum[k]) / total for k in g1}
+    assert_trees_close(out, expected, rtol=1e-6)
+    assert int(state.last_tokens) == total and int(gtx.metrics(state)["tokens"]) == total
+    # One scalar token collective, then one coalesced grad collective with every leaf, both over "dp".
+    assert [(c.op, c.group, c.num_tensors) for c in comm.calls] == [("sum", "dp", 1), ("sum", "dp", 2)]
+    assert comm.calls[0].shapes == ((),)
+    assert sorted(comm.calls[1].shapes) == [(), (2,)]
+
+
+def test_token_total_alone_is_one_scalar_collective_and_grads_stay_local():
+    comm = RecordingComm(PeerComm([_tokens(6)]))
+    tx = gtx.accumulate(1, token_weighted=True, comm=comm, group="dp")
+    g = {"w": torch.tensor([4.0, 8.0])}
+    out, _ = tx.update(g, tx.init(g), tokens=2)
+    assert_trees_equal(out, {"w": g["w"] / 8})  # DDP/FSDP2 summed the grads already; only the count is global
+    assert [(c.op, c.num_tensors, c.shapes) for c in comm.calls] == [("sum", 1, ((),))]
+
+
+def test_plain_mean_reduce_grads_divides_by_micro_steps_times_ranks():
+    peer = torch.tensor([3.0, 30.0])
+    comm = RecordingComm(PeerComm([peer]))
+    tx = gtx.accumulate(2, comm=comm, reduce_grads=True)
+    state = tx.init({"w": torch.zeros(2)})
+    _, state = tx.update({"w": torch.tensor([1.0, 2.0])}, state)
+    out, state = tx.update({"w": torch.tensor([2.0, 4.0])}, state)
+    assert_trees_close(out, {"w": (torch.tensor([3.0, 6.0]) + peer) / 4}, rtol=1e-6)
+    assert [(c.op, c.num_tensors) for c in comm.calls] == [("sum", 1)]  # no token collective when not weighted
+
+
+def test_reduce_grads_runs_in_fp32_and_emits_the_grads_dtype():
+    comm = RecordingComm()
+    tx = gtx.accumulate(2, comm=comm, reduce_grads=True)
+    g = {"w": torch.full((4,), 1.5, dtype=torch.bfloat16)}
+    state = tx.init(g)
+    _, state = tx.update(g, state)
+    out, _ = tx.update(g, state)
+    assert comm.calls[0].shapes == ((4,),)
+    assert out["w"].dtype == torch.bfloat16 and torch.equal(out["w"], g["w"])
+
+
+def test_a_rank_with_no_tokens_is_fine_a_global_zero_raises_before_the_grad_collective():
+    comm = RecordingComm(PeerComm([_tokens(4)], [torch.tensor([8.0])]))
+    tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
+    g = {"w": torch.tensor([0.0])}  # no valid tokens here: a zero grad sum
+    out, _ = tx.update(g, tx.init(g), tokens=0)
+    assert_trees_equal(out, {"w": torch.tensor([2.0])})
+
+    comm = RecordingComm(PeerComm([_tokens(0)]))
+    tx = gtx.accumulate(2, token_weighted=True, comm=comm, reduce_grads=True)
+    state = tx.init(g)
+    _, state = tx.update(g, state, tokens=0)
+    before = (state.micro_step.clone(), state.tokens.clone())
+    with pytest.raises(ValueError, match="sum to 0 over all data-parallel ranks"):
+        tx.update(g, state, tokens=0)
+    assert [c.num_tensors for c in comm.calls] == [1]  # the token total only: every rank stops at the same point
+    assert_trees_equal((state.micro_step, state.tokens), before)
+
+
+def test_flush_with_reduce_grads_closes_a_short_window():
+    comm = RecordingComm(PeerComm([_tokens(1)], [torch.tensor([2.0])]))
+    tx = gtx.accumulate(4, token_weighted=True, comm=comm, reduce_grads=True)
+    state = tx.init({"w": torch.zeros(1)})
+    _, state = tx.update({"w": torch.tensor([3.0])}, state, tokens=1)
+    out, state = tx.update({"w": torch.tensor([4.0])}, state, tokens=2, flush=True)
+    assert_trees_close(out, {"w": torch.tensor([(3.0 + 4.0 + 2.0) / 4])}, rtol=1e-6)
+    assert int(state.micro_step) == 0 and len(comm.calls) == 2
+
+
+def test_running_sum_inplace_reduces_into_the_donated_buffers():
+    grad = torch.tensor([2.0, 4.0])
+    comm = RecordingComm(PeerComm([_tokens(2)], [torch.tensor([6.0, 6.0])]))
+    tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
+    out, _ = tx.update({"w": grad}, tx.init({"w": grad}), tokens=2, running_sum=True, inplace=True)
+    assert out["w"] is grad  # the .grad object (and a DTensor's metadata) is kept
+    assert torch.equal(grad, torch.tensor([2.0, 2.5]))
+
+
+def test_running_sum_deferred_reduces_and_folds_the_factor():
+    grad = torch.tensor([2.0, 4.0])
+    comm = PeerComm([_tokens(3)], [torch.tensor([1.0, 1.0])])
+    tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
+    deferred = gtx.DeferredScale()
+    out, _ = tx.update({"w": grad}, tx.init({"w": grad}), tokens=1, running_sum=True, inplace=True, deferred=deferred)
+    assert torch.equal(out["w"], torch.tensor([3.0, 5.0]))  # summed, not yet scaled
+    assert float(deferred.take()) == pytest.approx(1 / 4)
+
+
+@pytest.mark.parametrize("running_sum", [False, True])
+def test_reduce_grads_is_pure(running_sum):
+    tx = gtx.accumulate(2, token_weighted=True, comm=RecordingComm(), reduce_grads=True)
+    grads = {"w": torch.randn(3), "b": torch.randn(2, 2)}
+    assert_pure(tx, grads, steps=3, tokens=4, running_sum=running_sum)
+
+
+def test_state_carries_k():
+    state = gtx.accumulate(5).init({"w": torch.zeros(1)})
+    assert int(state.k) == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        ({"reduce_grads": True}, ValueError, "reduce_grads=True needs a comm"),
+        ({"comm": object()}, TypeError, "comm must implement"),
+        ({"reduce_grads": 1, "comm": LocalComm()}, TypeError, "reduce_grads must be a bool"),
+        ({"token_weighted": "yes"}, TypeError, "token_weighted must be a bool"),
+    ],
+)
+def test_bad_options_raise_naming_the_argument(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        gtx.accumulate(2, **kwargs)
+
+
+# --- apply_if_finite: global agreement -----------------------------------------------------------
+
+
+def test_apply_if_finite_skips_when_another_rank_saw_a_nan():
+    params = {"w": torch.ones(2)}
+    comm = RecordingComm(PeerComm([torch.tensor(1.0)], [torch.tensor(0.0)]))  # the peer: not finite, then finite
+    tx = gtx.apply_if_finite(gtx.sgd(0.5), 3, comm=comm, group="world")
+    state = tx.init(params)
+    updates, state = tx.update({"w": torch.ones(2)}, state, params)
+    assert bool(state.skipped) and int(state.notfinite_count) == 1
+    assert_trees_equal(updates, {"w": torch.zeros(2)})
+    updates, state = tx.update({"w": torch.ones(2)}, state, params)
+    assert not bool(state.skipped) and int(state.total_skipped) == 1
+    assert [(c.op, c.group, c.shapes) for c in comm.calls] == [("max", "world", ((),))] * 2
+
+
+def test_apply_if_finite_comm_must_be_a_comm():
+    with pytest.raises(TypeError, match="comm must implement"):
+        gtx.apply_if_finite(gtx.identity(), 1, comm="world")
+
+
+# --- TransformedOptimizer: maybe_no_sync, and reduce_grads on a plain replicated model -------------
+
+
+class FakeFSDP(torch.nn.Linear):
+    """Records FSDP2's set_requires_gradient_sync calls."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.sync_calls: list[bool] = []
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        self.sync_calls.append(sync)
+
+
+class FakeDDP(torch.nn.Linear):
+    """Records which backward ran under DDP's no_sync."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.in_no_sync = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.in_no_sync = True
+        try:
+            yield
+        finally:
+            self.in_no_sync = False
+
+
+def test_maybe_no_sync_syncs_only_the_emitting_micro_step():
+    model = FakeDDP()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(3))
+    synced = []
+    for _ in range(6):
+        with opt.maybe_no_sync(model):
+            synced.append(not model.in_no_sync)
+            model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert synced == [False, False, True] * 2
+
+
+def test_maybe_no_sync_fsdp2_and_flush():
+    model = FakeFSDP()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(4))
+    assert opt.emits_next() is False and opt.emits_next(flush=True) is True
+    with opt.maybe_no_sync(model):
+        model(torch.ones(1, 3)).sum().backward()
+    assert model.sync_calls == [False, True]  # turned off for the backward, restored after
+    opt.step()
+    with opt.maybe_no_sync(model, flush=True):  # a short final window syncs on its flushing step
+        model(torch.ones(1, 3)).sum().backward()
+    assert model.sync_calls == [False, True]
+    assert opt.step(flush=True)
+
+
+def test_maybe_no_sync_without_accumulate_always_syncs():
+    model = FakeFSDP()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.clip_by_global_norm(1.0))
+    for _ in range(2):
+        assert opt.emits_next()
+        with opt.maybe_no_sync(model):
+            model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    assert model.sync_calls == []
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_wrapper_reduce_grads_on_a_replicated_model(fused):
+    torch.manual_seed(0)
+    ref, ours = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ours.load_state_dict(ref.state_dict())
+    x, y = torch.randn(4, 3), torch.tensor([0, 1, 1, 0])
+    peer_x, peer_y = torch.randn(5, 3), torch.tensor([1, 1, 0, 0, 1])
+    # The reference sees both "ranks'" samples in one batch.
+    F.cross_entropy(ref(torch.cat([x, peer_x])), torch.cat([y, peer_y])).backward()
+    torch.optim.SGD(ref.parameters(), lr=0.5).step()
+
+    peer = torch.nn.Linear(3, 2)
+    peer.load_state_dict(ours.state_dict())
+    F.cross_entropy(peer(peer_x), peer_y, reduction="sum").backward()
+    comm = RecordingComm(PeerComm([_tokens(5)], [p.grad for p in peer.parameters()]))
+    tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.5, fused=fused), tx)
+    F.cross_entropy(ours(x), y, reduction="sum").backward()
+    assert opt.step(tokens=4)
+    assert_trees_close(dict(ours.named_parameters()), dict(ref.named_parameters()), rtol=1e-5, atol=1e-7)
+    assert [c.num_tensors for c in comm.calls] == [1, 2]
+
+
+def test_sum_grad_reduction_rejects_a_plain_module():
+    with pytest.raises(TypeError, match="DistributedDataParallel or contain fully_shard"):
+        sum_grad_reduction(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        sum_grad_reduction("model")
