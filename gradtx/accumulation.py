@@ -10,7 +10,7 @@ import torch
 from gradtx import tree as tu
 from gradtx.base import GradientTransformation, Params, PyTree, gate, scale_aware
 from gradtx.combine import apply_deferred
-from gradtx.comm.base import Comm, GroupKey, ReduceOp
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
 class AccumulateState(NamedTuple):
@@ -150,10 +150,8 @@ def accumulate(
         raise TypeError(f"accumulate: token_weighted must be a bool, got {type(token_weighted).__name__}")
     if not isinstance(reduce_grads, bool):
         raise TypeError(f"accumulate: reduce_grads must be a bool, got {type(reduce_grads).__name__}")
-    if comm is not None and not isinstance(comm, Comm):
-        raise TypeError(
-            f"accumulate: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__}"
-        )
+    if comm is not None:
+        check_comm(comm, name="accumulate")
     if reduce_grads and comm is None:
         raise ValueError("accumulate: reduce_grads=True needs a comm over the data-parallel ranks (comm=...)")
 

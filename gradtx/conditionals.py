@@ -9,7 +9,7 @@ import torch
 from gradtx import norms
 from gradtx import tree as tu
 from gradtx.base import GradientTransformation, OptState, Params
-from gradtx.comm.base import Comm, GroupKey, ReduceOp
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
 class ApplyIfFiniteState(NamedTuple):
@@ -86,10 +86,8 @@ def apply_if_finite(
         raise ValueError(f"apply_if_finite: max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}")
-    if comm is not None and not isinstance(comm, Comm):
-        raise TypeError(
-            f"apply_if_finite: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__}"
-        )
+    if comm is not None:
+        check_comm(comm, name="apply_if_finite")
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         # The counters live where the grads do, so the per-step verdict never crosses to the host.

@@ -34,3 +34,9 @@ class Comm(Protocol):
     def size(self, group: GroupKey) -> int:
         """The number of ranks in ``group``."""
         ...
+
+
+def check_comm(comm: object, *, name: str) -> None:
+    """Raise ``TypeError`` unless ``comm`` implements :class:`Comm`."""
+    if not isinstance(comm, Comm):
+        raise TypeError(f"{name}: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__}")

@@ -80,3 +80,34 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
     if errors:
         raise AssertionError("distributed test failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def _run_parts(rank: int, world_size: int, parts: dict[str, Callable[[int], Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, part in parts.items():
+        try:
+            out[name] = part(rank)
+        except Exception:  # noqa: BLE001 - reported per part, so one failure does not hide the others
+            out[name] = {"error": traceback.format_exc()}
+        dist.barrier()  # a failed part must not leave the next one mid-collective on another rank
+    return out
+
+
+def run_parts(parts: dict[str, Callable[[int], Any]], world_size: int) -> list[dict[str, Any]]:
+    """Run several independent checks in one spawn (a spawn costs seconds); returns each rank's results by part.
+
+    Each part is a module-level ``fn(rank)``. A part that raises is recorded,
+    not fatal: :func:`part_results` fails the test that reads it.
+    """
+    return run_distributed(_run_parts, world_size, args=(parts,))
+
+
+def part_results(ranks: list[dict[str, Any]], name: str) -> list[Any]:
+    """The results of part ``name`` on every rank; fails the calling test with a rank's traceback if it raised."""
+    import pytest
+
+    results = [r[name] for r in ranks]
+    for rank, res in enumerate(results):
+        if isinstance(res, dict) and "error" in res:
+            pytest.fail(f"rank {rank}, part {name!r}:\n{res['error']}")
+    return results

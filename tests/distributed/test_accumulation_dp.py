@@ -20,8 +20,6 @@ reports its own error, so one failing part does not hide the others.
 
 from __future__ import annotations
 
-import io
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any, Self
@@ -32,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, run_parts
 
 WORLD, K, STEPS = 2, 4, 2
 VOCAB, DIM, BATCH, SEQ = 13, 8, 2, 6
@@ -253,33 +251,9 @@ PARTS: dict[str, Callable[[int], Any]] = {
 }
 
 
-def _body(rank: int, world_size: int) -> bytes:
-    assert world_size == WORLD
-    out: dict[str, Any] = {}
-    for name, part in PARTS.items():
-        try:
-            out[name] = part(rank)
-        except Exception:  # noqa: BLE001 - reported per part by the tests below
-            out[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    # As bytes: a tensor sent through the queue is shared by file descriptor, which the parent
-    # cannot open once this process has exited.
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in run_distributed(_body, world_size=WORLD)]
-
-
-def _part(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    results = [r[name] for r in ranks]
-    for rank, res in enumerate(results):
-        if "error" in res:
-            pytest.fail(f"rank {rank}, part {name!r}:\n{res['error']}")
-    return results
+    return run_parts(PARTS, world_size=WORLD)
 
 
 def _assert_params_match_reference(results: list[dict[str, Any]]) -> None:
@@ -299,14 +273,14 @@ def test_test_data_has_unequal_padding_and_an_all_padding_micro_batch() -> None:
 
 
 def test_functional_token_weighted_equals_full_batch_token_mean(ranks: list[dict[str, Any]]) -> None:
-    results = _part(ranks, "functional")
+    results = part_results(ranks, "functional")
     _assert_params_match_reference(results)
     for res in results:
         assert res["tokens"] == [global_tokens(s) for s in range(STEPS)]
 
 
 def test_functional_communicates_once_per_step(ranks: list[dict[str, Any]]) -> None:
-    for res in _part(ranks, "functional"):
+    for res in part_results(ranks, "functional"):
         # Nothing on the 3 holding micro-steps; 2 collectives on the emitting one.
         assert res["calls_after_each_micro_step"] == [0, 0, 0, 2, 2, 2, 2, 4]
         token_call, grad_call = res["calls"][:2]
@@ -316,7 +290,7 @@ def test_functional_communicates_once_per_step(ranks: list[dict[str, Any]]) -> N
 
 
 def test_global_zero_tokens_raises_on_every_rank_and_a_zero_rank_is_fine(ranks: list[dict[str, Any]]) -> None:
-    results = _part(ranks, "global_zero_tokens")
+    results = part_results(ranks, "global_zero_tokens")
     for res in results:
         assert res["raised"] is not None and "sum to 0 over all data-parallel ranks" in res["raised"]
         # Rank 1 had no tokens: it still contributes its (here nonzero) grad sum to the global sum.
@@ -326,7 +300,7 @@ def test_global_zero_tokens_raises_on_every_rank_and_a_zero_rank_is_fine(ranks: 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
 def test_wrapper_token_weighted_equals_full_batch_token_mean(ranks: list[dict[str, Any]], wrapper: str) -> None:
-    results = _part(ranks, wrapper)
+    results = part_results(ranks, wrapper)
     _assert_params_match_reference(results)
     for res in results:
         assert res["stepped"] == [False, False, False, True] * STEPS
@@ -335,7 +309,7 @@ def test_wrapper_token_weighted_equals_full_batch_token_mean(ranks: list[dict[st
 
 
 def test_ddp_syncs_grads_once_per_step(ranks: list[dict[str, Any]]) -> None:
-    for res in _part(ranks, "ddp"):
+    for res in part_results(ranks, "ddp"):
         grad_syncs = [(s, i) for s, i, dtype, _ in res["all_reduces"] if dtype == "torch.float32"]
         token_syncs = [(s, i, n) for s, i, dtype, n in res["all_reduces"] if dtype == "torch.int64"]
         assert grad_syncs, "no DDP grad all-reduce was seen; the counter is broken"
@@ -346,7 +320,7 @@ def test_ddp_syncs_grads_once_per_step(ranks: list[dict[str, Any]]) -> None:
 
 
 def test_fsdp2_sums_and_reduce_scatters_once_per_step(ranks: list[dict[str, Any]]) -> None:
-    for res in _part(ranks, "fsdp2"):
+    for res in part_results(ranks, "fsdp2"):
         assert res["divide"] and all(d == (1.0, True) for d in res["divide"])
         # Two param groups (embedding, head): one reduce-scatter each, on the last micro-step only.
         assert [(s, i) for s, i, _ in res["reduce_scatters"]] == [(s, K - 1) for s in range(STEPS) for _ in range(2)]

@@ -13,19 +13,16 @@ All parts run in one spawn of 2 processes; each part reports its own error.
 
 from __future__ import annotations
 
-import io
-import traceback
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, run_parts
 
 WORLD, VOCAB, DIM = 2, 11, 6
 NAN_RANK = 1
@@ -154,33 +151,9 @@ def _ddp_fused(rank: int) -> dict[str, Any]:
 PARTS: dict[str, Callable[[int], Any]] = {"functional": _functional, "fsdp2": _fsdp2, "ddp_fused": _ddp_fused}
 
 
-def _body(rank: int, world_size: int) -> bytes:
-    assert world_size == WORLD
-    out: dict[str, Any] = {}
-    for name, part in PARTS.items():
-        try:
-            out[name] = part(rank)
-        except Exception:  # noqa: BLE001 - reported per part by the tests below
-            out[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    # As bytes: a tensor sent through the queue is shared by file descriptor, which the parent
-    # cannot open once this process has exited.
-    buf = io.BytesIO()
-    torch.save(out, buf)
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in run_distributed(_body, world_size=WORLD)]
-
-
-def _part(ranks: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    results = [r[name] for r in ranks]
-    for rank, res in enumerate(results):
-        if "error" in res:
-            pytest.fail(f"rank {rank}, part {name!r}:\n{res['error']}")
-    return results
+    return run_parts(PARTS, world_size=WORLD)
 
 
 def _assert_equal_trees(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -190,7 +163,7 @@ def _assert_equal_trees(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 def test_functional_nan_on_one_rank_makes_every_rank_skip(ranks: list[dict[str, Any]]) -> None:
-    results = _part(ranks, "functional")
+    results = part_results(ranks, "functional")
     for res in results:
         agreed = res["agreed"]
         assert agreed["skipped"] and agreed["notfinite_count"] == 1
@@ -204,7 +177,7 @@ def test_functional_nan_on_one_rank_makes_every_rank_skip(ranks: list[dict[str, 
 
 @pytest.mark.parametrize("part", ["fsdp2", "ddp_fused"])
 def test_wrapper_nan_on_one_rank_makes_every_rank_skip(ranks: list[dict[str, Any]], part: str) -> None:
-    results = _part(ranks, part)
+    results = part_results(ranks, part)
     for res in results:
         first, bad, after = res["agreed"]["steps"]
         assert first["stepped"] and not first["unchanged"] and first["opt_steps"] == [1.0]
