@@ -22,9 +22,12 @@ class AccumulateState(NamedTuple):
       emitted: whether the last update emitted (CPU bool, 0-d).
       last_tokens: the token total of the last emitted window, summed over the
         data-parallel ranks (CPU int64, 0-d; 0 when not token-weighted).
-      acc: the fp32 running sum, a tree like the updates. Its leaves are empty
-        while no window is open, and always when autograd is the accumulator
-        (``running_sum=True``), so no second gradient-sized buffer is kept.
+      acc: the fp32 running sum, a tree like the updates. While no window is
+        open, and always when autograd is the accumulator (``running_sum=True``),
+        its leaves are empty placeholders of shape ``(0, *leaf_shape)``: no
+        second gradient-sized buffer is kept, yet every update's shape is checked.
+      empty_windows: windows skipped because their valid tokens summed to 0
+        over all ranks (CPU int64, 0-d).
       k: the window length (CPU int64, 0-d), a constant. It is kept in the
         state so that :meth:`gradtx.TransformedOptimizer.maybe_no_sync` can
         tell which micro-step will emit, and so which backward must sync.
@@ -35,13 +38,21 @@ class AccumulateState(NamedTuple):
     emitted: torch.Tensor
     last_tokens: torch.Tensor
     acc: PyTree
+    empty_windows: torch.Tensor
     k: torch.Tensor
 
-    _metrics = (("micro_step", "micro_step"), ("last_tokens", "tokens"), ("emitted", "emitted"))
+    _metrics = (
+        ("micro_step", "micro_step"),
+        ("last_tokens", "tokens"),
+        ("emitted", "emitted"),
+        ("empty_windows", "empty_windows"),
+    )
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.float32, device=tu.local(t).device)
+    # No elements, but the leaf's (local) shape survives in dims 1.., so updates can be checked against it.
+    t = tu.local(t)
+    return torch.empty((0, *t.shape), dtype=torch.float32, device=t.device)
 
 
 def _token_count(tokens: Any) -> int:
@@ -94,8 +105,10 @@ def accumulate(
     contributes zero rather than NaN. With a ``comm``, the token total is summed
     over ``group`` (the data-parallel ranks) with one scalar collective per
     optimizer step, so the result is the token mean of the global batch. A
-    rank whose window has no valid tokens is fine; a window whose *global*
-    total is 0 raises ``ValueError`` on every rank before any state changes.
+    rank whose window has no valid tokens is fine. A window whose *global*
+    total is 0 has no token mean: it is skipped on every rank (the update
+    is ``None``, the window closes, nothing downstream moves) and counted in
+    ``state.empty_windows`` (the ``empty_windows`` metric).
 
     Data-parallel ranks (``comm``): who sums the gradients across ranks?
 
@@ -162,6 +175,7 @@ def accumulate(
             emitted=torch.zeros((), dtype=torch.bool),
             last_tokens=torch.zeros((), dtype=torch.int64),
             acc=tu.tree_map(_empty_like, params),
+            empty_windows=torch.zeros((), dtype=torch.int64),
             k=torch.tensor(k, dtype=torch.int64),
         )
 
@@ -183,39 +197,49 @@ def accumulate(
         # The counters live on the host, so this branch never waits on a device.
         micro_step = int(state.micro_step) + 1
         window_tokens = int(state.tokens) + n
+        emitting = micro_step >= k or flush
 
         acc_leaves = spec.flatten_up_to(state.acc)
+        if not running_sum or emitting:  # a held wrapper step reads no grads (they may be missing)
+            placeholders = running_sum or micro_step == 1
+            for path, a, g in zip(tu.paths(updates), acc_leaves, leaves):
+                expected = a.shape[1:] if placeholders else a.shape
+                if tu.local(g).shape != expected:
+                    raise ValueError(
+                        f"accumulate: updates at {tu.path_str(path)} have shape {tuple(tu.local(g).shape)}, "
+                        f"expected {tuple(expected)}"
+                    )
         if not running_sum:
             acc_leaves = [
                 tu.like(g, tu.local(g).to(torch.float32, copy=True) if micro_step == 1 else tu.local(a) + tu.local(g))
                 for a, g in zip(acc_leaves, leaves)
             ]
 
-        if micro_step < k and not flush:
-            return None, AccumulateState(
+        if not emitting:
+            return None, state._replace(
                 micro_step=torch.tensor(micro_step),
                 tokens=torch.tensor(window_tokens),
                 emitted=torch.tensor(False),
-                last_tokens=state.last_tokens,
                 acc=state.acc if running_sum else tu.unflatten(spec, acc_leaves),
-                k=torch.tensor(k, dtype=torch.int64),
             )
 
         if token_weighted:
-            # On the grads' device: a GPU process group (NCCL) reduces device tensors only.
-            device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
-            total = torch.tensor(window_tokens, dtype=torch.int64, device=device)
+            total = window_tokens
             if comm is not None:
-                (total,) = comm.all_reduce([total], ReduceOp.SUM, group)
-            total = int(total.cpu())  # one scalar per optimizer step
+                # On the grads' device: a GPU process group (NCCL) reduces device tensors only.
+                device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
+                (global_total,) = comm.all_reduce([torch.tensor(total, device=device)], ReduceOp.SUM, group)
+                total = int(global_total.cpu())  # one scalar per optimizer step
             if total == 0:
-                # Every rank sees the same global total, so every rank raises here, after the
-                # same collectives: no rank is left waiting in the grad reduction below.
-                raise ValueError(
-                    "accumulate: the window's valid tokens sum to 0"
-                    + (" over all data-parallel ranks" if comm is not None else "")
-                    + ", so the token mean is undefined; nothing was changed "
-                    "(skip such windows, or count tokens before backward)"
+                # No valid token anywhere: the token mean is undefined, so the window is skipped.
+                # Every rank sees the same global total, so every rank skips, before the grad
+                # reduction below: no rank is left waiting in it.
+                return None, state._replace(
+                    micro_step=torch.zeros((), dtype=torch.int64),
+                    tokens=torch.zeros((), dtype=torch.int64),
+                    emitted=torch.tensor(False),
+                    acc=state.acc if running_sum else tu.tree_map(_empty_like, updates),
+                    empty_windows=state.empty_windows + 1,
                 )
             denom = total
         else:
@@ -239,13 +263,12 @@ def accumulate(
                 acc_leaves = _reduce(acc_leaves, copy_into=None)
             scaled = tu.scale_leaves(acc_leaves, factor, inplace=True)  # acc_leaves are ours
             out = [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]
-        new_state = AccumulateState(
+        new_state = state._replace(
             micro_step=torch.zeros((), dtype=torch.int64),
             tokens=torch.zeros((), dtype=torch.int64),
             emitted=torch.tensor(True),
             last_tokens=torch.tensor(total, dtype=torch.int64),
             acc=tu.tree_map(_empty_like, updates),
-            k=torch.tensor(k, dtype=torch.int64),
         )
         return tu.unflatten(spec, out), new_state
 

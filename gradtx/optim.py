@@ -22,6 +22,9 @@ except ImportError:  # pragma: no cover
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
+# Extras the wrapper passes itself: it owns the .grad buffers and autograd is its accumulator.
+_RESERVED = frozenset({"inplace", "running_sum", "deferred"})
+
 
 def _find(state: OptState, state_type: type) -> list[Any]:
     found: list[Any] = []
@@ -118,6 +121,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"TransformedOptimizer({self.optimizer!r})"
 
+    def __getattr__(self, name: str) -> Any:
+        # Anything this class does not define (step/state-dict hook registries, private fields that
+        # torch.optim.Optimizer's methods expect) is the inner optimizer's, since we skip its __init__.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
     def __getstate__(self) -> dict[str, Any]:
         return self.__dict__
 
@@ -164,6 +174,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """
         if closure is not None:
             raise ValueError("TransformedOptimizer.step: closures are not supported")
+        reserved = sorted(_RESERVED & extra.keys())
+        if reserved:
+            raise ValueError(f"TransformedOptimizer.step: {reserved} are set by the wrapper itself; do not pass them")
         params = self.param_tree()
         grads = self._grads(params, emitting=self.emits_next(flush=bool(extra.get("flush", False))))
         deferred = DeferredScale() if self._fused else None
@@ -172,10 +185,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
         )
         self.tx_state = new_state
         self._last_metrics = metrics(new_state)
-        if updates is None:  # an accumulation window is still open
-            self._window_open = True
+        # Open while the accumulator counts micro-steps; an emitted or skipped (empty) window closes it.
+        self._window_open = any(int(a.micro_step) > 0 for a in _find(new_state, AccumulateState))
+        if updates is None:
             return False
-        self._window_open = False
 
         for group_params, group_updates in zip(params, updates):
             for p, u in zip(group_params, group_updates):
@@ -284,6 +297,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"TransformedOptimizer.load_state_dict: tx_state has {len(saved)} tensors, this transform has {len(leaves)}"
             )
+        for path, s, cur in zip(tu.paths(self.tx_state), saved, leaves):
+            if not isinstance(s, torch.Tensor) or s.shape != cur.shape or s.dtype != cur.dtype:
+                got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+                raise ValueError(
+                    f"TransformedOptimizer.load_state_dict: tx_state at {tu.path_str(path)} is {got}, "
+                    f"this transform has {cur.dtype} {tuple(cur.shape)}"
+                )
         params = self.param_tree()
         grads = state_dict.get("grads")
         if grads is not None and [len(g) for g in grads] != [len(g) for g in params]:
@@ -291,10 +311,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self.optimizer.load_state_dict(state_dict["inner"])
         self.tx_state = tu.unflatten(spec, [s.to(cur.device) for s, cur in zip(saved, leaves)])
         self._window_open = bool(state_dict["window_open"])
-        if grads is not None:
-            for group, saved_group in zip(params, grads):
-                for p, g in zip(group, saved_group):
-                    p.grad = None if g is None else g.to(p.device).clone()
+        # The grads are part of the window: restore an open one, and drop any partial sum otherwise.
+        for i, group in enumerate(params):
+            for j, p in enumerate(group):
+                g = grads[i][j] if grads is not None else None
+                p.grad = None if g is None else g.to(p.device).clone()
         self._last_metrics = metrics(self.tx_state)
 
 

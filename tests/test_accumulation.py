@@ -184,13 +184,30 @@ def test_bad_tokens_raise_and_leave_state_untouched(tokens, err, match):
     assert_trees_equal((state.micro_step, state.tokens, state.acc["w"]), before)
 
 
-def test_zero_token_window_raises_instead_of_nan():
-    tx = gtx.accumulate(2, token_weighted=True)
-    state = tx.init({"w": torch.zeros(2)})
-    _, state = tx.update({"w": torch.zeros(2)}, state, tokens=0)
-    with pytest.raises(ValueError, match="sum to 0"):
-        tx.update({"w": torch.zeros(2)}, state, tokens=0)
-    assert int(state.micro_step) == 1  # the caller's state is unchanged
+def test_zero_token_window_is_skipped_not_nan():
+    tx = gtx.chain(gtx.accumulate(2, token_weighted=True), gtx.sgd(0.1, momentum=0.9))
+    params = {"w": torch.ones(2)}
+    state = tx.init(params)
+    before = state[1]
+    _, state = tx.update({"w": torch.zeros(2)}, state, params, tokens=0)
+    out, state = tx.update({"w": torch.zeros(2)}, state, params, tokens=0)
+    assert out is None  # no token mean exists: the window is skipped, nothing downstream moves
+    assert int(state[0].micro_step) == 0 and int(gtx.metrics(state)["empty_windows"]) == 1
+    assert_trees_equal(state[1], before)
+    # The next window starts afresh and emits normally.
+    _, state = tx.update({"w": torch.full((2,), 2.0)}, state, params, tokens=1)
+    out, state = tx.update({"w": torch.full((2,), 4.0)}, state, params, tokens=2)
+    assert_trees_close(out, {"w": torch.full((2,), -0.2)}, rtol=1e-6)
+
+
+def test_shape_mismatch_names_the_path_on_every_micro_step():
+    tx = gtx.accumulate(3)
+    state = tx.init({"a": {"w": torch.zeros(2, 2)}})
+    with pytest.raises(ValueError, match=r"\['a'\]\['w'\].*\(2, 1\).*expected \(2, 2\)"):
+        tx.update({"a": {"w": torch.zeros(2, 1)}}, state)
+    _, state = tx.update({"a": {"w": torch.zeros(2, 2)}}, state)
+    with pytest.raises(ValueError, match=r"\['a'\]\['w'\]"):
+        tx.update({"a": {"w": torch.zeros(1)}}, state)
 
 
 def test_integer_tensor_tokens_accepted():

@@ -247,3 +247,41 @@ def test_params_without_grads_in_an_accumulation_window():
         opt.zero_grad()
     assert unused.grad is None and torch.equal(unused, torch.ones(4))
     assert float(opt.metrics["grad_norm"]) > 0
+
+
+def test_wrapper_skips_an_empty_token_window_and_starts_a_clean_one():
+    ref, ours = make_model(), make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.5), gtx.accumulate(2, token_weighted=True))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    (x0, y0), (x1, y1), (x2, y2), (x3, y3) = batches(4)
+    padded = torch.full_like(y0, -100)
+    for x in (x0, x1):  # a window with no valid token
+        F.cross_entropy(ours(x), padded, ignore_index=-100, reduction="sum").backward()
+        assert opt.step(tokens=0) is False
+        opt.zero_grad()
+    assert not opt.window_open and all(p.grad is None for p in ours.parameters())
+    assert int(opt.metrics["empty_windows"]) == 1
+    for x, y in ((x2, y2), (x3, y3)):
+        F.cross_entropy(ours(x), y, reduction="sum").backward()
+        opt.step(tokens=len(y))
+        opt.zero_grad()
+    F.cross_entropy(ref(torch.cat([x2, x3])), torch.cat([y2, y3])).backward()
+    ref_opt.step()
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-5, atol=1e-7)
+
+
+def test_load_state_dict_rejects_a_mismatched_state_and_clears_stale_grads():
+    model = make_model()
+    tx = gtx.chain(gtx.accumulate(2), gtx.trace(0.9))
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)
+    checkpoint = opt.state_dict()  # saved at a window boundary
+    other = torch.nn.Sequential(torch.nn.Linear(6, 17), torch.nn.GELU(), torch.nn.Linear(17, 3))
+    other_opt = gtx.TransformedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), tx)
+    with pytest.raises(ValueError, match="tx_state at"):
+        other_opt.load_state_dict(checkpoint)
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()  # opens a window: .grad holds a partial sum
+    assert opt.window_open
+    opt.load_state_dict(checkpoint)
+    assert not opt.window_open and all(p.grad is None for p in model.parameters())
