@@ -1,5 +1,7 @@
 """gradtx: pure, composable gradient transformations for PyTorch, DTensors included."""
 
+import torch
+
 from gradtx import comm, testing
 from gradtx.accumulation import AccumulateState, accumulate
 from gradtx.base import (
@@ -31,6 +33,21 @@ from gradtx.optimizers import (
     update_and_apply,
 )
 from gradtx.pipeline import pp_reduce
+
+# Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
+torch.serialization.add_safe_globals(
+    [
+        AccumulateState,
+        ApplyIfFiniteState,
+        ClipByGlobalNormState,
+        EmptyState,
+        MaskedState,
+        PartitionState,
+        ScaleByAdamState,
+        ScaleByScheduleState,
+        TraceState,
+    ]
+)
 
 __version__ = "0.1.0"
 

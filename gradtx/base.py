@@ -20,7 +20,8 @@ Reserved extras, passed by :class:`gradtx.TransformedOptimizer` (and by users
 who own their buffers, as in a donated functional step):
 
 * ``inplace=True``: the caller donates the ``updates`` buffers, so a transform
-  may write its result into them. The numbers are the same as the pure path.
+  may write its result into them. The numbers are the pure path's (bitwise for
+  one scalar factor; within rounding when several factors fold into one).
 * ``running_sum=True``: ``updates`` already hold the sum of the window's
   micro-batch gradients (autograd summed them into ``.grad``), so
   :func:`gradtx.accumulate` keeps no buffer of its own.

@@ -159,3 +159,21 @@ def test_metrics_collects_named_scalars_from_nested_states():
     assert {"grad_norm", "clip_coef", "micro_step", "tokens", "skipped"} <= set(m)
     assert float(m["grad_norm"]) == pytest.approx(5.0)
     assert int(m["skipped"]) == 0
+
+
+def test_chain_state_round_trips_through_torch_save_with_weights_only(tmp_path):
+    params = {"w": torch.randn(3), "b": torch.randn(2)}
+    tx = gtx.chain(
+        gtx.accumulate(2, token_weighted=True),
+        gtx.apply_if_finite(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(0.1)), 3),
+        gtx.masked(gtx.trace(0.9), {"w": True, "b": False}),
+        gtx.partition({"a": gtx.scale_by_learning_rate(lambda c: 0.1), "b": gtx.identity()}, {"w": "a", "b": "b"}),
+    )
+    state = tx.init(params)
+    for _ in range(3):
+        _, state = tx.update({k: torch.ones_like(v) for k, v in params.items()}, state, params, tokens=4)
+    torch.save(state, tmp_path / "state.pt")
+    restored = torch.load(tmp_path / "state.pt")  # weights_only=True, torch's default
+    assert_trees_equal(restored, state)
+    g = {k: torch.full_like(v, 0.5) for k, v in params.items()}
+    assert_trees_equal(tx.update(g, restored, params, tokens=3), tx.update(g, state, params, tokens=3))
