@@ -29,6 +29,10 @@ who own their buffers, as in a donated functional step):
   (clipping, accumulation's normalisation, :func:`gradtx.scale`) may put
   their factor instead of applying it, so the caller can fold it into a fused
   optimizer kernel. See :class:`DeferredScale`.
+* ``fused_apply``: a :class:`gradtx.optimizers.FusedApply`, passed by
+  :func:`gradtx.update_and_apply` with ``donate=True``. The aliases
+  :func:`gradtx.sgd`, :func:`gradtx.adam` and :func:`gradtx.adamw` may claim
+  it and apply the whole step to the donated params in one fused kernel.
 """
 
 from __future__ import annotations

@@ -12,24 +12,40 @@ Moments (Adam's ``mu`` and ``nu``, the momentum trace) are kept in fp32 for
 fp16 and bf16 params, and in the param's dtype otherwise; the updates come out
 in the dtype the gradients came in. Step counts are 0-d int64 tensors on the
 first param's device, so nothing is read back to the host.
+
+:func:`update_and_apply` takes a whole step (``update`` then ``apply_updates``);
+with ``donate=True`` the aliases apply it in place with one fused torch kernel
+(see the section "fused, donated steps" below and ``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import EmptyState, GradientTransformation, Params, PyTree, Schedule, Updates, scale_aware
-from gradtx.combine import chain
+from gradtx.base import (
+    DeferredScale,
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    PyTree,
+    Schedule,
+    Updates,
+    scale_aware,
+)
+from gradtx.combine import apply_updates, chain
 
 ScalarOrSchedule = float | Schedule
 
 __all__ = [
+    "FUSED_APPLY",
+    "FusedApply",
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "TraceState",
@@ -42,6 +58,7 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
+    "update_and_apply",
 ]
 
 
@@ -477,7 +494,9 @@ def sgd(
       weight_decay: L2 penalty added to the gradient; ``>= 0``.
 
     Returns:
-      A :class:`GradientTransformation` (a :func:`gradtx.chain`).
+      A :class:`GradientTransformation` that runs that :func:`gradtx.chain` and has its state.
+      In a donated :func:`update_and_apply` step it applies the whole step with
+      torch's fused kernel instead, when the leaves allow.
 
     References:
       Robbins & Monro, "A Stochastic Approximation Method", 1951;
@@ -501,7 +520,8 @@ def sgd(
     if momentum != 0.0:
         txs.append(trace(momentum, nesterov))
     txs.append(scale_by_learning_rate(learning_rate))
-    return chain(*txs)
+    spec = _FusedSpec("sgd", learning_rate, weight_decay, momentum=momentum, nesterov=nesterov)
+    return _fusable("sgd", txs, spec, core=len(txs) - 2 if momentum != 0.0 else None)
 
 
 def adam(
@@ -525,7 +545,9 @@ def adam(
       weight_decay: L2 penalty added to the gradient; ``>= 0``.
 
     Returns:
-      A :class:`GradientTransformation` (a :func:`gradtx.chain`).
+      A :class:`GradientTransformation` that runs that :func:`gradtx.chain` and has its state.
+      In a donated :func:`update_and_apply` step it applies the whole step with
+      torch's fused kernel instead, when the leaves allow.
 
     References:
       Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
@@ -542,7 +564,8 @@ def adam(
     weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adam")
     txs = [add_decayed_weights(weight_decay)] if weight_decay != 0.0 else []
     txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    return chain(*txs)
+    spec = _FusedSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)
+    return _fusable("adam", txs, spec, core=len(txs) - 2)
 
 
 def adamw(
@@ -568,7 +591,9 @@ def adamw(
       weight_decay: the decoupled decay coefficient; ``>= 0``.
 
     Returns:
-      A :class:`GradientTransformation` (a :func:`gradtx.chain`).
+      A :class:`GradientTransformation` that runs that :func:`gradtx.chain` and has its state.
+      In a donated :func:`update_and_apply` step it applies the whole step with
+      torch's fused kernel instead, when the leaves allow.
 
     References:
       Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019;
@@ -588,4 +613,339 @@ def adamw(
     if weight_decay != 0.0:
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
-    return chain(*txs)
+    spec = _FusedSpec("adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)
+    return _fusable("adamw", txs, spec, core=0)
+
+
+# --- fused, donated steps --------------------------------------------------------------------
+#
+# A pure step must write new moments, new updates and new params: on a big model those
+# are fresh gradient-sized buffers every step, several passes over memory more than
+# torch.optim's fused kernels make. A *donated* step gives its grads, state and params
+# to the step (as jax.jit's donate_argnums does), so the last optimizer of a chain may
+# update them in place with one fused torch kernel (torch._fused_adamw_, _fused_adam_,
+# _fused_sgd_): it reads p, g and the moments once and writes p and the moments once,
+# and a clip or accumulation factor rides in its ``grad_scale``.
+
+FUSED_APPLY = "fused_apply"
+"""The reserved extra through which :func:`update_and_apply` offers a :class:`FusedApply`."""
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# torch.optim's own list of device types with fused optimizer kernels; a guess if it moves.
+try:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    _FUSED_DEVICE_TYPES = frozenset(_get_fused_kernels_supported_devices())
+except ImportError:  # pragma: no cover
+    _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+
+class FusedApply:
+    """The handshake of a donated step: the one fused kernel that will apply it.
+
+    :func:`update_and_apply` passes one as the reserved extra ``fused_apply``,
+    together with ``inplace=True`` and ``deferred``. The aliases :func:`sgd`,
+    :func:`adam` and :func:`adamw`, when they run at the top level of the
+    chain (``deferred`` reached them) and every leaf suits the fused kernel,
+    *claim* it: they record the kernel launch that will update the params and
+    their moments in place, advance their step counts, and hand back their
+    input updates untouched as a token. Nothing is launched until the whole
+    chain has returned, so a chain that cannot be fused that way fails before
+    anything changes. Anything else ignores the extra.
+
+    Attributes:
+      launch: the recorded kernel launch, or ``None`` while unclaimed.
+      token: the updates tree the claiming alias returned.
+      name: which alias claimed it.
+    """
+
+    def __init__(self) -> None:
+        self.launch: Callable[[], None] | None = None
+        self.token: Any = None
+        self.name = ""
+
+    def claim(self, launch: Callable[[], None], token: Any, *, name: str) -> None:
+        """Record ``launch`` as the step's kernel; ``token`` is the updates tree the claimer returns."""
+        if self.launch is not None:
+            raise ValueError(
+                f"update_and_apply: {name} and {self.name} both apply the step; a donated step fuses one optimizer"
+            )
+        self.launch, self.token, self.name = launch, token, name
+
+
+class _FusedSpec(NamedTuple):
+    kind: str  # "sgd", "adam" or "adamw"
+    learning_rate: float | Schedule
+    weight_decay: float
+    b1: float = 0.0
+    b2: float = 0.0
+    eps: float = 0.0
+    momentum: float = 0.0
+    nesterov: bool = False
+
+
+def _fused_groups(
+    lists: Sequence[Sequence[torch.Tensor]],
+) -> dict[tuple[torch.device, torch.dtype], list[list[Any]]] | None:
+    """Group parallel lists of local tensors by (device, dtype) for a fused kernel, or ``None`` if one does not suit it.
+
+    The kernels walk each tensor's memory flat and check neither shapes nor
+    layouts, so every tensor of a leaf must have the same dtype, device and
+    shape, and be contiguous.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}
+    for ts in zip(*lists):
+        p = ts[0]
+        if not isinstance(p, torch.Tensor) or p.dtype not in _FUSED_DTYPES or p.device.type not in _FUSED_DEVICE_TYPES:
+            return None
+        for t in ts:
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != p.dtype
+                or t.device != p.device
+                or t.shape != p.shape
+                or not t.is_contiguous()
+            ):
+                return None
+        group = groups.get((p.device, p.dtype))
+        if group is None:
+            group = groups[(p.device, p.dtype)] = [[] for _ in ts]
+        for column, t in zip(group, ts):
+            column.append(t)
+    return groups
+
+
+def _fused_step(
+    spec: _FusedSpec,
+    members: int,
+    core: int | None,
+    updates: Updates,
+    state: Any,
+    params: Params,
+    deferred: DeferredScale,
+) -> tuple[Callable[[], None], tuple[OptState, ...]] | None:
+    """The fused kernel launch and new chain state for a donated step, or ``None`` to take the ordinary path.
+
+    ``None`` whenever anything is unusual (a wrong state, another structure,
+    a leaf the kernel does not take): the ordinary chain then runs, and
+    reports a real error in its own words.
+    """
+    if not isinstance(state, tuple) or len(state) != members:
+        return None
+    core_state = state[core] if core is not None else None
+    core_type = TraceState if spec.kind == "sgd" else ScaleByAdamState
+    if core is not None and not isinstance(core_state, core_type):
+        return None
+    lr_state = state[-1]
+    scheduled = callable(spec.learning_rate)
+    if scheduled != isinstance(lr_state, ScaleByScheduleState):
+        return None
+
+    g_leaves, g_spec = tu.flatten(updates)
+    p_leaves, p_spec = tu.flatten(params)
+    lists = [[tu.local(t) for t in p_leaves], [tu.local(t) for t in g_leaves]]
+    if g_spec != p_spec:
+        return None
+    if core_state is not None:
+        moments = (core_state.mu, core_state.nu) if isinstance(core_state, ScaleByAdamState) else (core_state.trace,)
+        for buffers in moments:
+            b_leaves, b_spec = tu.flatten(buffers)
+            if b_spec != p_spec:
+                return None
+            lists.append([tu.local(t) for t in b_leaves])
+    groups = _fused_groups(lists)
+    if groups is None:
+        return None
+
+    lr: float | torch.Tensor = spec.learning_rate  # type: ignore[assignment]
+    if scheduled:
+        lr = _to_factor(spec.learning_rate(lr_state.count), 1.0)  # type: ignore[operator]
+    factor = deferred.take()
+    count = core_state.count + 1 if isinstance(core_state, ScaleByAdamState) else None
+
+    def launch() -> None:
+        for (device, _), columns in groups.items():
+            kw: dict[str, Any] = {"weight_decay": spec.weight_decay, "maximize": False}
+            # The kernel divides the grads by grad_scale (it unscales AMP grads), so the factor goes in inverted.
+            kw["grad_scale"] = None if factor is None else torch.reciprocal(factor.to(device, torch.float32))
+            kw["lr"] = lr.to(device, non_blocking=True) if isinstance(lr, torch.Tensor) else lr
+            if spec.kind == "sgd":
+                ps, gs, *bufs = columns
+                kw.update(momentum=spec.momentum, dampening=0.0, nesterov=spec.nesterov, is_first_step=False)
+                op = torch.ops.aten._fused_sgd_
+                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                op(ps, gs, bufs[0] if bufs else [], **kw)
+            else:
+                ps, gs, ms, vs = columns
+                assert count is not None
+                step = count.to(device, torch.float32, non_blocking=True)
+                kw.update(beta1=spec.b1, beta2=spec.b2, eps=spec.eps, amsgrad=False)
+                op = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
+                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                op(ps, gs, ms, vs, [], [step] * len(ps), **kw)
+
+    new_state = list(state)
+    if isinstance(core_state, ScaleByAdamState):
+        # The moments are the donated buffers: the launch advances them in place.
+        new_state[core] = ScaleByAdamState(count=count, mu=core_state.mu, nu=core_state.nu)  # type: ignore[index]
+    if scheduled:
+        new_state[-1] = ScaleByScheduleState(count=lr_state.count + 1)
+    return launch, tuple(new_state)
+
+
+def _fusable(
+    name: str, txs: list[GradientTransformation], spec: _FusedSpec, *, core: int | None
+) -> GradientTransformation:
+    """``chain(*txs)``, which also claims a donated step's :class:`FusedApply` when it can.
+
+    The state is the chain's (a tuple of member states), on every path.
+    """
+    inner = chain(*txs)
+
+    @scale_aware  # the inner chain applies a pending factor itself before its first non-scalar member
+    def update_fn(updates, state, params=None, **extra):
+        fused = extra.get(FUSED_APPLY)
+        deferred = extra.get("deferred")
+        # deferred reaches only the top level of a chain (masked, partition and apply_if_finite
+        # drop it), which is where applying the whole step in place is sound.
+        if fused is not None and deferred is not None and params is not None and extra.get("inplace", False):
+            planned = _fused_step(spec, len(txs), core, updates, state, params, deferred)
+            if planned is not None:
+                launch, new_state = planned
+                fused.claim(launch, updates, name=name)
+                return updates, new_state
+        if deferred is None and not extra.get("inplace", False) and isinstance(state, tuple) and len(state) == len(txs):
+            return _run_owning(txs, updates, state, params, extra)
+        return inner.update(updates, state, params, **extra)
+
+    return GradientTransformation(inner.init, update_fn)
+
+
+def _run_owning(
+    txs: Sequence[GradientTransformation], updates: Updates, state: tuple[OptState, ...], params: Params, extra: Any
+) -> tuple[Updates | None, tuple[OptState, ...]]:
+    """The pure path of an alias: the first member makes fresh updates, the rest write into them.
+
+    Every member's output buffers are new and shared with nothing (the
+    protocol), so after the first one they belong to this call and later
+    members may take them as donated (``inplace=True``): the same numbers,
+    with fewer gradient-sized buffers allocated per step. The caller's
+    updates, state and params are never written.
+    """
+    new_states = list(state)
+    for i, tx in enumerate(txs):
+        owned = {**extra, "inplace": True} if i > 0 else extra
+        updates, new_states[i] = tx.update(updates, state[i], params, **owned)
+        if updates is None:  # an alias has no gate, but a member may still hold
+            break
+    return updates, tuple(new_states)
+
+
+def _add_in_place(params: Params, updates: Updates, factor: torch.Tensor | None) -> None:
+    """``params += factor * updates``, in place, through local shards; ``updates`` are owned and may be scaled."""
+    tu.check_structure(params, updates, what="updates", against="params")
+    p_leaves = [tu.local(p) for p in tu.flatten(params)[0]]
+    u_leaves = [tu.local(u) for u in tu.flatten(updates)[0]]
+    for (device, _), idx in tu.group_by_device_dtype(p_leaves).items():
+        ps = [p_leaves[i] for i in idx]
+        us = [u_leaves[i] for i in idx]
+        if factor is not None:
+            torch._foreach_mul_(us, factor.to(device, non_blocking=True))
+        torch._foreach_add_(ps, us)
+
+
+def update_and_apply(
+    tx: GradientTransformation,
+    grads: Updates,
+    state: OptState,
+    params: Params,
+    *,
+    donate: bool = False,
+    **extra: Any,
+) -> tuple[Params, OptState]:
+    """One optimizer step: ``tx.update`` then :func:`gradtx.apply_updates`, optionally on donated buffers.
+
+    With ``donate=False`` this is exactly::
+
+        updates, state = tx.update(grads, state, params, **extra)
+        params = apply_updates(params, updates)
+
+    and it is pure. With ``donate=True`` the caller hands ``grads``, ``state``
+    and ``params`` over to the step, as with ``jax.jit(..., donate_argnums=...)``:
+    the step may overwrite them, and the returned params and state share
+    their storage. Do not use the inputs afterwards (keep the returned ones).
+    The step then runs the chain with ``inplace=True`` and a
+    :class:`gradtx.DeferredScale`, and:
+
+    * when the chain ends in :func:`adamw`, :func:`adam` or :func:`sgd` with
+      every leaf fit for torch's fused kernel (params, grads and moments of one
+      dtype, contiguous, on a CPU/CUDA/... device: fp32 or fp64 params, since
+      gradtx keeps fp32 moments for low-precision ones), that alias applies
+      the whole step in one ``torch._fused_adamw_`` / ``_fused_adam_`` /
+      ``_fused_sgd_`` launch, with the pending clip or accumulation factor in
+      its ``grad_scale``: one pass over p, g and the moments, like
+      ``torch.optim.AdamW(fused=True)`` after an in-place clip, minus the clip's
+      own pass;
+    * otherwise the updates are computed in the donated grads buffers and
+      added to the params in place, with no new gradient-sized buffers.
+
+    The numbers equal the pure path's to fp32 rounding. The grads' values
+    after a donated step are unspecified. Only an alias at the top level of
+    the chain fuses (inside :func:`gradtx.masked`, :func:`gradtx.partition` or
+    :func:`gradtx.apply_if_finite` it runs its ordinary way); the fused alias
+    must be the last member that changes the updates.
+
+    Args:
+      tx: the gradient transformation.
+      grads: the gradients, a pytree matching ``params``.
+      state: ``tx``'s state.
+      params: the parameters, a pytree of tensors.
+      donate: hand ``grads``, ``state`` and ``params`` to the step to update in place.
+      **extra: forwarded to ``tx.update`` (``tokens=...``, ``flush=...``);
+        ``inplace``, ``deferred`` and ``fused_apply`` are set by this function.
+
+    Returns:
+      ``(new_params, new_state)``. With ``donate=True`` they are (or share
+      storage with) the donated inputs. When the chain holds (an open
+      accumulation window) the params come back unchanged.
+
+    Raises:
+      ValueError: with ``donate=True``, when a fused alias is not the chain's
+        last member that changes the updates, or two aliases would fuse.
+
+    Example:
+      >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4, weight_decay=0.1))
+      >>> state = tx.init(params)
+      >>> for batch in loader:
+      ...     grads = torch.func.grad(loss_fn)(params, batch)
+      ...     params, state = update_and_apply(tx, grads, state, params, donate=True)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"update_and_apply: tx must be a GradientTransformation, got {type(tx).__name__}")
+    if not isinstance(donate, bool):
+        raise TypeError(f"update_and_apply: donate must be a bool, got {type(donate).__name__}")
+    if not donate:
+        updates, new_state = tx.update(grads, state, params, **extra)
+        return apply_updates(params, updates), new_state
+
+    reserved = sorted(k for k in ("inplace", "deferred", FUSED_APPLY) if k in extra)
+    if reserved:
+        raise TypeError(f"update_and_apply: {reserved} are set by donate=True; do not pass them")
+    deferred = DeferredScale()
+    fused = FusedApply()
+    # A donated step writes its inputs, so it is not differentiable; no_grad also lets it write
+    # params that are leaves requiring grad (nn.Parameters), as an optimizer step does.
+    with torch.no_grad():
+        updates, new_state = tx.update(
+            grads, state, params, inplace=True, deferred=deferred, **{FUSED_APPLY: fused}, **extra
+        )
+        if fused.launch is not None:
+            if updates is not fused.token or deferred.factor is not None:
+                raise ValueError(
+                    f"update_and_apply: a member after {fused.name} changed the updates (or held); with donate=True "
+                    f"{fused.name} applies the step itself, so it must be the chain's last member"
+                )
+            fused.launch()
+        elif updates is not None:  # None: an open accumulation window
+            _add_in_place(params, updates, deferred.take())
+    return params, new_state

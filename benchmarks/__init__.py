@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of gradtx against torch, torchopt and optax; run ``benchmarks/run.py``."""
