@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value
+from tqdm import tqdm
 
 import gradtx as gtx
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     grad_fn = grad_and_value(loss_fn)
 
-    warmup = max(1, steps // 10)
+    warmup = max(1, steps // 10, min(20, steps // 2))  # short runs get a longer share of warm-up
 
     def lr_schedule(count: torch.Tensor) -> torch.Tensor:
         """Linear warm-up, then cosine decay to 10%; tensor ops only, so no host sync."""
@@ -225,8 +226,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         gen = torch.Generator().manual_seed(1234)  # same eval batches every call
         losses = [loss_fn(params, *get_batch(split, batch_size, cfg["context"], gen)) for _ in range(eval_batches)]
         return torch.stack(losses).mean().item()
-
-    from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(args.seed)
     hist_loss, hist_gnorm = [], []
@@ -282,7 +281,7 @@ def write_plot(path: Path, losses: list[float], gnorms: list[float], val_loss: f
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = range(1, len(losses) + 1)
@@ -294,8 +293,9 @@ def write_plot(path: Path, losses: list[float], gnorms: list[float], val_loss: f
     ax_loss.set_title("tiny char LM on stdlib source\nchain(accumulate, clip_by_global_norm, adamw)")
     ax_norm.plot(steps, gnorms, color="tab:green", label="pre-clip global grad norm")
     ax_norm.axhline(1.0, color="gray", linestyle=":", label="max_norm = 1.0")
-    ax_norm.set_yscale("log")
-    ax_norm.yaxis.set_major_formatter(ScalarFormatter())
+    ax_norm.set_yscale("log", base=2)
+    ax_norm.yaxis.set_major_locator(LogLocator(base=2))
+    ax_norm.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax_norm.yaxis.set_minor_formatter(NullFormatter())
     ax_norm.set_xlabel("optimizer step")
     ax_norm.set_ylabel("grad norm")

@@ -238,7 +238,8 @@ def test_params_without_grads_in_an_accumulation_window():
     model = make_model()
     unused = torch.nn.Parameter(torch.ones(4))
     opt = gtx.TransformedOptimizer(
-        torch.optim.SGD([*model.parameters(), unused], lr=0.1), gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0))
+        torch.optim.SGD([*model.parameters(), unused], lr=0.1),
+        gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0)),
     )
     assert [len(g) for g in opt.param_tree()] == [5]
     for x, y in batches(2):
@@ -253,7 +254,7 @@ def test_wrapper_skips_an_empty_token_window_and_starts_a_clean_one():
     ref, ours = make_model(), make_model()
     opt = gtx.TransformedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.5), gtx.accumulate(2, token_weighted=True))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    (x0, y0), (x1, y1), (x2, y2), (x3, y3) = batches(4)
+    (x0, y0), (x1, _), (x2, y2), (x3, y3) = batches(4)
     padded = torch.full_like(y0, -100)
     for x in (x0, x1):  # a window with no valid token
         F.cross_entropy(ours(x), padded, ignore_index=-100, reduction="sum").backward()
