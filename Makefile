@@ -8,13 +8,18 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test bench lint install clean
 
 demo: $(STAMP)
 	$(PY) examples/train_tiny_lm.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Every benchmark, side by side with torch, torchopt and optax; rewrites docs/benchmarks.md and its chart.
+bench: $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
+	$(PY) benchmarks/run.py --wait-quiet 180
 
 lint: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
