@@ -462,11 +462,77 @@ def case_b(ctx: Context) -> list[CaseResult]:
     title = f"GPT-2-small shapes ({describe(shapes)}), fp32"
     ctx.log(f"  case b: {describe(shapes)}")
     main = _step_case(ctx, "b", f"b. Clip + AdamW step, {title}: gradtx and torch", shapes, OURS, reps=ctx.reps)
+    ctx.log("  case b, the kernels inside")
+    kernels = _kernels_case(ctx, shapes, title)
     ctx.log("  case b, peers")
     others = _step_case(
         ctx, "b-peers", f"b. Clip + AdamW step, {title}: gradtx and the peers", shapes, PEERS, reps=ctx.reps
     )
-    return [main, others]
+    return [main, kernels, others]
+
+
+K_NORM_FOREACH = "torch._foreach_norm (torch's clip: the norm)"
+K_NORM_DOT = "BLAS dot per tensor (gradtx's norm on CPU)"
+K_MUL = "torch._foreach_mul_ (torch's clip: the scale)"
+K_FUSED = "torch._fused_adamw_ (torch's step)"
+K_FUSED_GS = "torch._fused_adamw_ with grad_scale (the wrapper's step)"
+K_READ = "one read pass (sum of every tensor)"
+
+
+def _kernels_case(ctx: Context, shapes: dict[str, tuple[int, ...]], title: str) -> CaseResult:
+    """The kernels both steps are made of, timed alone: where the wrapper's time goes."""
+    dev = ctx.device
+    params = list(randn_tree(shapes, dtype=torch.float32, device=dev, seed=0).values())
+    grads = list(randn_tree(shapes, dtype=torch.float32, device=dev, seed=1, scale=GRAD_SCALE).values())
+    exp_avg = [torch.zeros_like(p) for p in params]
+    exp_avg_sq = [torch.zeros_like(p) for p in params]
+    steps = [torch.ones((), device=dev)] * len(params)
+    one = torch.ones((), device=dev)
+    hyper = {"lr": LR, "beta1": 0.9, "beta2": 0.999, "weight_decay": WEIGHT_DECAY, "eps": 1e-8}
+    hyper |= {"amsgrad": False, "maximize": False}
+
+    def dots() -> None:
+        for g in grads:
+            flat = g.view(-1)
+            torch.dot(flat, flat)
+
+    contenders = [
+        Contender(K_NORM_FOREACH, partial(torch._foreach_norm, grads, 2.0)),
+        Contender(K_NORM_DOT, dots),
+        Contender(K_MUL, partial(torch._foreach_mul_, grads, one)),
+        Contender(K_FUSED, partial(torch._fused_adamw_, params, grads, exp_avg, exp_avg_sq, [], steps, **hyper)),
+        Contender(
+            K_FUSED_GS,
+            partial(torch._fused_adamw_, params, grads, exp_avg, exp_avg_sq, [], steps, grad_scale=one, **hyper),
+            "also stores the unscaled grads back: one more write pass",
+        ),
+        Contender(K_READ, lambda: [g.sum() for g in grads], "the memory floor of one pass"),
+    ]
+    if dev.type != "cpu":
+        contenders[1] = Contender(K_NORM_DOT, dots, "not what gradtx runs on this device (it uses _foreach_norm)")
+    result = CaseResult("b-kernels", f"b. The kernels inside the step, {title}")
+    result.timings, result.contention = measure(
+        contenders, reps=ctx.reps, warmup=ctx.warmup, device=dev, log=ctx.log, wait_quiet=ctx.wait_quiet
+    )
+    result.ratios = [
+        ("grad_scale's write-back: fused with / without grad_scale", K_FUSED_GS, K_FUSED),
+        ("gradtx's norm / torch's norm", K_NORM_DOT, K_NORM_FOREACH),
+        ("gradtx's norm / one read pass", K_NORM_DOT, K_READ),
+    ]
+    med = {t.name: t.median * 1e3 for t in result.timings}
+    torch_sum = med[K_NORM_FOREACH] + med[K_MUL] + med[K_FUSED]
+    wrapper_sum = med[K_NORM_DOT] + med[K_FUSED_GS]
+    floor_sum = med[K_NORM_DOT] + med[K_FUSED]
+    result.notes.append(
+        f"torch's step is foreach_norm + foreach_mul_ + fused_adamw_ = {torch_sum:.1f} ms of kernels; the "
+        f"wrapper's is gradtx's norm + fused_adamw_ with grad_scale = {wrapper_sum:.1f} ms "
+        f"(ratio {wrapper_sum / torch_sum:.3f}). A kernel that applied grad_scale without storing the grads "
+        f"would make it gradtx's norm + fused_adamw_ = {floor_sum:.1f} ms (ratio {floor_sum / torch_sum:.3f}). "
+        "The step rows add the optimizers' Python and dispatch around these kernels."
+    )
+    del contenders
+    release_memory()
+    return result
 
 
 def case_c(ctx: Context) -> CaseResult:

@@ -1,15 +1,16 @@
-"""Timing and memory harness for the benchmarks: interleaved repetitions, medians, side-by-side ratios.
+"""Timing harness for the benchmarks: interleaved repetitions, medians, side-by-side ratios.
 
 Every contender of a case is timed in the same process, round-robin: one call
 of each per round, so drift (another process waking up, the CPU clocking down)
-hits them all alike. The order alternates between rounds so no contender is
-always first after a slow one.
+hits them all alike. The order is shuffled (with a fixed seed) every round, so
+no contender always follows the same neighbour.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -149,6 +150,7 @@ def measure(
     device: torch.device,
     log: Callable[[str], None] = print,
     wait_quiet: float = 0.0,
+    settle: float = 0.05,
 ) -> tuple[list[Timing], float | None]:
     """Time every contender ``reps`` times, round-robin, after ``warmup`` untimed rounds.
 
@@ -160,6 +162,9 @@ def measure(
       log: progress output.
       wait_quiet: after the warm-up, wait up to this many seconds for other
         processes to leave the CPUs (see :func:`wait_for_quiet`).
+      settle: seconds to idle before each timed call, so the kernel's
+        background work from the previous call (reclaiming freed memory) is
+        not charged to the next one.
 
     Returns:
       One :class:`Timing` per contender, in the given order, and the share of
@@ -178,9 +183,15 @@ def measure(
     gc.disable()  # a collection landing inside one contender's call would be charged to it alone
     try:
         with Contention() as contention:
-            for r in range(reps):
-                order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+            shuffler = random.Random(0)
+            for _ in range(reps):
+                # Every contender once per round, in a new order each round: a contender that
+                # leaves work behind (freed gigabytes the kernel reclaims, caches it evicted)
+                # then slows a different neighbour each time, not always the same one.
+                order = list(contenders)
+                shuffler.shuffle(order)
                 for c in order:
+                    time.sleep(settle)
                     sync()
                     t0 = time.perf_counter()
                     c.step()

@@ -54,17 +54,22 @@ MISSED_NOTES = {
         "noisy (the two rows do the same passes otherwise); rerun on a quiet machine."
     ),
     "b-wrapper": (
-        "torch's CPU fused AdamW kernel writes the unscaled grads back to `.grad` whenever it is given "
-        "`grad_scale`, so folding the clip into the kernel saves the clip's scale (two passes) but adds "
-        "one: 9 passes over 0.5 GB against torch's 10, not the 8 the 0.7 floor assumes. The norm pass is "
-        "already at the memory floor. What would close it: a fused kernel that reads `grad_scale` "
-        "without storing the grads (an ATen change), or running the optimizer update through a compiled "
-        "kernel (as the compiled functional step does) instead of torch's."
+        "The table of the kernels inside the step shows where the time goes. torch's CPU fused AdamW "
+        "kernel, when it is given `grad_scale`, also stores the unscaled grads back to `.grad`: one more "
+        "write pass (the ratio of fused_adamw_ with and without grad_scale). Folding the clip into the "
+        "kernel therefore saves torch's scale pass (a read and a write) and gradtx's norm is cheaper "
+        "(BLAS dot, at the one-read floor), but the fold adds that write: 9 passes over 0.5 GB against "
+        "torch's 10, not the 8 the issue's 0.7 floor assumes. What would close it: a fused kernel that "
+        "applies `grad_scale` without storing the grads (a small ATen change), or a wrapper that steps the "
+        "inner AdamW's state through its own compiled kernel instead of torch's (which would mean "
+        "reimplementing the inner optimizer's update, something the wrapper deliberately does not do)."
     ),
     "b-functional": (
-        "The donated step is the same 9 passes as the wrapper; the compiled step reads p, g, m, v once "
-        "and writes p, m, v once but allocates its outputs (a pure step), and fresh pages cost more than "
-        "a pass on this VM. What would close it: a quiet machine, or compiling the donated step."
+        "The donated step runs the same two kernels as the wrapper (gradtx's norm, then one fused_adamw_ "
+        "with grad_scale: see the kernels table) plus under a millisecond of the chain's Python, so it "
+        "belongs next to the wrapper row; the peers run of case b measures it against the same torch "
+        "baseline a second time. What would close the gap for good is what would close the wrapper's: a "
+        "fused kernel that applies grad_scale without storing the grads."
     ),
     "b-torchopt": "torchopt's pure chain allocates several gradient-sized buffers per step; see its row.",
     "b-optax": (
@@ -172,8 +177,8 @@ torch to the CPU wheel, so no CUDA torch or `nvidia-*` packages are pulled in
 constraints, so `--no-deps` is not needed. A peer that is missing is shown as a skipped row.
 
 Method: every contender of a case runs in one process, one call each per round, round-robin
-(alternating direction), after warm-up rounds; the tables give the median with min and max, and
-each ratio is taken between rows of the same run. The contenders of a case share their param
+(a new shuffled order every round, 50 ms of idle before each call), after warm-up rounds; the
+tables give the median with min and max, and each ratio is taken between rows of the same run. The contenders of a case share their param
 and grad buffers where their semantics allow.
 """
 

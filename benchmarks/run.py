@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions: a smoke run")
     parser.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'ab' (default: abcde)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "docs", help="where benchmarks.md and the PNG go")
-    parser.add_argument("--reps", type=int, default=None, help="timed rounds per case (default 9, quick 3)")
+    parser.add_argument("--reps", type=int, default=None, help="timed rounds per case (default 15, quick 3)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--no-peers", action="store_true", help="leave torchopt and optax out (rows say so)")
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    reps = args.reps or (3 if args.quick else 9)
+    reps = args.reps or (3 if args.quick else 15)
     start = time.perf_counter()
 
     def log(line: str) -> None:

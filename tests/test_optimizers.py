@@ -33,16 +33,6 @@ RTOL = 1e-5
 ATOL = 1e-6  # for elements near zero; params are O(0.1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # These models are tiny: intra-op threads only add overhead, and on a busy machine
-    # oversubscribed threads make each step 10-50x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # --- models and data -------------------------------------------------------------------------
 
 
