@@ -2,7 +2,7 @@
 
 import torch
 
-from gradtx import comm, testing
+from gradtx import checkpoint, comm, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.base import (
     EmptyState,
@@ -86,6 +86,7 @@ __all__ = [
     "chain",
     "clip",
     "clip_by_global_norm",
+    "checkpoint",
     "comm",
     "global_norm",
     "identity",
