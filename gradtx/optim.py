@@ -352,6 +352,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 inner_state[sid] = rest
         _check_inner_state(inner_state, {saved_of[id(p)]: p for p in all_params}, what=what)
         entries = [saved_state.get(saved_of[id(p)], {}).get(_GTX) for p in flat]
+        if all(e is None for e in entries):
+            entries = self._ckpt_flattened_entries(flat) or entries
         if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
             new_state = self.tx.init(params)
             sums = None
@@ -417,6 +419,36 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 "micro-step inside opt.maybe_no_sync(model, flush=True) and call opt.step(flush=True)"
             )
         return [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in flat]
+
+    def _ckpt_flattened_entries(self, flat: list[torch.Tensor]) -> list[Any] | None:
+        """The transform's entries from the flattened dict torch's ``set_optimizer_state_dict`` is loading, if any.
+
+        With ``flatten_optimizer_state_dict=True`` (torchtitan's setting) torch
+        rebuilds the optimizer dict from the live optimizer's own state keys, so
+        the ``"gradtx"`` entries are dropped on the way; read them back from the
+        flattened dict it was given (``state.<fqn>.gradtx.<key>``).
+        """
+        frame = sys._getframe(2)
+        if frame is None or frame.f_code.co_name != "_load_optim_state_dict":
+            return None
+        flat_sd, info = frame.f_locals.get("state_dict"), frame.f_locals.get("info")
+        mapping = getattr(info, "fqn_param_mapping", None)
+        if not isinstance(flat_sd, dict) or "state" in flat_sd or mapping is None:
+            return None
+        entries: list[Any] = []
+        for p in flat:
+            fqns = mapping.get(p) or ()
+            prefix = f"state.{next(iter(fqns))}.{_GTX}." if fqns else None
+            entry: dict[str, Any] = {}
+            for key, value in flat_sd.items() if prefix else ():
+                if isinstance(key, str) and key.startswith(prefix):
+                    *outer, leaf = key[len(prefix) :].split(".")
+                    node = entry
+                    for part in outer:
+                        node = node.setdefault(part, {})
+                    node[leaf] = value
+            entries.append(entry or None)
+        return entries if any(e is not None for e in entries) else None
 
     def _ckpt_dcp_init_step(self) -> bool:
         """Whether this ``step()`` is torch DCP's state warm-up (``_init_optim_state``); if so, run only the inner step.
