@@ -64,7 +64,7 @@ except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
     compute_local_shape_and_global_offset = None  # type: ignore[assignment]
 
-__all__ = ["TransformState", "load_state_dict", "param_names", "state_dict"]
+__all__ = ["TransformState", "load_state_dict", "param_names", "state_dict", "to_torch_optimizer"]
 
 _ACC = "acc"  # AccumulateState's running-sum field
 
@@ -480,6 +480,48 @@ def _import(
         return tu.unflatten(spec, [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])
 
     return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild)
+
+
+def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A :class:`gradtx.TransformedOptimizer` checkpoint as one for its bare inner ``torch.optim`` optimizer.
+
+    The inner optimizer's state is all a plain optimizer has, so this drops the
+    ``"gradtx"`` entries, which is honest only at a window boundary: an open
+    window's partial sums and micro-step count would be lost, so that raises.
+    The transform's own state (the clip's last norm, counters) is dropped; the
+    resumed run no longer clips or accumulates unless you add that back.
+
+    Args:
+      optimizer_state_dict: ``opt.state_dict()``, or torch's ``get_optimizer_state_dict``
+        of the wrapper (not flattened).
+
+    Returns:
+      A new dict in ``torch.optim``'s layout, for ``plain_optimizer.load_state_dict``
+      or ``set_optimizer_state_dict``.
+
+    Raises:
+      ValueError: the checkpoint was saved with an accumulation window open.
+
+    Example:
+      >>> plain = torch.optim.AdamW(model.parameters())
+      >>> plain.load_state_dict(gtx.checkpoint.to_torch_optimizer(ckpt["optim"]))
+    """
+    if not isinstance(optimizer_state_dict, dict) or "state" not in optimizer_state_dict:
+        raise ValueError("to_torch_optimizer: expected an optimizer state dict ('state', 'param_groups')")
+    state = {}
+    for pid, entry in optimizer_state_dict["state"].items():
+        gtx_entry = entry.get("gradtx") if isinstance(entry, dict) else None
+        for key, value in ((gtx_entry or {}).get("global") or {}).items():
+            if key.rpartition("/")[2] == "micro_step" and int(value) > 0:
+                raise ValueError(
+                    f"to_torch_optimizer: the checkpoint was saved with an accumulation window open ({key} = "
+                    f"{int(value)}); its partial sums would be lost. Save at a window boundary (opt.window_open False) "
+                    "to move to a plain optimizer"
+                )
+        rest = {k: v for k, v in entry.items() if k != "gradtx"}
+        if rest:
+            state[pid] = rest
+    return {"state": state, "param_groups": [dict(g) for g in optimizer_state_dict["param_groups"]]}
 
 
 def _take_acc(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:

@@ -319,8 +319,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"{what}: state_dict must be a dict, got {type(state_dict).__name__}")
         if "inner" in state_dict or "tx_state" in state_dict:
             raise ValueError(
-                f"{what}: this checkpoint has the layout of gradtx before 0.2 ('inner', 'tx_state'); load it with "
-                "gradtx.checkpoint.convert_legacy(checkpoint, opt) or re-save it"
+                f"{what}: this checkpoint has gradtx's earlier layout ('inner', 'tx_state'); to adopt its inner "
+                "optimizer state with the transform starting fresh, pass checkpoint['inner'] (it is a torch.optim "
+                "checkpoint), after making sure it was saved at a window boundary (checkpoint['window_open'] is False)"
             )
         for key in ("state", "param_groups"):
             if key not in state_dict:
