@@ -233,6 +233,28 @@ def full_state_dict_roundtrip(rank: int) -> Any:
     return {"params": _full(model2), "full_acc_shape": tuple(full_acc.shape), "is_plain": type(full_acc) is torch.Tensor}
 
 
+def ddp_partial_sums(rank: int) -> Any:
+    """DDP: partial sums synced every micro-step are in .grad and saved; after a no-sync backward, refused."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import gradtx as gtx
+
+    model = DistributedDataParallel(models.toy_net(seed=0))
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=LR), gtx.accumulate(K))
+    x, y = models.batch(seed=2 + rank, n=4)
+    models.mse(model, x, y).backward()  # synced: .grad holds the mean over ranks
+    opt.step()
+    synced = opt.state_dict()["state"][0]["gradtx"]["0/acc"].clone()
+    with opt.maybe_no_sync(model):
+        models.mse(model, x, y).backward()
+    opt.step()
+    try:
+        opt.state_dict()
+        return {"synced": synced, "message": None}
+    except ValueError as err:
+        return {"synced": synced, "message": str(err)}
+
+
 SAVES = [
     ("fsdp", "wrapper", False, True),  # flattened optimizer dicts, as torchtitan saves them
     ("fsdp", "functional", False, False),
@@ -270,6 +292,7 @@ def results(tmp_path_factory) -> dict[str, Any]:
         )
         for layout, mode, tokens, at, flat in LOADS_2
     }
+    parts2["ddp"] = ddp_partial_sums
     ranks2 = run_parts(parts2, world_size=2)
     return {"4": ranks4, "2": ranks2, "ref": {tok: reference(tok) for tok in (False, True)}}
 
@@ -315,3 +338,9 @@ def test_full_state_dict_round_trip_mid_window(results):
     for res in part_results(results["4"], "full_state_dict"):
         _assert_params(res["params"], results["ref"][False])
         assert res["full_acc_shape"] == (models.HIDDEN, models.DIM) and res["is_plain"]
+
+
+def test_ddp_partial_sums_are_saved_when_synced_and_refused_when_not(results):
+    res = part_results(results["2"], "ddp")
+    torch.testing.assert_close(res[0]["synced"], res[1]["synced"], rtol=0, atol=0)  # identical: one key, any rank
+    assert all(r["message"] and "micro-step 2 of 3" in r["message"] for r in res)
