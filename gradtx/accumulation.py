@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Self
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import GradientTransformation, Params, PyTree
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
@@ -94,7 +95,8 @@ class WindowStep(NamedTuple):
 
     Attributes:
       emit: the window closed with an update.
-      factor: ``1 / denominator`` (0-d fp32, on the grads' device) when ``emit``; else ``None``.
+      factor: ``1 / denominator`` (0-d fp64 on the host; each use narrows it to the grads' precision) when
+        ``emit``; else ``None``.
       state: the new :class:`AccumulateState` (``acc`` untouched: the buffer is the caller's business).
     """
 
@@ -210,7 +212,7 @@ class Window:
         else:
             total = 0
             denom = micro_step * (self.comm.size(self.group) if self.reduce_grads and self.comm is not None else 1)
-        factor = torch.tensor(1.0 / denom, dtype=torch.float32, device=device)
+        factor = torch.tensor(1.0 / denom, dtype=torch.float64)  # exact for fp64 sums; scale_leaves narrows it
         return WindowStep(
             True,
             factor,
@@ -342,15 +344,9 @@ def accumulate(
       >>> tx = chain(accumulate(4, token_weighted=True, comm=comm, reduce_grads=True), adamw(3e-4))
       >>> updates, state = tx.update(sum_loss_grads, state, params, tokens=n_valid)
     """
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"accumulate: k must be an int, got {type(k).__name__}")
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"accumulate: k must be >= 1, got {k}")
-    if not isinstance(token_weighted, bool):
-        raise TypeError(f"accumulate: token_weighted must be a bool, got {type(token_weighted).__name__}")
-    if not isinstance(reduce_grads, bool):
-        raise TypeError(f"accumulate: reduce_grads must be a bool, got {type(reduce_grads).__name__}")
+    k = check.integer(k, arg="k", name="accumulate", minimum=1)
+    token_weighted = check.flag(token_weighted, arg="token_weighted", name="accumulate")
+    reduce_grads = check.flag(reduce_grads, arg="reduce_grads", name="accumulate")
     if comm is not None:
         check_comm(comm, name="accumulate")
     if reduce_grads and comm is None:
@@ -394,9 +390,12 @@ def accumulate(
                         f"expected {tuple(tu.local(e).shape)} ({against})"
                     )
         if state.acc is None:
-            acc = [tu.like(g, tu.local(g).to(torch.float32, copy=True)) for g in leaves]
+            # fp32 at least: bf16/fp16 sum in fp32, fp64 in fp64, complex keeps its imaginary part.
+            acc = [tu.like(g, tu.local(g).to(torch.promote_types(g.dtype, torch.float32), copy=True)) for g in leaves]
         else:
-            acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(tu.flatten(state.acc)[0], leaves)]
+            acc_leaves = tu.flatten(state.acc)[0]
+            tu.check_devices(acc_leaves, leaves, updates, what="accumulate: updates", against="the open window's sum")
+            acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(acc_leaves, leaves)]
         device = tu.local(leaves[0]).device if leaves else None
         stepped = window.step(state, tokens=tokens, flush=flush, device=device)
         if stepped.factor is None:

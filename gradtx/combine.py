@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Self
 
-import optree
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, OptState, Params, PyTree, Updates
+from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates
 
 
 class Chain(GradientTransformation):
@@ -64,9 +63,22 @@ def _run(
     params: Params | None,
     extra: dict[str, Any],
 ) -> tuple[Updates | None, list[OptState]]:
+    # A scalar member's product is computed here, into new buffers (or the donated ones): from then
+    # on the chain owns its updates, so later members may write into them (``inplace=True``), with
+    # the pure path's numbers and one gradient-sized allocation fewer per member.
+    owned = bool(extra.get("inplace", False))
     new_states = list(states)
     for i, tx in enumerate(txs):
-        updates, new_states[i] = tx.update(updates, states[i], params, **extra)
+        if isinstance(tx, ScalarTransformation):
+            factor, new_states[i] = tx.factor(updates, states[i], params, **extra)
+            leaves, spec = tu.flatten(updates)
+            tu.check_tensors(leaves, tu.paths(updates), what="updates")
+            updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
+            owned = True
+            continue
+        updates, new_states[i] = tx.update(
+            updates, states[i], params, **({**extra, "inplace": True} if owned else extra)
+        )
         if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
             break
     return updates, new_states
@@ -270,7 +282,16 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
         return params
     tu.check_structure(params, updates, what="updates", against="params")
 
-    def add(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
-
-    return optree.tree_map(add, params, updates)
+    p_leaves, spec = tu.flatten(params)
+    u_leaves = spec.flatten_up_to(updates)
+    out: list[Any] = [None] * len(p_leaves)
+    plain: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+        if type(p) is torch.Tensor and type(u) is torch.Tensor and p.dtype == u.dtype and p.device == u.device:
+            plain.setdefault((p.device, p.dtype), []).append(i)
+        else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
+            out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
+    for idx in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
+        for i, r in zip(idx, torch._foreach_add([p_leaves[i] for i in idx], [u_leaves[i] for i in idx])):
+            out[i] = r
+    return tu.unflatten(spec, out)

@@ -22,13 +22,13 @@ one fused torch kernel. Nothing in this module knows about that.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Self
 
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -63,37 +63,6 @@ __all__ = [
 # --- validation and small helpers --------------------------------------------------------
 
 
-def _number(value: Any, *, arg: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: {arg} must not be NaN")
-    if math.isinf(value):
-        raise ValueError(f"{name}: {arg} must be finite, got {value}")
-    return value
-
-
-def _non_negative(value: Any, *, arg: str, name: str) -> float:
-    value = _number(value, arg=arg, name=name)
-    if value < 0:
-        raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
-    return value
-
-
-def _beta(value: Any, *, arg: str, name: str) -> float:
-    value = _number(value, arg=arg, name=name)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name}: {arg} must be in [0, 1), got {value}")
-    return value
-
-
-def _learning_rate(learning_rate: Any, *, name: str) -> float | Schedule:
-    if callable(learning_rate):
-        return learning_rate
-    return _non_negative(learning_rate, arg="learning_rate", name=name)
-
-
 def _leaves(tree: PyTree, *, name: str, what: str = "updates") -> tuple[list[torch.Tensor], Any]:
     leaves, spec = tu.flatten(tree)
     tu.check_tensors(leaves, tu.paths(tree), what=f"{name}: {what}")
@@ -121,13 +90,23 @@ def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=_count_device(leaves))
 
 
+def _real_view(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _to_factor(value: Any, sign: float) -> torch.Tensor:
     # A schedule should return a tensor computed from the count; a Python number is
     # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
+    # Python numbers become fp64, so fp64 params step by exactly the learning rate given;
+    # lower-precision grads take the factor in fp32 (see gradtx.tree.scale_leaves).
     if isinstance(value, torch.Tensor):
-        factor = value.to(torch.float32)
+        factor = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.float32)
     else:
-        factor = torch.tensor(float(value), dtype=torch.float32)
+        factor = torch.tensor(float(value), dtype=torch.float64)
     return -factor if sign < 0 else factor
 
 
@@ -154,7 +133,7 @@ def scale(step_size: float) -> ScalarTransformation:
       >>> tx.update({"w": torch.tensor([2.0, -4.0])}, tx.init(None))[0]
       {'w': tensor([ 1., -2.])}
     """
-    step_size = _number(step_size, arg="step_size", name="scale")
+    step_size = check.number(step_size, arg="step_size", name="scale")
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -163,7 +142,7 @@ def scale(step_size: float) -> ScalarTransformation:
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
         tu.require_state(state, EmptyState, name="scale")
-        return torch.tensor(step_size, dtype=torch.float32), state
+        return torch.tensor(step_size, dtype=torch.float64), state
 
     return scalar_transformation(init_fn, factor_fn)
 
@@ -237,7 +216,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
       >>> tx = scale_by_learning_rate(lambda count: 1e-3 * torch.clamp((count + 1) / 100, max=1.0))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    learning_rate = _learning_rate(learning_rate, name="scale_by_learning_rate")
+    learning_rate = check.learning_rate(learning_rate, name="scale_by_learning_rate")
+    flip_sign = check.flag(flip_sign, arg="flip_sign", name="scale_by_learning_rate")
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
         return _scale_by_schedule(learning_rate, sign=sign, name="scale_by_learning_rate")
@@ -286,9 +266,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
       >>> tx = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    b1 = _beta(b1, arg="b1", name="scale_by_adam")
-    b2 = _beta(b2, arg="b2", name="scale_by_adam")
-    eps = _non_negative(eps, arg="eps", name="scale_by_adam")
+    b1 = check.beta(b1, arg="b1", name="scale_by_adam")
+    b2 = check.beta(b2, arg="b2", name="scale_by_adam")
+    eps = check.non_negative(eps, arg="eps", name="scale_by_adam")
 
     def init_fn(params: Params) -> ScaleByAdamState:
         leaves, spec = _leaves(params, name="scale_by_adam", what="params")
@@ -299,36 +279,47 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         )
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
+        del params
         tu.require_state(state, ScaleByAdamState, name="scale_by_adam")
         leaves, spec = _leaves(updates, name="scale_by_adam")
         tu.check_structure(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
         mu_leaves, mu_spec = tu.flatten(state.mu)
         nu_leaves, nu_spec = tu.flatten(state.nu)
+        tu.check_devices(mu_leaves, leaves, updates, what="scale_by_adam: updates", against="its moments")
 
         count = state.count + 1
-        t = count.to(torch.float32)
-        bc1 = _bias_correction(b1, t)
-        bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
-
         mu_locals = [tu.local(m) for m in mu_leaves]
         out: list[torch.Tensor] = list(leaves)
         new_mu: list[torch.Tensor] = list(mu_leaves)
         new_nu: list[torch.Tensor] = list(nu_leaves)
         for (device, dtype), idx in tu.group_by_device_dtype(mu_locals).items():
-            g = [tu.local(leaves[i]).to(dtype) for i in idx]
-            m = torch._foreach_lerp([mu_locals[i] for i in idx], g, 1 - b1)
-            v = torch._foreach_mul([tu.local(nu_leaves[i]) for i in idx], b2)
+            t = count.to(device, tu.acc_dtype(dtype))  # fp64 bias corrections for fp64 params
+            bc1 = _bias_correction(b1, t)
+            bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
+            # Complex params are pairs of reals, as torch.optim.Adam treats them (view_as_real):
+            # the second moment is per component, |re|^2 and |im|^2, never g*g.
+            real = _real_view if dtype.is_complex else _same
+            g = [real(tu.local(leaves[i]).to(dtype)) for i in idx]
+            m = torch._foreach_lerp([real(mu_locals[i]) for i in idx], g, 1 - b1)
+            v = torch._foreach_mul([real(tu.local(nu_leaves[i])) for i in idx], b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt.to(device, non_blocking=True))
-            torch._foreach_add_(denom, eps)
-            u = torch._foreach_div(m, denom)
-            torch._foreach_div_(u, bc1.to(device, non_blocking=True))
+            # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
+            # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
+            if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
+                u = g  # the donated update buffers, read for the last time above: the result goes there
+                torch._foreach_copy_(u, v)
+                torch._foreach_sqrt_(u)
+            else:
+                u = torch._foreach_sqrt(v)
+            torch._foreach_mul_(u, bc1 / bc2_sqrt)
+            torch._foreach_add_(u, bc1 * eps)
+            torch._foreach_reciprocal_(u)
+            torch._foreach_mul_(u, m)
+            back = torch.view_as_complex if dtype.is_complex else _same
             for j, i in enumerate(idx):
-                new_mu[i] = tu.like(mu_leaves[i], m[j])
-                new_nu[i] = tu.like(nu_leaves[i], v[j])
-                out[i] = tu.like(leaves[i], u[j].to(leaves[i].dtype))
+                new_mu[i] = tu.like(mu_leaves[i], back(m[j]))
+                new_nu[i] = tu.like(nu_leaves[i], back(v[j]))
+                out[i] = tu.like(leaves[i], back(u[j]).to(leaves[i].dtype))
         new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
         return tu.unflatten(spec, out), new_state
 
@@ -358,7 +349,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
       >>> tx = add_decayed_weights(0.1)
       >>> updates, _ = tx.update(grads, tx.init(params), params)
     """
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -373,6 +364,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         if weight_decay == 0.0:
             return updates, state
         param_leaves, _ = tu.flatten(params)
+        tu.check_devices(param_leaves, leaves, updates, what="add_decayed_weights: updates", against="the params")
         locals_ = [tu.local(u) for u in leaves]
         out: list[torch.Tensor] = list(leaves)
         inplace = bool(extra.get("inplace", False))
@@ -419,9 +411,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
       >>> tx = trace(0.9)
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    decay = _non_negative(decay, arg="decay", name="trace")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"trace: nesterov must be a bool, got {type(nesterov).__name__}")
+    decay = check.non_negative(decay, arg="decay", name="trace")
+    nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
         leaves, spec = _leaves(params, name="trace", what="params")
@@ -433,6 +424,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         leaves, spec = _leaves(updates, name="trace")
         tu.check_structure(state.trace, updates, what="trace: updates", against="the state's trace")
         tr_leaves, tr_spec = tu.flatten(state.trace)
+        tu.check_devices(tr_leaves, leaves, updates, what="trace: updates", against="its momentum")
         tr_locals = [tu.local(t) for t in tr_leaves]
         inplace = bool(extra.get("inplace", False))
 
@@ -487,11 +479,10 @@ def sgd(
       >>> updates, state = tx.update(grads, tx.init(params), params)
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="sgd")
-    momentum = _non_negative(momentum, arg="momentum", name="sgd")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="sgd")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"sgd: nesterov must be a bool, got {type(nesterov).__name__}")
+    learning_rate = check.learning_rate(learning_rate, name="sgd")
+    momentum = check.non_negative(momentum, arg="momentum", name="sgd")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="sgd")
+    nesterov = check.flag(nesterov, arg="nesterov", name="sgd")
     if nesterov and momentum == 0.0:
         raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0.0")
     txs = []
@@ -539,11 +530,11 @@ def adam(
       >>> updates, state = tx.update(grads, tx.init(params))
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="adam")
-    b1 = _beta(b1, arg="b1", name="adam")
-    b2 = _beta(b2, arg="b2", name="adam")
-    eps = _non_negative(eps, arg="eps", name="adam")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adam")
+    learning_rate = check.learning_rate(learning_rate, name="adam")
+    b1 = check.beta(b1, arg="b1", name="adam")
+    b2 = check.beta(b2, arg="b2", name="adam")
+    eps = check.non_negative(eps, arg="eps", name="adam")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adam")
     txs = [add_decayed_weights(weight_decay)] if weight_decay != 0.0 else []
     txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
     return _alias(txs, OptimizerSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=len(txs) - 2))
@@ -585,11 +576,11 @@ def adamw(
       >>> updates, state = tx.update(grads, tx.init(params), params)
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="adamw")
-    b1 = _beta(b1, arg="b1", name="adamw")
-    b2 = _beta(b2, arg="b2", name="adamw")
-    eps = _non_negative(eps, arg="eps", name="adamw")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adamw")
+    learning_rate = check.learning_rate(learning_rate, name="adamw")
+    b1 = check.beta(b1, arg="b1", name="adamw")
+    b2 = check.beta(b2, arg="b2", name="adamw")
+    eps = check.non_negative(eps, arg="eps", name="adamw")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adamw")
     txs = [scale_by_adam(b1, b2, eps)]
     if weight_decay != 0.0:
         txs.append(add_decayed_weights(weight_decay))
