@@ -81,15 +81,16 @@ def _children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], A
     """A container node's (name, child) pairs and a function rebuilding it from new children; None for a leaf."""
     if node is None:
         return None
+    kind = type(node)
     if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return [(f, getattr(node, f)) for f in node._fields], lambda cs, t=type(node): t(*cs)
+        return [(f, getattr(node, f)) for f in node._fields], lambda cs: kind(*cs)
     if isinstance(node, tuple):
         return list(enumerate(node)), tuple
     if isinstance(node, list):
         return list(enumerate(node)), list
     if isinstance(node, dict):
         keys = list(node)
-        return [(k, node[k]) for k in keys], lambda cs, keys=keys, t=type(node): t(zip(keys, cs))
+        return [(k, node[k]) for k in keys], lambda cs: kind(zip(keys, cs))
     if optree.treespec_is_leaf(optree.tree_structure(node)):
         return None
     children, _, entries, unflatten = optree.tree_flatten_one_level(node)
@@ -247,9 +248,7 @@ def _onto(value: Any, template: torch.Tensor, *, what: str) -> torch.Tensor:
                     f"{tuple(template.placements)}; load through torch.distributed.checkpoint (dcp.load), which reshards"
                 )
             return value
-        shape, offset = compute_local_shape_and_global_offset(
-            template.shape, template.device_mesh, template.placements
-        )
+        shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
         chunk = value
         for dim, (n, start) in enumerate(zip(shape, offset)):
             chunk = chunk.narrow(dim, start, n)
@@ -262,18 +261,16 @@ def _onto(value: Any, template: torch.Tensor, *, what: str) -> torch.Tensor:
 
 def _check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{what}: the checkpoint has a {type(value).__name__}, this state a tensor")
+        raise TypeError(f"{what}: the checkpoint has a {type(value).__name__}, this state a tensor")
     if tuple(value.shape) != tuple(template.shape):
-        raise ValueError(
-            f"{what}: the checkpoint has shape {tuple(value.shape)}, this state {tuple(template.shape)}"
-        )
+        raise ValueError(f"{what}: the checkpoint has shape {tuple(value.shape)}, this state {tuple(template.shape)}")
     if value.dtype != template.dtype:
         raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
 
 
 def _check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
     if not isinstance(got, dict):
-        raise ValueError(f"{what}: expected a dict, got {type(got).__name__}")
+        raise TypeError(f"{what}: expected a dict, got {type(got).__name__}")
     missing = [k for k in expected if k not in got]
     extra = [k for k in got if k not in expected]
     if missing:
@@ -335,13 +332,13 @@ def _export(
     tx: GradientTransformation | None,
     *,
     what: str,
-    acc_dtype: torch.dtype | None = torch.float32,
+    acc_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: torch.promote_types(d, torch.float32),
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
     """Per-parameter leaves (key -> one tensor per param) and global leaves of ``layout``, per-rank parts reduced."""
     per_param: dict[str, list[torch.Tensor]] = {}
     for key, subtree in layout.per_param.items():
         if subtree is None:  # a closed window: its running sum is zeros
-            per_param[key] = [torch.zeros_like(p, dtype=acc_dtype or p.dtype) for p in p_leaves]
+            per_param[key] = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
         else:
             per_param[key] = [t.detach() for t in tu.flatten(subtree)[0]]
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
@@ -402,7 +399,6 @@ def load_state_dict(
     if not isinstance(saved, dict) or "state" not in saved or "global" not in saved:
         raise ValueError(f"{what}: expected the dict gradtx.checkpoint.state_dict made ('state' and 'global')")
     _check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
-    p_leaves, _ = tu.flatten(params)
     per_param = {}
     layout = layout_of(state, params)
     expected = list(layout.per_param)
@@ -424,7 +420,7 @@ def _import(
     names: list[str],
     *,
     what: str,
-    acc_dtype: torch.dtype | None = torch.float32,
+    acc_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: torch.promote_types(d, torch.float32),
 ) -> OptState:
     """Validate everything, then build the new state (the caller commits it)."""
     p_leaves, p_spec = tu.flatten(params)
@@ -434,7 +430,7 @@ def _import(
             _check_tensor(globals_[key], template, what=f"{what}: global state {key!r}")
     for key, subtree in layout.per_param.items():
         templates = (
-            [torch.empty(p.shape, dtype=acc_dtype or p.dtype, device="meta") for p in p_leaves]
+            [torch.empty(p.shape, dtype=acc_dtype(p.dtype), device="meta") for p in p_leaves]
             if subtree is None
             else tu.flatten(subtree)[0]
         )
@@ -471,7 +467,7 @@ def _import(
             if not opened[prefix]:
                 return None
             _, sums_per_rank, on_first = first_rank[prefix]
-            templates = [torch.zeros_like(p, dtype=acc_dtype or p.dtype) for p in p_leaves]
+            templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
             values = [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
             if sums_per_rank and not on_first:
                 values = [torch.zeros_like(v) for v in values]

@@ -287,7 +287,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             sums = self._ckpt_partial_sums(flat)
             layout.per_param[acc_key] = [sums]  # a one-leaf tree: _export flattens it
         per_param, globals_ = _ckpt._export(
-            layout, flat, self.tx, what="TransformedOptimizer.state_dict", acc_dtype=None
+            layout, flat, self.tx, what="TransformedOptimizer.state_dict", acc_dtype=_same_dtype
         )
         inner = self.optimizer.state_dict()
         # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
@@ -348,7 +348,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         inner_state = {}
         for sid, s in saved_state.items():
             if not isinstance(s, dict):
-                raise ValueError(f"{what}: state[{sid!r}] is a {type(s).__name__}, not a dict")
+                raise TypeError(f"{what}: state[{sid!r}] is a {type(s).__name__}, not a dict")
             rest = {k: v for k, v in s.items() if k != _GTX}
             if rest:
                 inner_state[sid] = rest
@@ -373,7 +373,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                     per_param[key].append(entry[key])
             loaded = _ckpt._import(
                 layout, self.tx_state, params, per_param, entries[0][_GLOBAL], self.tx, names,
-                what=what, acc_dtype=None,
+                what=what, acc_dtype=_same_dtype,
             )  # fmt: skip
             new_state, taken = _ckpt._take_acc(loaded, params)
             sums = taken[0] if acc_key is not None and taken else None
@@ -470,6 +470,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 return True
             frame = frame.f_back
         return False
+
+
+def _same_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype  # the wrapper's partial sums are autograd's .grad, in the params' dtype
 
 
 _GTX = "gradtx"  # issue 9: the transform's entry in each param's state

@@ -260,7 +260,8 @@ def test_changed_k_is_refused_and_nothing_changes():
 def test_changed_chain_is_refused_naming_the_key_and_nothing_changes():
     model = make_model()
     src = gtx.TransformedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=1e-2), gtx.chain(gtx.accumulate(K), gtx.apply_if_finite(gtx.clip(1.0), 3))
+        torch.optim.AdamW(model.parameters(), lr=1e-2),
+        gtx.chain(gtx.accumulate(K), gtx.apply_if_finite(gtx.clip(1.0), 3)),
     )
     train(model, src, DATA[:4])
     target_model, target = _mid_window_pair()
@@ -306,7 +307,10 @@ def test_changed_dtype_is_refused_and_nothing_changes():
     ckpt["state"][2]["gradtx"]["0/0/acc"] = ckpt["state"][2]["gradtx"]["0/0/acc"].double()
     target_model, target = _mid_window_pair()
     before = snapshot(target, target_model)
-    with pytest.raises(ValueError, match=r"'0/0/acc' of param \"param_groups\[0\]\['params'\]\[2\] \(shape \(3, 16\)\)\": the checkpoint has dtype torch.float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"'0/0/acc' of param \"param_groups\[0\]\['params'\]\[2\] \(shape \(3, 16\)\)\": the checkpoint has dtype torch.float64",
+    ):
         target.load_state_dict(ckpt)
     assert_unchanged(before, target, target_model)
 
@@ -325,7 +329,7 @@ def test_a_bad_inner_part_changes_nothing_either():
 
 
 def test_the_earlier_layout_and_non_dicts_are_refused_clearly():
-    model, opt = _mid_window_pair()
+    _, opt = _mid_window_pair()
     with pytest.raises(ValueError, match=r"earlier layout.*checkpoint\['inner'\]"):
         opt.load_state_dict({"inner": {}, "tx_state": [], "window_open": False})
     with pytest.raises(ValueError, match="missing key 'param_groups'"):
@@ -361,7 +365,9 @@ def test_functional_state_round_trips_through_dcp(tmp_path, stop):
     acc = state[0].acc
     assert (acc is None) == (stop % K == 0)
     sd = gtx.checkpoint.state_dict(state, params, tx=tx)
-    assert set(sd["state"]) == set(params) and "0/acc" in sd["state"]["0.weight"] and "2/0/mu" in sd["state"]["0.weight"]
+    assert (
+        set(sd["state"]) == set(params) and "0/acc" in sd["state"]["0.weight"] and "2/0/mu" in sd["state"]["0.weight"]
+    )
     dcp.save({"params": params, "tx": sd}, checkpoint_id=str(tmp_path))
 
     fresh = {n: torch.zeros_like(p) for n, p in params.items()}
@@ -384,11 +390,15 @@ def test_functional_load_validates_before_it_builds():
     with pytest.raises(ValueError, match=r"saved with k=3, this transform has k=4"):
         gtx.checkpoint.load_state_dict(sd, other_tx.init(params), params, tx=other_tx)
     sgd_tx = gtx.chain(gtx.accumulate(K), gtx.clip_by_global_norm(0.5), gtx.sgd(1e-2, momentum=0.9))
-    with pytest.raises(ValueError, match=r"state of param '0.bias': the checkpoint has no '2/0/trace'.*different chain"):
+    with pytest.raises(
+        ValueError, match=r"state of param '0.bias': the checkpoint has no '2/0/trace'.*different chain"
+    ):
         gtx.checkpoint.load_state_dict(sd, sgd_tx.init(params), params, tx=sgd_tx)
     bad = copy.deepcopy(sd)
     bad["state"]["2.bias"]["2/0/nu"] = torch.zeros(5)
-    with pytest.raises(ValueError, match=r"'2/0/nu' of param '2.bias': the checkpoint has shape \(5,\), this state \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"'2/0/nu' of param '2.bias': the checkpoint has shape \(5,\), this state \(3,\)"
+    ):
         gtx.checkpoint.load_state_dict(bad, state, params, tx=tx)
     loaded = gtx.checkpoint.load_state_dict(sd, tx.init(params), params, tx=tx)
     for a, b in zip(tu.flatten(loaded)[0], tu.flatten(state)[0], strict=True):

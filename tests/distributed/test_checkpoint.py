@@ -161,7 +161,10 @@ def _load(model, run: dict, path: str, flat: bool) -> None:
         set_state_dict(model, run["opt"], model_state_dict=sd["model"], optim_state_dict=sd["optim"],
                        options=_options(flat))  # fmt: skip
     else:
-        sd = {"model": get_model_state_dict(model), "tx": gtx.checkpoint.state_dict(run["state"], run["params"], tx=run["tx"])}
+        sd = {
+            "model": get_model_state_dict(model),
+            "tx": gtx.checkpoint.state_dict(run["state"], run["params"], tx=run["tx"]),
+        }
         dcp.load(sd, checkpoint_id=path)
         set_model_state_dict(model, sd["model"])
         run["state"] = gtx.checkpoint.load_state_dict(sd["tx"], run["state"], run["params"], tx=run["tx"])
@@ -196,7 +199,7 @@ def load_run(rank: int, *, layout: str, mode: str, tokens: bool, root: str, at: 
 
 def refuse_hidden_partial_sums(rank: int) -> Any:
     """Under maybe_no_sync, FSDP2 holds the window's partial sums: a save refuses, a boundary save works."""
-    mesh, model, run = _build("fsdp", "wrapper", False)
+    _, model, run = _build("fsdp", "wrapper", False)
     opt = run["opt"]
     x, y = models.batch(seed=1, n=2)
     with opt.maybe_no_sync(model):
@@ -230,7 +233,11 @@ def full_state_dict_roundtrip(rank: int) -> Any:
     set_state_dict(model2, run2["opt"], model_state_dict=msd, optim_state_dict=osd, options=options)
     for i in range(MID, TOTAL):
         _micro_step(mesh2, model2, run2, i, False)
-    return {"params": _full(model2), "full_acc_shape": tuple(full_acc.shape), "is_plain": type(full_acc) is torch.Tensor}
+    return {
+        "params": _full(model2),
+        "full_acc_shape": tuple(full_acc.shape),
+        "is_plain": type(full_acc) is torch.Tensor,
+    }
 
 
 def ddp_partial_sums(rank: int) -> Any:
@@ -299,8 +306,8 @@ def results(tmp_path_factory) -> dict[str, Any]:
 
 def _assert_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
-    for n in want:
-        torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+    for n, value in want.items():
+        torch.testing.assert_close(got[n], value, rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize(("layout", "mode", "tokens", "flat"), SAVES)
