@@ -326,13 +326,17 @@ class TransformedOptimizer(torch.optim.Optimizer):
             )
         for key in ("state", "param_groups"):
             if key not in state_dict:
-                raise ValueError(f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')")
+                raise ValueError(
+                    f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')"
+                )
         params = self.param_tree()
         flat = [p for group in params for p in group]
         saved_groups = state_dict["param_groups"]
         groups = self.optimizer.param_groups
         if len(saved_groups) != len(groups):
-            raise ValueError(f"{what}: the checkpoint has {len(saved_groups)} param groups, this optimizer {len(groups)}")
+            raise ValueError(
+                f"{what}: the checkpoint has {len(saved_groups)} param groups, this optimizer {len(groups)}"
+            )
         saved_of: dict[int, Any] = {}
         for i, (saved, group) in enumerate(zip(saved_groups, groups)):
             if len(saved["params"]) != len(group["params"]):
