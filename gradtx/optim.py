@@ -393,9 +393,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     def _ckpt_acc_key(self, layout: Any) -> str | None:
         """The checkpoint key of the leading window's partial sums (autograd's ``.grad``), or ``None``."""
-        if self._plan.window is None:
+        if self._plan.window is None or not layout.windows:
             return None
-        return next(key for key in layout.per_param if key.endswith(_ckpt._ACC))
+        return _ckpt._child(layout.windows[0][0], _ckpt._ACC)  # the leading window's, the first in the walk
 
     def _ckpt_pids(self, params: list[list[torch.Tensor]]) -> list[int]:
         """torch.optim's state_dict index of each param of :meth:`param_tree`, in order."""

@@ -73,6 +73,13 @@ def _build(layout: str, mode: str, tokens: bool):
 
     world = dist.get_world_size()
     model = models.toy_net(seed=0)
+    if layout == "dp":  # functional data parallelism: replicated plain params, gradtx sums the grads
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        comm = TorchComm(mesh)
+        acc = gtx.accumulate(K, token_weighted=tokens, comm=comm, group="dp", reduce_grads=True)
+        tx = gtx.chain(acc, gtx.clip_by_global_norm(MAX_NORM), gtx.adamw(LR, weight_decay=WD))
+        params = dict(model.named_parameters())
+        return mesh, model, {"tx": tx, "params": params, "state": tx.init(params)}
     if layout == "tp_fsdp":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         for block in model.blocks:
@@ -171,7 +178,9 @@ def _load(model, run: dict, path: str, flat: bool) -> None:
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def save_run(rank: int, *, layout: str, mode: str, tokens: bool, root: str, flat: bool = False) -> Any:
@@ -189,7 +198,7 @@ def save_run(rank: int, *, layout: str, mode: str, tokens: bool, root: str, flat
 
 def load_run(rank: int, *, layout: str, mode: str, tokens: bool, root: str, at: int, flat: bool = False) -> Any:
     """Load the checkpoint saved at micro-step ``at`` into a fresh FSDP2 run and finish it."""
-    mesh, model, run = _build("fsdp", mode, tokens)
+    mesh, model, run = _build("dp" if layout == "dp" else "fsdp", mode, tokens)
     _load(model, run, f"{root}/{layout}-{mode}-{int(tokens)}-{at}", flat)
     window_open = run["opt"].window_open if "opt" in run else None
     for i in range(at, TOTAL):
@@ -266,11 +275,13 @@ SAVES = [
     ("fsdp", "wrapper", False, True),  # flattened optimizer dicts, as torchtitan saves them
     ("fsdp", "functional", False, False),
     ("fsdp", "wrapper", True, False),
+    ("dp", "functional", True, False),  # per-rank token counts and partial sums (reduce_grads=True)
     ("tp_fsdp", "wrapper", False, False),
     ("tp_fsdp", "functional", False, False),
 ]
 LOADS_4 = [("fsdp", "wrapper", False, MID, True), ("fsdp", "wrapper", False, BOUND, True),
-           ("fsdp", "functional", False, MID, False), ("fsdp", "wrapper", True, MID, False)]  # fmt: skip
+           ("fsdp", "functional", False, MID, False), ("fsdp", "wrapper", True, MID, False),
+           ("dp", "functional", True, MID, False)]  # fmt: skip
 LOADS_2 = [(lay, mode, tok, at, flat) for lay, mode, tok, flat in SAVES for at in (BOUND, MID)]
 
 
