@@ -45,7 +45,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -564,8 +564,3 @@ class TransformState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state = load_state_dict(state_dict, self.state, self.params, tx=self.tx)
 
-
-def _iter_tensors(tree: PyTree) -> Iterator[torch.Tensor]:
-    for leaf in tu.flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            yield leaf

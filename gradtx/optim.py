@@ -464,7 +464,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         the transform, so the inner optimizer alone takes it.
         """
         frame = sys._getframe(1)
-        for _ in range(4):
+        for _ in range(6):  # step's own frame and its decorators' (no_grad), then its caller
             if frame is None:
                 return False
             if frame.f_code.co_name == "_init_optim_state" and frame.f_globals.get("__name__", "").startswith(

@@ -403,3 +403,25 @@ def test_functional_load_validates_before_it_builds():
     loaded = gtx.checkpoint.load_state_dict(sd, tx.init(params), params, tx=tx)
     for a, b in zip(tu.flatten(loaded)[0], tu.flatten(state)[0], strict=True):
         assert torch.equal(a, b)
+
+
+def test_functional_window_sums_keep_their_dtype_fp64():
+    params = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    tx = gtx.chain(gtx.accumulate(2), gtx.sgd(0.1))
+    state = tx.init(params)
+    _, state = tx.update({"w": torch.randn(4, 3, dtype=torch.float64)}, state, params)
+    assert state[0].acc["w"].dtype == torch.float64
+    boundary = gtx.checkpoint.state_dict(tx.init(params), params, tx=tx)
+    assert boundary["state"]["w"]["0/acc"].dtype == torch.float64 and not boundary["state"]["w"]["0/acc"].any()
+    saved = copy.deepcopy(gtx.checkpoint.state_dict(state, params, tx=tx))
+    loaded = gtx.checkpoint.load_state_dict(saved, tx.init(params), params, tx=tx)
+    assert torch.equal(loaded[0].acc["w"], state[0].acc["w"]) and int(loaded[0].micro_step) == 1
+
+
+def test_an_open_window_whose_grads_are_gone_is_refused():
+    model = make_model()
+    opt = wrapper(model)
+    train(model, opt, DATA[:1])
+    opt.optimizer.zero_grad()  # the partial sums are gone behind the wrapper's back
+    with pytest.raises(ValueError, match=r"window is open \(micro-step 1 of 3\).*Save at a window boundary"):
+        opt.state_dict()
