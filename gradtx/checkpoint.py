@@ -563,4 +563,3 @@ class TransformState:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.state = load_state_dict(state_dict, self.state, self.params, tx=self.tx)
-
