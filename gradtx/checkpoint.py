@@ -254,8 +254,11 @@ def _onto(value: Any, template: torch.Tensor, *, what: str) -> torch.Tensor:
             chunk = chunk.narrow(dim, start, n)
         local = chunk.to(tu.local(template).device, tu.local(template).dtype).clone()
         return tu.like(template, local)
-    if isinstance(value, DTensor):
-        value = value.full_tensor()  # a sharded value into a plain state: gather it
+    if DTensor is not None and isinstance(value, DTensor):
+        raise ValueError(
+            f"{what}: a DTensor ({tuple(value.placements)}) for an unsharded state; load through "
+            "torch.distributed.checkpoint (dcp.load into a state_dict of the live state), which gathers it"
+        )
     return value.to(template.device, template.dtype)
 
 
