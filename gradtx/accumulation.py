@@ -8,11 +8,17 @@ from typing import Any, NamedTuple
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, Params, PyTree, gate, scale_aware
+from gradtx.base import GradientTransformation, Params, PyTree, export_metrics, gate, scale_aware
 from gradtx.combine import apply_deferred
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
+@export_metrics(
+    ("micro_step", "micro_step"),
+    ("last_tokens", "tokens"),
+    ("emitted", "emitted"),
+    ("empty_windows", "empty_windows"),
+)
 class AccumulateState(NamedTuple):
     """The open accumulation window.
 
@@ -40,13 +46,6 @@ class AccumulateState(NamedTuple):
     acc: PyTree
     empty_windows: torch.Tensor
     k: torch.Tensor
-
-    _metrics = (
-        ("micro_step", "micro_step"),
-        ("last_tokens", "tokens"),
-        ("emitted", "emitted"),
-        ("empty_windows", "empty_windows"),
-    )
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 
 from gradtx import norms
 from gradtx import tree as tu
-from gradtx.base import EmptyState, GradientTransformation, Params, scale_aware
+from gradtx.base import EmptyState, GradientTransformation, Params, export_metrics, scale_aware
 
 
 def _check_positive(value: Any, *, arg: str, name: str, allow_zero: bool = False, allow_inf: bool = True) -> float:
@@ -86,13 +86,12 @@ def clip(max_delta: float) -> GradientTransformation:
 # --- clip by global norm -----------------------------------------------------------------
 
 
+@export_metrics(("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"))
 class ClipByGlobalNormState(NamedTuple):
     """The last step's pre-clip global norm and the coefficient applied (fp32, 0-d)."""
 
     grad_norm: torch.Tensor
     clip_coef: torch.Tensor
-
-    _metrics = (("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"))
 
 
 def clip_by_global_norm(

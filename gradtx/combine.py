@@ -26,10 +26,11 @@ from gradtx.base import (
 def apply_deferred(updates: Updates, extra: Mapping[str, Any]) -> Updates:
     """Apply a pending :class:`DeferredScale` factor from ``extra`` to ``updates``, if there is one."""
     deferred: DeferredScale | None = extra.get("deferred")
-    if deferred is None or deferred.factor is None:
+    factor = None if deferred is None else deferred.take()
+    if factor is None:
         return updates
     leaves, spec = tu.flatten(updates)
-    scaled = tu.scale_leaves(leaves, deferred.take(), inplace=bool(extra.get("inplace", False)))
+    scaled = tu.scale_leaves(leaves, factor, inplace=bool(extra.get("inplace", False)))
     return tu.unflatten(spec, scaled)
 
 

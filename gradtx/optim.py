@@ -274,7 +274,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # checkpoints --------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict, the transform state, and the partial grads of an open window."""
         leaves, _ = tu.flatten(self.tx_state)
         out: dict[str, Any] = {
@@ -286,7 +286,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self.param_tree()]
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; a run resumed mid-window continues it exactly."""
         for key in ("inner", "tx_state", "window_open"):
             if key not in state_dict:
@@ -338,16 +338,17 @@ def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
       >>> with no_sync(model, sync=(micro_step == k - 1)):
       ...     loss.backward()
     """
+    wrapped: Any = model  # FSDP2's and DDP's methods are not on nn.Module's type
     if sync:
         yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
+    elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
-    elif hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():
+            wrapped.set_requires_gradient_sync(True)
+    elif hasattr(wrapped, "no_sync"):  # DDP
+        with wrapped.no_sync():
             yield
     else:
         yield

@@ -189,7 +189,7 @@ def scale(step_size: float) -> GradientTransformation:
 class ScaleByScheduleState(NamedTuple):
     """The number of updates made so far: a 0-d int64 tensor."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
@@ -270,7 +270,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 class ScaleByAdamState(NamedTuple):
     """Adam's step count (0-d int64) and first and second moments (trees mirroring the params)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
     mu: PyTree
     nu: PyTree
 
@@ -772,22 +772,23 @@ def _fused_step(
             if spec.kind == "sgd":
                 ps, gs, *bufs = columns
                 kw.update(momentum=spec.momentum, dampening=0.0, nesterov=spec.nesterov, is_first_step=False)
-                op = torch.ops.aten._fused_sgd_
-                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                packet = torch.ops.aten._fused_sgd_
+                op = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
                 op(ps, gs, bufs[0] if bufs else [], **kw)
             else:
                 ps, gs, ms, vs = columns
                 assert count is not None
                 step = count.to(device, torch.float32, non_blocking=True)
                 kw.update(beta1=spec.b1, beta2=spec.b2, eps=spec.eps, amsgrad=False)
-                op = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
-                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                packet = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
+                op = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
                 op(ps, gs, ms, vs, [], [step] * len(ps), **kw)
 
     new_state = list(state)
     if isinstance(core_state, ScaleByAdamState):
         # The moments are the donated buffers: the launch advances them in place.
-        new_state[core] = ScaleByAdamState(count=count, mu=core_state.mu, nu=core_state.nu)  # type: ignore[index]
+        assert core is not None and count is not None  # both set together with core_state
+        new_state[core] = ScaleByAdamState(count=count, mu=core_state.mu, nu=core_state.nu)
     if scheduled:
         new_state[-1] = ScaleByScheduleState(count=lr_state.count + 1)
     return launch, tuple(new_state)
