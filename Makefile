@@ -25,7 +25,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/run.py --wait-quiet 180
 
 lint: $(DEV_STAMP)
-	$(PY) -m ruff check gradtx tests examples
+	$(PY) -m ruff check gradtx tests examples tools
 
 # mypy over gradtx/ ([tool.mypy] in pyproject.toml).
 typecheck: $(DEV_STAMP)

@@ -32,8 +32,8 @@ def _examples_page() -> str:
     lines = [
         "# Examples",
         "",
-        "The scripts in `examples/`, as they are in the repository. Each runs on CPU; "
-        "`tests/test_examples.py` runs the small ones.",
+        "The scripts in `examples/`, as they are in the repository. Each runs on CPU, and "
+        + "`tests/test_examples.py` runs the small ones.",
         "",
     ]
     for script in sorted(EXAMPLES.glob("*.py")):
