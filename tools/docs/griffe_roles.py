@@ -7,7 +7,9 @@ would (the object's own scope outward, then the flat ``gradtx`` namespace) and w
 mkdocs-autorefs link to the object's canonical path; the link is optional, so a target the API
 pages do not render (a private helper) shows as code. A gradtx target that resolves to nothing
 is a stale reference: it is logged as a warning, which fails ``mkdocs build --strict``.
-It also turns reST's ``text::`` literal-block marker into ``text:``.
+It also turns reST's ``text::`` literal-block marker into ``text:``, and a singular ``Example:``
+section header into ``Examples:``, the one griffe parses into ``>>>`` code blocks (it would
+render ``Example:`` as an admonition of plain text, and ``>>>`` as nested quotes).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ _log = logging.getLogger("mkdocs.plugins.gradtx_docs")
 
 _ROLE = re.compile(r":(?:py:)?(?:class|func|meth|mod|attr|data|exc|obj):`(?P<tilde>~?)(?P<target>[\w.]+)(?:\(\))?`")
 _LITERAL_MARKER = re.compile(r"(\S)::$", re.MULTILINE)
+_EXAMPLE_HEADER = re.compile(r"^(\s*)Example:[ \t]*$", re.MULTILINE)
 
 
 def _follow(obj: Any) -> Any | None:
@@ -89,4 +92,5 @@ class SphinxRoles(griffe.Extension):
                 _log.warning("%s: docstring of %s refers to %r, which does not exist", where, obj.path, match[0])
             return code  # torch.*, optree.*: no link
 
+        text = _EXAMPLE_HEADER.sub(r"\1Examples:", text)
         return _LITERAL_MARKER.sub(r"\1:", _ROLE.sub(link, text))
