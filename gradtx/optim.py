@@ -251,7 +251,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # checkpoints --------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The inner optimizer's state dict, the transform state, and the partial grads of an open window."""
         leaves, _ = tu.flatten(self.tx_state)
         out: dict[str, Any] = {
@@ -263,7 +263,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self.param_tree()]
         return out
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore what :meth:`state_dict` saved; a run resumed mid-window continues it exactly."""
         for key in ("inner", "tx_state", "window_open"):
             if key not in state_dict:
