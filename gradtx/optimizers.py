@@ -290,11 +290,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             m = torch._foreach_lerp([mu_locals[i] for i in idx], g, 1 - b1)
             v = torch._foreach_mul([tu.local(nu_leaves[i]) for i in idx], b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt.to(device, non_blocking=True))
-            torch._foreach_add_(denom, eps)
-            u = torch._foreach_div(m, denom)
-            torch._foreach_div_(u, bc1.to(device, non_blocking=True))
+            # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
+            # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
+            u = torch._foreach_sqrt(v)
+            torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(device, non_blocking=True))
+            torch._foreach_add_(u, (bc1 * eps).to(device, non_blocking=True))
+            torch._foreach_reciprocal_(u)
+            torch._foreach_mul_(u, m)
             for j, i in enumerate(idx):
                 new_mu[i] = tu.like(mu_leaves[i], m[j])
                 new_nu[i] = tu.like(nu_leaves[i], v[j])
