@@ -40,7 +40,7 @@ def _examples_page() -> str:
         source = script.read_text(encoding="utf-8")
         doc = ast.get_docstring(ast.parse(source)) or ""
         summary = doc.strip().split("\n\n", 1)[0].replace("\n", " ")
-        lines += [f"## `examples/{script.name}` {{ #{_anchor(script)} }}", "", summary, ""]
+        lines += [f"## examples/{script.name} {{ #{_anchor(script)} }}", "", summary, ""]
         lines += ["```python", source.rstrip("\n"), "```", ""]
     return "\n".join(lines)
 
