@@ -138,7 +138,7 @@ def _walk(
                 fields.append(rebuild("acc", child, key) if rebuild else child)
             else:
                 fields.append(_walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
-        return AccumulateState(*fields)
+        return AccumulateState(*fields)  # type: ignore[arg-type]
     if _is_per_param(node, p_spec, p_leaves):
         key = _key(path)
         layout.per_param[key] = node
@@ -402,7 +402,7 @@ def load_state_dict(
     if not isinstance(saved, dict) or "state" not in saved or "global" not in saved:
         raise ValueError(f"{what}: expected the dict gradtx.checkpoint.state_dict made ('state' and 'global')")
     _check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
-    per_param = {}
+    per_param: dict[str, list[Any]] = {}
     layout = layout_of(state, params)
     expected = list(layout.per_param)
     for i, name in enumerate(names):

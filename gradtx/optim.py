@@ -416,10 +416,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
             return [torch.zeros_like(p) for p in flat]
         hidden = not getattr(self, "_ckpt_synced", True) or (flat and all(p.grad is None for p in flat))
         if hidden:
-            micro = int(self._plan.window_state(self.tx_state).micro_step)
+            window_state, window = self._plan.window_state(self.tx_state), self._plan.window
+            assert window_state is not None and window is not None  # the window is open
             raise ValueError(
-                f"TransformedOptimizer.state_dict: an accumulation window is open (micro-step {micro} of "
-                f"{self._plan.window.k}) and its partial sums are not in .grad: they sit inside DDP/FSDP2, which skipped "
+                f"TransformedOptimizer.state_dict: an accumulation window is open (micro-step "
+                f"{int(window_state.micro_step)} of {window.k}) and its partial sums are not in .grad: they sit inside DDP/FSDP2, which skipped "
                 "the gradient sync (maybe_no_sync), so a checkpoint now would lose them. Save at a window boundary "
                 "(when step() returned True, opt.window_open is False), or end the window early: run its next "
                 "micro-step inside opt.maybe_no_sync(model, flush=True) and call opt.step(flush=True)"
@@ -444,7 +445,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         entries: list[Any] = []
         for p in flat:
             fqns = mapping.get(p) or ()
-            prefix = f"state.{next(iter(fqns))}.{_GTX}." if fqns else None
+            prefix = f"state.{next(iter(fqns))}.{_GTX}." if fqns else ""
             entry: dict[str, Any] = {}
             for key, value in flat_sd.items() if prefix else ():
                 if isinstance(key, str) and key.startswith(prefix):
@@ -463,7 +464,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         grads with ``lr = 0``. That must not count as a micro-step nor advance
         the transform, so the inner optimizer alone takes it.
         """
-        frame = sys._getframe(1)
+        frame: Any = sys._getframe(1)
         for _ in range(6):  # step's own frame and its decorators' (no_grad), then its caller
             if frame is None:
                 return False
