@@ -271,6 +271,40 @@ def ddp_partial_sums(rank: int) -> Any:
         return {"synced": synced, "message": str(err)}
 
 
+def migrate_plain_dcp_checkpoint(rank: int, *, root: str) -> Any:
+    """A plain FSDP2 AdamW run's DCP checkpoint, adopted by a wrapper: the inner state loads, the transform is fresh."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, get_state_dict, set_state_dict
+
+    _, model, _ = _build("fsdp", "wrapper", False)
+    plain = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    for i in range(2):
+        x, y, _ = micro_batch(i)
+        models.mse(model, x, y).backward()
+        plain.step()
+        plain.zero_grad()
+    msd, osd = get_state_dict(model, plain)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/plain")
+    want = {n: (s["exp_avg"].full_tensor(), int(s["step"])) for n, s in osd["state"].items()}
+
+    _, model2, run2 = _build("fsdp", "wrapper", False)
+    opt = run2["opt"]
+    # The plain checkpoint has no "gradtx" entries: load it into the inner optimizer's own dict.
+    msd2, osd2 = get_state_dict(model2, opt.optimizer)
+    sd = {"model": msd2, "optim": osd2}
+    dcp.load(sd, checkpoint_id=f"{root}/plain")
+    set_state_dict(model2, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    got = get_optimizer_state_dict(model2, opt)["state"]
+    return {
+        "window_open": opt.window_open,
+        "grads": [p.grad for p in model2.parameters()],
+        "micro_step": int(got["blocks.0.w1.weight"]["gradtx"]["global"]["0/0/micro_step"]),
+        "match": all(
+            torch.equal(got[n]["exp_avg"].full_tensor(), a) and int(got[n]["step"]) == s for n, (a, s) in want.items()
+        ),
+    }
+
+
 SAVES = [
     ("fsdp", "wrapper", False, True),  # flattened optimizer dicts, as torchtitan saves them
     ("fsdp", "functional", False, False),
@@ -311,6 +345,7 @@ def results(tmp_path_factory) -> dict[str, Any]:
         for layout, mode, tokens, at, flat in LOADS_2
     }
     parts2["ddp"] = ddp_partial_sums
+    parts2["migrate"] = functools.partial(migrate_plain_dcp_checkpoint, root=root)
     ranks2 = run_parts(parts2, world_size=2)
     return {"4": ranks4, "2": ranks2, "ref": {tok: reference(tok) for tok in (False, True)}}
 
@@ -362,3 +397,9 @@ def test_ddp_partial_sums_are_saved_when_synced_and_refused_when_not(results):
     res = part_results(results["2"], "ddp")
     torch.testing.assert_close(res[0]["synced"], res[1]["synced"], rtol=0, atol=0)  # identical: one key, any rank
     assert all(r["message"] and "micro-step 2 of 3" in r["message"] for r in res)
+
+
+def test_a_plain_dcp_checkpoint_migrates_into_the_wrapper(results):
+    for res in part_results(results["2"], "migrate"):
+        assert res["match"] and res["micro_step"] == 0
+        assert not res["window_open"] and all(g is None for g in res["grads"])
