@@ -18,7 +18,7 @@ from it, and raises naming the first difference.
 
 Accumulation windows need care, and get it here:
 
-* ``AccumulateState.acc`` is ``None`` between windows and an fp32 tree while
+* ``AccumulateState.acc`` is ``None`` between windows and an fp32 (fp64) tree while
   one is open. The saved dict always carries the running sum (zeros at a
   boundary), so its keys do not depend on where the window stands, which is
   what DCP's load needs: the dict it loads into is made before the checkpoint
@@ -155,7 +155,7 @@ def _walk(
     return make(new) if rebuild else node
 
 
-def layout_of(state: OptState, params: Params) -> _Layout:
+def _layout_of(state: OptState, params: Params) -> _Layout:
     p_leaves, p_spec = tu.flatten(params)
     layout = _Layout()
     _walk(state, (), p_spec, p_leaves, layout, None)
@@ -321,7 +321,7 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     if len(set(names)) != len(names):
         raise ValueError(f"gradtx.checkpoint.state_dict: params have duplicate names: {names}")
     p_leaves, _ = tu.flatten(params)
-    layout = layout_of(state, params)
+    layout = _layout_of(state, params)
     per_param, globals_ = _export(layout, p_leaves, tx, what="gradtx.checkpoint.state_dict")
     return {
         "state": {n: {k: v[i] for k, v in per_param.items()} for i, n in enumerate(names)},
@@ -403,7 +403,7 @@ def load_state_dict(
         raise ValueError(f"{what}: expected the dict gradtx.checkpoint.state_dict made ('state' and 'global')")
     _check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
     per_param: dict[str, list[Any]] = {}
-    layout = layout_of(state, params)
+    layout = _layout_of(state, params)
     expected = list(layout.per_param)
     for i, name in enumerate(names):
         entry = saved["state"][name]

@@ -281,7 +281,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """
         params = self.param_tree()
         flat = [p for group in params for p in group]
-        layout = _ckpt.layout_of(self.tx_state, params)
+        layout = _ckpt._layout_of(self.tx_state, params)
         acc_key = self._ckpt_acc_key(layout)
         if acc_key is not None:
             sums = self._ckpt_partial_sums(flat)
@@ -364,7 +364,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             new_state = self.tx.init(params)
             sums = None
         else:
-            layout = _ckpt.layout_of(self.tx_state, params)
+            layout = _ckpt._layout_of(self.tx_state, params)
             acc_key = self._ckpt_acc_key(layout)
             if acc_key is not None:
                 layout.per_param[acc_key] = None  # the partial sums: shaped and typed like the params
