@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from gradtx import tree as tu
 from gradtx.accumulation import AccumulateState
@@ -89,8 +90,6 @@ def _keep_on_skip(skip: torch.Tensor, old: Any, new: Any) -> Any:
 
 
 def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
-    from torch.optim import optimizer as torch_optimizer
-
     return bool(
         optimizer._optimizer_step_pre_hooks
         or optimizer._optimizer_step_post_hooks
@@ -110,6 +109,24 @@ def _framework_caller() -> str | None:
             return top
         frame = frame.f_back
     return None
+
+
+class _Live:
+    """What a step changes, held apart from the optimizer object.
+
+    torch.compile drops attribute writes to a ``torch.optim.Optimizer`` instance
+    inside a graph (dynamo treats optimizers specially), but tracks writes to a
+    plain object: so everything a step writes lives here.
+    """
+
+    def __init__(self, tx_state: OptState) -> None:
+        self.tx_state = tx_state
+        self.window_open = False
+        self.emitted = False
+        # GradScaler inside an accumulation window: the window's scale, and whether it saw an inf.
+        self.amp_scale: torch.Tensor | None = None
+        self.amp_inf: torch.Tensor | None = None
+        self.metrics: dict[str, torch.Tensor] = {}
 
 
 class TransformedOptimizer(torch.optim.Optimizer):
@@ -188,18 +205,21 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._tree = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-        self.tx_state = self.tx.init(self.param_tree())
+        self._live = _Live(self.tx.init(self.param_tree()))
         # The chain's structure is fixed: what it contains is known once, so a step branches on nothing else.
         self._accumulates = bool(_find(self.tx_state, AccumulateState))
         self._finite_gate = bool(_find(self.tx_state, ApplyIfFiniteState))
-        self._window_open = False
-        self._emitted = False
-        # GradScaler inside an accumulation window: the window's scale, and whether it saw an inf.
-        self._amp_scale: torch.Tensor | None = None
-        self._amp_inf: torch.Tensor | None = None
-        self._last_metrics: dict[str, torch.Tensor] = {}
 
     # torch.optim.Optimizer surface, delegated to the inner optimizer -----------------------
+
+    @property
+    def tx_state(self) -> OptState:
+        """The transform's state (a pytree of tensors)."""
+        return self._live.tx_state
+
+    @tx_state.setter
+    def tx_state(self, value: OptState) -> None:
+        self._live.tx_state = value
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -257,7 +277,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         Args:
           param_group: as for ``torch.optim.Optimizer.add_param_group``.
         """
-        if self._window_open:
+        if self._live.window_open:
             raise ValueError(
                 "TransformedOptimizer.add_param_group: an accumulation window is open; add the group after the "
                 "step that emits (opt.emitted is True)"
@@ -389,7 +409,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         updates, new_state, factor, skip = self._run_chain(grads, params, extra, inv_scale)
         window_open = self._accumulates and any(int(a.micro_step) > 0 for a in _find(new_state, AccumulateState))
 
-        amp_scale, amp_inf = self._amp_scale, self._amp_inf
+        live = self._live
+        amp_scale, amp_inf = live.amp_scale, live.amp_inf
         if found_inf is not None:
             found = found_inf != 0
             if amp_inf is not None:  # an earlier micro-step of this window saw an inf
@@ -410,11 +431,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if updates is not None:
             self._apply(params, updates, factor, skip)
         # Commit only now: a step that raised above left the state as it was.
-        self.tx_state = new_state
-        self._window_open = window_open
-        self._emitted = updates is not None
-        self._amp_scale, self._amp_inf = amp_scale, amp_inf
-        self._last_metrics = metrics(new_state)
+        live.tx_state = new_state
+        live.window_open = window_open
+        live.emitted = updates is not None
+        live.amp_scale, live.amp_inf = amp_scale, amp_inf
+        live.metrics = metrics(new_state)
 
     def _run_chain(
         self,
@@ -451,11 +472,20 @@ class TransformedOptimizer(torch.optim.Optimizer):
         skip: torch.Tensor | None,
     ) -> None:
         replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        compiling = torch.compiler.is_compiling()
         for group_params, group_updates in zip(params, updates):
             for p, u in zip(group_params, group_updates):
                 if p.grad is not None and u is not p.grad:
-                    replaced.append((p, p.grad))
-                    p.grad = u
+                    if compiling:
+                        # Rebinding p.grad is a pending mutation of the param, which makes dynamo break the
+                        # graph before the inner optimizer's _init_group; a copy into .grad is not.
+                        copies.append((p.grad, u))
+                    else:
+                        replaced.append((p, p.grad))
+                        p.grad = u
+        if copies:
+            torch._foreach_copy_([g for g, _ in copies], [u for _, u in copies])
         try:
             if self._fused:
                 self.optimizer.grad_scale = None if factor is None else (1.0 / factor)  # type: ignore[attr-defined]
@@ -490,8 +520,24 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the grads, except while an accumulation window is open (they are the accumulator)."""
-        if not self._window_open:
+        if self._live.window_open:
+            return
+        if not torch.compiler.is_compiling():
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        # torch.optim's zero_grad is marked not traceable; this is its body, for a compiled step.
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
 
     @property
     def emitted(self) -> bool:
@@ -503,17 +549,17 @@ class TransformedOptimizer(torch.optim.Optimizer):
         its window closed; the params and optimizer state stay unchanged and
         ``metrics["skipped"]`` counts it. Reads nothing from the device.
         """
-        return self._emitted
+        return self._live.emitted
 
     @property
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last step's logged scalars: grad_norm, clip_coef, micro_step, tokens, skipped (as present)."""
-        return dict(self._last_metrics)
+        return dict(self._live.metrics)
 
     @property
     def window_open(self) -> bool:
         """Whether an accumulation window is open (the grads hold a partial sum)."""
-        return self._window_open
+        return self._live.window_open
 
     def emits_next(self, *, flush: bool = False) -> bool:
         """Whether the next :meth:`step` will emit, so its backward must sync the grads across ranks.
@@ -567,12 +613,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
             "inner": self.optimizer.state_dict(),
             "tx_state": leaves,
             "tx_structure": _state_types(self.tx_state),
-            "window_open": self._window_open,
+            "window_open": self._live.window_open,
         }
-        if self._window_open:
+        if self._live.window_open:
             out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self.param_tree()]
-            if self._amp_scale is not None or self._amp_inf is not None:
-                out["amp_window"] = [self._amp_scale, self._amp_inf]
+            if self._live.amp_scale is not None or self._live.amp_inf is not None:
+                out["amp_window"] = [self._live.amp_scale, self._live.amp_inf]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -633,16 +679,17 @@ class TransformedOptimizer(torch.optim.Optimizer):
         amp_window = state_dict.get("amp_window") or [None, None]
         # The inner optimizer validates its own state dict before it replaces anything.
         self.optimizer.load_state_dict(state_dict["inner"])
-        self.tx_state = new_state
-        self._window_open = bool(state_dict["window_open"])
-        self._emitted = False
-        self._amp_scale, self._amp_inf = amp_window
+        live = self._live
+        live.tx_state = new_state
+        live.window_open = bool(state_dict["window_open"])
+        live.emitted = False
+        live.amp_scale, live.amp_inf = amp_window
         # The grads are part of the window: restore an open one, and drop any partial sum otherwise.
         for i, group in enumerate(params):
             for j, p in enumerate(group):
                 g = grads[i][j] if grads is not None else None
                 p.grad = None if g is None else g.to(p.device).clone()
-        self._last_metrics = metrics(self.tx_state)
+        live.metrics = metrics(new_state)
 
 
 @contextlib.contextmanager
