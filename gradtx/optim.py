@@ -411,6 +411,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
         live = self._live
         amp_scale, amp_inf = live.amp_scale, live.amp_inf
+        drop_partial_sum = False
         if found_inf is not None:
             found = found_inf != 0
             if amp_inf is not None:  # an earlier micro-step of this window saw an inf
@@ -422,6 +423,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 amp_inf = found
                 if amp_scale is None and grad_scale is not None:
                     amp_scale = grad_scale.detach().clone()
+                drop_partial_sum = bool(found)  # one scalar read, on a held micro-step under GradScaler only
             if updates is not None:
                 new_state = _keep_on_skip(found, self.tx_state, new_state)
                 skip = found if skip is None else (skip | found.to(skip.device))
@@ -430,6 +432,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
         if updates is not None:
             self._apply(params, updates, factor, skip)
+        elif drop_partial_sum:
+            # The window will be skipped; an inf left in .grad would make GradScaler back off again on
+            # every remaining micro-step, where torch's recipe backs off once per window.
+            for group in params:
+                for p in group:
+                    p.grad = None
         # Commit only now: a step that raised above left the state as it was.
         live.tx_state = new_state
         live.window_open = window_open
