@@ -9,7 +9,7 @@ import torch
 
 from gradtx import norms
 from gradtx import tree as tu
-from gradtx.base import EmptyState, GradientTransformation, Params, scale_aware
+from gradtx.base import EmptyState, GradientTransformation, Params, ScalarTransformation, scalar_transformation
 
 
 def _check_positive(value: Any, *, arg: str, name: str, allow_zero: bool = False, allow_inf: bool = True) -> float:
@@ -97,7 +97,7 @@ class ClipByGlobalNormState(NamedTuple):
 
 def clip_by_global_norm(
     max_norm: float, *, norm_type: float = 2.0, mesh_groups: Any | None = None
-) -> GradientTransformation:
+) -> ScalarTransformation:
     """Scale all updates together so that their global norm is at most ``max_norm``.
 
     The coefficient is ``clamp(max_norm / (norm + 1e-6), max=1)``, exactly as in
@@ -132,27 +132,20 @@ def clip_by_global_norm(
         zero = torch.zeros((), dtype=torch.float32)
         return ClipByGlobalNormState(grad_norm=zero, clip_coef=torch.ones((), dtype=torch.float32))
 
-    @scale_aware
-    def update_fn(updates, state, params=None, **extra):
-        del params
+    def factor_fn(updates, state, params=None, *, scale=None, **extra):
+        del params, extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
-        leaves, spec = _leaves(updates, name="clip_by_global_norm")
+        leaves, _ = _leaves(updates, name="clip_by_global_norm")
         if mesh_groups is None:
             norm = norms.combine_norms(norms.tensor_norms(leaves, norm_type), norm_type)
         else:
             norm = mesh_groups.global_norm(leaves, norm_type)
-        deferred = extra.get("deferred")
-        if deferred is not None and deferred.factor is not None:
-            norm = norm * deferred.factor.abs()  # the true updates are leaves * factor
+        if scale is not None:
+            norm = norm * scale.abs().to(norm.device)  # the true updates are leaves * scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if deferred is not None:
-            deferred.fold(coef)
-            out = updates
-        else:
-            out = tu.unflatten(spec, tu.scale_leaves(leaves, coef, inplace=bool(extra.get("inplace", False))))
-        return out, ClipByGlobalNormState(grad_norm=norm, clip_coef=coef)
+        return coef, ClipByGlobalNormState(grad_norm=norm, clip_coef=coef)
 
-    return GradientTransformation(init_fn, update_fn)
+    return scalar_transformation(init_fn, factor_fn)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------

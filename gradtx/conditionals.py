@@ -8,7 +8,7 @@ import torch
 
 from gradtx import norms
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, OptState, Params
+from gradtx.base import GradientTransformation, Guard, OptState, Params
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
@@ -46,7 +46,7 @@ def apply_if_finite(
     *,
     comm: Comm | None = None,
     group: GroupKey = "world",
-) -> GradientTransformation:
+) -> Guard:
     """Run ``inner`` only on finite updates; skip, and count, a step with any NaN or inf.
 
     A skipped step returns zero updates and leaves the inner state exactly as
@@ -114,10 +114,7 @@ def apply_if_finite(
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)
 
-        # The inner transform must see its own state unscaled; a factor deferred
-        # inside it could be NaN on a bad step, so it applies its own.
-        inner_extra = {k: v for k, v in extra.items() if k != "deferred"}
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **inner_extra)
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
         if new_updates is None:
             raise ValueError("apply_if_finite: the inner transform held (returned None); put accumulate() before it")
 
@@ -147,4 +144,4 @@ def apply_if_finite(
         )
         return tu.unflatten(out_spec, out), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return Guard(init_fn, update_fn)

@@ -14,9 +14,9 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx import tree as tu
 from gradtx.accumulation import AccumulateState
-from gradtx.base import DeferredScale, GradientTransformation, OptState, metrics
+from gradtx.base import GradientTransformation, OptState, metrics
 from gradtx.combine import chain
-from gradtx.conditionals import ApplyIfFiniteState
+from gradtx.executor import StepPlan
 
 try:  # a CPU-only or old build may lack torch.distributed
     from torch.distributed.fsdp import FSDPModule
@@ -26,8 +26,8 @@ except ImportError:  # pragma: no cover
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
-# Extras the wrapper passes itself: it owns the .grad buffers and autograd is its accumulator.
-_RESERVED = frozenset({"inplace", "running_sum", "deferred"})
+# The extra the wrapper passes itself: it owns the .grad buffers.
+_RESERVED = frozenset({"inplace"})
 
 # Training frameworks that count every ``optimizer.step()`` call as an optimizer step (their global step, their
 # scheduler), and what to use in their place when the chain accumulates.
@@ -38,39 +38,6 @@ _FRAMEWORKS = {
     "accelerate": "accelerate's Accelerator(gradient_accumulation_steps=k) with `with accelerator.accumulate(model):` "
     "(the Hugging Face Trainer: TrainingArguments(gradient_accumulation_steps=k))",
 }
-
-
-def _find(state: OptState, state_type: type) -> list[Any]:
-    found: list[Any] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, state_type):
-            found.append(node)
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
-
-    walk(state)
-    return found
-
-
-def _state_types(state: OptState) -> list[str]:
-    """The state NamedTuples of a chain, in order: its structure, as a checkpoint records it."""
-    names: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, tuple) and hasattr(type(node), "_fields"):
-            names.append(type(node).__name__)
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
-
-    walk(state)
-    return names
 
 
 def _keep_on_skip(skip: torch.Tensor, old: Any, new: Any) -> Any:
@@ -205,10 +172,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._tree = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-        self._live = _Live(self.tx.init(self.param_tree()))
-        # The chain's structure is fixed: what it contains is known once, so a step branches on nothing else.
-        self._accumulates = bool(_find(self.tx_state, AccumulateState))
-        self._finite_gate = bool(_find(self.tx_state, ApplyIfFiniteState))
+        self._plan = StepPlan.of(self.tx)
+        self._live = _Live(self.tx.init(self.param_tree()))  # issue 8: what a step writes (see _Live)
+        # issue 8: the chain's structure is fixed, so a step branches on nothing else. A chain whose body
+        # transforms .grad in place is snapshotted on an emitting step, so a member that raises leaves it as it was.
+        self._accumulates = self._plan.window is not None
+        self._body_mutates = self._plan.tail_start > self._plan.body_start or self._plan.terminal is not None
 
     # torch.optim.Optimizer surface, delegated to the inner optimizer -----------------------
 
@@ -220,6 +189,25 @@ class TransformedOptimizer(torch.optim.Optimizer):
     @tx_state.setter
     def tx_state(self, value: OptState) -> None:
         self._live.tx_state = value
+
+    # issue 8: the names state_dict/load_state_dict use, kept on the holder a compiled step can write.
+    @property
+    def _window_open(self) -> bool:
+        return self._live.window_open
+
+    @_window_open.setter
+    def _window_open(self, value: bool) -> None:
+        self._live.window_open = value
+        self._live.emitted = False
+        self._live.amp_scale = self._live.amp_inf = None  # a loaded window carries no GradScaler record
+
+    @property
+    def _last_metrics(self) -> dict[str, torch.Tensor]:
+        return self._live.metrics
+
+    @_last_metrics.setter
+    def _last_metrics(self, value: dict[str, torch.Tensor]) -> None:
+        self._live.metrics = value
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -407,7 +395,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         grads = self._grads(params, emitting=emitting)
         updates, new_state, factor, skip = self._run_chain(grads, params, extra, inv_scale)
-        window_open = self._accumulates and any(int(a.micro_step) > 0 for a in _find(new_state, AccumulateState))
+        window_open = self._accumulates and self._plan.window_open(new_state)
 
         live = self._live
         amp_scale, amp_inf = live.amp_scale, live.amp_inf
@@ -460,17 +448,19 @@ class TransformedOptimizer(torch.optim.Optimizer):
         ``inv_scale`` (GradScaler's ``1/scale``) folded in, and ``skip`` a 0-d
         bool tensor (a step :func:`gradtx.apply_if_finite` skipped).
         """
-        deferred = DeferredScale()
-        if inv_scale is not None:
-            deferred.fold(inv_scale)
-        updates, new_state = self.tx.update(
-            grads, self.tx_state, params, inplace=False, running_sum=True, deferred=deferred, **extra
-        )
-        factor = deferred.take()
-        skip = None
-        if updates is not None and self._finite_gate:
-            skip = torch.stack([s.skipped for s in _find(new_state, ApplyIfFiniteState)]).any()
-        return updates, new_state, factor, skip
+        snapshot = None
+        if self._body_mutates and self.emits_next(flush=bool(extra.get("flush", False))):
+            # The executor runs the body in place on the owned grads; keep them, to restore on an error.
+            snapshot = [g.clone() for group in grads for g in group]
+        try:
+            result = self._plan.run_owned(
+                grads, self.tx_state, params, autograd_buffer=True, inv_scale=inv_scale, **extra
+            )
+        except BaseException:
+            if snapshot is not None:
+                torch._foreach_copy_([g for group in grads for g in group], snapshot)
+            raise
+        return result.updates, result.state, result.factor, result.skip
 
     def _apply(
         self,
@@ -584,8 +574,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """
         if flush or not self._accumulates:
             return True
-        state = _find(self.tx_state, AccumulateState)[0]
-        return int(state.micro_step) + 1 >= int(state.k)
+        return self._plan.emits_next(self.tx_state, flush=flush)
 
     @contextlib.contextmanager
     def maybe_no_sync(self, model: torch.nn.Module, *, flush: bool = False) -> Iterator[None]:
@@ -620,37 +609,17 @@ class TransformedOptimizer(torch.optim.Optimizer):
         out: dict[str, Any] = {
             "inner": self.optimizer.state_dict(),
             "tx_state": leaves,
-            "tx_structure": _state_types(self.tx_state),
-            "window_open": self._live.window_open,
+            "window_open": self._window_open,
         }
-        if self._live.window_open:
+        if self._window_open:
             out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self.param_tree()]
-            if self._live.amp_scale is not None or self._live.amp_inf is not None:
-                out["amp_window"] = [self._live.amp_scale, self._live.amp_inf]
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore what :meth:`state_dict` saved; a run resumed mid-window continues it exactly.
-
-        Atomic: everything is checked before anything is replaced, so a
-        checkpoint that does not fit raises and leaves the wrapper as it was.
-
-        Raises:
-          ValueError: a key is missing, or the checkpoint was written by a chain
-            of another structure (its members, their state shapes) or another
-            ``accumulate(k)``; the message names the difference.
-        """
+        """Restore what :meth:`state_dict` saved; a run resumed mid-window continues it exactly."""
         for key in ("inner", "tx_state", "window_open"):
             if key not in state_dict:
                 raise ValueError(f"TransformedOptimizer.load_state_dict: missing key {key!r}")
-        saved_structure = state_dict.get("tx_structure")
-        structure = _state_types(self.tx_state)
-        if saved_structure is not None and list(saved_structure) != structure:
-            raise ValueError(
-                "TransformedOptimizer.load_state_dict: the checkpoint was written by a chain with state "
-                f"({', '.join(saved_structure)}), this chain has ({', '.join(structure)}); "
-                "resume with the chain that wrote it"
-            )
         leaves, spec = tu.flatten(self.tx_state)
         saved = state_dict["tx_state"]
         if len(saved) != len(leaves):
@@ -664,40 +633,19 @@ class TransformedOptimizer(torch.optim.Optimizer):
                     f"TransformedOptimizer.load_state_dict: tx_state at {tu.path_str(path)} is {got}, "
                     f"this transform has {cur.dtype} {tuple(cur.shape)}"
                 )
-        new_state = tu.unflatten(spec, [s.to(cur.device) for s, cur in zip(saved, leaves)])
-        for i, (ours, theirs) in enumerate(zip(_find(self.tx_state, AccumulateState), _find(new_state, AccumulateState))):
-            if int(ours.k) != int(theirs.k):
-                raise ValueError(
-                    f"TransformedOptimizer.load_state_dict: the checkpoint was written with accumulate(k={int(theirs.k)})"
-                    f"{f' (accumulate #{i})' if i else ''}, this chain has accumulate(k={int(ours.k)}); resume with "
-                    f"k={int(theirs.k)}, or change k only in a run that starts a fresh optimizer"
-                )
         params = self.param_tree()
         grads = state_dict.get("grads")
-        if grads is not None:
-            if [len(g) for g in grads] != [len(g) for g in params]:
-                raise ValueError("TransformedOptimizer.load_state_dict: saved grads do not match the param groups")
-            for i, (saved_group, group) in enumerate(zip(grads, params)):
-                for j, (g, p) in enumerate(zip(saved_group, group)):
-                    if g is not None and tuple(g.shape) != tuple(p.shape):
-                        raise ValueError(
-                            f"TransformedOptimizer.load_state_dict: saved grad [{i}][{j}] has shape {tuple(g.shape)}, "
-                            f"the param has {tuple(p.shape)}"
-                        )
-        amp_window = state_dict.get("amp_window") or [None, None]
-        # The inner optimizer validates its own state dict before it replaces anything.
+        if grads is not None and [len(g) for g in grads] != [len(g) for g in params]:
+            raise ValueError("TransformedOptimizer.load_state_dict: saved grads do not match the param groups")
         self.optimizer.load_state_dict(state_dict["inner"])
-        live = self._live
-        live.tx_state = new_state
-        live.window_open = bool(state_dict["window_open"])
-        live.emitted = False
-        live.amp_scale, live.amp_inf = amp_window
+        self.tx_state = tu.unflatten(spec, [s.to(cur.device) for s, cur in zip(saved, leaves)])
+        self._window_open = bool(state_dict["window_open"])
         # The grads are part of the window: restore an open one, and drop any partial sum otherwise.
         for i, group in enumerate(params):
             for j, p in enumerate(group):
                 g = grads[i][j] if grads is not None else None
                 p.grad = None if g is None else g.to(p.device).clone()
-        live.metrics = metrics(new_state)
+        self._last_metrics = metrics(self.tx_state)
 
 
 @contextlib.contextmanager
