@@ -168,6 +168,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
         self.optimizer = optimizer
+        self._user_tx = tx  # issue 8: what pickle stores; self.tx and self._plan are rebuilt from it
         self.tx = chain(tx)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._tree = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
@@ -234,24 +235,30 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         try:
-            pickle.dumps(self.tx)
+            pickle.dumps(self._user_tx)
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise TypeError(
                 f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
                 "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
             ) from None
-        return self._plain_state()
+        # The chain around the user's transform and its plan are rebuilt on load (chain() makes closures).
+        return {k: v for k, v in self._plain_state().items() if k not in ("tx", "_plan")}
 
     def _plain_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("grad_scale", "found_inf")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "tx" not in state:
+            self.tx = chain(self._user_tx)
+            self._plan = StepPlan.of(self.tx)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TransformedOptimizer:
-        # An in-process copy needs no pickling of the transform's functions (they are shared, being pure).
+        # An in-process copy shares the transform and its plan (pure functions); everything else is copied.
         new = type(self).__new__(type(self))
         memo[id(self)] = new
+        for shared in (self.tx, self._plan, self._user_tx):
+            memo[id(shared)] = shared
         new.__dict__.update(copy.deepcopy(self._plain_state(), memo))
         return new
 

@@ -78,7 +78,7 @@ def test_fullgraph_step_equals_eager_and_keeps_state(opt_name):
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_compiled_clip_step_equals_compiled_torch_recipe(opt_name):
     """Against plain torch: clip_grad_norm_ then the same inner optimizer, compiled the same way."""
-    model, opt, _ = run_wrapper(opt_name, gtx.clip_by_global_norm(MAX_NORM), compiled=True)
+    model, _, _ = run_wrapper(opt_name, gtx.clip_by_global_norm(MAX_NORM), compiled=True)
     ref = make_model()
     ref_opt = OPTS[opt_name](ref.parameters())
 
