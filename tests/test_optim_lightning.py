@@ -123,3 +123,25 @@ def test_accumulate_in_the_chain_is_refused_naming_lightnings_own(module_type):
     module = module_type(gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(MAX_NORM)))
     with pytest.raises(ValueError, match=r"accumulate_grad_batches"):
         fit(module)
+
+
+class PlainTorch(Automatic):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+
+
+def test_16_mixed_with_gradscaler_equals_lightnings_own_clipping():
+    """Lightning's AMP plugin with a GradScaler: the chain clips unscaled grads, as gradient_clip_val does."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    def amp():
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        return [MixedPrecision(precision="16-mixed", device="cpu", scaler=scaler)]
+
+    ours = Automatic(gtx.clip_by_global_norm(MAX_NORM))
+    t = fit(ours, plugins=amp())
+    ref = PlainTorch(None)
+    t_ref = fit(ref, plugins=amp(), gradient_clip_val=MAX_NORM)
+    assert t.global_step == t_ref.global_step == STEPS
+    assert t.precision_plugin.scaler.get_scale() == t_ref.precision_plugin.scaler.get_scale()
+    assert_trees_close(params_of(ours.model), params_of(ref.model), rtol=1e-6, atol=1e-7)
