@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Self
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import GradientTransformation, Params, PyTree
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
@@ -342,15 +343,9 @@ def accumulate(
       >>> tx = chain(accumulate(4, token_weighted=True, comm=comm, reduce_grads=True), adamw(3e-4))
       >>> updates, state = tx.update(sum_loss_grads, state, params, tokens=n_valid)
     """
-    if isinstance(k, bool) or not isinstance(k, numbers.Integral):
-        raise TypeError(f"accumulate: k must be an int, got {type(k).__name__}")
-    k = int(k)
-    if k < 1:
-        raise ValueError(f"accumulate: k must be >= 1, got {k}")
-    if not isinstance(token_weighted, bool):
-        raise TypeError(f"accumulate: token_weighted must be a bool, got {type(token_weighted).__name__}")
-    if not isinstance(reduce_grads, bool):
-        raise TypeError(f"accumulate: reduce_grads must be a bool, got {type(reduce_grads).__name__}")
+    k = check.integer(k, arg="k", name="accumulate", minimum=1)
+    token_weighted = check.flag(token_weighted, arg="token_weighted", name="accumulate")
+    reduce_grads = check.flag(reduce_grads, arg="reduce_grads", name="accumulate")
     if comm is not None:
         check_comm(comm, name="accumulate")
     if reduce_grads and comm is None:

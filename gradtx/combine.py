@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Self
 
-import optree
 import torch
 
 from gradtx import tree as tu
@@ -270,7 +269,16 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
         return params
     tu.check_structure(params, updates, what="updates", against="params")
 
-    def add(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
-
-    return optree.tree_map(add, params, updates)
+    p_leaves, spec = tu.flatten(params)
+    u_leaves = spec.flatten_up_to(updates)
+    out: list[Any] = [None] * len(p_leaves)
+    plain: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+        if type(p) is torch.Tensor and type(u) is torch.Tensor and p.dtype == u.dtype and p.device == u.device:
+            plain.setdefault((p.device, p.dtype), []).append(i)
+        else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
+            out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
+    for idx in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
+        for i, r in zip(idx, torch._foreach_add([p_leaves[i] for i in idx], [u_leaves[i] for i in idx])):
+            out[i] = r
+    return tu.unflatten(spec, out)

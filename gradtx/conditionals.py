@@ -8,6 +8,7 @@ import torch
 
 from gradtx import norms
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import GradientTransformation, Guard, OptState, Params
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
@@ -80,10 +81,9 @@ def apply_if_finite(
     Example:
       >>> tx = chain(accumulate(4), apply_if_finite(chain(clip_by_global_norm(1.0), adamw(3e-4)), 5))
     """
-    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
-        raise TypeError(f"apply_if_finite: max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
-    if max_consecutive_errors < 0:
-        raise ValueError(f"apply_if_finite: max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+    max_consecutive_errors = check.integer(
+        max_consecutive_errors, arg="max_consecutive_errors", name="apply_if_finite", minimum=0
+    )
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}")
     if comm is not None:

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.accumulation import AccumulateState, Accumulation, Window
 from gradtx.base import GradientTransformation, Guard, OptState, Params, ScalarTransformation, Updates
 from gradtx.combine import Chain, apply_updates
@@ -454,8 +455,7 @@ def update_and_apply(
     """
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"update_and_apply: tx must be a GradientTransformation, got {type(tx).__name__}")
-    if not isinstance(donate, bool):
-        raise TypeError(f"update_and_apply: donate must be a bool, got {type(donate).__name__}")
+    donate = check.flag(donate, arg="donate", name="update_and_apply")
     if not donate:
         updates, new_state = tx.update(grads, state, params, **extra)
         return apply_updates(params, updates), new_state

@@ -22,13 +22,13 @@ one fused torch kernel. Nothing in this module knows about that.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Self
 
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -61,37 +61,6 @@ __all__ = [
 
 
 # --- validation and small helpers --------------------------------------------------------
-
-
-def _number(value: Any, *, arg: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: {arg} must not be NaN")
-    if math.isinf(value):
-        raise ValueError(f"{name}: {arg} must be finite, got {value}")
-    return value
-
-
-def _non_negative(value: Any, *, arg: str, name: str) -> float:
-    value = _number(value, arg=arg, name=name)
-    if value < 0:
-        raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
-    return value
-
-
-def _beta(value: Any, *, arg: str, name: str) -> float:
-    value = _number(value, arg=arg, name=name)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name}: {arg} must be in [0, 1), got {value}")
-    return value
-
-
-def _learning_rate(learning_rate: Any, *, name: str) -> float | Schedule:
-    if callable(learning_rate):
-        return learning_rate
-    return _non_negative(learning_rate, arg="learning_rate", name=name)
 
 
 def _leaves(tree: PyTree, *, name: str, what: str = "updates") -> tuple[list[torch.Tensor], Any]:
@@ -154,7 +123,7 @@ def scale(step_size: float) -> ScalarTransformation:
       >>> tx.update({"w": torch.tensor([2.0, -4.0])}, tx.init(None))[0]
       {'w': tensor([ 1., -2.])}
     """
-    step_size = _number(step_size, arg="step_size", name="scale")
+    step_size = check.number(step_size, arg="step_size", name="scale")
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -237,7 +206,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
       >>> tx = scale_by_learning_rate(lambda count: 1e-3 * torch.clamp((count + 1) / 100, max=1.0))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    learning_rate = _learning_rate(learning_rate, name="scale_by_learning_rate")
+    learning_rate = check.learning_rate(learning_rate, name="scale_by_learning_rate")
+    flip_sign = check.flag(flip_sign, arg="flip_sign", name="scale_by_learning_rate")
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
         return _scale_by_schedule(learning_rate, sign=sign, name="scale_by_learning_rate")
@@ -286,9 +256,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
       >>> tx = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    b1 = _beta(b1, arg="b1", name="scale_by_adam")
-    b2 = _beta(b2, arg="b2", name="scale_by_adam")
-    eps = _non_negative(eps, arg="eps", name="scale_by_adam")
+    b1 = check.beta(b1, arg="b1", name="scale_by_adam")
+    b2 = check.beta(b2, arg="b2", name="scale_by_adam")
+    eps = check.non_negative(eps, arg="eps", name="scale_by_adam")
 
     def init_fn(params: Params) -> ScaleByAdamState:
         leaves, spec = _leaves(params, name="scale_by_adam", what="params")
@@ -320,11 +290,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             m = torch._foreach_lerp([mu_locals[i] for i in idx], g, 1 - b1)
             v = torch._foreach_mul([tu.local(nu_leaves[i]) for i in idx], b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt.to(device, non_blocking=True))
-            torch._foreach_add_(denom, eps)
-            u = torch._foreach_div(m, denom)
-            torch._foreach_div_(u, bc1.to(device, non_blocking=True))
+            # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
+            # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
+            u = torch._foreach_sqrt(v)
+            torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(device, non_blocking=True))
+            torch._foreach_add_(u, (bc1 * eps).to(device, non_blocking=True))
+            torch._foreach_reciprocal_(u)
+            torch._foreach_mul_(u, m)
             for j, i in enumerate(idx):
                 new_mu[i] = tu.like(mu_leaves[i], m[j])
                 new_nu[i] = tu.like(nu_leaves[i], v[j])
@@ -358,7 +330,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
       >>> tx = add_decayed_weights(0.1)
       >>> updates, _ = tx.update(grads, tx.init(params), params)
     """
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -419,9 +391,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
       >>> tx = trace(0.9)
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    decay = _non_negative(decay, arg="decay", name="trace")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"trace: nesterov must be a bool, got {type(nesterov).__name__}")
+    decay = check.non_negative(decay, arg="decay", name="trace")
+    nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
         leaves, spec = _leaves(params, name="trace", what="params")
@@ -487,11 +458,10 @@ def sgd(
       >>> updates, state = tx.update(grads, tx.init(params), params)
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="sgd")
-    momentum = _non_negative(momentum, arg="momentum", name="sgd")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="sgd")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"sgd: nesterov must be a bool, got {type(nesterov).__name__}")
+    learning_rate = check.learning_rate(learning_rate, name="sgd")
+    momentum = check.non_negative(momentum, arg="momentum", name="sgd")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="sgd")
+    nesterov = check.flag(nesterov, arg="nesterov", name="sgd")
     if nesterov and momentum == 0.0:
         raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0.0")
     txs = []
@@ -539,11 +509,11 @@ def adam(
       >>> updates, state = tx.update(grads, tx.init(params))
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="adam")
-    b1 = _beta(b1, arg="b1", name="adam")
-    b2 = _beta(b2, arg="b2", name="adam")
-    eps = _non_negative(eps, arg="eps", name="adam")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adam")
+    learning_rate = check.learning_rate(learning_rate, name="adam")
+    b1 = check.beta(b1, arg="b1", name="adam")
+    b2 = check.beta(b2, arg="b2", name="adam")
+    eps = check.non_negative(eps, arg="eps", name="adam")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adam")
     txs = [add_decayed_weights(weight_decay)] if weight_decay != 0.0 else []
     txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
     return _alias(txs, OptimizerSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=len(txs) - 2))
@@ -585,11 +555,11 @@ def adamw(
       >>> updates, state = tx.update(grads, tx.init(params), params)
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="adamw")
-    b1 = _beta(b1, arg="b1", name="adamw")
-    b2 = _beta(b2, arg="b2", name="adamw")
-    eps = _non_negative(eps, arg="eps", name="adamw")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adamw")
+    learning_rate = check.learning_rate(learning_rate, name="adamw")
+    b1 = check.beta(b1, arg="b1", name="adamw")
+    b2 = check.beta(b2, arg="b2", name="adamw")
+    eps = check.non_negative(eps, arg="eps", name="adamw")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adamw")
     txs = [scale_by_adam(b1, b2, eps)]
     if weight_decay != 0.0:
         txs.append(add_decayed_weights(weight_decay))
