@@ -231,3 +231,24 @@ def test_gradscaler_with_apply_if_finite_counts_only_its_own_skips():
             assert_trees_equal(opt.tx_state, state_before)
     assert int(opt.metrics["skipped"]) == 0
     assert s.get_scale() == INIT_SCALE / 2
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
+def test_explicit_unscale_then_torch_clip_works_through_the_wrapper(opt_name):
+    """A user who keeps torch's unscale_ + clip_grad_norm_ and wraps for other transforms gets torch's numbers."""
+    ref, ours = make_model(), make_model()
+    ref_opt = OPTS[opt_name](ref.parameters())
+    opt = gtx.TransformedOptimizer(OPTS[opt_name](ours.parameters()), gtx.identity())
+    ref_scaler, our_scaler = scaler(), scaler()
+    for i, (x, y) in enumerate(batches(4)):
+        for model, o, s in ((ref, ref_opt, ref_scaler), (ours, opt, our_scaler)):
+            s.scale(F.cross_entropy(model(x), y)).backward()
+            if i == 2:
+                inject_inf(model)
+            s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            s.step(o)
+            s.update()
+            o.zero_grad()
+        assert our_scaler.get_scale() == ref_scaler.get_scale()
+        assert_trees_close(params_of(ours), params_of(ref), rtol=1e-6, atol=1e-7)
