@@ -493,7 +493,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_([g for g, _ in copies], [u for _, u in copies])
         try:
             if self._fused:
-                self.optimizer.grad_scale = None if factor is None else (1.0 / factor)  # type: ignore[attr-defined]
+                # torch's fused kernels read grad_scale as fp32; gradtx's factors may be fp64.
+                grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)
+                self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
                 self.optimizer.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]
                 try:
                     self._inner_step()
