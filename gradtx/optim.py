@@ -492,7 +492,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if copies:
             torch._foreach_copy_([g for g, _ in copies], [u for _, u in copies])
         try:
-            if self._fused:
+            # Under torch.compile, dynamo drops writes to an optimizer's attributes, so grad_scale/found_inf
+            # cannot reach the fused kernel there: the factor is applied to the grads instead (inductor fuses it).
+            if self._fused and not torch.compiler.is_compiling():
                 # torch's fused kernels read grad_scale as fp32; gradtx's factors may be fp64.
                 grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)
                 self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]

@@ -75,7 +75,7 @@ def test_fullgraph_step_equals_eager_and_keeps_state(opt_name):
         assert_trees_close(m, eager_m, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("opt_name", list(OPTS))
 def test_compiled_clip_step_equals_compiled_torch_recipe(opt_name):
     """Against plain torch: clip_grad_norm_ then the same inner optimizer, compiled the same way."""
     model, _, _ = run_wrapper(opt_name, gtx.clip_by_global_norm(MAX_NORM), compiled=True)
