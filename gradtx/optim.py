@@ -7,6 +7,7 @@ import copy
 import pickle
 import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -67,7 +68,7 @@ def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 def _framework_caller() -> str | None:
     """The training framework (a key of ``_FRAMEWORKS``) whose code called ``step``, if any."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(12):
         if frame is None:
             return None
@@ -520,7 +521,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling() and not _has_step_hooks(self.optimizer):
             # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
             # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
-            raw = type(self.optimizer).step
+            raw: Any = type(self.optimizer).step
             while hasattr(raw, "__wrapped__"):
                 raw = raw.__wrapped__
             raw(self.optimizer)
