@@ -322,9 +322,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             )
         for p in self._frozen:
             if p.requires_grad and p.grad is not None:
-                where = next(
-                    f"[{i}][{j}]" for i, g in enumerate(groups) for j, q in enumerate(g["params"]) if q is p
-                )
+                where = next(f"[{i}][{j}]" for i, g in enumerate(groups) for j, q in enumerate(g["params"]) if q is p)
                 raise ValueError(
                     f"TransformedOptimizer: param {where} (shape {tuple(p.shape)}) has requires_grad=True and a grad, "
                     "but had requires_grad=False when the optimizer was wrapped, so the transform state has no slot "
