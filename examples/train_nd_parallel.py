@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
-from gradtx.norms import mesh_groups
+from gradtx.plan import mesh_groups
 from gradtx.pipeline import pp_reduce
 
 DIM, HIDDEN, VOCAB, SEQ = 16, 32, 24, 6

@@ -15,7 +15,7 @@ from gradtx.base import (
 from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
 from gradtx.combine import MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
-from gradtx.norms import MeshGroups, Sharded, global_norm, mesh_groups
+from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     ScaleByAdamState,

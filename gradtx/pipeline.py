@@ -14,7 +14,7 @@ from __future__ import annotations
 from gradtx import tree as tu
 from gradtx.base import EmptyState, GradientTransformation, Params
 from gradtx.comm.base import ReduceOp
-from gradtx.norms import MeshGroups
+from gradtx.plan import MeshGroups
 
 
 def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
@@ -53,6 +53,7 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
             f"pp_reduce: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
     comm = mesh_groups.comm
+    mesh_groups.tie_reduce_built = True  # the plan's norms may now trust that tied grads are summed
 
     def init_fn(params: Params) -> EmptyState:
         del params

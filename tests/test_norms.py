@@ -16,7 +16,7 @@ import torch
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
-from gradtx.norms import MeshGroups, Sharded, mesh_groups
+from gradtx.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.pipeline import pp_reduce
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close
 
@@ -129,6 +129,9 @@ def test_pp_stages_add_and_tied_weight_counts_once():
     emb = torch.tensor([3.0, 4.0])
     block = torch.tensor([1.0])
     plan = mesh_groups({"emb": emb, "block": block}, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
+    with pytest.raises(ValueError, match=r"tied weights \(emb\).*pp_reduce\(plan\)"):
+        plan.global_norm([block, emb], 2.0)  # the tied copies' grads would not be summed
+    gtx.pp_reduce(plan)
     # Two stages: each holds a copy of emb (counted once overall) and its own block (counted per stage).
     torch.testing.assert_close(plan.global_norm([block, emb], 2.0), torch.tensor(math.sqrt(25 + 2 * 1)))
     torch.testing.assert_close(plan.global_norm([block, emb], math.inf), torch.tensor(4.0))

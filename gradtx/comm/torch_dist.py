@@ -8,7 +8,7 @@ names groups with keys and never touches a process group directly.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -138,6 +138,43 @@ class TorchComm:
 
     def __repr__(self) -> str:
         return f"TorchComm(mesh={self.mesh!r}, groups={sorted(self.groups)})"
+
+
+def mesh_comm(meshes: Iterable[DeviceMesh]) -> TorchComm:
+    """The :class:`TorchComm` over the dims of ``meshes`` and of their root meshes: the zero-configuration comm.
+
+    This is the comm a plan inferred from DTensor placements reduces with: its
+    groups are the process groups of each DTensor's own mesh. Every dim name
+    that names one process group across all the meshes is a group key (so logs
+    and :class:`~gradtx.testing.RecordingComm` read ``"dp"``, ``"tp"``); a name
+    that two meshes use for different groups is left out, and those groups are
+    keyed by their ``ProcessGroup``.
+
+    Args:
+      meshes: the device meshes of a tree's DTensors, in any order, repeats allowed.
+
+    Returns:
+      A :class:`TorchComm` with ``groups={dim_name: process_group}``.
+    """
+    groups: dict[str, dist.ProcessGroup] = {}
+    ambiguous: set[str] = {"world"}
+    seen: set[int] = set()
+    for mesh in meshes:
+        for m in (mesh, mesh._get_root_mesh()):
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for dim, name in enumerate(m.mesh_dim_names or ()):
+                group = m.get_group(dim)
+                if groups.get(name, group) is not group:
+                    ambiguous.add(name)
+                groups[name] = group
+    return TorchComm(groups={n: g for n, g in groups.items() if n not in ambiguous})
+
+
+def world_size() -> int:
+    """The number of processes in the default group, or 1 when ``torch.distributed`` is not initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def ddp_sum_hook(process_group, bucket):  # unannotated: DDP compares hook annotations by identity

@@ -16,7 +16,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
-from gradtx.norms import mesh_groups
+from gradtx.plan import mesh_groups
 from gradtx.pipeline import pp_reduce
 from gradtx.testing import RecordingComm
 from tests.distributed import models
