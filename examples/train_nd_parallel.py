@@ -42,8 +42,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
-from gradtx.plan import mesh_groups
 from gradtx.pipeline import pp_reduce
+from gradtx.plan import mesh_groups
 
 DIM, HIDDEN, VOCAB, SEQ = 16, 32, 24, 6
 MAX_NORM, LR, STEPS = 0.5, 1e-2, 4

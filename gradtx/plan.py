@@ -525,13 +525,17 @@ def _build(
         _check_matcher(key, arg="tied")
 
     resolve = getattr(comm, "resolve", None)
+    group_id = getattr(comm, "group_id", None)
     seen: dict[Any, GroupKey] = {}
 
     def canonical(group: GroupKey) -> GroupKey:
-        # Two keys for one process group (the string "tp" and the mesh's ProcessGroup) must share
-        # one collective, so each group is named by the first key seen for it.
+        # Two keys for one process group (the string "tp" and the mesh's ProcessGroup, or two meshes'
+        # groups over the same ranks) must share one collective, so each group is named by the first
+        # key seen for it.
         ident = group
-        if resolve is not None:
+        if group_id is not None:
+            ident = group_id(group)
+        elif resolve is not None:
             resolved = resolve(group)
             ident = ("pg", id(resolved)) if resolved is not None else ("pg", "world")
         return seen.setdefault(ident, group)

@@ -16,8 +16,8 @@ import torch
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
-from gradtx.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.pipeline import pp_reduce
+from gradtx.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close
 
 NORM_TYPES = [1.0, 2.0, 3.0, math.inf]

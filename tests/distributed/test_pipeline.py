@@ -16,8 +16,8 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
-from gradtx.plan import mesh_groups
 from gradtx.pipeline import pp_reduce
+from gradtx.plan import mesh_groups
 from gradtx.testing import RecordingComm
 from tests.distributed import models
 from tests.distributed.harness import run_distributed
