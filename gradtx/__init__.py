@@ -3,21 +3,25 @@
 import torch
 
 from gradtx import comm, testing
-from gradtx.accumulation import AccumulateState, accumulate
+from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.base import (
-    DeferredScale,
     EmptyState,
     GradientTransformation,
+    Guard,
+    ScalarTransformation,
     identity,
     metrics,
-    scale_aware,
+    scalar_transformation,
 )
 from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
-from gradtx.combine import MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
+from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
+from gradtx.executor import StepPlan, update_and_apply
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
+    OptimizerChain,
+    OptimizerSpec,
     ScaleByAdamState,
     ScaleByScheduleState,
     TraceState,
@@ -30,7 +34,6 @@ from gradtx.optimizers import (
     scale_by_schedule,
     sgd,
     trace,
-    update_and_apply,
 )
 from gradtx.pipeline import pp_reduce
 from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
@@ -54,19 +57,26 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateState",
+    "Accumulation",
     "ApplyIfFiniteState",
+    "Chain",
     "ClipByGlobalNormState",
-    "DeferredScale",
     "EmptyState",
     "GradientTransformation",
+    "Guard",
     "MaskedState",
     "MeshGroups",
+    "OptimizerChain",
+    "OptimizerSpec",
     "PartitionState",
+    "ScalarTransformation",
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "Sharded",
+    "StepPlan",
     "TraceState",
     "TransformedOptimizer",
+    "Window",
     "accumulate",
     "adam",
     "adamw",
@@ -88,8 +98,8 @@ __all__ = [
     "no_sync",
     "partition",
     "pp_reduce",
+    "scalar_transformation",
     "scale",
-    "scale_aware",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",

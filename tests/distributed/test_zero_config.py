@@ -428,7 +428,7 @@ def _pp_fsdp(rank: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     stage_idx, dp = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     out: dict[str, Any] = {"stage": stage_idx}
-    for name, schedule_cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):  # noqa: B023 - tie is read at once
+    for name, schedule_cls in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         ref = models.TiedLM(seed=0)
         module = models.tied_lm_stages(seed=0)[stage_idx]
         fully_shard(module, mesh=mesh["dp"])
@@ -439,7 +439,7 @@ def _pp_fsdp(rank: int) -> dict[str, Any]:
         if name == "gpipe":  # the misuses: no plan at all, and a tied plan without pp_reduce
             errors = []
             zeros = [[torch.zeros_like(p) for p in params[0]]]
-            tied_plan = gtx.mesh_groups(params, pp_group="pp", tied={lambda path, p: p is tie: "pp"})
+            tied_plan = gtx.mesh_groups(params, pp_group="pp", tied={lambda path, p, tie=tie: p is tie: "pp"})
             for bad in (
                 gtx.clip_by_global_norm(1.0),  # no plan: the pipeline dim is refused
                 None,  # global_norm, likewise
@@ -454,9 +454,9 @@ def _pp_fsdp(rank: int) -> dict[str, Any]:
                 except ValueError as err:
                     errors.append(str(err))
             out["errors"] = errors
-        plan = gtx.mesh_groups(params, pp_group="pp", tied={lambda path, p: p is tie: "pp"})  # no comm needed
+        plan = gtx.mesh_groups(params, pp_group="pp", tied={lambda path, p, tie=tie: p is tie: "pp"})  # no comm needed
         rec = RecordingComm(plan.comm)
-        plan_rec = gtx.mesh_groups(params, comm=rec, pp_group="pp", tied={lambda path, p: p is tie: "pp"})
+        plan_rec = gtx.mesh_groups(params, comm=rec, pp_group="pp", tied={lambda path, p, tie=tie: p is tie: "pp"})
         opt = gtx.TransformedOptimizer(
             torch.optim.AdamW(module.parameters(), lr=LR),
             gtx.chain(gtx.pp_reduce(plan_rec), gtx.clip_by_global_norm(MAX_NORM, mesh_groups=plan_rec)),
