@@ -676,7 +676,9 @@ def infer_plan(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) 
 
 def _check_plan_arg(mesh_groups: Any, *, what: str) -> None:
     if not isinstance(mesh_groups, MeshGroups):
-        raise TypeError(f"{what}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}")
+        raise TypeError(
+            f"{what}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
+        )
 
 
 def tree_norm(

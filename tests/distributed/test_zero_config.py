@@ -628,6 +628,97 @@ def _every_transform(rank: int) -> dict[str, Any]:
     return out
 
 
+# --- functional accumulation on DTensor grads (FSDP2 and TP), pure and donated, with a flushed short window ---
+
+ACC_SCHEDULE = ((0, False), (1, False), (2, True))  # k=2: micro-steps 0+1 emit, then 2 alone is flushed
+
+
+def _accumulate_run(make, local, *, token_weighted: bool, tokens_comm: Any, sum_grads: bool, donate: bool) -> dict:
+    model, ref = make()
+    if token_weighted and sum_grads:
+        gtx.sum_grad_reduction(model)  # FSDP2 sums over dp; gradtx divides by the global token total
+    acc = gtx.accumulate(2, token_weighted=True, comm=tokens_comm) if token_weighted else gtx.accumulate(2)
+    tx = gtx.chain(acc, gtx.clip_by_global_norm(MAX_NORM), gtx.adamw(LR))
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    state = tx.init(params)
+    emitted = []
+    for micro, flush in ACC_SCHEDULE:
+        model.zero_grad(set_to_none=True)
+        x, y = local(micro)
+        loss = F.mse_loss(model(x), y, reduction="sum") if token_weighted else models.mse(model, x, y)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        extra: dict[str, Any] = {"tokens": y.numel()} if token_weighted else {}
+        if flush:
+            extra["flush"] = True
+        if donate:
+            params, state = gtx.update_and_apply(tx, grads, state, params, donate=True, **extra)
+        else:
+            updates, state = tx.update(grads, state, params, **extra)
+            emitted.append(updates is not None)
+            params = gtx.apply_updates(params, updates)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if _local(p).data_ptr() != _local(params[n]).data_ptr():
+                    _local(p).copy_(_local(params[n]))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    for window in ((0, 1), (2,)):
+        batches = [models.batch(seed=200 + m) for m in window]
+        fx, fy = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        ref_opt.zero_grad()
+        models.mse(ref, fx, fy).backward()  # the token mean of the whole window (every token is valid)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_opt.step()
+    return {
+        "params": {n: _full(p) for n, p in model.named_parameters()},
+        "ref": {n: p.detach().clone() for n, p in ref.named_parameters()},
+        "emitted": emitted,
+    }
+
+
+def _accumulate_layouts(rank: int) -> dict[str, Any]:
+    dp_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    tp_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+
+    def tp_make():
+        ref = models.toy_net(seed=5)
+        model = copy.deepcopy(ref)
+        for block in model.blocks:
+            parallelize_module(block, tp_mesh, models.tp_plan())
+        return model, ref
+
+    def dp_local(micro):
+        x, y = models.batch(seed=200 + micro)
+        return _slice(x, rank, WORLD), _slice(y, rank, WORLD)
+
+    def tp_local(micro):
+        return models.batch(seed=200 + micro)
+
+    layouts = {
+        # FSDP2: the token total is summed over "dp" (each rank saw its own tokens).
+        "fsdp": (_fsdp_make(dp_mesh), dp_local, TorchComm(dp_mesh), True),
+        # TP alone: every rank saw the same tokens, so there is nothing to sum; said explicitly.
+        "tp": (tp_make, tp_local, gtx.comm.LocalComm(), False),
+    }
+    out: dict[str, Any] = {}
+    for name, (make, local, comm, sum_grads) in layouts.items():
+        for token_weighted in (False, True):
+            for donate in (False, True):
+                key = f"{name}-{'tokens' if token_weighted else 'mean'}-{'donated' if donate else 'pure'}"
+                out[key] = _accumulate_run(
+                    make, local, token_weighted=token_weighted, tokens_comm=comm, sum_grads=sum_grads, donate=donate
+                )
+    # The misuse: token-weighted without a comm in a multi-process run.
+    try:
+        gtx.accumulate(2, token_weighted=True).update(
+            {"w": torch.ones(2)}, gtx.accumulate(2, token_weighted=True).init({"w": torch.ones(2)}), tokens=3
+        )
+        out["no_comm_error"] = None
+    except ValueError as err:
+        out["no_comm_error"] = str(err)
+    return out
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "ddp": _ddp,
     "fsdp_empty": _fsdp_empty,
@@ -640,6 +731,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "no_sync_nested": _no_sync_finds_nested,
     "ddp_sum_patterns": _ddp_sum_patterns,
     "every_transform": _every_transform,
+    "accumulate": _accumulate_layouts,
 }
 
 
@@ -647,6 +739,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
 def ranks() -> list[dict[str, Any]]:
     warnings.filterwarnings("ignore")
     import os  # TEMP
+
     cache = os.environ.get("ZC_CACHE")
     if cache and os.path.exists(cache):
         return torch.load(cache, weights_only=False)
@@ -775,3 +868,23 @@ def test_every_public_transform_matches_single_device_or_raises(ranks):
                 if got is not None:
                     for leaf, ref in want.items():
                         torch.testing.assert_close(got[leaf], ref, rtol=1e-5, atol=1e-6, msg=f"{name} {leaf}")
+
+
+ACC_CASES = [
+    f"{lay}-{mode}-{path}" for lay in ("fsdp", "tp") for mode in ("mean", "tokens") for path in ("pure", "donated")
+]
+
+
+@pytest.mark.parametrize("case", ACC_CASES)
+def test_functional_accumulation_on_dtensor_grads_matches_single_device(ranks, case):
+    for rank, r in enumerate(part_results(ranks, "accumulate")):
+        got = r[case]
+        if got["emitted"]:
+            assert got["emitted"] == [False, True, True]  # the flushed short window emits alone
+        for name, ref in got["ref"].items():
+            torch.testing.assert_close(got["params"][name], ref, rtol=1e-4, atol=1e-5, msg=f"rank {rank} {case} {name}")
+
+
+def test_token_weighted_accumulation_without_comm_is_refused_across_ranks(ranks):
+    for r in part_results(ranks, "accumulate"):
+        assert r["no_comm_error"] is not None and "comm" in r["no_comm_error"]
