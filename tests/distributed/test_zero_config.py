@@ -738,16 +738,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     warnings.filterwarnings("ignore")
-    import os  # TEMP
-
-    cache = os.environ.get("ZC_CACHE")
-    if cache and os.path.exists(cache):
-        return torch.load(cache, weights_only=False)
-    only = os.environ.get("ZC_PARTS")
-    out = run_parts({k: v for k, v in PARTS.items() if not only or k in only.split(",")}, world_size=WORLD)
-    if cache:
-        torch.save(out, cache)
-    return out
+    return run_parts(PARTS, world_size=WORLD)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
