@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import part_results, run_parts
+from tests.distributed.harness import part_results, share_spawn
 
 WORLD, VOCAB, DIM = 2, 11, 6
 NAN_RANK = 1
@@ -153,9 +153,12 @@ def _ddp_fused(rank: int) -> dict[str, Any]:
 PARTS: dict[str, Callable[[int], Any]] = {"functional": _functional, "fsdp2": _fsdp2, "ddp_fused": _ddp_fused}
 
 
+_SHARED = share_spawn(PARTS, WORLD, prefix="finite_agreement")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_parts(PARTS, world_size=WORLD)
+    return _SHARED()
 
 
 def _assert_equal_trees(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:

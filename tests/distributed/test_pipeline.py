@@ -20,7 +20,7 @@ from gradtx.pipeline import pp_reduce
 from gradtx.plan import mesh_groups
 from gradtx.testing import RecordingComm
 from tests.distributed import models
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, share_spawn
 
 NORM_TYPES = (2.0, math.inf)
 MAX_NORM = 0.05
@@ -161,9 +161,16 @@ def _train(rank: int, world: int, comm: TorchComm, schedule_cls, path: str) -> d
     }
 
 
+def _body_part(rank: int) -> bytes:
+    return _body(rank, 2)
+
+
+_SHARED = share_spawn({"body": _body_part}, 2, prefix="pipeline")
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return [models.unpack(r) for r in run_distributed(_body, world_size=2)]
+    return [models.unpack(r) for r in part_results(_SHARED(), "body")]
 
 
 @pytest.mark.parametrize("norm_type", NORM_TYPES)

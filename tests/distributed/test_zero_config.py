@@ -41,7 +41,7 @@ import gradtx as gtx
 from gradtx.comm import TorchComm
 from gradtx.testing import RecordingComm
 from tests.distributed import models
-from tests.distributed.harness import part_results, run_parts
+from tests.distributed.harness import part_results, share_spawn
 
 WORLD = 4
 NORM_TYPES = (1.0, 2.0, math.inf)
@@ -527,6 +527,16 @@ def _no_sync_finds_nested(rank: int) -> dict[str, Any]:
         return sum(1 for e in prof.events() if e.name.startswith("c10d::") and "reduce_scatter" in e.name)
 
     held, synced = backward(False), backward(True)
+    # The wrapper's public API: with accumulate(2), only the window's second backward reduce-scatters.
+    root.zero_grad(set_to_none=True)
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(root.parameters(), lr=LR), gtx.accumulate(2))
+    wrapped = []
+    for _ in range(4):
+        with profile(activities=[ProfilerActivity.CPU]) as prof, opt.maybe_no_sync(root):
+            models.mse(root, x, y).backward()
+        wrapped.append(sum(1 for e in prof.events() if e.name.startswith("c10d::") and "reduce_scatter" in e.name))
+        opt.step()
+        opt.zero_grad()
     # DDP inside a plain wrapper: no_sync must find it too (no all-reduce in a held backward).
     wrapper = Root([DDP(nn.Linear(models.DIM, models.OUT))])
 
@@ -535,7 +545,7 @@ def _no_sync_finds_nested(rank: int) -> dict[str, Any]:
             models.mse(wrapper, x, y).backward()
         return sum(1 for e in prof.events() if e.name == "c10d::allreduce_")
 
-    return {"fsdp": (held, synced), "ddp": (ddp_backward(False), ddp_backward(True))}
+    return {"fsdp": (held, synced), "ddp": (ddp_backward(False), ddp_backward(True)), "wrapped": wrapped}
 
 
 def _ddp_sum_patterns(rank: int) -> dict[str, Any]:
@@ -735,10 +745,13 @@ PARTS: dict[str, Callable[[int], Any]] = {
 }
 
 
+_SHARED = share_spawn(PARTS, WORLD, prefix="zero_config")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
     warnings.filterwarnings("ignore")
-    return run_parts(PARTS, world_size=WORLD)
+    return _SHARED()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
@@ -837,6 +850,7 @@ def test_no_sync_finds_fsdp2_and_ddp_inside_plain_modules(ranks):
         assert held == 0 and synced >= 1
         held, synced = r["ddp"]
         assert held == 0 and synced >= 1
+        assert [n > 0 for n in r["wrapped"]] == [False, True, False, True], r["wrapped"]
 
 
 @pytest.mark.parametrize("pattern", ["last_only", "every", "mixed"])
