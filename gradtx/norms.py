@@ -27,30 +27,34 @@ def check_norm_type(norm_type: float, *, name: str) -> float:
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """The fp32 ``norm_type``-norm of each tensor's local shard, one foreach kernel per (device, dtype).
+    """The ``norm_type``-norm of each tensor's local shard, one foreach kernel per (device, dtype).
 
-    Low-precision tensors accumulate in fp32; fp64 ones accumulate in fp64
-    (foreach refuses a narrowing accumulator) and only the norm is rounded to fp32.
+    Low-precision tensors accumulate in fp32, and their norm is fp32; fp64 and
+    complex128 ones accumulate in fp64 and keep an fp64 norm (nothing is
+    rounded to fp32). A complex tensor's norm is that of its magnitudes, as
+    ``torch.linalg.vector_norm`` takes it. An empty shard has norm 0.
     """
     locals_ = [tu.local(t) for t in tensors]
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = tu.acc_dtype(dtype)
         # An empty shard (FSDP2 gives one to a rank whenever a param has fewer rows than ranks)
         # has norm 0 for every p; _foreach_norm refuses the inf-norm of an empty tensor.
         empty = [i for i in idx if locals_[i].numel() == 0]
         if empty:
             for i in empty:
-                out[i] = torch.zeros((), dtype=torch.float32, device=device)
+                out[i] = torch.zeros((), dtype=acc, device=device)
             idx = [i for i in idx if locals_[i].numel() != 0]
             if not idx:
                 continue
         if norm_type == 2.0 and dtype in _CPU_L2_DTYPES and device.type == "cpu":
             norms = _l2_norms_cpu([locals_[i] for i in idx])
+        elif dtype.is_complex:  # foreach takes no real dtype= for complex; the norm comes out real
+            norms = [n.to(acc) for n in torch._foreach_norm([locals_[i] for i in idx], norm_type)]
         else:
             norms = torch._foreach_norm([locals_[i] for i in idx], norm_type, dtype=acc)
         for i, n in zip(idx, norms):
-            out[i] = n if acc == torch.float32 else n.float()
+            out[i] = n
     return out
 
 
@@ -95,7 +99,7 @@ def _l2_norms_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def combine_norms(norms: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
-    """The norm of a vector of norms, as ``torch.nn.utils.clip_grad_norm_`` combines them (fp32, 0-d)."""
+    """The norm of a vector of norms, as ``torch.nn.utils.clip_grad_norm_`` combines them (0-d; fp32, fp64 if any is)."""
     if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
     device = device if device is not None else norms[0].device
@@ -114,7 +118,7 @@ def power_to_norm(power: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The ``norm_type``-norm of the local shards of ``leaves`` taken together (fp32, 0-d); no communication.
+    """The ``norm_type``-norm of the local shards of ``leaves`` taken together (0-d, fp32 or fp64); no communication.
 
     Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors. For the norm of
     a sharded model use :func:`gradtx.global_norm`, which reduces it over the
@@ -124,12 +128,20 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
 
 
 def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
-    """The fp32 L2 norm of each output unit of ``x``'s local shard (dim 0 is the unit), broadcastable to it.
+    """The L2 norm of each output unit of ``x``'s local shard (dim 0 is the unit), broadcastable to it.
 
     A 0-d or 1-d tensor is one unit, and so is any tensor when ``unitwise`` is
-    False. An empty shard gives zeros of the right shape.
+    False. An empty shard gives zeros of the right shape. fp32, fp64 for
+    fp64/complex128; a complex tensor's units are measured by magnitude.
     """
-    x = tu.local(x).float()
+    x = magnitudes(tu.local(x))
     if x.ndim <= 1 or not unitwise:
         return torch.linalg.vector_norm(x)
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the precision its norms are taken in (fp32, fp64 for fp64/complex128); ``|x|`` for complex ``x``."""
+    if x.is_complex():
+        return x.abs().to(tu.acc_dtype(x.dtype))
+    return x.to(tu.acc_dtype(x.dtype))

@@ -272,10 +272,12 @@ class MeshGroups:
         inf = math.isinf(norm_type)
         op = ReduceOp.MAX if inf else ReduceOp.SUM
         device = tu.local(leaves[0]).device if leaves else self.device
-        norms = tensor_norms(leaves, norm_type)
+        leaf_norms = tensor_norms(leaves, norm_type)
+        # One dtype for every partial, so each group's reduction is one collective: fp64 if any leaf is.
+        acc = torch.float64 if any(n.dtype == torch.float64 for n in leaf_norms) else torch.float32
         partials: list[torch.Tensor] = []
         for bucket in self._buckets:
-            stacked = torch.stack([norms[i].to(device) for i in bucket.leaves])
+            stacked = torch.stack([leaf_norms[i].to(device, acc) for i in bucket.leaves])
             if inf:
                 partials.append(stacked.max())
             else:
@@ -286,7 +288,7 @@ class MeshGroups:
             stacked = torch.stack(partials)
             total = stacked.max() if inf else stacked.sum()
         else:  # a rank with no grads (an empty stage) still joins the PP reduction
-            total = torch.zeros((), dtype=torch.float32, device=device)
+            total = torch.zeros((), dtype=acc, device=device)
         if self.pp_group is not None:
             (total,) = self.comm.all_reduce([total], op, self.pp_group)
         return power_to_norm(total, norm_type)
@@ -339,7 +341,7 @@ class MeshGroups:
             row: list[torch.Tensor] = []
             for i, leaf in enumerate(leaves):
                 spans = self.unit_groups(i, unitwise=unitwise)
-                x = tu.local(leaf).float()
+                x = norms.magnitudes(tu.local(leaf))
                 one_unit = x.ndim <= 1 or not unitwise
                 if not spans:  # the units are all local: the plain single-device formula
                     dims = None if one_unit else tuple(range(1, x.ndim))
@@ -351,6 +353,8 @@ class MeshGroups:
                 groups.append(spans)
                 where.append((t, i))
             out.append(row)
+        if any(t.dtype == torch.float64 for t in items):  # one dtype: one collective per group
+            items = [t.to(torch.float64) for t in items]
         reduced = reduce_over_groups(self.comm, items, groups, self.group_order, ReduceOp.SUM)
         for (t, i), sq in zip(where, reduced):
             out[t][i] = sq.sqrt()
@@ -802,7 +806,7 @@ def _agreement_groups(leaves: Sequence[Any]) -> tuple[Comm, tuple[GroupKey, ...]
 
 
 def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups | None = None) -> torch.Tensor:
-    """The ``norm_type``-norm of all leaves of ``tree`` taken together, as a 0-d fp32 tensor.
+    """The ``norm_type``-norm of all leaves of ``tree`` taken together, as a 0-d fp32 tensor (fp64 if a leaf is fp64).
 
     Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors, and accumulates
     in fp32 for low-precision ones. On DTensor leaves it is the norm of the

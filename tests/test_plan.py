@@ -20,19 +20,23 @@ NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
 
 
 def _reference_norm(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
-    # torch.linalg on the concatenation: independent of gradtx, and fine with empty pieces.
-    return torch.linalg.vector_norm(torch.cat([t.reshape(-1).float() for t in tensors]), p)
+    # torch.linalg on the concatenation, in fp64: independent of gradtx, and fine with empty pieces.
+    return torch.linalg.vector_norm(torch.cat([t.reshape(-1).to(torch.complex128) for t in tensors]), p)
 
 
 @pytest.mark.parametrize("p", NORM_TYPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.complex64])
 def test_empty_shards_have_norm_zero_for_every_norm_type(p, dtype):
+    g = torch.Generator().manual_seed(0)
     tree = {
         "empty": torch.empty(0, 4, dtype=dtype),
-        "w": torch.randn(3, 4).to(dtype),
+        "w": torch.randn(3, 4, generator=g, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype),
         "e1": torch.empty(0, dtype=dtype),
     }
-    torch.testing.assert_close(gtx.global_norm(tree, p), _reference_norm(list(tree.values()), p), rtol=1e-5, atol=0)
+    norm = gtx.global_norm(tree, p)
+    # fp32, or fp64 for fp64 leaves: nothing is rounded away.
+    assert norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(norm.double(), _reference_norm(list(tree.values()), p), rtol=1e-5, atol=0)
     only_empty = {"a": torch.empty(0, dtype=dtype), "b": torch.empty(0, 3, dtype=dtype)}
     assert float(gtx.global_norm(only_empty, p)) == 0.0
 
@@ -43,7 +47,7 @@ def test_clip_agc_and_finite_check_on_an_empty_shard(p):
     params = {"empty": torch.empty(0, 4), "w": torch.tensor([[1.0, 1.0]])}
     tx = gtx.clip_by_global_norm(1.0, norm_type=p)
     out, state = tx.update(grads, tx.init(params))
-    torch.testing.assert_close(state.grad_norm, _reference_norm(list(grads.values()), p))
+    torch.testing.assert_close(state.grad_norm.double(), _reference_norm(list(grads.values()), p))
     assert out["empty"].shape == (0, 4)
     agc, _ = gtx.adaptive_clip(0.1).update(grads, None, params)
     assert agc["empty"].shape == (0, 4)
