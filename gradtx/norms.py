@@ -38,6 +38,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
         acc = tu.acc_dtype(dtype)
+        norms: Sequence[torch.Tensor]
         # An empty shard (FSDP2 gives one to a rank whenever a param has fewer rows than ranks)
         # has norm 0 for every p; _foreach_norm refuses the inf-norm of an empty tensor.
         empty = [i for i in idx if locals_[i].numel() == 0]

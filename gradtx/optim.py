@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -297,13 +297,14 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._last_metrics = metrics(self.tx_state)
 
 
-def _data_parallel_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+def _data_parallel_modules(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:
     """Every FSDP2-like module and every DDP-like module anywhere in ``model``, itself included.
 
     FSDP2's ``FSDPModule`` and DDP, and any module with their sync switch
     (``set_requires_gradient_sync``, or ``no_sync()``), e.g. a wrapper's own data-parallel module.
     """
-    fsdp, ddp = [], []
+    fsdp: list[Any] = []
+    ddp: list[Any] = []
     for m in model.modules():
         if (FSDPModule is not None and isinstance(m, FSDPModule)) or callable(
             getattr(m, "set_requires_gradient_sync", None)
@@ -316,7 +317,7 @@ def _data_parallel_modules(model: torch.nn.Module) -> tuple[list[torch.nn.Module
     return fsdp, ddp
 
 
-def _set_sync(module: torch.nn.Module, sync: bool) -> None:
+def _set_sync(module: Any, sync: bool) -> None:  # FSDP2's and DDP's methods are not on nn.Module's type
     if FSDPModule is not None and isinstance(module, FSDPModule):
         module.set_requires_gradient_sync(sync, recurse=False)  # each module's own flag: all are visited
     else:
@@ -405,8 +406,10 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"sum_grad_reduction: model must be a torch.nn.Module, got {type(model).__name__}")
-    fsdp = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
-    ddp = [m for m in model.modules() if DistributedDataParallel is not None and isinstance(m, DistributedDataParallel)]
+    fsdp: list[Any] = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+    ddp: list[Any] = [
+        m for m in model.modules() if DistributedDataParallel is not None and isinstance(m, DistributedDataParallel)
+    ]
     if not fsdp and not ddp:
         raise TypeError(
             f"sum_grad_reduction: model must be DistributedDataParallel or contain fully_shard (FSDP2) or DDP modules, "
@@ -421,13 +424,21 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
     return model
 
 
-def _sum_ddp(module: torch.nn.Module) -> None:
+def _sum_ddp(module: Any) -> None:
     from gradtx.comm.torch_dist import DDPSumState, ddp_sum_hook  # the comm layer issues the collective
 
     state = DDPSumState(module.process_group)
     module.register_comm_hook(state, ddp_sum_hook)
+
+    def hook_for(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            state.rescale(param)
+            return grad
+
+        return hook
+
     for param in module.module.parameters():
         if param.requires_grad:
             # A leaf's tensor hook runs before autograd adds the new grad into .grad: the moment to
             # turn a synced sum back into its 1/W share.
-            param.register_hook(lambda grad, p=param: (state.rescale(p), grad)[1])
+            param.register_hook(hook_for(param))

@@ -19,7 +19,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard, cast
 
 import optree
 import torch
@@ -91,7 +91,7 @@ def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(k) for k in path) if path else "<root>"
 
 
-def _is_shard(placement: Any) -> bool:
+def _is_shard(placement: Any) -> TypeGuard[Shard]:
     # Not placement.is_shard(): it is False for _StridedShard.
     return isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard))
 
@@ -232,8 +232,8 @@ class MeshGroups:
             if is_dtensor != (info.placements is not None):
                 kind = "a DTensor" if is_dtensor else "a plain tensor"
                 raise ValueError(f"{what}: leaf at {info.path} is {kind}, but the mesh_groups plan says otherwise")
-            if is_dtensor and leaf._spec.placements != info.placements:
-                placements = leaf._spec.placements
+            if is_dtensor and cast(DTensor, leaf)._spec.placements != info.placements:
+                placements = cast(DTensor, leaf)._spec.placements
                 if any(p.is_partial() for p in placements):
                     raise ValueError(
                         f"{what}: leaf at {info.path} has Partial placements {placements}; a norm of a pending "
@@ -560,16 +560,16 @@ def _build(
                         "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
-                    key = canonical(_mesh_dim_key(mesh, mesh_dim, resolve))
-                    if key not in checked:  # a LocalComm here would silently drop the other shards
-                        if comm.size(key) != mesh.size(mesh_dim):
+                    group_key = canonical(_mesh_dim_key(mesh, mesh_dim, resolve))
+                    if group_key not in checked:  # a LocalComm here would silently drop the other shards
+                        if comm.size(group_key) != mesh.size(mesh_dim):
                             raise ValueError(
                                 f"{what}: leaf at {path} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
-                                f"ranks, but comm reports {comm.size(key)} for its group; pass a comm over the "
+                                f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
                                 "same process groups, e.g. TorchComm(mesh)"
                             )
-                        checked.add(key)
-                    shards.append((key, placement.dim))
+                        checked.add(group_key)
+                    shards.append((group_key, placement.dim))
         for n, (key, decl) in enumerate(sharded.items()):
             if _match(key, path, leaf):
                 used.add(n)
@@ -787,7 +787,7 @@ def agree_finite(
 def _agreement_groups(leaves: Sequence[Any]) -> tuple[Comm, tuple[GroupKey, ...]]:
     from gradtx.comm.torch_dist import mesh_comm, world_size
 
-    roots = []
+    roots: list[Any] = []
     for t in leaves:
         if isinstance(t, DTensor):
             root = t.device_mesh._get_root_mesh()
