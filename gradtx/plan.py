@@ -26,10 +26,11 @@ import torch
 
 from gradtx import norms
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import PyTree
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.comm.local import LocalComm
-from gradtx.norms import check_norm_type, power_to_norm, tensor_norms
+from gradtx.norms import power_to_norm, tensor_norms
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor, Shard
@@ -263,7 +264,7 @@ class MeshGroups:
           A 0-d fp32 tensor, equal on every rank; no host sync.
         """
         self.check(leaves, what="mesh_groups.global_norm")
-        norm_type = check_norm_type(norm_type, name="mesh_groups.global_norm")
+        norm_type = check.norm_type(norm_type, name="mesh_groups.global_norm")
         self.require_tie_reduce(what="mesh_groups.global_norm")
         return self._global_norm(leaves, norm_type)
 
@@ -826,7 +827,7 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
       >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
       tensor(5.)
     """
-    norm_type = check_norm_type(norm_type, name="global_norm")
+    norm_type = check.norm_type(norm_type, name="global_norm")
     leaves, _ = tu.flatten(tree)
     tu.check_tensors(leaves, tu.paths(tree), what="global_norm: tree")
     return tree_norm(leaves, norm_type, mesh_groups, what="global_norm", tree=tree)
