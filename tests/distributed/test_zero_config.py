@@ -582,6 +582,32 @@ def _ddp_sum_patterns(rank: int) -> dict[str, Any]:
     return out
 
 
+class TwoBranches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(models.DIM, 1), nn.Linear(models.DIM, 1)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def _ddp_sum_unused(rank: int) -> dict[str, Any]:
+    """Two synced backwards; the second touches branch b on rank 0 only, so the other ranks' b grads still
+    hold the first sum when DDP reduces them: the comm hook's share of the rescaling (the grad hook never ran)."""
+    torch.manual_seed(4)
+    base = TwoBranches()
+    model = gtx.sum_grad_reduction(DDP(copy.deepcopy(base), find_unused_parameters=True))
+    ref = copy.deepcopy(base)
+    for micro in range(2):
+        x, _ = models.batch(seed=10 * micro + rank, n=4)
+        model(x, micro == 0 or rank == 0).sum().backward()
+        for r in range(WORLD):
+            ref(models.batch(seed=10 * micro + r, n=4)[0], micro == 0 or r == 0).sum().backward()
+    return {
+        n: (p.grad.clone(), dict(ref.named_parameters())[n].grad.clone()) for n, p in model.module.named_parameters()
+    }
+
+
 def _every_transform(rank: int) -> dict[str, Any]:
     """Every public transform on a TP x FSDP2 DTensor tree: the single-device result, or a clear error."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -742,6 +768,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "pp_fsdp": _pp_fsdp,
     "no_sync_nested": _no_sync_finds_nested,
     "ddp_sum_patterns": _ddp_sum_patterns,
+    "ddp_sum_unused": _ddp_sum_unused,
     "every_transform": _every_transform,
     "accumulate": _accumulate_layouts,
 }
@@ -861,6 +888,12 @@ def test_ddp_sum_reduction_is_right_whatever_the_sync_pattern(ranks, pattern):
         for name, ref in r["ref"].items():
             _close(r[pattern][name], ref, msg=f"{pattern} {name}")
             _close(r[pattern + "_again"][name], r["ref_again"][name], msg=f"{pattern} again {name}")
+
+
+def test_ddp_sum_reduction_counts_an_untouched_synced_grad_once(ranks):
+    for r in part_results(ranks, "ddp_sum_unused"):
+        for name, (got, ref) in r.items():
+            _close(got, ref, msg=name)
 
 
 def test_every_public_transform_matches_single_device_or_raises(ranks):
