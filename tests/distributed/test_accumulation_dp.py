@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import part_results, run_parts
+from tests.distributed.harness import part_results, share_spawn
 
 WORLD, K, STEPS = 2, 4, 2
 VOCAB, DIM, BATCH, SEQ = 13, 8, 2, 6
@@ -178,7 +178,8 @@ def _train_wrapped(rank: int, model: nn.Module, comm: Any, group: str, where: Ca
             synced_flags.append(opt.emits_next())
             with opt.maybe_no_sync(model):
                 sum_loss(model(x), y).backward()
-            stepped.append(opt.step(tokens=n_valid(y)))
+            opt.step(tokens=n_valid(y))
+            stepped.append(opt.emitted)
             opt.zero_grad()
         tokens.append(int(opt.metrics["tokens"]))
     return {"stepped": stepped, "synced": synced_flags, "tokens": tokens}
@@ -253,9 +254,12 @@ PARTS: dict[str, Callable[[int], Any]] = {
 }
 
 
+_SHARED = share_spawn(PARTS, WORLD, prefix="accumulation_dp")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_parts(PARTS, world_size=WORLD)
+    return _SHARED()
 
 
 def _assert_params_match_reference(results: list[dict[str, Any]]) -> None:
