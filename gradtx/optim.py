@@ -658,6 +658,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             entry[_GTX] = {key: values[i] for key, values in per_param.items()}
             if i == 0:
                 entry[_GTX][_GLOBAL] = globals_
+                if acc_key is not None:
+                    entry[_GTX][_AMP] = self._ckpt_amp()
         return {"state": state, "param_groups": inner["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
@@ -723,7 +725,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             entries = self._ckpt_flattened_entries(flat) or entries
         if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
             new_state = self.tx.init(params)
-            sums = None
+            sums = amp = None
         else:
             layout = _ckpt._layout_of(self.tx_state, params)
             acc_key = self._ckpt_acc_key(layout)
@@ -731,8 +733,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 layout.per_param[acc_key] = None  # the partial sums: shaped and typed like the params
             expected = list(layout.per_param)
             per_param: dict[str, list[Any]] = {key: [] for key in expected}
+            first = [_GLOBAL, _AMP] if acc_key is not None else [_GLOBAL]
             for i, (name, entry) in enumerate(zip(names, entries)):
-                keys = expected + ([_GLOBAL] if i == 0 else [])
+                keys = expected + (first if i == 0 else [])
                 _ckpt._check_keys(entry, keys, what=f"{what}: gradtx state of {name}", hint=_ckpt._HINT)
                 for key in expected:
                     per_param[key].append(entry[key])
@@ -742,15 +745,39 @@ class TransformedOptimizer(torch.optim.Optimizer):
             )  # fmt: skip
             new_state, taken = _ckpt._take_acc(loaded, params)
             sums = taken[0] if acc_key is not None and taken else None
+            amp = self._ckpt_check_amp(entries[0].get(_AMP), flat, what=what) if acc_key is not None else None
         # Everything checked; the inner optimizer validates its own part before it changes anything.
         self.optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
         self.tx_state = new_state
-        self._window_open = self._plan.window_open(new_state)
+        self._window_open = self._plan.window_open(new_state)  # also clears the GradScaler record
+        if amp is not None and self._window_open:
+            self._live.amp_scale, self._live.amp_inf = amp
         self._ckpt_synced = True
         for i, p in enumerate(flat):
             # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
             p.grad = tu.flatten(sums)[0][i] if sums is not None and self._window_open else None
         self._last_metrics = metrics(self.tx_state)
+
+    def _ckpt_amp(self) -> dict[str, torch.Tensor]:
+        """The open window's GradScaler record: the scale its grads carry (0: none) and whether it saw an inf."""
+        scale, inf = self._live.amp_scale, self._live.amp_inf
+        return {
+            "scale": torch.zeros(()) if scale is None else scale.detach().reshape(()).float().cpu().clone(),
+            "inf": torch.zeros(()) if inf is None else inf.detach().reshape(()).float().cpu().clone(),
+        }
+
+    def _ckpt_check_amp(
+        self, saved: Any, flat: list[torch.Tensor], *, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The GradScaler record to restore with an open window, or None; checked before anything changes."""
+        _ckpt._check_keys(saved, ["scale", "inf"], what=f"{what}: GradScaler record", hint=_ckpt._HINT)
+        for key in ("scale", "inf"):
+            if not isinstance(saved[key], torch.Tensor) or saved[key].numel() != 1:
+                raise ValueError(f"{what}: GradScaler record {key!r} must be a one-element tensor")
+        if float(saved["scale"]) == 0.0:
+            return None
+        device = tu.local(flat[0]).device if flat else torch.device("cpu")
+        return saved["scale"].reshape(()).to(device, torch.float32), (saved["inf"].reshape(()) != 0).to(device)
 
     def _ckpt_acc_key(self, layout: Any) -> str | None:
         """The checkpoint key of the leading window's partial sums (autograd's ``.grad``), or ``None``."""
@@ -775,7 +802,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """The open window's partial sums (the grads), or zeros at a boundary; refuses sums it cannot see."""
         if not self._plan.window_open(self.tx_state):
             return [torch.zeros_like(p) for p in flat]
-        hidden = not getattr(self, "_ckpt_synced", True) or (flat and all(p.grad is None for p in flat))
+        # GradScaler saw an inf in this window: the wrapper dropped the partial sum, the window will be skipped.
+        dropped = self._live.amp_inf is not None and bool(self._live.amp_inf)
+        hidden = not getattr(self, "_ckpt_synced", True) or (
+            bool(flat) and all(p.grad is None for p in flat) and not dropped
+        )
         if hidden:
             window_state, window = self._plan.window_state(self.tx_state), self._plan.window
             assert window_state is not None and window is not None  # the window is open
@@ -844,6 +875,7 @@ def _same_dtype(dtype: torch.dtype) -> torch.dtype:
 
 _GTX = "gradtx"  # issue 9: the transform's entry in each param's state
 _GLOBAL = "global"
+_AMP = "amp"
 # Inner-optimizer state tensors shaped like their param (torch.optim's names).
 _PARAM_SHAPED = frozenset(
     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum", "ax", "prev"}

@@ -425,3 +425,41 @@ def test_an_open_window_whose_grads_are_gone_is_refused():
     opt.optimizer.zero_grad()  # the partial sums are gone behind the wrapper's back
     with pytest.raises(ValueError, match=r"window is open \(micro-step 1 of 3\).*Save at a window boundary"):
         opt.state_dict()
+
+
+@pytest.mark.parametrize("stop", [4, 5])
+def test_gradscaler_window_with_an_inf_is_still_skipped_after_a_resume(stop):
+    """GradScaler on every micro-step; micro-step 3 (the second window's first) has an inf; resume after it."""
+
+    def run(model, opt, s, data, start):
+        for i, (x, y) in enumerate(data, start):
+            s.scale(F.cross_entropy(model(x), y)).backward()
+            if i == K:
+                model[0].weight.grad[0, 0] = float("inf")
+            s.step(opt)
+            s.update()
+            opt.zero_grad()
+
+    def scaler():
+        return torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10_000)
+
+    model = make_model()
+    opt = wrapper(model, opt_cls=torch.optim.SGD)
+    s = scaler()
+    run(model, opt, s, DATA, 0)
+    uninterrupted = params_of(model)
+
+    model = make_model()
+    opt, s = wrapper(model, opt_cls=torch.optim.SGD), scaler()
+    run(model, opt, s, DATA[:stop], 0)
+    assert opt.window_open
+    amp = opt.state_dict()["state"][0]["gradtx"]["amp"]
+    assert float(amp["scale"]) == 1024.0 and float(amp["inf"]) == 1.0
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "scaler": s.state_dict()})
+    resumed = make_model(seed=4)
+    resumed.load_state_dict(ckpt["model"])
+    opt2, s2 = wrapper(resumed, opt_cls=torch.optim.SGD), scaler()
+    opt2.load_state_dict(ckpt["opt"])
+    s2.load_state_dict(ckpt["scaler"])
+    run(resumed, opt2, s2, DATA[stop:], stop)
+    assert_same(params_of(resumed), uninterrupted)

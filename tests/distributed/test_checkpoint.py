@@ -384,7 +384,7 @@ def test_partial_sums_inside_fsdp2_are_refused_not_lost(results):
     for res in part_results(results["4"], "refuse"):
         assert "window is open (micro-step 1 of 3)" in res["message"]
         assert "maybe_no_sync" in res["message"] and "boundary" in res["message"]
-        assert res["boundary_keys"] == ["0/0/acc", "global"]
+        assert res["boundary_keys"] == ["0/0/acc", "amp", "global"]
 
 
 def test_full_state_dict_round_trip_mid_window(results):
