@@ -53,6 +53,7 @@ def clip(max_delta: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, **extra):
         del params
+        tu.require_state(state, EmptyState, name="clip")
         leaves, spec = _leaves(updates, name="clip")
         locals_ = [tu.local(t) for t in leaves]
         out = list(leaves)
@@ -83,7 +84,7 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def clip_by_global_norm(
-    max_norm: float, *, norm_type: float = 2.0, mesh_groups: Any | None = None
+    max_norm: float | torch.Tensor, *, norm_type: float = 2.0, mesh_groups: Any | None = None
 ) -> ScalarTransformation:
     """Scale all updates together so that their global norm is at most ``max_norm``.
 
@@ -93,7 +94,8 @@ def clip_by_global_norm(
     grads keep their dtype, and the pre-clip norm is kept in the state.
 
     Args:
-      max_norm: the largest global norm allowed; ``> 0`` (``inf`` only measures).
+      max_norm: the largest global norm allowed; ``> 0`` (``inf`` only measures),
+        or a 0-d tensor (what :func:`gradtx.inject_hyperparams` passes).
       norm_type: the order of the norm: any ``p > 0`` or ``inf``.
       mesh_groups: for sharded grads (DTensors or manually sharded tensors), the
         plan from :func:`gradtx.mesh_groups` that says which process groups
@@ -110,7 +112,7 @@ def clip_by_global_norm(
       >>> updates, state = tx.update(grads, tx.init(params))
       >>> state.grad_norm  # the norm before clipping
     """
-    max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False)
+    max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
     _check_plan(mesh_groups, "global_norm", name="clip_by_global_norm")
 
@@ -129,7 +131,8 @@ def clip_by_global_norm(
             norm = mesh_groups.global_norm(leaves, norm_type)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device)  # the true updates are leaves * scale
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        limit = max_norm.to(norm.device, torch.float32) if isinstance(max_norm, torch.Tensor) else max_norm
+        coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         return coef, ClipByGlobalNormState(grad_norm=norm, clip_coef=coef)
 
     return scalar_transformation(init_fn, factor_fn)
@@ -152,7 +155,7 @@ def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
 
 
 def adaptive_clip(
-    clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool = True, mesh_groups: Any | None = None
+    clipping: float | torch.Tensor = 0.01, *, eps: float = 1e-3, unitwise: bool = True, mesh_groups: Any | None = None
 ) -> GradientTransformation:
     """Adaptive gradient clipping (AGC): clip each unit's gradient relative to its weight.
 
@@ -162,7 +165,8 @@ def adaptive_clip(
     assume JAX's ``(in, out)`` layout; this does not.
 
     Args:
-      clipping: the largest allowed ratio of gradient norm to weight norm; ``> 0``.
+      clipping: the largest allowed ratio of gradient norm to weight norm; ``> 0``,
+        or a 0-d tensor (what :func:`gradtx.inject_hyperparams` passes).
       eps: the floor on a unit's weight norm, so zero-initialised units can move.
       unitwise: clip per output unit (True) or per whole tensor (False).
       mesh_groups: for sharded weights, the plan from :func:`gradtx.mesh_groups`.
@@ -183,7 +187,7 @@ def adaptive_clip(
       >>> tx = adaptive_clip(0.01)
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
-    clipping = check.positive(clipping, arg="clipping", name="adaptive_clip")
+    clipping = check.positive(clipping, arg="clipping", name="adaptive_clip", tensor=True)
     eps = check.non_negative(eps, arg="eps", name="adaptive_clip")
     unitwise = check.flag(unitwise, arg="unitwise", name="adaptive_clip")
     _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
@@ -196,19 +200,27 @@ def adaptive_clip(
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
+        tu.require_state(state, EmptyState, name="adaptive_clip")
         if params is None:
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
-        leaves, spec = _leaves(updates, name="adaptive_clip")
-        tu.check_structure(params, updates, what="adaptive_clip: updates", against="params")
-        weights = tu.flatten(params)[0]
+        # A None update (a param with no gradient) stays None; its weight is not read.
+        index, leaves, spec = tu.align(params, updates, what="adaptive_clip: updates", against="params")
+        all_weights = tu.flatten(params)[0]
+        weights = [all_weights[i] for i in index]
         if mesh_groups is None:
             g_norms = [unitwise_norm(g, unitwise=unitwise) for g in leaves]
             w_norms = [unitwise_norm(w, unitwise=unitwise) for w in weights]
-        else:
+        elif len(index) == len(all_weights):
             g_norms, w_norms = mesh_groups.unitwise_norms([leaves, weights], unitwise=unitwise)
+        else:  # the plan covers every leaf: a param with no gradient joins the collectives with zeros
+            full = tu.scatter(len(all_weights), index, leaves)
+            full = [torch.zeros_like(w) if g is None else g for g, w in zip(full, all_weights)]
+            g_all, w_all = mesh_groups.unitwise_norms([full, all_weights], unitwise=unitwise)
+            g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
-            max_norm = clipping * torch.clamp(w_norm, min=eps)
+            limit = clipping.to(w_norm.device, torch.float32) if isinstance(clipping, torch.Tensor) else clipping
+            max_norm = limit * torch.clamp(w_norm, min=eps)
             factor = torch.where(g_norm > max_norm, max_norm / torch.clamp(g_norm, min=1e-6), 1.0)
             g_local = tu.local(g)
             if extra.get("inplace", False):
