@@ -102,13 +102,23 @@ def _as(value: Scalar, like: torch.Tensor) -> Scalar:
     return value
 
 
+def _real_view(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _to_factor(value: Any, sign: float) -> torch.Tensor:
     # A schedule should return a tensor computed from the count; a Python number is
     # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
+    # Python numbers become fp64, so fp64 params step by exactly the learning rate given;
+    # lower-precision grads take the factor in fp32 (see gradtx.tree.scale_leaves).
     if isinstance(value, torch.Tensor):
-        factor = value.to(torch.float32)
+        factor = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.float32)
     else:
-        factor = torch.tensor(float(value), dtype=torch.float32)
+        factor = torch.tensor(float(value), dtype=torch.float64)
     return -factor if sign < 0 else factor
 
 
@@ -145,8 +155,8 @@ def scale(step_size: Scalar) -> ScalarTransformation:
         del updates, params, scale, extra
         tu.require_state(state, EmptyState, name="scale")
         if isinstance(step_size, torch.Tensor):
-            return step_size.to(torch.float32), state
-        return torch.tensor(step_size, dtype=torch.float32), state
+            return step_size.to(torch.float64), state
+        return torch.tensor(step_size, dtype=torch.float64), state
 
     return scalar_transformation(init_fn, factor_fn)
 
@@ -291,25 +301,32 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
         index, leaves, spec = tu.align(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
         mu_leaves, mu_spec = tu.flatten(state.mu)
         nu_leaves, nu_spec = tu.flatten(state.nu)
+        tu.check_devices(
+            [mu_leaves[i] for i in index], leaves, updates, what="scale_by_adam: updates", against="its moments"
+        )
 
         count = state.count + 1
-        t = count.to(torch.float32)
-        bc1 = _bias_correction(b1, t)
-        bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
-
         mu_locals = [tu.local(mu_leaves[i]) for i in index]
         out: list[torch.Tensor] = list(leaves)
         new_mu: list[torch.Tensor] = list(mu_leaves)
         new_nu: list[torch.Tensor] = list(nu_leaves)
         for (device, dtype), idx in tu.group_by_device_dtype(mu_locals).items():
-            g = [tu.local(leaves[j]).to(dtype) for j in idx]
-            mus = [mu_locals[j] for j in idx]
-            nus = [tu.local(nu_leaves[index[j]]) for j in idx]
+            # Complex params are pairs of reals, as torch.optim.Adam treats them (view_as_real):
+            # the second moment is per component, |re|^2 and |im|^2, never g*g.
+            real = _real_view if dtype.is_complex else _same
+            g = [real(tu.local(leaves[j]).to(dtype)) for j in idx]
+            mus = [real(mu_locals[j]) for j in idx]
+            nus = [real(tu.local(nu_leaves[index[j]])) for j in idx]
+            m_dtype = mus[0].dtype  # the real dtype of the moments
+            t = count.to(device, tu.acc_dtype(dtype))  # fp64 bias corrections for fp64 params
+            bc1 = _bias_correction(b1, t)
+            bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
             if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
-                m = torch._foreach_lerp(mus, g, _as(1 - b1, mus[0]) if isinstance(b1, torch.Tensor) else 1 - b1)
+                w1 = (1 - b1).to(device, m_dtype) if isinstance(b1, torch.Tensor) else 1 - b1
+                m = torch._foreach_lerp(mus, g, w1)
                 # addcmul's value must be a Python number: v = lerp(v, g*g, 1 - b2) is the same update.
-                one_minus_b2 = (1 - b2).to(device, dtype) if isinstance(b2, torch.Tensor) else torch.tensor(1 - b2)
-                v = torch._foreach_lerp(nus, torch._foreach_mul(g, g), one_minus_b2.to(device, dtype))
+                w2 = (1 - b2).to(device, m_dtype) if isinstance(b2, torch.Tensor) else torch.tensor(1 - b2)
+                v = torch._foreach_lerp(nus, torch._foreach_mul(g, g), w2.to(device, m_dtype))
             else:
                 m = torch._foreach_lerp(mus, g, 1 - b1)
                 v = torch._foreach_mul(nus, b2)
@@ -317,15 +334,16 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
             # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
             # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
             u = torch._foreach_sqrt(v)
-            torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(device, non_blocking=True))
-            torch._foreach_add_(u, (bc1 * _as(eps, bc1)).to(device, non_blocking=True))
+            torch._foreach_mul_(u, bc1 / bc2_sqrt)
+            torch._foreach_add_(u, bc1 * _as(eps, bc1))
             torch._foreach_reciprocal_(u)
             torch._foreach_mul_(u, m)
+            back = torch.view_as_complex if dtype.is_complex else _same
             for k, j in enumerate(idx):
                 i = index[j]
-                new_mu[i] = tu.like(mu_leaves[i], m[k])
-                new_nu[i] = tu.like(nu_leaves[i], v[k])
-                out[j] = tu.like(leaves[j], u[k].to(leaves[j].dtype))
+                new_mu[i] = tu.like(mu_leaves[i], back(m[k]))
+                new_nu[i] = tu.like(nu_leaves[i], back(v[k]))
+                out[j] = tu.like(leaves[j], back(u[k]).to(leaves[j].dtype))
         new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
         return tu.unflatten(spec, out), new_state
 
@@ -376,6 +394,9 @@ def add_decayed_weights(
         if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0.0:
             return updates, state
         param_leaves, _ = tu.flatten(params)
+        tu.check_devices(
+            [param_leaves[i] for i in index], leaves, updates, what="add_decayed_weights: updates", against="the params"
+        )
         locals_ = [tu.local(u) for u in leaves]
         out: list[torch.Tensor] = list(leaves)
         inplace = bool(extra.get("inplace", False))
@@ -440,6 +461,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
         # A None update (a param with no gradient) leaves its trace as it is.
         index, leaves, spec = tu.align(state.trace, updates, what="trace: updates", against="the state's trace")
         tr_leaves, tr_spec = tu.flatten(state.trace)
+        tu.check_devices([tr_leaves[i] for i in index], leaves, updates, what="trace: updates", against="its momentum")
         tr_locals = [tu.local(tr_leaves[i]) for i in index]
         inplace = bool(extra.get("inplace", False))
 
