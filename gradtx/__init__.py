@@ -17,6 +17,7 @@ from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_
 from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.executor import StepPlan, update_and_apply
+from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
 from gradtx.norms import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
@@ -44,6 +45,7 @@ torch.serialization.add_safe_globals(
         ApplyIfFiniteState,
         ClipByGlobalNormState,
         EmptyState,
+        InjectHyperparamsState,
         MaskedState,
         PartitionState,
         ScaleByAdamState,
@@ -63,6 +65,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "Guard",
+    "InjectHyperparamsState",
     "MaskedState",
     "MeshGroups",
     "OptimizerChain",
@@ -89,6 +92,7 @@ __all__ = [
     "comm",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "masked",
     "mesh_groups",
     "metrics",
