@@ -22,11 +22,12 @@ import torch
 
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import GradientTransformation, OptState, Params
+from gradtx.base import GradientTransformation, OptState, Params, export_metrics
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
 
+@export_metrics(("hyperparams", "*"))  # every hyperparameter by its own name: metrics(state)["learning_rate"]
 class InjectHyperparamsState(NamedTuple):
     """The step count, the hyperparameters by name, and the inner transform's state.
 
@@ -40,12 +41,9 @@ class InjectHyperparamsState(NamedTuple):
       inner_state: the inner transform's state.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
     hyperparams: dict[str, torch.Tensor]
     inner_state: OptState
-
-    # Every hyperparameter is exported by its own name: metrics(state)["learning_rate"].
-    _metrics = (("hyperparams", "*"),)
 
 
 def _is_number(value: Any) -> bool:

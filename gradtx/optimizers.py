@@ -164,7 +164,7 @@ def scale(step_size: Scalar) -> ScalarTransformation:
 class ScaleByScheduleState(NamedTuple):
     """The number of updates made so far: a 0-d int64 tensor."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> ScalarTransformation:
@@ -244,7 +244,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 class ScaleByAdamState(NamedTuple):
     """Adam's step count (0-d int64) and first and second moments (trees mirroring the params)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
     mu: PyTree
     nu: PyTree
 
@@ -295,7 +295,7 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
         )
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
+        del params
         tu.require_state(state, ScaleByAdamState, name="scale_by_adam")
         # A None update (a param with no gradient) leaves its moments as they are.
         index, leaves, spec = tu.align(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
@@ -333,7 +333,12 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
                 torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
             # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
             # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
-            u = torch._foreach_sqrt(v)
+            if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
+                u = g  # the donated update buffers, read for the last time above: the result goes there
+                torch._foreach_copy_(u, v)
+                torch._foreach_sqrt_(u)
+            else:
+                u = torch._foreach_sqrt(v)
             torch._foreach_mul_(u, bc1 / bc2_sqrt)
             torch._foreach_add_(u, bc1 * _as(eps, bc1))
             torch._foreach_reciprocal_(u)
@@ -667,12 +672,12 @@ class OptimizerSpec(NamedTuple):
     """
 
     kind: str
-    learning_rate: float | Schedule
-    weight_decay: float
-    b1: float = 0.0
-    b2: float = 0.0
-    eps: float = 0.0
-    momentum: float = 0.0
+    learning_rate: float | torch.Tensor | Schedule
+    weight_decay: float | torch.Tensor
+    b1: float | torch.Tensor = 0.0
+    b2: float | torch.Tensor = 0.0
+    eps: float | torch.Tensor = 0.0
+    momentum: float | torch.Tensor = 0.0
     nesterov: bool = False
     core: int | None = None
     fusable: bool = True

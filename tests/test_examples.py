@@ -77,6 +77,7 @@ DOC_PAGES = [
     "accumulation.md",
     "wrapper.md",
     "testing.md",
+    "executor.md",
 ]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

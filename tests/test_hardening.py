@@ -140,30 +140,38 @@ def test_fp64_sgd_steps_by_exactly_the_learning_rate():
     assert_trees_equal(updates, {k: torch.full_like(v, -0.001) for k, v in params.items()})
 
 
-@pytest.mark.parametrize("opt", ["adam", "adamw", "sgd"])
-def test_fp64_optimizers_match_torch_to_fp64_rounding(opt):
-    torch.manual_seed(0)
-    ref = {k: torch.nn.Parameter(v) for k, v in _params(torch.float64).items()}
-    torch_opt = {
-        "adam": lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1),
-        "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
-        "sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
-    }[opt](list(ref.values()))
-    tx = {
-        "adam": lambda: gtx.adam(0.01, weight_decay=0.1),
-        "adamw": lambda: gtx.adamw(0.01, weight_decay=0.1),
-        "sgd": lambda: gtx.sgd(0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
-    }[opt]()
-    params = {k: v.detach().clone() for k, v in ref.items()}
+# The same hyperparameters through torch.optim and through gradtx.
+OPTIMIZER_PAIRS = {
+    "adam": (lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1), lambda: gtx.adam(0.01, weight_decay=0.1)),
+    "adamw": (lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), lambda: gtx.adamw(0.01, weight_decay=0.1)),
+    "sgd": (
+        lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
+        lambda: gtx.sgd(0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
+    ),
+}
+
+
+def _against_torch(opt: str, start: dict, steps: int, *, rtol: float, atol: float) -> None:
+    """``steps`` random steps of torch.optim and of gradtx from the same params; the params must agree."""
+    make_torch, make_tx = OPTIMIZER_PAIRS[opt]
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    torch_opt, tx = make_torch(list(ref.values())), make_tx()
+    params = {k: v.clone() for k, v in start.items()}
     state = tx.init(params)
-    for step in range(20):
-        grads = {k: torch.randn_like(v) for k, v in params.items()}
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        grads = {k: torch.randn(v.shape, dtype=v.dtype, generator=gen) for k, v in params.items()}
         for k, p in ref.items():
             p.grad = grads[k].clone()
         torch_opt.step()
         params, state = gtx.update_and_apply(tx, grads, state, params)
     for k in params:
-        torch.testing.assert_close(params[k], ref[k].detach(), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(params[k], ref[k].detach(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZER_PAIRS))
+def test_fp64_optimizers_match_torch_to_fp64_rounding(opt):
+    _against_torch(opt, _params(torch.float64), 20, rtol=1e-12, atol=1e-14)
 
 
 def test_fp64_accumulation_keeps_fp64():
@@ -187,27 +195,9 @@ def _complex_params():
     }
 
 
-@pytest.mark.parametrize("opt", ["adam", "adamw", "sgd"])
+@pytest.mark.parametrize("opt", sorted(OPTIMIZER_PAIRS))
 def test_complex_optimizers_match_torch(opt):
-    ref = {k: torch.nn.Parameter(v.clone()) for k, v in _complex_params().items()}
-    torch_opt = {
-        "adam": lambda p: torch.optim.Adam(p, lr=0.01),
-        "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
-        "sgd": lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9),
-    }[opt](list(ref.values()))
-    tx = {"adam": lambda: gtx.adam(0.01), "adamw": lambda: gtx.adamw(0.01, weight_decay=0.1),
-          "sgd": lambda: gtx.sgd(0.01, momentum=0.9)}[opt]()  # fmt: skip
-    params = {k: v.detach().clone() for k, v in ref.items()}
-    state = tx.init(params)
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(10):
-        grads = {k: torch.randn(v.shape, dtype=v.dtype, generator=gen) for k, v in params.items()}
-        for k, p in ref.items():
-            p.grad = grads[k].clone()
-        torch_opt.step()
-        params, state = gtx.update_and_apply(tx, grads, state, params)
-    for k in params:
-        torch.testing.assert_close(params[k], ref[k].detach(), rtol=1e-5, atol=1e-6)
+    _against_torch(opt, _complex_params(), 10, rtol=1e-5, atol=1e-6)
 
 
 def test_complex_accumulation_keeps_the_imaginary_part():
