@@ -433,8 +433,7 @@ def test_clips_refuse_another_transforms_state(make):
     params = {"w": torch.ones(2, 2)}
     with pytest.raises(TypeError, match="expected state of type EmptyState, got ScaleByAdamState"):
         make().update(params, gtx.scale_by_adam().init(params), params)
-    with pytest.raises(ValueError, match="call init"):
-        make().update(params, None, params)
+    make().update(params, None, params)  # a stateless transform's missing state is harmless
 
 
 def test_masked_and_partition_are_pure_with_none_grads():
@@ -442,3 +441,28 @@ def test_masked_and_partition_are_pure_with_none_grads():
     grads = {"a": torch.randn(3), "n": None, "z": {"b": torch.randn(2), "m": torch.randn(4)}}
     for name in ("masked", "partition"):
         assert_pure(ALL_TRANSFORMS[name][0](), grads, params, steps=3)
+
+
+def test_prefix_labels_over_the_wrappers_param_groups_match_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    ref_model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    ref_model.load_state_dict(model.state_dict())
+
+    def groups(m):
+        return [{"params": list(m[0].parameters())}, {"params": list(m[1].parameters())}]
+
+    # One label per param group: the wrapper's tree is [[group 0 params], [group 1 params]].
+    tx = gtx.partition({"clipped": gtx.clip_by_global_norm(0.1), "free": gtx.identity()}, ["clipped", "free"])
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(groups(model), lr=0.1), tx)
+    ref_opt = torch.optim.SGD(groups(ref_model), lr=0.1)
+    for _ in range(3):
+        x = torch.randn(5, 4)
+        for m in (model, ref_model):
+            m.zero_grad()
+            m(x).pow(2).sum().backward()
+        torch.nn.utils.clip_grad_norm_(ref_model[0].parameters(), 0.1)
+        opt.step()
+        ref_opt.step()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
