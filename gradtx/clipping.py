@@ -130,12 +130,19 @@ def clip_by_global_norm(
         return ClipByGlobalNormState(grad_norm=torch.zeros((), dtype=dtype), clip_coef=torch.ones((), dtype=dtype))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del params, extra
+        del extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
         leaves, _ = _leaves(updates, name="clip_by_global_norm")
         if mesh_groups is None:
             norm = norms.combine_norms(norms.tensor_norms(leaves, norm_type), norm_type)
         else:
+            if params is not None and len(leaves) != len(mesh_groups):
+                # The plan covers every param; one with no gradient (None) joins the collectives as zeros,
+                # so every rank still issues the same ones.
+                index, leaves, _ = tu.align(params, updates, what="clip_by_global_norm: updates", against="params")
+                all_params = tu.flatten(params)[0]
+                full = tu.scatter(len(all_params), index, leaves)
+                leaves = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
             norm = mesh_groups.global_norm(leaves, norm_type)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale

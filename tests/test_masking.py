@@ -466,3 +466,19 @@ def test_prefix_labels_over_the_wrappers_param_groups_match_torch():
         ref_opt.step()
         for a, b in zip(model.parameters(), ref_model.parameters()):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_mesh_groups_plans_count_a_param_without_a_gradient_as_zeros():
+    from gradtx.comm import LocalComm
+
+    torch.manual_seed(0)
+    params = {"a": torch.randn(3, 2), "n": torch.randn(4, 2), "b": torch.randn(2)}
+    grads = {"a": torch.randn(3, 2), "n": None, "b": torch.randn(2)}
+    plan = gtx.mesh_groups(params, comm=LocalComm(), sharded={"a": gtx.Sharded("tp", dim=1)})
+    zeros = {**grads, "n": torch.zeros(4, 2)}
+    for make in (lambda p: gtx.clip_by_global_norm(0.5, mesh_groups=p), lambda p: gtx.adaptive_clip(0.05, mesh_groups=p)):
+        tx, ref = make(plan), make(None)
+        u, _ = tx.update(grads, tx.init(params), params)
+        r, _ = ref.update(zeros, ref.init(params), params)
+        assert u["n"] is None
+        assert_trees_close({k: u[k] for k in ("a", "b")}, {k: r[k] for k in ("a", "b")}, rtol=1e-6)
