@@ -183,3 +183,19 @@ def test_chain_state_round_trips_through_torch_save_with_weights_only(tmp_path):
     assert_trees_equal(restored, state)
     g = {k: torch.full_like(v, 0.5) for k, v in params.items()}
     assert_trees_equal(tx.update(g, restored, params, tokens=3), tx.update(g, state, params, tokens=3))
+
+
+def test_metrics_star_exports_every_item_of_a_dict_field_by_its_key():
+    from typing import NamedTuple
+
+    @gtx.export_metrics(("values", "*"), ("n", "count"))
+    class DictState(NamedTuple):
+        values: dict
+        n: torch.Tensor
+
+    lr, wd = torch.tensor(0.1), torch.tensor(0.01)
+    state = (DictState({"learning_rate": lr, "weight_decay": wd}, torch.tensor(3)),
+             DictState({"learning_rate": torch.tensor(9.0)}, torch.tensor(4)))
+    found = gtx.metrics(state)
+    assert found["learning_rate"] is lr and found["weight_decay"] is wd  # the first member in chain order wins
+    assert int(found["count"]) == 3 and "*" not in found
