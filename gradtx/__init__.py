@@ -17,9 +17,9 @@ from gradtx.base import (
 from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
 from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
+from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
 from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
-from gradtx.norms import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
@@ -38,6 +38,7 @@ from gradtx.optimizers import (
     trace,
 )
 from gradtx.pipeline import pp_reduce
+from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
@@ -91,6 +92,7 @@ __all__ = [
     "clip",
     "clip_by_global_norm",
     "comm",
+    "cp_reduce",
     "export_metrics",
     "global_norm",
     "identity",

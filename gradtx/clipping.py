@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx import norms
+from gradtx import plan
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import (
@@ -104,9 +104,12 @@ def clip_by_global_norm(
       max_norm: the largest global norm allowed; ``> 0`` (``inf`` only measures),
         or a 0-d tensor (what :func:`gradtx.inject_hyperparams` passes).
       norm_type: the order of the norm: any ``p > 0`` or ``inf``.
-      mesh_groups: for sharded grads (DTensors or manually sharded tensors), the
-        plan from :func:`gradtx.mesh_groups` that says which process groups
-        each grad's norm is reduced over. ``None`` for unsharded grads.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups`, for what
+        placements cannot say: pipeline stages (``pp_group``), weights tied
+        across stages, plain tensors sharded by hand. ``None`` (the default)
+        reads the plan from DTensor placements (TP, FSDP2, HSDP, EP, and any
+        mix), so the norm is the single-device one on every rank; plain
+        tensors are taken as unsharded or replicated (DDP).
 
     Returns:
       A :class:`GradientTransformation` with state :class:`ClipByGlobalNormState`.
@@ -133,17 +136,15 @@ def clip_by_global_norm(
         del extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
         leaves, _ = _leaves(updates, name="clip_by_global_norm")
-        if mesh_groups is None:
-            norm = norms.combine_norms(norms.tensor_norms(leaves, norm_type), norm_type)
-        else:
-            if params is not None and len(leaves) != len(mesh_groups):
-                # The plan covers every param; one with no gradient (None) joins the collectives as zeros,
-                # so every rank still issues the same ones.
-                index, leaves, _ = tu.align(params, updates, what="clip_by_global_norm: updates", against="params")
-                all_params = tu.flatten(params)[0]
-                full = tu.scatter(len(all_params), index, leaves)
-                leaves = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
-            norm = mesh_groups.global_norm(leaves, norm_type)
+        tree = updates
+        if mesh_groups is not None and params is not None and len(leaves) != len(mesh_groups):
+            # A declared plan covers every param; one with no gradient (None) joins the collectives as
+            # zeros, so every rank still issues the same ones.
+            index, leaves, _ = tu.align(params, updates, what="clip_by_global_norm: updates", against="params")
+            all_params = tu.flatten(params)[0]
+            full = tu.scatter(len(all_params), index, leaves)
+            leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
+        norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
@@ -207,12 +208,13 @@ def adaptive_clip(
         or a 0-d tensor (what :func:`gradtx.inject_hyperparams` passes).
       eps: the floor on a unit's weight norm, so zero-initialised units can move.
       unitwise: clip per output unit (True) or per whole tensor (False).
-      mesh_groups: for sharded weights, the plan from :func:`gradtx.mesh_groups`.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (plain
+        tensors sharded by hand); ``None`` reads it from DTensor placements.
         A weight split along dim 0 (``Shard(0)``, colwise TP, FSDP2) has its
         units on one rank and needs nothing; one split along another dim
         (``Shard(1)``, rowwise TP) has units that span ranks, so the partial
         unit sums of squares of grads and weights are all-reduced over those
-        groups: one collective per group per step. ``None`` for unsharded weights.
+        groups: one collective per group per step.
 
     Returns:
       A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
@@ -229,7 +231,7 @@ def adaptive_clip(
     eps = check.non_negative(eps, arg="eps", name="adaptive_clip")
     unitwise = check.flag(unitwise, arg="unitwise", name="adaptive_clip")
     _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
-    if isinstance(mesh_groups, norms.MeshGroups):
+    if isinstance(mesh_groups, plan.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
             mesh_groups.unit_groups(i, unitwise=unitwise)
 
@@ -246,16 +248,18 @@ def adaptive_clip(
         index, leaves, spec = tu.align(params, updates, what="adaptive_clip: updates", against="params")
         all_weights = tu.flatten(params)[0]
         weights = [all_weights[i] for i in index]
-        if mesh_groups is None:
-            g_norms = [unitwise_norm(g, unitwise=unitwise) for g in leaves]
-            w_norms = [unitwise_norm(w, unitwise=unitwise) for w in weights]
-        elif len(index) == len(all_weights):
-            g_norms, w_norms = mesh_groups.unitwise_norms([leaves, weights], unitwise=unitwise)
-        else:  # the plan covers every leaf: a param with no gradient joins the collectives with zeros
+        if mesh_groups is not None and len(index) != len(all_weights):
+            # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
             full = tu.scatter(len(all_weights), index, leaves)
             full = [torch.zeros_like(w) if g is None else g for g, w in zip(full, all_weights)]
-            g_all, w_all = mesh_groups.unitwise_norms([full, all_weights], unitwise=unitwise)
+            g_all, w_all = plan.tree_unitwise_norms(
+                full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=params
+            )
             g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
+        else:
+            g_norms, w_norms = plan.tree_unitwise_norms(
+                leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates
+            )
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
             limit = clipping.to(w_norm.device, torch.float32) if isinstance(clipping, torch.Tensor) else clipping
