@@ -19,6 +19,7 @@ from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, ch
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
+from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
@@ -46,6 +47,7 @@ torch.serialization.add_safe_globals(
         ApplyIfFiniteState,
         ClipByGlobalNormState,
         EmptyState,
+        InjectHyperparamsState,
         MaskedState,
         PartitionState,
         ScaleByAdamState,
@@ -65,6 +67,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "Guard",
+    "InjectHyperparamsState",
     "MaskedState",
     "MeshGroups",
     "OptimizerChain",
@@ -94,6 +97,7 @@ __all__ = [
     "export_metrics",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "masked",
     "mesh_groups",
     "metrics",
