@@ -463,3 +463,24 @@ def test_gradscaler_window_with_an_inf_is_still_skipped_after_a_resume(stop):
     s2.load_state_dict(ckpt["scaler"])
     run(resumed, opt2, s2, DATA[stop:], stop)
     assert_same(params_of(resumed), uninterrupted)
+
+
+def test_masked_and_injected_hyperparams_round_trip_mid_window():
+    """A decay mask (state over a subset of params) and injected hyperparameters (0-d tensors by name)."""
+    no_bias = {"0.weight": True, "0.bias": False, "2.weight": True, "2.bias": False}
+    tx = gtx.chain(
+        gtx.accumulate(K),
+        gtx.clip_by_global_norm(0.5),
+        gtx.masked(gtx.trace(0.9), no_bias),
+        gtx.inject_hyperparams(gtx.adamw)(learning_rate=1e-2, weight_decay=0.1, mask=no_bias),
+    )
+    full, _, _ = _functional_run(DATA, tx=tx)
+    params, state, _ = _functional_run(DATA[:7], tx=tx)
+    saved = copy.deepcopy(gtx.checkpoint.state_dict(state, params, tx=tx))
+    fresh = {n: torch.zeros_like(p) for n, p in params.items()}
+    loaded = gtx.checkpoint.load_state_dict(saved, tx.init(fresh), fresh, tx=tx)
+    for a, b in zip(tu.flatten(loaded)[0], tu.flatten(state)[0], strict=True):
+        assert torch.equal(a, b)
+    resumed, _, _ = _functional_run(DATA[7:], loaded, {n: p.clone() for n, p in params.items()}, tx)
+    for n in full:
+        torch.testing.assert_close(resumed[n], full[n], rtol=0, atol=0)
