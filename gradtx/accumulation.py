@@ -226,13 +226,7 @@ class Window:
         """
         if not self.reduce_grads or self.comm is None:
             return leaves
-        reduced = self.comm.all_reduce([tu.local(t) for t in leaves], ReduceOp.SUM, self.group)
-        if not inplace:
-            return [tu.like(t, r) for t, r in zip(leaves, reduced)]
-        for t, r in zip(leaves, reduced):
-            if r is not tu.local(t):
-                tu.local(t).copy_(r)
-        return leaves
+        return tu.all_reduce_leaves(self.comm, leaves, ReduceOp.SUM, self.group, inplace=inplace)
 
 
 class Accumulation(GradientTransformation):

@@ -85,12 +85,7 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
         del params
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tu.paths(updates), what="cp_reduce: updates")
-        locals_ = [tu.local(t) for t in leaves]
-        summed = comm.all_reduce(locals_, ReduceOp.SUM, key)
-        if extra.get("inplace", False):
-            for loc, s in zip(locals_, summed):
-                loc.copy_(s)
-            return updates, state
-        return tu.unflatten(spec, [tu.like(t, s) for t, s in zip(leaves, summed)]), state
+        summed = tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key, inplace=bool(extra.get("inplace", False)))
+        return tu.unflatten(spec, summed), state
 
     return GradientTransformation(init_fn, update_fn)

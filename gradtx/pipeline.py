@@ -71,12 +71,9 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
         inplace = bool(extra.get("inplace", False))
         out = list(leaves)
         for group, idx in mesh_groups.tied.items():
-            summed = comm.all_reduce([tu.local(leaves[i]) for i in idx], ReduceOp.SUM, group)
+            summed = tu.all_reduce_leaves(comm, [leaves[i] for i in idx], ReduceOp.SUM, group, inplace=inplace)
             for i, s in zip(idx, summed):
-                if inplace:
-                    tu.local(leaves[i]).copy_(s)
-                else:
-                    out[i] = tu.like(leaves[i], s)
+                out[i] = s
         return tu.unflatten(spec, out), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -163,6 +163,23 @@ def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:
     return local_result
 
 
+def all_reduce_leaves(comm: Any, leaves: Sequence[torch.Tensor], op: Any, group: Any, *, inplace: bool) -> list[Any]:
+    """Reduce ``leaves`` over ``group`` through ``comm``, one coalesced collective on their local shards.
+
+    With ``inplace`` the results are written back into the leaves (the same
+    objects, so ``.grad`` tensors and DTensor metadata are kept); otherwise new
+    leaves are returned, wrapped like the inputs.
+    """
+    locals_ = [local(t) for t in leaves]
+    reduced = comm.all_reduce(locals_, op, group)
+    if not inplace:
+        return [like(t, r) for t, r in zip(leaves, reduced)]
+    for loc, r in zip(locals_, reduced):
+        if r is not loc:  # a one-process comm hands its inputs back
+            loc.copy_(r)
+    return list(leaves)
+
+
 def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
     """Indices of ``tensors`` grouped by (device, dtype), the unit a foreach kernel takes.
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import gradtx as gtx
 from gradtx.testing import assert_trees_close, assert_trees_equal
+from tests.test_optim import batches, make_model
 
 INIT_SCALE = 1024.0
 MAX_NORM = 0.5
@@ -23,16 +24,6 @@ OPTS = {
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, foreach=True),
     "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
 }
-
-
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
-
-
-def batches(n, seed=1, size=8):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(size, 6, generator=g) * 3, torch.randint(0, 3, (size,), generator=g)) for _ in range(n)]
 
 
 def params_of(model):
