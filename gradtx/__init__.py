@@ -2,8 +2,17 @@
 
 import torch
 
-from gradtx import comm, testing
+from gradtx import comm, schedules, testing
 from gradtx.accumulation import AccumulateState, accumulate
+from gradtx.adaptive import (
+    AutoClipState,
+    TrackNormsState,
+    ZClipState,
+    autoclip,
+    clip_by_block_rms,
+    track_norms,
+    zclip,
+)
 from gradtx.base import (
     DeferredScale,
     EmptyState,
@@ -33,12 +42,39 @@ from gradtx.optimizers import (
     update_and_apply,
 )
 from gradtx.pipeline import pp_reduce
+from gradtx.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    cosine_onecycle_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_onecycle_schedule,
+    linear_schedule,
+    piecewise_constant_schedule,
+    piecewise_interpolate_schedule,
+    polynomial_schedule,
+    sgdr_schedule,
+    warmup_constant_schedule,
+    warmup_cosine_decay_schedule,
+    warmup_exponential_decay_schedule,
+)
+from gradtx.spikes import (
+    SkipIfState,
+    SkipSpikesState,
+    ZeroNansState,
+    skip_if,
+    skip_large_updates,
+    skip_not_finite,
+    skip_spikes,
+    zero_nans,
+)
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
     [
         AccumulateState,
         ApplyIfFiniteState,
+        AutoClipState,
         ClipByGlobalNormState,
         EmptyState,
         MaskedState,
@@ -46,6 +82,11 @@ torch.serialization.add_safe_globals(
         ScaleByAdamState,
         ScaleByScheduleState,
         TraceState,
+        SkipIfState,
+        SkipSpikesState,
+        TrackNormsState,
+        ZClipState,
+        ZeroNansState,
     ]
 )
 
@@ -54,6 +95,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateState",
     "ApplyIfFiniteState",
+    "AutoClipState",
     "ClipByGlobalNormState",
     "DeferredScale",
     "EmptyState",
@@ -64,8 +106,13 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "Sharded",
+    "SkipIfState",
+    "SkipSpikesState",
     "TraceState",
+    "TrackNormsState",
     "TransformedOptimizer",
+    "ZClipState",
+    "ZeroNansState",
     "accumulate",
     "adam",
     "adamw",
@@ -73,28 +120,52 @@ __all__ = [
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
+    "autoclip",
     "chain",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "comm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "cosine_onecycle_schedule",
+    "exponential_decay",
     "global_norm",
     "identity",
+    "join_schedules",
+    "linear_onecycle_schedule",
+    "linear_schedule",
     "masked",
     "mesh_groups",
     "metrics",
     "named_chain",
     "no_sync",
     "partition",
+    "piecewise_constant_schedule",
+    "piecewise_interpolate_schedule",
+    "polynomial_schedule",
     "pp_reduce",
     "scale",
     "scale_aware",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
+    "schedules",
     "sgd",
+    "sgdr_schedule",
+    "skip_if",
+    "skip_large_updates",
+    "skip_not_finite",
+    "skip_spikes",
     "sum_grad_reduction",
     "testing",
     "trace",
+    "track_norms",
     "unitwise_norm",
     "update_and_apply",
+    "warmup_constant_schedule",
+    "warmup_cosine_decay_schedule",
+    "warmup_exponential_decay_schedule",
+    "zclip",
+    "zero_nans",
 ]
