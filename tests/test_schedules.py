@@ -9,8 +9,6 @@ must agree to fp32 rounding: a few ulps where transcendental functions
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 import torch
@@ -24,59 +22,78 @@ optax = pytest.importorskip("optax")
 
 # (name, kwargs): optax's own test cases plus edge cases (negative begin, no transition, zero rate, bounds).
 CASES = [
-    ("constant_schedule", dict(value=0.3)),
-    ("constant_schedule", dict(value=0.0)),
-    ("polynomial_schedule", dict(init_value=10.0, end_value=20.0, power=1, transition_steps=10)),
-    ("polynomial_schedule", dict(init_value=1.0, end_value=0.01, power=2, transition_steps=100, transition_begin=5)),
-    ("polynomial_schedule", dict(init_value=1.0, end_value=0.5, power=0.5, transition_steps=37, transition_begin=-3)),
-    ("polynomial_schedule", dict(init_value=1.0, end_value=0.5, power=2, transition_steps=0)),
-    ("polynomial_schedule", dict(init_value=1.0, end_value=0.5, power=2, transition_steps=-4)),
-    ("linear_schedule", dict(init_value=0.1, end_value=0.7, transition_steps=33)),
-    ("linear_schedule", dict(init_value=1.0, end_value=0.0, transition_steps=50, transition_begin=20)),
-    ("piecewise_constant_schedule", dict(init_value=0.1, boundaries_and_scales={10: 0.3, 50: 3.0, 80: 0.1})),
-    ("piecewise_constant_schedule", dict(init_value=0.1, boundaries_and_scales={0: 0.5, 7: 0.0})),
-    ("piecewise_constant_schedule", dict(init_value=0.25)),
-    ("exponential_decay", dict(init_value=0.7, transition_steps=7, decay_rate=0.9)),
+    ("constant_schedule", {"value": 0.3}),
+    ("constant_schedule", {"value": 0.0}),
+    ("polynomial_schedule", {"init_value": 10.0, "end_value": 20.0, "power": 1, "transition_steps": 10}),
+    (
+        "polynomial_schedule",
+        {"init_value": 1.0, "end_value": 0.01, "power": 2, "transition_steps": 100, "transition_begin": 5},
+    ),
+    (
+        "polynomial_schedule",
+        {"init_value": 1.0, "end_value": 0.5, "power": 0.5, "transition_steps": 37, "transition_begin": -3},
+    ),
+    ("polynomial_schedule", {"init_value": 1.0, "end_value": 0.5, "power": 2, "transition_steps": 0}),
+    ("polynomial_schedule", {"init_value": 1.0, "end_value": 0.5, "power": 2, "transition_steps": -4}),
+    ("linear_schedule", {"init_value": 0.1, "end_value": 0.7, "transition_steps": 33}),
+    ("linear_schedule", {"init_value": 1.0, "end_value": 0.0, "transition_steps": 50, "transition_begin": 20}),
+    ("piecewise_constant_schedule", {"init_value": 0.1, "boundaries_and_scales": {10: 0.3, 50: 3.0, 80: 0.1}}),
+    ("piecewise_constant_schedule", {"init_value": 0.1, "boundaries_and_scales": {0: 0.5, 7: 0.0}}),
+    ("piecewise_constant_schedule", {"init_value": 0.25}),
+    ("exponential_decay", {"init_value": 0.7, "transition_steps": 7, "decay_rate": 0.9}),
     (
         "exponential_decay",
-        dict(init_value=0.7, transition_steps=7, decay_rate=0.9, transition_begin=3, staircase=True, end_value=0.2),
+        {
+            "init_value": 0.7,
+            "transition_steps": 7,
+            "decay_rate": 0.9,
+            "transition_begin": 3,
+            "staircase": True,
+            "end_value": 0.2,
+        },
     ),
-    ("exponential_decay", dict(init_value=0.7, transition_steps=7, decay_rate=1.1, end_value=1.5)),
-    ("exponential_decay", dict(init_value=0.7, transition_steps=7, decay_rate=0.0)),
-    ("exponential_decay", dict(init_value=0.7, transition_steps=0, decay_rate=0.5)),
-    ("exponential_decay", dict(init_value=0.7, transition_steps=9, decay_rate=0.5, transition_begin=-2)),
-    ("cosine_decay_schedule", dict(init_value=0.3, decay_steps=77)),
-    ("cosine_decay_schedule", dict(init_value=0.3, decay_steps=77, alpha=0.1, exponent=2.0)),
-    ("cosine_decay_schedule", dict(init_value=-0.5, decay_steps=1, alpha=0.5)),
+    ("exponential_decay", {"init_value": 0.7, "transition_steps": 7, "decay_rate": 1.1, "end_value": 1.5}),
+    ("exponential_decay", {"init_value": 0.7, "transition_steps": 7, "decay_rate": 0.0}),
+    ("exponential_decay", {"init_value": 0.7, "transition_steps": 0, "decay_rate": 0.5}),
+    ("exponential_decay", {"init_value": 0.7, "transition_steps": 9, "decay_rate": 0.5, "transition_begin": -2}),
+    ("cosine_decay_schedule", {"init_value": 0.3, "decay_steps": 77}),
+    ("cosine_decay_schedule", {"init_value": 0.3, "decay_steps": 77, "alpha": 0.1, "exponent": 2.0}),
+    ("cosine_decay_schedule", {"init_value": -0.5, "decay_steps": 1, "alpha": 0.5}),
     (
         "warmup_cosine_decay_schedule",
-        dict(init_value=0.0, peak_value=1e-3, warmup_steps=13, decay_steps=150, end_value=1e-5),
+        {"init_value": 0.0, "peak_value": 1e-3, "warmup_steps": 13, "decay_steps": 150, "end_value": 1e-5},
     ),
-    ("warmup_cosine_decay_schedule", dict(init_value=0.1, peak_value=0.0, warmup_steps=5, decay_steps=50)),
-    ("warmup_cosine_decay_schedule", dict(init_value=0.0, peak_value=1.0, warmup_steps=0, decay_steps=60, exponent=3)),
-    ("warmup_constant_schedule", dict(init_value=0.0, peak_value=2.0, warmup_steps=13)),
-    ("warmup_constant_schedule", dict(init_value=0.5, peak_value=2.0, warmup_steps=0)),
-    ("cosine_onecycle_schedule", dict(transition_steps=150, peak_value=0.3)),
-    ("cosine_onecycle_schedule", dict(transition_steps=150, peak_value=0.3, pct_start=0.25, div_factor=10.0)),
-    ("cosine_onecycle_schedule", dict(transition_steps=3, peak_value=1.0, pct_start=0.0)),
-    ("linear_onecycle_schedule", dict(transition_steps=150, peak_value=0.3)),
-    ("piecewise_interpolate_schedule", dict(interpolate_type="linear", init_value=1.0, boundaries_and_scales={4: 0.1, 8: 0.01})),
+    ("warmup_cosine_decay_schedule", {"init_value": 0.1, "peak_value": 0.0, "warmup_steps": 5, "decay_steps": 50}),
+    (
+        "warmup_cosine_decay_schedule",
+        {"init_value": 0.0, "peak_value": 1.0, "warmup_steps": 0, "decay_steps": 60, "exponent": 3},
+    ),
+    ("warmup_constant_schedule", {"init_value": 0.0, "peak_value": 2.0, "warmup_steps": 13}),
+    ("warmup_constant_schedule", {"init_value": 0.5, "peak_value": 2.0, "warmup_steps": 0}),
+    ("cosine_onecycle_schedule", {"transition_steps": 150, "peak_value": 0.3}),
+    ("cosine_onecycle_schedule", {"transition_steps": 150, "peak_value": 0.3, "pct_start": 0.25, "div_factor": 10.0}),
+    ("cosine_onecycle_schedule", {"transition_steps": 3, "peak_value": 1.0, "pct_start": 0.0}),
+    ("linear_onecycle_schedule", {"transition_steps": 150, "peak_value": 0.3}),
     (
         "piecewise_interpolate_schedule",
-        dict(interpolate_type="cosine", init_value=1.0, boundaries_and_scales={0: 0.5, 40: 0.1, 90: 3}),
+        {"interpolate_type": "linear", "init_value": 1.0, "boundaries_and_scales": {4: 0.1, 8: 0.01}},
     ),
-    ("piecewise_interpolate_schedule", dict(interpolate_type="linear", init_value=2.0)),
+    (
+        "piecewise_interpolate_schedule",
+        {"interpolate_type": "cosine", "init_value": 1.0, "boundaries_and_scales": {0: 0.5, 40: 0.1, 90: 3}},
+    ),
+    ("piecewise_interpolate_schedule", {"interpolate_type": "linear", "init_value": 2.0}),
     (
         "warmup_exponential_decay_schedule",
-        dict(
-            init_value=0.0,
-            peak_value=1.0,
-            warmup_steps=10,
-            transition_steps=5,
-            decay_rate=0.8,
-            transition_begin=4,
-            end_value=0.1,
-        ),
+        {
+            "init_value": 0.0,
+            "peak_value": 1.0,
+            "warmup_steps": 10,
+            "transition_steps": 5,
+            "decay_rate": 0.8,
+            "transition_begin": 4,
+            "end_value": 0.1,
+        },
     ),
 ]
 STEPS = list(range(-5, 210))
@@ -130,8 +147,8 @@ def test_join_schedules_accepts_a_user_schedule_returning_a_number():
 
 def test_sgdr_matches_optax():
     cycles = [
-        dict(init_value=0.0, peak_value=1e-3, warmup_steps=10, decay_steps=60),
-        dict(init_value=1e-4, peak_value=5e-4, warmup_steps=5, decay_steps=80, end_value=1e-5),
+        {"init_value": 0.0, "peak_value": 1e-3, "warmup_steps": 10, "decay_steps": 60},
+        {"init_value": 1e-4, "peak_value": 5e-4, "warmup_steps": 5, "decay_steps": 80, "end_value": 1e-5},
     ]
     fn_o = optax.sgdr_schedule(cycles)
     expected = np.array([np.float32(fn_o(jnp.asarray(s, dtype=jnp.int32))) for s in STEPS], dtype=np.float32)
@@ -181,7 +198,7 @@ def _to_jax(tree):
 
 @pytest.mark.parametrize("which", ["adamw", "sgd"])
 def test_scheduled_learning_rate_matches_optax_over_steps(which):
-    sched_args = dict(init_value=0.0, peak_value=0.05, warmup_steps=5, decay_steps=30, end_value=0.001)
+    sched_args = {"init_value": 0.0, "peak_value": 0.05, "warmup_steps": 5, "decay_steps": 30, "end_value": 0.001}
     if which == "adamw":
         # optax's default weight_decay is 1e-4 and gradtx's 0.01 (torch's): pass it to compare.
         tx = gtx.adamw(learning_rate=gtx.warmup_cosine_decay_schedule(**sched_args), weight_decay=1e-4)

@@ -223,9 +223,7 @@ def reference_skip_spikes(values, *, z_thresh, alpha, warmup_steps, max_consecut
         z = (x - mean) / (math.sqrt(var) + eps) if finite else math.nan
         outlier = (not finite) or (not warm and z > z_thresh)
         consecutive += 1
-        accept = not outlier or (
-            finite and max_consecutive_skips is not None and consecutive > max_consecutive_skips
-        )
+        accept = not outlier or (finite and max_consecutive_skips is not None and consecutive > max_consecutive_skips)
         if accept:
             consecutive = 0
             d = x - mean
@@ -251,7 +249,7 @@ def test_skip_spikes_matches_its_formulas_on_a_loss_series(warmup_steps, max_con
     losses[12] = 50.0
     losses[20:24] = [30.0, 31.0, 29.0, 30.0]  # a level shift that max_consecutive_skips lets through
     losses[30] = NAN
-    kw = dict(z_thresh=4.0, alpha=0.9, warmup_steps=warmup_steps, max_consecutive_skips=max_consecutive_skips)
+    kw = {"z_thresh": 4.0, "alpha": 0.9, "warmup_steps": warmup_steps, "max_consecutive_skips": max_consecutive_skips}
     expected = reference_skip_spikes(losses, **kw)
     tx = gtx.skip_spikes(gtx.sgd(0.1), metric="loss", **kw)
     params = tree(0)
@@ -321,9 +319,7 @@ def test_skip_spikes_is_pure():
 
 
 def test_states_round_trip_through_torch_save(tmp_path):
-    tx = gtx.chain(
-        gtx.zero_nans(), gtx.skip_spikes(gtx.skip_if(gtx.adam(1e-2), gtx.skip_not_finite), warmup_steps=2)
-    )
+    tx = gtx.chain(gtx.zero_nans(), gtx.skip_spikes(gtx.skip_if(gtx.adam(1e-2), gtx.skip_not_finite), warmup_steps=2))
     params = tree(0)
     state = tx.init(params)
     for step in range(3):
