@@ -190,7 +190,7 @@ def _clip_case(ctx: Context, shapes: dict[str, tuple[int, ...]], dtype: torch.dt
         tx.update(grads, box["state"])
 
     def gtx_deferred() -> None:
-        tx.update(grads, box["state"], deferred=gtx.DeferredScale())
+        tx.factor(grads, box["state"])
 
     contenders += [
         Contender(GTX_CLIP_INPLACE, gtx_inplace, "donated grads, scaled in place, as torch does"),

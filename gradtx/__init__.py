@@ -3,7 +3,7 @@
 import torch
 
 from gradtx import comm, schedules, testing
-from gradtx.accumulation import AccumulateState, accumulate
+from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.adaptive import (
     AutoClipState,
     TrackNormsState,
@@ -14,19 +14,23 @@ from gradtx.adaptive import (
     zclip,
 )
 from gradtx.base import (
-    DeferredScale,
     EmptyState,
     GradientTransformation,
+    Guard,
+    ScalarTransformation,
     identity,
     metrics,
-    scale_aware,
+    scalar_transformation,
 )
 from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
-from gradtx.combine import MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
+from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
+from gradtx.executor import StepPlan, update_and_apply
 from gradtx.norms import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
+    OptimizerChain,
+    OptimizerSpec,
     ScaleByAdamState,
     ScaleByScheduleState,
     TraceState,
@@ -39,7 +43,6 @@ from gradtx.optimizers import (
     scale_by_schedule,
     sgd,
     trace,
-    update_and_apply,
 )
 from gradtx.pipeline import pp_reduce
 from gradtx.schedules import (
@@ -94,23 +97,30 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AccumulateState",
+    "Accumulation",
     "ApplyIfFiniteState",
     "AutoClipState",
+    "Chain",
     "ClipByGlobalNormState",
-    "DeferredScale",
     "EmptyState",
     "GradientTransformation",
+    "Guard",
     "MaskedState",
     "MeshGroups",
+    "OptimizerChain",
+    "OptimizerSpec",
     "PartitionState",
+    "ScalarTransformation",
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "Sharded",
     "SkipIfState",
     "SkipSpikesState",
+    "StepPlan",
     "TraceState",
     "TrackNormsState",
     "TransformedOptimizer",
+    "Window",
     "ZClipState",
     "ZeroNansState",
     "accumulate",
@@ -145,8 +155,8 @@ __all__ = [
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
     "pp_reduce",
+    "scalar_transformation",
     "scale",
-    "scale_aware",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",

@@ -1,45 +1,55 @@
-"""Exact gradient accumulation over micro-batches, plain or token-weighted."""
+"""Exact gradient accumulation over micro-batches, plain or token-weighted.
+
+Two pieces: :class:`Window`, the pure bookkeeping of an accumulation window
+(count micro-steps and tokens, decide when it closes, and the normaliser
+``1 / denominator``), and :func:`accumulate`, a transform that keeps the
+window's running sum in an fp32 buffer of its own. :class:`gradtx.TransformedOptimizer`
+drives the same :class:`Window` through :mod:`gradtx.executor`, with autograd's
+``.grad`` as the buffer.
+"""
 
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Self
 
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, Params, PyTree, gate, scale_aware
-from gradtx.combine import apply_deferred
+from gradtx import validate as check
+from gradtx.base import GradientTransformation, Params, PyTree
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
 class AccumulateState(NamedTuple):
-    """The open accumulation window.
+    """The accumulation window.
+
+    The counters live on the host (CPU, 0-d), so deciding whether a step
+    emits never waits on a device.
 
     Attributes:
-      micro_step: micro-steps taken in the open window (CPU int64, 0-d).
-      tokens: valid tokens seen in the open window on this rank (CPU int64, 0-d).
-      emitted: whether the last update emitted (CPU bool, 0-d).
+      micro_step: micro-steps taken in the open window (int64).
+      tokens: valid tokens seen in the open window on this rank (int64).
+      emitted: whether the last update emitted (bool).
       last_tokens: the token total of the last emitted window, summed over the
-        data-parallel ranks (CPU int64, 0-d; 0 when not token-weighted).
-      acc: the fp32 running sum, a tree like the updates. While no window is
-        open, and always when autograd is the accumulator (``running_sum=True``),
-        its leaves are empty placeholders of shape ``(0, *leaf_shape)``: no
-        second gradient-sized buffer is kept, yet every update's shape is checked.
+        data-parallel ranks (int64; 0 when not token-weighted).
       empty_windows: windows skipped because their valid tokens summed to 0
-        over all ranks (CPU int64, 0-d).
-      k: the window length (CPU int64, 0-d), a constant. It is kept in the
-        state so that :meth:`gradtx.TransformedOptimizer.maybe_no_sync` can
-        tell which micro-step will emit, and so which backward must sync.
+        over all ranks (int64).
+      k: the window length this state was made for (int64), checked on every
+        update so a state cannot be resumed under another ``k`` by mistake.
+      acc: the fp32 running sum, a tree like the updates, while a window is
+        open in :func:`accumulate`; ``None`` otherwise (and always when
+        autograd is the buffer).
     """
 
     micro_step: torch.Tensor
     tokens: torch.Tensor
     emitted: torch.Tensor
     last_tokens: torch.Tensor
-    acc: PyTree
     empty_windows: torch.Tensor
     k: torch.Tensor
+    acc: PyTree | None
 
     _metrics = (
         ("micro_step", "micro_step"),
@@ -47,12 +57,6 @@ class AccumulateState(NamedTuple):
         ("emitted", "emitted"),
         ("empty_windows", "empty_windows"),
     )
-
-
-def _empty_like(t: torch.Tensor) -> torch.Tensor:
-    # No elements, but the leaf's (local) shape survives in dims 1.., so updates can be checked against it.
-    t = tu.local(t)
-    return torch.empty((0, *t.shape), dtype=torch.float32, device=t.device)
 
 
 def _token_count(tokens: Any) -> int:
@@ -72,7 +76,185 @@ def _token_count(tokens: Any) -> int:
     tokens = int(tokens)
     if tokens < 0:
         raise ValueError(f"accumulate: tokens must be >= 0, got {tokens}")
+    if tokens >= 2**62:
+        raise ValueError(f"accumulate: tokens must be < 2**62 (an int64 running total), got {tokens}")
     return tokens
+
+
+def _multi_process() -> int:
+    """The world size when torch.distributed runs several processes, else 0 (a query, no collective)."""
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    world = dist.get_world_size()
+    return world if world > 1 else 0
+
+
+class WindowStep(NamedTuple):
+    """What one micro-step did to the window.
+
+    Attributes:
+      emit: the window closed with an update.
+      factor: ``1 / denominator`` (0-d fp32, on the grads' device) when ``emit``; else ``None``.
+      state: the new :class:`AccumulateState` (``acc`` untouched: the buffer is the caller's business).
+    """
+
+    emit: bool
+    factor: torch.Tensor | None
+    state: AccumulateState
+
+
+@dataclass(frozen=True)
+class Window:
+    """The pure bookkeeping of an accumulation window: counting, closing, normalising.
+
+    It keeps no buffer: :func:`accumulate` sums into an fp32 tree of its own,
+    and :class:`gradtx.TransformedOptimizer` lets autograd sum into ``.grad``.
+    Both call :meth:`step` once per micro-step.
+    """
+
+    k: int
+    token_weighted: bool = False
+    comm: Comm | None = None
+    group: GroupKey = "dp"
+    reduce_grads: bool = False
+
+    def init(self) -> AccumulateState:
+        zero = torch.zeros((), dtype=torch.int64)
+        return AccumulateState(
+            micro_step=zero,
+            tokens=zero.clone(),
+            emitted=torch.zeros((), dtype=torch.bool),
+            last_tokens=zero.clone(),
+            empty_windows=zero.clone(),
+            k=torch.tensor(self.k, dtype=torch.int64),
+            acc=None,
+        )
+
+    def check(self, state: Any) -> None:
+        """Raise unless ``state`` is an :class:`AccumulateState` made for this window's ``k``."""
+        tu.require_state(state, AccumulateState, name="accumulate")
+        if int(state.k) != self.k:
+            raise ValueError(
+                f"accumulate: the state was made for k={int(state.k)}, this transform has k={self.k}; "
+                "resume with the same k, or start from init()"
+            )
+
+    def is_open(self, state: AccumulateState) -> bool:
+        """Whether a window is open (some micro-steps counted, none emitted yet)."""
+        return int(state.micro_step) > 0
+
+    def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
+        """Whether the next micro-step closes the window (the ``k``-th, or one passed ``flush=True``)."""
+        return flush or int(state.micro_step) + 1 >= self.k
+
+    def check_tokens(self, tokens: Any) -> int:
+        """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
+        if not self.token_weighted:
+            return 0
+        world = _multi_process() if self.comm is None else 0
+        if world:
+            raise ValueError(
+                f"accumulate: token_weighted=True in a run of {world} processes needs comm= over the data-parallel "
+                "ranks (e.g. accumulate(k, token_weighted=True, comm=gtx.comm.TorchComm(mesh), group='dp')), so the "
+                "token total is the global batch's; pass comm=gtx.comm.LocalComm() if each rank's tokens are "
+                "already the global count"
+            )
+        return _token_count(tokens)
+
+    def step(
+        self, state: AccumulateState, *, tokens: Any = None, flush: bool = False, device: torch.device | None = None
+    ) -> WindowStep:
+        """Count one micro-step; on the closing one, compute the normaliser.
+
+        On the closing micro-step of a token-weighted window with a ``comm``,
+        this issues the one scalar collective of the window (the token total
+        over ``group``) and reads the total on the host, to refuse a global
+        zero. A window with no valid token anywhere closes without emitting
+        (``emit`` False, counted in ``empty_windows``) on every rank alike.
+
+        Args:
+          state: the window's state.
+          tokens: this micro-batch's valid tokens (token-weighted windows).
+          flush: close the window now, over its real size.
+          device: where the factor (and the token collective) lives: the grads' device.
+        """
+        self.check(state)
+        n = self.check_tokens(tokens)
+        micro_step = int(state.micro_step) + 1
+        window_tokens = int(state.tokens) + n
+        if micro_step < self.k and not flush:
+            return WindowStep(
+                False,
+                None,
+                state._replace(
+                    micro_step=torch.tensor(micro_step), tokens=torch.tensor(window_tokens), emitted=torch.tensor(False)
+                ),
+            )
+        device = device if device is not None else torch.device("cpu")
+        closed = state._replace(
+            micro_step=torch.zeros((), dtype=torch.int64), tokens=torch.zeros((), dtype=torch.int64), acc=None
+        )
+        if self.token_weighted:
+            total = window_tokens
+            if self.comm is not None:
+                # On the grads' device: a GPU process group (NCCL) reduces device tensors only.
+                (global_total,) = self.comm.all_reduce([torch.tensor(total, device=device)], ReduceOp.SUM, self.group)
+                total = int(global_total.cpu())  # one scalar per optimizer step
+            if total == 0:
+                # No valid token anywhere: the token mean is undefined, so every rank skips the window
+                # alike (the total is global), before any grad collective: no rank is left waiting.
+                return WindowStep(
+                    False, None, closed._replace(emitted=torch.tensor(False), empty_windows=state.empty_windows + 1)
+                )
+            denom = total
+        else:
+            total = 0
+            denom = micro_step * (self.comm.size(self.group) if self.reduce_grads and self.comm is not None else 1)
+        factor = torch.tensor(1.0 / denom, dtype=torch.float32, device=device)
+        return WindowStep(
+            True,
+            factor,
+            closed._replace(emitted=torch.tensor(True), last_tokens=torch.tensor(total, dtype=torch.int64)),
+        )
+
+    def reduce(self, leaves: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
+        """Sum ``leaves`` over ``group`` in one coalesced collective, through their local shards (``reduce_grads``).
+
+        With ``inplace`` the sums are written back into the leaves (keeping the
+        ``.grad`` objects and their DTensor metadata); otherwise new leaves are returned.
+        """
+        if not self.reduce_grads or self.comm is None:
+            return leaves
+        reduced = self.comm.all_reduce([tu.local(t) for t in leaves], ReduceOp.SUM, self.group)
+        if not inplace:
+            return [tu.like(t, r) for t, r in zip(leaves, reduced)]
+        for t, r in zip(leaves, reduced):
+            if r is not tu.local(t):
+                tu.local(t).copy_(r)
+        return leaves
+
+
+class Accumulation(GradientTransformation):
+    """What :func:`accumulate` returns: the transform, with its pieces exposed.
+
+    Attributes:
+      window: the :class:`Window` (counting and normalising, no buffer).
+      sum_window: ``(updates, state, params=None, *, tokens=None, flush=False)
+        -> (sum | None, factor | None, new_state)``, the pure function ``update``
+        is built on: the window's fp32 running sum (a new tree) and its
+        normaliser, or ``None`` while the window holds. ``update`` returns
+        ``sum * factor`` in the grads' dtype.
+    """
+
+    window: Window
+    sum_window: Any
+
+    def __new__(cls, init: Any, update: Any, window: Window, sum_window: Any) -> Self:
+        self = super().__new__(cls, init, update)
+        self.window = window
+        self.sum_window = sum_window
+        return self
 
 
 def accumulate(
@@ -82,7 +264,7 @@ def accumulate(
     comm: Comm | None = None,
     group: GroupKey = "dp",
     reduce_grads: bool = False,
-) -> GradientTransformation:
+) -> Accumulation:
     """Accumulate ``k`` micro-batches and emit their mean; a chain member that gates what follows it.
 
     Each ``update`` adds the micro-batch's gradient to an fp32 running sum. On
@@ -116,7 +298,8 @@ def accumulate(
       (see :meth:`gradtx.TransformedOptimizer.maybe_no_sync`). Give
       ``comm`` (for the token total) and leave ``reduce_grads=False``; make
       the wrapper *sum* rather than average with :func:`gradtx.sum_grad_reduction`
-      when token-weighted.
+      when token-weighted. In a run of several processes, token weighting
+      without a ``comm`` raises: each rank would divide by its own tokens.
     * A functional step (``torch.func.grad`` on each rank) does not: pass
       ``reduce_grads=True`` and gradtx sums the window's accumulated grads
       over ``group`` once, at emission, in one coalesced collective (in fp32
@@ -124,6 +307,11 @@ def accumulate(
       emitted update is then ``sum over ranks and micro-steps of grad /
       global token total`` (token-weighted) or ``... / (micro-steps * ranks)``
       (plain mean), identical on every rank.
+
+    The window itself (counting micro-steps and tokens, and the normaliser
+    ``1 / denominator``) is :attr:`Accumulation.window`, a pure object that
+    :mod:`gradtx.executor` also drives when autograd's ``.grad`` is the
+    buffer (:class:`gradtx.TransformedOptimizer`), so no second buffer exists there.
 
     Per emitted update this issues at most two collectives over ``group``: one
     scalar SUM of the token total (token-weighted with a ``comm``), then one
@@ -141,7 +329,7 @@ def accumulate(
         functional steps with no DDP/FSDP2 wrapper); needs ``comm``.
 
     Returns:
-      A :class:`GradientTransformation` with state :class:`AccumulateState`.
+      An :class:`Accumulation` (a :class:`GradientTransformation`) with state :class:`AccumulateState`.
 
     References:
       Goyal et al., "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour", 2017.
@@ -155,132 +343,63 @@ def accumulate(
       >>> tx = chain(accumulate(4, token_weighted=True, comm=comm, reduce_grads=True), adamw(3e-4))
       >>> updates, state = tx.update(sum_loss_grads, state, params, tokens=n_valid)
     """
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"accumulate: k must be an int, got {type(k).__name__}")
-    if k < 1:
-        raise ValueError(f"accumulate: k must be >= 1, got {k}")
-    if not isinstance(token_weighted, bool):
-        raise TypeError(f"accumulate: token_weighted must be a bool, got {type(token_weighted).__name__}")
-    if not isinstance(reduce_grads, bool):
-        raise TypeError(f"accumulate: reduce_grads must be a bool, got {type(reduce_grads).__name__}")
+    k = check.integer(k, arg="k", name="accumulate", minimum=1)
+    token_weighted = check.flag(token_weighted, arg="token_weighted", name="accumulate")
+    reduce_grads = check.flag(reduce_grads, arg="reduce_grads", name="accumulate")
     if comm is not None:
         check_comm(comm, name="accumulate")
     if reduce_grads and comm is None:
         raise ValueError("accumulate: reduce_grads=True needs a comm over the data-parallel ranks (comm=...)")
+    window = Window(k, token_weighted, comm, group, reduce_grads)
 
     def init_fn(params: Params) -> AccumulateState:
-        return AccumulateState(
-            micro_step=torch.zeros((), dtype=torch.int64),
-            tokens=torch.zeros((), dtype=torch.int64),
-            emitted=torch.zeros((), dtype=torch.bool),
-            last_tokens=torch.zeros((), dtype=torch.int64),
-            acc=tu.tree_map(_empty_like, params),
-            empty_windows=torch.zeros((), dtype=torch.int64),
-            k=torch.tensor(k, dtype=torch.int64),
-        )
-
-    @gate
-    @scale_aware
-    def update_fn(updates, state, params=None, *, tokens=None, flush=False, running_sum=False, **extra):
         del params
-        tu.require_state(state, AccumulateState, name="accumulate")
-        if not running_sum:
-            # A factor deferred by a transform ahead of us belongs to this micro-batch only.
-            updates = apply_deferred(updates, extra)
-        leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tu.paths(updates), what="accumulate: updates")
-        tu.check_structure(
-            tu.tree_map(lambda _: 0, state.acc), tu.tree_map(lambda _: 0, updates),
-            what="accumulate: updates", against="the tree accumulate was initialised with",
-        )  # fmt: skip
-        n = _token_count(tokens) if token_weighted else 0
-        # The counters live on the host, so this branch never waits on a device.
-        micro_step = int(state.micro_step) + 1
-        window_tokens = int(state.tokens) + n
-        emitting = micro_step >= k or flush
+        return window.init()
 
-        acc_leaves = spec.flatten_up_to(state.acc)
-        if not running_sum or emitting:  # a held wrapper step reads no grads (they may be missing)
-            placeholders = running_sum or micro_step == 1
-            for path, a, g in zip(tu.paths(updates), acc_leaves, leaves):
-                expected = a.shape[1:] if placeholders else a.shape
-                if tu.local(g).shape != expected:
+    def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
+        total, factor, new_state = sum_window(updates, state, params, tokens=tokens, flush=flush)
+        if total is None:
+            return None, new_state
+        leaves, spec = tu.flatten(updates)
+        scaled = tu.scale_leaves(tu.flatten(total)[0], factor, inplace=True)  # the sums are ours
+        return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), new_state
+
+    def sum_window(updates, state, params=None, *, tokens=None, flush=False):
+        """The window's fp32 sum (``None`` while it holds) and its normaliser: ``update`` is their product."""
+        window.check(state)
+        leaves, spec = tu.flatten(updates)
+        leaf_paths = tu.paths(updates)
+        tu.check_tensors(leaves, leaf_paths, what="accumulate: updates")
+        window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
+        if state.acc is not None:
+            expected = state.acc
+            against = "the open window's running sum"
+        else:
+            expected, against = params, "params"
+        if expected is not None:
+            tu.check_structure(
+                tu.tree_map(lambda _: 0, expected), tu.tree_map(lambda _: 0, updates),
+                what="accumulate: updates", against=against,
+            )  # fmt: skip
+            for path, e, g in zip(leaf_paths, tu.flatten(expected)[0], leaves):
+                # Local shapes on both sides: a DTensor's grad and its param (or sum) shard alike.
+                if isinstance(e, torch.Tensor) and tu.local(g).shape != tu.local(e).shape:
                     raise ValueError(
                         f"accumulate: updates at {tu.path_str(path)} have shape {tuple(tu.local(g).shape)}, "
-                        f"expected {tuple(expected)}"
+                        f"expected {tuple(tu.local(e).shape)} ({against})"
                     )
-        if not running_sum:
-            acc_leaves = [
-                tu.like(g, tu.local(g).to(torch.float32, copy=True) if micro_step == 1 else tu.local(a) + tu.local(g))
-                for a, g in zip(acc_leaves, leaves)
-            ]
-
-        if not emitting:
-            return None, state._replace(
-                micro_step=torch.tensor(micro_step),
-                tokens=torch.tensor(window_tokens),
-                emitted=torch.tensor(False),
-                acc=state.acc if running_sum else tu.unflatten(spec, acc_leaves),
-            )
-
-        if token_weighted:
-            total = window_tokens
-            if comm is not None:
-                # On the grads' device: a GPU process group (NCCL) reduces device tensors only.
-                device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
-                (global_total,) = comm.all_reduce([torch.tensor(total, device=device)], ReduceOp.SUM, group)
-                total = int(global_total.cpu())  # one scalar per optimizer step
-            if total == 0:
-                # No valid token anywhere: the token mean is undefined, so the window is skipped.
-                # Every rank sees the same global total, so every rank skips, before the grad
-                # reduction below: no rank is left waiting in it.
-                return None, state._replace(
-                    micro_step=torch.zeros((), dtype=torch.int64),
-                    tokens=torch.zeros((), dtype=torch.int64),
-                    emitted=torch.tensor(False),
-                    acc=state.acc if running_sum else tu.tree_map(_empty_like, updates),
-                    empty_windows=state.empty_windows + 1,
-                )
-            denom = total
+        if state.acc is None:
+            acc = [tu.like(g, tu.local(g).to(torch.float32, copy=True)) for g in leaves]
         else:
-            total = 0
-            denom = micro_step * (comm.size(group) if reduce_grads else 1)
-        factor = torch.tensor(1.0 / denom, dtype=torch.float32)
-        inplace = bool(extra.get("inplace", False))
+            acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(tu.flatten(state.acc)[0], leaves)]
+        device = tu.local(leaves[0]).device if leaves else None
+        stepped = window.step(state, tokens=tokens, flush=flush, device=device)
+        if stepped.factor is None:
+            closed = stepped.state if int(stepped.state.micro_step) == 0 else None
+            if closed is not None:  # an empty window: dropped, nothing emitted
+                return None, None, closed
+            return None, None, stepped.state._replace(acc=tu.unflatten(spec, acc))
+        acc = window.reduce(acc, inplace=True)  # acc is ours
+        return tu.unflatten(spec, acc), stepped.factor, stepped.state
 
-        deferred = extra.get("deferred")
-        if running_sum:
-            out = leaves
-            if reduce_grads:
-                out = _reduce(leaves, copy_into=leaves if inplace else None)
-            if deferred is not None:
-                deferred.fold(factor)
-            else:
-                # A comm may hand back its inputs (LocalComm does), so only donated buffers are scaled in place.
-                out = tu.scale_leaves(out, factor, inplace=inplace)
-        else:
-            if reduce_grads:
-                acc_leaves = _reduce(acc_leaves, copy_into=None)
-            scaled = tu.scale_leaves(acc_leaves, factor, inplace=True)  # acc_leaves are ours
-            out = [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]
-        new_state = state._replace(
-            micro_step=torch.zeros((), dtype=torch.int64),
-            tokens=torch.zeros((), dtype=torch.int64),
-            emitted=torch.tensor(True),
-            last_tokens=torch.tensor(total, dtype=torch.int64),
-            acc=tu.tree_map(_empty_like, updates),
-        )
-        return tu.unflatten(spec, out), new_state
-
-    def _reduce(leaves: list[torch.Tensor], *, copy_into: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Sum ``leaves`` over ``group`` in one coalesced collective, through their local shards."""
-        assert comm is not None
-        reduced = comm.all_reduce([tu.local(t) for t in leaves], ReduceOp.SUM, group)
-        if copy_into is None:
-            return [tu.like(t, r) for t, r in zip(leaves, reduced)]
-        for t, r in zip(copy_into, reduced):
-            if r is not tu.local(t):
-                tu.local(t).copy_(r)  # keep the donated .grad objects (and their DTensor metadata)
-        return list(copy_into)
-
-    return GradientTransformation(init_fn, update_fn)
+    return Accumulation(init_fn, update_fn, window, sum_window)

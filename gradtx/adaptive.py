@@ -22,7 +22,7 @@ import torch
 
 from gradtx import tree as tu
 from gradtx._global_norm import check_plan, global_norm_of, leaf_norms_of
-from gradtx.base import EmptyState, GradientTransformation, Params, Updates
+from gradtx.base import EmptyState, GradientTransformation, Params, ScalarTransformation, Updates, scalar_transformation
 from gradtx.norms import check_norm_type
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
@@ -60,11 +60,6 @@ def _leaves(updates: Updates, *, name: str) -> tuple[list[torch.Tensor], Any]:
 def _device_of(tree: Any) -> torch.device:
     tensors = [t for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor)]
     return tu.local(tensors[0]).device if tensors else torch.device("cpu")
-
-
-def _scaled(updates: Updates, coef: torch.Tensor, *, name: str) -> Updates:
-    leaves, spec = _leaves(updates, name=name)
-    return tu.unflatten(spec, tu.scale_leaves(leaves, coef, inplace=False))
 
 
 # --- ZClip ---------------------------------------------------------------------------------
@@ -105,7 +100,7 @@ def zclip(
     *,
     norm_type: float = 2.0,
     mesh_groups: Any = None,
-) -> GradientTransformation:
+) -> ScalarTransformation:
     """ZClip: clip the global grad norm when it is a z-score outlier against its EMA mean and variance.
 
     The arguments, defaults and step-by-step behaviour are those of the
@@ -151,7 +146,8 @@ def zclip(
       mesh_groups: for sharded grads, the plan from :func:`gradtx.mesh_groups`.
 
     Returns:
-      A :class:`GradientTransformation` with state :class:`ZClipState`.
+      A :class:`gradtx.ScalarTransformation` (its factor is the clip coefficient, so the executor can
+      fold it into a fused optimizer kernel) with state :class:`ZClipState`.
 
     References:
       Kumar, Owen, Ashary & Ravindran, "ZClip: Adaptive Spike Mitigation for LLM
@@ -203,12 +199,14 @@ def zclip(
             clip_coef=torch.ones((), dtype=torch.float32, device=device),
         )
 
-    def update_fn(updates, state, params=None, **extra):
+    def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, ZClipState, name=name)
-        leaves, spec = _leaves(updates, name=name)
+        leaves, _ = _leaves(updates, name=name)
         device = state.mean.device
         g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups).to(device)
+        if scale is not None:
+            g = g * scale.abs().to(device)  # the true updates are leaves * scale
         finite = torch.isfinite(g)
         ready = state.count >= window  # the EMA was seeded on an earlier step
 
@@ -258,9 +256,9 @@ def zclip(
             grad_norm=g,
             clip_coef=coef,
         )
-        return tu.unflatten(spec, tu.scale_leaves(leaves, coef, inplace=False)), new_state
+        return coef, new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return scalar_transformation(init_fn, factor_fn)
 
 
 # --- AutoClip ------------------------------------------------------------------------------
@@ -291,7 +289,7 @@ class AutoClipState(NamedTuple):
 
 def autoclip(
     percentile: float = 10.0, history: int | None = None, *, norm_type: float = 2.0, mesh_groups: Any = None
-) -> GradientTransformation:
+) -> ScalarTransformation:
     """AutoClip: clip the global grad norm at a percentile of the norms seen so far.
 
     Each step records the global norm (a finite one), then clips to the
@@ -313,7 +311,7 @@ def autoclip(
       mesh_groups: for sharded grads, the plan from :func:`gradtx.mesh_groups`.
 
     Returns:
-      A :class:`GradientTransformation` with state :class:`AutoClipState`.
+      A :class:`gradtx.ScalarTransformation` with state :class:`AutoClipState`.
 
     References:
       Seetharaman, Wichern, Pardo & Le Roux, "AutoClip: Adaptive Gradient Clipping
@@ -344,12 +342,14 @@ def autoclip(
             clip_coef=torch.ones((), dtype=torch.float32, device=device),
         )
 
-    def update_fn(updates, state, params=None, **extra):
+    def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, AutoClipState, name=name)
-        leaves, spec = _leaves(updates, name=name)
+        leaves, _ = _leaves(updates, name=name)
         device = state.norms.device
         g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups).to(device)
+        if scale is not None:
+            g = g * scale.abs().to(device)  # the true updates are leaves * scale
         finite = torch.isfinite(g)
         slot = torch.remainder(state.count, size).reshape(1)
         recorded = torch.where(finite, state.norms.scatter(0, slot, g.reshape(1)), state.norms)
@@ -363,9 +363,9 @@ def autoclip(
             clip_value=clip_value,
             clip_coef=coef,
         )
-        return tu.unflatten(spec, tu.scale_leaves(leaves, coef, inplace=False)), new_state
+        return coef, new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return scalar_transformation(init_fn, factor_fn)
 
 
 # --- clip_by_block_rms ---------------------------------------------------------------------

@@ -16,31 +16,29 @@ A transform may also return ``None`` as its updates: that means "hold", the
 step produced no update (an open accumulation window). A chain stops at a hold,
 so nothing after it runs and nothing after it changes its state.
 
-Reserved extras, passed by :class:`gradtx.TransformedOptimizer` (and by users
-who own their buffers, as in a donated functional step):
+One extra keyword is documented for every transform: ``inplace=True`` says the
+caller donates the ``updates`` buffers, so a transform may write its result into
+them (the numbers are the pure path's). :func:`gradtx.update_and_apply` with
+``donate=True`` and :class:`gradtx.TransformedOptimizer` pass it; a transform
+may ignore it.
 
-* ``inplace=True``: the caller donates the ``updates`` buffers, so a transform
-  may write its result into them. The numbers are the pure path's (bitwise for
-  one scalar factor; within rounding when several factors fold into one).
-* ``running_sum=True``: ``updates`` already hold the sum of the window's
-  micro-batch gradients (autograd summed them into ``.grad``), so
-  :func:`gradtx.accumulate` keeps no buffer of its own.
-* ``deferred``: a :class:`DeferredScale` into which scalar transforms
-  (clipping, accumulation's normalisation, :func:`gradtx.scale`) may put
-  their factor instead of applying it, so the caller can fold it into a fused
-  optimizer kernel. See :class:`DeferredScale`.
-* ``fused_apply``: a :class:`gradtx.optimizers.FusedApply`, passed by
-  :func:`gradtx.update_and_apply` with ``donate=True``. The aliases
-  :func:`gradtx.sgd`, :func:`gradtx.adam` and :func:`gradtx.adamw` may claim
-  it and apply the whole step to the donated params in one fused kernel.
+Beyond that the protocol has nothing to learn. Speed comes from
+:mod:`gradtx.executor`, which reads a chain's *structure*: a few transforms are
+built as subclasses of :class:`GradientTransformation` that also expose what
+they are (:class:`ScalarTransformation` multiplies every update by one scalar
+and exposes that scalar as a pure function; :class:`Chain` keeps its members),
+and the executor uses that to fold scalars into one fused kernel. A transform
+that does not say anything about itself is simply run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, Self
 
 import torch
+
+from gradtx import tree as tu
 
 PyTree = Any
 Params = PyTree
@@ -92,61 +90,65 @@ def identity() -> GradientTransformation:
     return GradientTransformation(init_fn, update_fn)
 
 
-class DeferredScale:
-    """A scalar factor that scalar transforms fold in instead of applying.
+class FactorFn(Protocol):
+    def __call__(
+        self, updates: Updates, state: OptState, params: Params | None = None, *, scale: Any = None, **extra: Any
+    ) -> tuple[torch.Tensor, OptState]: ...
 
-    Clipping by global norm, accumulation's normalisation and :func:`scale`
-    all multiply every update by one scalar. When the caller passes
-    ``deferred=DeferredScale()``, such a transform multiplies its factor into
-    :attr:`factor` and returns the updates untouched, so the factor can ride
-    inside a fused optimizer kernel (``grad_scale``) instead of costing a pass
-    over memory. The true updates are always ``updates * factor``.
 
-    A transform that is not scalar (AGC, Adam, clipping by value, anything a
-    user writes) must see the true updates, so :func:`gradtx.chain` applies
-    the pending factor before calling any member that has not declared itself
-    scale-aware with :func:`scale_aware`.
+class ScalarTransformation(GradientTransformation):
+    """A transform whose update multiplies every leaf by one scalar, with that scalar exposed.
+
+    ``factor(updates, state, params, *, scale=None, **extra) -> (factor, new_state)``
+    is a pure function returning the 0-d fp32 tensor the updates are multiplied
+    by, and the new state; ``update`` is exactly ``updates * factor``. ``scale``
+    (a 0-d tensor or ``None``) says the given updates still carry a pending
+    multiplier: the true updates are ``updates * scale``. A factor that reads the
+    updates (a clip reads their norm) must account for it; one that does not
+    (a learning rate) ignores it. This is what lets :mod:`gradtx.executor` fold
+    a run of scalar transforms into one multiply, or into a fused optimizer
+    kernel's ``grad_scale``, without a pass over memory for each.
     """
 
-    def __init__(self) -> None:
-        self.factor: torch.Tensor | None = None
+    factor: FactorFn
 
-    def fold(self, factor: torch.Tensor) -> None:
-        """Multiply ``factor`` (a 0-d tensor) into the pending factor."""
-        self.factor = factor if self.factor is None else self.factor * factor
-
-    def take(self) -> torch.Tensor | None:
-        """Return the pending factor and clear it."""
-        factor, self.factor = self.factor, None
-        return factor
+    def __new__(cls, init: InitFn, update: UpdateFn, factor: FactorFn) -> Self:
+        self = super().__new__(cls, init, update)
+        self.factor = factor
+        return self
 
 
-_SCALE_AWARE = "_gradtx_scale_aware"
+def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformation:
+    """Build a :class:`ScalarTransformation` from ``init`` and its ``factor`` function.
+
+    The ``update`` it gets multiplies every leaf by the factor (through
+    DTensors' local shards, keeping each leaf's dtype, in place when the
+    caller passes ``inplace=True``).
+
+    Example:
+      >>> def factor(updates, state, params=None, *, scale=None, **extra):
+      ...     return torch.tensor(0.5), state
+      >>> halve = scalar_transformation(lambda params: EmptyState(), factor)
+    """
+
+    def update_fn(updates, state, params=None, **extra):
+        f, new_state = factor(updates, state, params, **extra)
+        leaves, spec = tu.flatten(updates)
+        tu.check_tensors(leaves, tu.paths(updates), what="updates")
+        return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=bool(extra.get("inplace", False)))), new_state
+
+    return ScalarTransformation(init, update_fn, factor)
 
 
-def scale_aware(update_fn: UpdateFn) -> UpdateFn:
-    """Mark ``update_fn`` as able to take updates with a pending :class:`DeferredScale`."""
-    setattr(update_fn, _SCALE_AWARE, True)
-    return update_fn
+class Guard(GradientTransformation):
+    """A transform that may veto a step, with the verdict in its state (``state.skipped``, a 0-d bool tensor).
 
-
-def is_scale_aware(tx: GradientTransformation) -> bool:
-    """Whether ``tx.update`` accepts updates that still carry a pending deferred factor."""
-    return bool(getattr(tx.update, _SCALE_AWARE, False))
-
-
-_GATE = "_gradtx_gate"
-
-
-def gate(update_fn: UpdateFn) -> UpdateFn:
-    """Mark ``update_fn`` as a gate: it may hold (return ``None``), like :func:`gradtx.accumulate`."""
-    setattr(update_fn, _GATE, True)
-    return update_fn
-
-
-def is_gate(tx: GradientTransformation) -> bool:
-    """Whether ``tx`` is, or contains, a gate that may hold."""
-    return bool(getattr(tx.update, _GATE, False))
+    A vetoed step returns zero updates and leaves the guarded state as it was
+    (see :func:`gradtx.apply_if_finite`). A caller that applies updates through
+    something that would still move (a torch optimizer's moments decay even on
+    a zero gradient) reads the verdict: :mod:`gradtx.executor` hands it on as
+    ``found_inf`` to a fused kernel, or skips the inner optimizer's step.
+    """
 
 
 def metrics(state: OptState) -> dict[str, torch.Tensor]:

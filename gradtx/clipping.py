@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
 
 from gradtx import norms
 from gradtx import tree as tu
-from gradtx.base import EmptyState, GradientTransformation, Params, scale_aware
-
-
-def _check_positive(value: Any, *, arg: str, name: str, allow_zero: bool = False, allow_inf: bool = True) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: {arg} must not be NaN")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}: {arg} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    if math.isinf(value) and not allow_inf:
-        raise ValueError(f"{name}: {arg} must be finite, got {value}")
-    return value
+from gradtx import validate as check
+from gradtx.base import EmptyState, GradientTransformation, Params, ScalarTransformation, scalar_transformation
 
 
 def _check_plan(mesh_groups: Any, method: str, *, name: str) -> None:
@@ -58,7 +45,7 @@ def clip(max_delta: float) -> GradientTransformation:
       >>> tx.update({"w": torch.tensor([-2.0, 0.1])}, tx.init(None))[0]
       {'w': tensor([-0.5000,  0.1000])}
     """
-    max_delta = _check_positive(max_delta, arg="max_delta", name="clip", allow_zero=True)
+    max_delta = check.non_negative(max_delta, arg="max_delta", name="clip", finite=False)
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -97,7 +84,7 @@ class ClipByGlobalNormState(NamedTuple):
 
 def clip_by_global_norm(
     max_norm: float, *, norm_type: float = 2.0, mesh_groups: Any | None = None
-) -> GradientTransformation:
+) -> ScalarTransformation:
     """Scale all updates together so that their global norm is at most ``max_norm``.
 
     The coefficient is ``clamp(max_norm / (norm + 1e-6), max=1)``, exactly as in
@@ -123,8 +110,8 @@ def clip_by_global_norm(
       >>> updates, state = tx.update(grads, tx.init(params))
       >>> state.grad_norm  # the norm before clipping
     """
-    max_norm = _check_positive(max_norm, arg="max_norm", name="clip_by_global_norm")
-    norm_type = norms.check_norm_type(norm_type, name="clip_by_global_norm")
+    max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False)
+    norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
     _check_plan(mesh_groups, "global_norm", name="clip_by_global_norm")
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
@@ -132,27 +119,20 @@ def clip_by_global_norm(
         zero = torch.zeros((), dtype=torch.float32)
         return ClipByGlobalNormState(grad_norm=zero, clip_coef=torch.ones((), dtype=torch.float32))
 
-    @scale_aware
-    def update_fn(updates, state, params=None, **extra):
-        del params
+    def factor_fn(updates, state, params=None, *, scale=None, **extra):
+        del params, extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
-        leaves, spec = _leaves(updates, name="clip_by_global_norm")
+        leaves, _ = _leaves(updates, name="clip_by_global_norm")
         if mesh_groups is None:
             norm = norms.combine_norms(norms.tensor_norms(leaves, norm_type), norm_type)
         else:
             norm = mesh_groups.global_norm(leaves, norm_type)
-        deferred = extra.get("deferred")
-        if deferred is not None and deferred.factor is not None:
-            norm = norm * deferred.factor.abs()  # the true updates are leaves * factor
+        if scale is not None:
+            norm = norm * scale.abs().to(norm.device)  # the true updates are leaves * scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        if deferred is not None:
-            deferred.fold(coef)
-            out = updates
-        else:
-            out = tu.unflatten(spec, tu.scale_leaves(leaves, coef, inplace=bool(extra.get("inplace", False))))
-        return out, ClipByGlobalNormState(grad_norm=norm, clip_coef=coef)
+        return coef, ClipByGlobalNormState(grad_norm=norm, clip_coef=coef)
 
-    return GradientTransformation(init_fn, update_fn)
+    return scalar_transformation(init_fn, factor_fn)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------
@@ -203,8 +183,9 @@ def adaptive_clip(
       >>> tx = adaptive_clip(0.01)
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
-    clipping = _check_positive(clipping, arg="clipping", name="adaptive_clip", allow_inf=False)
-    eps = _check_positive(eps, arg="eps", name="adaptive_clip", allow_zero=True, allow_inf=False)
+    clipping = check.positive(clipping, arg="clipping", name="adaptive_clip")
+    eps = check.non_negative(eps, arg="eps", name="adaptive_clip")
+    unitwise = check.flag(unitwise, arg="unitwise", name="adaptive_clip")
     _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
     if isinstance(mesh_groups, norms.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim

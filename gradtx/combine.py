@@ -3,34 +3,57 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
-import optree
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import (
-    DeferredScale,
-    GradientTransformation,
-    OptState,
-    Params,
-    PyTree,
-    Updates,
-    gate,
-    is_gate,
-    is_scale_aware,
-    scale_aware,
-)
+from gradtx.base import GradientTransformation, OptState, Params, PyTree, Updates
 
 
-def apply_deferred(updates: Updates, extra: Mapping[str, Any]) -> Updates:
-    """Apply a pending :class:`DeferredScale` factor from ``extra`` to ``updates``, if there is one."""
-    deferred: DeferredScale | None = extra.get("deferred")
-    if deferred is None or deferred.factor is None:
-        return updates
-    leaves, spec = tu.flatten(updates)
-    scaled = tu.scale_leaves(leaves, deferred.take(), inplace=bool(extra.get("inplace", False)))
-    return tu.unflatten(spec, scaled)
+class Chain(GradientTransformation):
+    """What :func:`chain` and :func:`named_chain` return: a transform that keeps its members.
+
+    Attributes:
+      members: the member transforms, in order.
+      names: the members' names (:func:`named_chain`, state a dict), or ``None``
+        (:func:`chain`, state a tuple).
+    """
+
+    members: tuple[GradientTransformation, ...]
+    names: tuple[str, ...] | None
+
+    def __new__(
+        cls,
+        init: Any,
+        update: Any,
+        members: Sequence[GradientTransformation],
+        names: Sequence[str] | None = None,
+    ) -> Self:
+        self = super().__new__(cls, init, update)
+        self.members = tuple(members)
+        self.names = None if names is None else tuple(names)
+        return self
+
+    def member_states(self, state: OptState) -> list[OptState]:
+        """The members' states, in member order, from this chain's state (checked like ``update`` checks it)."""
+        if state is None:
+            name = "named_chain" if self.names is not None else "chain"
+            raise ValueError(f"{name}: state is None; call init(params) before update()")
+        if self.names is not None:
+            if not isinstance(state, dict) or list(state) != list(self.names):
+                raise ValueError(f"named_chain: expected a state dict with keys {list(self.names)}, got {state!r:.200}")
+            return [state[n] for n in self.names]
+        if not isinstance(state, tuple) or len(state) != len(self.members):
+            raise ValueError(
+                f"chain: expected a state tuple of {len(self.members)} member states, got {type(state).__name__}"
+                + (f" of length {len(state)}" if isinstance(state, tuple) else "")
+            )
+        return list(state)
+
+    def join_states(self, states: Sequence[OptState]) -> OptState:
+        """This chain's state from its members' states (the inverse of :meth:`member_states`)."""
+        return dict(zip(self.names, states)) if self.names is not None else tuple(states)
 
 
 def _run(
@@ -40,21 +63,10 @@ def _run(
     params: Params | None,
     extra: dict[str, Any],
 ) -> tuple[Updates | None, list[OptState]]:
-    if extra.get("running_sum"):
-        late = [i for i, tx in enumerate(txs) if i > 0 and is_gate(tx)]
-        if late:
-            # Autograd's running sum is the sum of micro-batch grads only before any transform
-            # touches it; a transform ahead of the gate would act on partial sums, every micro-step.
-            raise ValueError(
-                f"chain: member {late[0]} accumulates, but autograd sums the micro-batches into .grad "
-                "(TransformedOptimizer), so accumulate() must be the first transform of the chain"
-            )
     new_states = list(states)
     for i, tx in enumerate(txs):
-        if not is_scale_aware(tx):
-            updates = apply_deferred(updates, extra)
         updates, new_states[i] = tx.update(updates, states[i], params, **extra)
-        if updates is None:  # a gate (accumulate) is holding: nothing downstream runs or changes
+        if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
             break
     return updates, new_states
 
@@ -82,21 +94,12 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     def init_fn(params: Params) -> tuple[OptState, ...]:
         return tuple(tx.init(params) for tx in txs)
 
-    @scale_aware
     def update_fn(updates, state, params=None, **extra):
-        if state is None:
-            raise ValueError("chain: state is None; call init(params) before update()")
-        if not isinstance(state, tuple) or len(state) != len(txs):
-            raise ValueError(
-                f"chain: expected a state tuple of {len(txs)} member states, got {type(state).__name__}"
-                + (f" of length {len(state)}" if isinstance(state, tuple) else "")
-            )
-        updates, new_states = _run(txs, updates, state, params, extra)
-        return updates, tuple(new_states)
+        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
+        return updates, out.join_states(new_states)
 
-    if any(is_gate(tx) for tx in txs):
-        gate(update_fn)
-    return GradientTransformation(init_fn, update_fn)
+    out = Chain(init_fn, update_fn, txs)
+    return out
 
 
 def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTransformation:
@@ -117,18 +120,12 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
     def init_fn(params: Params) -> dict[str, OptState]:
         return {name: tx.init(params) for name, tx in named_txs}
 
-    @scale_aware
     def update_fn(updates, state, params=None, **extra):
-        if state is None:
-            raise ValueError("named_chain: state is None; call init(params) before update()")
-        if not isinstance(state, dict) or list(state) != names:
-            raise ValueError(f"named_chain: expected a state dict with keys {names}, got {state!r:.200}")
-        updates, new_states = _run(txs, updates, [state[n] for n in names], params, extra)
-        return updates, dict(zip(names, new_states))
+        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
+        return updates, out.join_states(new_states)
 
-    if any(is_gate(tx) for tx in txs):
-        gate(update_fn)
-    return GradientTransformation(init_fn, update_fn)
+    out = Chain(init_fn, update_fn, txs, names)
+    return out
 
 
 # --- masked and partition -------------------------------------------------------------
@@ -160,11 +157,6 @@ def _merge(tree: PyTree, parts: Sequence[dict[str, Any]]) -> PyTree:
         by_path.update(part)
     out = [by_path.get(tu.path_str(p), leaf) for p, leaf in zip(tu.paths(tree), leaves)]
     return tu.unflatten(spec, out)
-
-
-def _inner_extra(extra: dict[str, Any]) -> dict[str, Any]:
-    # A deferred factor belongs to the whole tree, never to a subset of it.
-    return {k: v for k, v in extra.items() if k != "deferred"}
 
 
 class MaskedState(NamedTuple):
@@ -210,7 +202,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         tu.require_state(state, MaskedState, name="masked")
         keep = keep_of(params if params is not None else updates)
         sub_params = None if params is None else _select(params, keep)
-        sub, inner_state = inner.update(_select(updates, keep), state.inner_state, sub_params, **_inner_extra(extra))
+        sub, inner_state = inner.update(_select(updates, keep), state.inner_state, sub_params, **extra)
         _check_hold(sub, "masked")
         return _merge(updates, [sub]), MaskedState(inner_state)
 
@@ -259,7 +251,7 @@ def partition(
             keep = [lab == n for lab in leaf_labels]
             sub_params = None if params is None else _select(params, keep)
             sub, new_states[n] = txs_by_label[n].update(
-                _select(updates, keep), state.inner_states[n], sub_params, **_inner_extra(extra)
+                _select(updates, keep), state.inner_states[n], sub_params, **extra
             )
             _check_hold(sub, "partition")
             parts.append(sub)
@@ -277,7 +269,16 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
         return params
     tu.check_structure(params, updates, what="updates", against="params")
 
-    def add(p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
-
-    return optree.tree_map(add, params, updates)
+    p_leaves, spec = tu.flatten(params)
+    u_leaves = spec.flatten_up_to(updates)
+    out: list[Any] = [None] * len(p_leaves)
+    plain: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+        if type(p) is torch.Tensor and type(u) is torch.Tensor and p.dtype == u.dtype and p.device == u.device:
+            plain.setdefault((p.device, p.dtype), []).append(i)
+        else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
+            out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
+    for idx in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
+        for i, r in zip(idx, torch._foreach_add([p_leaves[i] for i in idx], [u_leaves[i] for i in idx])):
+            out[i] = r
+    return tu.unflatten(spec, out)

@@ -8,7 +8,8 @@ import torch
 
 from gradtx import norms
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, OptState, Params
+from gradtx import validate as check
+from gradtx.base import GradientTransformation, Guard, OptState, Params
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
@@ -46,7 +47,7 @@ def apply_if_finite(
     *,
     comm: Comm | None = None,
     group: GroupKey = "world",
-) -> GradientTransformation:
+) -> Guard:
     """Run ``inner`` only on finite updates; skip, and count, a step with any NaN or inf.
 
     A skipped step returns zero updates and leaves the inner state exactly as
@@ -80,10 +81,9 @@ def apply_if_finite(
     Example:
       >>> tx = chain(accumulate(4), apply_if_finite(chain(clip_by_global_norm(1.0), adamw(3e-4)), 5))
     """
-    if isinstance(max_consecutive_errors, bool) or not isinstance(max_consecutive_errors, int):
-        raise TypeError(f"apply_if_finite: max_consecutive_errors must be an int, got {max_consecutive_errors!r}")
-    if max_consecutive_errors < 0:
-        raise ValueError(f"apply_if_finite: max_consecutive_errors must be >= 0, got {max_consecutive_errors}")
+    max_consecutive_errors = check.integer(
+        max_consecutive_errors, arg="max_consecutive_errors", name="apply_if_finite", minimum=0
+    )
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}")
     if comm is not None:
@@ -114,10 +114,7 @@ def apply_if_finite(
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)
 
-        # The inner transform must see its own state unscaled; a factor deferred
-        # inside it could be NaN on a bad step, so it applies its own.
-        inner_extra = {k: v for k, v in extra.items() if k != "deferred"}
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **inner_extra)
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
         if new_updates is None:
             raise ValueError("apply_if_finite: the inner transform held (returned None); put accumulate() before it")
 
@@ -147,4 +144,4 @@ def apply_if_finite(
         )
         return tu.unflatten(out_spec, out), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return Guard(init_fn, update_fn)

@@ -9,10 +9,9 @@ from typing import Any, TypeVar
 import torch
 
 from gradtx import tree as tu
-from gradtx.accumulation import AccumulateState
-from gradtx.base import DeferredScale, GradientTransformation, OptState, metrics
+from gradtx.base import GradientTransformation, metrics
 from gradtx.combine import chain
-from gradtx.conditionals import ApplyIfFiniteState
+from gradtx.executor import StepPlan
 
 try:  # a CPU-only or old build may lack torch.distributed
     from torch.distributed.fsdp import FSDPModule
@@ -22,24 +21,8 @@ except ImportError:  # pragma: no cover
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
-# Extras the wrapper passes itself: it owns the .grad buffers and autograd is its accumulator.
-_RESERVED = frozenset({"inplace", "running_sum", "deferred"})
-
-
-def _find(state: OptState, state_type: type) -> list[Any]:
-    found: list[Any] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, state_type):
-            found.append(node)
-        if isinstance(node, dict):
-            node = list(node.values())
-        if isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
-
-    walk(state)
-    return found
+# The extra the wrapper passes itself: it owns the .grad buffers.
+_RESERVED = frozenset({"inplace"})
 
 
 class TransformedOptimizer(torch.optim.Optimizer):
@@ -99,6 +82,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
         self.optimizer = optimizer
         self.tx = chain(tx)
+        self._plan = StepPlan.of(self.tx)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self.tx_state = self.tx.init(self.param_tree())
         self._window_open = False
@@ -179,36 +163,33 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"TransformedOptimizer.step: {reserved} are set by the wrapper itself; do not pass them")
         params = self.param_tree()
         grads = self._grads(params, emitting=self.emits_next(flush=bool(extra.get("flush", False))))
-        deferred = DeferredScale() if self._fused else None
-        updates, new_state = self.tx.update(
-            grads, self.tx_state, params, inplace=True, running_sum=True, deferred=deferred, **extra
-        )
-        self.tx_state = new_state
-        self._last_metrics = metrics(new_state)
-        # Open while the accumulator counts micro-steps; an emitted or skipped (empty) window closes it.
-        self._window_open = any(int(a.micro_step) > 0 for a in _find(new_state, AccumulateState))
-        if updates is None:
+        result = self._plan.run_owned(grads, self.tx_state, params, autograd_buffer=True, **extra)
+        self.tx_state = result.state
+        self._last_metrics = metrics(result.state)
+        # Open while the window counts micro-steps; an emitted or skipped (empty) window closes it.
+        self._window_open = self._plan.window_open(result.state)
+        if result.updates is None:
             return False
 
-        for group_params, group_updates in zip(params, updates):
+        for group_params, group_updates in zip(params, result.updates):
             for p, u in zip(group_params, group_updates):
                 if p.grad is not None and u is not p.grad:
                     p.grad = u
 
-        skipped = [s.skipped for s in _find(new_state, ApplyIfFiniteState)]
-        factor = deferred.take() if deferred is not None else None
+        factor, skip = result.factor, result.skip
         if self._fused:
             self.optimizer.grad_scale = None if factor is None else (1.0 / factor)  # type: ignore[attr-defined]
-            self.optimizer.found_inf = (  # type: ignore[attr-defined]
-                torch.stack(skipped).any().to(torch.float32) if skipped else None
-            )
+            self.optimizer.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]
             try:
                 self.optimizer.step()
             finally:
                 self.optimizer.grad_scale = None  # type: ignore[attr-defined]
                 self.optimizer.found_inf = None  # type: ignore[attr-defined]
             return True
-        if skipped and bool(torch.stack(skipped).any()):  # a non-fused optimizer cannot skip on its own
+        if factor is not None:
+            grads_now = [p.grad for group in params for p in group if p.grad is not None]
+            tu.scale_leaves(grads_now, factor, inplace=True)
+        if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
             return False
         self.optimizer.step()
         return True
@@ -241,11 +222,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         Returns:
           Whether the next ``step`` closes its accumulation window.
         """
-        found = _find(self.tx_state, AccumulateState)
-        if flush or not found:
-            return True
-        state = found[0]
-        return int(state.micro_step) + 1 >= int(state.k)
+        return self._plan.emits_next(self.tx_state, flush=flush)
 
     @contextlib.contextmanager
     def maybe_no_sync(self, model: torch.nn.Module, *, flush: bool = False) -> Iterator[None]:

@@ -13,39 +13,38 @@ fp16 and bf16 params, and in the param's dtype otherwise; the updates come out
 in the dtype the gradients came in. Step counts are 0-d int64 tensors on the
 first param's device, so nothing is read back to the host.
 
-:func:`update_and_apply` takes a whole step (``update`` then ``apply_updates``);
-with ``donate=True`` the aliases apply it in place with one fused torch kernel
-(see the section "fused, donated steps" below and ``docs/benchmarks.md``).
+The aliases are :class:`OptimizerChain` s: chains that also hold their
+hyperparameters once (:class:`OptimizerSpec`), so :mod:`gradtx.executor` can
+run a donated step (:func:`gradtx.update_and_apply` with ``donate=True``) as
+one fused torch kernel. Nothing in this module knows about that.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Self
 
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import (
-    DeferredScale,
     EmptyState,
     GradientTransformation,
-    OptState,
     Params,
     PyTree,
+    ScalarTransformation,
     Schedule,
-    Updates,
-    scale_aware,
+    scalar_transformation,
 )
-from gradtx.combine import apply_updates, chain
+from gradtx.combine import Chain, chain
 
 ScalarOrSchedule = float | Schedule
 
 __all__ = [
-    "FUSED_APPLY",
-    "FusedApply",
+    "OptimizerChain",
+    "OptimizerSpec",
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "TraceState",
@@ -58,42 +57,10 @@ __all__ = [
     "scale_by_schedule",
     "sgd",
     "trace",
-    "update_and_apply",
 ]
 
 
 # --- validation and small helpers --------------------------------------------------------
-
-
-def _number(value: Any, *, arg: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: {arg} must not be NaN")
-    if math.isinf(value):
-        raise ValueError(f"{name}: {arg} must be finite, got {value}")
-    return value
-
-
-def _non_negative(value: Any, *, arg: str, name: str) -> float:
-    value = _number(value, arg=arg, name=name)
-    if value < 0:
-        raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
-    return value
-
-
-def _beta(value: Any, *, arg: str, name: str) -> float:
-    value = _number(value, arg=arg, name=name)
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name}: {arg} must be in [0, 1), got {value}")
-    return value
-
-
-def _learning_rate(learning_rate: Any, *, name: str) -> float | Schedule:
-    if callable(learning_rate):
-        return learning_rate
-    return _non_negative(learning_rate, arg="learning_rate", name=name)
 
 
 def _leaves(tree: PyTree, *, name: str, what: str = "updates") -> tuple[list[torch.Tensor], Any]:
@@ -123,19 +90,6 @@ def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=_count_device(leaves))
 
 
-def _scalar_update(updates: Updates, factor: torch.Tensor, extra: dict[str, Any], *, name: str) -> Updates:
-    """Multiply every update by the 0-d ``factor``: fold it into ``deferred``, or scale in place or purely."""
-    deferred = extra.get("deferred")
-    if deferred is not None:
-        deferred.fold(factor)
-        return updates
-    leaves, spec = _leaves(updates, name=name)
-    out = tu.scale_leaves(leaves, factor, inplace=bool(extra.get("inplace", False)))
-    # A 0-d bf16 leaf times the 0-d fp32 factor promotes to fp32 (both are 0-d); keep each leaf's dtype.
-    out = [o if o.dtype == g.dtype else o.to(g.dtype) for o, g in zip(out, leaves)]
-    return tu.unflatten(spec, out)
-
-
 def _to_factor(value: Any, sign: float) -> torch.Tensor:
     # A schedule should return a tensor computed from the count; a Python number is
     # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
@@ -149,12 +103,11 @@ def _to_factor(value: Any, sign: float) -> torch.Tensor:
 # --- scale ---------------------------------------------------------------------------------
 
 
-def scale(step_size: float) -> GradientTransformation:
+def scale(step_size: float) -> ScalarTransformation:
     """Multiply every update by the scalar ``step_size``.
 
-    A pure scalar multiplication, so it is scale-aware: given
-    ``deferred=DeferredScale()`` it folds its factor in and returns the updates
-    untouched; given ``inplace=True`` it scales the donated buffers in place.
+    A :class:`gradtx.base.ScalarTransformation`: its factor is exposed, so a run
+    of scalar transforms folds into one multiply (see :mod:`gradtx.executor`).
 
     Args:
       step_size: the factor; any finite number (negative to descend).
@@ -170,20 +123,18 @@ def scale(step_size: float) -> GradientTransformation:
       >>> tx.update({"w": torch.tensor([2.0, -4.0])}, tx.init(None))[0]
       {'w': tensor([ 1., -2.])}
     """
-    step_size = _number(step_size, arg="step_size", name="scale")
+    step_size = check.number(step_size, arg="step_size", name="scale")
 
     def init_fn(params: Params) -> EmptyState:
         del params
         return EmptyState()
 
-    @scale_aware
-    def update_fn(updates, state, params=None, **extra):
-        del params
+    def factor_fn(updates, state, params=None, *, scale=None, **extra):
+        del updates, params, scale, extra
         tu.require_state(state, EmptyState, name="scale")
-        factor = torch.tensor(step_size, dtype=torch.float32)
-        return _scalar_update(updates, factor, extra, name="scale"), state
+        return torch.tensor(step_size, dtype=torch.float32), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return scalar_transformation(init_fn, factor_fn)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -192,13 +143,13 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor
 
 
-def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
+def scale_by_schedule(step_size_fn: Schedule) -> ScalarTransformation:
     """Multiply every update by ``step_size_fn(count)``, where ``count`` is the number of earlier updates.
 
     ``count`` is a 0-d int64 tensor (0 on the first update), so a schedule
     written with tensor ops (``0.1 * 0.99 ** count``, ``torch.clamp(...)``)
     runs with no host sync. A schedule may also return a Python number.
-    Scale-aware, like :func:`scale`.
+    A scalar transformation, like :func:`scale`.
 
     Args:
       step_size_fn: a callable from the step count to the factor.
@@ -216,31 +167,29 @@ def scale_by_schedule(step_size_fn: Schedule) -> GradientTransformation:
     return _scale_by_schedule(step_size_fn, sign=1.0, name="scale_by_schedule")
 
 
-def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> GradientTransformation:
+def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> ScalarTransformation:
     if not callable(step_size_fn):
         raise TypeError(f"{name}: the schedule must be callable, got {type(step_size_fn).__name__}")
 
     def init_fn(params: Params) -> ScaleByScheduleState:
         return ScaleByScheduleState(count=_zero_count(tu.flatten(params)[0]))
 
-    @scale_aware
-    def update_fn(updates, state, params=None, **extra):
-        del params
+    def factor_fn(updates, state, params=None, *, scale=None, **extra):
+        del updates, params, scale, extra
         tu.require_state(state, ScaleByScheduleState, name=name)
-        factor = _to_factor(step_size_fn(state.count), sign)
-        return _scalar_update(updates, factor, extra, name=name), ScaleByScheduleState(count=state.count + 1)
+        return _to_factor(step_size_fn(state.count), sign), ScaleByScheduleState(count=state.count + 1)
 
-    return GradientTransformation(init_fn, update_fn)
+    return scalar_transformation(init_fn, factor_fn)
 
 
-def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> GradientTransformation:
+def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> ScalarTransformation:
     """Multiply every update by ``-learning_rate`` (a constant or a schedule of the step count).
 
     Updates are added to the params, so the sign is flipped by default to
     descend. A constant is :func:`scale`; a callable is
     :func:`scale_by_schedule` (called with the 0-d int64 count, 0 on the first
     update, as ``torch.optim.lr_scheduler.LambdaLR`` calls its lambda with the
-    epoch). Either way the transform is scale-aware.
+    epoch). Either way it is a scalar transformation.
 
     Args:
       learning_rate: a number ``>= 0``, or a callable ``count -> learning rate``.
@@ -257,7 +206,8 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
       >>> tx = scale_by_learning_rate(lambda count: 1e-3 * torch.clamp((count + 1) / 100, max=1.0))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    learning_rate = _learning_rate(learning_rate, name="scale_by_learning_rate")
+    learning_rate = check.learning_rate(learning_rate, name="scale_by_learning_rate")
+    flip_sign = check.flag(flip_sign, arg="flip_sign", name="scale_by_learning_rate")
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
         return _scale_by_schedule(learning_rate, sign=sign, name="scale_by_learning_rate")
@@ -306,9 +256,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
       >>> tx = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    b1 = _beta(b1, arg="b1", name="scale_by_adam")
-    b2 = _beta(b2, arg="b2", name="scale_by_adam")
-    eps = _non_negative(eps, arg="eps", name="scale_by_adam")
+    b1 = check.beta(b1, arg="b1", name="scale_by_adam")
+    b2 = check.beta(b2, arg="b2", name="scale_by_adam")
+    eps = check.non_negative(eps, arg="eps", name="scale_by_adam")
 
     def init_fn(params: Params) -> ScaleByAdamState:
         leaves, spec = _leaves(params, name="scale_by_adam", what="params")
@@ -340,11 +290,13 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             m = torch._foreach_lerp([mu_locals[i] for i in idx], g, 1 - b1)
             v = torch._foreach_mul([tu.local(nu_leaves[i]) for i in idx], b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt.to(device, non_blocking=True))
-            torch._foreach_add_(denom, eps)
-            u = torch._foreach_div(m, denom)
-            torch._foreach_div_(u, bc1.to(device, non_blocking=True))
+            # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
+            # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
+            u = torch._foreach_sqrt(v)
+            torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(device, non_blocking=True))
+            torch._foreach_add_(u, (bc1 * eps).to(device, non_blocking=True))
+            torch._foreach_reciprocal_(u)
+            torch._foreach_mul_(u, m)
             for j, i in enumerate(idx):
                 new_mu[i] = tu.like(mu_leaves[i], m[j])
                 new_nu[i] = tu.like(nu_leaves[i], v[j])
@@ -378,7 +330,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
       >>> tx = add_decayed_weights(0.1)
       >>> updates, _ = tx.update(grads, tx.init(params), params)
     """
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -439,9 +391,8 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
       >>> tx = trace(0.9)
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    decay = _non_negative(decay, arg="decay", name="trace")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"trace: nesterov must be a bool, got {type(nesterov).__name__}")
+    decay = check.non_negative(decay, arg="decay", name="trace")
+    nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
         leaves, spec = _leaves(params, name="trace", what="params")
@@ -479,7 +430,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
 
 def sgd(
     learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
-) -> GradientTransformation:
+) -> OptimizerChain:
     """Stochastic gradient descent, optionally with (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
 
     ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov),
@@ -507,11 +458,10 @@ def sgd(
       >>> updates, state = tx.update(grads, tx.init(params), params)
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="sgd")
-    momentum = _non_negative(momentum, arg="momentum", name="sgd")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="sgd")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"sgd: nesterov must be a bool, got {type(nesterov).__name__}")
+    learning_rate = check.learning_rate(learning_rate, name="sgd")
+    momentum = check.non_negative(momentum, arg="momentum", name="sgd")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="sgd")
+    nesterov = check.flag(nesterov, arg="nesterov", name="sgd")
     if nesterov and momentum == 0.0:
         raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0.0")
     txs = []
@@ -520,8 +470,10 @@ def sgd(
     if momentum != 0.0:
         txs.append(trace(momentum, nesterov))
     txs.append(scale_by_learning_rate(learning_rate))
-    spec = _FusedSpec("sgd", learning_rate, weight_decay, momentum=momentum, nesterov=nesterov)
-    return _fusable("sgd", txs, spec, core=len(txs) - 2 if momentum != 0.0 else None)
+    core = len(txs) - 2 if momentum != 0.0 else None
+    return _alias(
+        txs, OptimizerSpec("sgd", learning_rate, weight_decay, momentum=momentum, nesterov=nesterov, core=core)
+    )
 
 
 def adam(
@@ -530,7 +482,7 @@ def adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-) -> GradientTransformation:
+) -> OptimizerChain:
     """Adam, as ``torch.optim.Adam``: ``weight_decay`` is an L2 penalty added to the gradient.
 
     ``chain(add_decayed_weights(weight_decay), scale_by_adam(b1, b2, eps),
@@ -557,15 +509,14 @@ def adam(
       >>> updates, state = tx.update(grads, tx.init(params))
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="adam")
-    b1 = _beta(b1, arg="b1", name="adam")
-    b2 = _beta(b2, arg="b2", name="adam")
-    eps = _non_negative(eps, arg="eps", name="adam")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adam")
+    learning_rate = check.learning_rate(learning_rate, name="adam")
+    b1 = check.beta(b1, arg="b1", name="adam")
+    b2 = check.beta(b2, arg="b2", name="adam")
+    eps = check.non_negative(eps, arg="eps", name="adam")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adam")
     txs = [add_decayed_weights(weight_decay)] if weight_decay != 0.0 else []
     txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    spec = _FusedSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)
-    return _fusable("adam", txs, spec, core=len(txs) - 2)
+    return _alias(txs, OptimizerSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=len(txs) - 2))
 
 
 def adamw(
@@ -574,7 +525,7 @@ def adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.01,
-) -> GradientTransformation:
+) -> OptimizerChain:
     """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
 
     ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay),
@@ -604,77 +555,36 @@ def adamw(
       >>> updates, state = tx.update(grads, tx.init(params), params)
       >>> params = apply_updates(params, updates)
     """
-    learning_rate = _learning_rate(learning_rate, name="adamw")
-    b1 = _beta(b1, arg="b1", name="adamw")
-    b2 = _beta(b2, arg="b2", name="adamw")
-    eps = _non_negative(eps, arg="eps", name="adamw")
-    weight_decay = _non_negative(weight_decay, arg="weight_decay", name="adamw")
+    learning_rate = check.learning_rate(learning_rate, name="adamw")
+    b1 = check.beta(b1, arg="b1", name="adamw")
+    b2 = check.beta(b2, arg="b2", name="adamw")
+    eps = check.non_negative(eps, arg="eps", name="adamw")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adamw")
     txs = [scale_by_adam(b1, b2, eps)]
     if weight_decay != 0.0:
         txs.append(add_decayed_weights(weight_decay))
     txs.append(scale_by_learning_rate(learning_rate))
-    spec = _FusedSpec("adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)
-    return _fusable("adamw", txs, spec, core=0)
+    return _alias(txs, OptimizerSpec("adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=0))
 
 
-# --- fused, donated steps --------------------------------------------------------------------
-#
-# A pure step must write new moments, new updates and new params: on a big model those
-# are fresh gradient-sized buffers every step, several passes over memory more than
-# torch.optim's fused kernels make. A *donated* step gives its grads, state and params
-# to the step (as jax.jit's donate_argnums does), so the last optimizer of a chain may
-# update them in place with one fused torch kernel (torch._fused_adamw_, _fused_adam_,
-# _fused_sgd_): it reads p, g and the moments once and writes p and the moments once,
-# and a clip or accumulation factor rides in its ``grad_scale``.
-
-FUSED_APPLY = "fused_apply"
-"""The reserved extra through which :func:`update_and_apply` offers a :class:`FusedApply`."""
-
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# torch.optim's own list of device types with fused optimizer kernels; a guess if it moves.
-try:
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    _FUSED_DEVICE_TYPES = frozenset(_get_fused_kernels_supported_devices())
-except ImportError:  # pragma: no cover
-    _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+# --- the aliases' structure ----------------------------------------------------------------
 
 
-class FusedApply:
-    """The handshake of a donated step: the one fused kernel that will apply it.
-
-    :func:`update_and_apply` passes one as the reserved extra ``fused_apply``,
-    together with ``inplace=True`` and ``deferred``. The aliases :func:`sgd`,
-    :func:`adam` and :func:`adamw`, when they run at the top level of the
-    chain (``deferred`` reached them) and every leaf suits the fused kernel,
-    *claim* it: they record the kernel launch that will update the params and
-    their moments in place, advance their step counts, and hand back their
-    input updates untouched as a token. Nothing is launched until the whole
-    chain has returned, so a chain that cannot be fused that way fails before
-    anything changes. Anything else ignores the extra.
+class OptimizerSpec(NamedTuple):
+    """An alias's hyperparameters, held once: what a fused kernel needs to apply the whole step.
 
     Attributes:
-      launch: the recorded kernel launch, or ``None`` while unclaimed.
-      token: the updates tree the claiming alias returned.
-      name: which alias claimed it.
+      kind: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+      learning_rate: a number or a schedule of the step count.
+      weight_decay: L2 (sgd, adam) or decoupled (adamw) decay.
+      b1, b2, eps: Adam's.
+      momentum, nesterov: SGD's.
+      core: the member holding the moments (:class:`ScaleByAdamState` or
+        :class:`TraceState`) in the alias's state tuple, or ``None`` (plain SGD).
+        The last member is always the learning-rate scale.
     """
 
-    def __init__(self) -> None:
-        self.launch: Callable[[], None] | None = None
-        self.token: Any = None
-        self.name = ""
-
-    def claim(self, launch: Callable[[], None], token: Any, *, name: str) -> None:
-        """Record ``launch`` as the step's kernel; ``token`` is the updates tree the claimer returns."""
-        if self.launch is not None:
-            raise ValueError(
-                f"update_and_apply: {name} and {self.name} both apply the step; a donated step fuses one optimizer"
-            )
-        self.launch, self.token, self.name = launch, token, name
-
-
-class _FusedSpec(NamedTuple):
-    kind: str  # "sgd", "adam" or "adamw"
+    kind: str
     learning_rate: float | Schedule
     weight_decay: float
     b1: float = 0.0
@@ -682,270 +592,44 @@ class _FusedSpec(NamedTuple):
     eps: float = 0.0
     momentum: float = 0.0
     nesterov: bool = False
+    core: int | None = None
 
 
-def _fused_groups(
-    lists: Sequence[Sequence[torch.Tensor]],
-) -> dict[tuple[torch.device, torch.dtype], list[list[Any]]] | None:
-    """Group parallel lists of local tensors by (device, dtype) for a fused kernel, or ``None`` if one does not suit it.
+class OptimizerChain(Chain):
+    """What :func:`sgd`, :func:`adam` and :func:`adamw` return: their chain, with its :class:`OptimizerSpec`.
 
-    The kernels walk each tensor's memory flat and check neither shapes nor
-    layouts, so every tensor of a leaf must have the same dtype, device and
-    shape, and be contiguous.
+    Its state is the chain's (a tuple of member states). :mod:`gradtx.executor`
+    reads ``spec`` to run a donated step as one fused torch kernel.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}
-    for ts in zip(*lists):
-        p = ts[0]
-        if not isinstance(p, torch.Tensor) or p.dtype not in _FUSED_DTYPES or p.device.type not in _FUSED_DEVICE_TYPES:
-            return None
-        for t in ts:
-            if (
-                not isinstance(t, torch.Tensor)
-                or t.dtype != p.dtype
-                or t.device != p.device
-                or t.shape != p.shape
-                or not t.is_contiguous()
-            ):
-                return None
-        group = groups.get((p.device, p.dtype))
-        if group is None:
-            group = groups[(p.device, p.dtype)] = [[] for _ in ts]
-        for column, t in zip(group, ts):
-            column.append(t)
-    return groups
+
+    spec: OptimizerSpec
+
+    def __new__(cls, init: Any, update: Any, members: Sequence[GradientTransformation], spec: OptimizerSpec) -> Self:
+        self = super().__new__(cls, init, update, members)
+        self.spec = spec
+        return self
 
 
-def _fused_step(
-    spec: _FusedSpec,
-    members: int,
-    core: int | None,
-    updates: Updates,
-    state: Any,
-    params: Params,
-    deferred: DeferredScale,
-) -> tuple[Callable[[], None], tuple[OptState, ...]] | None:
-    """The fused kernel launch and new chain state for a donated step, or ``None`` to take the ordinary path.
+def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerChain:
+    """``chain(*txs)``, whose pure path lets every member after the first write into the first one's output.
 
-    ``None`` whenever anything is unusual (a wrong state, another structure,
-    a leaf the kernel does not take): the ordinary chain then runs, and
-    reports a real error in its own words.
-    """
-    if not isinstance(state, tuple) or len(state) != members:
-        return None
-    core_state = state[core] if core is not None else None
-    core_type = TraceState if spec.kind == "sgd" else ScaleByAdamState
-    if core is not None and not isinstance(core_state, core_type):
-        return None
-    lr_state = state[-1]
-    scheduled = callable(spec.learning_rate)
-    if scheduled != isinstance(lr_state, ScaleByScheduleState):
-        return None
-
-    g_leaves, g_spec = tu.flatten(updates)
-    p_leaves, p_spec = tu.flatten(params)
-    lists = [[tu.local(t) for t in p_leaves], [tu.local(t) for t in g_leaves]]
-    if g_spec != p_spec:
-        return None
-    if core_state is not None:
-        moments = (core_state.mu, core_state.nu) if isinstance(core_state, ScaleByAdamState) else (core_state.trace,)
-        for buffers in moments:
-            b_leaves, b_spec = tu.flatten(buffers)
-            if b_spec != p_spec:
-                return None
-            lists.append([tu.local(t) for t in b_leaves])
-    groups = _fused_groups(lists)
-    if groups is None:
-        return None
-
-    lr: float | torch.Tensor = spec.learning_rate  # type: ignore[assignment]
-    if scheduled:
-        lr = _to_factor(spec.learning_rate(lr_state.count), 1.0)  # type: ignore[operator]
-    factor = deferred.take()
-    count = core_state.count + 1 if isinstance(core_state, ScaleByAdamState) else None
-
-    def launch() -> None:
-        for (device, _), columns in groups.items():
-            kw: dict[str, Any] = {"weight_decay": spec.weight_decay, "maximize": False}
-            # The kernel divides the grads by grad_scale (it unscales AMP grads), so the factor goes in inverted.
-            kw["grad_scale"] = None if factor is None else torch.reciprocal(factor.to(device, torch.float32))
-            kw["lr"] = lr.to(device, non_blocking=True) if isinstance(lr, torch.Tensor) else lr
-            if spec.kind == "sgd":
-                ps, gs, *bufs = columns
-                kw.update(momentum=spec.momentum, dampening=0.0, nesterov=spec.nesterov, is_first_step=False)
-                op = torch.ops.aten._fused_sgd_
-                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
-                op(ps, gs, bufs[0] if bufs else [], **kw)
-            else:
-                ps, gs, ms, vs = columns
-                assert count is not None
-                step = count.to(device, torch.float32, non_blocking=True)
-                kw.update(beta1=spec.b1, beta2=spec.b2, eps=spec.eps, amsgrad=False)
-                op = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
-                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
-                op(ps, gs, ms, vs, [], [step] * len(ps), **kw)
-
-    new_state = list(state)
-    if isinstance(core_state, ScaleByAdamState):
-        # The moments are the donated buffers: the launch advances them in place.
-        new_state[core] = ScaleByAdamState(count=count, mu=core_state.mu, nu=core_state.nu)  # type: ignore[index]
-    if scheduled:
-        new_state[-1] = ScaleByScheduleState(count=lr_state.count + 1)
-    return launch, tuple(new_state)
-
-
-def _fusable(
-    name: str, txs: list[GradientTransformation], spec: _FusedSpec, *, core: int | None
-) -> GradientTransformation:
-    """``chain(*txs)``, which also claims a donated step's :class:`FusedApply` when it can.
-
-    The state is the chain's (a tuple of member states), on every path.
+    Every member's output buffers are new and shared with nothing (the first
+    member of an alias always computes: members that would be no-ops are left
+    out), so after it they belong to this call and later members may take them
+    as donated (``inplace=True``): the same numbers with fewer gradient-sized
+    buffers per step. The caller's updates, state and params are never written.
     """
     inner = chain(*txs)
 
-    @scale_aware  # the inner chain applies a pending factor itself before its first non-scalar member
     def update_fn(updates, state, params=None, **extra):
-        fused = extra.get(FUSED_APPLY)
-        deferred = extra.get("deferred")
-        # deferred reaches only the top level of a chain (masked, partition and apply_if_finite
-        # drop it), which is where applying the whole step in place is sound.
-        if fused is not None and deferred is not None and params is not None and extra.get("inplace", False):
-            planned = _fused_step(spec, len(txs), core, updates, state, params, deferred)
-            if planned is not None:
-                launch, new_state = planned
-                fused.claim(launch, updates, name=name)
-                return updates, new_state
-        if deferred is None and not extra.get("inplace", False) and isinstance(state, tuple) and len(state) == len(txs):
-            return _run_owning(txs, updates, state, params, extra)
-        return inner.update(updates, state, params, **extra)
+        if extra.get("inplace", False) or not isinstance(state, tuple) or len(state) != len(txs):
+            return inner.update(updates, state, params, **extra)  # donated already, or a bad state to report
+        new_states = list(state)
+        for i, tx in enumerate(txs):
+            owned = {**extra, "inplace": True} if i > 0 else extra
+            updates, new_states[i] = tx.update(updates, state[i], params, **owned)
+            if updates is None:
+                break
+        return updates, tuple(new_states)
 
-    return GradientTransformation(inner.init, update_fn)
-
-
-def _run_owning(
-    txs: Sequence[GradientTransformation], updates: Updates, state: tuple[OptState, ...], params: Params, extra: Any
-) -> tuple[Updates | None, tuple[OptState, ...]]:
-    """The pure path of an alias: the first member makes fresh updates, the rest write into them.
-
-    Every member's output buffers are new and shared with nothing (the
-    protocol), so after the first one they belong to this call and later
-    members may take them as donated (``inplace=True``): the same numbers,
-    with fewer gradient-sized buffers allocated per step. The caller's
-    updates, state and params are never written.
-    """
-    new_states = list(state)
-    for i, tx in enumerate(txs):
-        owned = {**extra, "inplace": True} if i > 0 else extra
-        updates, new_states[i] = tx.update(updates, state[i], params, **owned)
-        if updates is None:  # an alias has no gate, but a member may still hold
-            break
-    return updates, tuple(new_states)
-
-
-def _add_in_place(params: Params, updates: Updates, factor: torch.Tensor | None) -> None:
-    """``params += factor * updates``, in place, through local shards; ``updates`` are owned and may be scaled."""
-    tu.check_structure(params, updates, what="updates", against="params")
-    p_leaves = [tu.local(p) for p in tu.flatten(params)[0]]
-    u_leaves = [tu.local(u) for u in tu.flatten(updates)[0]]
-    for (device, _), idx in tu.group_by_device_dtype(p_leaves).items():
-        ps = [p_leaves[i] for i in idx]
-        us = [u_leaves[i] for i in idx]
-        if factor is not None:
-            torch._foreach_mul_(us, factor.to(device, non_blocking=True))
-        torch._foreach_add_(ps, us)
-
-
-def update_and_apply(
-    tx: GradientTransformation,
-    grads: Updates,
-    state: OptState,
-    params: Params,
-    *,
-    donate: bool = False,
-    **extra: Any,
-) -> tuple[Params, OptState]:
-    """One optimizer step: ``tx.update`` then :func:`gradtx.apply_updates`, optionally on donated buffers.
-
-    With ``donate=False`` this is exactly::
-
-        updates, state = tx.update(grads, state, params, **extra)
-        params = apply_updates(params, updates)
-
-    and it is pure. With ``donate=True`` the caller hands ``grads``, ``state``
-    and ``params`` over to the step, as with ``jax.jit(..., donate_argnums=...)``:
-    the step may overwrite them, and the returned params and state share
-    their storage. Do not use the inputs afterwards (keep the returned ones).
-    The step then runs the chain with ``inplace=True`` and a
-    :class:`gradtx.DeferredScale`, and:
-
-    * when the chain ends in :func:`adamw`, :func:`adam` or :func:`sgd` with
-      every leaf fit for torch's fused kernel (params, grads and moments of one
-      dtype, contiguous, on a CPU/CUDA/... device: fp32 or fp64 params, since
-      gradtx keeps fp32 moments for low-precision ones), that alias applies
-      the whole step in one ``torch._fused_adamw_`` / ``_fused_adam_`` /
-      ``_fused_sgd_`` launch, with the pending clip or accumulation factor in
-      its ``grad_scale``: one pass over p, g and the moments, like
-      ``torch.optim.AdamW(fused=True)`` after an in-place clip, minus the clip's
-      own pass;
-    * otherwise the updates are computed in the donated grads buffers and
-      added to the params in place, with no new gradient-sized buffers.
-
-    The numbers equal the pure path's to fp32 rounding. The grads' values
-    after a donated step are unspecified. Only an alias at the top level of
-    the chain fuses (inside :func:`gradtx.masked`, :func:`gradtx.partition` or
-    :func:`gradtx.apply_if_finite` it runs its ordinary way); the fused alias
-    must be the last member that changes the updates.
-
-    Args:
-      tx: the gradient transformation.
-      grads: the gradients, a pytree matching ``params``.
-      state: ``tx``'s state.
-      params: the parameters, a pytree of tensors.
-      donate: hand ``grads``, ``state`` and ``params`` to the step to update in place.
-      **extra: forwarded to ``tx.update`` (``tokens=...``, ``flush=...``);
-        ``inplace``, ``deferred`` and ``fused_apply`` are set by this function.
-
-    Returns:
-      ``(new_params, new_state)``. With ``donate=True`` they are (or share
-      storage with) the donated inputs. When the chain holds (an open
-      accumulation window) the params come back unchanged.
-
-    Raises:
-      ValueError: with ``donate=True``, when a fused alias is not the chain's
-        last member that changes the updates, or two aliases would fuse.
-
-    Example:
-      >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4, weight_decay=0.1))
-      >>> state = tx.init(params)
-      >>> for batch in loader:
-      ...     grads = torch.func.grad(loss_fn)(params, batch)
-      ...     params, state = update_and_apply(tx, grads, state, params, donate=True)
-    """
-    if not isinstance(tx, GradientTransformation):
-        raise TypeError(f"update_and_apply: tx must be a GradientTransformation, got {type(tx).__name__}")
-    if not isinstance(donate, bool):
-        raise TypeError(f"update_and_apply: donate must be a bool, got {type(donate).__name__}")
-    if not donate:
-        updates, new_state = tx.update(grads, state, params, **extra)
-        return apply_updates(params, updates), new_state
-
-    reserved = sorted(k for k in ("inplace", "deferred", FUSED_APPLY) if k in extra)
-    if reserved:
-        raise TypeError(f"update_and_apply: {reserved} are set by donate=True; do not pass them")
-    deferred = DeferredScale()
-    fused = FusedApply()
-    # A donated step writes its inputs, so it is not differentiable; no_grad also lets it write
-    # params that are leaves requiring grad (nn.Parameters), as an optimizer step does.
-    with torch.no_grad():
-        updates, new_state = tx.update(
-            grads, state, params, inplace=True, deferred=deferred, **{FUSED_APPLY: fused}, **extra
-        )
-        if fused.launch is not None:
-            if updates is not fused.token or deferred.factor is not None:
-                raise ValueError(
-                    f"update_and_apply: a member after {fused.name} changed the updates (or held); with donate=True "
-                    f"{fused.name} applies the step itself, so it must be the chain's last member"
-                )
-            fused.launch()
-        elif updates is not None:  # None: an open accumulation window
-            _add_in_place(params, updates, deferred.take())
-    return params, new_state
+    return OptimizerChain(inner.init, update_fn, txs, spec)

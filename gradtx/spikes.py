@@ -24,7 +24,7 @@ import torch
 
 from gradtx import tree as tu
 from gradtx._global_norm import check_plan, global_norm_of
-from gradtx.base import GradientTransformation, OptState, Params, Updates
+from gradtx.base import GradientTransformation, Guard, OptState, Params, Updates
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.norms import check_norm_type
 
@@ -245,7 +245,7 @@ def skip_if(
     *,
     comm: Comm | None = None,
     group: GroupKey = "world",
-) -> GradientTransformation:
+) -> Guard:
     """Run ``inner``, but skip the step when ``should_skip_update_fn`` says so.
 
     ``should_skip_update_fn(updates, gradient_step, params)`` returns
@@ -269,7 +269,8 @@ def skip_if(
       group: the group over which ranks must agree (usually ``"world"``).
 
     Returns:
-      A :class:`GradientTransformation` with state :class:`SkipIfState`.
+      A :class:`gradtx.Guard` (its verdict is ``state.skipped``, which :class:`gradtx.TransformedOptimizer`
+      reads to skip the torch optimizer's step) with state :class:`SkipIfState`.
 
     References:
       Optax's ``MultiSteps`` ``should_skip_update_fn`` (DeepMind, 2020).
@@ -324,7 +325,7 @@ def skip_if(
             inner_state=inner_state,
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return Guard(init_fn, update_fn)
 
 
 # --- skip_spikes ----------------------------------------------------------------------------
@@ -371,7 +372,7 @@ def skip_spikes(
     mesh_groups: Any = None,
     comm: Comm | None = None,
     group: GroupKey = "world",
-) -> GradientTransformation:
+) -> Guard:
     """Skip a step whose global grad norm (or loss) is an outlier; otherwise run ``inner``.
 
     The watched value ``x`` is the global ``norm_type``-norm of the updates
@@ -412,7 +413,7 @@ def skip_spikes(
       group: the group over which ranks must agree.
 
     Returns:
-      A :class:`GradientTransformation` with state :class:`SkipSpikesState`.
+      A :class:`gradtx.Guard` with state :class:`SkipSpikesState`.
 
     References:
       Inspired by ZClip (Kumar et al., 2025) and the loss-spike skipping of OLMo and
@@ -522,4 +523,4 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    return GradientTransformation(init_fn, update_fn)
+    return Guard(init_fn, update_fn)

@@ -14,13 +14,12 @@ from typing import Any
 import optree
 import torch
 
-from gradtx.base import PyTree
-
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
 
+PyTree = Any
 Path = tuple[Any, ...]
 
 

@@ -126,30 +126,29 @@ def test_flush_with_reduce_grads_closes_a_short_window():
     assert int(state.micro_step) == 0 and len(comm.calls) == 2
 
 
-def test_running_sum_inplace_reduces_into_the_donated_buffers():
+def test_window_reduce_writes_into_the_donated_buffers():
     grad = torch.tensor([2.0, 4.0])
-    comm = RecordingComm(PeerComm([_tokens(2)], [torch.tensor([6.0, 6.0])]))
-    tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
-    out, _ = tx.update({"w": grad}, tx.init({"w": grad}), tokens=2, running_sum=True, inplace=True)
-    assert out["w"] is grad  # the .grad object (and a DTensor's metadata) is kept
-    assert torch.equal(grad, torch.tensor([2.0, 2.5]))
+    comm = RecordingComm(PeerComm([torch.tensor([6.0, 6.0])]))
+    window = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True).window
+    out = window.reduce([grad], inplace=True)
+    assert out[0] is grad  # the .grad object (and a DTensor's metadata) is kept
+    assert torch.equal(grad, torch.tensor([8.0, 10.0]))
 
 
-def test_running_sum_deferred_reduces_and_folds_the_factor():
+def test_autograd_buffer_reduces_and_leaves_the_factor_pending():
     grad = torch.tensor([2.0, 4.0])
     comm = PeerComm([_tokens(3)], [torch.tensor([1.0, 1.0])])
     tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
-    deferred = gtx.DeferredScale()
-    out, _ = tx.update({"w": grad}, tx.init({"w": grad}), tokens=1, running_sum=True, inplace=True, deferred=deferred)
-    assert torch.equal(out["w"], torch.tensor([3.0, 5.0]))  # summed, not yet scaled
-    assert float(deferred.take()) == pytest.approx(1 / 4)
+    result = gtx.StepPlan.of(tx).run_owned({"w": grad}, tx.init({"w": grad}), None, autograd_buffer=True, tokens=1)
+    assert result.updates["w"] is grad
+    assert torch.equal(grad, torch.tensor([3.0, 5.0]))  # summed, not yet scaled
+    assert float(result.factor) == pytest.approx(1 / 4)
 
 
-@pytest.mark.parametrize("running_sum", [False, True])
-def test_reduce_grads_is_pure(running_sum):
+def test_reduce_grads_is_pure():
     tx = gtx.accumulate(2, token_weighted=True, comm=RecordingComm(), reduce_grads=True)
     grads = {"w": torch.randn(3), "b": torch.randn(2, 2)}
-    assert_pure(tx, grads, steps=3, tokens=4, running_sum=running_sum)
+    assert_pure(tx, grads, steps=3, tokens=4)
 
 
 def test_state_carries_k():

@@ -135,7 +135,7 @@ def test_identity_and_global_norm():
     assert float(gtx.global_norm(g, norm_type=1)) == 7.0
 
 
-def test_deferred_factor_is_applied_before_a_member_that_is_not_scale_aware():
+def test_executor_applies_a_pending_factor_before_a_member_that_is_not_scalar():
     g = {"w": torch.tensor([3.0, 4.0])}
     seen = []
 
@@ -145,10 +145,10 @@ def test_deferred_factor_is_applied_before_a_member_that_is_not_scale_aware():
 
     plain = gtx.GradientTransformation(lambda p: gtx.EmptyState(), update)
     tx = gtx.chain(gtx.scale(0.5), plain, gtx.scale(2.0))
-    deferred = gtx.DeferredScale()
-    tx.update(g, tx.init(g), deferred=deferred)
+    result = gtx.StepPlan.of(tx).run_owned({"w": g["w"].clone()}, tx.init(g), None, autograd_buffer=False)
     assert_trees_equal(seen[0], torch.tensor([1.5, 2.0]))  # the pending 0.5 was applied before `plain`
-    assert float(deferred.take()) == 2.0  # the trailing scale stays deferred for the caller
+    assert float(result.factor) == 2.0  # the trailing scale stays pending for the caller
+    assert_trees_equal(result.updates, {"w": torch.tensor([1.5, 2.0])})
 
 
 def test_metrics_collects_named_scalars_from_nested_states():

@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradtx.base import DeferredScale, EmptyState
+from gradtx.base import EmptyState, ScalarTransformation
 from gradtx.combine import apply_updates, chain
+from gradtx.executor import StepPlan
 from gradtx.optimizers import (
     ScaleByAdamState,
     ScaleByScheduleState,
@@ -521,22 +522,19 @@ SCALAR_TRANSFORMS = {
 
 
 @pytest.mark.parametrize("name", list(SCALAR_TRANSFORMS))
-def test_deferred_and_inplace_extras_match_the_pure_path(name: str) -> None:
+def test_exposed_factor_and_inplace_extra_match_the_pure_path(name: str) -> None:
     make_tx, factor_at = SCALAR_TRANSFORMS[name]
     tx = make_tx()
-    pure_state = deferred_state = inplace_state = tx.init(_tree(0))
+    assert isinstance(tx, ScalarTransformation)
+    pure_state = factor_state = inplace_state = tx.init(_tree(0))
     for step in range(3):
         grads = _tree(20 + step)
         pure, pure_state = tx.update(grads, pure_state)
         _assert_trees_close(pure, optree.tree_map(lambda g, s=step: g * factor_at(s), grads))
 
-        deferred = DeferredScale()
-        untouched, deferred_state = tx.update(grads, deferred_state, deferred=deferred)
-        assert untouched is grads
-        assert deferred.factor is not None and deferred.factor.ndim == 0
-        torch.testing.assert_close(deferred.factor, torch.tensor(factor_at(step)))
-        factor = deferred.take()
-        assert deferred.factor is None
+        factor, factor_state = tx.factor(grads, factor_state)
+        assert factor.ndim == 0
+        torch.testing.assert_close(factor, torch.tensor(factor_at(step)))
         _assert_trees_close(optree.tree_map(lambda g, f=factor: g * f, grads), pure, rtol=0, atol=0)
 
         donated = optree.tree_map(torch.clone, grads)
@@ -544,23 +542,25 @@ def test_deferred_and_inplace_extras_match_the_pure_path(name: str) -> None:
         out, inplace_state = tx.update(donated, inplace_state, inplace=True)
         assert all(a is b for a, b in zip(optree.tree_leaves(out), donated_leaves))
         _assert_trees_close(out, pure, rtol=0, atol=0)
-    _assert_trees_close(deferred_state, pure_state, rtol=0, atol=0)
+    _assert_trees_close(factor_state, pure_state, rtol=0, atol=0)
     _assert_trees_close(inplace_state, pure_state, rtol=0, atol=0)
 
 
-def test_deferred_factor_folds_with_an_earlier_one() -> None:
+def test_executor_folds_a_trailing_scalar_run_with_a_pending_factor() -> None:
     grads = {"w": torch.tensor([1.0, 2.0])}
-    deferred = DeferredScale()
-    deferred.fold(torch.tensor(4.0))
     tx = chain(scale(0.5), scale_by_learning_rate(0.1))
-    out, _ = tx.update(grads, tx.init(grads), deferred=deferred)
-    assert out is grads
-    torch.testing.assert_close(deferred.take(), torch.tensor(4.0 * 0.5 * -0.1))
+    donated = optree.tree_map(torch.clone, grads)
+    result = StepPlan.of(tx).run_owned(
+        donated, tx.init(grads), None, autograd_buffer=False, inv_scale=torch.tensor(4.0)
+    )
+    assert result.updates["w"] is donated["w"]  # no pass over the grads: the factors only multiply
+    torch.testing.assert_close(donated["w"], grads["w"])
+    torch.testing.assert_close(result.factor, torch.tensor(4.0 * 0.5 * -0.1))
 
 
 @pytest.mark.parametrize("name", ["sgd_full", "adam", "adamw_schedule", "trace", "add_decayed_weights"])
-@pytest.mark.parametrize("mode", ["inplace", "deferred"])
-def test_chains_give_the_pure_numbers_with_extras(name: str, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["inplace", "executor"])
+def test_chains_give_the_pure_numbers_on_owned_buffers(name: str, mode: str) -> None:
     # Momentum is the hazard: an in-place scale after trace() must not scale the trace state.
     tx = ALL_TRANSFORMS[name]()
     params = _tree(0)
@@ -571,11 +571,11 @@ def test_chains_give_the_pure_numbers_with_extras(name: str, mode: str) -> None:
         if mode == "inplace":
             out, extra_state = tx.update(optree.tree_map(torch.clone, grads), extra_state, params, inplace=True)
         else:
-            deferred = DeferredScale()
-            out, extra_state = tx.update(grads, extra_state, params, deferred=deferred)
-            factor = deferred.take()
-            if factor is not None:
-                out = optree.tree_map(lambda u, f=factor: u * f, out)
+            owned = optree.tree_map(torch.clone, grads)
+            result = StepPlan.of(tx).run_owned(owned, extra_state, params, autograd_buffer=False)
+            out, extra_state = result.updates, result.state
+            if result.factor is not None:
+                out = optree.tree_map(lambda u, f=result.factor: u * f, out)
         _assert_trees_close(out, pure, rtol=1e-6, atol=0)
         _assert_trees_close(extra_state, pure_state, rtol=0, atol=0)
 

@@ -1,0 +1,485 @@
+"""The step executor: one plan, read once from a chain's structure, runs every owned-buffer step.
+
+A transform is plain ``init``/``update``. Running a chain member by member is
+always correct, and it is what a pure ``tx.update`` does. When the caller owns
+its buffers, more is possible, and this module is where it happens:
+
+* :class:`gradtx.TransformedOptimizer` owns ``p.grad``, and autograd is its
+  accumulator: a leading :func:`gradtx.accumulate` only counts (its
+  :class:`~gradtx.accumulation.Window`), keeps no buffer, and its ``1/k`` is
+  not applied yet;
+* :func:`update_and_apply` with ``donate=True`` owns the grads, the state and
+  the params, as ``jax.jit(donate_argnums=...)`` would.
+
+:class:`StepPlan` reads the chain once (nested chains flattened):
+
+1. an optional leading window (an :class:`~gradtx.accumulation.Accumulation`);
+2. the body: members run in order on the owned buffers (``inplace=True``);
+3. the scalar tail: the trailing run of
+   :class:`~gradtx.base.ScalarTransformation` s (the clip coefficient, a
+   learning rate, ``scale``), whose factors are multiplied together with the
+   window's normaliser instead of each costing a pass over memory;
+4. the terminal kernel: for a donated step, a trailing gradtx optimizer
+   (:class:`~gradtx.optimizers.OptimizerChain`) applied in one fused torch
+   kernel, with the pending factor as its ``grad_scale``. The wrapper's
+   terminal is the inner torch optimizer, given the same factor.
+
+A pending factor is applied (one in-place multiply) before any body member,
+since a member that is not scalar must see the true updates.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from gradtx import tree as tu
+from gradtx import validate as check
+from gradtx.accumulation import AccumulateState, Accumulation, Window
+from gradtx.base import GradientTransformation, Guard, OptState, Params, ScalarTransformation, Updates
+from gradtx.combine import Chain, apply_updates
+from gradtx.optimizers import OptimizerChain, OptimizerSpec, ScaleByAdamState, ScaleByScheduleState, TraceState
+
+__all__ = ["StepPlan", "StepResult", "update_and_apply"]
+
+_RESERVED = ("inplace",)
+
+
+class StepResult(NamedTuple):
+    """What one owned-buffer step produced.
+
+    Attributes:
+      updates: the updates, written into the owned buffers where possible; ``None``
+        when the step held (an open accumulation window, or a window with no tokens).
+      state: the new state of the whole chain.
+      factor: a 0-d fp32 factor the caller must still apply to ``updates``
+        (``grad_scale = 1 / factor`` for a fused kernel), or ``None``.
+      skip: a 0-d bool tensor, True when a guard (:func:`gradtx.apply_if_finite`)
+        vetoed the step, or ``None`` when the chain has no guard.
+    """
+
+    updates: Updates | None
+    state: OptState
+    factor: torch.Tensor | None
+    skip: torch.Tensor | None
+
+
+def _expands(tx: GradientTransformation) -> bool:
+    # An optimizer alias stays whole: it may be the terminal kernel, and its members are its business.
+    return isinstance(tx, Chain) and not isinstance(tx, OptimizerChain)
+
+
+def _leaf_members(tx: GradientTransformation) -> list[GradientTransformation]:
+    if _expands(tx):
+        return [m for member in tx.members for m in _leaf_members(member)]
+    return [tx]
+
+
+def _split(tx: GradientTransformation, state: OptState) -> list[OptState]:
+    """The states of ``tx``'s leaf members, in order (validated like the chain's own ``update``)."""
+    if not _expands(tx):
+        return [state]
+    out: list[OptState] = []
+    for member, member_state in zip(tx.members, tx.member_states(state)):
+        out += _split(member, member_state)
+    return out
+
+
+def _join(tx: GradientTransformation, states: Any) -> OptState:
+    """Inverse of :func:`_split`: ``states`` is an iterator over leaf-member states."""
+    if not _expands(tx):
+        return next(states)
+    return tx.join_states([_join(member, states) for member in tx.members])
+
+
+class StepPlan:
+    """The structure of a chain, read once: window, body, scalar tail, terminal kernel.
+
+    Build it with :meth:`of` (cached per transform). Transforms know nothing of
+    it; it relies only on what the chain's members are: :class:`~gradtx.combine.Chain`,
+    :class:`~gradtx.accumulation.Accumulation`, :class:`~gradtx.base.ScalarTransformation`,
+    :class:`~gradtx.base.Guard`, :class:`~gradtx.optimizers.OptimizerChain`.
+
+    Attributes:
+      tx: the planned transform.
+      members: its leaf members (nested chains flattened), in order.
+      window: the leading accumulation window, or ``None``.
+      tail_start: index of the first member of the trailing scalar run.
+      terminal: a trailing optimizer alias a donated step may fuse, or ``None``.
+    """
+
+    def __init__(self, tx: GradientTransformation) -> None:
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"StepPlan: tx must be a GradientTransformation, got {type(tx).__name__}")
+        self.tx = tx
+        self.members = _leaf_members(tx)
+        first = self.members[0] if self.members else None
+        self.accumulation: Accumulation | None = first if isinstance(first, Accumulation) else None
+        self.window: Window | None = self.accumulation.window if self.accumulation is not None else None
+        self.late_accumulation = [i for i, m in enumerate(self.members) if i > 0 and isinstance(m, Accumulation)]
+        last = self.members[-1] if self.members else None
+        self.terminal: OptimizerChain | None = last if isinstance(last, OptimizerChain) else None
+        end = len(self.members) - (self.terminal is not None)
+        start = 1 if self.accumulation is not None else 0
+        tail = end
+        while tail > start and isinstance(self.members[tail - 1], ScalarTransformation):
+            tail -= 1
+        self.body_start, self.tail_start, self.body_end = start, tail, end
+
+    @staticmethod
+    def of(tx: GradientTransformation) -> StepPlan:
+        """The plan of ``tx``, built once per transform object."""
+        return _plan_of(tx)
+
+    def __repr__(self) -> str:
+        def name(m: GradientTransformation) -> str:
+            return type(m).__name__
+
+        parts = [f"window(k={self.window.k})"] if self.window is not None else []
+        parts += [name(m) for m in self.members[self.body_start : self.tail_start]]
+        parts += [f"scalar:{name(m)}" for m in self.members[self.tail_start : self.body_end]]
+        if self.terminal is not None:
+            parts.append(f"terminal:{self.terminal.spec.kind}")
+        return f"StepPlan({', '.join(parts)})"
+
+    # --- the window, read on the host ---------------------------------------------------------
+
+    def window_state(self, state: OptState) -> AccumulateState | None:
+        """The leading window's state inside the chain's ``state``, or ``None`` without a window."""
+        return _split(self.tx, state)[0] if self.window is not None else None
+
+    def emits_next(self, state: OptState, *, flush: bool = False) -> bool:
+        """Whether the next step closes the window (always True without one). Reads host counters only."""
+        ws = self.window_state(state)
+        return True if ws is None or self.window is None else self.window.emits_next(ws, flush=flush)
+
+    def window_open(self, state: OptState) -> bool:
+        """Whether the leading window has counted micro-steps it has not emitted yet."""
+        ws = self.window_state(state)
+        return ws is not None and self.window is not None and self.window.is_open(ws)
+
+    # --- running --------------------------------------------------------------------------------
+
+    def run_owned(
+        self,
+        grads: Updates,
+        state: OptState,
+        params: Params | None,
+        *,
+        autograd_buffer: bool,
+        inv_scale: torch.Tensor | None = None,
+        run_terminal: bool = True,
+        **extra: Any,
+    ) -> StepResult:
+        """Run one step on buffers the caller owns (they are overwritten), leaving a pending factor.
+
+        Args:
+          grads: the owned gradient buffers (a tree like the params).
+          state: the chain's state; not modified (a new one is returned).
+          params: the params, read by members that need them.
+          autograd_buffer: ``grads`` already hold the window's running sum
+            (autograd summed the micro-batches into ``.grad``), so the leading
+            window only counts; its members read no grads on a held step.
+          inv_scale: a factor the grads still carry (``1 / loss_scale`` of AMP),
+            folded in first, so every member sees unscaled grads.
+          run_terminal: run a trailing optimizer alias too; ``False`` leaves it
+            (and its state) to the caller's fused kernel.
+          **extra: forwarded to every member (``tokens=``, ``flush=``).
+
+        Returns:
+          A :class:`StepResult`.
+        """
+        reserved = [k for k in _RESERVED if k in extra]
+        if reserved:
+            raise TypeError(f"{reserved} are set by the executor itself; do not pass them")
+        if autograd_buffer and self.late_accumulation:
+            # Autograd's running sum is the sum of micro-batch grads only before any transform
+            # touches it; a transform ahead of the window would act on partial sums every micro-step.
+            raise ValueError(
+                f"chain: member {self.late_accumulation[0]} accumulates, but autograd sums the micro-batches into "
+                ".grad (TransformedOptimizer), so accumulate() must be the first transform of the chain"
+            )
+        states = _split(self.tx, state)
+        pending = inv_scale
+        updates = grads
+        if self.accumulation is not None:
+            window = self.accumulation.window
+            tokens, flush = extra.get("tokens"), bool(extra.get("flush", False))
+            if autograd_buffer:
+                leaves, spec = tu.flatten(grads)
+                device = tu.local(leaves[0]).device if leaves else None
+                stepped = window.step(states[0], tokens=tokens, flush=flush, device=device)
+                states[0] = stepped.state
+                if stepped.factor is None:
+                    return StepResult(None, _join(self.tx, iter(states)), None, None)
+                updates = tu.unflatten(spec, window.reduce(leaves, inplace=True))
+                factor = stepped.factor
+            else:
+                total, factor, states[0] = self.accumulation.sum_window(
+                    grads, states[0], params, tokens=tokens, flush=flush
+                )
+                if total is None:
+                    return StepResult(None, _join(self.tx, iter(states)), None, None)
+                updates = _cast_like(total, grads, factor)
+                if updates is not total:
+                    factor = None  # applied in fp32, before rounding to the grads' dtype
+            if factor is not None:
+                pending = factor if pending is None else pending * factor.to(pending.device)
+
+        skip: torch.Tensor | None = None
+        end = self.body_end if not run_terminal or self.terminal is None else len(self.members)
+        for i in range(self.body_start, end):
+            member = self.members[i]
+            if isinstance(member, ScalarTransformation) and self.tail_start <= i < self.body_end:
+                f, states[i] = member.factor(updates, states[i], params, scale=pending, **extra)
+                pending = f if pending is None else pending * f.to(pending.device)
+                continue
+            if pending is not None:
+                updates = _scale_owned(updates, pending)
+                pending = None
+            updates, states[i] = member.update(updates, states[i], params, inplace=True, **extra)
+            if updates is None:  # a member held: nothing after it runs or changes
+                return StepResult(None, _join(self.tx, iter(states)), None, None)
+            if isinstance(member, Guard):
+                vetoed = states[i].skipped
+                skip = vetoed if skip is None else skip | vetoed.to(skip.device)
+        return StepResult(updates, _join(self.tx, iter(states)), pending, skip)
+
+
+@functools.lru_cache(maxsize=128)
+def _plan_of(tx: GradientTransformation) -> StepPlan:
+    return StepPlan(tx)
+
+
+def _scale_owned(updates: Updates, factor: torch.Tensor) -> Updates:
+    leaves, spec = tu.flatten(updates)
+    tu.check_tensors(leaves, tu.paths(updates), what="updates")
+    return tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=True))
+
+
+def _cast_like(total: Updates, grads: Updates, factor: torch.Tensor) -> Updates:
+    """The fp32 window sum as updates: kept as is when the grads are fp32, else normalised in fp32 and rounded."""
+    sums = tu.flatten(total)[0]
+    leaves, spec = tu.flatten(grads)
+    if all(tu.local(s).dtype == tu.local(g).dtype for s, g in zip(sums, leaves)):
+        return total
+    scaled = tu.scale_leaves(sums, factor, inplace=True)
+    return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)])
+
+
+# --- the terminal kernel of a donated step ---------------------------------------------------
+#
+# A pure step must write new moments, new updates and new params: on a big model those are
+# fresh gradient-sized buffers every step. A donated step may instead update them in place
+# with one fused torch kernel (torch._fused_adamw_, _fused_adam_, _fused_sgd_): it reads p, g
+# and the moments once and writes p and the moments once, and the pending factor rides in its
+# ``grad_scale``.
+
+_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# torch.optim's own list of device types with fused optimizer kernels; a guess if it moves.
+try:
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    _FUSED_DEVICE_TYPES = frozenset(_get_fused_kernels_supported_devices())
+except ImportError:  # pragma: no cover
+    _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
+
+
+def _fused_groups(
+    lists: Sequence[Sequence[torch.Tensor]],
+) -> dict[tuple[torch.device, torch.dtype], list[list[Any]]] | None:
+    """Group parallel lists of local tensors by (device, dtype) for a fused kernel, or ``None`` if one does not suit it.
+
+    The kernels walk each tensor's memory flat and check neither shapes nor
+    layouts, so every tensor of a leaf must have the same dtype, device and
+    shape, and be contiguous.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}
+    for ts in zip(*lists):
+        p = ts[0]
+        if not isinstance(p, torch.Tensor) or p.dtype not in _FUSED_DTYPES or p.device.type not in _FUSED_DEVICE_TYPES:
+            return None
+        for t in ts:
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype != p.dtype
+                or t.device != p.device
+                or t.shape != p.shape
+                or not t.is_contiguous()
+            ):
+                return None
+        group = groups.get((p.device, p.dtype))
+        if group is None:
+            group = groups[(p.device, p.dtype)] = [[] for _ in ts]
+        for column, t in zip(group, ts):
+            column.append(t)
+    return groups
+
+
+def _fused_launch(
+    spec: OptimizerSpec, state: OptState, updates: Updates, params: Params, factor: torch.Tensor | None
+) -> tuple[Callable[[], None], OptState] | None:
+    """The fused kernel launch and the alias's new state, or ``None`` when a leaf or the state does not suit it."""
+    if not isinstance(state, tuple):
+        return None
+    core_state = state[spec.core] if spec.core is not None and spec.core < len(state) else None
+    if spec.core is not None and not isinstance(core_state, ScaleByAdamState if spec.kind != "sgd" else TraceState):
+        return None
+    lr_state = state[-1] if state else None
+    scheduled = callable(spec.learning_rate)
+    if scheduled != isinstance(lr_state, ScaleByScheduleState):
+        return None
+    g_leaves, g_spec = tu.flatten(updates)
+    p_leaves, p_spec = tu.flatten(params)
+    if g_spec != p_spec:
+        return None
+    lists = [[tu.local(t) for t in p_leaves], [tu.local(t) for t in g_leaves]]
+    if core_state is not None:
+        moments = (core_state.mu, core_state.nu) if isinstance(core_state, ScaleByAdamState) else (core_state.trace,)
+        for buffers in moments:
+            b_leaves, b_spec = tu.flatten(buffers)
+            if b_spec != p_spec:
+                return None
+            lists.append([tu.local(t) for t in b_leaves])
+    groups = _fused_groups(lists)
+    if groups is None:
+        return None
+
+    lr: Any = spec.learning_rate
+    if scheduled:
+        value = spec.learning_rate(lr_state.count)  # type: ignore[operator,union-attr]
+        lr = value.to(torch.float32) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+    count = core_state.count + 1 if isinstance(core_state, ScaleByAdamState) else None
+
+    def launch() -> None:
+        for (device, _), columns in groups.items():
+            kw: dict[str, Any] = {"weight_decay": spec.weight_decay, "maximize": False}
+            # The kernel divides the grads by grad_scale (it unscales AMP grads), so the factor goes in inverted.
+            kw["grad_scale"] = None if factor is None else torch.reciprocal(factor.to(device, torch.float32))
+            kw["lr"] = lr.to(device, non_blocking=True) if isinstance(lr, torch.Tensor) else lr
+            if spec.kind == "sgd":
+                ps, gs, *bufs = columns
+                kw.update(momentum=spec.momentum, dampening=0.0, nesterov=spec.nesterov, is_first_step=False)
+                op = torch.ops.aten._fused_sgd_
+                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                op(ps, gs, bufs[0] if bufs else [], **kw)
+            else:
+                ps, gs, ms, vs = columns
+                assert count is not None
+                step = count.to(device, torch.float32, non_blocking=True)
+                kw.update(beta1=spec.b1, beta2=spec.b2, eps=spec.eps, amsgrad=False)
+                op = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
+                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                op(ps, gs, ms, vs, [], [step] * len(ps), **kw)
+
+    new_state = list(state)
+    if isinstance(core_state, ScaleByAdamState):
+        # The moments are the donated buffers: the launch advances them in place.
+        new_state[spec.core] = ScaleByAdamState(count=count, mu=core_state.mu, nu=core_state.nu)  # type: ignore[index]
+    if scheduled:
+        new_state[-1] = ScaleByScheduleState(count=lr_state.count + 1)  # type: ignore[union-attr]
+    return launch, tuple(new_state)
+
+
+def _add_in_place(params: Params, updates: Updates, factor: torch.Tensor | None) -> None:
+    """``params += factor * updates``, in place, through local shards; ``updates`` are owned and may be scaled."""
+    tu.check_structure(params, updates, what="updates", against="params")
+    p_leaves = [tu.local(p) for p in tu.flatten(params)[0]]
+    u_leaves = [tu.local(u) for u in tu.flatten(updates)[0]]
+    for (device, _), idx in tu.group_by_device_dtype(p_leaves).items():
+        ps = [p_leaves[i] for i in idx]
+        us = [u_leaves[i] for i in idx]
+        if factor is not None:
+            torch._foreach_mul_(us, factor.to(device, non_blocking=True))
+        torch._foreach_add_(ps, us)
+
+
+def update_and_apply(
+    tx: GradientTransformation,
+    grads: Updates,
+    state: OptState,
+    params: Params,
+    *,
+    donate: bool = False,
+    **extra: Any,
+) -> tuple[Params, OptState]:
+    """One optimizer step: ``tx.update`` then :func:`gradtx.apply_updates`, optionally on donated buffers.
+
+    With ``donate=False`` this is exactly::
+
+        updates, state = tx.update(grads, state, params, **extra)
+        params = apply_updates(params, updates)
+
+    and it is pure. With ``donate=True`` the caller hands ``grads``, ``state``
+    and ``params`` over to the step, as with ``jax.jit(..., donate_argnums=...)``:
+    the step may overwrite them, and the returned params and state share
+    their storage. Do not use the inputs afterwards (keep the returned ones).
+    The step runs through a :class:`StepPlan`:
+
+    * when the chain ends in :func:`gradtx.adamw`, :func:`gradtx.adam` or
+      :func:`gradtx.sgd` with every leaf fit for torch's fused kernel (params,
+      grads and moments of one dtype, contiguous, on a CPU/CUDA/... device: fp32
+      or fp64 params, since gradtx keeps fp32 moments for low-precision ones),
+      the whole step is one ``torch._fused_adamw_`` / ``_fused_adam_`` /
+      ``_fused_sgd_`` launch, with the trailing scalar factors (clip
+      coefficient, accumulation mean) in its ``grad_scale``: one pass over p, g
+      and the moments;
+    * otherwise the updates are computed in the donated buffers and added to
+      the params in place, with the trailing scalar factors folded into one multiply.
+
+    The numbers equal the pure path's to fp32 rounding. The grads' values
+    after a donated step are unspecified.
+
+    Args:
+      tx: the gradient transformation.
+      grads: the gradients, a pytree matching ``params``.
+      state: ``tx``'s state.
+      params: the parameters, a pytree of tensors.
+      donate: hand ``grads``, ``state`` and ``params`` to the step to update in place.
+      **extra: forwarded to ``tx.update`` (``tokens=...``, ``flush=...``).
+
+    Returns:
+      ``(new_params, new_state)``. With ``donate=True`` they are (or share
+      storage with) the donated inputs. When the chain holds (an open
+      accumulation window) the params come back unchanged.
+
+    Example:
+      >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4, weight_decay=0.1))
+      >>> state = tx.init(params)
+      >>> for batch in loader:
+      ...     grads = torch.func.grad(loss_fn)(params, batch)
+      ...     params, state = update_and_apply(tx, grads, state, params, donate=True)
+    """
+    if not isinstance(tx, GradientTransformation):
+        raise TypeError(f"update_and_apply: tx must be a GradientTransformation, got {type(tx).__name__}")
+    donate = check.flag(donate, arg="donate", name="update_and_apply")
+    if not donate:
+        updates, new_state = tx.update(grads, state, params, **extra)
+        return apply_updates(params, updates), new_state
+    if "inplace" in extra:
+        raise TypeError("update_and_apply: inplace is set by donate=True; do not pass it")
+
+    plan = StepPlan.of(tx)
+    # A donated step writes its inputs, so it is not differentiable; no_grad also lets it write
+    # params that are leaves requiring grad (nn.Parameters), as an optimizer step does.
+    with torch.no_grad():
+        result = plan.run_owned(grads, state, params, autograd_buffer=False, run_terminal=False, **extra)
+        if result.updates is None:  # an open accumulation window
+            return params, result.state
+        updates, factor = result.updates, result.factor
+        states = _split(tx, result.state)
+        if plan.terminal is not None:
+            planned = _fused_launch(plan.terminal.spec, states[-1], updates, params, factor)
+            if planned is not None:
+                launch, states[-1] = planned
+                launch()
+                return params, _join(tx, iter(states))
+            if factor is not None:
+                updates = _scale_owned(updates, factor)
+                factor = None
+            updates, states[-1] = plan.terminal.update(updates, states[-1], params, inplace=True, **extra)
+        _add_in_place(params, updates, factor)
+    return params, _join(tx, iter(states))
