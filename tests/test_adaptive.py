@@ -415,3 +415,22 @@ def test_adaptive_states_round_trip_through_torch_save(tmp_path):
 def test_zclip_and_autoclip_are_pure():
     assert_pure(gtx.zclip(warmup_steps=1), tree(1), tree(0), steps=3)
     assert_pure(gtx.autoclip(10, history=4), tree(1), tree(0), steps=3)
+
+
+# --- through the executor: a donated step folds the clip coefficient into the fused kernel ------------
+
+
+@pytest.mark.parametrize("make_clip", [lambda: gtx.zclip(warmup_steps=3), lambda: gtx.autoclip(25, history=6)])
+def test_donated_step_equals_the_pure_step(make_clip):
+    tx = gtx.chain(make_clip(), gtx.adamw(1e-2))
+    params, state = tree(0), tx.init(tree(0))
+    d_params, d_state = tree(0), tx.init(tree(0))
+    for i in range(8):
+        grads = tree(50 + i, scale=1 + 9 * (i == 6))
+        params, state = gtx.update_and_apply(tx, grads, state, params)
+        d_params, d_state = gtx.update_and_apply(
+            tx, {k: v.clone() for k, v in grads.items()}, d_state, d_params, donate=True
+        )
+        for k in params:
+            torch.testing.assert_close(d_params[k], params[k], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(gtx.metrics(d_state)["clip_coef"], gtx.metrics(state)["clip_coef"])

@@ -329,3 +329,33 @@ def test_states_round_trip_through_torch_save(tmp_path):
     assert optree.tree_structure(loaded) == optree.tree_structure(state)
     for a, b in zip(optree.tree_leaves(loaded), optree.tree_leaves(state)):
         assert torch.equal(a, b)
+
+
+# --- through the wrapper: a guard's veto skips the torch optimizer's step -----------------------------
+
+
+@pytest.mark.parametrize(
+    ("guard", "bad_factor"),
+    [
+        (lambda: gtx.skip_if(gtx.identity(), gtx.skip_not_finite), NAN),
+        (lambda: gtx.skip_spikes(gtx.identity(), warmup_steps=2, z_thresh=4.0), 1e6),
+    ],
+    ids=["skip_if-nan", "skip_spikes-1e6"],
+)
+def test_wrapper_skips_the_torch_step_when_the_guard_vetoes(guard, bad_factor):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), guard())
+    x = torch.randn(8, 4)
+    for _ in range(4):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        assert opt.step() is True
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    momentum = {n: opt.state[p]["momentum_buffer"].clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    (model(x).square().mean() * bad_factor).backward()
+    assert opt.step() is False
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+        assert torch.equal(opt.state[p]["momentum_buffer"], momentum[n]), n
