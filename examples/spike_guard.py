@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad_and_value
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_tiny_lm import CharVocab, TinyLM, get_batch, load_stdlib_text  # noqa: E402  (the demo's data and model)
+from train_tiny_lm import CharVocab, TinyLM, get_batch, load_stdlib_text
 
-import gradtx as gtx  # noqa: E402
+import gradtx as gtx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
