@@ -360,6 +360,21 @@ def step_contenders(
     return contenders, skipped
 
 
+def gradient_sized_allocations(step: Callable[[], None], nbytes: int) -> int:
+    """How many buffers of exactly ``nbytes`` (the largest gradient's size) one call of ``step`` allocates.
+
+    Counted from the profiler's memory events of the per-tensor ATen ops (a foreach op reports
+    its inner ops' allocations again, so it is left out). On CPU every such allocation of a big
+    tensor is a fresh mmap whose pages fault in on first touch: that, not arithmetic, is most
+    of a pure step's cost.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    return sum(1 for e in prof.events() if e.cpu_memory_usage == nbytes and not e.name.startswith("aten::_foreach"))
+
+
 def _pure_step(tx: Any, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> Callable[[], None]:
     box = {"params": params, "state": tx.init(params)}
 
@@ -429,6 +444,18 @@ def _step_case(
         contenders, reps=reps, warmup=ctx.warmup, device=ctx.device, log=ctx.log, wait_quiet=ctx.wait_quiet
     )
     result.skipped = skipped
+    if key == "b":
+        nbytes = max(math.prod(s) for s in shapes.values()) * 4  # fp32
+        counts = {
+            c.name: gradient_sized_allocations(c.step, nbytes)
+            for c in contenders
+            if c.name in (TORCH_FUSED, GTX_WRAPPER, GTX_PURE, GTX_DONATED)
+        }
+        result.notes.append(
+            "Gradient-sized allocations per step (buffers the size of the largest gradient, from the profiler): "
+            + ", ".join(f"{name}: {n}" for name, n in counts.items())
+            + "."
+        )
     for row in rows:
         if row != TORCH_FUSED and result.timing(row) is not None:
             result.ratios.append((f"{row} / torch fused", row, TORCH_FUSED))

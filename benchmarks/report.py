@@ -71,6 +71,13 @@ MISSED_NOTES = {
         "baseline a second time. What would close the gap for good is what would close the wrapper's: a "
         "fused kernel that applies grad_scale without storing the grads."
     ),
+    "b-pure": (
+        "A pure step must allocate its new moments and new params (3 gradient-sized buffers) and, since "
+        "the caller's grads are not its to overwrite, one scaled copy for the clip; Adam's update needs one "
+        "temporary. Case b's note gives the count measured. On CPU each fresh allocation of a large tensor "
+        "is an mmap whose pages fault in on first touch, which costs more than the arithmetic; use the "
+        "donated or the compiled step where speed matters."
+    ),
     "b-torchopt": "torchopt's pure chain allocates several gradient-sized buffers per step; see its row.",
     "b-optax": (
         "XLA fuses optax's whole step into a few loops over donated buffers, and its thread pool does not "
