@@ -21,9 +21,9 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of, leaf_norms_of
 from gradtx.base import EmptyState, GradientTransformation, Params, ScalarTransformation, Updates, scalar_transformation
-from gradtx.norms import check_norm_type
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor
@@ -40,15 +40,6 @@ __all__ = [
     "track_norms",
     "zclip",
 ]
-
-
-def _number(value: Any, *, arg: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: {arg} must not be NaN")
-    return value
 
 
 def _leaves(updates: Updates, *, name: str) -> tuple[list[torch.Tensor], Any]:
@@ -157,19 +148,14 @@ def zclip(
       >>> tx = chain(zclip(alpha=0.97, z_thresh=2.5), adamw(3e-4))
     """
     name = "zclip"
-    alpha = _number(alpha, arg="alpha", name=name)
+    alpha = check.number(alpha, arg="alpha", name=name)
     if not 0 < alpha < 1:
         raise ValueError(f"{name}: alpha must be in (0, 1), got {alpha}")
-    z_thresh = _number(z_thresh, arg="z_thresh", name=name)
-    if not z_thresh > 0:
-        raise ValueError(f"{name}: z_thresh must be > 0, got {z_thresh}")
+    z_thresh = check.positive(z_thresh, arg="z_thresh", name=name)
     if max_grad_norm is not None:
-        max_grad_norm = _number(max_grad_norm, arg="max_grad_norm", name=name)
-        if not max_grad_norm > 0:
-            raise ValueError(f"{name}: max_grad_norm must be > 0 or None, got {max_grad_norm}")
-    eps = _number(eps, arg="eps", name=name)
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-        raise ValueError(f"{name}: warmup_steps must be an int >= 0, got {warmup_steps!r}")
+        max_grad_norm = check.positive(max_grad_norm, arg="max_grad_norm", name=name)
+    eps = check.non_negative(eps, arg="eps", name=name)
+    warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name, minimum=0)
     if not isinstance(mode, str) or mode.lower() not in ("zscore", "percentile"):
         raise ValueError(f"{name}: mode must be 'zscore' or 'percentile', got {mode!r}")
     mode = mode.lower()
@@ -180,10 +166,9 @@ def zclip(
             f"{name}: clip_option must be 'adaptive_scaling' or 'mean' in zscore mode, got {clip_option!r}"
         )
     clip_option = clip_option.lower() if isinstance(clip_option, str) else clip_option
-    clip_factor = _number(clip_factor, arg="clip_factor", name=name)
-    if not isinstance(skip_update_on_spike, bool):
-        raise TypeError(f"{name}: skip_update_on_spike must be a bool, got {skip_update_on_spike!r}")
-    norm_type = check_norm_type(norm_type, name=name)
+    clip_factor = check.positive(clip_factor, arg="clip_factor", name=name)
+    skip_update_on_spike = check.flag(skip_update_on_spike, arg="skip_update_on_spike", name=name)
+    norm_type = check.norm_type(norm_type, name=name)
     check_plan(mesh_groups, "global_norm", name=name)
     window = max(1, warmup_steps)
 
@@ -321,13 +306,13 @@ def autoclip(
       >>> tx = chain(autoclip(percentile=10, history=1000), adamw(3e-4))
     """
     name = "autoclip"
-    percentile = _number(percentile, arg="percentile", name=name)
+    percentile = check.number(percentile, arg="percentile", name=name)
     if not 0 <= percentile <= 100:
         raise ValueError(f"{name}: percentile must be in [0, 100], got {percentile}")
-    if history is not None and (isinstance(history, bool) or not isinstance(history, int) or history < 1):
-        raise ValueError(f"{name}: history must be None or an int >= 1, got {history!r}")
+    if history is not None:
+        history = check.integer(history, arg="history", name=name, minimum=1)
     size = AUTOCLIP_DEFAULT_HISTORY if history is None else history
-    norm_type = check_norm_type(norm_type, name=name)
+    norm_type = check.norm_type(norm_type, name=name)
     check_plan(mesh_groups, "global_norm", name=name)
     q = percentile / 100.0
 
@@ -406,9 +391,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
       {'w': tensor([1., 1., 1., 1.])}
     """
     name = "clip_by_block_rms"
-    threshold = _number(threshold, arg="threshold", name=name)
-    if not threshold > 0:
-        raise ValueError(f"{name}: threshold must be > 0, got {threshold}")
+    threshold = check.positive(threshold, arg="threshold", name=name)
     check_plan(mesh_groups, "unitwise_norms", name=name)
 
     def init_fn(params: Params) -> EmptyState:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from gradtx import validate as check
+
 Schedule = Callable[[Any], torch.Tensor]
 
 __all__ = [
@@ -63,22 +65,11 @@ def _f32(count: torch.Tensor) -> torch.Tensor:
 
 
 def _value(x: Any, *, arg: str, name: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
-        if isinstance(x, torch.Tensor) and x.numel() == 1:
-            return float(x)  # at construction, not per step
-        raise TypeError(f"{name}: {arg} must be a number, got {type(x).__name__}")
-    x = float(x)
-    if math.isnan(x):
-        raise ValueError(f"{name}: {arg} must not be NaN")
-    return x
+    return check.number(x, arg=arg, name=name)
 
 
 def _steps(x: Any, *, arg: str, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        if isinstance(x, float) and x.is_integer():
-            return int(x)
-        raise TypeError(f"{name}: {arg} must be an int, got {x!r}")
-    return int(x)
+    return check.integer(x, arg=arg, name=name)
 
 
 def _f32_const(x: float) -> float:
@@ -263,8 +254,7 @@ def exponential_decay(
     transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
     decay_rate = _value(decay_rate, arg="decay_rate", name=name)
     transition_begin = _steps(transition_begin, arg="transition_begin", name=name)
-    if not isinstance(staircase, bool):
-        raise TypeError(f"{name}: staircase must be a bool, got {staircase!r}")
+    staircase = check.flag(staircase, arg="staircase", name=name)
     if end_value is not None:
         end_value = _value(end_value, arg="end_value", name=name)
     if transition_steps <= 0 or decay_rate == 0:

@@ -16,17 +16,16 @@ value. Decisions that depend on a norm use the global norm (pass
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of
 from gradtx.base import GradientTransformation, Guard, OptState, Params, Updates
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.norms import check_norm_type
 
 __all__ = [
     "ShouldSkipUpdateFunction",
@@ -52,15 +51,6 @@ def _tensor_leaves(updates: Updates, *, name: str) -> tuple[list[torch.Tensor], 
     leaves, spec = tu.flatten(updates)
     tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
     return leaves, spec
-
-
-def _number(value: Any, *, arg: str, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value):
-        raise ValueError(f"{name}: {arg} must not be NaN")
-    return value
 
 
 # --- zero_nans -----------------------------------------------------------------------------
@@ -174,7 +164,9 @@ def skip_large_updates(
     """
     del gradient_step, params
     if not isinstance(max_squared_norm, torch.Tensor):
-        max_squared_norm = _number(max_squared_norm, arg="max_squared_norm", name="skip_large_updates")
+        max_squared_norm = check.number(
+            max_squared_norm, arg="max_squared_norm", name="skip_large_updates", finite=False
+        )
     check_plan(mesh_groups, "global_norm", name="skip_large_updates")
     leaves, _ = _tensor_leaves(updates, name="skip_large_updates")
     norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups).square()
@@ -425,24 +417,17 @@ def skip_spikes(
     """
     name = "skip_spikes"
     _check_inner(inner, name=name)
-    z_thresh = _number(z_thresh, arg="z_thresh", name=name)
-    if not z_thresh > 0:
-        raise ValueError(f"{name}: z_thresh must be > 0, got {z_thresh}")
-    alpha = _number(alpha, arg="alpha", name=name)
+    z_thresh = check.positive(z_thresh, arg="z_thresh", name=name)
+    alpha = check.number(alpha, arg="alpha", name=name)
     if not 0 < alpha < 1:
         raise ValueError(f"{name}: alpha must be in (0, 1), got {alpha}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-        raise ValueError(f"{name}: warmup_steps must be an int >= 1, got {warmup_steps!r}")
+    warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name, minimum=1)
     if metric not in ("grad_norm", "loss"):
         raise ValueError(f"{name}: metric must be 'grad_norm' or 'loss', got {metric!r}")
-    if max_consecutive_skips is not None and (
-        isinstance(max_consecutive_skips, bool)
-        or not isinstance(max_consecutive_skips, int)
-        or max_consecutive_skips < 0
-    ):
-        raise ValueError(f"{name}: max_consecutive_skips must be None or an int >= 0, got {max_consecutive_skips!r}")
-    eps = _number(eps, arg="eps", name=name)
-    norm_type = check_norm_type(norm_type, name=name)
+    if max_consecutive_skips is not None:
+        max_consecutive_skips = check.integer(max_consecutive_skips, arg="max_consecutive_skips", name=name, minimum=0)
+    eps = check.non_negative(eps, arg="eps", name=name)
+    norm_type = check.norm_type(norm_type, name=name)
     check_plan(mesh_groups, "global_norm", name=name)
     if comm is not None:
         check_comm(comm, name=name)
@@ -471,7 +456,7 @@ def skip_spikes(
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
         if not isinstance(loss, torch.Tensor):
-            loss = torch.tensor(_number(loss, arg="loss", name=name))
+            loss = torch.tensor(check.number(loss, arg="loss", name=name, finite=False))
         if loss.numel() != 1:
             raise ValueError(f"{name}: loss must be a scalar, got shape {tuple(loss.shape)}")
         loss = loss.detach().reshape(()).to(device=device, dtype=torch.float32)
