@@ -434,3 +434,37 @@ def test_donated_step_equals_the_pure_step(make_clip):
         for k in params:
             torch.testing.assert_close(d_params[k], params[k], rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(gtx.metrics(d_state)["clip_coef"], gtx.metrics(state)["clip_coef"])
+
+
+def test_numpy_scalars_are_accepted_as_arguments():
+    tx = gtx.zclip(alpha=np.float32(0.9), z_thresh=np.float64(3.0), warmup_steps=np.int64(2))
+    tx.update(tree(1), tx.init(tree(0)))
+    gtx.autoclip(np.float32(10.0), history=np.int32(5))
+    lr = gtx.linear_schedule(np.float32(1.0), 0.0, transition_steps=np.int64(10))
+    torch.testing.assert_close(lr(5), torch.tensor(0.5))
+    with pytest.raises(TypeError, match="skip_update_on_spike must be a bool"):
+        gtx.zclip(skip_update_on_spike=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_guarded_step_on_cuda_never_syncs_with_the_host():
+    params = {k: v.cuda() for k, v in tree(0).items()}
+    tx = gtx.skip_spikes(
+        gtx.chain(
+            gtx.track_norms(),
+            gtx.zclip(warmup_steps=2),
+            gtx.autoclip(20, history=8),
+            gtx.skip_if(gtx.adamw(gtx.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)), gtx.skip_not_finite),
+        ),
+        warmup_steps=2,
+    )
+    state = tx.init(params)
+    grads = [{k: v.cuda() for k, v in tree(10 + i).items()} for i in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for g in grads:
+            updates, state = tx.update(g, state, params)
+            params = gtx.apply_updates(params, updates)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
