@@ -95,7 +95,8 @@ class WindowStep(NamedTuple):
 
     Attributes:
       emit: the window closed with an update.
-      factor: ``1 / denominator`` (0-d fp32, on the grads' device) when ``emit``; else ``None``.
+      factor: ``1 / denominator`` (0-d fp64 on the host; each use narrows it to the grads' precision) when
+        ``emit``; else ``None``.
       state: the new :class:`AccumulateState` (``acc`` untouched: the buffer is the caller's business).
     """
 
@@ -211,7 +212,7 @@ class Window:
         else:
             total = 0
             denom = micro_step * (self.comm.size(self.group) if self.reduce_grads and self.comm is not None else 1)
-        factor = torch.tensor(1.0 / denom, dtype=torch.float32, device=device)
+        factor = torch.tensor(1.0 / denom, dtype=torch.float64)  # exact for fp64 sums; scale_leaves narrows it
         return WindowStep(
             True,
             factor,
@@ -389,9 +390,12 @@ def accumulate(
                         f"expected {tuple(tu.local(e).shape)} ({against})"
                     )
         if state.acc is None:
-            acc = [tu.like(g, tu.local(g).to(torch.float32, copy=True)) for g in leaves]
+            # fp32 at least: bf16/fp16 sum in fp32, fp64 in fp64, complex keeps its imaginary part.
+            acc = [tu.like(g, tu.local(g).to(torch.promote_types(g.dtype, torch.float32), copy=True)) for g in leaves]
         else:
-            acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(tu.flatten(state.acc)[0], leaves)]
+            acc_leaves = tu.flatten(state.acc)[0]
+            tu.check_devices(acc_leaves, leaves, updates, what="accumulate: updates", against="the open window's sum")
+            acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(acc_leaves, leaves)]
         device = tu.local(leaves[0]).device if leaves else None
         stepped = window.step(state, tokens=tokens, flush=flush, device=device)
         if stepped.factor is None:

@@ -115,9 +115,10 @@ def clip_by_global_norm(
     _check_plan(mesh_groups, "global_norm", name="clip_by_global_norm")
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
-        del params
-        zero = torch.zeros((), dtype=torch.float32)
-        return ClipByGlobalNormState(grad_norm=zero, clip_coef=torch.ones((), dtype=torch.float32))
+        # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
+        dtypes = [t.dtype for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
+        dtype = torch.float64 if any(tu.acc_dtype(d) == torch.float64 for d in dtypes) else torch.float32
+        return ClipByGlobalNormState(grad_norm=torch.zeros((), dtype=dtype), clip_coef=torch.ones((), dtype=dtype))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
@@ -128,14 +129,37 @@ def clip_by_global_norm(
         else:
             norm = mesh_groups.global_norm(leaves, norm_type)
         if scale is not None:
-            norm = norm * scale.abs().to(norm.device)  # the true updates are leaves * scale
+            norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        return coef, ClipByGlobalNormState(grad_norm=norm, clip_coef=coef)
+        dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
+        return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 
     return scalar_transformation(init_fn, factor_fn)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------
+
+
+def _magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the precision its norms are taken in (fp32, fp64 for fp64); ``|x|`` for complex ``x``."""
+    if x.is_complex():
+        return x.abs().to(tu.acc_dtype(x.dtype))
+    return x.to(tu.acc_dtype(x.dtype))
+
+
+def _apply_factor(g: torch.Tensor, factor: torch.Tensor, *, inplace: bool) -> torch.Tensor:
+    """``g * factor`` on the local shard, computed in at least fp32 so a tiny factor does not round away in fp16."""
+    g_local = tu.local(g)
+    if g_local.dtype.itemsize < 4 and not g_local.is_complex():
+        scaled = (g_local.float() * factor).to(g_local.dtype)
+        if inplace:
+            g_local.copy_(scaled)
+            return g
+        return tu.like(g, scaled)
+    if inplace:
+        g_local.mul_(factor)
+        return g
+    return tu.like(g, g_local * factor)
 
 
 def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
@@ -145,7 +169,7 @@ def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
     a unit is a slice along dim 0 and the norm reduces over dims ``1..ndim-1``.
     A 0-d or 1-d tensor is one unit, and so is any tensor when ``unitwise`` is False.
     """
-    x = tu.local(x).float()
+    x = _magnitudes(tu.local(x))
     if x.ndim <= 1 or not unitwise:
         return torch.linalg.vector_norm(x)
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
@@ -210,12 +234,7 @@ def adaptive_clip(
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
             max_norm = clipping * torch.clamp(w_norm, min=eps)
             factor = torch.where(g_norm > max_norm, max_norm / torch.clamp(g_norm, min=1e-6), 1.0)
-            g_local = tu.local(g)
-            if extra.get("inplace", False):
-                g_local.mul_(factor.to(g_local.dtype))
-                out.append(g)
-            else:
-                out.append(tu.like(g, g_local * factor.to(g_local.dtype)))
+            out.append(_apply_factor(g, factor, inplace=bool(extra.get("inplace", False))))
         return tu.unflatten(spec, out), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple, Self
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, OptState, Params, PyTree, Updates
+from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates
 
 
 class Chain(GradientTransformation):
@@ -63,9 +63,22 @@ def _run(
     params: Params | None,
     extra: dict[str, Any],
 ) -> tuple[Updates | None, list[OptState]]:
+    # A scalar member's product is computed here, into new buffers (or the donated ones): from then
+    # on the chain owns its updates, so later members may write into them (``inplace=True``), with
+    # the pure path's numbers and one gradient-sized allocation fewer per member.
+    owned = bool(extra.get("inplace", False))
     new_states = list(states)
     for i, tx in enumerate(txs):
-        updates, new_states[i] = tx.update(updates, states[i], params, **extra)
+        if isinstance(tx, ScalarTransformation):
+            factor, new_states[i] = tx.factor(updates, states[i], params, **extra)
+            leaves, spec = tu.flatten(updates)
+            tu.check_tensors(leaves, tu.paths(updates), what="updates")
+            updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
+            owned = True
+            continue
+        updates, new_states[i] = tx.update(
+            updates, states[i], params, **({**extra, "inplace": True} if owned else extra)
+        )
         if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
             break
     return updates, new_states

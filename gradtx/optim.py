@@ -178,7 +178,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
         factor, skip = result.factor, result.skip
         if self._fused:
-            self.optimizer.grad_scale = None if factor is None else (1.0 / factor)  # type: ignore[attr-defined]
+            # torch's fused kernels read grad_scale as fp32; gradtx's factors may be fp64.
+            self.optimizer.grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)  # type: ignore[attr-defined]
             self.optimizer.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]
             try:
                 self.optimizer.step()

@@ -90,13 +90,23 @@ def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=_count_device(leaves))
 
 
+def _real_view(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _to_factor(value: Any, sign: float) -> torch.Tensor:
     # A schedule should return a tensor computed from the count; a Python number is
     # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
+    # Python numbers become fp64, so fp64 params step by exactly the learning rate given;
+    # lower-precision grads take the factor in fp32 (see gradtx.tree.scale_leaves).
     if isinstance(value, torch.Tensor):
-        factor = value.to(torch.float32)
+        factor = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.float32)
     else:
-        factor = torch.tensor(float(value), dtype=torch.float32)
+        factor = torch.tensor(float(value), dtype=torch.float64)
     return -factor if sign < 0 else factor
 
 
@@ -132,7 +142,7 @@ def scale(step_size: float) -> ScalarTransformation:
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
         tu.require_state(state, EmptyState, name="scale")
-        return torch.tensor(step_size, dtype=torch.float32), state
+        return torch.tensor(step_size, dtype=torch.float64), state
 
     return scalar_transformation(init_fn, factor_fn)
 
@@ -269,38 +279,47 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         )
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
+        del params
         tu.require_state(state, ScaleByAdamState, name="scale_by_adam")
         leaves, spec = _leaves(updates, name="scale_by_adam")
         tu.check_structure(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
         mu_leaves, mu_spec = tu.flatten(state.mu)
         nu_leaves, nu_spec = tu.flatten(state.nu)
+        tu.check_devices(mu_leaves, leaves, updates, what="scale_by_adam: updates", against="its moments")
 
         count = state.count + 1
-        t = count.to(torch.float32)
-        bc1 = _bias_correction(b1, t)
-        bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
-
         mu_locals = [tu.local(m) for m in mu_leaves]
         out: list[torch.Tensor] = list(leaves)
         new_mu: list[torch.Tensor] = list(mu_leaves)
         new_nu: list[torch.Tensor] = list(nu_leaves)
         for (device, dtype), idx in tu.group_by_device_dtype(mu_locals).items():
-            g = [tu.local(leaves[i]).to(dtype) for i in idx]
-            m = torch._foreach_lerp([mu_locals[i] for i in idx], g, 1 - b1)
-            v = torch._foreach_mul([tu.local(nu_leaves[i]) for i in idx], b2)
+            t = count.to(device, tu.acc_dtype(dtype))  # fp64 bias corrections for fp64 params
+            bc1 = _bias_correction(b1, t)
+            bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
+            # Complex params are pairs of reals, as torch.optim.Adam treats them (view_as_real):
+            # the second moment is per component, |re|^2 and |im|^2, never g*g.
+            real = _real_view if dtype.is_complex else _same
+            g = [real(tu.local(leaves[i]).to(dtype)) for i in idx]
+            m = torch._foreach_lerp([real(mu_locals[i]) for i in idx], g, 1 - b1)
+            v = torch._foreach_mul([real(tu.local(nu_leaves[i])) for i in idx], b2)
             torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
             # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
             # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
-            u = torch._foreach_sqrt(v)
-            torch._foreach_mul_(u, (bc1 / bc2_sqrt).to(device, non_blocking=True))
-            torch._foreach_add_(u, (bc1 * eps).to(device, non_blocking=True))
+            if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
+                u = g  # the donated update buffers, read for the last time above: the result goes there
+                torch._foreach_copy_(u, v)
+                torch._foreach_sqrt_(u)
+            else:
+                u = torch._foreach_sqrt(v)
+            torch._foreach_mul_(u, bc1 / bc2_sqrt)
+            torch._foreach_add_(u, bc1 * eps)
             torch._foreach_reciprocal_(u)
             torch._foreach_mul_(u, m)
+            back = torch.view_as_complex if dtype.is_complex else _same
             for j, i in enumerate(idx):
-                new_mu[i] = tu.like(mu_leaves[i], m[j])
-                new_nu[i] = tu.like(nu_leaves[i], v[j])
-                out[i] = tu.like(leaves[i], u[j].to(leaves[i].dtype))
+                new_mu[i] = tu.like(mu_leaves[i], back(m[j]))
+                new_nu[i] = tu.like(nu_leaves[i], back(v[j]))
+                out[i] = tu.like(leaves[i], back(u[j]).to(leaves[i].dtype))
         new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
         return tu.unflatten(spec, out), new_state
 
@@ -345,6 +364,7 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         if weight_decay == 0.0:
             return updates, state
         param_leaves, _ = tu.flatten(params)
+        tu.check_devices(param_leaves, leaves, updates, what="add_decayed_weights: updates", against="the params")
         locals_ = [tu.local(u) for u in leaves]
         out: list[torch.Tensor] = list(leaves)
         inplace = bool(extra.get("inplace", False))
@@ -404,6 +424,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
         leaves, spec = _leaves(updates, name="trace")
         tu.check_structure(state.trace, updates, what="trace: updates", against="the state's trace")
         tr_leaves, tr_spec = tu.flatten(state.trace)
+        tu.check_devices(tr_leaves, leaves, updates, what="trace: updates", against="its momentum")
         tr_locals = [tu.local(t) for t in tr_leaves]
         inplace = bool(extra.get("inplace", False))
 

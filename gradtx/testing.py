@@ -95,6 +95,45 @@ def assert_trees_close(
             raise AssertionError(f"{msg}{path}: {err}") from None
 
 
+def assert_donated_matches_pure(
+    tx: GradientTransformation,
+    params: PyTree,
+    grads_seq: Sequence[PyTree],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+    **extra: Any,
+) -> tuple[PyTree, Any]:
+    """Run ``tx`` over ``grads_seq`` as pure steps and as donated steps; assert the params and states agree.
+
+    The donated path (:func:`gradtx.update_and_apply` with ``donate=True``) runs
+    through the step executor: in place, with trailing scalar factors folded and a
+    trailing optimizer fused. A transform of yours is correct there when this passes.
+    Every step's params are compared, and the states at the end.
+
+    Returns:
+      The donated run's final ``(params, state)``.
+
+    Example:
+      >>> grads_seq = [torch.func.grad(loss)(params, b) for b in batches]
+      >>> assert_donated_matches_pure(chain(my_tx(), adamw(1e-3)), params, grads_seq)
+    """
+    from gradtx.executor import update_and_apply  # the executor sits above the transforms
+
+    pure_params = params
+    donated_params = tu.tree_map(lambda t: t.detach().clone(), params)
+    pure_state, donated_state = tx.init(pure_params), tx.init(donated_params)
+    for i, grads in enumerate(grads_seq):
+        pure_params, pure_state = update_and_apply(tx, grads, pure_state, pure_params, **extra)
+        donated_grads = tu.tree_map(lambda t: t.detach().clone(), grads)
+        donated_params, donated_state = update_and_apply(
+            tx, donated_grads, donated_state, donated_params, donate=True, **extra
+        )
+        assert_trees_close(donated_params, pure_params, rtol=rtol, atol=atol, msg=f"params after step {i}: ")
+    assert_trees_close(donated_state, pure_state, rtol=rtol, atol=atol, msg="state after the last step: ")
+    return donated_params, donated_state
+
+
 def assert_trees_equal(actual: PyTree, expected: PyTree, *, msg: str = "") -> None:
     """Assert two trees are bitwise equal (NaNs equal)."""
     assert_trees_close(actual, expected, rtol=0.0, atol=0.0, msg=msg)

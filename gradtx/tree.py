@@ -102,10 +102,44 @@ def require_state(state: Any, state_type: type, *, name: str) -> None:
 
 
 def check_tensors(leaves: Sequence[Any], leaf_paths: Sequence[Path], *, what: str) -> None:
-    """Raise ``TypeError`` naming the first leaf that is not a tensor."""
+    """Raise ``TypeError`` naming the first leaf that is not a dense floating-point or complex tensor.
+
+    Integer and bool tensors have no gradient to transform (a clip or a moment
+    would truncate them silently), and sparse tensors are refused as
+    ``torch.nn.utils.clip_grad_norm_`` refuses them.
+    """
     for path, leaf in zip(leaf_paths, leaves):
         if not isinstance(leaf, torch.Tensor):
             raise TypeError(f"{what} leaf at {path_str(path)} is a {type(leaf).__name__}, not a torch.Tensor")
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"{what} leaf at {path_str(path)} is a {leaf.layout} tensor; gradtx transforms dense tensors only "
+                "(torch.nn.utils.clip_grad_norm_ refuses sparse grads too): pass leaf.to_dense()"
+            )
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{what} leaf at {path_str(path)} has dtype {leaf.dtype}; gradients and params must be "
+                "floating point or complex"
+            )
+
+
+def check_devices(expected: Sequence[Any], got: Sequence[Any], tree: PyTree, *, what: str, against: str) -> None:
+    """Raise ``ValueError`` naming the first leaf of ``tree`` whose (local) device differs from its partner's.
+
+    ``got`` are the leaves of ``tree`` (e.g. the updates), ``expected`` the leaves
+    they are combined with (the state's moments, the params), in the same order.
+    """
+    for i, (e, g) in enumerate(zip(expected, got)):
+        if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and local(e).device != local(g).device:
+            raise ValueError(
+                f"{what} leaf at {path_str(paths(tree)[i])} is on {local(g).device}, {against} on "
+                f"{local(e).device}; move them to one device"
+            )
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision to compute a leaf's norms and factors in: fp64 for fp64/complex128, fp32 otherwise."""
+    return torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
 
 
 def local(x: torch.Tensor) -> torch.Tensor:
@@ -160,9 +194,9 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
     """
     locals_ = [local(t) for t in leaves]
     out: list[torch.Tensor] = list(leaves)
-    for (device, _), idx in group_by_device_dtype(locals_).items():
+    for (device, dtype), idx in group_by_device_dtype(locals_).items():
         group = [locals_[i] for i in idx]
-        f = factor.to(device, non_blocking=True)
+        f = factor.to(device, acc_dtype(dtype), non_blocking=True)
         if inplace:
             torch._foreach_mul_(group, f)
         else:

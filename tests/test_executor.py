@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtx as gtx
-from gradtx.testing import assert_trees_close
+from gradtx.testing import assert_donated_matches_pure, assert_trees_close
 
 
 def centralize() -> gtx.GradientTransformation:
@@ -68,16 +68,7 @@ def test_a_users_transforms_fold_and_fuse_in_a_donated_step(monkeypatch):
 
     monkeypatch.setattr(executor, "_fused_launch", spy)
     tx = gtx.chain(centralize(), gtx.clip_by_global_norm(0.5), halve_every_step(), gtx.adamw(1e-2, weight_decay=0.1))
-    pure_params, donated_params = _tree(0), _tree(0)
-    pure_state, donated_state = tx.init(pure_params), tx.init(donated_params)
-    for step in range(4):
-        grads = _tree(10 + step)
-        pure_params, pure_state = gtx.update_and_apply(tx, grads, pure_state, pure_params)
-        donated_params, donated_state = gtx.update_and_apply(
-            tx, optree.tree_map(torch.clone, grads), donated_state, donated_params, donate=True
-        )
-        assert_trees_close(donated_params, pure_params, rtol=1e-5, atol=1e-7)
-    assert_trees_close(donated_state, pure_state, rtol=1e-5, atol=1e-7)
+    assert_donated_matches_pure(tx, _tree(0), [_tree(10 + step) for step in range(4)])
     # One fused launch per step, carrying clip coefficient * 0.5**t as one factor.
     assert len(fused) == 4 and all(f is not None and f.ndim == 0 for f in fused)
 

@@ -18,7 +18,7 @@ import torch
 import gradtx as gtx
 from gradtx import executor
 from gradtx import tree as tu
-from gradtx.testing import assert_trees_close
+from gradtx.testing import assert_donated_matches_pure, assert_trees_close
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -184,17 +184,7 @@ def test_donated_step_takes_module_parameters(name):
 )
 def test_an_optimizer_that_is_not_last_is_run_not_fused(make, fused, claims):
     # Only a trailing optimizer is the terminal kernel; anywhere else it is an ordinary member.
-    tx = make()
-    pure_params, donated_params = _tree(0), _tree(0)
-    pure_state, donated_state = tx.init(pure_params), tx.init(donated_params)
-    for step in range(3):
-        grads = _tree(10 + step)
-        pure_params, pure_state = gtx.update_and_apply(tx, grads, pure_state, pure_params)
-        donated_params, donated_state = gtx.update_and_apply(
-            tx, _clone(grads), donated_state, donated_params, donate=True
-        )
-        assert_trees_close(donated_params, pure_params, rtol=1e-5, atol=1e-7)
-    assert_trees_close(donated_state, pure_state, rtol=1e-5, atol=1e-7)
+    assert_donated_matches_pure(make(), _tree(0), [_tree(10 + step) for step in range(3)])
     assert claims == fused
 
 

@@ -1,0 +1,279 @@
+"""Hardening: every dtype torch's own clip and optimizers accept, and a clear error for every other input.
+
+Each class of bad input from issue 11 is checked at its root (one validation layer, one tensor
+check), and hypothesis sweeps every public factory and transform: a case either matches a
+torch or fp64 reference, or raises TypeError/ValueError naming the argument or the path, with
+the state untouched.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import optree
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gradtx as gtx
+from gradtx.testing import assert_trees_equal
+
+# --- the factories and their numeric arguments ------------------------------------------------
+
+# name -> (build(**kwargs), {argument: a valid value})
+FACTORIES = {
+    "clip": (lambda **kw: gtx.clip(**kw), {"max_delta": 0.5}),
+    "clip_by_global_norm": (lambda **kw: gtx.clip_by_global_norm(**kw), {"max_norm": 1.0, "norm_type": 2.0}),
+    "adaptive_clip": (lambda **kw: gtx.adaptive_clip(**kw), {"clipping": 0.01, "eps": 1e-3}),
+    "scale": (lambda **kw: gtx.scale(**kw), {"step_size": 0.5}),
+    "scale_by_learning_rate": (lambda **kw: gtx.scale_by_learning_rate(**kw), {"learning_rate": 0.1}),
+    "scale_by_adam": (lambda **kw: gtx.scale_by_adam(**kw), {"b1": 0.9, "b2": 0.999, "eps": 1e-8}),
+    "add_decayed_weights": (lambda **kw: gtx.add_decayed_weights(**kw), {"weight_decay": 0.1}),
+    "trace": (lambda **kw: gtx.trace(**kw), {"decay": 0.9}),
+    "sgd": (lambda **kw: gtx.sgd(**kw), {"learning_rate": 0.1, "momentum": 0.9, "weight_decay": 0.01}),
+    "adam": (lambda **kw: gtx.adam(**kw), {"learning_rate": 0.1, "b1": 0.9, "b2": 0.999, "eps": 1e-8}),
+    "adamw": (lambda **kw: gtx.adamw(**kw), {"learning_rate": 0.1, "weight_decay": 0.01}),
+    "accumulate": (lambda **kw: gtx.accumulate(**kw), {"k": 2}),
+    "apply_if_finite": (
+        lambda **kw: gtx.apply_if_finite(gtx.identity(), **kw),
+        {"max_consecutive_errors": 3},
+    ),
+}
+
+BAD_VALUES = [float("nan"), "0.1", None, [0.1], True, -1.0, -(10**9), float("-inf")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(sorted(FACTORIES)),
+    data=st.data(),
+    bad=st.sampled_from(BAD_VALUES),
+)
+def test_every_factory_names_a_bad_argument(name, data, bad):
+    build, valid = FACTORIES[name]
+    arg = data.draw(st.sampled_from(sorted(valid)))
+    kwargs = {**valid, arg: bad}
+    try:
+        build(**kwargs)
+    except (TypeError, ValueError) as e:
+        assert arg in str(e) and name.split("_by_")[0] in str(e), str(e)
+        return
+    # Accepted: only a value that is genuinely valid for that argument may pass (a negative step
+    # size scales by a negative number, which `scale` allows).
+    assert (name, arg, bad) in {("scale", "step_size", -1.0), ("scale", "step_size", -(10**9))}, (name, arg, bad)
+
+
+# --- integer, bool and sparse tensors ------------------------------------------------------------
+
+TRANSFORMS = {
+    "clip": lambda: gtx.clip(0.5),
+    "clip_by_global_norm": lambda: gtx.clip_by_global_norm(1.0),
+    "adaptive_clip": lambda: gtx.adaptive_clip(0.01),
+    "scale": lambda: gtx.scale(0.5),
+    "scale_by_adam": lambda: gtx.scale_by_adam(),
+    "add_decayed_weights": lambda: gtx.add_decayed_weights(0.1),
+    "trace": lambda: gtx.trace(0.9),
+    "sgd": lambda: gtx.sgd(0.1, momentum=0.9),
+    "adamw": lambda: gtx.adamw(0.1),
+    "accumulate": lambda: gtx.accumulate(1),
+    "apply_if_finite": lambda: gtx.apply_if_finite(gtx.sgd(0.1), 2),
+}
+
+
+def _params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return {"w": torch.randn(3, 4, generator=g).to(dtype), "b": torch.randn(4, generator=g).to(dtype)}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+@pytest.mark.parametrize("bad", ["int", "bool", "sparse"])
+def test_int_bool_and_sparse_grads_are_refused_naming_the_path(name, bad):
+    tx = TRANSFORMS[name]()
+    params = _params()
+    state = tx.init(params)
+    before = copy.deepcopy(state)
+    grads = {k: v.clone() for k, v in params.items()}
+    grads["w"] = {
+        "int": grads["w"].to(torch.int64),
+        "bool": grads["w"] > 0,
+        "sparse": grads["w"].to_sparse(),
+    }[bad]
+    with pytest.raises(TypeError, match=r"\['w'\].*(dtype torch\.(int64|bool)|sparse)"):
+        tx.update(grads, state, params)
+    assert_trees_equal(state, before)
+
+
+@pytest.mark.parametrize("name", ["scale_by_adam", "trace", "sgd", "adamw", "add_decayed_weights"])
+def test_grads_on_another_device_than_the_state_are_refused(name):
+    tx = TRANSFORMS[name]()
+    params = _params()
+    state = tx.init(params)
+    grads = {k: torch.empty_like(v, device="meta") for k, v in params.items()}
+    with pytest.raises(ValueError, match=r"\['b'\] is on meta.*cpu"):
+        tx.update(grads, state, params)
+
+
+def test_accumulate_refuses_a_micro_batch_on_another_device():
+    tx = gtx.accumulate(2)
+    params = _params()
+    _, state = tx.update(params, tx.init(params))
+    with pytest.raises(ValueError, match=r"\['b'\] is on meta"):
+        tx.update({k: torch.empty_like(v, device="meta") for k, v in params.items()}, state)
+
+
+def test_tokens_too_large_names_tokens():
+    tx = gtx.accumulate(2, token_weighted=True)
+    with pytest.raises(ValueError, match="tokens must be < 2\\*\\*62"):
+        tx.update(_params(), tx.init(_params()), tokens=2**70)
+
+
+# --- fp64: nothing is rounded to fp32 --------------------------------------------------------------
+
+
+def test_fp64_sgd_steps_by_exactly_the_learning_rate():
+    params = _params(torch.float64)
+    grads = {k: torch.ones_like(v) for k, v in params.items()}
+    tx = gtx.sgd(0.001)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert_trees_equal(updates, {k: torch.full_like(v, -0.001) for k, v in params.items()})
+
+
+# The same hyperparameters through torch.optim and through gradtx.
+OPTIMIZER_PAIRS = {
+    "adam": (lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1), lambda: gtx.adam(0.01, weight_decay=0.1)),
+    "adamw": (lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1), lambda: gtx.adamw(0.01, weight_decay=0.1)),
+    "sgd": (
+        lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
+        lambda: gtx.sgd(0.01, momentum=0.9, nesterov=True, weight_decay=0.1),
+    ),
+}
+
+
+def _against_torch(opt: str, start: dict, steps: int, *, rtol: float, atol: float) -> None:
+    """``steps`` random steps of torch.optim and of gradtx from the same params; the params must agree."""
+    make_torch, make_tx = OPTIMIZER_PAIRS[opt]
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    torch_opt, tx = make_torch(list(ref.values())), make_tx()
+    params = {k: v.clone() for k, v in start.items()}
+    state = tx.init(params)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(steps):
+        grads = {k: torch.randn(v.shape, dtype=v.dtype, generator=gen) for k, v in params.items()}
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        params, state = gtx.update_and_apply(tx, grads, state, params)
+    for k in params:
+        torch.testing.assert_close(params[k], ref[k].detach(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZER_PAIRS))
+def test_fp64_optimizers_match_torch_to_fp64_rounding(opt):
+    _against_torch(opt, _params(torch.float64), 20, rtol=1e-12, atol=1e-14)
+
+
+def test_fp64_accumulation_keeps_fp64():
+    tx = gtx.accumulate(2)
+    a = torch.tensor([1.0 + 1e-12], dtype=torch.float64)
+    b = torch.tensor([1.0], dtype=torch.float64)
+    _, state = tx.update({"w": a}, tx.init({"w": a}))
+    assert state.acc["w"].dtype == torch.float64
+    out, _ = tx.update({"w": b}, state)
+    assert out["w"].dtype == torch.float64 and float(out["w"]) == (1.0 + 1e-12 + 1.0) / 2
+
+
+# --- complex: what torch does ---------------------------------------------------------------------
+
+
+def _complex_params():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "w": torch.randn(3, 2, dtype=torch.complex64, generator=g),
+        "b": torch.randn(2, dtype=torch.complex64, generator=g),
+    }
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZER_PAIRS))
+def test_complex_optimizers_match_torch(opt):
+    _against_torch(opt, _complex_params(), 10, rtol=1e-5, atol=1e-6)
+
+
+def test_complex_accumulation_keeps_the_imaginary_part():
+    tx = gtx.accumulate(2)
+    a, b = torch.tensor([1 + 2j]), torch.tensor([3 - 4j])
+    _, state = tx.update({"w": a}, tx.init({"w": a}))
+    out, _ = tx.update({"w": b}, state)
+    assert out["w"].dtype == torch.complex64
+    torch.testing.assert_close(out["w"], torch.tensor([2 - 1j]))
+
+
+def test_complex_agc_measures_magnitudes():
+    w = torch.tensor([[3 + 4j, 0j]], dtype=torch.complex64)  # |w_unit| = 5
+    g = torch.tensor([[0 + 1j, 0 + 1j]], dtype=torch.complex64)  # |g_unit| = sqrt(2)
+    tx = gtx.adaptive_clip(0.1)
+    out, _ = tx.update({"w": g}, tx.init({"w": w}), {"w": w})
+    # max norm 0.1 * 5 = 0.5 < sqrt(2): scaled to 0.5 / sqrt(2) (a real-part norm would see 0 and not clip)
+    torch.testing.assert_close(out["w"], g * (0.5 / math.sqrt(2)), rtol=1e-6, atol=0)
+
+
+# --- fp16/bf16 AGC: factors in fp32 -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_agc_clips_a_zero_weight_to_the_eps_floor(dtype):
+    w = torch.zeros(4, 8, dtype=dtype)  # zero-initialised: the bound is clipping * eps = 1e-5
+    g = torch.full((4, 8), 2.0, dtype=dtype)
+    tx = gtx.adaptive_clip(0.01, eps=1e-3)
+    out, _ = tx.update({"w": g}, tx.init({"w": w}), {"w": w})
+    unit_norms = torch.linalg.vector_norm(out["w"].float(), dim=1)
+    assert bool((unit_norms > 0).all()), "clipped to the floor, not zeroed"
+    torch.testing.assert_close(unit_norms, torch.full((4,), 1e-5), rtol=1e-2, atol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    scale_w=st.floats(1e-3, 1e3),
+    scale_g=st.floats(1e-3, 1e3),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+)
+def test_agc_never_overshoots_its_bound_beyond_rounding(scale_w, scale_g, dtype):
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(5, 7, generator=gen) * scale_w).to(dtype)
+    g = (torch.randn(5, 7, generator=gen) * scale_g).to(dtype)
+    tx = gtx.adaptive_clip(0.05)
+    out, _ = tx.update({"w": g}, tx.init({"w": w}), {"w": w})
+    bound = 0.05 * torch.clamp(torch.linalg.vector_norm(w.float(), dim=1), min=1e-3)
+    got = torch.linalg.vector_norm(out["w"].float(), dim=1)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-6}[dtype]
+    assert bool((got <= bound * (1 + tol) + 1e-30).all())
+
+
+# --- every transform, every float dtype: the fp64 reference or a clear error ------------------------
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    name=st.sampled_from(sorted(TRANSFORMS)),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    shape=st.sampled_from([(), (5,), (3, 4)]),
+)
+def test_every_transform_on_every_float_dtype_matches_fp64(name, dtype, shape):
+    gen = torch.Generator().manual_seed(0)
+    params64 = {"p": torch.randn(shape, dtype=torch.float64, generator=gen) + 0.5}
+    grads64 = {"p": torch.randn(shape, dtype=torch.float64, generator=gen)}
+    params = optree.tree_map(lambda t: t.to(dtype), params64)
+    grads = optree.tree_map(lambda t: t.to(dtype), grads64)
+    # The reference sees the same (rounded) inputs, in fp64.
+    ref_params = optree.tree_map(lambda t: t.to(torch.float64), params)
+    ref_grads = optree.tree_map(lambda t: t.to(torch.float64), grads)
+    tx = TRANSFORMS[name]()
+    state = tx.init(params)
+    before = copy.deepcopy((params, grads, state))
+    out, _ = tx.update(grads, state, params)
+    assert_trees_equal((params, grads, state), before)  # pure
+    ref, _ = tx.update(ref_grads, tx.init(ref_params), ref_params)
+    assert out["p"].dtype == dtype and out["p"].shape == torch.Size(shape)
+    tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    torch.testing.assert_close(out["p"].to(torch.float64), ref["p"], rtol=tol, atol=tol)
