@@ -451,7 +451,7 @@ def skip_spikes(
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
             leaves, _ = _tensor_leaves(updates, name=name)
-            return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups).to(device)
+            return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups).to(device=device, dtype=torch.float32)
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")

@@ -468,3 +468,25 @@ def test_a_guarded_step_on_cuda_never_syncs_with_the_host():
             params = gtx.apply_updates(params, updates)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: gtx.zclip(warmup_steps=1),
+        lambda: gtx.autoclip(10, history=4),
+        lambda: gtx.skip_spikes(gtx.sgd(0.1), warmup_steps=1),
+        lambda: gtx.track_norms(),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_state_dtypes_are_stable_across_steps_whatever_the_grads_dtype(make, dtype):
+    # A state whose dtype changed after a step would recompile a compiled step and break checkpoints.
+    tx = make()
+    params = {k: v.to(dtype) for k, v in tree(0).items()}
+    state = tx.init(params)
+    dtypes = [leaf.dtype for leaf in optree.tree_leaves(state)]
+    for i in range(3):
+        updates, state = tx.update({k: v.to(dtype) for k, v in tree(i).items()}, state, params)
+        assert [leaf.dtype for leaf in optree.tree_leaves(state)] == dtypes
+        assert all(u.dtype == dtype for u in updates.values())
