@@ -258,3 +258,56 @@ def test_every_schedule_compiles_fullgraph():
     compiled = torch.compile(all_values, fullgraph=True, dynamic=False)
     for s in (0, 3, 50, 500):
         torch.testing.assert_close(compiled(torch.tensor(s)), all_values(torch.tensor(s)), rtol=1e-6, atol=1e-9)
+
+
+# --- random arguments ---------------------------------------------------------------------------
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+_values = st.floats(min_value=-10.0, max_value=10.0, allow_nan=False, width=32)
+_steps = st.integers(min_value=-5, max_value=60)
+
+
+@hypothesis.settings(max_examples=40, deadline=None)
+@hypothesis.given(
+    init=_values,
+    end=_values,
+    power=st.floats(min_value=0.25, max_value=4.0, width=32),
+    steps=_steps,
+    begin=_steps,
+    rate=st.floats(min_value=0.0625, max_value=3.0, width=32),
+    staircase=st.booleans(),
+    alpha=st.floats(min_value=0.0, max_value=1.0, width=32),
+)
+def test_random_arguments_match_optax(init, end, power, steps, begin, rate, staircase, alpha):
+    cases = [
+        (
+            "polynomial_schedule",
+            {
+                "init_value": init,
+                "end_value": end,
+                "power": power,
+                "transition_steps": steps,
+                "transition_begin": begin,
+            },
+        ),
+        (
+            "exponential_decay",
+            {
+                "init_value": init,
+                "transition_steps": steps,
+                "decay_rate": rate,
+                "transition_begin": begin,
+                "staircase": staircase,
+            },
+        ),
+    ]
+    if steps > 0:
+        cases.append(
+            ("cosine_decay_schedule", {"init_value": init, "decay_steps": steps, "alpha": alpha, "exponent": power})
+        )
+    for name, kwargs in cases:
+        expected = optax_values(name, kwargs)
+        assert_fp32_close(
+            gradtx_values(getattr(gtx, name)(**kwargs), as_tensor=True), expected, what=f"{name}({kwargs})"
+        )
