@@ -1,14 +1,17 @@
-# Two entry points (see README): `make demo` and `make test`.
-# Both create .venv on first use and install the package with the pinned
-# constraints (CPU torch, no CUDA downloads). The install reruns only when
-# pyproject.toml or constraints.txt change (stamp file .venv/.installed).
+# Entry points (see README): `make demo` and `make test`; `make typecheck`, `make docs` and
+# `make package-check` are what CI runs besides the tests.
+# Every target creates .venv on first use and installs the package with the pinned
+# constraints (CPU torch, no CUDA downloads). An install reruns only when
+# pyproject.toml or constraints.txt change (stamp files .venv/.installed*).
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DEV_STAMP  := $(VENV)/.installed-dev
+DOCS_STAMP := $(VENV)/.installed-docs
 
-.PHONY: demo test bench lint install clean
+.PHONY: demo test bench lint typecheck docs docs-serve package-check install clean
 
 demo: $(STAMP)
 	$(PY) examples/train_tiny_lm.py
@@ -21,9 +24,25 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
 	$(PY) benchmarks/run.py --wait-quiet 180
 
-lint: $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
-	$(PY) -m ruff check gradtx tests examples
+lint: $(DEV_STAMP)
+	$(PY) -m ruff check gradtx tests examples tools
+
+# mypy over gradtx/ ([tool.mypy] in pyproject.toml).
+typecheck: $(DEV_STAMP)
+	$(PY) -m mypy
+
+# The docs site (mkdocs.yml) into site/; --strict turns every warning (a broken link, a bad docstring) into an error.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# The docs site at http://127.0.0.1:8000, rebuilt on every save.
+docs-serve: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve
+
+# A wheel built from this checkout installs into a clean venv (pinned CPU torch), and a user
+# script type-checks against the installed package (tests/test_packaging.py).
+package-check: $(DEV_STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m packaging tests/test_packaging.py
 
 install: $(STAMP)
 
@@ -34,5 +53,13 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -c constraints.txt -e ".[test,examples]"
 	touch $@
 
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -c constraints.txt -e ".[test,examples,dev]"
+	touch $@
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -c constraints.txt -e ".[test,examples,docs]"
+	touch $@
+
 clean:
-	rm -rf $(VENV) out build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) out build dist site *.egg-info .pytest_cache .hypothesis .mypy_cache

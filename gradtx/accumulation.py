@@ -18,10 +18,16 @@ import torch
 
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import GradientTransformation, Params, PyTree
+from gradtx.base import GradientTransformation, Params, PyTree, export_metrics
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
+@export_metrics(
+    ("micro_step", "micro_step"),
+    ("last_tokens", "tokens"),
+    ("emitted", "emitted"),
+    ("empty_windows", "empty_windows"),
+)
 class AccumulateState(NamedTuple):
     """The accumulation window.
 
@@ -50,13 +56,6 @@ class AccumulateState(NamedTuple):
     empty_windows: torch.Tensor
     k: torch.Tensor
     acc: PyTree | None
-
-    _metrics = (
-        ("micro_step", "micro_step"),
-        ("last_tokens", "tokens"),
-        ("emitted", "emitted"),
-        ("empty_windows", "empty_windows"),
-    )
 
 
 def _token_count(tokens: Any) -> int:

@@ -34,7 +34,7 @@ that does not say anything about itself is simply run.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, Self
+from typing import Any, NamedTuple, Protocol, Self, TypeVar
 
 import torch
 
@@ -151,13 +151,53 @@ class Guard(GradientTransformation):
     """
 
 
+_StateType = TypeVar("_StateType", bound=type)
+
+
+def export_metrics(*pairs: tuple[str, str]) -> Callable[[_StateType], _StateType]:
+    """Class decorator: declare which fields of a state NamedTuple :func:`metrics` reports.
+
+    It sets the ``_metrics`` class attribute that :func:`metrics` reads. Written
+    as ``_metrics = ...`` in the class body, the same attribute works at run time,
+    but type checkers refuse it: a name in a NamedTuple body is a field, and a
+    field may not start with an underscore.
+
+    Args:
+      *pairs: ``(field name, metric name)`` pairs; each field must be one of the
+        NamedTuple's fields.
+
+    Returns:
+      A decorator that returns the class itself, with ``_metrics`` set.
+
+    Example:
+      >>> @export_metrics(("count", "updates_seen"))
+      ... class CountState(NamedTuple):
+      ...     count: torch.Tensor
+    """
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(s, str) for s in pair)):
+            raise TypeError(f"export_metrics: each pair must be a (field name, metric name) tuple of str, got {pair!r}")
+
+    def decorate(cls: _StateType) -> _StateType:
+        fields = getattr(cls, "_fields", None)
+        if not (isinstance(cls, type) and issubclass(cls, tuple) and fields is not None):
+            raise TypeError(f"export_metrics: decorates a NamedTuple class, got {cls!r}")
+        missing = [field for field, _ in pairs if field not in fields]
+        if missing:
+            raise ValueError(f"export_metrics: {cls.__name__} has no field(s) {missing}; its fields are {fields}")
+        setattr(cls, "_metrics", tuple(pairs))  # noqa: B010 (an attribute the NamedTuple does not declare)
+        return cls
+
+    return decorate
+
+
 def metrics(state: OptState) -> dict[str, torch.Tensor]:
     """Named scalars found anywhere in a (chain) state: ``{"grad_norm": ..., "clip_coef": ...}``.
 
-    A state NamedTuple declares what it exports with a ``_metrics`` class
-    attribute: a tuple of ``(field name, metric name)`` pairs. When two members export the
-    same name, the first one in chain order wins. Values are tensors; nothing
-    is read to the host.
+    A state NamedTuple declares what it exports with :func:`export_metrics`
+    (which sets a ``_metrics`` class attribute: a tuple of ``(field name, metric
+    name)`` pairs). When two members export the same name, the first one in chain
+    order wins. Values are tensors; nothing is read to the host.
 
     Example:
       >>> updates, state = tx.update(grads, state, params)

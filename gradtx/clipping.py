@@ -9,7 +9,14 @@ import torch
 from gradtx import norms
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import EmptyState, GradientTransformation, Params, ScalarTransformation, scalar_transformation
+from gradtx.base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    ScalarTransformation,
+    export_metrics,
+    scalar_transformation,
+)
 
 
 def _check_plan(mesh_groups: Any, method: str, *, name: str) -> None:
@@ -73,13 +80,12 @@ def clip(max_delta: float) -> GradientTransformation:
 # --- clip by global norm -----------------------------------------------------------------
 
 
+@export_metrics(("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"))
 class ClipByGlobalNormState(NamedTuple):
     """The last step's pre-clip global norm and the coefficient applied (fp32, 0-d)."""
 
     grad_norm: torch.Tensor
     clip_coef: torch.Tensor
-
-    _metrics = (("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"))
 
 
 def clip_by_global_norm(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, Self
+from typing import Any, NamedTuple, Self, cast
 
 import torch
 
@@ -283,7 +283,7 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     tu.check_structure(params, updates, what="updates", against="params")
 
     p_leaves, spec = tu.flatten(params)
-    u_leaves = spec.flatten_up_to(updates)
+    u_leaves = cast(list[torch.Tensor], spec.flatten_up_to(updates))  # optree types the leaves as PyTree
     out: list[Any] = [None] * len(p_leaves)
     plain: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):

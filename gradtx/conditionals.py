@@ -9,10 +9,11 @@ import torch
 from gradtx import norms
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import GradientTransformation, Guard, OptState, Params
+from gradtx.base import GradientTransformation, Guard, OptState, Params, export_metrics
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
+@export_metrics(("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
 class ApplyIfFiniteState(NamedTuple):
     """Skip counters and the inner state.
 
@@ -29,8 +30,6 @@ class ApplyIfFiniteState(NamedTuple):
     skipped: torch.Tensor
     total_skipped: torch.Tensor
     inner_state: OptState
-
-    _metrics = (("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
 
 
 def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:

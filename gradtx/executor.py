@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
@@ -67,7 +67,7 @@ class StepResult(NamedTuple):
     skip: torch.Tensor | None
 
 
-def _expands(tx: GradientTransformation) -> bool:
+def _expands(tx: GradientTransformation) -> TypeGuard[Chain]:
     # An optimizer alias stays whole: it may be the terminal kernel, and its members are its business.
     return isinstance(tx, Chain) and not isinstance(tx, OptimizerChain)
 
@@ -363,21 +363,22 @@ def _fused_launch(
             if spec.kind == "sgd":
                 ps, gs, *bufs = columns
                 kw.update(momentum=spec.momentum, dampening=0.0, nesterov=spec.nesterov, is_first_step=False)
-                op = torch.ops.aten._fused_sgd_
-                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                packet = torch.ops.aten._fused_sgd_
+                op = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
                 op(ps, gs, bufs[0] if bufs else [], **kw)
             else:
                 ps, gs, ms, vs = columns
                 assert count is not None
                 step = count.to(device, torch.float32, non_blocking=True)
                 kw.update(beta1=spec.b1, beta2=spec.b2, eps=spec.eps, amsgrad=False)
-                op = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
-                op = op.tensor_lr if isinstance(lr, torch.Tensor) else op.default
+                packet = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
+                op = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
                 op(ps, gs, ms, vs, [], [step] * len(ps), **kw)
 
     new_state = list(state)
     if isinstance(core_state, ScaleByAdamState):
         # The moments are the donated buffers: the launch advances them in place.
+        assert count is not None  # set together with core_state
         new_state[spec.core] = ScaleByAdamState(count=count, mu=core_state.mu, nu=core_state.nu)  # type: ignore[index]
     if scheduled:
         new_state[-1] = ScaleByScheduleState(count=lr_state.count + 1)  # type: ignore[union-attr]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard, cast
 
 import optree
 import torch
@@ -50,6 +50,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
         acc = torch.float64 if dtype == torch.float64 else torch.float32
+        norms: Sequence[torch.Tensor]
         if norm_type == 2.0 and dtype in _CPU_L2_DTYPES and device.type == "cpu":
             norms = _l2_norms_cpu([locals_[i] for i in idx])
         else:
@@ -182,7 +183,7 @@ def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(k) for k in path) if path else "<root>"
 
 
-def _is_shard(placement: Any) -> bool:
+def _is_shard(placement: Any) -> TypeGuard[Shard]:
     # Not placement.is_shard(): it is False for _StridedShard.
     return isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard))
 
@@ -307,8 +308,8 @@ class MeshGroups:
             if is_dtensor != (info.placements is not None):
                 kind = "a DTensor" if is_dtensor else "a plain tensor"
                 raise ValueError(f"{what}: leaf at {info.path} is {kind}, but the mesh_groups plan says otherwise")
-            if is_dtensor and leaf._spec.placements != info.placements:
-                placements = leaf._spec.placements
+            if is_dtensor and cast(DTensor, leaf)._spec.placements != info.placements:
+                placements = cast(DTensor, leaf)._spec.placements
                 if any(p.is_partial() for p in placements):
                     raise ValueError(
                         f"{what}: leaf at {info.path} has Partial placements {placements}; a norm of a pending "
@@ -557,16 +558,16 @@ def mesh_groups(
                         "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
-                    key = canonical(_mesh_dim_key(mesh, mesh_dim, resolve))
-                    if key not in checked:  # a LocalComm here would silently drop the other shards
-                        if comm.size(key) != mesh.size(mesh_dim):
+                    group_key = canonical(_mesh_dim_key(mesh, mesh_dim, resolve))
+                    if group_key not in checked:  # a LocalComm here would silently drop the other shards
+                        if comm.size(group_key) != mesh.size(mesh_dim):
                             raise ValueError(
                                 f"mesh_groups: leaf at {path} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
-                                f"ranks, but comm reports {comm.size(key)} for its group; pass a comm over the "
+                                f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
                                 "same process groups, e.g. TorchComm(mesh)"
                             )
-                        checked.add(key)
-                    shards.append((key, placement.dim))
+                        checked.add(group_key)
+                    shards.append((group_key, placement.dim))
         for n, (key, decl) in enumerate(sharded.items()):
             if _match(key, path, leaf):
                 used.add(n)

@@ -316,16 +316,17 @@ def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
       >>> with no_sync(model, sync=(micro_step == k - 1)):
       ...     loss.backward()
     """
+    wrapped: Any = model  # FSDP2's and DDP's methods are not on nn.Module's type
     if sync:
         yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
+    elif hasattr(wrapped, "set_requires_gradient_sync"):  # FSDP2
+        wrapped.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
-    elif hasattr(model, "no_sync"):  # DDP
-        with model.no_sync():
+            wrapped.set_requires_gradient_sync(True)
+    elif hasattr(wrapped, "no_sync"):  # DDP
+        with wrapped.no_sync():
             yield
     else:
         yield

@@ -150,7 +150,7 @@ def scale(step_size: float) -> ScalarTransformation:
 class ScaleByScheduleState(NamedTuple):
     """The number of updates made so far: a 0-d int64 tensor."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
 
 
 def scale_by_schedule(step_size_fn: Schedule) -> ScalarTransformation:
@@ -230,7 +230,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
 class ScaleByAdamState(NamedTuple):
     """Adam's step count (0-d int64) and first and second moments (trees mirroring the params)."""
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
     mu: PyTree
     nu: PyTree
 

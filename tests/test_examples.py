@@ -91,6 +91,7 @@ DOC_PAGES = [
     "schedules.md",
     "spikes.md",
     "optax.md",
+    "executor.md",
 ]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

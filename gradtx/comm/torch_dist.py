@@ -36,13 +36,12 @@ class TorchComm:
     Tensors of different dtypes cost one collective per dtype, because a sum
     must run in each tensor's own dtype to stay exact for integers.
 
+    The comm is what to pass to :func:`gradtx.mesh_groups`, :func:`gradtx.pp_reduce`
+    and the other transforms that communicate.
+
     Args:
       mesh: the device mesh whose dim names are valid group keys, or ``None``.
       groups: extra named groups, e.g. ``{"tied": embedding_and_head_group}``.
-
-    Returns:
-      A comm to pass to :func:`gradtx.mesh_groups`, :func:`gradtx.pp_reduce`
-      and the other transforms that communicate.
 
     Example:
       >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
