@@ -23,7 +23,15 @@ import torch
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of, leaf_norms_of
-from gradtx.base import EmptyState, GradientTransformation, Params, ScalarTransformation, Updates, scalar_transformation
+from gradtx.base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    ScalarTransformation,
+    Updates,
+    export_metrics,
+    scalar_transformation,
+)
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor
@@ -56,6 +64,7 @@ def _device_of(tree: Any) -> torch.device:
 # --- ZClip ---------------------------------------------------------------------------------
 
 
+@export_metrics(("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"), ("mean", "zclip_mean"))
 class ZClipState(NamedTuple):
     """ZClip's statistics and the last step's norm and coefficient.
 
@@ -68,14 +77,12 @@ class ZClipState(NamedTuple):
       clip_coef: the coefficient applied on the last step (fp32, 0-d).
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
     buffer: torch.Tensor
     mean: torch.Tensor
     var: torch.Tensor
     grad_norm: torch.Tensor
     clip_coef: torch.Tensor
-
-    _metrics = (("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"), ("mean", "zclip_mean"))
 
 
 def zclip(
@@ -156,16 +163,15 @@ def zclip(
         max_grad_norm = check.positive(max_grad_norm, arg="max_grad_norm", name=name)
     eps = check.non_negative(eps, arg="eps", name=name)
     warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name, minimum=0)
-    if not isinstance(mode, str) or mode.lower() not in ("zscore", "percentile"):
+    # Case-insensitive, as the package's are.
+    mode_ = mode.lower() if isinstance(mode, str) else None
+    if mode_ not in ("zscore", "percentile"):
         raise ValueError(f"{name}: mode must be 'zscore' or 'percentile', got {mode!r}")
-    mode = mode.lower()
-    if mode == "zscore" and (
-        not isinstance(clip_option, str) or clip_option.lower() not in ("adaptive_scaling", "mean")
-    ):
+    option = clip_option.lower() if isinstance(clip_option, str) else None
+    if mode_ == "zscore" and option not in ("adaptive_scaling", "mean"):
         raise ValueError(
             f"{name}: clip_option must be 'adaptive_scaling' or 'mean' in zscore mode, got {clip_option!r}"
         )
-    clip_option = clip_option.lower() if isinstance(clip_option, str) else clip_option
     clip_factor = check.positive(clip_factor, arg="clip_factor", name=name)
     skip_update_on_spike = check.flag(skip_update_on_spike, arg="skip_update_on_spike", name=name)
     norm_type = check.norm_type(norm_type, name=name)
@@ -208,13 +214,13 @@ def zclip(
 
         # After warm-up: the adaptive threshold.
         std = state.var.sqrt()
-        if mode == "percentile":
+        if mode_ == "percentile":
             threshold = state.mean + z_thresh * std
             spike = g > threshold
         else:
             z = (g - state.mean) / (std + eps)
             spike = z > z_thresh
-            if clip_option == "adaptive_scaling":
+            if option == "adaptive_scaling":
                 threshold = (state.mean + (z_thresh * std) / (z / z_thresh)) * clip_factor
             else:
                 threshold = state.mean
@@ -252,6 +258,7 @@ AUTOCLIP_DEFAULT_HISTORY = 10_000
 """The window of :func:`autoclip` with ``history=None``: every norm of the first 10,000 steps, then the latest 10,000."""
 
 
+@export_metrics(("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"), ("clip_value", "autoclip_value"))
 class AutoClipState(NamedTuple):
     """AutoClip's ring buffer of past global norms and the last step's norm and coefficient.
 
@@ -264,12 +271,10 @@ class AutoClipState(NamedTuple):
     """
 
     norms: torch.Tensor
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
     grad_norm: torch.Tensor
     clip_value: torch.Tensor
     clip_coef: torch.Tensor
-
-    _metrics = (("grad_norm", "grad_norm"), ("clip_coef", "clip_coef"), ("clip_value", "autoclip_value"))
 
 
 def autoclip(
@@ -417,12 +422,11 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
 # --- norms by layer ------------------------------------------------------------------------
 
 
+@export_metrics(("norms", "grad_norm_by_layer"))
 class TrackNormsState(NamedTuple):
     """The last step's L2 norm of each parameter or group: ``{name: 0-d fp32 tensor}``."""
 
     norms: dict[str, torch.Tensor]
-
-    _metrics = (("norms", "grad_norm_by_layer"),)
 
 
 def _dotted(path: tuple[Any, ...]) -> str:

@@ -24,7 +24,7 @@ import torch
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of
-from gradtx.base import GradientTransformation, Guard, OptState, Params, Updates
+from gradtx.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 __all__ = [
@@ -177,6 +177,7 @@ def skip_large_updates(
 # --- skip_if --------------------------------------------------------------------------------
 
 
+@export_metrics(("total_skipped", "skipped"))
 class SkipIfState(NamedTuple):
     """Step counters, the skip function's own output, and the inner state.
 
@@ -193,8 +194,6 @@ class SkipIfState(NamedTuple):
     total_skipped: torch.Tensor
     skip_state: Any
     inner_state: OptState
-
-    _metrics = (("total_skipped", "skipped"),)
 
 
 def _agree(flag: torch.Tensor, comm: Comm | None, group: GroupKey) -> torch.Tensor:
@@ -323,6 +322,7 @@ def skip_if(
 # --- skip_spikes ----------------------------------------------------------------------------
 
 
+@export_metrics(("total_skipped", "skipped"), ("zscore", "spike_zscore"))
 class SkipSpikesState(NamedTuple):
     """Running statistics of the watched value, skip counters, and the inner state.
 
@@ -338,7 +338,7 @@ class SkipSpikesState(NamedTuple):
       inner_state: the wrapped transform's state.
     """
 
-    count: torch.Tensor
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
     mean: torch.Tensor
     var: torch.Tensor
     value: torch.Tensor
@@ -347,8 +347,6 @@ class SkipSpikesState(NamedTuple):
     consecutive: torch.Tensor
     total_skipped: torch.Tensor
     inner_state: OptState
-
-    _metrics = (("total_skipped", "skipped"), ("zscore", "spike_zscore"))
 
 
 def skip_spikes(
