@@ -7,8 +7,8 @@
 
 The loop is the ordinary ``loss.backward(); opt.step(); opt.zero_grad()``, once per
 micro-batch, with no ``loss / K``: autograd sums the micro-batch grads into ``p.grad``
-(``zero_grad`` is a no-op while a window is open), and ``opt.step()`` returns True only on
-the K-th micro-step, after dividing by K and clipping. With a fused AdamW, the ``1/K`` and
+(``zero_grad`` is a no-op while a window is open), and the inner AdamW steps (``opt.emitted``)
+only on the K-th micro-step, after dividing by K and clipping. With a fused AdamW, the ``1/K`` and
 the clip coefficient ride in the kernel's ``grad_scale``: no extra pass over the grads.
 A ``torch.optim.lr_scheduler`` drives the wrapper as it would the inner optimizer.
 
@@ -56,7 +56,8 @@ def train(model, opt, sched, micro_batches, *, log: bool = False) -> None:
         loss = F.cross_entropy(model(x), y)  # a mean over the micro-batch; no division by K
         loss.backward()
         window.append(loss.detach())
-        if opt.step():  # True on the K-th micro-step: the inner AdamW stepped
+        opt.step()
+        if opt.emitted:  # True on the K-th micro-step: the inner AdamW stepped
             sched.step()
             if log and sched.last_epoch % 10 == 0:
                 m = opt.metrics  # tensors; nothing was read to the host until here

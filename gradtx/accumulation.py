@@ -256,6 +256,9 @@ class Accumulation(GradientTransformation):
         self.sum_window = sum_window
         return self
 
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+        return (self.init, self.update, self.window, self.sum_window)
+
 
 def accumulate(
     k: int,

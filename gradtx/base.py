@@ -117,6 +117,9 @@ class ScalarTransformation(GradientTransformation):
         self.factor = factor
         return self
 
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+        return (self.init, self.update, self.factor)
+
 
 def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformation:
     """Build a :class:`ScalarTransformation` from ``init`` and its ``factor`` function.

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+import pickle
+import sys
+from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from gradtx import tree as tu
-from gradtx.base import GradientTransformation, metrics
+from gradtx.accumulation import AccumulateState
+from gradtx.base import GradientTransformation, OptState, metrics
 from gradtx.combine import chain
 from gradtx.executor import StepPlan
 
@@ -24,30 +30,105 @@ ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 # The extra the wrapper passes itself: it owns the .grad buffers.
 _RESERVED = frozenset({"inplace"})
 
+# Training frameworks that count every ``optimizer.step()`` call as an optimizer step (their global step, their
+# scheduler), and what to use in their place when the chain accumulates.
+_FRAMEWORKS = {
+    "lightning": "Lightning's Trainer(accumulate_grad_batches=k)",
+    "pytorch_lightning": "Lightning's Trainer(accumulate_grad_batches=k)",
+    "transformers": "the Hugging Face Trainer's TrainingArguments(gradient_accumulation_steps=k)",
+    "accelerate": "accelerate's Accelerator(gradient_accumulation_steps=k) with `with accelerator.accumulate(model):` "
+    "(the Hugging Face Trainer: TrainingArguments(gradient_accumulation_steps=k))",
+}
+
+
+def _keep_on_skip(skip: torch.Tensor, old: Any, new: Any) -> Any:
+    """``new``, except where ``skip``: then ``old``; the accumulation window closes either way (no host sync)."""
+    if isinstance(new, AccumulateState):
+        return new
+    if isinstance(new, torch.Tensor):
+        local_new = tu.local(new)
+        return tu.like(new, torch.where(skip.to(local_new.device), tu.local(old), local_new))
+    if isinstance(new, tuple) and hasattr(type(new), "_fields"):
+        return type(new)(*(_keep_on_skip(skip, o, n) for o, n in zip(old, new)))
+    if isinstance(new, (tuple, list)):
+        return type(new)(_keep_on_skip(skip, o, n) for o, n in zip(old, new))
+    if isinstance(new, dict):
+        return {k: _keep_on_skip(skip, old[k], v) for k, v in new.items()}
+    return new
+
+
+def _has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
+    )
+
+
+def _framework_caller() -> str | None:
+    """The training framework (a key of ``_FRAMEWORKS``) whose code called ``step``, if any."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(12):
+        if frame is None:
+            return None
+        top = str(frame.f_globals.get("__name__", "")).split(".", 1)[0]
+        if top in _FRAMEWORKS:
+            return top
+        frame = frame.f_back
+    return None
+
+
+class _Live:
+    """What a step changes, held apart from the optimizer object.
+
+    torch.compile drops attribute writes to a ``torch.optim.Optimizer`` instance
+    inside a graph (dynamo treats optimizers specially), but tracks writes to a
+    plain object: so everything a step writes lives here.
+    """
+
+    def __init__(self, tx_state: OptState) -> None:
+        self.tx_state = tx_state
+        self.window_open = False
+        self.emitted = False
+        # GradScaler inside an accumulation window: the window's scale, and whether it saw an inf.
+        self.amp_scale: torch.Tensor | None = None
+        self.amp_inf: torch.Tensor | None = None
+        self.metrics: dict[str, torch.Tensor] = {}
+
 
 class TransformedOptimizer(torch.optim.Optimizer):
     """Make any ``torch.optim`` optimizer apply a gradtx transform to ``p.grad`` first.
 
-    ``step(**extra)`` reads every ``p.grad``, runs ``tx`` on them (extras such as
-    ``tokens=n`` or ``flush=True`` reach every member), writes the result back
-    to ``p.grad`` and calls the inner optimizer's ``step`` only when the chain
-    emits. It returns whether the inner optimizer stepped.
+    ``step(closure=None, **extra)`` follows ``torch.optim.Optimizer.step``: it
+    calls the closure (if any) once under ``torch.enable_grad()``, reads every
+    ``p.grad``, runs ``tx`` on them (extras such as ``tokens=n`` or
+    ``flush=True`` reach every member), writes the result back to ``p.grad``
+    and calls the inner optimizer's ``step`` only when the chain emits. It
+    returns the closure's loss (``None`` without a closure); :attr:`emitted`
+    says whether the inner optimizer stepped.
 
-    The wrapper owns the ``.grad`` buffers, so it runs the chain on the
-    in-place path (same numbers as the pure path, no extra copies). With
+    The chain runs without copying the grads where it can: with
     :func:`gradtx.accumulate` in the chain, autograd's own summation into
     ``.grad`` is the accumulator, so no second gradient-sized buffer is kept,
     and :meth:`zero_grad` does nothing while a window is open: the ordinary
-    ``backward(); step(); zero_grad()`` loop accumulates unchanged.
+    ``backward(); step(); zero_grad()`` loop accumulates unchanged. A step
+    that raises leaves ``.grad``, the transform state and the inner
+    optimizer's state as they were.
 
     When the inner optimizer is fused (``torch.optim.Adam/AdamW/SGD(fused=True)``),
     a trailing scalar factor from the chain (the clip coefficient, the
     accumulation mean) is folded into the kernel's ``grad_scale`` instead of
     costing a pass over the grads, and a skip decided by
     :func:`gradtx.apply_if_finite` rides in its ``found_inf``, with no host
-    sync (the kernel writes the scaled grads back into ``p.grad`` as it
-    reads them). Other optimizers get the scaled grads written into ``p.grad``
+    sync. Other optimizers get the scaled grads written into ``p.grad``
     before their step.
+
+    ``torch.amp.GradScaler`` hands the wrapper its scale and inf flag (the
+    wrapper declares ``_step_supports_amp_scaling``, as fused optimizers do)
+    instead of unscaling ``.grad`` itself: the chain sees unscaled grads
+    (clipping included), and a step with an inf or NaN is skipped, its
+    transform state and inner state unchanged, while the scaler backs off.
 
     ``param_groups`` is the inner optimizer's own list, so
     ``torch.optim.lr_scheduler`` schedulers work on the wrapper.
@@ -67,10 +148,15 @@ class TransformedOptimizer(torch.optim.Optimizer):
       ...                            chain(accumulate(4), clip_by_global_norm(1.0)))
       >>> for batch in loader:
       ...     model(batch).backward()
-      ...     if opt.step():
+      ...     opt.step()
+      ...     if opt.emitted:
       ...         log(opt.metrics)
       ...     opt.zero_grad()
     """
+
+    # GradScaler sets grad_scale/found_inf on the wrapper and leaves .grad scaled: the wrapper unscales
+    # inside the chain (so clipping sees true grads) and honours found_inf itself.
+    _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, tx: GradientTransformation) -> None:
         # Deliberately no super().__init__: param_groups and state are the inner optimizer's own.
@@ -78,17 +164,52 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"TransformedOptimizer: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
+        if isinstance(optimizer, TransformedOptimizer):
+            raise TypeError("TransformedOptimizer: optimizer is already a TransformedOptimizer; chain the transforms")
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
         self.optimizer = optimizer
+        self._user_tx = tx  # issue 8: what pickle stores; self.tx and self._plan are rebuilt from it
         self.tx = chain(tx)
-        self._plan = StepPlan.of(self.tx)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-        self.tx_state = self.tx.init(self.param_tree())
-        self._window_open = False
-        self._last_metrics: dict[str, torch.Tensor] = {}
+        self._tree = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+        self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
+        self._plan = StepPlan.of(self.tx)
+        self._live = _Live(self.tx.init(self.param_tree()))  # issue 8: what a step writes (see _Live)
+        # issue 8: the chain's structure is fixed, so a step branches on nothing else. A chain whose body
+        # transforms .grad in place is snapshotted on an emitting step, so a member that raises leaves it as it was.
+        self._accumulates = self._plan.window is not None
+        self._body_mutates = self._plan.tail_start > self._plan.body_start or self._plan.terminal is not None
 
     # torch.optim.Optimizer surface, delegated to the inner optimizer -----------------------
+
+    @property
+    def tx_state(self) -> OptState:
+        """The transform's state (a pytree of tensors)."""
+        return self._live.tx_state
+
+    @tx_state.setter
+    def tx_state(self, value: OptState) -> None:
+        self._live.tx_state = value
+
+    # issue 8: the names state_dict/load_state_dict use, kept on the holder a compiled step can write.
+    @property
+    def _window_open(self) -> bool:
+        return self._live.window_open
+
+    @_window_open.setter
+    def _window_open(self, value: bool) -> None:
+        self._live.window_open = value
+        self._live.emitted = False
+        self._live.amp_scale = self._live.amp_inf = None  # a loaded window carries no GradScaler record
+
+    @property
+    def _last_metrics(self) -> dict[str, torch.Tensor]:
+        return self._live.metrics
+
+    @_last_metrics.setter
+    def _last_metrics(self, value: dict[str, torch.Tensor]) -> None:
+        self._live.metrics = value
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -108,28 +229,106 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def __getattr__(self, name: str) -> Any:
         # Anything this class does not define (step/state-dict hook registries, private fields that
         # torch.optim.Optimizer's methods expect) is the inner optimizer's, since we skip its __init__.
-        if name == "optimizer":
+        # GradScaler's grad_scale/found_inf are the wrapper's own, never the inner optimizer's.
+        if name in ("optimizer", "grad_scale", "found_inf") or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
     def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
+        try:
+            pickle.dumps(self._user_tx)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise TypeError(
+                f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
+                "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
+            ) from None
+        # The chain around the user's transform and its plan are rebuilt on load (chain() makes closures).
+        return {k: v for k, v in self._plain_state().items() if k not in ("tx", "_plan")}
+
+    def _plain_state(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("grad_scale", "found_inf")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if "tx" not in state:
+            self.tx = chain(self._user_tx)
+            self._plan = StepPlan.of(self.tx)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TransformedOptimizer:
+        # An in-process copy shares the transform and its plan (pure functions); everything else is copied.
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for shared in (self.tx, self._plan, self._user_tx):
+            memo[id(shared)] = shared
+        new.__dict__.update(copy.deepcopy(self._plain_state(), memo))
+        return new
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError("TransformedOptimizer: add param groups to the inner optimizer before wrapping it")
+        """Add a param group to the inner optimizer and grow the transform state for it.
+
+        The existing groups keep their transform state; the new group's leaves
+        start from ``tx.init``. Not allowed while an accumulation window is open
+        (``.grad`` holds a partial sum the new group has no part in).
+
+        Args:
+          param_group: as for ``torch.optim.Optimizer.add_param_group``.
+        """
+        if self._live.window_open:
+            raise ValueError(
+                "TransformedOptimizer.add_param_group: an accumulation window is open; add the group after the "
+                "step that emits (opt.emitted is True)"
+            )
+        self._check_tree()
+        self.optimizer.add_param_group(param_group)
+        group = self.optimizer.param_groups[-1]
+        tree = [*self.param_tree(), [p for p in group["params"] if p.requires_grad]]
+        try:
+            fresh = self.tx.init(tree)
+        except Exception:
+            self.optimizer.param_groups.pop()  # atomic: the inner optimizer is as it was
+            raise
+        old = dict(zip(map(tu.path_str, tu.paths(self.tx_state)), tu.flatten(self.tx_state)[0]))
+        leaves, spec = tu.flatten(fresh)
+        kept = []
+        for path, leaf in zip(tu.paths(fresh), leaves):
+            prev = old.get(tu.path_str(path))
+            same = isinstance(prev, torch.Tensor) and isinstance(leaf, torch.Tensor) and prev.shape == leaf.shape
+            kept.append(prev if same else leaf)
+        self.tx_state = tu.unflatten(spec, kept)
+        self._tree = [list(g) for g in tree]
+        self._frozen = [*self._frozen, *(p for p in group["params"] if not p.requires_grad)]
 
     # the tree the transform sees: one list per param group, params that require grad ----------
 
     def param_tree(self) -> list[list[torch.Tensor]]:
         """The params tree the transform sees: one list per param group, the params that require grad.
 
-        Build a :func:`gradtx.mesh_groups` plan for the wrapper from this tree, so
-        the plan's leaf order is the transform's.
+        The tree is fixed when the wrapper is built (and grows with
+        :meth:`add_param_group`). A param frozen later stays in it and gets no
+        grad; a param unfrozen later is an error at the next step, since the
+        transform state has no slot for it. Build a :func:`gradtx.mesh_groups`
+        plan for the wrapper from this tree, so the plan's leaf order is the
+        transform's.
         """
-        return [[p for p in g["params"] if p.requires_grad] for g in self.optimizer.param_groups]
+        return [list(g) for g in self._tree]
+
+    def _check_tree(self) -> None:
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._tree):
+            raise ValueError(
+                f"TransformedOptimizer: the inner optimizer has {len(groups)} param groups, the transform state was "
+                f"built for {len(self._tree)}; add groups with opt.add_param_group (the wrapper's), "
+                "not opt.optimizer.add_param_group"
+            )
+        for p in self._frozen:
+            if p.requires_grad and p.grad is not None:
+                where = next(f"[{i}][{j}]" for i, g in enumerate(groups) for j, q in enumerate(g["params"]) if q is p)
+                raise ValueError(
+                    f"TransformedOptimizer: param {where} (shape {tuple(p.shape)}) has requires_grad=True and a grad, "
+                    "but had requires_grad=False when the optimizer was wrapped, so the transform state has no slot "
+                    "for it. Set requires_grad before wrapping (a param frozen later is fine), or build a new "
+                    "TransformedOptimizer around the inner optimizer"
+                )
 
     def _grads(self, params: list[list[torch.Tensor]], *, emitting: bool) -> list[list[torch.Tensor]]:
         # A param without a grad contributes zeros to an emitting step; its grad stays None, so the
@@ -142,73 +341,233 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # stepping -----------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def step(self, closure: Any = None, **extra: Any) -> bool:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None, **extra: Any) -> Any:  # type: ignore[override]
         """Run the transform on the grads and step the inner optimizer if it emitted.
 
         Args:
-          closure: not supported (gradtx needs the grads before the inner step).
+          closure: as in ``torch.optim``: reevaluates the model (forward and
+            backward) and returns the loss; called once, under ``torch.enable_grad()``,
+            before the grads are read. Not allowed with :func:`gradtx.accumulate`
+            in the chain (the caller would count every micro-step as an optimizer step).
           **extra: forwarded to every transform, e.g. ``tokens=n``, ``flush=True``.
 
         Returns:
-          True when the inner optimizer's step ran. With a fused inner optimizer, a
-          step that :func:`gradtx.apply_if_finite` skips is skipped inside the
-          kernel (``found_inf``, no host sync), so this still returns True and
-          ``metrics["skipped"]`` counts it; other optimizers return False.
+          The closure's return value, or ``None`` without a closure. Whether the
+          inner optimizer stepped is :attr:`emitted`.
         """
+        if closure is not None and not callable(closure):
+            raise TypeError(f"TransformedOptimizer.step: closure must be callable, got {type(closure).__name__}")
+        if self._accumulates and not torch.compiler.is_compiling():
+            self._refuse_framework_accumulation(closure)
+        loss = None
         if closure is not None:
-            raise ValueError("TransformedOptimizer.step: closures are not supported")
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._step(extra)
+        return loss
+
+    def _refuse_framework_accumulation(self, closure: Any) -> None:
+        framework = _framework_caller()
+        if closure is None and framework is None:
+            return
+        use = _FRAMEWORKS.get(framework or "", "the caller's own gradient accumulation")
+        who = f"{framework} calls step()" if framework else "step(closure) is called"
+        raise ValueError(
+            f"TransformedOptimizer.step: gtx.accumulate is in the chain, but {who}, counting every call as an "
+            f"optimizer step (its global step, its scheduler) while only every k-th call steps. Take "
+            f"gtx.accumulate out of the chain and use {use}; or drive the wrapper yourself: "
+            "loss.backward(); opt.step() with no closure"
+        )
+
+    def _step(self, extra: dict[str, Any]) -> None:
         reserved = sorted(_RESERVED & extra.keys())
         if reserved:
             raise ValueError(f"TransformedOptimizer.step: {reserved} are set by the wrapper itself; do not pass them")
+        # Set by torch.amp.GradScaler.step for the duration of this call: the grads carry grad_scale
+        # (None after scaler.unscale_(opt)), and found_inf says whether they hold an inf or NaN.
+        grad_scale: torch.Tensor | None = self.__dict__.get("grad_scale")
+        found_inf: torch.Tensor | None = self.__dict__.get("found_inf")
+        self._check_tree()
         params = self.param_tree()
-        grads = self._grads(params, emitting=self.emits_next(flush=bool(extra.get("flush", False))))
-        result = self._plan.run_owned(grads, self.tx_state, params, autograd_buffer=True, **extra)
-        self.tx_state = result.state
-        self._last_metrics = metrics(result.state)
-        # Open while the window counts micro-steps; an emitted or skipped (empty) window closes it.
-        self._window_open = self._plan.window_open(result.state)
-        if result.updates is None:
-            return False
+        emitting = self.emits_next(flush=bool(extra.get("flush", False)))
+        if found_inf is not None and grad_scale is None and self._accumulates and not emitting:
+            raise ValueError(
+                "TransformedOptimizer.step: scaler.unscale_(opt) was called on a micro-step that does not emit, "
+                "so it unscaled the partial sum in .grad that the next micro-steps add scaled grads to. Let the "
+                "wrapper unscale (clip with gtx.clip_by_global_norm in the chain, not clip_grad_norm_), or call "
+                "scaler.unscale_(opt) only when opt.emits_next()"
+            )
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        grads = self._grads(params, emitting=emitting)
+        updates, new_state, factor, skip = self._run_chain(grads, params, extra, inv_scale)
+        window_open = self._accumulates and self._plan.window_open(new_state)
 
-        for group_params, group_updates in zip(params, result.updates):
+        live = self._live
+        amp_scale, amp_inf = live.amp_scale, live.amp_inf
+        drop_partial_sum = False
+        if found_inf is not None:
+            found = found_inf != 0
+            if amp_inf is not None:  # an earlier micro-step of this window saw an inf
+                found = found | amp_inf.to(found.device)
+            if amp_scale is not None and grad_scale is not None:
+                # The scaler changed the scale inside the window: .grad sums micro-batches at two scales.
+                found = found | (grad_scale != amp_scale.to(grad_scale.device))
+            if updates is None and window_open:
+                amp_inf = found
+                if amp_scale is None and grad_scale is not None:
+                    amp_scale = grad_scale.detach().clone()
+                drop_partial_sum = bool(found)  # one scalar read, on a held micro-step under GradScaler only
+            if updates is not None:
+                new_state = _keep_on_skip(found, self.tx_state, new_state)
+                skip = found if skip is None else (skip | found.to(skip.device))
+        if not window_open:
+            amp_scale = amp_inf = None
+
+        if updates is not None:
+            self._apply(params, updates, factor, skip)
+        elif drop_partial_sum:
+            # The window will be skipped; an inf left in .grad would make GradScaler back off again on
+            # every remaining micro-step, where torch's recipe backs off once per window.
+            for group in params:
+                for p in group:
+                    p.grad = None
+        # Commit only now: a step that raised above left the state as it was.
+        live.tx_state = new_state
+        live.window_open = window_open
+        live.emitted = updates is not None
+        live.amp_scale, live.amp_inf = amp_scale, amp_inf
+        live.metrics = metrics(new_state)
+
+    def _run_chain(
+        self,
+        grads: list[list[torch.Tensor]],
+        params: list[list[torch.Tensor]],
+        extra: dict[str, Any],
+        inv_scale: torch.Tensor | None,
+    ) -> tuple[Any, OptState, torch.Tensor | None, torch.Tensor | None]:
+        """Run the chain on the owned grads: (updates or None, new state, pending factor, skip).
+
+        The one place the wrapper calls into the chain. Nothing is written into
+        ``.grad`` here (the caller applies the result once every member
+        succeeded); ``factor`` is a 0-d fp32 scalar still to be applied,
+        ``inv_scale`` (GradScaler's ``1/scale``) folded in, and ``skip`` a 0-d
+        bool tensor (a step :func:`gradtx.apply_if_finite` skipped).
+        """
+        snapshot = None
+        if self._body_mutates and self.emits_next(flush=bool(extra.get("flush", False))):
+            # The executor runs the body in place on the owned grads; keep them, to restore on an error.
+            snapshot = [g.clone() for group in grads for g in group]
+        try:
+            result = self._plan.run_owned(
+                grads, self.tx_state, params, autograd_buffer=True, inv_scale=inv_scale, **extra
+            )
+        except BaseException:
+            if snapshot is not None:
+                torch._foreach_copy_([g for group in grads for g in group], snapshot)
+            raise
+        return result.updates, result.state, result.factor, result.skip
+
+    def _apply(
+        self,
+        params: list[list[torch.Tensor]],
+        updates: Any,
+        factor: torch.Tensor | None,
+        skip: torch.Tensor | None,
+    ) -> None:
+        replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        compiling = torch.compiler.is_compiling()
+        for group_params, group_updates in zip(params, updates):
             for p, u in zip(group_params, group_updates):
                 if p.grad is not None and u is not p.grad:
-                    p.grad = u
+                    if compiling:
+                        # Rebinding p.grad is a pending mutation of the param, which makes dynamo break the
+                        # graph before the inner optimizer's _init_group; a copy into .grad is not.
+                        copies.append((p.grad, u))
+                    else:
+                        replaced.append((p, p.grad))
+                        p.grad = u
+        if copies:
+            torch._foreach_copy_([g for g, _ in copies], [u for _, u in copies])
+        try:
+            # Under torch.compile, dynamo drops writes to an optimizer's attributes, so grad_scale/found_inf
+            # cannot reach the fused kernel there: the factor is applied to the grads instead (inductor fuses it).
+            if self._fused and not torch.compiler.is_compiling():
+                # torch's fused kernels read grad_scale as fp32; gradtx's factors may be fp64.
+                grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)
+                self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+                self.optimizer.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]
+                try:
+                    self._inner_step()
+                finally:
+                    self.optimizer.grad_scale = None  # type: ignore[attr-defined]
+                    self.optimizer.found_inf = None  # type: ignore[attr-defined]
+                return
+            if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
+                return
+            if factor is not None:
+                grads = [p.grad for group in params for p in group if p.grad is not None]
+                tu.scale_leaves(grads, factor, inplace=True)
+            self._inner_step()
+        except BaseException:
+            for p, g in replaced:
+                p.grad = g
+            raise
 
-        factor, skip = result.factor, result.skip
-        if self._fused:
-            # torch's fused kernels read grad_scale as fp32; gradtx's factors may be fp64.
-            self.optimizer.grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)  # type: ignore[attr-defined]
-            self.optimizer.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]
-            try:
-                self.optimizer.step()
-            finally:
-                self.optimizer.grad_scale = None  # type: ignore[attr-defined]
-                self.optimizer.found_inf = None  # type: ignore[attr-defined]
-            return True
-        if factor is not None:
-            grads_now = [p.grad for group in params for p in group if p.grad is not None]
-            tu.scale_leaves(grads_now, factor, inplace=True)
-        if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
-            return False
-        self.optimizer.step()
-        return True
+    def _inner_step(self) -> None:
+        if torch.compiler.is_compiling() and not _has_step_hooks(self.optimizer):
+            # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
+            # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
+            raw: Any = type(self.optimizer).step
+            while hasattr(raw, "__wrapped__"):
+                raw = raw.__wrapped__
+            raw(self.optimizer)
+        else:
+            self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the grads, except while an accumulation window is open (they are the accumulator)."""
-        if not self._window_open:
+        if self._live.window_open:
+            return
+        if not torch.compiler.is_compiling():
             self.optimizer.zero_grad(set_to_none=set_to_none)
+            return
+        # torch.optim's zero_grad is marked not traceable; this is its body, for a compiled step.
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+    @property
+    def emitted(self) -> bool:
+        """Whether the last :meth:`step` emitted: the chain produced an update and the inner optimizer stepped.
+
+        False on a micro-step that an accumulation window holds (and when a
+        token-weighted window had no valid token). A step skipped for non-finite
+        grads (GradScaler's inf, :func:`gradtx.apply_if_finite`) still emitted:
+        its window closed; the params and optimizer state stay unchanged and
+        ``metrics["skipped"]`` counts it. Reads nothing from the device.
+        """
+        return self._live.emitted
 
     @property
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last step's logged scalars: grad_norm, clip_coef, micro_step, tokens, skipped (as present)."""
-        return dict(self._last_metrics)
+        return dict(self._live.metrics)
 
     @property
     def window_open(self) -> bool:
         """Whether an accumulation window is open (the grads hold a partial sum)."""
-        return self._window_open
+        return self._live.window_open
 
     def emits_next(self, *, flush: bool = False) -> bool:
         """Whether the next :meth:`step` will emit, so its backward must sync the grads across ranks.
@@ -223,6 +582,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         Returns:
           Whether the next ``step`` closes its accumulation window.
         """
+        if flush or not self._accumulates:
+            return True
         return self._plan.emits_next(self.tx_state, flush=flush)
 
     @contextlib.contextmanager

@@ -630,6 +630,9 @@ class OptimizerChain(Chain):
         self.spec = spec
         return self
 
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+        return (self.init, self.update, self.members, self.spec)
+
 
 def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerChain:
     """``chain(*txs)``, whose pure path lets every member after the first write into the first one's output.

@@ -100,3 +100,24 @@ def test_a_users_transforms_run_in_the_wrapper_like_the_functional_chain(fused):
         updates, state = tx.update(grads, state, params)
         params = gtx.apply_updates(params, updates)
     assert_trees_close([[p.detach() for p in model.parameters()]], params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: gtx.chain(gtx.clip(1.0), gtx.scale(0.5)),
+        lambda: gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0)), ("opt", gtx.sgd(0.1))),
+        lambda: gtx.accumulate(2, token_weighted=True),
+        lambda: gtx.adamw(1e-3),
+    ],
+)
+def test_structural_transforms_survive_copy_and_deepcopy(make):
+    tx = make()
+    for clone in (copy.copy(tx), copy.deepcopy(tx)):
+        assert type(clone) is type(tx)
+        assert repr(gtx.StepPlan(clone)) == repr(gtx.StepPlan(tx))
+        params = {"w": torch.ones(3)}
+        grads = {"w": torch.full((3,), 2.0)}
+        out, _ = clone.update(grads, clone.init(params), params, tokens=1, flush=True)
+        expected, _ = tx.update(grads, tx.init(params), params, tokens=1, flush=True)
+        assert_trees_close(out, expected)

@@ -43,7 +43,8 @@ def test_wrapper_clip_equals_torch_clip_then_step(opt_name):
         ref_opt.step()
         ref_opt.zero_grad()
         F.cross_entropy(ours(x), y).backward()
-        assert opt.step() is True
+        assert opt.step() is None  # torch's protocol: the closure's loss, or None
+        assert opt.emitted
         torch.testing.assert_close(opt.metrics["grad_norm"], ref_norm, rtol=1e-5, atol=0)
         opt.zero_grad()
     assert_trees_close(state_of(ours), state_of(ref), rtol=1e-5, atol=1e-6)
@@ -65,7 +66,8 @@ def test_wrapper_accumulation_equals_torch_loop_with_scaled_loss(opt_name):
             ref_opt.step()
             ref_opt.zero_grad()
         F.cross_entropy(ours(x), y).backward()  # no 1/k: gradtx normalises by the real count
-        stepped = opt.step()
+        opt.step()
+        stepped = opt.emitted
         assert stepped == ((i + 1) % k == 0)
         assert opt.window_open == (not stepped)
         opt.zero_grad()  # a no-op while the window is open: .grad is the accumulator
@@ -169,7 +171,8 @@ def test_params_without_grads_are_skipped():
     opt = gtx.TransformedOptimizer(torch.optim.AdamW(params, lr=0.1), gtx.clip_by_global_norm(1.0))
     x, y = batches(1)[0]
     F.cross_entropy(model(x), y).backward()
-    assert opt.step()
+    opt.step()
+    assert opt.emitted
     assert unused.grad is None and torch.equal(unused, torch.ones(4)) and torch.equal(frozen, torch.ones(2))
     assert unused not in opt.optimizer.state
 
@@ -200,8 +203,8 @@ def test_non_finite_grads_skip_the_inner_step(fused):
     inner_before = copy.deepcopy(opt.optimizer.state_dict())
     F.cross_entropy(model(x), y).backward()
     model[0].weight.grad[0, 0] = float("nan")
-    stepped = opt.step()
-    assert stepped is fused  # fused: the kernel skips via found_inf, without a host sync
+    opt.step()
+    assert opt.emitted  # the step closed; fused: the kernel skipped it via found_inf, without a host sync
     assert_trees_equal(state_of(model), before)
     after = opt.optimizer.state_dict()
     for i, s in inner_before["state"].items():
@@ -257,7 +260,8 @@ def test_wrapper_skips_an_empty_token_window_and_starts_a_clean_one():
     padded = torch.full_like(y0, -100)
     for x in (x0, x1):  # a window with no valid token
         F.cross_entropy(ours(x), padded, ignore_index=-100, reduction="sum").backward()
-        assert opt.step(tokens=0) is False
+        opt.step(tokens=0)
+        assert not opt.emitted
         opt.zero_grad()
     assert not opt.window_open and all(p.grad is None for p in ours.parameters())
     assert int(opt.metrics["empty_windows"]) == 1
@@ -285,3 +289,201 @@ def test_load_state_dict_rejects_a_mismatched_state_and_clears_stale_grads():
     assert opt.window_open
     opt.load_state_dict(checkpoint)
     assert not opt.window_open and all(p.grad is None for p in model.parameters())
+
+
+# --- a drop-in torch.optim.Optimizer: closure, atomic steps, param groups, requires_grad, pickle ----------
+
+
+def test_step_with_a_closure_follows_torch_protocol():
+    ref, ours = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), gtx.identity())
+    calls = []
+    for x, y in batches(3):
+
+        def closure(model=ours, o=opt, x=x, y=y):
+            calls.append(torch.is_grad_enabled())
+            o.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        def ref_closure(x=x, y=y):
+            ref_opt.zero_grad()
+            loss = F.cross_entropy(ref(x), y)
+            loss.backward()
+            return loss
+
+        with torch.no_grad():  # torch calls the closure under enable_grad even so
+            loss = opt.step(closure)
+        ref_loss = ref_opt.step(ref_closure)
+        assert opt.emitted
+        torch.testing.assert_close(loss, ref_loss)
+    assert calls == [True, True, True]  # once per step
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6, atol=1e-7)
+    with pytest.raises(TypeError, match="closure must be callable"):
+        opt.step(1.0)
+
+
+def test_closure_with_accumulate_is_refused_naming_the_alternative():
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(2))
+    x, y = batches(1)[0]
+    with pytest.raises(ValueError, match="accumulate_grad_batches|own gradient accumulation"):
+        opt.step(lambda: F.cross_entropy(model(x), y).backward())
+    assert all(p.grad is None for p in model.parameters())  # the closure never ran
+
+
+def _boom_transform():
+    """A plain user transform that raises when the step is given boom=True (after accumulate divided)."""
+
+    def init_fn(params):
+        return gtx.EmptyState()
+
+    def update_fn(updates, state, params=None, *, boom=False, **extra):
+        if boom:
+            raise RuntimeError("boom")
+        return updates, state
+
+    return gtx.GradientTransformation(init_fn, update_fn)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_that_raises_leaves_grads_and_state_as_they_were(fused):
+    k = 2
+    tx = gtx.chain(gtx.accumulate(k), _boom_transform(), gtx.trace(0.9), gtx.clip_by_global_norm(0.5))
+    ref, ours = make_model(), make_model()
+    ref_opt = gtx.TransformedOptimizer(torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=fused), tx)
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2, fused=fused), tx)
+    for i, (x, y) in enumerate(batches(3 * k)):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            F.cross_entropy(model(x), y).backward()
+        if i % k == k - 1:  # the emitting micro-step raises once, then is retried
+            grads = [p.grad.clone() for p in ours.parameters()]
+            tx_state = copy.deepcopy(opt.tx_state)
+            inner = copy.deepcopy(opt.optimizer.state_dict())
+            with pytest.raises(RuntimeError, match="boom"):
+                opt.step(boom=True)
+            assert_trees_equal([p.grad for p in ours.parameters()], grads)
+            assert_trees_equal(opt.tx_state, tx_state)
+            assert_trees_equal(opt.optimizer.state_dict()["state"], inner["state"])
+            assert opt.window_open
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    assert_trees_equal(state_of(ours), state_of(ref))
+
+
+def test_a_step_with_bad_extras_leaves_the_window_as_it_was():
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(2, token_weighted=True))
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    state = copy.deepcopy(opt.tx_state)
+    with pytest.raises(ValueError, match="tokens"):
+        opt.step()  # token-weighted needs tokens=n
+    assert_trees_equal(opt.tx_state, state)
+    assert not opt.window_open
+    opt.step(tokens=8)
+    assert opt.window_open
+
+
+def test_add_param_group_grows_the_transform_state():
+    """clip + trace(0.9) + SGD equals clip_grad_norm_ + SGD(momentum=0.9), before and after a second group."""
+    ref, ours = make_model(), make_model()
+    ref_opt = torch.optim.SGD(ref[0].parameters(), lr=0.1, momentum=0.9)
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(ours[0].parameters(), lr=0.1), gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(0.9))
+    )
+    for i, (x, y) in enumerate(batches(6)):
+        if i == 3:
+            ref_opt.add_param_group({"params": list(ref[2].parameters()), "lr": 0.05})
+            opt.add_param_group({"params": list(ours[2].parameters()), "lr": 0.05})
+            assert [len(g) for g in opt.param_tree()] == [2, 2]
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref.zero_grad()
+        F.cross_entropy(ours(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ours.zero_grad()
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_add_param_group_is_refused_mid_window_and_behind_the_wrappers_back():
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), gtx.accumulate(2))
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="window is open"):
+        opt.add_param_group({"params": list(model[2].parameters())})
+    assert len(opt.param_groups) == 1
+    opt.optimizer.add_param_group({"params": list(model[2].parameters())})
+    with pytest.raises(ValueError, match=r"opt.add_param_group \(the wrapper's\)"):
+        opt.step()
+
+
+def test_requires_grad_changes_after_wrapping():
+    ref, ours = make_model(), make_model()
+    ours[2].bias.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(ours.parameters(), lr=1e-2), gtx.clip_by_global_norm(1e3))
+    ref[0].weight.requires_grad_(False)  # frozen after wrapping: no grad, so both optimizers skip it
+    ours[0].weight.requires_grad_(False)
+    ref[2].bias.requires_grad_(False)
+    for x, y in batches(3):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            F.cross_entropy(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6, atol=1e-7)
+    ours[2].bias.requires_grad_(True)  # unfrozen: the transform state has no slot for it
+    x, y = batches(1)[0]
+    F.cross_entropy(ours(x), y).backward()
+    with pytest.raises(ValueError, match=r"param \[0\]\[3\] \(shape \(3,\)\).*requires_grad=False when"):
+        opt.step()
+
+
+def _picklable_init(params):
+    return gtx.EmptyState()
+
+
+def _picklable_halve(updates, state, params=None, **extra):
+    return [[u * 0.5 for u in group] for group in updates], state
+
+
+def test_pickle_round_trips_with_a_picklable_transform():
+    import pickle
+
+    data = batches(6)
+    tx = gtx.GradientTransformation(_picklable_init, _picklable_halve)
+    full = make_model()
+    full_opt = gtx.TransformedOptimizer(torch.optim.AdamW(full.parameters(), lr=1e-2), tx)
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), tx)
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            model, opt = pickle.loads(pickle.dumps((model, opt)))
+            assert opt.param_groups[0]["params"][0] is next(model.parameters())
+        for m, o in ((full, full_opt), (model, opt)):
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert_trees_equal(state_of(model), state_of(full))
+    assert_trees_equal(copy.deepcopy(opt).optimizer.state_dict(), opt.optimizer.state_dict())
+
+
+def test_pickle_of_a_closure_transform_says_what_to_do():
+    import pickle
+
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.clip_by_global_norm(1.0))
+    try:
+        pickle.loads(pickle.dumps(opt))  # fine once gradtx's own transforms pickle
+    except TypeError as e:
+        assert "state_dict()" in str(e) and "deepcopy" in str(e)
+    clone = copy.deepcopy(opt)
+    assert clone.optimizer is not opt.optimizer and clone.tx is opt.tx

@@ -178,7 +178,8 @@ def _train_wrapped(rank: int, model: nn.Module, comm: Any, group: str, where: Ca
             synced_flags.append(opt.emits_next())
             with opt.maybe_no_sync(model):
                 sum_loss(model(x), y).backward()
-            stepped.append(opt.step(tokens=n_valid(y)))
+            opt.step(tokens=n_valid(y))
+            stepped.append(opt.emitted)
             opt.zero_grad()
         tokens.append(int(opt.metrics["tokens"]))
     return {"stepped": stepped, "synced": synced_flags, "tokens": tokens}

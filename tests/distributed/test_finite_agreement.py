@@ -86,7 +86,8 @@ def _wrapper_steps(
                 loss_fn(model(x), y).backward()
             if step == 1 and micro == k - 1 and rank == NAN_RANK:
                 inject(model)
-            stepped = opt.step()
+            opt.step()
+            stepped = opt.emitted
             opt.zero_grad()
         after = _snapshot(model)
         steps.append(
@@ -184,11 +185,11 @@ def test_wrapper_nan_on_one_rank_makes_every_rank_skip(ranks: list[dict[str, Any
         # Every rank skipped: params bitwise unchanged, and the optimizer's step count did not move.
         assert bad["unchanged"] and bad["opt_steps"] == [1.0]
         assert after["stepped"] and not after["unchanged"] and after["opt_steps"] == [2.0]
+    # The skipped step still closed its window (opt.emitted); the skip itself is in metrics["skipped"].
+    assert all(r["agreed"]["steps"][1]["stepped"] for r in results)
     if part == "ddp_fused":
-        assert results[0]["agreed"]["steps"][1]["stepped"]  # fused: the skip rides in found_inf
         _assert_equal_trees(results[0]["agreed"]["params"], results[1]["agreed"]["params"])
     else:
-        assert not any(r["agreed"]["steps"][1]["stepped"] for r in results)
         _assert_equal_trees(results[0]["agreed"]["full"], results[1]["agreed"]["full"])
     # The control without a comm: rank 0 saw only finite values and stepped; rank 1 skipped.
     assert not results[0]["local"]["steps"][1]["unchanged"]
