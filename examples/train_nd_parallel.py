@@ -10,13 +10,16 @@ from a bare checkout, prefix ``PYTHONPATH=.``):
 ``tp-fsdp``: a 2x2 ("dp", "tp") mesh. The MLP blocks are tensor parallel
 (colwise then rowwise) and everything is FSDP2-sharded over "dp", so the grads
 are DTensors on two different meshes with Shard, _StridedShard and Replicate
-placements; ``torch.nn.utils.clip_grad_norm_`` fails on them.
+placements; ``torch.nn.utils.clip_grad_norm_`` fails on them. gradtx needs no
+configuration here: ``clip_by_global_norm(max_norm)`` reads the plan from the
+placements and reduces over each DTensor's own mesh.
 
 ``pp``: a 2x2 ("pp", "dp") mesh. A tiny LM is cut into two
 ``torch.distributed.pipelining`` stages (GPipe, two micro-batches), each
-FSDP2-sharded over "dp". The LM head on stage 1 is tied to the embedding on
-stage 0: ``gtx.pp_reduce`` sums the two copies' grads and the norm counts the
-weight once.
+FSDP2-sharded over "dp". What placements cannot say is declared once: the
+pipeline group, and that the LM head on stage 1 is tied to the embedding on
+stage 0 (``gtx.mesh_groups(..., pp_group="pp", tied=...)``, no comm needed);
+``gtx.pp_reduce`` sums the two copies' grads and the norm counts the weight once.
 
 Each rank also trains the unsharded model on the whole batch in its own
 process, and rank 0 prints the gradtx grad norm next to that single-device
@@ -41,9 +44,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import gradtx as gtx
-from gradtx.comm import TorchComm
-from gradtx.norms import mesh_groups
-from gradtx.pipeline import pp_reduce
 
 DIM, HIDDEN, VOCAB, SEQ = 16, 32, 24, 6
 MAX_NORM, LR, STEPS = 0.5, 1e-2, 4
@@ -135,11 +135,12 @@ def run_tp_fsdp(mesh: DeviceMesh) -> None:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
 
-    # The plan is built once, from the tree TransformedOptimizer hands the chain: one list per param group.
-    plan = mesh_groups([list(model.parameters())], comm=TorchComm(mesh))
-    log(f"plan: {plan}")
+    # Zero configuration: the clip reads the plan from the grads' placements (built once, cached), and
+    # apply_if_finite agrees on a skip over the DTensors' mesh. Print the plan it infers, for the log.
+    log(f"plan read from the placements: {gtx.mesh_groups([list(model.parameters())])}")
     opt = gtx.TransformedOptimizer(
-        torch.optim.AdamW(model.parameters(), lr=LR), gtx.clip_by_global_norm(MAX_NORM, mesh_groups=plan)
+        torch.optim.AdamW(model.parameters(), lr=LR),
+        gtx.apply_if_finite(gtx.clip_by_global_norm(MAX_NORM), max_consecutive_errors=3),
     )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
 
@@ -181,11 +182,11 @@ def run_pp(mesh: DeviceMesh) -> None:
 
     # Each stage names its own copy of the tied weight; both copies are Shard(0) over "dp" alike.
     tie = module.emb.weight if stage_idx == 0 else module.head.weight
-    plan = mesh_groups(
-        [list(module.parameters())], comm=TorchComm(mesh), pp_group="pp", tied={lambda path, p: p is tie: "pp"}
-    )
+    # The pipeline group and the tied weight are what placements cannot say: declared once, no comm needed
+    # ("pp" resolves through the stage's FSDP2 mesh). Without it, clip_by_global_norm(MAX_NORM) refuses.
+    plan = gtx.mesh_groups([list(module.parameters())], pp_group="pp", tied={lambda path, p: p is tie: "pp"})
     log(f"plan (stage 0): {plan}")
-    tx = gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(MAX_NORM, mesh_groups=plan))
+    tx = gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(MAX_NORM, mesh_groups=plan))
     opt = gtx.TransformedOptimizer(torch.optim.AdamW(module.parameters(), lr=LR), tx)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
 

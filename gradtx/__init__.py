@@ -26,8 +26,8 @@ from gradtx.base import (
 from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
 from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
+from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
-from gradtx.norms import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
@@ -46,6 +46,7 @@ from gradtx.optimizers import (
     trace,
 )
 from gradtx.pipeline import pp_reduce
+from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -140,6 +141,7 @@ __all__ = [
     "constant_schedule",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
+    "cp_reduce",
     "exponential_decay",
     "export_metrics",
     "global_norm",

@@ -1,9 +1,10 @@
-"""The one global-norm call of the spike guards and adaptive clippers (:mod:`gradtx.spikes`, :mod:`gradtx.adaptive`).
+"""The norm calls of the spike guards and adaptive clippers (:mod:`gradtx.spikes`, :mod:`gradtx.adaptive`).
 
 Every statistic those transforms keep, and every skip or clip decision they
-make, derives from the norm returned here, so it must be the single-device
-norm of the whole model on every rank. Routing it through one function lets
-the plan be inferred from DTensor placements later without touching them.
+make, derives from the norms returned here, so they must be the single-device
+norms of the whole model on every rank. Both go through :mod:`gradtx.plan`, as
+``clip_by_global_norm`` does: a declared ``mesh_groups`` plan, else the plan the
+DTensor placements define, else the local norm.
 """
 
 from __future__ import annotations
@@ -14,31 +15,33 @@ from typing import Any
 import torch
 
 from gradtx import norms
+from gradtx import plan as plans
 
 
-def check_plan(mesh_groups: Any, method: str, *, name: str) -> None:
-    """Raise ``TypeError`` unless ``mesh_groups`` is ``None`` or a plan with ``.method``."""
-    if mesh_groups is not None and not callable(getattr(mesh_groups, method, None)):
-        raise TypeError(
-            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...) (with .{method}), "
-            f"got {type(mesh_groups).__name__}"
-        )
+def check_plan(mesh_groups: Any, *, name: str) -> None:
+    """Raise ``TypeError`` unless ``mesh_groups`` is ``None`` or a plan from :func:`gradtx.mesh_groups`."""
+    if mesh_groups is not None:
+        plans._check_plan_arg(mesh_groups, what=name)
 
 
-def global_norm_of(leaves: Sequence[torch.Tensor], norm_type: float = 2.0, *, mesh_groups: Any = None) -> torch.Tensor:
-    """The global ``norm_type``-norm of ``leaves`` (0-d fp32, no host sync), as ``clip_by_global_norm`` takes it.
+def global_norm_of(
+    leaves: Sequence[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    mesh_groups: Any = None,
+    what: str,
+    tree: Any = None,
+) -> torch.Tensor:
+    """The global ``norm_type``-norm of ``leaves`` (0-d fp32, no host sync), the same on every rank."""
+    return plans.tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree)
 
-    With a ``mesh_groups`` plan the norm is reduced over the groups each leaf
-    is sharded over, so every rank gets the unsharded model's norm.
-    """
-    if mesh_groups is None:
-        return norms.combine_norms(norms.tensor_norms(leaves, norm_type), norm_type)
-    return mesh_groups.global_norm(leaves, norm_type)
 
-
-def leaf_norms_of(leaves: Sequence[torch.Tensor], *, mesh_groups: Any = None) -> list[torch.Tensor]:
-    """The fp32 L2 norm of each whole leaf (0-d each); with a plan, of the unsharded leaf on every rank."""
-    if mesh_groups is None:
+def leaf_norms_of(
+    leaves: Sequence[torch.Tensor], *, mesh_groups: Any = None, what: str, tree: Any = None
+) -> list[torch.Tensor]:
+    """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank."""
+    plan = mesh_groups if mesh_groups is not None else plans.infer_plan(leaves, what=what, tree=tree)
+    if plan is None:
         return norms.tensor_norms(leaves, 2.0)
-    (out,) = mesh_groups.unitwise_norms([list(leaves)], unitwise=False)
+    (out,) = plan.unitwise_norms([list(leaves)], unitwise=False)
     return [n.reshape(()) for n in out]

@@ -33,11 +33,6 @@ from gradtx.base import (
     scalar_transformation,
 )
 
-try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-
 __all__ = [
     "AUTOCLIP_DEFAULT_HISTORY",
     "AutoClipState",
@@ -141,7 +136,9 @@ def zclip(
       clip_factor: multiplies the adaptive-scaling threshold (0.5-0.9 is more aggressive).
       skip_update_on_spike: leave the statistics unchanged on a spike.
       norm_type: the order of the global norm (the package uses 2).
-      mesh_groups: for sharded grads, the plan from :func:`gradtx.mesh_groups`.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (pipeline stages, tied weights,
+        hand-sharded plain tensors); ``None`` reads the plan from DTensor placements, so the
+        norm is the unsharded model's on every rank.
 
     Returns:
       A :class:`gradtx.ScalarTransformation` (its factor is the clip coefficient, so the executor can
@@ -175,7 +172,7 @@ def zclip(
     clip_factor = check.positive(clip_factor, arg="clip_factor", name=name)
     skip_update_on_spike = check.flag(skip_update_on_spike, arg="skip_update_on_spike", name=name)
     norm_type = check.norm_type(norm_type, name=name)
-    check_plan(mesh_groups, "global_norm", name=name)
+    check_plan(mesh_groups, name=name)
     window = max(1, warmup_steps)
 
     def init_fn(params: Params) -> ZClipState:
@@ -195,7 +192,9 @@ def zclip(
         tu.require_state(state, ZClipState, name=name)
         leaves, _ = _leaves(updates, name=name)
         device = state.mean.device
-        g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups).to(device=device, dtype=torch.float32)
+        g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
+            device=device, dtype=torch.float32
+        )
         if scale is not None:
             g = g * scale.abs().to(device=device, dtype=torch.float32)  # the true updates are leaves * scale
         finite = torch.isfinite(g)
@@ -298,7 +297,9 @@ def autoclip(
       percentile: the percentile, in ``[0, 100]``; the paper recommends 10.
       history: the window length (``>= 1``), or ``None`` (see above).
       norm_type: the order of the global norm.
-      mesh_groups: for sharded grads, the plan from :func:`gradtx.mesh_groups`.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (pipeline stages, tied weights,
+        hand-sharded plain tensors); ``None`` reads the plan from DTensor placements, so the
+        norm is the unsharded model's on every rank.
 
     Returns:
       A :class:`gradtx.ScalarTransformation` with state :class:`AutoClipState`.
@@ -318,7 +319,7 @@ def autoclip(
         history = check.integer(history, arg="history", name=name, minimum=1)
     size = AUTOCLIP_DEFAULT_HISTORY if history is None else history
     norm_type = check.norm_type(norm_type, name=name)
-    check_plan(mesh_groups, "global_norm", name=name)
+    check_plan(mesh_groups, name=name)
     q = percentile / 100.0
 
     def init_fn(params: Params) -> AutoClipState:
@@ -337,7 +338,9 @@ def autoclip(
         tu.require_state(state, AutoClipState, name=name)
         leaves, _ = _leaves(updates, name=name)
         device = state.norms.device
-        g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups).to(device=device, dtype=torch.float32)
+        g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
+            device=device, dtype=torch.float32
+        )
         if scale is not None:
             g = g * scale.abs().to(device=device, dtype=torch.float32)  # the true updates are leaves * scale
         finite = torch.isfinite(g)
@@ -361,17 +364,6 @@ def autoclip(
 # --- clip_by_block_rms ---------------------------------------------------------------------
 
 
-def _require_plan_for_dtensors(updates: Updates, leaves: list[torch.Tensor], mesh_groups: Any, *, name: str) -> None:
-    if mesh_groups is not None or DTensor is None:
-        return
-    for path, leaf in zip(tu.paths(updates), leaves):
-        if isinstance(leaf, DTensor):
-            raise ValueError(  # noqa: TRY004 (a missing argument, not a wrong type)
-                f"{name}: the update at {tu.path_str(path)} is a DTensor; its norm spans ranks, so pass "
-                "mesh_groups=gradtx.mesh_groups(params, comm=...) to get the unsharded tensor's norm"
-            )
-
-
 def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientTransformation:
     """Scale each update tensor so that its root-mean-square is at most ``threshold``.
 
@@ -381,8 +373,8 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
 
     Args:
       threshold: the largest RMS a tensor keeps; ``> 0``.
-      mesh_groups: for sharded grads (DTensors), the plan from
-        :func:`gradtx.mesh_groups`, so the RMS is the whole tensor's.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups`; ``None`` reads the plan from
+        DTensor placements, so the RMS is the whole tensor's on every rank.
 
     Returns:
       A stateless :class:`GradientTransformation`.
@@ -397,7 +389,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
     """
     name = "clip_by_block_rms"
     threshold = check.positive(threshold, arg="threshold", name=name)
-    check_plan(mesh_groups, "unitwise_norms", name=name)
+    check_plan(mesh_groups, name=name)
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -406,8 +398,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         leaves, spec = _leaves(updates, name=name)
-        _require_plan_for_dtensors(updates, leaves, mesh_groups, name=name)
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups)
+        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates)
         out = []
         for u, n in zip(leaves, l2):
             local = tu.local(u)
@@ -446,8 +437,9 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
     Args:
       group_by: maps a dotted leaf path to a group name, e.g. ``lambda p: p.rsplit(".", 1)[0]``
         to group a module's weight and bias; ``None`` for one entry per leaf.
-      mesh_groups: for sharded grads (DTensors), the plan from :func:`gradtx.mesh_groups`,
-        so each norm is the whole tensor's, the same on every rank.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (pipeline stages, tied weights,
+        hand-sharded plain tensors); ``None`` reads the plan from DTensor placements, so the
+        norm is the whole tensor's on every rank.
 
     Returns:
       A :class:`GradientTransformation` with state :class:`TrackNormsState`.
@@ -460,7 +452,7 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
     name = "track_norms"
     if group_by is not None and not callable(group_by):
         raise TypeError(f"{name}: group_by must be callable or None, got {type(group_by).__name__}")
-    check_plan(mesh_groups, "unitwise_norms", name=name)
+    check_plan(mesh_groups, name=name)
 
     def names_of(tree: Any) -> list[str]:
         names = [_dotted(p) for p in tu.paths(tree)]
@@ -484,9 +476,8 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         del params, extra
         tu.require_state(state, TrackNormsState, name=name)
         leaves, _ = _leaves(updates, name=name)
-        _require_plan_for_dtensors(updates, leaves, mesh_groups, name=name)
         names = names_of(updates)
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups)
+        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates)
         grouped: dict[str, list[torch.Tensor]] = {}
         for n, v in zip(names, l2):
             grouped.setdefault(n, []).append(v)

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx import norms
+from gradtx import plan
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import (
@@ -101,9 +101,12 @@ def clip_by_global_norm(
     Args:
       max_norm: the largest global norm allowed; ``> 0`` (``inf`` only measures).
       norm_type: the order of the norm: any ``p > 0`` or ``inf``.
-      mesh_groups: for sharded grads (DTensors or manually sharded tensors), the
-        plan from :func:`gradtx.mesh_groups` that says which process groups
-        each grad's norm is reduced over. ``None`` for unsharded grads.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups`, for what
+        placements cannot say: pipeline stages (``pp_group``), weights tied
+        across stages, plain tensors sharded by hand. ``None`` (the default)
+        reads the plan from DTensor placements (TP, FSDP2, HSDP, EP, and any
+        mix), so the norm is the single-device one on every rank; plain
+        tensors are taken as unsharded or replicated (DDP).
 
     Returns:
       A :class:`GradientTransformation` with state :class:`ClipByGlobalNormState`.
@@ -130,10 +133,7 @@ def clip_by_global_norm(
         del params, extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
         leaves, _ = _leaves(updates, name="clip_by_global_norm")
-        if mesh_groups is None:
-            norm = norms.combine_norms(norms.tensor_norms(leaves, norm_type), norm_type)
-        else:
-            norm = mesh_groups.global_norm(leaves, norm_type)
+        norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=updates)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
@@ -195,12 +195,13 @@ def adaptive_clip(
       clipping: the largest allowed ratio of gradient norm to weight norm; ``> 0``.
       eps: the floor on a unit's weight norm, so zero-initialised units can move.
       unitwise: clip per output unit (True) or per whole tensor (False).
-      mesh_groups: for sharded weights, the plan from :func:`gradtx.mesh_groups`.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (plain
+        tensors sharded by hand); ``None`` reads it from DTensor placements.
         A weight split along dim 0 (``Shard(0)``, colwise TP, FSDP2) has its
         units on one rank and needs nothing; one split along another dim
         (``Shard(1)``, rowwise TP) has units that span ranks, so the partial
         unit sums of squares of grads and weights are all-reduced over those
-        groups: one collective per group per step. ``None`` for unsharded weights.
+        groups: one collective per group per step.
 
     Returns:
       A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
@@ -217,7 +218,7 @@ def adaptive_clip(
     eps = check.non_negative(eps, arg="eps", name="adaptive_clip")
     unitwise = check.flag(unitwise, arg="unitwise", name="adaptive_clip")
     _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
-    if isinstance(mesh_groups, norms.MeshGroups):
+    if isinstance(mesh_groups, plan.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
             mesh_groups.unit_groups(i, unitwise=unitwise)
 
@@ -231,11 +232,9 @@ def adaptive_clip(
         leaves, spec = _leaves(updates, name="adaptive_clip")
         tu.check_structure(params, updates, what="adaptive_clip: updates", against="params")
         weights = tu.flatten(params)[0]
-        if mesh_groups is None:
-            g_norms = [unitwise_norm(g, unitwise=unitwise) for g in leaves]
-            w_norms = [unitwise_norm(w, unitwise=unitwise) for w in weights]
-        else:
-            g_norms, w_norms = mesh_groups.unitwise_norms([leaves, weights], unitwise=unitwise)
+        g_norms, w_norms = plan.tree_unitwise_norms(
+            leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates
+        )
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
             max_norm = clipping * torch.clamp(w_norm, min=eps)

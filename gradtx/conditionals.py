@@ -6,11 +6,11 @@ from typing import NamedTuple
 
 import torch
 
-from gradtx import norms
+from gradtx import norms, plan
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, Guard, OptState, Params, export_metrics
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
+from gradtx.comm.base import Comm, GroupKey, check_comm
 
 
 @export_metrics(("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
@@ -37,7 +37,7 @@ def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
     if not leaves:
         return torch.ones((), dtype=torch.bool)
     # The inf-norm is finite exactly when every element is (NaN propagates through max).
-    return torch.isfinite(norms.combine_norms(norms.tensor_norms(leaves, float("inf")), float("inf")))
+    return torch.isfinite(norms.local_norm(leaves, float("inf")))
 
 
 def apply_if_finite(
@@ -55,20 +55,22 @@ def apply_if_finite(
     skips in a row, the next non-finite update is applied anyway, as in
     optax, so a run that keeps producing NaNs fails loudly instead of stalling.
 
-    With a ``comm``, the verdict is agreed over ``group`` with one scalar MAX
-    reduction per step: if any rank sees a non-finite value, every rank skips,
-    so replicated params stay bitwise identical and sharded ones stay
-    consistent. Agreement matters whenever ranks see different values: FSDP2
-    or TP shards (a NaN lands in one rank's shard only), or rank-local grads
-    in a functional step. ``group`` must span every rank that holds a piece
-    of the model (usually ``"world"``).
+    On DTensor grads (FSDP2, TP, HSDP, EP, and mixes) the verdict is agreed,
+    with no argument, over every rank of the DTensors' root mesh: one scalar
+    MAX reduction per step, so if any rank sees a non-finite value in its
+    shard, every rank skips and the shards stay consistent. With a ``comm``,
+    the verdict is agreed over ``group`` instead (e.g. rank-local plain
+    grads in a functional step; ``group`` must span every rank that holds a
+    piece of the model, usually ``"world"``). Plain tensors with no ``comm``
+    get the local verdict, which is the global one when they are replicated
+    (DDP syncs a NaN to every rank).
 
     Put :func:`gradtx.accumulate` before this transform, not inside it.
 
     Args:
       inner: the transform to protect.
       max_consecutive_errors: skips in a row allowed before updates pass through; ``>= 0``.
-      comm: a :class:`gradtx.comm.Comm` for global agreement; ``None`` for one process.
+      comm: a :class:`gradtx.comm.Comm` for global agreement; ``None``: the DTensors' root mesh, else local.
       group: the comm group over which ranks must agree.
 
     Returns:
@@ -104,10 +106,7 @@ def apply_if_finite(
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
         leaves, _ = tu.flatten(updates)
         tu.check_tensors(leaves, tu.paths(updates), what="apply_if_finite: updates")
-        finite = all_finite(leaves)
-        if comm is not None:
-            (notfinite,) = comm.all_reduce([(~finite).to(torch.float32)], ReduceOp.MAX, group)
-            finite = notfinite == 0
+        finite = plan.agree_finite(all_finite(leaves), leaves, comm=comm, group=group)
         device = state.notfinite_count.device
         finite = finite.to(device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)

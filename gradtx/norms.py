@@ -1,33 +1,19 @@
-"""Norms of gradient trees, accumulated in fp32 with foreach kernels.
+"""Local norms of gradient trees, accumulated in fp32 with foreach kernels.
 
-The local part is computed here, on each tensor's local shard. Turning local
-parts into a global norm over a sharded model (summing p-th powers over the
-mesh dims where a grad is sharded) is the job of a norm plan; see
-:func:`gradtx.mesh_groups` and ``docs/distributed.md``.
+Everything here is computed on each tensor's local shard, with no
+communication. Turning local parts into the norm of a sharded model (summing
+p-th powers over the mesh dims where a grad is sharded) is the job of the
+plan in :mod:`gradtx.plan`; see ``docs/distributed.md``.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
-from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeGuard, cast
+from collections.abc import Sequence
 
-import optree
 import torch
 
 from gradtx import tree as tu
-from gradtx.base import PyTree
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-
-try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover
-    DTensor = Shard = None  # type: ignore[assignment,misc]
-try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (private, so guarded).
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover
-    _StridedShard = None  # type: ignore[assignment,misc]
 
 
 def check_norm_type(norm_type: float, *, name: str) -> float:
@@ -41,22 +27,35 @@ def check_norm_type(norm_type: float, *, name: str) -> float:
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """The fp32 ``norm_type``-norm of each tensor's local shard, one foreach kernel per (device, dtype).
+    """The ``norm_type``-norm of each tensor's local shard, one foreach kernel per (device, dtype).
 
-    Low-precision tensors accumulate in fp32; fp64 ones accumulate in fp64
-    (foreach refuses a narrowing accumulator) and only the norm is rounded to fp32.
+    Low-precision tensors accumulate in fp32, and their norm is fp32; fp64 and
+    complex128 ones accumulate in fp64 and keep an fp64 norm (nothing is
+    rounded to fp32). A complex tensor's norm is that of its magnitudes, as
+    ``torch.linalg.vector_norm`` takes it. An empty shard has norm 0.
     """
     locals_ = [tu.local(t) for t in tensors]
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = tu.acc_dtype(dtype)
         norms: Sequence[torch.Tensor]
+        # An empty shard (FSDP2 gives one to a rank whenever a param has fewer rows than ranks)
+        # has norm 0 for every p; _foreach_norm refuses the inf-norm of an empty tensor.
+        empty = [i for i in idx if locals_[i].numel() == 0]
+        if empty:
+            for i in empty:
+                out[i] = torch.zeros((), dtype=acc, device=device)
+            idx = [i for i in idx if locals_[i].numel() != 0]
+            if not idx:
+                continue
         if norm_type == 2.0 and dtype in _CPU_L2_DTYPES and device.type == "cpu":
             norms = _l2_norms_cpu([locals_[i] for i in idx])
+        elif dtype.is_complex:  # foreach takes no real dtype= for complex; the norm comes out real
+            norms = [n.to(acc) for n in torch._foreach_norm([locals_[i] for i in idx], norm_type)]
         else:
             norms = torch._foreach_norm([locals_[i] for i in idx], norm_type, dtype=acc)
         for i, n in zip(idx, norms):
-            out[i] = n if acc == torch.float32 else n.float()
+            out[i] = n
     return out
 
 
@@ -101,7 +100,7 @@ def _l2_norms_cpu(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def combine_norms(norms: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
-    """The norm of a vector of norms, as ``torch.nn.utils.clip_grad_norm_`` combines them (fp32, 0-d)."""
+    """The norm of a vector of norms, as ``torch.nn.utils.clip_grad_norm_`` combines them (0-d; fp32, fp64 if any is)."""
     if not norms:
         return torch.zeros((), dtype=torch.float32, device=device)
     device = device if device is not None else norms[0].device
@@ -119,486 +118,31 @@ def power_to_norm(power: torch.Tensor, norm_type: float) -> torch.Tensor:
     return power if math.isinf(norm_type) else power.pow(1.0 / norm_type)
 
 
-def global_norm(tree: PyTree, norm_type: float = 2.0) -> torch.Tensor:
-    """The ``norm_type``-norm of all leaves of ``tree`` taken together, as a 0-d fp32 tensor.
+def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of the local shards of ``leaves`` taken together (0-d, fp32 or fp64); no communication.
 
-    Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors, and accumulates
-    in fp32 for low-precision ones. DTensor leaves contribute their local
-    shards only; for the norm of a sharded model use ``clip_by_global_norm``
-    with ``mesh_groups``.
-
-    Example:
-      >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
-      tensor(5.)
+    Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors. For the norm of
+    a sharded model use :func:`gradtx.global_norm`, which reduces it over the
+    mesh dims where each leaf is sharded.
     """
-    norm_type = check_norm_type(norm_type, name="global_norm")
-    leaves, _ = tu.flatten(tree)
-    tu.check_tensors(leaves, tu.paths(tree), what="global_norm: tree")
     return combine_norms(tensor_norms(leaves, norm_type), norm_type)
 
 
-# --- the mesh_groups plan: which process groups each grad's norm is reduced over -------------
-#
-# Everything the plan decides is decided once, in mesh_groups(), from the params'
-# placements and the user's declarations. A step only checks cheap metadata
-# (count, shapes, placements), does local foreach math, and issues one
-# all-reduce per process group that some bucket needs, always in the same order.
+def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
+    """The L2 norm of each output unit of ``x``'s local shard (dim 0 is the unit), broadcastable to it.
 
-
-class Sharded(NamedTuple):
-    """A manual shard declaration for :func:`mesh_groups`: a plain tensor split over ``group``.
-
-    Attributes:
-      group: the group key (a mesh dim name, a ``ProcessGroup``, ...) whose ranks
-        each hold a disjoint piece of the tensor.
-      dim: the tensor dim that is split. Only :func:`gradtx.adaptive_clip`
-        needs it, to tell whether its units (dim 0) are local; ``None`` is
-        fine for the global norm.
+    A 0-d or 1-d tensor is one unit, and so is any tensor when ``unitwise`` is
+    False. An empty shard gives zeros of the right shape. fp32, fp64 for
+    fp64/complex128; a complex tensor's units are measured by magnitude.
     """
-
-    group: GroupKey
-    dim: int | None = None
-
-
-Matcher = str | Callable[[str, torch.Tensor], bool]
-ShardDecl = GroupKey | Sharded | Sequence[GroupKey | Sharded]
+    x = magnitudes(tu.local(x))
+    if x.ndim <= 1 or not unitwise:
+        return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
-class _Leaf(NamedTuple):
-    path: str  # dotted, for error messages and matching: "layers.0.attn.wq.weight"
-    shape: torch.Size  # global (logical) shape
-    ndim: int
-    placements: tuple[Any, ...] | None  # None for a plain tensor
-    shards: tuple[tuple[GroupKey, int | None], ...]  # (group, tensor dim split over it), no duplicates
-    tie_group: GroupKey | None
-
-
-class _Bucket(NamedTuple):
-    groups: tuple[GroupKey, ...]  # in plan order
-    weight: float  # 1 / number of stages holding a tied copy; 1 otherwise
-    leaves: tuple[int, ...]
-
-
-def _dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(k) for k in path) if path else "<root>"
-
-
-def _is_shard(placement: Any) -> TypeGuard[Shard]:
-    # Not placement.is_shard(): it is False for _StridedShard.
-    return isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard))
-
-
-def _match(matcher: Matcher, path: str, leaf: torch.Tensor) -> bool:
-    if callable(matcher):
-        return bool(matcher(path, leaf))
-    return path == matcher or fnmatch.fnmatchcase(path, matcher)
-
-
-def _check_matcher(matcher: Any, *, arg: str) -> None:
-    if not (isinstance(matcher, str) or callable(matcher)):
-        raise TypeError(
-            f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
-            f"got {type(matcher).__name__}"
-        )
-
-
-def _shard_decls(value: Any, *, where: str) -> list[tuple[GroupKey, int | None]]:
-    items = list(value) if isinstance(value, (list, tuple)) and not isinstance(value, Sharded) else [value]
-    if not items:
-        raise ValueError(f"mesh_groups: {where} declares no group")
-    out: list[tuple[GroupKey, int | None]] = []
-    for item in items:
-        if isinstance(item, Sharded):
-            if item.dim is not None and (isinstance(item.dim, bool) or not isinstance(item.dim, int)):
-                raise TypeError(f"mesh_groups: {where}: Sharded.dim must be an int or None, got {item.dim!r}")
-            out.append((item.group, item.dim))
-        elif item is None or isinstance(item, Hashable):
-            out.append((item, None))
-        else:
-            raise TypeError(f"mesh_groups: {where}: a group key must be hashable, got {type(item).__name__}")
-    return out
-
-
-class MeshGroups:
-    """A norm plan: for every leaf, the process groups its norm is reduced over. Build it with :func:`mesh_groups`.
-
-    The plan is bound to the leaf order of the tree it was built from: pass the
-    updates of that same tree (same structure, same shapes) to the transforms
-    that use it. Each use checks this cheaply and names the first path that differs.
-    """
-
-    def __init__(
-        self,
-        comm: Comm,
-        leaves: list[_Leaf],
-        pp_group: GroupKey | None,
-        device: torch.device,
-    ) -> None:
-        self.comm = comm
-        self.pp_group = pp_group
-        self.device = device
-        self._leaves = leaves
-
-        order: list[GroupKey] = []
-        for leaf in leaves:
-            for group, _ in leaf.shards:
-                if group not in order:
-                    order.append(group)
-        # The one order every rank reduces in: first appearance in the params, which is the
-        # same on every member of a group because its members hold the same part of the model.
-        self.group_order: tuple[GroupKey, ...] = tuple(order)
-
-        sizes = {}
-        for leaf in leaves:
-            if leaf.tie_group is not None and leaf.tie_group not in sizes:
-                sizes[leaf.tie_group] = comm.size(leaf.tie_group)
-        buckets: dict[tuple[tuple[GroupKey, ...], float], list[int]] = {}
-        for i, leaf in enumerate(leaves):
-            groups = tuple(g for g in self.group_order if any(g == s for s, _ in leaf.shards))
-            weight = 1.0 / sizes[leaf.tie_group] if leaf.tie_group is not None else 1.0
-            buckets.setdefault((groups, weight), []).append(i)
-        self._buckets = [_Bucket(groups, weight, tuple(idx)) for (groups, weight), idx in buckets.items()]
-
-        tied: dict[GroupKey, list[int]] = {}
-        for i, leaf in enumerate(leaves):
-            if leaf.tie_group is not None:
-                tied.setdefault(leaf.tie_group, []).append(i)
-        self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
-
-    def __len__(self) -> int:
-        return len(self._leaves)
-
-    @property
-    def paths(self) -> list[str]:
-        """The dotted path of every leaf, in flatten order."""
-        return [leaf.path for leaf in self._leaves]
-
-    def groups_of(self, index: int) -> tuple[GroupKey, ...]:
-        """The groups leaf ``index``'s norm is summed over (its sharded mesh dims and declared groups)."""
-        return tuple(g for g, _ in self._leaves[index].shards)
-
-    def num_collectives(self) -> int:
-        """How many collectives :meth:`global_norm` issues per call: one per group, plus one for ``pp_group``."""
-        return len(self.group_order) + (self.pp_group is not None)
-
-    def __repr__(self) -> str:
-        buckets = ", ".join(
-            f"{list(b.groups)}x{len(b.leaves)}" + (f"/w={b.weight:g}" if b.weight != 1 else "") for b in self._buckets
-        )
-        return f"MeshGroups({len(self)} leaves, buckets=[{buckets}], pp_group={self.pp_group!r})"
-
-    # --- checks -------------------------------------------------------------------------
-
-    def check(self, leaves: Sequence[Any], *, what: str) -> None:
-        """Raise ``ValueError`` naming the first leaf that does not match the plan (count, shape, placements)."""
-        if len(leaves) != len(self._leaves):
-            raise ValueError(
-                f"{what}: the mesh_groups plan was built for {len(self._leaves)} leaves, got {len(leaves)}; "
-                "build the plan from the same params tree the transform sees"
-            )
-        for leaf, info in zip(leaves, self._leaves):
-            if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{what}: leaf at {info.path} is a {type(leaf).__name__}, not a torch.Tensor")
-            if leaf.shape != info.shape:
-                raise ValueError(
-                    f"{what}: leaf at {info.path} has shape {tuple(leaf.shape)}, the mesh_groups plan has "
-                    f"{tuple(info.shape)}; build the plan from the same params tree the transform sees"
-                )
-            is_dtensor = DTensor is not None and isinstance(leaf, DTensor)
-            if is_dtensor != (info.placements is not None):
-                kind = "a DTensor" if is_dtensor else "a plain tensor"
-                raise ValueError(f"{what}: leaf at {info.path} is {kind}, but the mesh_groups plan says otherwise")
-            if is_dtensor and cast(DTensor, leaf)._spec.placements != info.placements:
-                placements = cast(DTensor, leaf)._spec.placements
-                if any(p.is_partial() for p in placements):
-                    raise ValueError(
-                        f"{what}: leaf at {info.path} has Partial placements {placements}; a norm of a pending "
-                        "sum is not the sum of norms, so reduce it first (e.g. grad.redistribute(placements="
-                        f"{info.placements})) or let the parallelism wrapper reduce it"
-                    )
-                raise ValueError(
-                    f"{what}: leaf at {info.path} has placements {placements}, the mesh_groups plan was built "
-                    f"for {info.placements}; rebuild the plan after re-sharding"
-                )
-
-    # --- the global norm ----------------------------------------------------------------
-
-    def global_norm(self, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """The ``norm_type``-norm of the whole (unsharded, un-pipelined) model's grads, as every rank sees it.
-
-        Local fp32 foreach norms of each leaf's local shard, combined into one
-        p-th-power partial per bucket (leaves that share the same groups),
-        then one all-reduce per group over the partials of every bucket that
-        needs it (SUM, or MAX for ``inf``), then one over ``pp_group``.
-
-        Args:
-          leaves: the grads, in the plan's leaf order (DTensors or plain tensors).
-          norm_type: any ``p > 0`` or ``inf``.
-
-        Returns:
-          A 0-d fp32 tensor, equal on every rank; no host sync.
-        """
-        self.check(leaves, what="mesh_groups.global_norm")
-        norm_type = check_norm_type(norm_type, name="mesh_groups.global_norm")
-        inf = math.isinf(norm_type)
-        op = ReduceOp.MAX if inf else ReduceOp.SUM
-        device = tu.local(leaves[0]).device if leaves else self.device
-        norms = tensor_norms(leaves, norm_type)
-        partials: list[torch.Tensor] = []
-        for bucket in self._buckets:
-            stacked = torch.stack([norms[i].to(device) for i in bucket.leaves])
-            if inf:
-                partials.append(stacked.max())
-            else:
-                partial = stacked.pow(norm_type).sum()
-                partials.append(partial if bucket.weight == 1.0 else partial * bucket.weight)
-        partials = reduce_over_groups(self.comm, partials, [b.groups for b in self._buckets], self.group_order, op)
-        if partials:
-            stacked = torch.stack(partials)
-            total = stacked.max() if inf else stacked.sum()
-        else:  # a rank with no grads (an empty stage) still joins the PP reduction
-            total = torch.zeros((), dtype=torch.float32, device=device)
-        if self.pp_group is not None:
-            (total,) = self.comm.all_reduce([total], op, self.pp_group)
-        return power_to_norm(total, norm_type)
-
-    # --- unit-wise norms (AGC) ----------------------------------------------------------
-
-    def unit_groups(self, index: int, *, unitwise: bool) -> tuple[GroupKey, ...]:
-        """The groups a unit of leaf ``index`` spans: where a dim other than dim 0 (the output unit) is split.
-
-        A 0-d or 1-d leaf, or any leaf when ``unitwise`` is False, is one
-        unit, which spans every group the leaf is sharded over.
-        """
-        leaf = self._leaves[index]
-        if leaf.ndim <= 1 or not unitwise:
-            return tuple(g for g, _ in leaf.shards)
-        out = []
-        for group, dim in leaf.shards:
-            if dim is None:
-                raise ValueError(
-                    f"adaptive_clip: leaf at {leaf.path} is declared sharded over {group!r} with no dim; "
-                    "declare it as gradtx.Sharded(group, dim=...) so AGC knows whether its units are local"
-                )
-            if dim % leaf.ndim != 0:
-                out.append(group)
-        return tuple(out)
-
-    def unitwise_norms(self, trees: Sequence[Sequence[torch.Tensor]], *, unitwise: bool) -> list[list[torch.Tensor]]:
-        """The fp32 L2 norm of each output unit of every leaf, for several aligned leaf lists at once.
-
-        Units follow PyTorch layouts (dim 0 is the output unit; see
-        :func:`gradtx.unitwise_norm`). Where a unit spans ranks (a weight
-        split along dim 1, or a 1-d leaf split at all), the partial sums of
-        squares are summed over those groups: one all-reduce per group for
-        every leaf of every list, e.g. the grads and the weights of AGC together.
-
-        Args:
-          trees: lists of leaves in the plan's leaf order (e.g. ``[grads, params]``).
-          unitwise: per output unit (True) or per whole tensor (False).
-
-        Returns:
-          For each list, the per-leaf norms, broadcastable to the leaf's local shard.
-        """
-        items: list[torch.Tensor] = []
-        groups: list[tuple[GroupKey, ...]] = []
-        where: list[tuple[int, int]] = []
-        out: list[list[torch.Tensor]] = []
-        for t, leaves in enumerate(trees):
-            self.check(leaves, what="adaptive_clip")
-            row: list[torch.Tensor] = []
-            for i, leaf in enumerate(leaves):
-                spans = self.unit_groups(i, unitwise=unitwise)
-                x = tu.local(leaf).float()
-                one_unit = x.ndim <= 1 or not unitwise
-                if not spans:  # the units are all local: the plain single-device formula
-                    dims = None if one_unit else tuple(range(1, x.ndim))
-                    row.append(torch.linalg.vector_norm(x, dim=dims, keepdim=not one_unit))
-                    continue
-                sq = x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True)
-                row.append(sq)
-                items.append(sq)
-                groups.append(spans)
-                where.append((t, i))
-            out.append(row)
-        reduced = reduce_over_groups(self.comm, items, groups, self.group_order, ReduceOp.SUM)
-        for (t, i), sq in zip(where, reduced):
-            out[t][i] = sq.sqrt()
-        return out
-
-
-def reduce_over_groups(
-    comm: Comm,
-    values: Sequence[torch.Tensor],
-    groups: Sequence[tuple[GroupKey, ...]],
-    order: Sequence[GroupKey],
-    op: ReduceOp,
-) -> list[torch.Tensor]:
-    """Reduce ``values[i]`` over every group in ``groups[i]``: one coalesced collective per group, in ``order``.
-
-    SUM and MAX over different groups commute, so a value sharded over
-    ``(dp, tp)`` is reduced over ``dp`` together with every other value that
-    needs ``dp``, then over ``tp`` likewise.
-    """
-    values = list(values)
-    for group in order:
-        idx = [i for i, gs in enumerate(groups) if group in gs]
-        if not idx:
-            continue
-        for i, r in zip(idx, comm.all_reduce([values[i] for i in idx], op, group)):
-            values[i] = r
-    return values
-
-
-def _mesh_dim_key(mesh: Any, mesh_dim: int, resolve: Callable[[GroupKey], Any] | None) -> GroupKey:
-    """The key of a mesh dim's group: its name when the comm resolves that name to the same group, else the group."""
-    group = mesh.get_group(mesh_dim)
-    names = mesh.mesh_dim_names
-    if names is not None and resolve is not None:
-        try:
-            if resolve(names[mesh_dim]) is group:
-                return names[mesh_dim]  # readable in logs and in RecordingComm's calls
-        except (ValueError, TypeError, KeyError):
-            pass
-    return group
-
-
-def mesh_groups(
-    params: PyTree,
-    *,
-    comm: Comm,
-    sharded: Mapping[Matcher, ShardDecl] | None = None,
-    pp_group: GroupKey | None = None,
-    tied: Mapping[Matcher, GroupKey] | None = None,
-    device: torch.device | str | None = None,
-) -> MeshGroups:
-    """Plan, once, which process groups each grad's norm is reduced over, so the global norm is the single-device one.
-
-    The rules (the argument is in ``docs/distributed.md``):
-
-    * A DTensor leaf is reduced over each mesh dim where its placement is
-      ``Shard`` or ``_StridedShard``; never over a ``Replicate`` dim, which holds
-      copies (summing them would count the grad once per replica). Size-1
-      dims are skipped.
-    * A ``Partial`` placement is an error: the norm of a pending sum is not
-      the sum of the parts' norms, so reduce such a grad first.
-    * A plain tensor is taken as replicated (as DDP leaves it), unless
-      ``sharded`` declares the groups it is split over.
-    * ``pp_group`` adds the stages' contributions (MAX for ``inf``).
-    * A leaf in ``tied`` is a copy of a weight held by every rank of its tie
-      group (e.g. the embedding on the first stage and the LM head on the
-      last); :func:`gradtx.pp_reduce` sums its grads over that group, and the
-      norm counts it once.
-
-    Args:
-      params: the params tree the transforms will see (its leaf order and
-        shapes are what the plan is bound to); DTensors and plain tensors.
-      comm: the :class:`~gradtx.comm.Comm` that issues the reductions, e.g.
-        ``TorchComm(mesh)``.
-      sharded: manual shards of plain tensors: ``{path_or_glob_or_predicate:
-        group}``, where the value is a group key, a :class:`Sharded`, or a
-        list of them. Paths are dotted (``"layers.0.wq"``; ``"0.3"`` in a list);
-        a predicate gets ``(path, leaf)``.
-      pp_group: the pipeline-parallel group, or ``None`` without pipelining.
-      tied: ``{path_or_glob_or_predicate: tie_group}`` for leaves that are copies of
-        one weight across stages.
-      device: where the norm lives on a rank with no params (an empty stage);
-        default: the params' device, else CPU.
-
-    Returns:
-      A :class:`MeshGroups` plan, for ``clip_by_global_norm(..., mesh_groups=plan)``,
-      ``adaptive_clip(..., mesh_groups=plan)`` and ``pp_reduce(plan)``.
-
-    References:
-      d9d, "Gradient Norm & Clipping" (the no-double-counting argument), 2025.
-
-    Example:
-      >>> mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
-      >>> params = dict(model.named_parameters())  # TP + FSDP2 DTensors
-      >>> plan = gtx.mesh_groups(params, comm=gtx.comm.TorchComm(mesh))
-      >>> tx = gtx.chain(gtx.clip_by_global_norm(1.0, mesh_groups=plan), gtx.adamw(3e-4))
-    """
-    check_comm(comm, name="mesh_groups")
-    sharded = dict(sharded or {})
-    tied = dict(tied or {})
-    for key in sharded:
-        _check_matcher(key, arg="sharded")
-    for key in tied:
-        _check_matcher(key, arg="tied")
-
-    resolve = getattr(comm, "resolve", None)
-    seen: dict[Any, GroupKey] = {}
-
-    def canonical(group: GroupKey) -> GroupKey:
-        # Two keys for one process group (the string "tp" and the mesh's ProcessGroup) must share
-        # one collective, so each group is named by the first key seen for it.
-        ident = group
-        if resolve is not None:
-            resolved = resolve(group)
-            ident = ("pg", id(resolved)) if resolved is not None else ("pg", "world")
-        return seen.setdefault(ident, group)
-
-    flat_paths, flat_leaves, _ = optree.tree_flatten_with_path(params)
-    dotted = [_dotted(p) for p in flat_paths]
-    tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
-
-    used: set[int] = set()
-    checked: set[GroupKey] = set()
-    infos: list[_Leaf] = []
-    for path, leaf in zip(dotted, flat_leaves):
-        shards: list[tuple[GroupKey, int | None]] = []
-        placements = None
-        if DTensor is not None and isinstance(leaf, DTensor):
-            placements = tuple(leaf.placements)
-            mesh = leaf.device_mesh
-            for mesh_dim, placement in enumerate(placements):
-                if placement.is_partial():
-                    raise ValueError(
-                        f"mesh_groups: params leaf at {path} is Partial on mesh dim {mesh_dim}; a norm of a "
-                        "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
-                    )
-                if _is_shard(placement) and mesh.size(mesh_dim) > 1:
-                    group_key = canonical(_mesh_dim_key(mesh, mesh_dim, resolve))
-                    if group_key not in checked:  # a LocalComm here would silently drop the other shards
-                        if comm.size(group_key) != mesh.size(mesh_dim):
-                            raise ValueError(
-                                f"mesh_groups: leaf at {path} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
-                                f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
-                                "same process groups, e.g. TorchComm(mesh)"
-                            )
-                        checked.add(group_key)
-                    shards.append((group_key, placement.dim))
-        for n, (key, decl) in enumerate(sharded.items()):
-            if _match(key, path, leaf):
-                used.add(n)
-                for group, dim in _shard_decls(decl, where=f"sharded[{key!r}] (leaf {path})"):
-                    if dim is not None and not -max(leaf.ndim, 1) <= dim < max(leaf.ndim, 1):
-                        raise ValueError(
-                            f"mesh_groups: sharded[{key!r}]: dim {dim} is out of range for leaf {path} of shape {tuple(leaf.shape)}"
-                        )
-                    shards.append((canonical(group), dim))
-        deduped: list[tuple[GroupKey, int | None]] = []
-        for group, dim in shards:
-            if any(group == g for g, _ in deduped):
-                raise ValueError(f"mesh_groups: leaf at {path} is sharded over group {group!r} twice")
-            deduped.append((group, dim))
-        tie_keys = [key for key in tied if _match(key, path, leaf)]
-        if len(tie_keys) > 1:
-            raise ValueError(f"mesh_groups: leaf at {path} matches several tied keys: {tie_keys}")
-        tie_group = canonical(tied[tie_keys[0]]) if tie_keys else None
-        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(deduped), tie_group))
-
-    unused = [key for n, key in enumerate(sharded) if n not in used and isinstance(key, str)]
-    unused += [
-        key for key in tied if isinstance(key, str) and not any(_match(key, p, x) for p, x in zip(dotted, flat_leaves))
-    ]
-    if unused:
-        example = ", ".join(repr(p) for p in dotted[:3])
-        raise ValueError(f"mesh_groups: keys {unused} match no leaf; paths look like {example or '(no leaves)'}")
-
-    if device is None:
-        device = tu.local(flat_leaves[0]).device if flat_leaves else torch.device("cpu")
-    pp = canonical(pp_group) if pp_group is not None else None
-    if pp is None and any(info.tie_group is not None for info in infos):
-        raise ValueError("mesh_groups: tied weights need pp_group, the group over which the stages' norms add up")
-    return MeshGroups(comm, infos, pp, torch.device(device))
+def magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the precision its norms are taken in (fp32, fp64 for fp64/complex128); ``|x|`` for complex ``x``."""
+    if x.is_complex():
+        return x.abs().to(tu.acc_dtype(x.dtype))
+    return x.to(tu.acc_dtype(x.dtype))

@@ -14,7 +14,7 @@ from __future__ import annotations
 from gradtx import tree as tu
 from gradtx.base import EmptyState, GradientTransformation, Params
 from gradtx.comm.base import ReduceOp
-from gradtx.norms import MeshGroups
+from gradtx.plan import MeshGroups
 
 
 def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
@@ -31,6 +31,11 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     mesh shape), because their local shards are summed elementwise, and a
     stage holding several tied weights pairs them in flatten order.
 
+    Building it marks the plan: a plan that declares tied weights refuses to
+    compute a norm (``clip_by_global_norm``, ``adaptive_clip``,
+    ``global_norm``) until ``pp_reduce(plan)`` exists, so a chain that forgets
+    it fails on its first step instead of letting the copies drift apart.
+
     Args:
       mesh_groups: the plan from :func:`gradtx.mesh_groups` with ``pp_group``
         and ``tied`` set, built from this stage's params.
@@ -45,7 +50,7 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     Example:
       >>> # stage 0 holds "tok_emb.weight", stage 1 holds "head.weight": one weight, tied
       >>> tied = {"tok_emb.weight": "pp"} if stage == 0 else {"head.weight": "pp"}
-      >>> plan = gtx.mesh_groups(stage_params, comm=TorchComm(mesh), pp_group="pp", tied=tied)
+      >>> plan = gtx.mesh_groups(stage_params, pp_group="pp", tied=tied)  # "pp": a dim of the DTensors' mesh
       >>> tx = gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan), gtx.adamw(3e-4))
     """
     if not isinstance(mesh_groups, MeshGroups):
@@ -53,6 +58,7 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
             f"pp_reduce: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
     comm = mesh_groups.comm
+    mesh_groups.tie_reduce_built = True  # the plan's norms may now trust that tied grads are summed
 
     def init_fn(params: Params) -> EmptyState:
         del params

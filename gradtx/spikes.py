@@ -150,8 +150,9 @@ def skip_large_updates(
       gradient_step: the number of steps applied so far (unused; optax's signature).
       params: the params (unused; optax's signature).
       max_squared_norm: the largest squared L2 norm accepted (exclusive).
-      mesh_groups: for sharded grads, the plan from :func:`gradtx.mesh_groups`,
-        so the norm (and the decision) is the unsharded model's on every rank.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (pipeline stages, tied weights,
+        hand-sharded plain tensors); ``None`` reads the plan from DTensor placements, so the
+        norm is the unsharded model's on every rank.
 
     Returns:
       ``(should_skip, {"should_skip": ..., "norm_squared": ...})`` (0-d bool, 0-d fp32).
@@ -167,9 +168,9 @@ def skip_large_updates(
         max_squared_norm = check.number(
             max_squared_norm, arg="max_squared_norm", name="skip_large_updates", finite=False
         )
-    check_plan(mesh_groups, "global_norm", name="skip_large_updates")
+    check_plan(mesh_groups, name="skip_large_updates")
     leaves, _ = _tensor_leaves(updates, name="skip_large_updates")
-    norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups).square()
+    norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups, what="skip_large_updates", tree=updates).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
@@ -398,7 +399,9 @@ def skip_spikes(
       max_consecutive_skips: outliers in a row after which one is let through; ``None`` for never.
       eps: added to the standard deviation.
       norm_type: the order of the grad norm.
-      mesh_groups: for sharded grads, the plan from :func:`gradtx.mesh_groups`.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (pipeline stages, tied weights,
+        hand-sharded plain tensors); ``None`` reads the plan from DTensor placements, so the
+        norm is the unsharded model's on every rank.
       comm: a :class:`gradtx.comm.Comm` to average the loss over (``metric="loss"``).
       group: the group over which ranks must agree.
 
@@ -426,7 +429,7 @@ def skip_spikes(
         max_consecutive_skips = check.integer(max_consecutive_skips, arg="max_consecutive_skips", name=name, minimum=0)
     eps = check.non_negative(eps, arg="eps", name=name)
     norm_type = check.norm_type(norm_type, name=name)
-    check_plan(mesh_groups, "global_norm", name=name)
+    check_plan(mesh_groups, name=name)
     if comm is not None:
         check_comm(comm, name=name)
 
@@ -449,7 +452,9 @@ def skip_spikes(
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
             leaves, _ = _tensor_leaves(updates, name=name)
-            return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups).to(device=device, dtype=torch.float32)
+            return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
+                device=device, dtype=torch.float32
+            )
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")

@@ -257,7 +257,7 @@ def test_agc_never_overshoots_its_bound_beyond_rounding(scale_w, scale_g, dtype)
 @given(
     name=st.sampled_from(sorted(TRANSFORMS)),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
-    shape=st.sampled_from([(), (5,), (3, 4)]),
+    shape=st.sampled_from([(), (0,), (5,), (3, 4), (2, 0, 3)]),
 )
 def test_every_transform_on_every_float_dtype_matches_fp64(name, dtype, shape):
     gen = torch.Generator().manual_seed(0)
@@ -277,3 +277,39 @@ def test_every_transform_on_every_float_dtype_matches_fp64(name, dtype, shape):
     assert out["p"].dtype == dtype and out["p"].shape == torch.Size(shape)
     tol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
     torch.testing.assert_close(out["p"].to(torch.float64), ref["p"], rtol=tol, atol=tol)
+
+
+# --- norms: fp64 and complex as torch computes them ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "grad", [torch.tensor([1e200], dtype=torch.float64), torch.full((3, 3), 1e150, dtype=torch.float64)]
+)
+def test_a_finite_fp64_norm_does_not_overflow(grad):
+    # Both are past fp32's range: rounded to fp32 the norm was inf and the update silently zeroed.
+    g = {"w": grad}
+    p = torch.nn.Parameter(torch.zeros_like(grad))
+    p.grad = grad.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_([p], 1.0)
+    tx = gtx.clip_by_global_norm(1.0)
+    out, state = tx.update(g, tx.init(g))
+    assert math.isfinite(float(ref_norm)) and float(state.grad_norm) == pytest.approx(float(ref_norm), rel=1e-12)
+    torch.testing.assert_close(out["w"], p.grad, rtol=1e-12, atol=0)
+    assert float(gtx.global_norm(g)) == pytest.approx(float(ref_norm), rel=1e-12)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, math.inf])
+def test_complex_clip_matches_torch(norm_type):
+    grads = _complex_params()
+    ps = [torch.nn.Parameter(torch.zeros_like(v)) for v in grads.values()]
+    for p, g in zip(ps, grads.values()):
+        p.grad = g.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ps, 0.5, norm_type=norm_type)
+    tx = gtx.clip_by_global_norm(0.5, norm_type=norm_type)
+    out, state = tx.update(grads, tx.init(grads))
+    torch.testing.assert_close(state.grad_norm, ref_norm, rtol=1e-6, atol=0, check_dtype=False)
+    for (k, g), p in zip(out.items(), ps):
+        torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
+    finite_tx = gtx.apply_if_finite(gtx.identity(), 1)
+    _, fstate = finite_tx.update(grads, finite_tx.init(grads))
+    assert not bool(fstate.skipped)

@@ -16,8 +16,8 @@ import torch
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
-from gradtx.norms import MeshGroups, Sharded, mesh_groups
 from gradtx.pipeline import pp_reduce
+from gradtx.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close
 
 NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
@@ -129,6 +129,9 @@ def test_pp_stages_add_and_tied_weight_counts_once():
     emb = torch.tensor([3.0, 4.0])
     block = torch.tensor([1.0])
     plan = mesh_groups({"emb": emb, "block": block}, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
+    with pytest.raises(ValueError, match=r"tied weights \(emb\).*pp_reduce\(plan\)"):
+        plan.global_norm([block, emb], 2.0)  # the tied copies' grads would not be summed
+    gtx.pp_reduce(plan)
     # Two stages: each holds a copy of emb (counted once overall) and its own block (counted per stage).
     torch.testing.assert_close(plan.global_norm([block, emb], 2.0), torch.tensor(math.sqrt(25 + 2 * 1)))
     torch.testing.assert_close(plan.global_norm([block, emb], math.inf), torch.tensor(4.0))
@@ -286,9 +289,9 @@ def test_plan_repr_and_type():
 
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_global_norm_of_fp64_tensors_is_fp32_and_exact(norm_type):
+def test_global_norm_of_fp64_tensors_stays_fp64_and_exact(norm_type):
     grads = {k: v.double() for k, v in tree(5).items()}
     got = gtx.global_norm(grads, norm_type)
     expected = torch.nn.utils.get_total_norm(list(grads.values()), norm_type)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, expected.float(), rtol=1e-6, atol=0)
+    assert got.dtype == torch.float64  # nothing is rounded to fp32
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)

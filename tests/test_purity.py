@@ -57,6 +57,7 @@ CASES = {
     "adamw": (lambda: gtx.adamw(0.1), {}),
     # One process: the plan's collectives go through a LocalComm, a one-rank world.
     "pp_reduce": (lambda: gtx.pp_reduce(_local_plan(tied={"w": "pp"})), {}),
+    "cp_reduce": (lambda: gtx.cp_reduce("cp", comm=gtx.comm.LocalComm()), {}),
     "clip_by_global_norm_mesh_groups": (lambda: gtx.clip_by_global_norm(0.1, mesh_groups=_local_plan()), {}),
     "adaptive_clip_mesh_groups": (lambda: gtx.adaptive_clip(0.01, mesh_groups=_local_plan()), {}),
     # issue 10: spikes and adaptive clipping

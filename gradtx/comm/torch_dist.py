@@ -8,7 +8,7 @@ names groups with keys and never touches a process group directly.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,12 @@ class TorchComm:
         """The number of ranks in ``group``."""
         return dist.get_world_size(self.resolve(group))
 
+    def group_id(self, group: GroupKey) -> tuple:
+        """What ``group`` is, as a hashable: its global ranks. Two keys (or two ``ProcessGroup`` objects, as two
+        meshes over the same ranks give) with the same ranks share one collective in a plan."""
+        pg = self.resolve(group)
+        return ("ranks", tuple(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)))
+
     def rank(self, group: GroupKey) -> int:
         """This process's rank within ``group``."""
         return dist.get_rank(self.resolve(group))
@@ -139,16 +145,103 @@ class TorchComm:
         return f"TorchComm(mesh={self.mesh!r}, groups={sorted(self.groups)})"
 
 
-def ddp_sum_hook(process_group, bucket):  # unannotated: DDP compares hook annotations by identity
-    """A DDP comm hook that *sums* each gradient bucket over ``process_group``.
+def mesh_comm(meshes: Iterable[DeviceMesh]) -> TorchComm:
+    """The :class:`TorchComm` over the dims of ``meshes`` and of their root meshes: the zero-configuration comm.
+
+    This is the comm a plan inferred from DTensor placements reduces with: its
+    groups are the process groups of each DTensor's own mesh. Every dim name
+    that names one process group across all the meshes is a group key (so logs
+    and :class:`~gradtx.testing.RecordingComm` read ``"dp"``, ``"tp"``); a name
+    that two meshes use for different groups is left out, and those groups are
+    keyed by their ``ProcessGroup``.
+
+    Args:
+      meshes: the device meshes of a tree's DTensors, in any order, repeats allowed.
+
+    Returns:
+      A :class:`TorchComm` with ``groups={dim_name: process_group}``.
+    """
+    groups: dict[str, dist.ProcessGroup] = {}
+    ambiguous: set[str] = {"world"}
+    seen: set[int] = set()
+    for mesh in meshes:
+        for m in (mesh, mesh._get_root_mesh()):
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            for dim, name in enumerate(m.mesh_dim_names or ()):
+                group = m.get_group(dim)
+                if groups.get(name, group) is not group:
+                    ambiguous.add(name)
+                groups[name] = group
+    return TorchComm(groups={n: g for n, g in groups.items() if n not in ambiguous})
+
+
+def world_size() -> int:
+    """The number of processes in the default group, or 1 when ``torch.distributed`` is not initialised."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class DDPSumState:
+    """The state of :func:`ddp_sum_hook`: the group, and which params' ``.grad`` hold an already-summed value.
+
+    A summing all-reduce is not idempotent: a ``.grad`` that still holds last
+    sync's sum ``S`` (replicated on every rank) would come back as ``W·S``.
+    DDP's stock *mean* does not have this problem (``mean(S + g_r) = S + mean(g)``),
+    so this state makes the sum behave the same way: a replicated ``S`` is
+    divided by ``W`` before it is summed again, which restores ``S`` exactly
+    (within an ulp for a ``W`` that is not a power of two). The division
+    happens in the param's grad hook, before autograd adds new local grads
+    (see :func:`gradtx.sum_grad_reduction`), or in this hook for a param no
+    backward touched since the last sync.
+
+    Args:
+      process_group: DDP's process group (``None``: the default group).
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None) -> None:
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.holds_sum: set[int] = set()  # id() of params whose .grad is a synced (replicated) sum
+
+    def rescale(self, param: torch.Tensor) -> None:
+        """Divide ``param.grad`` by the group size if it still holds a synced sum (a local op, no collective)."""
+        if id(param) in self.holds_sum:
+            self.holds_sum.discard(id(param))
+            if param.grad is not None:
+                param.grad.div_(self.world_size)
+
+
+def ddp_sum_hook(state, bucket):  # unannotated: DDP compares hook annotations by identity
+    """A DDP comm hook that *sums* each gradient bucket over the process group.
 
     DDP's stock hook divides by the group size; token-weighted accumulation
     needs the raw sum (see :func:`gradtx.sum_grad_reduction`). The all-reduce
     stays asynchronous, so DDP still overlaps it with the backward pass.
 
+    ``state`` is a :class:`DDPSumState` (what :func:`gradtx.sum_grad_reduction`
+    registers: correct whatever the sync pattern), or a ``ProcessGroup``/``None``
+    for a bare sum, correct only when each window syncs exactly once.
+
     Example:
-      >>> ddp_model.register_comm_hook(None, ddp_sum_hook)
+      >>> ddp_model.register_comm_hook(DDPSumState(None), ddp_sum_hook)
     """
-    group = process_group if process_group is not None else dist.group.WORLD
+    if isinstance(state, DDPSumState):
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        # A param no backward touched since the last sync still holds that sum in this bucket.
+        for param, grad in zip(bucket.parameters(), bucket.gradients()):
+            if id(param) in state.holds_sum:
+                state.holds_sum.discard(id(param))
+                grad.div_(state.world_size)
+        params = [id(p) for p in bucket.parameters()]
+    else:
+        group = state if state is not None else dist.group.WORLD
+        params = None
     future = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
-    return future.then(lambda fut: fut.value()[0])
+
+    def done(fut):
+        if params is not None:
+            state.holds_sum.update(params)
+        return fut.value()[0]
+
+    return future.then(done)

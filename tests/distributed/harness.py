@@ -111,3 +111,34 @@ def part_results(ranks: list[dict[str, Any]], name: str) -> list[Any]:
         if isinstance(res, dict) and "error" in res:
             pytest.fail(f"rank {rank}, part {name!r}:\n{res['error']}")
     return results
+
+
+# --- one spawn per world size for the whole distributed suite -----------------------------------
+
+_registered: dict[int, dict[str, Callable[[int], Any]]] = {}
+_results: dict[int, list[dict[str, Any]]] = {}
+
+
+def share_spawn(
+    parts: dict[str, Callable[[int], Any]], world_size: int, *, prefix: str
+) -> Callable[[], list[dict[str, Any]]]:
+    """Register ``parts`` for the suite's one spawn of ``world_size`` processes; returns ``ranks()`` for a fixture.
+
+    Test modules call this at import, so by the time the first fixture runs every
+    module's parts are known, and all of them run in a single spawn (a spawn of 4
+    processes costs seconds of CPU). ``ranks()`` gives this module's results, by rank,
+    keyed by the names in ``parts``, as :func:`run_parts` does; read them with :func:`part_results`.
+    """
+    registry = _registered.setdefault(world_size, {})
+    for name, part in parts.items():
+        registry[f"{prefix}:{name}"] = part
+
+    def ranks() -> list[dict[str, Any]]:
+        done = _results.setdefault(world_size, [{} for _ in range(world_size)])
+        missing = {k: v for k, v in registry.items() if k not in done[0]}
+        if missing:
+            for rank, res in enumerate(run_parts(missing, world_size)):
+                done[rank].update(res)
+        return [{k.split(":", 1)[1]: v for k, v in r.items() if k.startswith(prefix + ":")} for r in done]
+
+    return ranks

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import part_results, run_parts
+from tests.distributed.harness import part_results, share_spawn
 
 WORLD, K, STEPS = 2, 4, 2
 VOCAB, DIM, BATCH, SEQ = 13, 8, 2, 6
@@ -254,9 +254,12 @@ PARTS: dict[str, Callable[[int], Any]] = {
 }
 
 
+_SHARED = share_spawn(PARTS, WORLD, prefix="accumulation_dp")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_parts(PARTS, world_size=WORLD)
+    return _SHARED()
 
 
 def _assert_params_match_reference(results: list[dict[str, Any]]) -> None:

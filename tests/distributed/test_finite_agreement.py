@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.distributed.harness import part_results, run_parts
+from tests.distributed.harness import part_results, share_spawn
 
 WORLD, VOCAB, DIM = 2, 11, 6
 NAN_RANK = 1
@@ -115,7 +115,9 @@ def _fsdp2(rank: int) -> dict[str, Any]:
         model[2].weight.grad.to_local()[0, 0] = float("nan")
 
     out: dict[str, Any] = {}
-    for name, comm in (("agreed", TorchComm(mesh)), ("local", None)):
+    # "zero_config": no comm at all, the DTensors' mesh is the agreement group; "local": a LocalComm
+    # opts out of agreement, the control that shows the NaN really is rank-local.
+    for name, comm in (("agreed", TorchComm(mesh)), ("zero_config", None), ("local", gtx.comm.LocalComm())):
         model = lm()
         fully_shard(model[0], mesh=mesh)
         fully_shard(model[2], mesh=mesh)
@@ -152,9 +154,12 @@ def _ddp_fused(rank: int) -> dict[str, Any]:
 PARTS: dict[str, Callable[[int], Any]] = {"functional": _functional, "fsdp2": _fsdp2, "ddp_fused": _ddp_fused}
 
 
+_SHARED = share_spawn(PARTS, WORLD, prefix="finite_agreement")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_parts(PARTS, world_size=WORLD)
+    return _SHARED()
 
 
 def _assert_equal_trees(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -179,18 +184,21 @@ def test_functional_nan_on_one_rank_makes_every_rank_skip(ranks: list[dict[str, 
 @pytest.mark.parametrize("part", ["fsdp2", "ddp_fused"])
 def test_wrapper_nan_on_one_rank_makes_every_rank_skip(ranks: list[dict[str, Any]], part: str) -> None:
     results = part_results(ranks, part)
+    variants = ["agreed", "zero_config"] if part == "fsdp2" else ["agreed"]
     for res in results:
-        first, bad, after = res["agreed"]["steps"]
-        assert first["stepped"] and not first["unchanged"] and first["opt_steps"] == [1.0]
-        # Every rank skipped: params bitwise unchanged, and the optimizer's step count did not move.
-        assert bad["unchanged"] and bad["opt_steps"] == [1.0]
-        assert after["stepped"] and not after["unchanged"] and after["opt_steps"] == [2.0]
+        for variant in variants:
+            first, bad, after = res[variant]["steps"]
+            assert first["stepped"] and not first["unchanged"] and first["opt_steps"] == [1.0]
+            # Every rank skipped: params bitwise unchanged, and the optimizer's step count did not move.
+            assert bad["unchanged"] and bad["opt_steps"] == [1.0]
+            assert after["stepped"] and not after["unchanged"] and after["opt_steps"] == [2.0]
     # The skipped step still closed its window (opt.emitted); the skip itself is in metrics["skipped"].
-    assert all(r["agreed"]["steps"][1]["stepped"] for r in results)
+    assert all(r[v]["steps"][1]["stepped"] for r in results for v in variants)
     if part == "ddp_fused":
         _assert_equal_trees(results[0]["agreed"]["params"], results[1]["agreed"]["params"])
     else:
-        _assert_equal_trees(results[0]["agreed"]["full"], results[1]["agreed"]["full"])
-    # The control without a comm: rank 0 saw only finite values and stepped; rank 1 skipped.
+        for variant in variants:
+            _assert_equal_trees(results[0][variant]["full"], results[1][variant]["full"])
+    # The control that opts out (no comm on plain DDP grads, LocalComm on FSDP2): rank 0 stepped, rank 1 skipped.
     assert not results[0]["local"]["steps"][1]["unchanged"]
     assert results[1]["local"]["steps"][1]["unchanged"]

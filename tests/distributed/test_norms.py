@@ -23,10 +23,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
-from gradtx.norms import Sharded, mesh_groups
+from gradtx.plan import Sharded, mesh_groups
 from gradtx.testing import RecordingComm
 from tests.distributed import models
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, share_spawn
 
 NORM_TYPES = (2.0, math.inf)
 MAX_NORM = 0.05  # well below the grads' norm, so clipping really scales
@@ -212,9 +212,16 @@ def _body(rank: int, world: int) -> bytes:
     )
 
 
+def _body_part(rank: int) -> bytes:
+    return _body(rank, 4)
+
+
+_SHARED = share_spawn({"body": _body_part}, 4, prefix="norms")
+
+
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    return [models.unpack(r) for r in run_distributed(_body, world_size=4)]
+    return [models.unpack(r) for r in part_results(_SHARED(), "body")]
 
 
 def _assert_matches_single_device(per_rank: list[dict], *, expected_calls: int) -> None:

@@ -1,0 +1,97 @@
+"""gradtx.plan in one process: the zero-configuration norm, empty shards, cp_reduce, and the declared-plan checks.
+
+The multi-process behaviour (plans read from DTensor placements, on every
+layout) is in ``tests/distributed/test_zero_config.py``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gradtx as gtx
+from gradtx import plan as gplan
+from gradtx.comm import LocalComm
+from gradtx.testing import RecordingComm, assert_pure
+
+NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
+
+
+def _reference_norm(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
+    # torch.linalg on the concatenation, in fp64: independent of gradtx, and fine with empty pieces.
+    return torch.linalg.vector_norm(torch.cat([t.reshape(-1).to(torch.complex128) for t in tensors]), p)
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.complex64])
+def test_empty_shards_have_norm_zero_for_every_norm_type(p, dtype):
+    g = torch.Generator().manual_seed(0)
+    tree = {
+        "empty": torch.empty(0, 4, dtype=dtype),
+        "w": torch.randn(3, 4, generator=g, dtype=torch.complex64 if dtype.is_complex else torch.float32).to(dtype),
+        "e1": torch.empty(0, dtype=dtype),
+    }
+    norm = gtx.global_norm(tree, p)
+    # fp32, or fp64 for fp64 leaves: nothing is rounded away.
+    assert norm.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(norm.double(), _reference_norm(list(tree.values()), p), rtol=1e-5, atol=0)
+    only_empty = {"a": torch.empty(0, dtype=dtype), "b": torch.empty(0, 3, dtype=dtype)}
+    assert float(gtx.global_norm(only_empty, p)) == 0.0
+
+
+@pytest.mark.parametrize("p", NORM_TYPES)
+def test_clip_agc_and_finite_check_on_an_empty_shard(p):
+    grads = {"empty": torch.empty(0, 4), "w": torch.tensor([[3.0, 4.0]])}
+    params = {"empty": torch.empty(0, 4), "w": torch.tensor([[1.0, 1.0]])}
+    tx = gtx.clip_by_global_norm(1.0, norm_type=p)
+    out, state = tx.update(grads, tx.init(params))
+    torch.testing.assert_close(state.grad_norm.double(), _reference_norm(list(grads.values()), p))
+    assert out["empty"].shape == (0, 4)
+    agc, _ = gtx.adaptive_clip(0.1).update(grads, None, params)
+    assert agc["empty"].shape == (0, 4)
+    torch.testing.assert_close(agc["w"], grads["w"] * (0.1 * math.sqrt(2) / 5.0))
+    fin = gtx.apply_if_finite(gtx.identity(), 1)
+    _, fstate = fin.update(grads, fin.init(params))
+    assert bool(fstate.last_finite)
+    bad = {"empty": torch.empty(0, 4), "w": torch.tensor([[float("nan"), 1.0]])}
+    _, fstate = fin.update(bad, fin.init(params))
+    assert not bool(fstate.last_finite)
+
+
+def test_plain_tensors_need_no_plan_and_no_collective():
+    tree = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+    assert gplan.infer_plan(list(tree.values()), what="test") is None
+    torch.testing.assert_close(gplan.tree_norm(list(tree.values()), 2.0), torch.tensor(5.0))
+
+
+def test_mesh_groups_needs_no_comm_in_one_process():
+    plan = gtx.mesh_groups({"a": torch.ones(2)})
+    assert isinstance(plan.comm, LocalComm) and plan.num_collectives() == 0
+
+
+def test_tree_norm_refuses_something_that_is_not_a_plan():
+    with pytest.raises(TypeError, match="mesh_groups must be a plan"):
+        gplan.tree_norm([torch.ones(2)], 2.0, mesh_groups={"a": "dp"})
+
+
+def test_cp_reduce_sums_every_leaf_in_one_collective_and_is_pure():
+    comm = RecordingComm()
+    tx = gtx.cp_reduce("cp", comm=comm)
+    grads = {"a": torch.randn(3, 2), "b": torch.randn(4)}
+    out, _ = assert_pure(tx, grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(out[name], g)  # one rank: the sum is the grad itself
+    assert {(c.op, c.group, c.num_tensors) for c in comm.calls} == {("sum", "cp", 2)}
+    comm.reset()
+    inplace = {k: v.clone() for k, v in grads.items()}
+    res, _ = tx.update(inplace, tx.init(None), inplace=True)
+    assert res["a"] is inplace["a"] and len(comm.calls) == 1
+
+
+def test_cp_reduce_needs_a_group_it_can_resolve():
+    with pytest.raises(ValueError, match=r"cp_reduce\(mesh\['cp'\]\)"):
+        gtx.cp_reduce("cp")
+    with pytest.raises(TypeError, match="comm must implement"):
+        gtx.cp_reduce("cp", comm=object())
