@@ -482,8 +482,9 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         for n, v in zip(names, l2):
             grouped.setdefault(n, []).append(v)
         device = next(iter(state.norms.values())).device if state.norms else torch.device("cpu")
+        # fp32 whatever the grads' dtype (fp64 leaves have fp64 norms), so the state's dtypes never change.
         norms = {
-            n: (vs[0] if len(vs) == 1 else torch.linalg.vector_norm(torch.stack(vs))).to(device)
+            n: (vs[0] if len(vs) == 1 else torch.linalg.vector_norm(torch.stack(vs))).to(device, torch.float32)
             for n, vs in grouped.items()
         }
         if set(norms) != set(state.norms):

@@ -21,6 +21,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from gradtx import plan as plans
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of
@@ -197,12 +198,14 @@ class SkipIfState(NamedTuple):
     inner_state: OptState
 
 
-def _agree(flag: torch.Tensor, comm: Comm | None, group: GroupKey) -> torch.Tensor:
-    """True on every rank when it is True on any rank: one scalar MAX reduction."""
-    if comm is None:
-        return flag
-    (any_flag,) = comm.all_reduce([flag.to(torch.float32)], ReduceOp.MAX, group)
-    return any_flag.to(flag.device) > 0
+def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: GroupKey) -> torch.Tensor:
+    """True on every rank when it is True on any rank that holds part of the model.
+
+    With ``comm``: one scalar MAX over ``group``. Else, on DTensor updates, over
+    their meshes (as ``apply_if_finite`` agrees); else the local flag.
+    """
+    leaves = [t for t in tu.flatten(updates)[0] if isinstance(t, torch.Tensor)]
+    return ~plans.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
 
 
 def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState, old_inner: OptState):
@@ -303,7 +306,7 @@ def skip_if(
                 )
             )
         device = state.gradient_step.device
-        skip = _agree(should_skip.to(device), comm, group)
+        skip = _agree(should_skip.to(device), updates, comm, group)
         accept = ~skip
         new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
         if new_updates is None:
@@ -476,8 +479,8 @@ def skip_spikes(
         warm = state.count < warmup_steps
         z = (x - state.mean) / (state.var.sqrt() + eps)
         outlier = ~finite | (~warm & (z > z_thresh))
-        if comm is not None:  # a non-finite loss or grad on one rank skips everywhere
-            outlier = _agree(outlier, comm, group)
+        if comm is not None or metric == "loss":  # a global grad norm already agrees; a loss may not
+            outlier = _agree(outlier, updates, comm, group)
         consecutive = state.consecutive + 1
         accept = ~outlier
         if max_consecutive_skips is not None:

@@ -3,7 +3,8 @@
 ToyNet's blocks are tensor-parallel (colwise, rowwise) on a 2-rank "tp" mesh dim and
 FSDP2-sharded on a 2-rank "dp" dim; the head is FSDP2 only. Over several steps (one of them a
 100x spike), every rank runs zclip, autoclip, skip_spikes and skip_large_updates with a
-mesh_groups plan, and clip_by_block_rms and track_norms on the DTensor grads. Every rank must
+mesh_groups plan, and clip_by_block_rms and track_norms on the DTensor grads; then all of them
+again with no plan passed, where the placements define it. Every rank must
 make the same decisions, and the statistics and outputs must equal a single-device run on the
 unsharded model with the full batch.
 """
@@ -105,7 +106,11 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
         return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
     plan = gtx.mesh_groups(dict(model.named_parameters()), comm=TorchComm(mesh))
-    return {"sharded": _run(model, sharded_grads, plan), "single": _run(ref, reference_grads, None)}
+    return {
+        "sharded": _run(model, sharded_grads, plan),
+        "inferred": _run(model, sharded_grads, None),  # no plan passed: the placements define it
+        "single": _run(ref, reference_grads, None),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -117,16 +122,17 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=lambda m: f"{what}: {m}")
 
 
+@pytest.mark.parametrize("how", ["sharded", "inferred"])
 @pytest.mark.parametrize("name", ["zclip", "autoclip", "skip_spikes", "skip_large", "block_rms", "track"])
-def test_every_rank_decides_alike_and_matches_one_device(ranks, name):
+def test_every_rank_decides_alike_and_matches_one_device(ranks, name, how):
     single = ranks[0]["single"][name]
     for rank, res in enumerate(ranks):
-        for step, (got, want) in enumerate(zip(res["sharded"][name], single)):
-            where = f"rank {rank}, {name}, step {step}"
+        for step, (got, want) in enumerate(zip(res[how][name], single)):
+            where = f"rank {rank}, {how}, {name}, step {step}"
             for key, value in want.items():
                 if isinstance(value, bool):
                     assert got[key] == value, where  # the decision itself: identical everywhere
-                    assert got[key] == ranks[0]["sharded"][name][step][key], where
+                    assert got[key] == ranks[0][how][name][step][key], where
                 elif isinstance(value, dict):
                     for leaf, v in value.items():
                         _close(got[key][leaf], v, f"{where}, {key}[{leaf}]")
