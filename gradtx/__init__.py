@@ -28,6 +28,7 @@ from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, ch
 from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
+from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
@@ -82,6 +83,7 @@ torch.serialization.add_safe_globals(
         AutoClipState,
         ClipByGlobalNormState,
         EmptyState,
+        InjectHyperparamsState,
         MaskedState,
         PartitionState,
         ScaleByAdamState,
@@ -107,6 +109,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "Guard",
+    "InjectHyperparamsState",
     "MaskedState",
     "MeshGroups",
     "OptimizerChain",
@@ -146,6 +149,7 @@ __all__ = [
     "export_metrics",
     "global_norm",
     "identity",
+    "inject_hyperparams",
     "join_schedules",
     "linear_onecycle_schedule",
     "linear_schedule",

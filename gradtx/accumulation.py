@@ -379,7 +379,20 @@ def accumulate(
             against = "the open window's running sum"
         else:
             expected, against = params, "params"
-        if expected is not None:
+        if expected is not None and state.acc is None:
+            # A None grad (a param with no gradient) is allowed; the window keeps that pattern to its end.
+            index, _, _ = tu.align(  # structure only: shapes are compared on local shards below
+                tu.tree_map(lambda _: 0, params), tu.tree_map(lambda _: 0, updates),
+                what="accumulate: updates", against=against, tensors=False,
+            )  # fmt: skip
+            expected = [tu.flatten(params)[0][i] for i in index]
+            for path, e, g in zip(leaf_paths, expected, leaves):
+                if isinstance(e, torch.Tensor) and tu.local(g).shape != tu.local(e).shape:
+                    raise ValueError(
+                        f"accumulate: updates at {tu.path_str(path)} have shape {tuple(tu.local(g).shape)}, "
+                        f"expected {tuple(tu.local(e).shape)} ({against})"
+                    )
+        elif expected is not None:
             tu.check_structure(
                 tu.tree_map(lambda _: 0, expected), tu.tree_map(lambda _: 0, updates),
                 what="accumulate: updates", against=against,

@@ -199,8 +199,10 @@ def metrics(state: OptState) -> dict[str, torch.Tensor]:
 
     A state NamedTuple declares what it exports with :func:`export_metrics`
     (which sets a ``_metrics`` class attribute: a tuple of ``(field name, metric
-    name)`` pairs). When two members export the same name, the first one in chain
-    order wins. Values are tensors; nothing is read to the host.
+    name)`` pairs). A metric name of ``"*"`` exports every item of a dict field
+    under its own key (what :class:`gradtx.InjectHyperparamsState` does with its
+    hyperparameters). When two members export the same name, the first one in
+    chain order wins. Values are tensors; nothing is read to the host.
 
     Example:
       >>> updates, state = tx.update(grads, state, params)
@@ -212,7 +214,12 @@ def metrics(state: OptState) -> dict[str, torch.Tensor]:
         exported = getattr(type(node), "_metrics", None)
         if isinstance(node, tuple) and exported:
             for field, name in exported:
-                found.setdefault(name, getattr(node, field))
+                value = getattr(node, field)
+                if name == "*" and isinstance(value, dict):
+                    for key, item in value.items():
+                        found.setdefault(str(key), item)
+                else:
+                    found.setdefault(name, value)
         if isinstance(node, dict):
             for v in node.values():
                 walk(v)

@@ -60,6 +60,8 @@ def clip(max_delta: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, **extra):
         del params
+        if state is not None:  # stateless: None is harmless, another transform's state is a mistake
+            tu.require_state(state, EmptyState, name="clip")
         leaves, spec = _leaves(updates, name="clip")
         locals_ = [tu.local(t) for t in leaves]
         out = list(leaves)
@@ -89,7 +91,7 @@ class ClipByGlobalNormState(NamedTuple):
 
 
 def clip_by_global_norm(
-    max_norm: float, *, norm_type: float = 2.0, mesh_groups: Any | None = None
+    max_norm: float | torch.Tensor, *, norm_type: float = 2.0, mesh_groups: Any | None = None
 ) -> ScalarTransformation:
     """Scale all updates together so that their global norm is at most ``max_norm``.
 
@@ -99,7 +101,8 @@ def clip_by_global_norm(
     grads keep their dtype, and the pre-clip norm is kept in the state.
 
     Args:
-      max_norm: the largest global norm allowed; ``> 0`` (``inf`` only measures).
+      max_norm: the largest global norm allowed; ``> 0`` (``inf`` only measures),
+        or a 0-d tensor (what :func:`gradtx.inject_hyperparams` passes).
       norm_type: the order of the norm: any ``p > 0`` or ``inf``.
       mesh_groups: a declared plan from :func:`gradtx.mesh_groups`, for what
         placements cannot say: pipeline stages (``pp_group``), weights tied
@@ -119,7 +122,7 @@ def clip_by_global_norm(
       >>> updates, state = tx.update(grads, tx.init(params))
       >>> state.grad_norm  # the norm before clipping
     """
-    max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False)
+    max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
     _check_plan(mesh_groups, "global_norm", name="clip_by_global_norm")
 
@@ -130,13 +133,22 @@ def clip_by_global_norm(
         return ClipByGlobalNormState(grad_norm=torch.zeros((), dtype=dtype), clip_coef=torch.ones((), dtype=dtype))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del params, extra
+        del extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
         leaves, _ = _leaves(updates, name="clip_by_global_norm")
-        norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=updates)
+        tree = updates
+        if mesh_groups is not None and params is not None and len(leaves) != len(mesh_groups):
+            # A declared plan covers every param; one with no gradient (None) joins the collectives as
+            # zeros, so every rank still issues the same ones.
+            index, leaves, _ = tu.align(params, updates, what="clip_by_global_norm: updates", against="params")
+            all_params = tu.flatten(params)[0]
+            full = tu.scatter(len(all_params), index, leaves)
+            leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
+        norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
+        coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 
@@ -182,7 +194,7 @@ def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
 
 
 def adaptive_clip(
-    clipping: float = 0.01, *, eps: float = 1e-3, unitwise: bool = True, mesh_groups: Any | None = None
+    clipping: float | torch.Tensor = 0.01, *, eps: float = 1e-3, unitwise: bool = True, mesh_groups: Any | None = None
 ) -> GradientTransformation:
     """Adaptive gradient clipping (AGC): clip each unit's gradient relative to its weight.
 
@@ -192,7 +204,8 @@ def adaptive_clip(
     assume JAX's ``(in, out)`` layout; this does not.
 
     Args:
-      clipping: the largest allowed ratio of gradient norm to weight norm; ``> 0``.
+      clipping: the largest allowed ratio of gradient norm to weight norm; ``> 0``,
+        or a 0-d tensor (what :func:`gradtx.inject_hyperparams` passes).
       eps: the floor on a unit's weight norm, so zero-initialised units can move.
       unitwise: clip per output unit (True) or per whole tensor (False).
       mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (plain
@@ -214,7 +227,7 @@ def adaptive_clip(
       >>> tx = adaptive_clip(0.01)
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
-    clipping = check.positive(clipping, arg="clipping", name="adaptive_clip")
+    clipping = check.positive(clipping, arg="clipping", name="adaptive_clip", tensor=True)
     eps = check.non_negative(eps, arg="eps", name="adaptive_clip")
     unitwise = check.flag(unitwise, arg="unitwise", name="adaptive_clip")
     _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
@@ -227,17 +240,30 @@ def adaptive_clip(
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
+        if state is not None:  # stateless: None is harmless, another transform's state is a mistake
+            tu.require_state(state, EmptyState, name="adaptive_clip")
         if params is None:
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
-        leaves, spec = _leaves(updates, name="adaptive_clip")
-        tu.check_structure(params, updates, what="adaptive_clip: updates", against="params")
-        weights = tu.flatten(params)[0]
-        g_norms, w_norms = plan.tree_unitwise_norms(
-            leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates
-        )
+        # A None update (a param with no gradient) stays None; its weight is not read.
+        index, leaves, spec = tu.align(params, updates, what="adaptive_clip: updates", against="params")
+        all_weights = tu.flatten(params)[0]
+        weights = [all_weights[i] for i in index]
+        if mesh_groups is not None and len(index) != len(all_weights):
+            # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
+            full = tu.scatter(len(all_weights), index, leaves)
+            full = [torch.zeros_like(w) if g is None else g for g, w in zip(full, all_weights)]
+            g_all, w_all = plan.tree_unitwise_norms(
+                full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=params
+            )
+            g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
+        else:
+            g_norms, w_norms = plan.tree_unitwise_norms(
+                leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates
+            )
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
-            max_norm = clipping * torch.clamp(w_norm, min=eps)
+            limit = clipping.to(w_norm.device, torch.float32) if isinstance(clipping, torch.Tensor) else clipping
+            max_norm = limit * torch.clamp(w_norm, min=eps)
             factor = torch.where(g_norm > max_norm, max_norm / torch.clamp(g_norm, min=1e-6), 1.0)
             out.append(_apply_factor(g, factor, inplace=bool(extra.get("inplace", False))))
         return tu.unflatten(spec, out), state

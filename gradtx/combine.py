@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, Self, cast
 
+import optree
 import torch
 
 from gradtx import tree as tu
+from gradtx import validate as check
 from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates
 
 
@@ -146,108 +148,198 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
 
 # --- masked and partition -------------------------------------------------------------
 #
-# The inner transform sees a dict {path string: leaf} of just its leaves, so error
-# messages from inside it still name the user's pytree paths.
+# The inner transform sees the user's own tree, with ``None`` (an empty subtree) in place of
+# every leaf it does not own, as optax's ``MaskedNode``: its state mirrors the params with
+# ``None`` there, and its error messages name the user's paths.
 
 
-def _labels_for(labels: PyTree | Callable[[Params], PyTree], tree: PyTree, *, name: str) -> list[Any]:
-    resolved = labels(tree) if callable(labels) else labels
-    _, spec = tu.flatten(tree)
+def _is_tree_fn(labels: Any) -> bool:
+    """Whether a mask/labels argument is a function of the params rather than a tree.
+
+    optax's rule (its issue 913): a callable counts as a function only when
+    every leaf of it is callable, so an equinox-style module that is both
+    callable and a pytree (registered with optree) is a tree.
+    """
+    leaves = optree.tree_leaves(cast(Any, labels))
+    return len(leaves) > 0 and all(callable(leaf) for leaf in leaves)
+
+
+def _resolve(labels: Any, tree: PyTree, *, name: str, what: str) -> list[Any]:
+    resolved = labels(tree) if _is_tree_fn(labels) else labels
+    return tu.prefix_leaves(resolved, tree, what=f"{name}: {what}", against="the params/updates tree")
+
+
+class _Routed(NamedTuple):
+    """One update's leaves, laid out on the reference tree (the params, else the updates)."""
+
+    spec: Any  # the reference tree's structure
+    where: list[int]  # reference leaf of each present update leaf
+    leaves: list[Any]  # the present update leaves
+    out_spec: Any  # the updates' own structure
+    param_leaves: list[Any] | None
+
+
+def _route(updates: Updates, params: Params | None, *, name: str) -> _Routed:
+    reference = params if params is not None else updates
+    index, leaves, out_spec = tu.align(reference, updates, what=f"{name}: updates", against="params")
+    ref_leaves, spec = tu.flatten(reference)
+    return _Routed(spec, index, leaves, out_spec, ref_leaves if params is not None else None)
+
+
+def _sub(routed: _Routed, keep: Sequence[bool]) -> tuple[Updates, Params | None]:
+    """The inner transform's updates and params: the reference tree with ``None`` at every leaf not kept."""
+    n = len(keep)
+    full = tu.scatter(n, routed.where, routed.leaves)
+    sub_updates = tu.unflatten(routed.spec, [u if k else None for u, k in zip(full, keep)])
+    if routed.param_leaves is None:
+        return sub_updates, None
+    return sub_updates, tu.unflatten(routed.spec, [p if k else None for p, k in zip(routed.param_leaves, keep)])
+
+
+def _mask_params(params: Params, keep: Sequence[bool]) -> Params:
+    leaves, spec = tu.flatten(params)
+    return tu.unflatten(spec, [p if k else None for p, k in zip(leaves, keep)])
+
+
+def _take(out: list[Any], routed: _Routed, keep: Sequence[bool], new: Updates, *, name: str) -> None:
+    """Write the inner transform's results (``new``, on the reference layout) into ``out``, for kept leaves."""
+    if new is None:
+        raise ValueError(f"{name}: an inner transform held (returned None); put accumulate() in the outer chain")
     try:
-        label_leaves = spec.flatten_up_to(resolved)
+        new_leaves = routed.spec.flatten_up_to(new)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{name}: labels do not match the params/updates tree: {e}") from None
-    return label_leaves
-
-
-def _select(tree: PyTree, keep: Sequence[bool]) -> dict[str, Any]:
-    paths = tu.paths(tree)
-    leaves, _ = tu.flatten(tree)
-    return {tu.path_str(p): leaf for p, leaf, k in zip(paths, leaves, keep) if k}
-
-
-def _merge(tree: PyTree, parts: Sequence[dict[str, Any]]) -> PyTree:
-    leaves, spec = tu.flatten(tree)
-    by_path = {}
-    for part in parts:
-        by_path.update(part)
-    out = [by_path.get(tu.path_str(p), leaf) for p, leaf in zip(tu.paths(tree), leaves)]
-    return tu.unflatten(spec, out)
+        raise ValueError(f"{name}: the inner transform returned updates of another structure: {e}") from None
+    for j, i in enumerate(routed.where):
+        if keep[i]:
+            out[j] = new_leaves[i]
 
 
 class MaskedState(NamedTuple):
+    """The inner transform's state, built on the params with ``None`` at every masked-out leaf."""
+
     inner_state: OptState
 
 
 class PartitionState(NamedTuple):
-    inner_states: dict[str, OptState]
+    """Each label's inner state, by label (each built like :class:`MaskedState`'s)."""
+
+    inner_states: dict[Hashable, OptState]
 
 
-def _check_hold(updates: Any, name: str) -> None:
-    if updates is None:
-        raise ValueError(f"{name}: an inner transform held (returned None); put accumulate() in the outer chain")
+def _check_mask_leaves(flags: Sequence[Any], tree: PyTree, *, name: str) -> list[bool]:
+    for path, f in zip(tu.paths(tree), flags):
+        if not check._is_bool(f):
+            raise TypeError(f"{name}: mask leaves must be bools, got {type(f).__name__} for {tu.path_str(path)}")
+    return [bool(f) for f in flags]
 
 
 def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
-    """Apply ``inner`` only to the leaves where ``mask`` is True; others pass through unchanged.
+    """Apply ``inner`` only to the leaves where ``mask`` is True; the others pass through unchanged.
+
+    As optax's ``masked``. The inner transform sees the params and updates
+    with ``None`` (an empty subtree) in place of each masked-out leaf, so its
+    state holds nothing for them, and a param with no gradient (``None`` in
+    the updates) is left alone.
 
     Args:
       inner: the transform to apply to the masked leaves.
-      mask: a pytree of bools with the structure of the params, or a callable
-        ``params -> mask``, evaluated on every call.
+      mask: bools in a tree with the structure of the params, or a prefix of
+        it (``{"encoder": False, "head": True}``; a single ``True`` covers the
+        whole tree); or a function ``params -> mask``, called with the params
+        (the updates when ``update`` gets no params). A callable whose leaves
+        are not all callable (an equinox-style module registered as a pytree)
+        is a tree, not a function, as in optax.
 
     Returns:
-      A :class:`GradientTransformation` with state ``MaskedState(inner_state)``.
+      A :class:`GradientTransformation` with state :class:`MaskedState`.
+
+    Raises:
+      TypeError: at construction, when ``inner`` is not a transform or a mask
+        tree has a leaf that is not a bool.
+
+    References:
+      Optax's ``masked`` (DeepMind, 2020).
 
     Example:
-      >>> no_bias = lambda p: {k: not k.endswith("bias") for k in p}
-      >>> tx = masked(add_decayed_weights(0.1), no_bias)
+      >>> decay_matrices = lambda p: {k: v.ndim > 1 for k, v in p.items()}
+      >>> tx = masked(add_decayed_weights(0.1), decay_matrices)
     """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"masked: inner must be a GradientTransformation, got {type(inner).__name__}")
+    is_fn = _is_tree_fn(mask)
+    if not is_fn:
+        for leaf in optree.tree_leaves(cast(Any, mask)):
+            if not check._is_bool(leaf):
+                raise TypeError(
+                    f"masked: mask must be a tree of bools or a function of the params, got a {type(leaf).__name__} leaf"
+                )
 
     def keep_of(tree: PyTree) -> list[bool]:
-        flags = _labels_for(mask, tree, name="masked")
-        for f in flags:
-            if not isinstance(f, bool):
-                raise TypeError(f"masked: mask leaves must be bool, got {type(f).__name__}")
-        return flags
+        return _check_mask_leaves(_resolve(mask, tree, name="masked", what="mask"), tree, name="masked")
 
     def init_fn(params: Params) -> MaskedState:
-        return MaskedState(inner.init(_select(params, keep_of(params))))
+        return MaskedState(inner.init(_mask_params(params, keep_of(params))))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, MaskedState, name="masked")
+        routed = _route(updates, params, name="masked")
         keep = keep_of(params if params is not None else updates)
-        sub_params = None if params is None else _select(params, keep)
-        sub, inner_state = inner.update(_select(updates, keep), state.inner_state, sub_params, **extra)
-        _check_hold(sub, "masked")
-        return _merge(updates, [sub]), MaskedState(inner_state)
+        sub_updates, sub_params = _sub(routed, keep)
+        new, inner_state = inner.update(sub_updates, state.inner_state, sub_params, **extra)
+        out = list(routed.leaves)
+        _take(out, routed, keep, new, name="masked")
+        return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
     return GradientTransformation(init_fn, update_fn)
 
 
 def partition(
-    txs_by_label: Mapping[str, GradientTransformation], labels: PyTree | Callable[[Params], PyTree]
+    transforms: Mapping[Hashable, GradientTransformation],
+    param_labels: PyTree | Callable[[Params], PyTree],
 ) -> GradientTransformation:
     """Apply a different transform to each labelled part of the tree.
 
+    As optax's ``partition``: every leaf goes to the transform of its label,
+    which sees the params and updates with ``None`` at every leaf of another
+    label (see :func:`masked`).
+
     Args:
-      txs_by_label: a transform for every label.
-      labels: a pytree of labels with the structure of the params, or a
-        callable ``params -> labels``.
+      transforms: a transform for every label.
+      param_labels: labels in a tree with the structure of the params, or a
+        prefix of it (``("generator", "discriminator")`` over a pair of
+        subtrees), or a function ``params -> labels`` (see :func:`masked` for
+        which callables count as functions).
 
     Returns:
-      A :class:`GradientTransformation` with state ``PartitionState({label: state})``.
+      A :class:`GradientTransformation` with state :class:`PartitionState`.
+
+    Raises:
+      TypeError: at construction, when a transform is not a
+        :class:`GradientTransformation`. ValueError: when a label has no
+        transform (at construction for a labels tree).
+
+    References:
+      Optax's ``partition`` (formerly ``multi_transform``; DeepMind, 2021).
 
     Example:
       >>> labels = lambda p: {k: "no_decay" if "norm" in k else "decay" for k in p}
       >>> tx = partition({"decay": adamw(1e-3), "no_decay": adam(1e-3)}, labels)
     """
-    names = list(txs_by_label)
+    if not isinstance(transforms, Mapping):
+        raise TypeError(f"partition: transforms must be a mapping from label to transform, got {type(transforms).__name__}")
+    for label, tx in transforms.items():
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"partition: transforms[{label!r}] is a {type(tx).__name__}, not a GradientTransformation")
+    names = list(transforms)
+    if not _is_tree_fn(param_labels):
+        for lab in optree.tree_leaves(cast(Any, param_labels)):
+            if not isinstance(lab, Hashable) or lab not in transforms:
+                raise ValueError(f"partition: label {lab!r} has no transform; known labels: {names}")
 
-    def label_of(tree: PyTree) -> list[str]:
-        leaf_labels = _labels_for(labels, tree, name="partition")
+    def label_of(tree: PyTree) -> list[Any]:
+        leaf_labels = _resolve(param_labels, tree, name="partition", what="param_labels")
         for path, lab in zip(tu.paths(tree), leaf_labels):
-            if lab not in txs_by_label:
+            if not isinstance(lab, Hashable) or lab not in transforms:
                 raise ValueError(
                     f"partition: label {lab!r} at {tu.path_str(path)} has no transform; known labels: {names}"
                 )
@@ -256,22 +348,23 @@ def partition(
     def init_fn(params: Params) -> PartitionState:
         leaf_labels = label_of(params)
         return PartitionState(
-            {n: txs_by_label[n].init(_select(params, [lab == n for lab in leaf_labels])) for n in names}
+            {n: transforms[n].init(_mask_params(params, [lab == n for lab in leaf_labels])) for n in names}
         )
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, PartitionState, name="partition")
+        if not isinstance(state.inner_states, dict) or list(state.inner_states) != names:
+            raise ValueError(f"partition: expected inner states for the labels {names}, got {state.inner_states!r:.200}")
+        routed = _route(updates, params, name="partition")
         leaf_labels = label_of(params if params is not None else updates)
-        parts, new_states = [], {}
+        out = list(routed.leaves)
+        new_states = {}
         for n in names:
             keep = [lab == n for lab in leaf_labels]
-            sub_params = None if params is None else _select(params, keep)
-            sub, new_states[n] = txs_by_label[n].update(
-                _select(updates, keep), state.inner_states[n], sub_params, **extra
-            )
-            _check_hold(sub, "partition")
-            parts.append(sub)
-        return _merge(updates, parts), PartitionState(new_states)
+            sub_updates, sub_params = _sub(routed, keep)
+            new, new_states[n] = transforms[n].update(sub_updates, state.inner_states[n], sub_params, **extra)
+            _take(out, routed, keep, new, name="partition")
+        return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -280,21 +373,23 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     """Return ``params + updates`` as a new tree, in each param's dtype. Pure.
 
     ``updates`` of ``None`` (a held accumulation step) returns ``params`` itself.
+    A ``None`` inside ``updates`` where ``params`` has a tensor (a param that got
+    no gradient) leaves that param as it is: the same tensor object comes back.
     """
     if updates is None:
         return params
-    tu.check_structure(params, updates, what="updates", against="params")
-
+    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
     p_leaves, spec = tu.flatten(params)
-    u_leaves = cast(list[torch.Tensor], spec.flatten_up_to(updates))  # optree types the leaves as PyTree
-    out: list[Any] = [None] * len(p_leaves)
-    plain: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, (p, u) in enumerate(zip(p_leaves, u_leaves)):
+    out: list[Any] = list(p_leaves)
+    plain: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
+    for j, i in enumerate(index):
+        p, u = p_leaves[i], u_leaves[j]
         if type(p) is torch.Tensor and type(u) is torch.Tensor and p.dtype == u.dtype and p.device == u.device:
-            plain.setdefault((p.device, p.dtype), []).append(i)
+            plain.setdefault((p.device, p.dtype), []).append((i, j))
         else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
             out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
-    for idx in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
-        for i, r in zip(idx, torch._foreach_add([p_leaves[i] for i in idx], [u_leaves[i] for i in idx])):
+    for pairs in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
+        added = torch._foreach_add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
+        for (i, _), r in zip(pairs, added):
             out[i] = r
     return tu.unflatten(spec, out)

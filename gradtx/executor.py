@@ -323,7 +323,7 @@ def _fused_launch(
     spec: OptimizerSpec, state: OptState, updates: Updates, params: Params, factor: torch.Tensor | None
 ) -> tuple[Callable[[], None], OptState] | None:
     """The fused kernel launch and the alias's new state, or ``None`` when a leaf or the state does not suit it."""
-    if not isinstance(state, tuple):
+    if not isinstance(state, tuple) or not spec.fused_ok():  # tensor hyperparameters, or a masked weight decay
         return None
     core_state = state[spec.core] if spec.core is not None and spec.core < len(state) else None
     if spec.core is not None and not isinstance(core_state, ScaleByAdamState if spec.kind != "sgd" else TraceState):
@@ -387,9 +387,10 @@ def _fused_launch(
 
 def _add_in_place(params: Params, updates: Updates, factor: torch.Tensor | None) -> None:
     """``params += factor * updates``, in place, through local shards; ``updates`` are owned and may be scaled."""
-    tu.check_structure(params, updates, what="updates", against="params")
-    p_leaves = [tu.local(p) for p in tu.flatten(params)[0]]
-    u_leaves = [tu.local(u) for u in tu.flatten(updates)[0]]
+    index, leaves, _ = tu.align(params, updates, what="updates", against="params")
+    all_params = tu.flatten(params)[0]
+    p_leaves = [tu.local(all_params[i]) for i in index]  # a None update (no gradient) leaves its param alone
+    u_leaves = [tu.local(u) for u in leaves]
     for (device, _), idx in tu.group_by_device_dtype(p_leaves).items():
         ps = [p_leaves[i] for i in idx]
         us = [u_leaves[i] for i in idx]

@@ -22,7 +22,7 @@ one fused torch kernel. Nothing in this module knows about that.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self
 
 import torch
@@ -38,9 +38,10 @@ from gradtx.base import (
     Schedule,
     scalar_transformation,
 )
-from gradtx.combine import Chain, chain
+from gradtx.combine import Chain, chain, masked
 
-ScalarOrSchedule = float | Schedule
+ScalarOrSchedule = float | torch.Tensor | Schedule
+Scalar = float | torch.Tensor  # a 0-d tensor hyperparameter is what gradtx.inject_hyperparams passes
 
 __all__ = [
     "OptimizerChain",
@@ -90,6 +91,17 @@ def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=_count_device(leaves))
 
 
+def _tensor_arg(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _as(value: Scalar, like: torch.Tensor) -> Scalar:
+    """A tensor hyperparameter on ``like``'s device and in its dtype (a Python number stays one)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(like.device, like.dtype, non_blocking=True)
+    return value
+
+
 def _real_view(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t)
 
@@ -113,14 +125,14 @@ def _to_factor(value: Any, sign: float) -> torch.Tensor:
 # --- scale ---------------------------------------------------------------------------------
 
 
-def scale(step_size: float) -> ScalarTransformation:
+def scale(step_size: Scalar) -> ScalarTransformation:
     """Multiply every update by the scalar ``step_size``.
 
     A :class:`gradtx.base.ScalarTransformation`: its factor is exposed, so a run
     of scalar transforms folds into one multiply (see :mod:`gradtx.executor`).
 
     Args:
-      step_size: the factor; any finite number (negative to descend).
+      step_size: the factor; any finite number (negative to descend), or a 0-d tensor.
 
     Returns:
       A stateless :class:`GradientTransformation`.
@@ -133,7 +145,7 @@ def scale(step_size: float) -> ScalarTransformation:
       >>> tx.update({"w": torch.tensor([2.0, -4.0])}, tx.init(None))[0]
       {'w': tensor([ 1., -2.])}
     """
-    step_size = check.number(step_size, arg="step_size", name="scale")
+    step_size = check.number(step_size, arg="step_size", name="scale", tensor=True)
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -142,6 +154,8 @@ def scale(step_size: float) -> ScalarTransformation:
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
         tu.require_state(state, EmptyState, name="scale")
+        if isinstance(step_size, torch.Tensor):
+            return step_size.to(torch.float64), state
         return torch.tensor(step_size, dtype=torch.float64), state
 
     return scalar_transformation(init_fn, factor_fn)
@@ -202,7 +216,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     epoch). Either way it is a scalar transformation.
 
     Args:
-      learning_rate: a number ``>= 0``, or a callable ``count -> learning rate``.
+      learning_rate: a number ``>= 0``, a 0-d tensor, or a callable ``count -> learning rate``.
       flip_sign: multiply by ``-learning_rate`` (True) or ``learning_rate``.
 
     Returns:
@@ -235,13 +249,15 @@ class ScaleByAdamState(NamedTuple):
     nu: PyTree
 
 
-def _bias_correction(beta: float, t: torch.Tensor) -> torch.Tensor:
+def _bias_correction(beta: Scalar, t: torch.Tensor) -> torch.Tensor:
     """``1 - beta**t`` as ``-expm1(t * log(beta))``: accurate in fp32 even when ``beta**t`` is close to 1."""
+    if isinstance(beta, torch.Tensor):
+        return -torch.expm1(t * torch.log(beta.to(t.device, t.dtype)))  # log(0) = -inf gives 1, as below
     log_beta = math.log(beta) if beta > 0 else -math.inf
     return -torch.expm1(t * log_beta)
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moment estimates.
 
     With ``t`` the step (1 on the first update), ``m = b1*m + (1-b1)*g`` and
@@ -266,9 +282,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
       >>> tx = chain(scale_by_adam(), scale_by_learning_rate(1e-3))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    b1 = check.beta(b1, arg="b1", name="scale_by_adam")
-    b2 = check.beta(b2, arg="b2", name="scale_by_adam")
-    eps = check.non_negative(eps, arg="eps", name="scale_by_adam")
+    b1 = check.beta(b1, arg="b1", name="scale_by_adam", tensor=True)
+    b2 = check.beta(b2, arg="b2", name="scale_by_adam", tensor=True)
+    eps = check.non_negative(eps, arg="eps", name="scale_by_adam", tensor=True)
 
     def init_fn(params: Params) -> ScaleByAdamState:
         leaves, spec = _leaves(params, name="scale_by_adam", what="params")
@@ -281,28 +297,40 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
     def update_fn(updates, state, params=None, **extra):
         del params
         tu.require_state(state, ScaleByAdamState, name="scale_by_adam")
-        leaves, spec = _leaves(updates, name="scale_by_adam")
-        tu.check_structure(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
+        # A None update (a param with no gradient) leaves its moments as they are.
+        index, leaves, spec = tu.align(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
         mu_leaves, mu_spec = tu.flatten(state.mu)
         nu_leaves, nu_spec = tu.flatten(state.nu)
-        tu.check_devices(mu_leaves, leaves, updates, what="scale_by_adam: updates", against="its moments")
+        tu.check_devices(
+            [mu_leaves[i] for i in index], leaves, updates, what="scale_by_adam: updates", against="its moments"
+        )
 
         count = state.count + 1
-        mu_locals = [tu.local(m) for m in mu_leaves]
+        mu_locals = [tu.local(mu_leaves[i]) for i in index]
         out: list[torch.Tensor] = list(leaves)
         new_mu: list[torch.Tensor] = list(mu_leaves)
         new_nu: list[torch.Tensor] = list(nu_leaves)
         for (device, dtype), idx in tu.group_by_device_dtype(mu_locals).items():
-            t = count.to(device, tu.acc_dtype(dtype))  # fp64 bias corrections for fp64 params
-            bc1 = _bias_correction(b1, t)
-            bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
             # Complex params are pairs of reals, as torch.optim.Adam treats them (view_as_real):
             # the second moment is per component, |re|^2 and |im|^2, never g*g.
             real = _real_view if dtype.is_complex else _same
-            g = [real(tu.local(leaves[i]).to(dtype)) for i in idx]
-            m = torch._foreach_lerp([real(mu_locals[i]) for i in idx], g, 1 - b1)
-            v = torch._foreach_mul([real(tu.local(nu_leaves[i])) for i in idx], b2)
-            torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
+            g = [real(tu.local(leaves[j]).to(dtype)) for j in idx]
+            mus = [real(mu_locals[j]) for j in idx]
+            nus = [real(tu.local(nu_leaves[index[j]])) for j in idx]
+            m_dtype = mus[0].dtype  # the real dtype of the moments
+            t = count.to(device, tu.acc_dtype(dtype))  # fp64 bias corrections for fp64 params
+            bc1 = _bias_correction(b1, t)
+            bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
+            if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
+                w1 = (1 - b1).to(device, m_dtype) if isinstance(b1, torch.Tensor) else 1 - b1
+                m = torch._foreach_lerp(mus, g, w1)
+                # addcmul's value must be a Python number: v = lerp(v, g*g, 1 - b2) is the same update.
+                w2 = (1 - b2).to(device, m_dtype) if isinstance(b2, torch.Tensor) else torch.tensor(1 - b2)
+                v = torch._foreach_lerp(nus, torch._foreach_mul(g, g), w2.to(device, m_dtype))
+            else:
+                m = torch._foreach_lerp(mus, g, 1 - b1)
+                v = torch._foreach_mul(nus, b2)
+                torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
             # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
             # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
             if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
@@ -312,14 +340,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
             else:
                 u = torch._foreach_sqrt(v)
             torch._foreach_mul_(u, bc1 / bc2_sqrt)
-            torch._foreach_add_(u, bc1 * eps)
+            torch._foreach_add_(u, bc1 * _as(eps, bc1))
             torch._foreach_reciprocal_(u)
             torch._foreach_mul_(u, m)
             back = torch.view_as_complex if dtype.is_complex else _same
-            for j, i in enumerate(idx):
-                new_mu[i] = tu.like(mu_leaves[i], back(m[j]))
-                new_nu[i] = tu.like(nu_leaves[i], back(v[j]))
-                out[i] = tu.like(leaves[i], back(u[j]).to(leaves[i].dtype))
+            for k, j in enumerate(idx):
+                i = index[j]
+                new_mu[i] = tu.like(mu_leaves[i], back(m[k]))
+                new_nu[i] = tu.like(nu_leaves[i], back(v[k]))
+                out[j] = tu.like(leaves[j], back(u[k]).to(leaves[j].dtype))
         new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
         return tu.unflatten(spec, out), new_state
 
@@ -329,7 +358,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
 # --- weight decay --------------------------------------------------------------------------
 
 
-def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
+def add_decayed_weights(
+    weight_decay: Scalar = 0.0, mask: PyTree | Callable[[Params], PyTree] | None = None
+) -> GradientTransformation:
     """Add ``weight_decay * params`` to the updates.
 
     Before :func:`scale_by_adam` this is L2 regularisation (``torch.optim.Adam``'s
@@ -337,7 +368,10 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
     needs ``params``, even when ``weight_decay`` is 0.
 
     Args:
-      weight_decay: the decay coefficient; ``>= 0``.
+      weight_decay: the decay coefficient; ``>= 0``, or a 0-d tensor.
+      mask: decay only the leaves where this is True: a tree of bools (or a
+        prefix of the params tree) or a function ``params -> mask``, as for
+        :func:`gradtx.masked` (optax's ``mask``). ``None`` decays every leaf.
 
     Returns:
       A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
@@ -349,7 +383,9 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
       >>> tx = add_decayed_weights(0.1)
       >>> updates, _ = tx.update(grads, tx.init(params), params)
     """
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="add_decayed_weights", tensor=True)
+    if mask is not None:
+        return masked(add_decayed_weights(weight_decay), mask)
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -359,23 +395,29 @@ def add_decayed_weights(weight_decay: float = 0.0) -> GradientTransformation:
         tu.require_state(state, EmptyState, name="add_decayed_weights")
         if params is None:
             raise ValueError("add_decayed_weights: update() needs params (the weights to decay), got params=None")
-        leaves, spec = _leaves(updates, name="add_decayed_weights")
-        tu.check_structure(params, updates, what="add_decayed_weights: updates", against="params")
-        if weight_decay == 0.0:
+        index, leaves, spec = tu.align(params, updates, what="add_decayed_weights: updates", against="params")
+        if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0.0:
             return updates, state
         param_leaves, _ = tu.flatten(params)
-        tu.check_devices(param_leaves, leaves, updates, what="add_decayed_weights: updates", against="the params")
+        tu.check_devices(
+            [param_leaves[i] for i in index], leaves, updates, what="add_decayed_weights: updates", against="the params"
+        )
         locals_ = [tu.local(u) for u in leaves]
         out: list[torch.Tensor] = list(leaves)
         inplace = bool(extra.get("inplace", False))
-        for (_, dtype), idx in tu.group_by_device_dtype(locals_).items():
-            group = [locals_[i] for i in idx]
-            p = [tu.local(param_leaves[i]).to(dtype) for i in idx]
-            if inplace:
+        for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
+            group = [locals_[j] for j in idx]
+            p = [tu.local(param_leaves[index[j]]).to(dtype) for j in idx]
+            if isinstance(weight_decay, torch.Tensor):
+                decay = torch._foreach_mul(p, weight_decay.to(device, dtype, non_blocking=True))
+                result = torch._foreach_add_(group, decay) if inplace else torch._foreach_add(group, decay)
+            elif inplace:
                 torch._foreach_add_(group, p, alpha=weight_decay)
             else:
-                for i, r in zip(idx, torch._foreach_add(group, p, alpha=weight_decay)):
-                    out[i] = tu.like(leaves[i], r)
+                result = torch._foreach_add(group, p, alpha=weight_decay)
+            if not inplace:
+                for j, r in zip(idx, result):
+                    out[j] = tu.like(leaves[j], r)
         return tu.unflatten(spec, out), state
 
     return GradientTransformation(init_fn, update_fn)
@@ -390,7 +432,7 @@ class TraceState(NamedTuple):
     trace: PyTree
 
 
-def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
+def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
     """Heavy-ball momentum: ``trace = decay * trace + g``; the update is ``trace`` (or ``g + decay * trace``).
 
     This is ``torch.optim.SGD``'s momentum buffer with zero dampening, and its
@@ -411,7 +453,7 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
       >>> tx = trace(0.9)
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    decay = check.non_negative(decay, arg="decay", name="trace")
+    decay = check.non_negative(decay, arg="decay", name="trace", tensor=True)
     nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
@@ -421,26 +463,32 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         del params
         tu.require_state(state, TraceState, name="trace")
-        leaves, spec = _leaves(updates, name="trace")
-        tu.check_structure(state.trace, updates, what="trace: updates", against="the state's trace")
+        # A None update (a param with no gradient) leaves its trace as it is.
+        index, leaves, spec = tu.align(state.trace, updates, what="trace: updates", against="the state's trace")
         tr_leaves, tr_spec = tu.flatten(state.trace)
-        tu.check_devices(tr_leaves, leaves, updates, what="trace: updates", against="its momentum")
-        tr_locals = [tu.local(t) for t in tr_leaves]
+        tu.check_devices([tr_leaves[i] for i in index], leaves, updates, what="trace: updates", against="its momentum")
+        tr_locals = [tu.local(tr_leaves[i]) for i in index]
         inplace = bool(extra.get("inplace", False))
 
         out: list[torch.Tensor] = list(leaves)
         new_tr: list[torch.Tensor] = list(tr_leaves)
-        for (_, dtype), idx in tu.group_by_device_dtype(tr_locals).items():
-            g = [tu.local(leaves[i]).to(dtype) for i in idx]
-            tr = torch._foreach_mul([tr_locals[i] for i in idx], decay)
+        for (device, dtype), idx in tu.group_by_device_dtype(tr_locals).items():
+            g = [tu.local(leaves[j]).to(dtype) for j in idx]
+            d = decay.to(device, dtype, non_blocking=True) if isinstance(decay, torch.Tensor) else decay
+            tr = torch._foreach_mul([tr_locals[j] for j in idx], d)
             torch._foreach_add_(tr, g)  # tr is ours: a fresh tensor
-            u = torch._foreach_add(g, tr, alpha=decay) if nesterov else tr
-            for j, i in enumerate(idx):
-                new_tr[i] = tu.like(tr_leaves[i], tr[j])
+            if not nesterov:
+                u = tr
+            elif isinstance(d, torch.Tensor):
+                u = torch._foreach_add(g, torch._foreach_mul(tr, d))
+            else:
+                u = torch._foreach_add(g, tr, alpha=d)
+            for k, j in enumerate(idx):
+                new_tr[index[j]] = tu.like(tr_leaves[index[j]], tr[k])
                 if inplace:  # write into the donated buffer, never hand out the state itself
-                    tu.local(leaves[i]).copy_(u[j])
+                    tu.local(leaves[j]).copy_(u[k])
                 else:
-                    out[i] = tu.like(leaves[i], u[j].to(leaves[i].dtype, copy=not nesterov))
+                    out[j] = tu.like(leaves[j], u[k].to(leaves[j].dtype, copy=not nesterov))
         return tu.unflatten(spec, out), TraceState(trace=tu.unflatten(tr_spec, new_tr))
 
     return GradientTransformation(init_fn, update_fn)
@@ -449,8 +497,13 @@ def trace(decay: float, nesterov: bool = False) -> GradientTransformation:
 # --- aliases -------------------------------------------------------------------------------
 
 
+def _is_zero(value: Scalar) -> bool:
+    # A tensor hyperparameter may change between steps, so its member is always kept.
+    return not isinstance(value, torch.Tensor) and value == 0.0
+
+
 def sgd(
-    learning_rate: ScalarOrSchedule, momentum: float = 0.0, nesterov: bool = False, weight_decay: float = 0.0
+    learning_rate: ScalarOrSchedule, momentum: Scalar = 0.0, nesterov: bool = False, weight_decay: Scalar = 0.0
 ) -> OptimizerChain:
     """Stochastic gradient descent, optionally with (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
 
@@ -480,18 +533,18 @@ def sgd(
       >>> params = apply_updates(params, updates)
     """
     learning_rate = check.learning_rate(learning_rate, name="sgd")
-    momentum = check.non_negative(momentum, arg="momentum", name="sgd")
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="sgd")
+    momentum = check.non_negative(momentum, arg="momentum", name="sgd", tensor=True)
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="sgd", tensor=True)
     nesterov = check.flag(nesterov, arg="nesterov", name="sgd")
-    if nesterov and momentum == 0.0:
+    if nesterov and _is_zero(momentum):
         raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0.0")
     txs = []
-    if weight_decay != 0.0:
+    if not _is_zero(weight_decay):
         txs.append(add_decayed_weights(weight_decay))
-    if momentum != 0.0:
+    if not _is_zero(momentum):
         txs.append(trace(momentum, nesterov))
     txs.append(scale_by_learning_rate(learning_rate))
-    core = len(txs) - 2 if momentum != 0.0 else None
+    core = len(txs) - 2 if not _is_zero(momentum) else None
     return _alias(
         txs, OptimizerSpec("sgd", learning_rate, weight_decay, momentum=momentum, nesterov=nesterov, core=core)
     )
@@ -499,10 +552,10 @@ def sgd(
 
 def adam(
     learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    b1: Scalar = 0.9,
+    b2: Scalar = 0.999,
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0.0,
 ) -> OptimizerChain:
     """Adam, as ``torch.optim.Adam``: ``weight_decay`` is an L2 penalty added to the gradient.
 
@@ -531,21 +584,22 @@ def adam(
       >>> params = apply_updates(params, updates)
     """
     learning_rate = check.learning_rate(learning_rate, name="adam")
-    b1 = check.beta(b1, arg="b1", name="adam")
-    b2 = check.beta(b2, arg="b2", name="adam")
-    eps = check.non_negative(eps, arg="eps", name="adam")
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adam")
-    txs = [add_decayed_weights(weight_decay)] if weight_decay != 0.0 else []
+    b1 = check.beta(b1, arg="b1", name="adam", tensor=True)
+    b2 = check.beta(b2, arg="b2", name="adam", tensor=True)
+    eps = check.non_negative(eps, arg="eps", name="adam", tensor=True)
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adam", tensor=True)
+    txs = [add_decayed_weights(weight_decay)] if not _is_zero(weight_decay) else []
     txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
     return _alias(txs, OptimizerSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=len(txs) - 2))
 
 
 def adamw(
     learning_rate: ScalarOrSchedule,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    weight_decay: float = 0.01,
+    b1: Scalar = 0.9,
+    b2: Scalar = 0.999,
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0.01,
+    mask: PyTree | Callable[[Params], PyTree] | None = None,
 ) -> OptimizerChain:
     """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
 
@@ -553,7 +607,9 @@ def adamw(
     scale_by_learning_rate(learning_rate))``, so the decay is scaled by the
     (scheduled) learning rate but not by Adam's denominator; the decay member
     is left out when ``weight_decay == 0``. With weight decay, ``update`` needs
-    ``params``. Use :func:`gradtx.masked` to exempt biases and norms.
+    ``params``. ``mask`` exempts biases and norms, as optax's ``mask``.
+
+    The default ``weight_decay`` is torch's (0.01); optax's ``adamw`` defaults to 1e-4.
 
     Args:
       learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
@@ -561,6 +617,13 @@ def adamw(
       b2: decay of the second moment; in ``[0, 1)``.
       eps: added to the denominator for stability; ``>= 0``.
       weight_decay: the decoupled decay coefficient; ``>= 0``.
+      mask: decay only the leaves where this is True: a tree of bools (or a
+        prefix of the params tree) or a function ``params -> mask``, as for
+        :func:`gradtx.masked`. ``None`` decays every leaf.
+
+    Every numeric hyperparameter may also be a 0-d tensor (what
+    :func:`gradtx.inject_hyperparams` passes), read with no host sync; an alias
+    built with tensor hyperparameters, or with a ``mask``, is never fused.
 
     Returns:
       A :class:`GradientTransformation` that runs that :func:`gradtx.chain` and has its state.
@@ -577,15 +640,16 @@ def adamw(
       >>> params = apply_updates(params, updates)
     """
     learning_rate = check.learning_rate(learning_rate, name="adamw")
-    b1 = check.beta(b1, arg="b1", name="adamw")
-    b2 = check.beta(b2, arg="b2", name="adamw")
-    eps = check.non_negative(eps, arg="eps", name="adamw")
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adamw")
+    b1 = check.beta(b1, arg="b1", name="adamw", tensor=True)
+    b2 = check.beta(b2, arg="b2", name="adamw", tensor=True)
+    eps = check.non_negative(eps, arg="eps", name="adamw", tensor=True)
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adamw", tensor=True)
     txs = [scale_by_adam(b1, b2, eps)]
-    if weight_decay != 0.0:
-        txs.append(add_decayed_weights(weight_decay))
+    if not _is_zero(weight_decay):
+        txs.append(add_decayed_weights(weight_decay, mask))
     txs.append(scale_by_learning_rate(learning_rate))
-    return _alias(txs, OptimizerSpec("adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=0))
+    spec = OptimizerSpec("adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=0)
+    return _alias(txs, spec if mask is None or _is_zero(weight_decay) else spec._replace(fusable=False))
 
 
 # --- the aliases' structure ----------------------------------------------------------------
@@ -603,17 +667,25 @@ class OptimizerSpec(NamedTuple):
       core: the member holding the moments (:class:`ScaleByAdamState` or
         :class:`TraceState`) in the alias's state tuple, or ``None`` (plain SGD).
         The last member is always the learning-rate scale.
+      fusable: False when the chain does something a fused kernel cannot (a
+        weight-decay ``mask``).
     """
 
     kind: str
-    learning_rate: float | Schedule
-    weight_decay: float
-    b1: float = 0.0
-    b2: float = 0.0
-    eps: float = 0.0
-    momentum: float = 0.0
+    learning_rate: float | torch.Tensor | Schedule
+    weight_decay: float | torch.Tensor
+    b1: float | torch.Tensor = 0.0
+    b2: float | torch.Tensor = 0.0
+    eps: float | torch.Tensor = 0.0
+    momentum: float | torch.Tensor = 0.0
     nesterov: bool = False
     core: int | None = None
+    fusable: bool = True
+
+    def fused_ok(self) -> bool:
+        """Whether a fused torch kernel can apply this alias: plain-number hyperparameters, no weight-decay mask."""
+        values = (self.learning_rate, self.weight_decay, self.b1, self.b2, self.eps, self.momentum)
+        return self.fusable and not any(isinstance(v, torch.Tensor) for v in values)
 
 
 class OptimizerChain(Chain):

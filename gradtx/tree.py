@@ -204,3 +204,112 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
                 # A 0-d low-precision leaf times a 0-d fp32 factor would promote to fp32.
                 out[i] = like(leaves[i], r if r.dtype == locals_[i].dtype else r.to(locals_[i].dtype))
     return out
+
+
+# --- absent leaves and prefix trees ---------------------------------------------------------
+#
+# optree treats ``None`` as an empty subtree. A grads tree may hold ``None`` where the params hold
+# a tensor (a param that got no gradient); every transform then leaves that param's state alone
+# and returns ``None`` there, as torch.optim skips a param whose ``.grad`` is None.
+
+
+def align(
+    reference: PyTree, updates: PyTree, *, what: str, against: str, tensors: bool = True
+) -> tuple[list[int], list[Any], Any]:
+    """Match the leaves of ``updates`` to those of ``reference``, allowing ``None`` (no update) for any of them.
+
+    ``updates`` must have the structure of ``reference``, except that a subtree
+    or leaf of ``reference`` may be ``None`` in ``updates``. Shapes must match.
+
+    Args:
+      reference: the full tree (the params, or a state tree mirroring them).
+      updates: the updates tree.
+      what: how to name ``updates`` in an error.
+      against: how to name ``reference`` in an error.
+      tensors: also require every (non-``None``) leaf of ``updates`` to be a tensor.
+
+    Returns:
+      ``(index, leaves, spec)``: ``leaves`` and ``spec`` are the flattened
+      updates (``None`` dropped), and ``leaves[j]`` goes with the reference
+      leaf ``index[j]``.
+
+    Raises:
+      ValueError: naming the first path that is missing, unexpected, or of another shape.
+    """
+    ref_leaves, ref_spec = optree.tree_flatten(reference)
+    leaves, spec = optree.tree_flatten(updates)
+    if tensors and not all(
+        isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and (leaf.is_floating_point() or leaf.is_complex())
+        for leaf in leaves
+    ):
+        check_tensors(leaves, paths(updates), what=what)
+    if spec == ref_spec:
+        if not _same_shapes(ref_leaves, leaves):
+            check_structure(reference, updates, what=what, against=against)
+        return list(range(len(leaves))), leaves, spec
+    ref_paths = optree.tree_paths(reference)
+    where = {p: i for i, p in enumerate(ref_paths)}
+    index: list[int] = []
+    for path, leaf in zip(optree.tree_paths(updates), leaves):
+        i = where.get(path)
+        if i is None:
+            raise ValueError(f"{what} does not match {against} at {path_str(path)}: unexpected")
+        e_shape, g_shape = getattr(ref_leaves[i], "shape", None), getattr(leaf, "shape", None)
+        if e_shape is not None and g_shape is not None and tuple(e_shape) != tuple(g_shape):
+            raise ValueError(
+                f"{what} does not match {against} at {path_str(path)}: "
+                f"expected shape {tuple(e_shape)}, got {tuple(g_shape)}"
+            )
+        index.append(i)
+    all_paths, all_leaves, _ = optree.tree_flatten_with_path(updates, none_is_leaf=True)
+    absent = {p for p, leaf in zip(all_paths, all_leaves) if leaf is None}
+    covered = set(index)
+    for i, path in enumerate(ref_paths):
+        if i not in covered and not any(path[:k] in absent for k in range(len(path) + 1)):
+            raise ValueError(f"{what} does not match {against} at {path_str(path)}: missing")
+    return index, leaves, spec
+
+
+def scatter(size: int, index: Sequence[int], values: Sequence[Any], fill: Any = None) -> list[Any]:
+    """A list of ``size`` items: ``values[j]`` at ``index[j]``, ``fill`` elsewhere."""
+    out = [fill] * size
+    for i, v in zip(index, values):
+        out[i] = v
+    return out
+
+
+def _prefix_mismatch(prefix: PyTree, full: PyTree, path: Path = ()) -> Path:
+    """The first path at which ``prefix`` stops being a prefix of ``full`` (best effort, for messages)."""
+    if optree.tree_is_leaf(prefix):
+        return path
+    if optree.tree_is_leaf(full) or type(prefix) is not type(full):
+        return path
+    p_children, _, p_entries, _ = optree.tree_flatten_one_level(prefix)
+    f_children, _, f_entries, _ = optree.tree_flatten_one_level(full)
+    if list(p_entries) != list(f_entries):
+        return path
+    for entry, p, f in zip(p_entries, p_children, f_children):
+        try:
+            optree.tree_broadcast_prefix(p, f)
+        except (ValueError, TypeError):
+            return _prefix_mismatch(p, f, (*path, entry))
+    return path
+
+
+def prefix_leaves(prefix: PyTree, full: PyTree, *, what: str, against: str) -> list[Any]:
+    """Broadcast ``prefix`` (a tree with the structure of ``full`` down to some depth) to one value per leaf of ``full``.
+
+    A leaf of ``prefix`` stands for every leaf of the subtree of ``full`` it
+    covers (a single value covers the whole tree), as optax's masks and labels do.
+
+    Raises:
+      ValueError: naming the path at which ``prefix`` is not a prefix of ``full``.
+    """
+    try:
+        broadcast = optree.tree_broadcast_prefix(prefix, full)
+    except (ValueError, TypeError) as e:
+        detail = str(e).split("; dict:")[0].split("; list:")[0].split("; tuple:")[0]
+        raise ValueError(
+            f"{what} is not a prefix of {against} at {path_str(_prefix_mismatch(prefix, full))}: {detail:.300}"
+        ) from None
+    return optree.tree_structure(full).flatten_up_to(broadcast)

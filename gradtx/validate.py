@@ -13,6 +13,8 @@ import math
 import numbers
 from typing import Any
 
+import torch
+
 from gradtx.base import Schedule
 
 
@@ -21,8 +23,31 @@ def _is_bool(value: Any) -> bool:
     return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
 
 
-def number(value: Any, *, arg: str, name: str, finite: bool = True) -> float:
-    """A real number (not a bool), never NaN; finite unless ``finite=False``."""
+def scalar_tensor(value: torch.Tensor, *, arg: str, name: str) -> torch.Tensor:
+    """A 0-d real (floating or integer, not bool) tensor standing for a hyperparameter, returned as is.
+
+    Its value is not read: reading it would be a host sync on an accelerator and
+    a graph break under ``torch.compile``. :func:`gradtx.inject_hyperparams`
+    checks the values it is first given as Python numbers.
+    """
+    if value.ndim != 0:
+        raise ValueError(f"{name}: {arg} must be a number or a 0-d tensor, got a tensor of shape {tuple(value.shape)}")
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name}: {arg} must be a real number, got a {value.dtype} tensor")
+    if value.requires_grad:
+        raise ValueError(f"{name}: {arg} must not require grad")
+    return value
+
+
+def number(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
+    """A real number (not a bool), never NaN; finite unless ``finite=False``.
+
+    With ``tensor=True`` a 0-d tensor is accepted too (see :func:`scalar_tensor`).
+    """
+    if isinstance(value, torch.Tensor):
+        if tensor:
+            return scalar_tensor(value, arg=arg, name=name)
+        raise TypeError(f"{name}: {arg} must be a number, got a tensor (only hyperparameters documented as such take one)")
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
     value = float(value)
@@ -33,25 +58,31 @@ def number(value: Any, *, arg: str, name: str, finite: bool = True) -> float:
     return value
 
 
-def non_negative(value: Any, *, arg: str, name: str, finite: bool = True) -> float:
+def non_negative(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
     """A number ``>= 0``."""
-    value = number(value, arg=arg, name=name, finite=finite)
+    value = number(value, arg=arg, name=name, finite=finite, tensor=tensor)
+    if isinstance(value, torch.Tensor):
+        return value
     if value < 0:
         raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
     return value
 
 
-def positive(value: Any, *, arg: str, name: str, finite: bool = True) -> float:
+def positive(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
     """A number ``> 0``."""
-    value = number(value, arg=arg, name=name, finite=finite)
+    value = number(value, arg=arg, name=name, finite=finite, tensor=tensor)
+    if isinstance(value, torch.Tensor):
+        return value
     if value <= 0:
         raise ValueError(f"{name}: {arg} must be > 0, got {value}")
     return value
 
 
-def beta(value: Any, *, arg: str, name: str) -> float:
+def beta(value: Any, *, arg: str, name: str, tensor: bool = False) -> Any:
     """A decay rate in ``[0, 1)``."""
-    value = number(value, arg=arg, name=name)
+    value = number(value, arg=arg, name=name, tensor=tensor)
+    if isinstance(value, torch.Tensor):
+        return value
     if not 0.0 <= value < 1.0:
         raise ValueError(f"{name}: {arg} must be in [0, 1), got {value}")
     return value
@@ -74,11 +105,11 @@ def flag(value: Any, *, arg: str, name: str) -> bool:
     return bool(value)
 
 
-def learning_rate(value: Any, *, name: str) -> float | Schedule:
-    """A learning rate: a number ``>= 0``, or a schedule (a callable of the step count)."""
-    if callable(value):
+def learning_rate(value: Any, *, name: str) -> float | torch.Tensor | Schedule:
+    """A learning rate: a number ``>= 0``, a 0-d tensor, or a schedule (a callable of the step count)."""
+    if callable(value) and not isinstance(value, torch.Tensor):
         return value
-    return non_negative(value, arg="learning_rate", name=name)
+    return non_negative(value, arg="learning_rate", name=name, tensor=True)
 
 
 def norm_type(value: Any, *, name: str) -> float:

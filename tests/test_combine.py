@@ -66,20 +66,24 @@ def test_masked_applies_only_to_masked_leaves_and_names_user_paths():
     callable_mask = gtx.masked(gtx.add_decayed_weights(0.5), lambda p: {"w": True, "norm": {"scale": False}})
     out2, _ = callable_mask.update({"w": torch.zeros(2), "norm": {"scale": torch.zeros(2)}}, state, params)
     assert_trees_equal(out2, out)
-    with pytest.raises(ValueError, match="labels do not match"):
+    with pytest.raises(ValueError, match=r"mask is not a prefix of the params/updates tree at <root>.*extra key\(s\): \['norm'\]"):
         gtx.masked(gtx.identity(), {"w": True}).init(params)
 
 
-def test_masked_inner_sees_only_its_leaves_with_paths():
+def test_masked_inner_sees_the_user_tree_with_none_at_masked_out_leaves():
     seen = []
 
     def update(updates, state, params=None, **extra):
-        seen.append(sorted(updates))
+        seen.append((updates, params))
         return updates, state
 
-    tx = gtx.masked(gtx.GradientTransformation(lambda p: gtx.EmptyState(), update), {"a": True, "b": False})
-    tx.update({"a": torch.ones(1), "b": torch.ones(1)}, tx.init({"a": torch.ones(1), "b": torch.ones(1)}))
-    assert seen == [["['a']"]]
+    inits = []
+    inner = gtx.GradientTransformation(lambda p: inits.append(p) or gtx.EmptyState(), update)
+    tx = gtx.masked(inner, {"a": True, "b": False})
+    one = {"a": torch.ones(1), "b": torch.ones(1)}
+    tx.update(one, tx.init(one), one)
+    assert inits == [{"a": one["a"], "b": None}]
+    assert seen[0][0] == {"a": one["a"], "b": None} and seen[0][1] == {"a": one["a"], "b": None}
 
 
 def test_partition_routes_labels_to_their_transforms():
@@ -90,7 +94,9 @@ def test_partition_routes_labels_to_their_transforms():
     out, state = tx.update(grads, tx.init(params), params)
     assert_trees_close(out, {"w": torch.full((2,), -1.5), "b": torch.full((2,), -1.0)})
     assert set(state.inner_states) == {"decay", "no_decay"}
-    bad = gtx.partition({"decay": gtx.identity()}, labels)
+    with pytest.raises(ValueError, match=r"'no_decay' has no transform"):  # a labels tree is checked when built
+        gtx.partition({"decay": gtx.identity()}, labels)
+    bad = gtx.partition({"decay": gtx.identity()}, lambda p: labels)
     with pytest.raises(ValueError, match=r"'no_decay' at \['b'\]"):
         bad.init(params)
 
@@ -177,3 +183,19 @@ def test_chain_state_round_trips_through_torch_save_with_weights_only(tmp_path):
     assert_trees_equal(restored, state)
     g = {k: torch.full_like(v, 0.5) for k, v in params.items()}
     assert_trees_equal(tx.update(g, restored, params, tokens=3), tx.update(g, state, params, tokens=3))
+
+
+def test_metrics_star_exports_every_item_of_a_dict_field_by_its_key():
+    from typing import NamedTuple
+
+    @gtx.export_metrics(("values", "*"), ("n", "count"))
+    class DictState(NamedTuple):
+        values: dict
+        n: torch.Tensor
+
+    lr, wd = torch.tensor(0.1), torch.tensor(0.01)
+    state = (DictState({"learning_rate": lr, "weight_decay": wd}, torch.tensor(3)),
+             DictState({"learning_rate": torch.tensor(9.0)}, torch.tensor(4)))
+    found = gtx.metrics(state)
+    assert found["learning_rate"] is lr and found["weight_decay"] is wd  # the first member in chain order wins
+    assert int(found["count"]) == 3 and "*" not in found

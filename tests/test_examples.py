@@ -83,6 +83,7 @@ DOC_PAGES = [
     "index.md",
     "transforms.md",
     "chaining.md",
+    "hyperparams.md",
     "clipping.md",
     "agc.md",
     "accumulation.md",

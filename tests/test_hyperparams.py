@@ -1,0 +1,267 @@
+"""inject_hyperparams against optax's, under torch.compile, in a donated step and in the wrapper."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import gradtx as gtx
+from gradtx.testing import assert_pure, assert_trees_close, assert_trees_equal
+
+jax = pytest.importorskip("jax")
+jnp = pytest.importorskip("jax.numpy")
+optax = pytest.importorskip("optax")
+jax.config.update("jax_platforms", "cpu")
+
+STEPS = 12
+
+
+def _problem(seed: int = 0, *, matrices: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (4, 3), "b": (3,), "s": ()} if matrices else {"b": (5,), "c": (2,)}
+    params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g) * (1 + 2 * (i % 3)) for k, s in shapes.items()} for i in range(STEPS)]
+    return params, grads
+
+
+def _j(tree):
+    return {k: jnp.asarray(v.numpy()) for k, v in tree.items()}
+
+
+def _t(tree):
+    return {k: torch.from_numpy(np.array(v)) for k, v in tree.items()}
+
+
+def _schedule(count):
+    # Written once for both frameworks: count is a jax int32 or a torch int64 0-d array.
+    return 0.05 * 0.9**count
+
+
+CASES = [  # (alias, keyword arguments for both libraries, the hyperparameter changed mid-run, its new value)
+    ("sgd", {"learning_rate": _schedule, "momentum": 0.9}, "momentum", 0.5),
+    ("sgd", {"learning_rate": 0.1}, "learning_rate", 0.02),
+    ("adam", {"learning_rate": _schedule, "b1": 0.8}, "b2", 0.9),
+    ("adamw", {"learning_rate": _schedule, "weight_decay": 0.1}, "weight_decay", 0.5),
+    ("adamw", {"learning_rate": 0.01, "weight_decay": 0.1}, "learning_rate", 0.003),
+]
+
+
+@pytest.mark.parametrize("alias, kw, changed, new_value", CASES)
+def test_inject_hyperparams_matches_optax_and_takes_changes_on_the_next_step(alias, kw, changed, new_value):
+    params, grads = _problem()
+    tx = gtx.inject_hyperparams(getattr(gtx, alias))(**kw)
+    ref = optax.inject_hyperparams(getattr(optax, alias))(**kw)
+    state, ref_state = tx.init(params), ref.init(_j(params))
+    p, rp = params, _j(params)
+    for i, g in enumerate(grads):
+        if i == STEPS // 2:  # change one hyperparameter by name, in both
+            state.hyperparams[changed] = torch.tensor(new_value)
+            ref_state.hyperparams[changed] = jnp.asarray(new_value)
+        updates, state = tx.update(g, state, p)
+        ref_updates, ref_state = ref.update(_j(g), ref_state, rp)
+        p, rp = gtx.apply_updates(p, updates), optax.apply_updates(rp, ref_updates)
+        assert_trees_close(p, _t(rp), rtol=2e-5, atol=1e-6, msg=f"step {i}: ")
+        for name, value in ref_state.hyperparams.items():
+            if name not in state.hyperparams:  # optax has a few more (adam's eps_root, sgd's nesterov flag)
+                continue
+            assert float(state.hyperparams[name]) == pytest.approx(float(value), rel=1e-6), name
+    assert int(state.count) == STEPS
+    assert float(gtx.metrics(state)["learning_rate"]) == pytest.approx(float(ref_state.hyperparams["learning_rate"]))
+
+
+def test_a_changed_value_is_used_on_the_next_step_only():
+    params, grads = _problem()
+    tx = gtx.inject_hyperparams(gtx.sgd)(learning_rate=0.1)
+    state = tx.init(params)
+    u1, state = tx.update(grads[0], state, params)
+    assert_trees_close(u1, {k: -0.1 * v for k, v in grads[0].items()})
+    state = state._replace(hyperparams={**state.hyperparams, "learning_rate": torch.tensor(0.5)})
+    u2, state = tx.update(grads[1], state, params)
+    assert_trees_close(u2, {k: -0.5 * v for k, v in grads[1].items()})
+    assert float(gtx.metrics(state)["learning_rate"]) == 0.5
+
+
+def test_a_scheduled_value_cannot_be_overridden_as_in_optax():
+    params, grads = _problem()
+    tx = gtx.inject_hyperparams(gtx.sgd)(learning_rate=lambda c: 0.1 * (c + 1))
+    state = tx.init(params)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.1)  # the value the first update uses
+    state.hyperparams["learning_rate"] = torch.tensor(9.0)
+    u, state = tx.update(grads[0], state, params)
+    assert_trees_close(u, {k: -0.1 * v for k, v in grads[0].items()})
+    u, state = tx.update(grads[1], state, params)
+    assert_trees_close(u, {k: -0.2 * v for k, v in grads[1].items()}, rtol=1e-6)
+    assert float(state.hyperparams["learning_rate"]) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 2.0])
+def test_injected_clip_by_global_norm_matches_optax(max_norm):
+    params, grads = _problem()
+    tx = gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=max_norm)
+    ref = optax.inject_hyperparams(optax.clip_by_global_norm)(max_norm=max_norm)
+    state, ref_state = tx.init(params), ref.init(_j(params))
+    for i, g in enumerate(grads):
+        if i == 3:
+            state.hyperparams["max_norm"] = torch.tensor(max_norm * 3)
+            ref_state.hyperparams["max_norm"] = jnp.asarray(max_norm * 3)
+        u, state = tx.update(g, state, params)
+        ru, ref_state = ref.update(_j(g), ref_state)
+        assert_trees_close(u, _t(ru), rtol=1e-5, atol=1e-7)
+    assert float(gtx.metrics(state)["max_norm"]) == max_norm * 3
+    assert "grad_norm" in gtx.metrics(state)  # the inner clip's own metrics still come through
+
+
+def test_injected_adaptive_clip_matches_optax_in_torch_layout():
+    params, grads = _problem(matrices=True)
+    tx = gtx.inject_hyperparams(gtx.adaptive_clip)(clipping=0.05)
+    ref = optax.inject_hyperparams(optax.adaptive_grad_clip)(clipping=0.05)
+
+    def to_jax_layout(tree):  # optax's units are the last axis of an (in, out) matrix; ours dim 0 of (out, in)
+        return {k: jnp.asarray(v.numpy().T if v.ndim == 2 else v.numpy()) for k, v in tree.items()}
+
+    state, ref_state = tx.init(params), ref.init(to_jax_layout(params))
+    for i, g in enumerate(grads):
+        if i == 4:
+            state.hyperparams["clipping"] = torch.tensor(0.5)
+            ref_state.hyperparams["clipping"] = jnp.asarray(0.5)
+        u, state = tx.update(g, state, params)
+        ru, ref_state = ref.update(to_jax_layout(g), ref_state, to_jax_layout(params))
+        ru = {k: np.array(v).T if v.ndim == 2 else np.array(v) for k, v in ru.items()}
+        assert_trees_close(u, _t(ru), rtol=1e-5, atol=1e-7)
+
+
+def test_values_are_checked_when_the_wrapper_is_called():
+    with pytest.raises(ValueError, match="learning_rate must be >= 0"):
+        gtx.inject_hyperparams(gtx.adamw)(-1.0)
+    with pytest.raises(ValueError, match="b1 must be in"):
+        gtx.inject_hyperparams(gtx.adam)(0.1, b1=1.5)
+    with pytest.raises(ValueError, match="static_args"):
+        gtx.inject_hyperparams(gtx.adam, static_args="nope")
+    with pytest.raises(TypeError, match="inner_factory must be callable"):
+        gtx.inject_hyperparams("adam")
+    tx = gtx.inject_hyperparams(gtx.sgd)(0.1)
+    state = tx.init({"w": torch.ones(2)})
+    with pytest.raises(TypeError, match="expected state of type InjectHyperparamsState"):
+        tx.update({"w": torch.ones(2)}, state.inner_state)
+    with pytest.raises(ValueError, match=r"must hold \['learning_rate', 'momentum', 'weight_decay'\]"):
+        tx.update({"w": torch.ones(2)}, state._replace(hyperparams={"learning_rate": torch.tensor(0.1)}))
+    with pytest.raises(ValueError, match="0-d tensor"):
+        bad = state._replace(hyperparams={**state.hyperparams, "learning_rate": torch.ones(2)})
+        tx.update({"w": torch.ones(2)}, bad)
+
+
+def test_which_arguments_are_injected():
+    tx = gtx.inject_hyperparams(gtx.clip_by_global_norm)(1.0, norm_type=float("inf"))
+    state = tx.init({"w": torch.ones(2)})
+    assert set(state.hyperparams) == {"max_norm"}  # keyword-only structural options stay fixed
+    tx = gtx.inject_hyperparams(gtx.sgd)(0.1, momentum=0.9, nesterov=True)
+    assert set(tx.init({"w": torch.ones(2)}).hyperparams) == {"learning_rate", "momentum", "weight_decay"}
+    tx = gtx.inject_hyperparams(gtx.adamw, static_args="mask")(0.1, mask=lambda p: {k: k != "b" for k in p})
+    state = tx.init({"w": torch.ones(2), "b": torch.ones(2)})
+    assert "mask" not in state.hyperparams and state.hyperparams["weight_decay"].dtype == torch.float32
+    tx = gtx.inject_hyperparams(gtx.sgd)(0.1)
+    assert tx.init({"w": torch.ones(2, dtype=torch.float64)}).hyperparams["learning_rate"].dtype == torch.float64
+
+
+def test_injected_adamw_with_a_mask_matches_optax():
+    params, grads = _problem()
+    mask = {"w": True, "b": False, "s": False}
+    tx = gtx.inject_hyperparams(gtx.adamw)(learning_rate=0.01, weight_decay=0.5, mask=mask)
+    ref = optax.inject_hyperparams(optax.adamw)(learning_rate=0.01, weight_decay=0.5, mask=mask)
+    state, ref_state = tx.init(params), ref.init(_j(params))
+    p, rp = params, _j(params)
+    for g in grads:
+        u, state = tx.update(g, state, p)
+        ru, ref_state = ref.update(_j(g), ref_state, rp)
+        p, rp = gtx.apply_updates(p, u), optax.apply_updates(rp, ru)
+    assert_trees_close(p, _t(rp), rtol=2e-5, atol=1e-6)
+
+
+def test_pure_and_checkpointable(tmp_path):
+    params, grads = _problem()
+    tx = gtx.chain(gtx.inject_hyperparams(gtx.clip_by_global_norm)(1.0),
+                   gtx.inject_hyperparams(gtx.adamw)(_schedule, weight_decay=0.1))
+    _, state = assert_pure(tx, grads[0], params)
+    torch.save(state, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt")  # weights_only, torch's default
+    assert_trees_equal(loaded, state)
+    a, _ = tx.update(grads[1], state, params)
+    b, _ = tx.update(grads[1], loaded, params)
+    assert_trees_equal(a, b)
+
+
+def test_donated_step_equals_the_pure_one():
+    params, grads = _problem()
+    tx = gtx.chain(gtx.inject_hyperparams(gtx.clip_by_global_norm)(1.0), gtx.inject_hyperparams(gtx.adamw)(0.01))
+    s1, s2 = tx.init(params), tx.init(params)
+    p1 = params
+    p2 = {k: v.clone() for k, v in params.items()}
+    for i, g in enumerate(grads):
+        if i == 5:
+            for s in (s1, s2):
+                s[1].hyperparams["learning_rate"] = torch.tensor(0.03)
+                s[0].hyperparams["max_norm"] = torch.tensor(0.25)
+        p1, s1 = gtx.update_and_apply(tx, g, s1, p1)
+        p2, s2 = gtx.update_and_apply(tx, {k: v.clone() for k, v in g.items()}, s2, p2, donate=True)
+        assert_trees_close(p2, p1, rtol=1e-6, atol=1e-7)
+    assert_trees_close(s2, s1, rtol=1e-6, atol=1e-7)
+
+
+def test_wrapper_with_an_injected_clip_matches_torch():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    ref_model = torch.nn.Linear(4, 3)
+    ref_model.load_state_dict(model.state_dict())
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                   gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=0.5))
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    max_norm = 0.5
+    for i in range(8):
+        if i == 4:  # change the clip threshold mid-run, by name
+            max_norm = 0.05
+            opt.tx_state[0].hyperparams["max_norm"] = torch.tensor(max_norm)  # tx_state: the wrapper's chain(tx)
+        x = torch.randn(5, 4)
+        for m in (model, ref_model):
+            m.zero_grad()
+            (m(x) ** 2).sum().mul(3).backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), max_norm)
+        ref_opt.step()
+        opt.step()
+        for a, b in zip(model.parameters(), ref_model.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, i=i: f"step {i}: {m}")
+    assert float(opt.metrics["max_norm"]) == pytest.approx(0.05)
+
+
+def test_compiled_step_has_no_graph_break_and_a_changed_value_does_not_recompile():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    params, grads = _problem()
+    tx = gtx.inject_hyperparams(gtx.adamw)(learning_rate=lambda c: 0.01 * torch.clamp((c + 1) / 4, max=1.0),
+                                           weight_decay=0.1)
+
+    def step(params, grads, state):
+        updates, state = tx.update(grads, state, params)
+        return gtx.apply_updates(params, updates), state
+
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    state_c = state_e = tx.init(params)
+    p_c = p_e = params
+    for i, g in enumerate(grads):
+        if i == 6:  # change a value between steps, in both runs
+            for s in (state_c, state_e):
+                s.hyperparams["weight_decay"] = torch.tensor(0.7)
+        p_c, state_c = compiled(p_c, g, state_c)
+        p_e, state_e = step(p_e, g, state_e)
+        assert_trees_close(p_c, p_e, rtol=1e-5, atol=1e-7, msg=f"step {i}: ")
+    assert sum(counters["graph_break"].values()) == 0
+    assert len(compiles) == 1, f"recompiled: {len(compiles)} graphs"
+    assert float(state_c.hyperparams["learning_rate"]) == pytest.approx(0.01)
