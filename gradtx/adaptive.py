@@ -487,11 +487,14 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
             n: (vs[0] if len(vs) == 1 else torch.linalg.vector_norm(torch.stack(vs))).to(device, torch.float32)
             for n, vs in grouped.items()
         }
-        if set(norms) != set(state.norms):
+        unknown = sorted(set(norms) - set(state.norms))
+        if unknown:
             raise ValueError(
-                f"{name}: the updates' names {sorted(norms)[:5]}... differ from the state's "
-                f"{sorted(state.norms)[:5]}...; pass the state init() built for this tree"
+                f"{name}: the updates have names {unknown[:5]} that the state (built from the params) lacks; "
+                "pass the state init() built for this tree"
             )
-        return updates, TrackNormsState(norms=norms)
+        # A param with no grad (a None update) reports 0; the state keeps every name init() gave it.
+        full = {n: norms[n] if n in norms else torch.zeros_like(v) for n, v in state.norms.items()}
+        return updates, TrackNormsState(norms=full)
 
     return GradientTransformation(init_fn, update_fn)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
+import optree
 import torch
 
 from gradtx import plan as plans
@@ -90,13 +91,24 @@ def zero_nans() -> GradientTransformation:
         del params, extra
         tu.require_state(state, ZeroNansState, name="zero_nans")
         leaves, spec = _tensor_leaves(updates, name="zero_nans")
-        found, out = [], []
-        for u in leaves:
+        found: dict[tuple[Any, ...], torch.Tensor] = {}
+        out = []
+        for path, u in zip(tu.paths(updates), leaves):
             local = tu.local(u)
             nan = torch.isnan(local)
-            found.append(nan.any())
+            found[path] = nan.any()
             out.append(tu.like(u, torch.where(nan, torch.zeros((), dtype=local.dtype, device=local.device), local)))
-        return tu.unflatten(spec, out), ZeroNansState(found_nan=tu.unflatten(spec, found))
+        unknown = [p for p in found if p not in set(optree.tree_paths(state.found_nan))]
+        if unknown:
+            raise ValueError(
+                f"zero_nans: the update at {tu.path_str(unknown[0])} has no param in the state; "
+                "pass the state init() built for this tree"
+            )
+        # A param with no grad (a None update) found no NaN; the state keeps the params' structure.
+        found_nan = optree.tree_map_with_path(
+            lambda path, old: found[path].to(old.device) if path in found else torch.zeros_like(old), state.found_nan
+        )
+        return tu.unflatten(spec, out), ZeroNansState(found_nan=found_nan)
 
     return GradientTransformation(init_fn, update_fn)
 

@@ -362,3 +362,37 @@ def test_wrapper_skips_the_torch_step_when_the_guard_vetoes(guard, bad_factor):
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), before[n]), n
         assert torch.equal(opt.state[p]["momentum_buffer"], momentum[n]), n
+
+
+# --- params without grads: None updates pass through, as in optax ------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        gtx.zero_nans,
+        lambda: gtx.skip_if(gtx.adamw(0.1), gtx.skip_not_finite),
+        lambda: gtx.skip_if(gtx.sgd(0.1), functools.partial(gtx.skip_large_updates, max_squared_norm=1.0)),
+        lambda: gtx.skip_spikes(gtx.adamw(0.1), warmup_steps=1),
+        lambda: gtx.zclip(warmup_steps=1),
+        lambda: gtx.autoclip(10, history=3),
+        lambda: gtx.clip_by_block_rms(0.1),
+        gtx.track_norms,
+    ],
+)
+def test_none_updates_pass_through_and_the_state_keeps_its_structure(make):
+    params = {"a": torch.randn(3), "b": torch.randn(2), "c": {"d": torch.randn(2)}}
+    full = {"a": torch.randn(3), "b": torch.randn(2), "c": {"d": torch.randn(2)}}
+    partial = {"a": full["a"], "b": None, "c": None}
+    tx = make()
+    state = tx.init(params)
+    structure = optree.tree_structure(state)
+    for grads in (partial, full, partial):
+        updates, state = tx.update(grads, state, params)
+        assert optree.tree_structure(state) == structure
+    assert updates["b"] is None and updates["c"] is None
+    # On its first step, the leaf that has a grad gets what it would get in a tree without the others.
+    first, _ = make().update(partial, make().init(params), params)
+    alone = make()
+    only_a, _ = alone.update({"a": full["a"]}, alone.init({"a": params["a"]}), {"a": params["a"]})
+    torch.testing.assert_close(first["a"], only_a["a"])
