@@ -2,7 +2,7 @@
 
 import torch
 
-from gradtx import comm, schedules, testing
+from gradtx import checkpoint, comm, schedules, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.adaptive import (
     AutoClipState,
@@ -137,6 +137,7 @@ __all__ = [
     "apply_updates",
     "autoclip",
     "chain",
+    "checkpoint",
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",

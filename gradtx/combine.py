@@ -326,7 +326,9 @@ def partition(
       >>> tx = partition({"decay": adamw(1e-3), "no_decay": adam(1e-3)}, labels)
     """
     if not isinstance(transforms, Mapping):
-        raise TypeError(f"partition: transforms must be a mapping from label to transform, got {type(transforms).__name__}")
+        raise TypeError(
+            f"partition: transforms must be a mapping from label to transform, got {type(transforms).__name__}"
+        )
     for label, tx in transforms.items():
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"partition: transforms[{label!r}] is a {type(tx).__name__}, not a GradientTransformation")
@@ -354,7 +356,9 @@ def partition(
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, PartitionState, name="partition")
         if not isinstance(state.inner_states, dict) or list(state.inner_states) != names:
-            raise ValueError(f"partition: expected inner states for the labels {names}, got {state.inner_states!r:.200}")
+            raise ValueError(
+                f"partition: expected inner states for the labels {names}, got {state.inner_states!r:.200}"
+            )
         routed = _route(updates, params, name="partition")
         leaf_labels = label_of(params if params is not None else updates)
         out = list(routed.leaves)

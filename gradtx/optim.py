@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from gradtx import checkpoint as _ckpt
 from gradtx import tree as tu
 from gradtx.accumulation import AccumulateState
 from gradtx.base import GradientTransformation, OptState, metrics
@@ -355,6 +356,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
           The closure's return value, or ``None`` without a closure. Whether the
           inner optimizer stepped is :attr:`emitted`.
         """
+        # issue 9: DCP's state warm-up runs the inner optimizer only (never under torch.compile).
+        if not torch.compiler.is_compiling() and self._ckpt_dcp_init_step():
+            return None
         if closure is not None and not callable(closure):
             raise TypeError(f"TransformedOptimizer.step: closure must be callable, got {type(closure).__name__}")
         if self._accumulates and not torch.compiler.is_compiling():
@@ -608,54 +612,287 @@ class TransformedOptimizer(torch.optim.Optimizer):
           ...     opt.step(tokens=int((y != -100).sum()))
           ...     opt.zero_grad()
         """
-        with no_sync(model, sync=self.emits_next(flush=flush)):
+        sync = self.emits_next(flush=flush)
+        # issue 9: after a backward that skipped the sync, the window's partial sums are not in .grad.
+        self._ckpt_synced = sync or not any(_data_parallel_modules(model))
+        with no_sync(model, sync=sync):
             yield
 
-    # checkpoints --------------------------------------------------------------------------
+    # checkpoints (issue 9) ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
-        """The inner optimizer's state dict, the transform state, and the partial grads of an open window."""
-        leaves, _ = tu.flatten(self.tx_state)
-        out: dict[str, Any] = {
-            "inner": self.optimizer.state_dict(),
-            "tx_state": leaves,
-            "window_open": self._window_open,
-        }
-        if self._window_open:
-            out["grads"] = [[None if p.grad is None else p.grad.detach().clone() for p in g] for g in self.param_tree()]
-        return out
+        """The checkpoint in ``torch.optim``'s layout: ``state`` per parameter and ``param_groups``.
+
+        Each parameter's entry is the inner optimizer's (``exp_avg``, ``step``, ...)
+        plus a ``"gradtx"`` dict: the transform's per-parameter state (a DTensor
+        where the param is one, so it reshards), the open accumulation window's
+        partial sum (the param's ``.grad``; zeros at a boundary, so the keys never
+        depend on where the window stands), and, on the first parameter only,
+        the transform's global state under ``"global"`` (counters, the window's
+        micro-step and token count, the last grad norm). So
+        ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
+        ``get_optimizer_state_dict`` (full or sharded) and ``dcp.save`` take it as
+        they take any optimizer's. See ``docs/checkpointing.md``.
+
+        Raises:
+          ValueError: a window is open and its partial sums are not in ``.grad``
+            (they sit inside DDP/FSDP2 after a :meth:`maybe_no_sync` backward that
+            did not sync): save at a window boundary, or make the window's last
+            micro-step sync (``step(flush=True)`` after ``maybe_no_sync(model, flush=True)``).
+        """
+        params = self.param_tree()
+        flat = [p for group in params for p in group]
+        layout = _ckpt._layout_of(self.tx_state, params)
+        acc_key = self._ckpt_acc_key(layout)
+        if acc_key is not None:
+            sums = self._ckpt_partial_sums(flat)
+            layout.per_param[acc_key] = [sums]  # a one-leaf tree: _export flattens it
+        per_param, globals_ = _ckpt._export(
+            layout, flat, self.tx, what="TransformedOptimizer.state_dict", acc_dtype=_same_dtype
+        )
+        inner = self.optimizer.state_dict()
+        # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
+        state: dict[Any, Any] = {pid: {k: v for k, v in s.items() if k != _GTX} for pid, s in inner["state"].items()}
+        for i, pid in enumerate(self._ckpt_pids(params)):
+            entry = state.setdefault(pid, {})
+            entry[_GTX] = {key: values[i] for key, values in per_param.items()}
+            if i == 0:
+                entry[_GTX][_GLOBAL] = globals_
+                if acc_key is not None:
+                    entry[_GTX][_AMP] = self._ckpt_amp()
+        return {"state": state, "param_groups": inner["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore what :meth:`state_dict` saved; a run resumed mid-window continues it exactly."""
-        for key in ("inner", "tx_state", "window_open"):
-            if key not in state_dict:
-                raise ValueError(f"TransformedOptimizer.load_state_dict: missing key {key!r}")
-        leaves, spec = tu.flatten(self.tx_state)
-        saved = state_dict["tx_state"]
-        if len(saved) != len(leaves):
+        """Restore a :meth:`state_dict`, or adopt a plain ``torch.optim`` checkpoint; checks everything first.
+
+        Accepts what :meth:`state_dict` made, also after torch's
+        ``set_optimizer_state_dict`` / ``dcp.load`` re-keyed it by parameter name.
+        A checkpoint of the bare inner optimizer class (no ``"gradtx"`` entries)
+        loads too: the inner state is restored and the transform starts fresh
+        (``tx.init``), as when a running project adopts gradtx.
+
+        Before anything changes it checks the param groups and counts, the
+        inner state's shapes, and the transform's: the same chain (keys), the
+        same accumulation ``k``, shapes and dtypes. The first difference raises a
+        ``ValueError`` naming it, and the optimizer is left as it was. A window
+        that was open when saved is open again, its partial sums in ``.grad``;
+        one saved at a boundary leaves every ``.grad`` ``None``.
+        """
+        what = "TransformedOptimizer.load_state_dict"
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"{what}: state_dict must be a dict, got {type(state_dict).__name__}")
+        if "inner" in state_dict or "tx_state" in state_dict:
             raise ValueError(
-                f"TransformedOptimizer.load_state_dict: tx_state has {len(saved)} tensors, this transform has {len(leaves)}"
+                f"{what}: this checkpoint has gradtx's earlier layout ('inner', 'tx_state'); to adopt its inner "
+                "optimizer state with the transform starting fresh, pass checkpoint['inner'] (it is a torch.optim "
+                "checkpoint), after making sure it was saved at a window boundary (checkpoint['window_open'] is False)"
             )
-        for path, s, cur in zip(tu.paths(self.tx_state), saved, leaves):
-            if not isinstance(s, torch.Tensor) or s.shape != cur.shape or s.dtype != cur.dtype:
-                got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
                 raise ValueError(
-                    f"TransformedOptimizer.load_state_dict: tx_state at {tu.path_str(path)} is {got}, "
-                    f"this transform has {cur.dtype} {tuple(cur.shape)}"
+                    f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')"
                 )
         params = self.param_tree()
-        grads = state_dict.get("grads")
-        if grads is not None and [len(g) for g in grads] != [len(g) for g in params]:
-            raise ValueError("TransformedOptimizer.load_state_dict: saved grads do not match the param groups")
-        self.optimizer.load_state_dict(state_dict["inner"])
-        self.tx_state = tu.unflatten(spec, [s.to(cur.device) for s, cur in zip(saved, leaves)])
-        self._window_open = bool(state_dict["window_open"])
-        # The grads are part of the window: restore an open one, and drop any partial sum otherwise.
-        for i, group in enumerate(params):
-            for j, p in enumerate(group):
-                g = grads[i][j] if grads is not None else None
-                p.grad = None if g is None else g.to(p.device).clone()
+        flat = [p for group in params for p in group]
+        saved_groups = state_dict["param_groups"]
+        groups = self.optimizer.param_groups
+        if len(saved_groups) != len(groups):
+            raise ValueError(
+                f"{what}: the checkpoint has {len(saved_groups)} param groups, this optimizer {len(groups)}"
+            )
+        saved_of: dict[int, Any] = {}
+        for i, (saved, group) in enumerate(zip(saved_groups, groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"{what}: param group {i} has {len(saved['params'])} params in the checkpoint, "
+                    f"{len(group['params'])} here"
+                )
+            for sid, p in zip(saved["params"], group["params"]):
+                saved_of[id(p)] = sid
+        all_params = [p for group in groups for p in group["params"]]
+        names = self._ckpt_names(params)
+        saved_state = state_dict["state"]
+        inner_state = {}
+        for sid, s in saved_state.items():
+            if not isinstance(s, dict):
+                raise TypeError(f"{what}: state[{sid!r}] is a {type(s).__name__}, not a dict")
+            rest = {k: v for k, v in s.items() if k != _GTX}
+            if rest:
+                inner_state[sid] = rest
+        _check_inner_state(inner_state, {saved_of[id(p)]: p for p in all_params}, what=what)
+        entries = [saved_state.get(saved_of[id(p)], {}).get(_GTX) for p in flat]
+        if all(e is None for e in entries):
+            entries = self._ckpt_flattened_entries(flat) or entries
+        if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
+            new_state = self.tx.init(params)
+            sums = amp = None
+        else:
+            layout = _ckpt._layout_of(self.tx_state, params)
+            acc_key = self._ckpt_acc_key(layout)
+            if acc_key is not None:
+                layout.per_param[acc_key] = None  # the partial sums: shaped and typed like the params
+            expected = list(layout.per_param)
+            per_param: dict[str, list[Any]] = {key: [] for key in expected}
+            first = [_GLOBAL, _AMP] if acc_key is not None else [_GLOBAL]
+            for i, (name, entry) in enumerate(zip(names, entries)):
+                keys = expected + (first if i == 0 else [])
+                _ckpt._check_keys(entry, keys, what=f"{what}: gradtx state of {name}", hint=_ckpt._HINT)
+                for key in expected:
+                    per_param[key].append(entry[key])
+            loaded = _ckpt._import(
+                layout, self.tx_state, params, per_param, entries[0][_GLOBAL], self.tx, names,
+                what=what, acc_dtype=_same_dtype,
+            )  # fmt: skip
+            new_state, taken = _ckpt._take_acc(loaded, params)
+            sums = taken[0] if acc_key is not None and taken else None
+            amp = self._ckpt_check_amp(entries[0].get(_AMP), flat, what=what) if acc_key is not None else None
+        # Everything checked; the inner optimizer validates its own part before it changes anything.
+        self.optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
+        self.tx_state = new_state
+        self._window_open = self._plan.window_open(new_state)  # also clears the GradScaler record
+        if amp is not None and self._window_open:
+            self._live.amp_scale, self._live.amp_inf = amp
+        self._ckpt_synced = True
+        for i, p in enumerate(flat):
+            # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
+            p.grad = tu.flatten(sums)[0][i] if sums is not None and self._window_open else None
         self._last_metrics = metrics(self.tx_state)
+
+    def _ckpt_amp(self) -> dict[str, torch.Tensor]:
+        """The open window's GradScaler record: the scale its grads carry (0: none) and whether it saw an inf."""
+        scale, inf = self._live.amp_scale, self._live.amp_inf
+        return {
+            "scale": torch.zeros(()) if scale is None else scale.detach().reshape(()).float().cpu().clone(),
+            "inf": torch.zeros(()) if inf is None else inf.detach().reshape(()).float().cpu().clone(),
+        }
+
+    def _ckpt_check_amp(
+        self, saved: Any, flat: list[torch.Tensor], *, what: str
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The GradScaler record to restore with an open window, or None; checked before anything changes."""
+        _ckpt._check_keys(saved, ["scale", "inf"], what=f"{what}: GradScaler record", hint=_ckpt._HINT)
+        for key in ("scale", "inf"):
+            if not isinstance(saved[key], torch.Tensor) or saved[key].numel() != 1:
+                raise ValueError(f"{what}: GradScaler record {key!r} must be a one-element tensor")
+        if float(saved["scale"]) == 0.0:
+            return None
+        device = tu.local(flat[0]).device if flat else torch.device("cpu")
+        return saved["scale"].reshape(()).to(device, torch.float32), (saved["inf"].reshape(()) != 0).to(device)
+
+    def _ckpt_acc_key(self, layout: Any) -> str | None:
+        """The checkpoint key of the leading window's partial sums (autograd's ``.grad``), or ``None``."""
+        if self._plan.window is None or not layout.windows:
+            return None
+        return _ckpt._child(layout.windows[0][0], _ckpt._ACC)  # the leading window's, the first in the walk
+
+    def _ckpt_pids(self, params: list[list[torch.Tensor]]) -> list[int]:
+        """torch.optim's state_dict index of each param of :meth:`param_tree`, in order."""
+        index = {id(p): i for i, p in enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        return [index[id(p)] for group in params for p in group]
+
+    def _ckpt_names(self, params: list[list[torch.Tensor]]) -> list[str]:
+        return [
+            f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})"
+            for i, g in enumerate(self.optimizer.param_groups)
+            for j, p in enumerate(g["params"])
+            if p.requires_grad
+        ]
+
+    def _ckpt_partial_sums(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The open window's partial sums (the grads), or zeros at a boundary; refuses sums it cannot see."""
+        if not self._plan.window_open(self.tx_state):
+            return [torch.zeros_like(p) for p in flat]
+        # GradScaler saw an inf in this window: the wrapper dropped the partial sum, the window will be skipped.
+        dropped = self._live.amp_inf is not None and bool(self._live.amp_inf)
+        hidden = not getattr(self, "_ckpt_synced", True) or (
+            bool(flat) and all(p.grad is None for p in flat) and not dropped
+        )
+        if hidden:
+            window_state, window = self._plan.window_state(self.tx_state), self._plan.window
+            assert window_state is not None and window is not None  # the window is open
+            raise ValueError(
+                f"TransformedOptimizer.state_dict: an accumulation window is open (micro-step "
+                f"{int(window_state.micro_step)} of {window.k}) and its partial sums are not in .grad: they sit inside DDP/FSDP2, which skipped "
+                "the gradient sync (maybe_no_sync), so a checkpoint now would lose them. Save at a window boundary "
+                "(when step() returned True, opt.window_open is False), or end the window early: run its next "
+                "micro-step inside opt.maybe_no_sync(model, flush=True) and call opt.step(flush=True)"
+            )
+        return [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in flat]
+
+    def _ckpt_flattened_entries(self, flat: list[torch.Tensor]) -> list[Any] | None:
+        """The transform's entries from the flattened dict torch's ``set_optimizer_state_dict`` is loading, if any.
+
+        With ``flatten_optimizer_state_dict=True`` (torchtitan's setting) torch
+        rebuilds the optimizer dict from the live optimizer's own state keys, so
+        the ``"gradtx"`` entries are dropped on the way; read them back from the
+        flattened dict it was given (``state.<fqn>.gradtx.<key>``).
+        """
+        frame = sys._getframe(2)
+        if frame is None or frame.f_code.co_name != "_load_optim_state_dict":
+            return None
+        flat_sd, info = frame.f_locals.get("state_dict"), frame.f_locals.get("info")
+        mapping = getattr(info, "fqn_param_mapping", None)
+        if not isinstance(flat_sd, dict) or "state" in flat_sd or mapping is None:
+            return None
+        entries: list[Any] = []
+        for p in flat:
+            fqns = mapping.get(p) or ()
+            prefix = f"state.{next(iter(fqns))}.{_GTX}." if fqns else ""
+            entry: dict[str, Any] = {}
+            for key, value in flat_sd.items() if prefix else ():
+                if isinstance(key, str) and key.startswith(prefix):
+                    *outer, leaf = key[len(prefix) :].split(".")
+                    node = entry
+                    for part in outer:
+                        node = node.setdefault(part, {})
+                    node[leaf] = value
+            entries.append(entry or None)
+        return entries if any(e is not None for e in entries) else None
+
+    def _ckpt_dcp_init_step(self) -> bool:
+        """Whether this ``step()`` is torch DCP's state warm-up (``_init_optim_state``); if so, run only the inner step.
+
+        DCP materialises a fresh optimizer's state by stepping it once on zero
+        grads with ``lr = 0``. That must not count as a micro-step nor advance
+        the transform, so the inner optimizer alone takes it.
+        """
+        frame: Any = sys._getframe(1)
+        for _ in range(6):  # step's own frame and its decorators' (no_grad), then its caller
+            if frame is None:
+                return False
+            if frame.f_code.co_name == "_init_optim_state" and frame.f_globals.get("__name__", "").startswith(
+                "torch.distributed.checkpoint"
+            ):
+                self.optimizer.step()
+                return True
+            frame = frame.f_back
+        return False
+
+
+def _same_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype  # the wrapper's partial sums are autograd's .grad, in the params' dtype
+
+
+_GTX = "gradtx"  # issue 9: the transform's entry in each param's state
+_GLOBAL = "global"
+_AMP = "amp"
+# Inner-optimizer state tensors shaped like their param (torch.optim's names).
+_PARAM_SHAPED = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta", "sum", "ax", "prev"}
+)
+
+
+def _check_inner_state(state: dict[Any, Any], params_by_id: dict[Any, torch.Tensor], *, what: str) -> None:
+    """Raise before loading unless every saved param state belongs to a param and is shaped like it."""
+    for sid, s in state.items():
+        if sid not in params_by_id:
+            raise ValueError(f"{what}: the checkpoint has state for param {sid!r}, which no param group lists")
+        p = params_by_id[sid]
+        for key, value in s.items():
+            if key in _PARAM_SHAPED and isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"{what}: state[{sid!r}][{key!r}] has shape {tuple(value.shape)}, its param {tuple(p.shape)}"
+                )
 
 
 def _data_parallel_modules(model: torch.nn.Module) -> tuple[list[Any], list[Any]]:

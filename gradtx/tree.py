@@ -239,7 +239,9 @@ def align(
     ref_leaves, ref_spec = optree.tree_flatten(reference)
     leaves, spec = optree.tree_flatten(updates)
     if tensors and not all(
-        isinstance(leaf, torch.Tensor) and leaf.layout == torch.strided and (leaf.is_floating_point() or leaf.is_complex())
+        isinstance(leaf, torch.Tensor)
+        and leaf.layout == torch.strided
+        and (leaf.is_floating_point() or leaf.is_complex())
         for leaf in leaves
     ):
         check_tensors(leaves, paths(updates), what=what)

@@ -47,7 +47,9 @@ def number(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool
     if isinstance(value, torch.Tensor):
         if tensor:
             return scalar_tensor(value, arg=arg, name=name)
-        raise TypeError(f"{name}: {arg} must be a number, got a tensor (only hyperparameters documented as such take one)")
+        raise TypeError(
+            f"{name}: {arg} must be a number, got a tensor (only hyperparameters documented as such take one)"
+        )
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
     value = float(value)

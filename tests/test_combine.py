@@ -66,7 +66,9 @@ def test_masked_applies_only_to_masked_leaves_and_names_user_paths():
     callable_mask = gtx.masked(gtx.add_decayed_weights(0.5), lambda p: {"w": True, "norm": {"scale": False}})
     out2, _ = callable_mask.update({"w": torch.zeros(2), "norm": {"scale": torch.zeros(2)}}, state, params)
     assert_trees_equal(out2, out)
-    with pytest.raises(ValueError, match=r"mask is not a prefix of the params/updates tree at <root>.*extra key\(s\): \['norm'\]"):
+    with pytest.raises(
+        ValueError, match=r"mask is not a prefix of the params/updates tree at <root>.*extra key\(s\): \['norm'\]"
+    ):
         gtx.masked(gtx.identity(), {"w": True}).init(params)
 
 
@@ -194,8 +196,10 @@ def test_metrics_star_exports_every_item_of_a_dict_field_by_its_key():
         n: torch.Tensor
 
     lr, wd = torch.tensor(0.1), torch.tensor(0.01)
-    state = (DictState({"learning_rate": lr, "weight_decay": wd}, torch.tensor(3)),
-             DictState({"learning_rate": torch.tensor(9.0)}, torch.tensor(4)))
+    state = (
+        DictState({"learning_rate": lr, "weight_decay": wd}, torch.tensor(3)),
+        DictState({"learning_rate": torch.tensor(9.0)}, torch.tensor(4)),
+    )
     found = gtx.metrics(state)
     assert found["learning_rate"] is lr and found["weight_decay"] is wd  # the first member in chain order wins
     assert int(found["count"]) == 3 and "*" not in found

@@ -93,6 +93,7 @@ DOC_PAGES = [
     "spikes.md",
     "optax.md",
     "executor.md",
+    "checkpointing.md",
 ]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

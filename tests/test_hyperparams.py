@@ -180,8 +180,10 @@ def test_injected_adamw_with_a_mask_matches_optax():
 
 def test_pure_and_checkpointable(tmp_path):
     params, grads = _problem()
-    tx = gtx.chain(gtx.inject_hyperparams(gtx.clip_by_global_norm)(1.0),
-                   gtx.inject_hyperparams(gtx.adamw)(_schedule, weight_decay=0.1))
+    tx = gtx.chain(
+        gtx.inject_hyperparams(gtx.clip_by_global_norm)(1.0),
+        gtx.inject_hyperparams(gtx.adamw)(_schedule, weight_decay=0.1),
+    )
     _, state = assert_pure(tx, grads[0], params)
     torch.save(state, tmp_path / "s.pt")
     loaded = torch.load(tmp_path / "s.pt")  # weights_only, torch's default
@@ -213,8 +215,9 @@ def test_wrapper_with_an_injected_clip_matches_torch():
     model = torch.nn.Linear(4, 3)
     ref_model = torch.nn.Linear(4, 3)
     ref_model.load_state_dict(model.state_dict())
-    opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                   gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=0.5))
+    opt = gtx.TransformedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=0.5)
+    )
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
     max_norm = 0.5
     for i in range(8):
@@ -245,8 +248,9 @@ def test_compiled_step_has_no_graph_break_and_a_changed_value_does_not_recompile
         return gm.forward
 
     params, grads = _problem()
-    tx = gtx.inject_hyperparams(gtx.adamw)(learning_rate=lambda c: 0.01 * torch.clamp((c + 1) / 4, max=1.0),
-                                           weight_decay=0.1)
+    tx = gtx.inject_hyperparams(gtx.adamw)(
+        learning_rate=lambda c: 0.01 * torch.clamp((c + 1) / 4, max=1.0), weight_decay=0.1
+    )
 
     def step(params, grads, state):
         updates, state = tx.update(grads, state, params)

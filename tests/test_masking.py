@@ -30,7 +30,11 @@ def to_torch(tree):
 
 def _tree(structure, seed):
     g = torch.Generator().manual_seed(seed)
-    return optree.tree_map(lambda shape: torch.randn(shape, generator=g), structure, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x))
+    return optree.tree_map(
+        lambda shape: torch.randn(shape, generator=g),
+        structure,
+        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(d, int) for d in x),
+    )
 
 
 NESTED = {"a": (2,), "b": [(3,), (2, 2)], "c": {"d": (4,), "e": [(2, 3), (1,)]}}
@@ -41,7 +45,11 @@ def run_both(tx, ref, params, *, steps=STEPS, with_params=True, seed=1, grads_fn
     state, ref_state = tx.init(params), ref.init(to_jax(params))
     p, rp = params, to_jax(params)
     for i in range(steps):
-        g = grads_fn(i) if grads_fn is not None else optree.tree_map(lambda x, k=i + 1: x * k, _tree_like(params, seed + i))
+        g = (
+            grads_fn(i)
+            if grads_fn is not None
+            else optree.tree_map(lambda x, k=i + 1: x * k, _tree_like(params, seed + i))
+        )
         if with_params:
             u, state = tx.update(g, state, p)
             ru, ref_state = ref.update(to_jax(g), ref_state, rp)
@@ -83,13 +91,16 @@ def test_masked_matches_optax(inner, use_fn, with_params):
     run_both(gtx.masked(make(), arg), optax.masked(make_ref(), arg), params, with_params=with_params)
 
 
-@pytest.mark.parametrize("mask", [
-    {"a": True, "b": False, "c": {"d": False, "e": True}},  # optax's prefix-mask case
-    {"a": False, "b": True, "c": True},
-    True,  # a single bool covers the whole tree
-    False,
-    ("not-a-dict-prefix",),
-])
+@pytest.mark.parametrize(
+    "mask",
+    [
+        {"a": True, "b": False, "c": {"d": False, "e": True}},  # optax's prefix-mask case
+        {"a": False, "b": True, "c": True},
+        True,  # a single bool covers the whole tree
+        False,
+        ("not-a-dict-prefix",),
+    ],
+)
 def test_prefix_masks_match_optax(mask):
     params = _tree({"a": (2,), "b": {"f": (3,)}, "c": {"d": (1,), "e": [[(2,), (2,)], (3,)]}}, 0)
     if mask == ("not-a-dict-prefix",):
@@ -114,8 +125,12 @@ def test_nested_masks_match_optax():  # optax issue 271
     inner_mask = {k: {"w": True, "b": True} for k in params}
     inner_mask["linear_2"] = False
     run_both(
-        gtx.masked(gtx.masked(gtx.sgd(1.0, momentum=0.5), inner_mask), lambda p: optree.tree_map(lambda x: x.ndim > 1, p)),
-        optax.masked(optax.masked(optax.sgd(1.0, momentum=0.5), inner_mask), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+        gtx.masked(
+            gtx.masked(gtx.sgd(1.0, momentum=0.5), inner_mask), lambda p: optree.tree_map(lambda x: x.ndim > 1, p)
+        ),
+        optax.masked(
+            optax.masked(optax.sgd(1.0, momentum=0.5), inner_mask), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+        ),
         params,
     )
 
@@ -170,7 +185,11 @@ def test_empty_trees(container):
 @pytest.mark.parametrize("use_fn", [False, True])
 def test_tree_mismatch_fails_naming_the_path(extra_key_in_mask, use_fn):
     mask = {"a": True, "b": [False, True], "c": {"d": True, "e": (False, True)}}
-    params = {"a": torch.ones(1), "b": [torch.ones(1), torch.ones(1)], "c": {"d": torch.ones(1), "e": (torch.ones(1), torch.ones(1))}}
+    params = {
+        "a": torch.ones(1),
+        "b": [torch.ones(1), torch.ones(1)],
+        "c": {"d": torch.ones(1), "e": (torch.ones(1), torch.ones(1))},
+    }
     if extra_key_in_mask:
         mask["c"]["extra"] = True
     else:
@@ -201,14 +220,20 @@ def test_partition_prefix_labels_over_a_pair_of_subtrees():  # optax's GAN examp
     params = (_tree({"w": (3, 2), "b": (2,)}, 0), _tree({"w": (2, 1), "b": (1,)}, 1))
     run_both(
         gtx.partition({"generator": gtx.adam(0.1), "discriminator": gtx.adam(0.5)}, ("generator", "discriminator")),
-        optax.partition({"generator": optax.adam(0.1), "discriminator": optax.adam(0.5)}, ("generator", "discriminator")),
+        optax.partition(
+            {"generator": optax.adam(0.1), "discriminator": optax.adam(0.5)}, ("generator", "discriminator")
+        ),
         params,
     )
 
 
 @pytest.mark.parametrize("use_fn", [False, True])
 def test_partition_labels_must_have_a_transform(use_fn):
-    params = {"a": torch.ones(1), "b": [torch.ones(1), torch.ones(1)], "c": {"d": torch.ones(1), "e": (torch.ones(1), torch.ones(1))}}
+    params = {
+        "a": torch.ones(1),
+        "b": [torch.ones(1), torch.ones(1)],
+        "c": {"d": torch.ones(1), "e": (torch.ones(1), torch.ones(1))},
+    }
     label_tree = {"a": 3, "b": [1, 0], "c": 1}  # a prefix of params, with a label (3) that has no transform
     transforms = {0: gtx.sgd(1.0), 1: gtx.adam(1.0), 2: gtx.trace(1.0)}
     if not use_fn:
@@ -269,23 +294,37 @@ def test_adamw_default_weight_decay_is_torchs():
 
 ALL_TRANSFORMS = {
     "sgd": (lambda: gtx.sgd(0.1), lambda: optax.sgd(0.1)),
-    "sgd_momentum": (lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True), lambda: optax.sgd(0.1, momentum=0.9, nesterov=True)),
+    "sgd_momentum": (
+        lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True),
+        lambda: optax.sgd(0.1, momentum=0.9, nesterov=True),
+    ),
     "adam": (lambda: gtx.adam(0.1), lambda: optax.adam(0.1)),
     "adamw": (lambda: gtx.adamw(0.1, weight_decay=0.1), lambda: optax.adamw(0.1, weight_decay=0.1)),
     "clip": (lambda: gtx.clip(0.3), lambda: optax.clip(0.3)),
     "clip_by_global_norm": (lambda: gtx.clip_by_global_norm(1.0), lambda: optax.clip_by_global_norm(1.0)),
     "adaptive_clip": (lambda: gtx.adaptive_clip(0.1), lambda: optax.adaptive_grad_clip(0.1)),
     "add_decayed_weights": (lambda: gtx.add_decayed_weights(0.1), lambda: optax.add_decayed_weights(0.1)),
-    "scale_by_adam": (lambda: gtx.chain(gtx.scale_by_adam(), gtx.scale(0.1)),
-                      lambda: optax.chain(optax.scale_by_adam(), optax.scale(0.1))),
+    "scale_by_adam": (
+        lambda: gtx.chain(gtx.scale_by_adam(), gtx.scale(0.1)),
+        lambda: optax.chain(optax.scale_by_adam(), optax.scale(0.1)),
+    ),
     "trace": (lambda: gtx.trace(0.5), lambda: optax.trace(0.5)),
-    "masked": (lambda: gtx.masked(gtx.adam(0.1), {"a": True, "n": False, "z": {"b": False, "m": True}}),
-               lambda: optax.masked(optax.adam(0.1), {"a": True, "n": False, "z": {"b": False, "m": True}})),
-    "partition": (lambda: gtx.partition({"x": gtx.adam(0.1), "y": gtx.sgd(0.1)}, {"a": "x", "n": "y", "z": "y"}),
-                  lambda: optax.partition({"x": optax.adam(0.1), "y": optax.sgd(0.1)}, {"a": "x", "n": "y", "z": "y"})),
-    "apply_if_finite": (lambda: gtx.apply_if_finite(gtx.adam(0.1), 2), lambda: optax.apply_if_finite(optax.adam(0.1), 2)),
-    "chain": (lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(0.1)),
-              lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1, weight_decay=0.01))),
+    "masked": (
+        lambda: gtx.masked(gtx.adam(0.1), {"a": True, "n": False, "z": {"b": False, "m": True}}),
+        lambda: optax.masked(optax.adam(0.1), {"a": True, "n": False, "z": {"b": False, "m": True}}),
+    ),
+    "partition": (
+        lambda: gtx.partition({"x": gtx.adam(0.1), "y": gtx.sgd(0.1)}, {"a": "x", "n": "y", "z": "y"}),
+        lambda: optax.partition({"x": optax.adam(0.1), "y": optax.sgd(0.1)}, {"a": "x", "n": "y", "z": "y"}),
+    ),
+    "apply_if_finite": (
+        lambda: gtx.apply_if_finite(gtx.adam(0.1), 2),
+        lambda: optax.apply_if_finite(optax.adam(0.1), 2),
+    ),
+    "chain": (
+        lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(0.1)),
+        lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1, weight_decay=0.01)),
+    ),
 }
 
 
@@ -402,8 +441,10 @@ def test_accumulate_with_none_grads():
 def test_masked_and_partition_check_updates_against_the_params():
     params = {"w": torch.ones(2), "b": torch.ones(2), "norm": torch.ones(2)}
     grads = {"w": torch.ones(2), "norm": torch.ones(2)}  # "b" is missing: never route leaves by position
-    for tx in (gtx.masked(gtx.sgd(1.0), {"w": True, "b": False, "norm": True}),
-               gtx.partition({"x": gtx.sgd(1.0), "y": gtx.adam(1.0)}, {"w": "x", "b": "y", "norm": "x"})):
+    for tx in (
+        gtx.masked(gtx.sgd(1.0), {"w": True, "b": False, "norm": True}),
+        gtx.partition({"x": gtx.sgd(1.0), "y": gtx.adam(1.0)}, {"w": "x", "b": "y", "norm": "x"}),
+    ):
         state = tx.init(params)
         with pytest.raises(ValueError, match=r"updates does not match params at \['b'\]: missing"):
             tx.update(grads, state, params)
@@ -476,7 +517,10 @@ def test_mesh_groups_plans_count_a_param_without_a_gradient_as_zeros():
     grads = {"a": torch.randn(3, 2), "n": None, "b": torch.randn(2)}
     plan = gtx.mesh_groups(params, comm=LocalComm(), sharded={"a": gtx.Sharded("tp", dim=1)})
     zeros = {**grads, "n": torch.zeros(4, 2)}
-    for make in (lambda p: gtx.clip_by_global_norm(0.5, mesh_groups=p), lambda p: gtx.adaptive_clip(0.05, mesh_groups=p)):
+    for make in (
+        lambda p: gtx.clip_by_global_norm(0.5, mesh_groups=p),
+        lambda p: gtx.adaptive_clip(0.05, mesh_groups=p),
+    ):
         tx, ref = make(plan), make(None)
         u, _ = tx.update(grads, tx.init(params), params)
         r, _ = ref.update(zeros, ref.init(params), params)

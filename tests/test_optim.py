@@ -219,8 +219,8 @@ def test_wrapper_rejects_bad_arguments():
     with pytest.raises(TypeError, match="tx"):
         gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "clip")
     opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.identity())
-    with pytest.raises(ValueError, match="missing key"):
-        opt.load_state_dict({"inner": {}})
+    with pytest.raises(ValueError, match="missing key 'param_groups'"):
+        opt.load_state_dict({"state": {}})
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -281,7 +281,7 @@ def test_load_state_dict_rejects_a_mismatched_state_and_clears_stale_grads():
     checkpoint = opt.state_dict()  # saved at a window boundary
     other = torch.nn.Sequential(torch.nn.Linear(6, 17), torch.nn.GELU(), torch.nn.Linear(17, 3))
     other_opt = gtx.TransformedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), tx)
-    with pytest.raises(ValueError, match="tx_state at"):
+    with pytest.raises(ValueError, match=r"the checkpoint has shape \(16, 6\), this state \(17, 6\)"):
         other_opt.load_state_dict(checkpoint)
     x, y = batches(1)[0]
     F.cross_entropy(model(x), y).backward()
