@@ -2,8 +2,17 @@
 
 import torch
 
-from gradtx import checkpoint, comm, testing
+from gradtx import checkpoint, comm, schedules, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
+from gradtx.adaptive import (
+    AutoClipState,
+    TrackNormsState,
+    ZClipState,
+    autoclip,
+    clip_by_block_rms,
+    track_norms,
+    zclip,
+)
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -39,12 +48,39 @@ from gradtx.optimizers import (
 )
 from gradtx.pipeline import pp_reduce
 from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
+from gradtx.schedules import (
+    constant_schedule,
+    cosine_decay_schedule,
+    cosine_onecycle_schedule,
+    exponential_decay,
+    join_schedules,
+    linear_onecycle_schedule,
+    linear_schedule,
+    piecewise_constant_schedule,
+    piecewise_interpolate_schedule,
+    polynomial_schedule,
+    sgdr_schedule,
+    warmup_constant_schedule,
+    warmup_cosine_decay_schedule,
+    warmup_exponential_decay_schedule,
+)
+from gradtx.spikes import (
+    SkipIfState,
+    SkipSpikesState,
+    ZeroNansState,
+    skip_if,
+    skip_large_updates,
+    skip_not_finite,
+    skip_spikes,
+    zero_nans,
+)
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
     [
         AccumulateState,
         ApplyIfFiniteState,
+        AutoClipState,
         ClipByGlobalNormState,
         EmptyState,
         InjectHyperparamsState,
@@ -53,6 +89,11 @@ torch.serialization.add_safe_globals(
         ScaleByAdamState,
         ScaleByScheduleState,
         TraceState,
+        SkipIfState,
+        SkipSpikesState,
+        TrackNormsState,
+        ZClipState,
+        ZeroNansState,
     ]
 )
 
@@ -62,6 +103,7 @@ __all__ = [
     "AccumulateState",
     "Accumulation",
     "ApplyIfFiniteState",
+    "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
     "EmptyState",
@@ -77,10 +119,15 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "Sharded",
+    "SkipIfState",
+    "SkipSpikesState",
     "StepPlan",
     "TraceState",
+    "TrackNormsState",
     "TransformedOptimizer",
     "Window",
+    "ZClipState",
+    "ZeroNansState",
     "accumulate",
     "adam",
     "adamw",
@@ -88,32 +135,56 @@ __all__ = [
     "add_decayed_weights",
     "apply_if_finite",
     "apply_updates",
+    "autoclip",
     "chain",
     "checkpoint",
     "clip",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "comm",
+    "constant_schedule",
+    "cosine_decay_schedule",
+    "cosine_onecycle_schedule",
     "cp_reduce",
+    "exponential_decay",
     "export_metrics",
     "global_norm",
     "identity",
     "inject_hyperparams",
+    "join_schedules",
+    "linear_onecycle_schedule",
+    "linear_schedule",
     "masked",
     "mesh_groups",
     "metrics",
     "named_chain",
     "no_sync",
     "partition",
+    "piecewise_constant_schedule",
+    "piecewise_interpolate_schedule",
+    "polynomial_schedule",
     "pp_reduce",
     "scalar_transformation",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
+    "schedules",
     "sgd",
+    "sgdr_schedule",
+    "skip_if",
+    "skip_large_updates",
+    "skip_not_finite",
+    "skip_spikes",
     "sum_grad_reduction",
     "testing",
     "trace",
+    "track_norms",
     "unitwise_norm",
     "update_and_apply",
+    "warmup_constant_schedule",
+    "warmup_cosine_decay_schedule",
+    "warmup_exponential_decay_schedule",
+    "zclip",
+    "zero_nans",
 ]

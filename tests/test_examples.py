@@ -64,6 +64,17 @@ def test_train_tiny_lm_quick_writes_its_plot(tmp_path):
     assert png.is_file() and png.stat().st_size > 0
 
 
+def test_spike_guard_quick_guards_beat_no_guard_and_write_the_plot(tmp_path):
+    png = tmp_path / "spike_guard.png"
+    out = run_example(EXAMPLES / "spike_guard.py", "--quick", "--out", str(png)).stdout
+    losses = dict(re.findall(r"^(.+?)\s+mean loss over the last \d+ steps: (\S+)$", out, re.MULTILINE))
+    assert set(losses) == {"adamw (no guard)", "zclip + adamw", "skip_spikes(adamw)"}, out
+    # After a 1000x gradient, unguarded Adam ends worse than either guarded run on the same batches.
+    unguarded = float(losses["adamw (no guard)"])
+    assert float(losses["zclip + adamw"]) < unguarded and float(losses["skip_spikes(adamw)"]) < unguarded, out
+    assert png.is_file() and png.stat().st_size > 0
+
+
 # --- the user guide's code blocks ---------------------------------------------------------
 
 DOCS = ROOT / "docs"
@@ -78,6 +89,9 @@ DOC_PAGES = [
     "accumulation.md",
     "wrapper.md",
     "testing.md",
+    "schedules.md",
+    "spikes.md",
+    "optax.md",
     "executor.md",
     "checkpointing.md",
 ]

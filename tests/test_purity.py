@@ -60,6 +60,17 @@ CASES = {
     "cp_reduce": (lambda: gtx.cp_reduce("cp", comm=gtx.comm.LocalComm()), {}),
     "clip_by_global_norm_mesh_groups": (lambda: gtx.clip_by_global_norm(0.1, mesh_groups=_local_plan()), {}),
     "adaptive_clip_mesh_groups": (lambda: gtx.adaptive_clip(0.01, mesh_groups=_local_plan()), {}),
+    # issue 10: spikes and adaptive clipping
+    "zero_nans": (lambda: gtx.zero_nans(), {}),
+    "skip_if": (lambda: gtx.skip_if(gtx.adam(0.1), gtx.skip_not_finite), {}),
+    "skip_spikes": (lambda: gtx.skip_spikes(gtx.adam(0.1), warmup_steps=1), {}),
+    "skip_spikes_loss": (lambda: gtx.skip_spikes(gtx.sgd(0.1), metric="loss", warmup_steps=1), {"loss": 2.0}),
+    "zclip": (lambda: gtx.zclip(warmup_steps=1), {}),
+    "autoclip": (lambda: gtx.autoclip(10, history=4), {}),
+    "clip_by_block_rms": (lambda: gtx.clip_by_block_rms(0.1), {}),
+    "track_norms": (lambda: gtx.track_norms(), {}),
+    "zclip_mesh_groups": (lambda: gtx.zclip(warmup_steps=1, mesh_groups=_local_plan()), {}),
+    "track_norms_mesh_groups": (lambda: gtx.track_norms(mesh_groups=_local_plan()), {}),
 }
 
 

@@ -1,0 +1,47 @@
+"""The norm calls of the spike guards and adaptive clippers (:mod:`gradtx.spikes`, :mod:`gradtx.adaptive`).
+
+Every statistic those transforms keep, and every skip or clip decision they
+make, derives from the norms returned here, so they must be the single-device
+norms of the whole model on every rank. Both go through :mod:`gradtx.plan`, as
+``clip_by_global_norm`` does: a declared ``mesh_groups`` plan, else the plan the
+DTensor placements define, else the local norm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gradtx import norms
+from gradtx import plan as plans
+
+
+def check_plan(mesh_groups: Any, *, name: str) -> None:
+    """Raise ``TypeError`` unless ``mesh_groups`` is ``None`` or a plan from :func:`gradtx.mesh_groups`."""
+    if mesh_groups is not None:
+        plans._check_plan_arg(mesh_groups, what=name)
+
+
+def global_norm_of(
+    leaves: Sequence[torch.Tensor],
+    norm_type: float = 2.0,
+    *,
+    mesh_groups: Any = None,
+    what: str,
+    tree: Any = None,
+) -> torch.Tensor:
+    """The global ``norm_type``-norm of ``leaves`` (0-d fp32, no host sync), the same on every rank."""
+    return plans.tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree)
+
+
+def leaf_norms_of(
+    leaves: Sequence[torch.Tensor], *, mesh_groups: Any = None, what: str, tree: Any = None
+) -> list[torch.Tensor]:
+    """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank."""
+    plan = mesh_groups if mesh_groups is not None else plans.infer_plan(leaves, what=what, tree=tree)
+    if plan is None:
+        return norms.tensor_norms(leaves, 2.0)
+    (out,) = plan.unitwise_norms([list(leaves)], unitwise=False)
+    return [n.reshape(()) for n in out]
