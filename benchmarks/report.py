@@ -91,7 +91,13 @@ MISSED_NOTES = {
         "each); a miss of a few tenths of a percent is within the run's noise."
     ),
     "d-memory": "The wrapper keeps no gradient-sized buffer of its own (autograd's .grad is the accumulator).",
-    "e": "A graph break: see the case e note.",
+    "e": (
+        "With no graph break, the miss is time: the compiled step is still pure, so it writes new "
+        "moments and new params every step (fresh buffers that fault in on CPU), where torch's fused "
+        "AdamW updates them in place; inductor's CPU loops for the step do not reach torch's fused "
+        "kernel. Where speed matters, use the donated step (`update_and_apply(..., donate=True)`), "
+        "which is below the torch baseline."
+    ),
 }
 
 
@@ -140,19 +146,20 @@ def case_markdown(result: CaseResult) -> list[str]:
 API_NOTES = """\
 ## The fast paths, and how to use them
 
-* **The wrapper** (`TransformedOptimizer`) owns the `.grad` buffers, so it runs the chain with
-  `inplace=True` and `deferred=DeferredScale()`. Scalar transforms (the clip coefficient,
-  accumulation's `1/k`) fold their factor into the deferred scale instead of making a pass over
-  the grads, and a fused `torch.optim.Adam/AdamW/SGD` receives it as `grad_scale = 1/factor`,
-  with `apply_if_finite`'s verdict as `found_inf`. A clip costs one read of the grads (its norm)
-  instead of three passes.
+* **The wrapper** (`TransformedOptimizer`) owns the `.grad` buffers, so the step executor
+  (`gradtx/executor.py`, see `docs/executor.md`) runs the chain on them with `inplace=True`. The
+  trailing scalar transforms (the clip coefficient, accumulation's `1/k`, a learning rate) expose
+  their factors as pure functions, and the executor multiplies them together instead of making a
+  pass over the grads for each; a fused `torch.optim.Adam/AdamW/SGD` receives the product as
+  `grad_scale = 1/factor`, with `apply_if_finite`'s verdict as `found_inf`. A clip costs one read
+  of the grads (its norm) instead of three passes.
 * **The donated functional step** (new: `gtx.update_and_apply(tx, grads, state, params, donate=True)`)
   is the functional analogue of `jax.jit(..., donate_argnums=...)`: the caller hands over the grads,
   the state and the params, and gets back params and state that share their storage. When the
   chain ends in `gtx.adamw`, `gtx.adam` or `gtx.sgd` and every leaf suits torch's fused kernel
-  (one dtype per leaf for params, grads and moments, contiguous), the alias claims the step
-  through the reserved extra `fused_apply` and applies it with one
-  `torch._fused_adamw_`/`_fused_adam_`/`_fused_sgd_` launch, the clip factor in `grad_scale`.
+  (one dtype per leaf for params, grads and moments, contiguous), the executor applies the step
+  with one `torch._fused_adamw_`/`_fused_adam_`/`_fused_sgd_` launch (it reads the optimizer's
+  hyperparameters from the chain's structure), the clip factor in `grad_scale`.
   Otherwise the updates are computed in the donated grads and added in place. With
   `donate=False` it is exactly `tx.update` then `apply_updates`, and pure. The protocol is
   unchanged: `update` still returns updates and `apply_updates` still returns new params.

@@ -145,4 +145,4 @@ def test_user_script_type_errors_are_caught_through_the_wheel(venv_python, mypy_
     result = _mypy(venv_python, mypy_cache, tmp_path, USER_SCRIPT + 'gtx.clip_by_global_norm("1.0")\n')
     out = result.stdout + result.stderr
     assert result.returncode == 1, out
-    assert 'Argument 1 to "clip_by_global_norm" has incompatible type "str"; expected "float"' in out, out
+    assert 'Argument 1 to "clip_by_global_norm" has incompatible type "str"; expected "float' in out, out
