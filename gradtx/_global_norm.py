@@ -31,9 +31,20 @@ def global_norm_of(
     mesh_groups: Any = None,
     what: str,
     tree: Any = None,
+    scale: torch.Tensor | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
-    """The global ``norm_type``-norm of ``leaves`` (0-d fp32, no host sync), the same on every rank."""
-    return plans.tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree)
+    """The global ``norm_type``-norm of ``leaves`` (0-d, no host sync), the same on every rank.
+
+    With ``scale`` (a factor the leaves still carry, see :class:`gradtx.ScalarTransformation`),
+    the norm of the true updates ``leaves * scale``; with ``device``, as fp32 there.
+    """
+    norm = plans.tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree)
+    if device is not None:
+        norm = norm.to(device=device, dtype=torch.float32)
+    if scale is not None:
+        norm = norm * scale.abs().to(device=norm.device, dtype=norm.dtype)
+    return norm
 
 
 def leaf_norms_of(

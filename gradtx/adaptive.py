@@ -192,11 +192,9 @@ def zclip(
         tu.require_state(state, ZClipState, name=name)
         leaves, _ = _leaves(updates, name=name)
         device = state.mean.device
-        g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
-            device=device, dtype=torch.float32
+        g = global_norm_of(
+            leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
         )
-        if scale is not None:
-            g = g * scale.abs().to(device=device, dtype=torch.float32)  # the true updates are leaves * scale
         finite = torch.isfinite(g)
         ready = state.count >= window  # the EMA was seeded on an earlier step
 
@@ -338,11 +336,9 @@ def autoclip(
         tu.require_state(state, AutoClipState, name=name)
         leaves, _ = _leaves(updates, name=name)
         device = state.norms.device
-        g = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
-            device=device, dtype=torch.float32
+        g = global_norm_of(
+            leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
         )
-        if scale is not None:
-            g = g * scale.abs().to(device=device, dtype=torch.float32)  # the true updates are leaves * scale
         finite = torch.isfinite(g)
         slot = torch.remainder(state.count, size).reshape(1)
         recorded = torch.where(finite, state.norms.scatter(0, slot, g.reshape(1)), state.norms)
