@@ -232,6 +232,7 @@ def main() -> None:
         run_tp_fsdp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")))
     if args.mode in ("pp", "all"):
         run_pp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp")))
+    dist.barrier()  # every rank is done before the groups go away (gloo aborts a rank otherwise)
     dist.destroy_process_group()
 
 
