@@ -179,6 +179,11 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
       >>> float(linear_schedule(0.0, 1.0, transition_steps=10)(5))
       0.5
     """
+    name = "linear_schedule"  # checked here, so an error names this schedule and its own arguments
+    _value(init_value, arg="init_value", name=name)
+    _value(end_value, arg="end_value", name=name)
+    _steps(transition_steps, arg="transition_steps", name=name)
+    _steps(transition_begin, arg="transition_begin", name=name)
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 
@@ -530,6 +535,10 @@ def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps:
       >>> float(warmup_constant_schedule(0.0, 1.0, warmup_steps=10)(20))
       1.0
     """
+    name = "warmup_constant_schedule"  # checked here, so an error names this schedule and its own arguments
+    _value(init_value, arg="init_value", name=name)
+    _value(peak_value, arg="peak_value", name=name)
+    _steps(warmup_steps, arg="warmup_steps", name=name)
     return linear_schedule(init_value, peak_value, warmup_steps)
 
 

@@ -313,3 +313,60 @@ def test_complex_clip_matches_torch(norm_type):
     finite_tx = gtx.apply_if_finite(gtx.identity(), 1)
     _, fstate = finite_tx.update(grads, finite_tx.init(grads))
     assert not bool(fstate.skipped)
+
+
+# --- the factories added with schedules, hyperparameters and spike handling --------------------------
+
+MORE_FACTORIES = {
+    "constant_schedule": (gtx.constant_schedule, {"value": 0.1}),
+    "linear_schedule": (
+        gtx.linear_schedule,
+        {"init_value": 1.0, "end_value": 0.1, "transition_steps": 10, "transition_begin": 0},
+    ),
+    "cosine_decay_schedule": (gtx.cosine_decay_schedule, {"init_value": 1.0, "decay_steps": 10, "alpha": 0.0}),
+    "exponential_decay": (gtx.exponential_decay, {"init_value": 1.0, "transition_steps": 10, "decay_rate": 0.5}),
+    "polynomial_schedule": (
+        gtx.polynomial_schedule,
+        {"init_value": 1.0, "end_value": 0.1, "power": 2.0, "transition_steps": 10},
+    ),
+    "warmup_cosine_decay_schedule": (
+        gtx.warmup_cosine_decay_schedule,
+        {"init_value": 0.0, "peak_value": 1.0, "warmup_steps": 2, "decay_steps": 10},
+    ),
+    "warmup_constant_schedule": (
+        gtx.warmup_constant_schedule,
+        {"init_value": 0.0, "peak_value": 1.0, "warmup_steps": 2},
+    ),
+    "cosine_onecycle_schedule": (gtx.cosine_onecycle_schedule, {"transition_steps": 10, "peak_value": 1.0}),
+    "zclip": (gtx.zclip, {"alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 5}),
+    "autoclip": (gtx.autoclip, {"percentile": 10.0, "history": 100}),
+    "skip_spikes": (
+        lambda **kw: gtx.skip_spikes(gtx.identity(), **kw),
+        {"z_thresh": 6.0, "alpha": 0.98, "warmup_steps": 5},
+    ),
+    "clip_by_block_rms": (gtx.clip_by_block_rms, {"threshold": 1.0}),
+    "inject_hyperparams": (
+        lambda **kw: gtx.inject_hyperparams(gtx.sgd)(**kw).init({"w": torch.zeros(2)}),
+        {"learning_rate": 0.1, "momentum": 0.9},
+    ),
+}
+
+# Wrong for any numeric argument, whatever its range.
+BAD_FOR_ANY = [float("nan"), "0.1", None, [0.1], True]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(MORE_FACTORIES)), data=st.data(), bad=st.sampled_from(BAD_FOR_ANY))
+def test_every_newer_factory_names_a_bad_argument(name, data, bad):
+    build, valid = MORE_FACTORIES[name]
+    arg = data.draw(st.sampled_from(sorted(valid)))
+    # inject_hyperparams hands the values to the factory it wraps, which names them.
+    who = {"inject_hyperparams": "sgd"}.get(name, name)
+    with pytest.raises((TypeError, ValueError), match=f"{who}.*{arg}"):
+        build(**{**valid, arg: bad})
+
+
+@pytest.mark.parametrize("name", sorted(MORE_FACTORIES))
+def test_every_newer_factory_builds_with_valid_arguments(name):
+    build, valid = MORE_FACTORIES[name]
+    build(**valid)
