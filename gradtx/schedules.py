@@ -570,6 +570,7 @@ def warmup_cosine_decay_schedule(
       >>> lr = warmup_cosine_decay_schedule(0.0, 3e-4, warmup_steps=100, decay_steps=10_000, end_value=3e-5)
     """
     name = "warmup_cosine_decay_schedule"
+    init_value = _value(init_value, arg="init_value", name=name)
     peak_value = _value(peak_value, arg="peak_value", name=name)
     end_value = _value(end_value, arg="end_value", name=name)
     warmup_steps = _steps(warmup_steps, arg="warmup_steps", name=name)

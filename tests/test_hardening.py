@@ -14,7 +14,7 @@ import math
 import optree
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import gradtx as gtx
@@ -45,7 +45,7 @@ FACTORIES = {
 BAD_VALUES = [float("nan"), "0.1", None, [0.1], True, -1.0, -(10**9), float("-inf")]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(
     name=st.sampled_from(sorted(FACTORIES)),
     data=st.data(),
@@ -232,7 +232,7 @@ def test_low_precision_agc_clips_a_zero_weight_to_the_eps_floor(dtype):
     torch.testing.assert_close(unit_norms, torch.full((4,), 1e-5), rtol=1e-2, atol=0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=40, deadline=None, derandomize=True)
 @given(
     scale_w=st.floats(1e-3, 1e3),
     scale_g=st.floats(1e-3, 1e3),
@@ -253,7 +253,7 @@ def test_agc_never_overshoots_its_bound_beyond_rounding(scale_w, scale_g, dtype)
 # --- every transform, every float dtype: the fp64 reference or a clear error ------------------------
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, derandomize=True)
 @given(
     name=st.sampled_from(sorted(TRANSFORMS)),
     dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
@@ -355,11 +355,12 @@ MORE_FACTORIES = {
 BAD_FOR_ANY = [float("nan"), "0.1", None, [0.1], True]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(name=st.sampled_from(sorted(MORE_FACTORIES)), data=st.data(), bad=st.sampled_from(BAD_FOR_ANY))
 def test_every_newer_factory_names_a_bad_argument(name, data, bad):
     build, valid = MORE_FACTORIES[name]
     arg = data.draw(st.sampled_from(sorted(valid)))
+    assume(not (bad is None and (name, arg) == ("autoclip", "history")))  # None: an unbounded history
     # inject_hyperparams hands the values to the factory it wraps, which names them.
     who = {"inject_hyperparams": "sgd"}.get(name, name)
     with pytest.raises((TypeError, ValueError), match=f"{who}.*{arg}"):
