@@ -257,6 +257,35 @@ def _bias_correction(beta: Scalar, t: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(t * log_beta)
 
 
+# Below this many elements one foreach launch over the group beats a Python loop of ``out=`` calls.
+_LOOP_MIN_NUMEL = 1 << 16
+
+
+def _adam_direction_into(
+    u: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], scale: torch.Tensor, shift: torch.Tensor
+) -> None:
+    """Write ``m / (sqrt(v) * scale + shift)`` into ``u``, which aliases neither ``m`` nor ``v``.
+
+    Large tensors take three passes (``sqrt`` and ``div`` with ``out=``, and one
+    affine pass); small ones go through foreach ops, one launch per op for all
+    of them.
+    """
+    large = [k for k, x in enumerate(u) if x.numel() >= _LOOP_MIN_NUMEL]
+    small = [k for k, x in enumerate(u) if x.numel() < _LOOP_MIN_NUMEL]
+    for k in large:
+        torch.sqrt(v[k], out=u[k])
+    if small:
+        torch._foreach_copy_([u[k] for k in small], [v[k] for k in small])
+        torch._foreach_sqrt_([u[k] for k in small])
+    torch._foreach_mul_(u, scale)
+    torch._foreach_add_(u, shift)
+    for k in large:
+        torch.div(m[k], u[k], out=u[k])
+    if small:
+        torch._foreach_reciprocal_([u[k] for k in small])
+        torch._foreach_mul_([u[k] for k in small], [m[k] for k in small])
+
+
 def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moment estimates.
 
@@ -332,17 +361,12 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
                 v = torch._foreach_mul(nus, b2)
                 torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
             # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
-            # u = m * 1 / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
+            # u = m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
             if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
                 u = g  # the donated update buffers, read for the last time above: the result goes there
-                torch._foreach_copy_(u, v)
-                torch._foreach_sqrt_(u)
             else:
-                u = torch._foreach_sqrt(v)
-            torch._foreach_mul_(u, bc1 / bc2_sqrt)
-            torch._foreach_add_(u, bc1 * _as(eps, bc1))
-            torch._foreach_reciprocal_(u)
-            torch._foreach_mul_(u, m)
+                u = [torch.empty_like(x) for x in v]
+            _adam_direction_into(u, m, v, bc1 / bc2_sqrt, bc1 * _as(eps, bc1))
             back = torch.view_as_complex if dtype.is_complex else _same
             for k, j in enumerate(idx):
                 i = index[j]
