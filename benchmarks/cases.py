@@ -49,6 +49,7 @@ GTX_WRAPPER = "gradtx TransformedOptimizer(AdamW(fused), chain(clip))"
 GTX_PURE = "gradtx functional, pure: update + apply_updates"
 GTX_DONATED = "gradtx functional, donated: update_and_apply(donate=True)"
 GTX_COMPILED = "gradtx functional, pure, torch.compile(fullgraph=True)"
+GTX_COMPILED_DONATED = "gradtx functional, donated, torch.compile(fullgraph=True)"
 TORCHOPT_PURE = "torchopt chain(clip_grad_norm, adamw), pure"
 TORCHOPT_INPLACE = "torchopt chain(clip_grad_norm, adamw), in place"
 OPTAX_JIT = "optax chain(clip_by_global_norm, adamw), jit + donation"
@@ -248,36 +249,40 @@ def optax_clip_contender(jo: tuple[Any, Any], grads: dict[str, torch.Tensor]) ->
 # --- b, c, e: a full step -----------------------------------------------------------------------
 
 
-OURS = (TORCH_FUSED, TORCH_FOREACH, GTX_WRAPPER, GTX_PURE, GTX_DONATED, GTX_COMPILED)
+OURS = (TORCH_FUSED, TORCH_FOREACH, GTX_WRAPPER, GTX_PURE, GTX_DONATED, GTX_COMPILED, GTX_COMPILED_DONATED)
 PEERS = (TORCH_FUSED, GTX_DONATED, GTX_COMPILED, TORCHOPT_PURE, TORCHOPT_INPLACE, OPTAX_JIT)
-FUNCTIONAL = (GTX_DONATED, GTX_COMPILED, GTX_PURE)
+FUNCTIONAL = (GTX_DONATED, GTX_COMPILED, GTX_COMPILED_DONATED, GTX_PURE)
 
 
-def compiled_step(ctx: Context, params: Any, state: Any, grads: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-    """The compiled pure functional step, compiled once per run and reused (same tx, same shapes: no recompile)."""
-    cached = ctx.info.get("compiled")
+def compiled_step(
+    ctx: Context, params: Any, state: Any, grads: Any, *, donate: bool = False
+) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """The compiled functional step (pure, or donated), compiled once per run and reused (no recompile)."""
+    key = "compiled-donated" if donate else "compiled"
+    cached = ctx.info.get(key)
     if cached is not None:
         return cached["step"]
-    from torch._dynamo.utils import counters  # only the compiled contender needs dynamo
+    from torch._dynamo.utils import counters  # only the compiled contenders need dynamo
 
     tx = ctx.info["tx"]
 
-    def pure_step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
-        return gtx.update_and_apply(tx, g, s, p)
+    def functional_step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
+        return gtx.update_and_apply(tx, g, s, p, donate=donate)
 
-    torch.compiler.reset()
-    counters.clear()
-    step = torch.compile(pure_step, fullgraph=True)
-    ctx.log("    compiling the functional step (torch.compile, fullgraph=True) ...")
+    if "compiled" not in ctx.info and "compiled-donated" not in ctx.info:
+        torch.compiler.reset()  # once: a reset would make the other compiled step recompile
+    breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    step = torch.compile(functional_step, fullgraph=True)
+    ctx.log(f"    compiling the functional step (torch.compile, fullgraph=True, donate={donate}) ...")
     t0 = time.perf_counter()
     step(params, state, grads)
     ctx.sync()
-    ctx.info["compiled"] = {
+    ctx.info[key] = {
         "step": step,
         "compile_seconds": time.perf_counter() - t0,
-        "graph_breaks": sum(counters["graph_break"].values()),
+        "graph_breaks": sum(counters["graph_break"].values()) - breaks,
         # Graphs dynamo produced: 1 means the whole step is one graph.
-        "unique_graphs": counters["stats"]["unique_graphs"],
+        "unique_graphs": counters["stats"]["unique_graphs"] - graphs,
     }
     return step
 
@@ -339,6 +344,23 @@ def step_contenders(
                 box["params"], box["state"] = step(box["params"], box["state"], grads)
 
             contenders.append(Contender(row, gtx_compiled, "inductor fuses the chain and apply_updates"))
+        elif row == GTX_COMPILED_DONATED:
+            if "e" not in ctx.cases:
+                skipped.append(Skipped(row, "case e not selected"))
+                continue
+            # Its own params and moments: it writes them in place, and the other contenders' must not move.
+            own = {k: v.clone() for k, v in params.items()}
+            donated = {"state": tx.init(own)}
+            dstep = compiled_step(ctx, own, donated["state"], grads, donate=True)
+
+            def gtx_compiled_donated(
+                box: dict[str, Any] = donated, step: Callable[..., Any] = dstep, own: Any = own
+            ) -> None:
+                _, box["state"] = step(own, box["state"], grads)
+
+            contenders.append(
+                Contender(row, gtx_compiled_donated, "the same inductor kernels, storing into the donated buffers")
+            )
         elif row in (TORCHOPT_PURE, TORCHOPT_INPLACE):
             topt, why = ctx.torchopt()
             if topt is None:
@@ -566,7 +588,11 @@ def case_c(ctx: Context) -> CaseResult:
     """The same step on ~2000 tensors of 1-4K elements: the per-tensor (Python and launch) overhead regime."""
     shapes = small_shapes(count=200 if ctx.quick else 2000)
     ctx.log(f"  case c: {describe(shapes)}")
-    rows = [r for r in OURS if r != GTX_COMPILED] + [TORCHOPT_PURE, TORCHOPT_INPLACE, OPTAX_JIT]
+    rows = [r for r in OURS if r not in (GTX_COMPILED, GTX_COMPILED_DONATED)] + [
+        TORCHOPT_PURE,
+        TORCHOPT_INPLACE,
+        OPTAX_JIT,
+    ]
     # A step here takes milliseconds, so more rounds cost little and steady the medians.
     result = _step_case(
         ctx,
@@ -589,7 +615,7 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
     if b is None or "compile_seconds" not in info:
         result.notes.append("not run (case b was not run with case e selected)")
         return result
-    for name in (GTX_COMPILED, GTX_PURE, GTX_DONATED, TORCH_FUSED):
+    for name in (GTX_COMPILED, GTX_COMPILED_DONATED, GTX_PURE, GTX_DONATED, TORCH_FUSED):
         t = b.timing(name)
         if t is not None:
             result.timings.append(t)
@@ -598,6 +624,8 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
         (f"{GTX_COMPILED} / torch fused", GTX_COMPILED, TORCH_FUSED),
         (f"{GTX_COMPILED} / eager pure", GTX_COMPILED, GTX_PURE),
         (f"{GTX_COMPILED} / donated", GTX_COMPILED, GTX_DONATED),
+        (f"{GTX_COMPILED_DONATED} / torch fused", GTX_COMPILED_DONATED, TORCH_FUSED),
+        (f"{GTX_COMPILED} / {GTX_COMPILED_DONATED}", GTX_COMPILED, GTX_COMPILED_DONATED),
     ]
     result.notes.append(
         f"step = `update_and_apply(chain(clip_by_global_norm, adamw), grads, state, params)` (pure) over a params dict, "
@@ -605,6 +633,15 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
         f"compile time {info['compile_seconds']:.1f} s (inductor's on-disk cache makes later runs faster). "
         "The timings are the case-b rows, measured side by side in that run."
     )
+    donated = ctx.info.get("compiled-donated")
+    if donated is not None:
+        result.notes.append(
+            f"The donated row compiles `update_and_apply(..., donate=True)` the same way (graph breaks "
+            f"{donated['graph_breaks']}, graphs {donated['unique_graphs']}): the same arithmetic, with each result "
+            "stored into the donated params and moments instead of a new buffer. The pure row's extra time over "
+            "it is what the new buffers cost: on CPU their pages fault in on first touch, and each store to a "
+            "line not in cache reads it first."
+        )
     return result
 
 

@@ -92,11 +92,12 @@ MISSED_NOTES = {
     ),
     "d-memory": "The wrapper keeps no gradient-sized buffer of its own (autograd's .grad is the accumulator).",
     "e": (
-        "With no graph break, the miss is time: the compiled step is still pure, so it writes new "
-        "moments and new params every step (fresh buffers that fault in on CPU), where torch's fused "
-        "AdamW updates them in place; inductor's CPU loops for the step do not reach torch's fused "
-        "kernel. Where speed matters, use the donated step (`update_and_apply(..., donate=True)`), "
-        "which is below the torch baseline."
+        "With no graph break, the miss is time, and the time is the new buffers a pure step must return: "
+        "the donated compiled row runs the same inductor kernels storing into the donated params and "
+        "moments (see case e). On CPU every fresh gradient-sized buffer faults its pages in on first "
+        "touch and each store to an uncached line reads it first; on a GPU the caching allocator reuses "
+        "last step's blocks. Where speed matters, compile or run the donated step "
+        "(`update_and_apply(..., donate=True)`)."
     ),
 }
 
@@ -168,7 +169,8 @@ API_NOTES = """\
 * **The compiled functional step**: `torch.compile(step, fullgraph=True)` of
   `update_and_apply(chain(clip_by_global_norm, adamw), grads, state, params)` traces with no
   graph break (optree's flatten and unflatten are understood by dynamo), and inductor fuses the
-  norm, Adam and `apply_updates` into a few loops: a pure step at close to the memory floor.
+  norm, Adam and `apply_updates` into two loops over memory. Compiled with `donate=True`, the
+  same loops store into the donated params and moments, which removes the new buffers' cost.
 * **The pure eager path** (`update` + `apply_updates`, no donation) allocates new moments, updates
   and params every step. On this machine a fresh gradient-sized buffer costs far more than a
   pass over memory (first-touch page faults in the VM), which is why the pure rows of every

@@ -67,8 +67,8 @@ def targets(results: dict[str, CaseResult], compiled: dict[str, Any]) -> list[Ta
         return None if res is None or num is None else res.ratio(num, den)
 
     best = None
-    if b is not None:
-        functional = [n for n in cases.FUNCTIONAL if b.timing(n) is not None]
+    if b is not None and bp is not None:  # the best of the functional paths the peers run also timed
+        functional = [n for n in cases.FUNCTIONAL if b.timing(n) is not None and bp.timing(n) is not None]
         best = min(functional, key=lambda n: b.timing(n).median) if functional else None  # type: ignore[union-attr]
     path = f" ({best.split(': ', 1)[-1]})" if best else ""
     mem = None

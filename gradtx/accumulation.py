@@ -415,4 +415,10 @@ def accumulate(
         acc = window.reduce(acc, inplace=True)  # acc is ours
         return tu.unflatten(spec, acc), stepped.factor, stepped.state
 
+    # Whether the window emits is decided on the host: traced, that is a graph break inside the window's
+    # bookkeeping, and dynamo (torch 2.13) then hands optree specs built by its polyfill to eager code,
+    # which fails. The window runs eagerly instead, as one break; the rest of a compiled step is traced.
+    reason = "gradtx.accumulate decides on the host whether its window emits (data-dependent control flow)"
+    update_fn = torch.compiler.disable(update_fn, reason=reason)
+    sum_window = torch.compiler.disable(sum_window, reason=reason)
     return Accumulation(init_fn, update_fn, window, sum_window)

@@ -399,6 +399,42 @@ def _add_in_place(params: Params, updates: Updates, factor: torch.Tensor | None)
         torch._foreach_add_(ps, us)
 
 
+def _store_into(donated: Any, result: Any) -> Any:
+    """``result``, with each tensor leaf copied into the donated tensor at its place where one fits.
+
+    The trees are matched from the root down: where their structures differ (an accumulation window
+    that closed, say) tuples are matched field by field, and anything else keeps ``result``'s own
+    leaves. A leaf fits when the two tensors have the same shape, dtype and device. A donated tensor
+    that ``result`` still holds (anywhere) is never written, so no leaf of ``result`` changes value.
+    """
+    held = {id(leaf) for leaf in tu.flatten(result)[0]}
+
+    def store(d: Any, r: Any) -> Any:
+        d_leaves, d_spec = tu.flatten(d)
+        r_leaves, r_spec = tu.flatten(r)
+        if d_spec == r_spec:
+            return tu.unflatten(r_spec, [_store_leaf(a, b, held) for a, b in zip(d_leaves, r_leaves)])
+        if isinstance(d, tuple) and type(d) is type(r) and len(d) == len(r):
+            parts = [store(a, b) for a, b in zip(d, r)]
+            return r._make(parts) if hasattr(r, "_make") else type(r)(parts)
+        return r
+
+    return store(donated, result)
+
+
+def _store_leaf(d: Any, r: Any, held: set[int]) -> Any:
+    if (
+        isinstance(d, torch.Tensor)
+        and isinstance(r, torch.Tensor)
+        and r is not d
+        and id(d) not in held
+        and (d.shape, d.dtype, d.device) == (r.shape, r.dtype, r.device)
+    ):
+        d.copy_(r)
+        return d
+    return r
+
+
 def update_and_apply(
     tx: GradientTransformation,
     grads: Updates,
@@ -432,6 +468,11 @@ def update_and_apply(
     * otherwise the updates are computed in the donated buffers and added to
       the params in place, with the trailing scalar factors folded into one multiply.
 
+    Under ``torch.compile`` the donated step is the pure step's arithmetic,
+    stored into the donated params and state: inductor writes each result
+    straight into its buffer, so nothing gradient-sized is allocated, and it
+    compiles with ``fullgraph=True`` (torch's fused kernels are not traced).
+
     The numbers equal the pure path's to fp32 rounding. The grads' values
     after a donated step are unspecified.
 
@@ -463,6 +504,14 @@ def update_and_apply(
         return apply_updates(params, updates), new_state
     if "inplace" in extra:
         raise TypeError("update_and_apply: inplace is set by donate=True; do not pass it")
+
+    if torch.compiler.is_compiling():
+        # Traced, the donated step is the pure step stored into the donated buffers: inductor writes each
+        # result straight into its buffer (no fresh allocation), and torch's fused kernels, which aot
+        # autograd cannot functionalize, are never traced.
+        updates, new_state = tx.update(grads, state, params, **extra)
+        with torch.no_grad():
+            return _store_into((params, state), (apply_updates(params, updates), new_state))
 
     plan = StepPlan.of(tx)
     # A donated step writes its inputs, so it is not differentiable; no_grad also lets it write

@@ -284,6 +284,76 @@ def test_compiled_step_equals_eager_step_with_no_graph_break():
     assert_trees_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_accumulation_step_equals_eager():
+    """accumulate decides on the host whether to emit: compiled without fullgraph, it runs eagerly and is right."""
+    tx = gtx.chain(gtx.accumulate(3), gtx.clip_by_global_norm(0.5), gtx.adamw(1e-2))
+
+    def step(params, state, grads):
+        return gtx.update_and_apply(tx, grads, state, params)
+
+    torch.compiler.reset()
+    compiled = torch.compile(step)
+    eager_params = compiled_params = {"w": torch.randn(8, 4), "b": torch.randn(4)}
+    eager_state = compiled_state = tx.init(eager_params)
+    for seed in range(7):
+        g = torch.Generator().manual_seed(seed)
+        grads = {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}
+        eager_params, eager_state = step(eager_params, eager_state, grads)
+        compiled_params, compiled_state = compiled(compiled_params, compiled_state, grads)
+    assert_trees_close(compiled_params, eager_params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make_tx",
+    [
+        lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.adamw(1e-2, weight_decay=0.1)),  # fused terminal eagerly
+        lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(0.9), gtx.scale(-0.1)),  # member by member
+        # Whether the window emits is data-dependent control flow: dynamo breaks the graph there.
+        lambda: gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(0.5), gtx.sgd(0.1, momentum=0.9)),
+    ],
+    ids=["adamw", "trace", "accumulate"],
+)
+def test_compiled_donated_step_equals_pure_step_and_writes_the_donated_buffers(make_tx, request):
+    """A user compiling the donated step: the pure numbers, the results in the donated storage, no graph break."""
+    from torch._dynamo.utils import counters
+
+    tx = make_tx()
+    fullgraph = "accumulate" not in request.node.callspec.id
+
+    def step(params, state, grads):
+        return gtx.update_and_apply(tx, grads, state, params, donate=True)
+
+    torch.compiler.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=fullgraph)
+    pure_params = {"w": torch.randn(8, 4), "b": torch.randn(4)}
+    pure_state = tx.init(pure_params)
+    compiled_params = _clone(pure_params)
+    compiled_state = tx.init(compiled_params)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        grads = {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}
+        pure_params, pure_state = gtx.update_and_apply(tx, grads, pure_state, pure_params)
+        donated = compiled_params
+        storage = {k: v.data_ptr() for k, v in donated.items()}
+        compiled_params, compiled_state = compiled(compiled_params, compiled_state, _clone(grads))
+        assert {k: v.data_ptr() for k, v in compiled_params.items()} == storage
+        assert_trees_close(donated, pure_params, rtol=1e-5, atol=1e-6)  # the donated buffers hold the step
+    assert sum(counters["graph_break"].values()) == 0 or not fullgraph
+    assert_trees_close(compiled_params, pure_params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(compiled_state, pure_state, rtol=1e-5, atol=1e-6)
+
+
+def test_store_into_never_writes_a_buffer_the_result_still_holds():
+    donated = {"a": torch.zeros(3), "b": torch.ones(3)}
+    result = {"a": donated["b"], "b": torch.full((3,), 2.0)}  # the new "a" is the old "b" itself
+    out = executor._store_into(donated, result)
+    assert out["a"] is donated["a"] and torch.equal(out["a"], torch.ones(3))  # stored into the free buffer
+    assert out["b"] is result["b"] and torch.equal(donated["b"], torch.ones(3))  # the held one is untouched
+    assert torch.equal(executor._store_into({"a": torch.zeros(2)}, {"a": torch.ones(3)})["a"], torch.ones(3))
+
+
 # --- no host syncs -----------------------------------------------------------------------------
 
 
