@@ -18,7 +18,7 @@ import torch
 
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import GradientTransformation, Params, PyTree, export_metrics
+from gradtx.base import GradientTransformation, Params, PyTree, export_metrics, factory
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
@@ -254,6 +254,7 @@ class Accumulation(GradientTransformation):
         return (self.init, self.update, self.window, self.sum_window)
 
 
+@factory
 def accumulate(
     k: int,
     *,

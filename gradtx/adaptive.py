@@ -30,6 +30,7 @@ from gradtx.base import (
     ScalarTransformation,
     Updates,
     export_metrics,
+    factory,
     scalar_transformation,
 )
 
@@ -80,6 +81,7 @@ class ZClipState(NamedTuple):
     clip_coef: torch.Tensor
 
 
+@factory
 def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
@@ -274,6 +276,7 @@ class AutoClipState(NamedTuple):
     clip_coef: torch.Tensor
 
 
+@factory
 def autoclip(
     percentile: float = 10.0, history: int | None = None, *, norm_type: float = 2.0, mesh_groups: Any = None
 ) -> ScalarTransformation:
@@ -360,6 +363,7 @@ def autoclip(
 # --- clip_by_block_rms ---------------------------------------------------------------------
 
 
+@factory
 def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientTransformation:
     """Scale each update tensor so that its root-mean-square is at most ``threshold``.
 
@@ -420,6 +424,7 @@ def _dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(k) for k in path) if path else "<root>"
 
 
+@factory
 def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: Any = None) -> GradientTransformation:
     """Record the L2 norm of each update tensor, or of each group of them, for logging; updates pass unchanged.
 

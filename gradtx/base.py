@@ -33,6 +33,7 @@ that does not say anything about itself is simply run.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, Self, TypeVar
 
@@ -57,17 +58,112 @@ class UpdateFn(Protocol):
     ) -> tuple[Updates | None, OptState]: ...
 
 
-class GradientTransformation(NamedTuple):
-    """A pure gradient transformation: ``init(params)`` and ``update(updates, state, params, **extra)``."""
-
+class _TransformationFields(NamedTuple):
     init: InitFn
     update: UpdateFn
+
+
+class GradientTransformation(_TransformationFields):
+    """A pure gradient transformation: ``init(params)`` and ``update(updates, state, params, **extra)``.
+
+    What gradtx's factories return pickles, and copies, as the call that built
+    it (``adamw(3e-4)``), since its functions are closures; see :func:`factory`.
+    One built directly from two module-level functions pickles them by name.
+    """
+
+    # No __slots__: an instance has a __dict__, where a factory leaves the call that built it.
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        recipe = self.__dict__.get(_RECIPE)
+        if recipe is None:
+            return super().__reduce_ex__(protocol)
+        return (_rebuild, recipe)
+
+
+_RECIPE = "_gradtx_recipe"
+_Factory = TypeVar("_Factory", bound=Callable[..., Any])
+
+
+def _rebuild(build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return build(*args, **kwargs)
+
+
+class BuiltSchedule:
+    """A schedule a gradtx factory built: call it with the count; it pickles as the call that built it."""
+
+    def __init__(self, fn: Callable[[Any], torch.Tensor], recipe: tuple[Any, tuple[Any, ...], dict[str, Any]]):
+        self.fn = fn
+        self.recipe = recipe
+
+    def __call__(self, count: Any) -> torch.Tensor:
+        return self.fn(count)
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, self.recipe)
+
+    def __repr__(self) -> str:
+        build, args, kwargs = self.recipe
+        shown = [repr(a) for a in args] + [f"{k}={v!r}" for k, v in kwargs.items()]
+        return f"{build.__name__}({', '.join(shown)})"
+
+
+def factory(fn: _Factory) -> _Factory:
+    """Decorator for a factory of transforms or schedules: what it builds pickles as the call that built it.
+
+    A transform's ``init`` and ``update`` (and a schedule) are closures, which
+    pickle cannot store. The factory's result remembers the call instead, and
+    pickling (or ``copy.deepcopy``) stores that call and makes it again: the
+    arguments must pickle (numbers, tensors, other transforms and schedules,
+    module-level functions). A transform returned as it was passed in keeps its
+    own way of pickling. Every public gradtx factory is decorated; decorate
+    your own factory to make what it returns picklable too.
+
+    Example:
+      >>> @factory
+      ... def halve():
+      ...     return scale(0.5)
+      >>> tx = pickle.loads(pickle.dumps(halve()))
+    """
+
+    @functools.wraps(fn)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        return remember(fn(*args, **kwargs), build, args, kwargs)
+
+    return build  # type: ignore[return-value]
+
+
+def remember(out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``out``, made to pickle as ``build(*args, **kwargs)``: see :func:`factory`."""
+    if torch.compiler.is_compiling():  # nothing traced is pickled; tracing leaves the result alone
+        return out
+    if _passed_in(out, args, kwargs):
+        return out
+    if isinstance(out, GradientTransformation):
+        out.__dict__[_RECIPE] = (build, args, kwargs)  # the outermost call wins: the one the user wrote
+        return out
+    if isinstance(out, BuiltSchedule):
+        return BuiltSchedule(out.fn, (build, args, kwargs))
+    if callable(out) and not isinstance(out, torch.Tensor):
+        return BuiltSchedule(out, (build, args, kwargs))
+    return out
+
+
+def _passed_in(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    for value in (*args, *kwargs.values()):
+        if value is out:
+            return True
+        if isinstance(value, (list, tuple)) and any(v is out for v in value):
+            return True
+        if isinstance(value, dict) and any(v is out for v in value.values()):
+            return True
+    return False
 
 
 class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
 
+@factory
 def identity() -> GradientTransformation:
     """Return the updates unchanged.
 
@@ -121,6 +217,7 @@ class ScalarTransformation(GradientTransformation):
         return (self.init, self.update, self.factor)
 
 
+@factory
 def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformation:
     """Build a :class:`ScalarTransformation` from ``init`` and its ``factor`` function.
 

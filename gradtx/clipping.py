@@ -15,6 +15,7 @@ from gradtx.base import (
     Params,
     ScalarTransformation,
     export_metrics,
+    factory,
     scalar_transformation,
 )
 
@@ -36,6 +37,7 @@ def _leaves(updates: Any, *, name: str) -> tuple[list[torch.Tensor], Any]:
 # --- clip by value ---------------------------------------------------------------------
 
 
+@factory
 def clip(max_delta: float) -> GradientTransformation:
     """Clip every update element to ``[-max_delta, max_delta]``.
 
@@ -90,6 +92,7 @@ class ClipByGlobalNormState(NamedTuple):
     clip_coef: torch.Tensor
 
 
+@factory
 def clip_by_global_norm(
     max_norm: float | torch.Tensor, *, norm_type: float = 2.0, mesh_groups: Any | None = None
 ) -> ScalarTransformation:
@@ -193,6 +196,7 @@ def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
+@factory
 def adaptive_clip(
     clipping: float | torch.Tensor = 0.01, *, eps: float = 1e-3, unitwise: bool = True, mesh_groups: Any | None = None
 ) -> GradientTransformation:

@@ -10,7 +10,7 @@ import torch
 
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates
+from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
 
 
 class Chain(GradientTransformation):
@@ -89,6 +89,7 @@ def _run(
     return updates, new_states
 
 
+@factory
 def chain(*txs: GradientTransformation) -> GradientTransformation:
     """Apply transforms one after another; the state is a tuple of their states.
 
@@ -120,6 +121,7 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     return out
 
 
+@factory
 def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTransformation:
     """Like :func:`chain`, with the state a dict keyed by each member's name.
 
@@ -233,6 +235,7 @@ def _check_mask_leaves(flags: Sequence[Any], tree: PyTree, *, name: str) -> list
     return [bool(f) for f in flags]
 
 
+@factory
 def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
     """Apply ``inner`` only to the leaves where ``mask`` is True; the others pass through unchanged.
 
@@ -293,6 +296,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
     return GradientTransformation(init_fn, update_fn)
 
 
+@factory
 def partition(
     transforms: Mapping[Hashable, GradientTransformation],
     param_labels: PyTree | Callable[[Params], PyTree],

@@ -9,7 +9,7 @@ import torch
 from gradtx import norms, plan
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import GradientTransformation, Guard, OptState, Params, export_metrics
+from gradtx.base import GradientTransformation, Guard, OptState, Params, export_metrics, factory
 from gradtx.comm.base import Comm, GroupKey, check_comm
 
 
@@ -40,6 +40,7 @@ def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(norms.local_norm(leaves, float("inf")))
 
 
+@factory
 def apply_if_finite(
     inner: GradientTransformation,
     max_consecutive_errors: int,

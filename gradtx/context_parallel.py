@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from gradtx import tree as tu
-from gradtx.base import EmptyState, GradientTransformation, Params
+from gradtx.base import EmptyState, GradientTransformation, Params, factory
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 
@@ -40,6 +40,7 @@ def _resolve(group: Any, comm: Comm | None) -> tuple[Comm, GroupKey]:
     return comm, group
 
 
+@factory
 def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation:
     """Sum every grad over the context-parallel group, so each CP rank holds the grad of the whole sequence.
 

@@ -22,7 +22,7 @@ import torch
 
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.base import GradientTransformation, OptState, Params, export_metrics
+from gradtx.base import GradientTransformation, OptState, Params, export_metrics, remember
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -181,9 +181,15 @@ def inject_hyperparams(
             )
             return new_updates, InjectHyperparamsState(state.count + 1, hparams, inner_state)
 
-        return GradientTransformation(init_fn, update_fn)
+        options = (inner_factory, tuple(sorted(static)), hyperparam_dtype)
+        return remember(GradientTransformation(init_fn, update_fn), _injected, (options, args, kwargs), {})
 
     return wrapped
+
+
+def _injected(options: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> GradientTransformation:
+    """``inject_hyperparams(*options)(*args, **kwargs)``: how an injected transform pickles."""
+    return inject_hyperparams(*options)(*args, **kwargs)
 
 
 def _as_tensor(value: Any, dtype: torch.dtype | None, device: torch.device | None) -> torch.Tensor:

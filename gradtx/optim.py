@@ -243,17 +243,37 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
                 "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
             ) from None
-        # The chain around the user's transform and its plan are rebuilt on load (chain() makes closures).
-        return {k: v for k, v in self._plain_state().items() if k not in ("tx", "_plan")}
+        # The chain around the user's transform and its plan are rebuilt on load.
+        state = {k: v for k, v in self._plain_state().items() if k not in ("tx", "_plan")}
+        grads = self._window_grads("pickle")
+        if grads is not None:
+            state[_PICKLED_GRADS] = grads
+        return state
+
+    def _window_grads(self, what: str) -> list[torch.Tensor | None] | None:
+        """An open window's partial sums, the params' ``.grad``, which pickle and deepcopy leave out of a Parameter."""
+        if not self._plan.window_open(self.tx_state):
+            return None
+        flat = [p for group in self.param_tree() for p in group]
+        self._ckpt_check_sums_visible(flat, f"TransformedOptimizer {what}")
+        return [p.grad for p in flat]
+
+    def _put_window_grads(self, grads: list[torch.Tensor | None]) -> None:
+        for p, g in zip([p for group in self.param_tree() for p in group], grads):
+            if p.grad is None:
+                p.grad = g
 
     def _plain_state(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("grad_scale", "found_inf")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        grads = state.pop(_PICKLED_GRADS, None)
         self.__dict__.update(state)
         if "tx" not in state:
             self.tx = chain(self._user_tx)
             self._plan = StepPlan.of(self.tx)
+        if grads is not None:
+            self._put_window_grads(grads)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TransformedOptimizer:
         # An in-process copy shares the transform and its plan (pure functions); everything else is copied.
@@ -262,6 +282,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         for shared in (self.tx, self._plan, self._user_tx):
             memo[id(shared)] = shared
         new.__dict__.update(copy.deepcopy(self._plain_state(), memo))
+        grads = self._window_grads("deepcopy")
+        if grads is not None:
+            new._put_window_grads(copy.deepcopy(grads, memo))
         return new
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -802,6 +825,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """The open window's partial sums (the grads), or zeros at a boundary; refuses sums it cannot see."""
         if not self._plan.window_open(self.tx_state):
             return [torch.zeros_like(p) for p in flat]
+        self._ckpt_check_sums_visible(flat, "TransformedOptimizer.state_dict")
+        return [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in flat]
+
+    def _ckpt_check_sums_visible(self, flat: list[torch.Tensor], what: str) -> None:
+        """Refuse to save an open window whose partial sums are not in ``.grad``."""
         # GradScaler saw an inf in this window: the wrapper dropped the partial sum, the window will be skipped.
         dropped = self._live.amp_inf is not None and bool(self._live.amp_inf)
         hidden = not getattr(self, "_ckpt_synced", True) or (
@@ -811,13 +839,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
             window_state, window = self._plan.window_state(self.tx_state), self._plan.window
             assert window_state is not None and window is not None  # the window is open
             raise ValueError(
-                f"TransformedOptimizer.state_dict: an accumulation window is open (micro-step "
+                f"{what}: an accumulation window is open (micro-step "
                 f"{int(window_state.micro_step)} of {window.k}) and its partial sums are not in .grad: they sit inside DDP/FSDP2, which skipped "
                 "the gradient sync (maybe_no_sync), so a checkpoint now would lose them. Save at a window boundary "
                 "(when step() returned True, opt.window_open is False), or end the window early: run its next "
                 "micro-step inside opt.maybe_no_sync(model, flush=True) and call opt.step(flush=True)"
             )
-        return [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in flat]
 
     def _ckpt_flattened_entries(self, flat: list[torch.Tensor]) -> list[Any] | None:
         """The transform's entries from the flattened dict torch's ``set_optimizer_state_dict`` is loading, if any.
@@ -873,6 +900,7 @@ def _same_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype  # the wrapper's partial sums are autograd's .grad, in the params' dtype
 
 
+_PICKLED_GRADS = "_pickled_window_grads"  # an open window's .grad, which pickle leaves out of a Parameter
 _GTX = "gradtx"  # issue 9: the transform's entry in each param's state
 _GLOBAL = "global"
 _AMP = "amp"

@@ -36,6 +36,7 @@ from gradtx.base import (
     PyTree,
     ScalarTransformation,
     Schedule,
+    factory,
     scalar_transformation,
 )
 from gradtx.combine import Chain, chain, masked
@@ -125,6 +126,7 @@ def _to_factor(value: Any, sign: float) -> torch.Tensor:
 # --- scale ---------------------------------------------------------------------------------
 
 
+@factory
 def scale(step_size: Scalar) -> ScalarTransformation:
     """Multiply every update by the scalar ``step_size``.
 
@@ -167,6 +169,7 @@ class ScaleByScheduleState(NamedTuple):
     count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
 
 
+@factory
 def scale_by_schedule(step_size_fn: Schedule) -> ScalarTransformation:
     """Multiply every update by ``step_size_fn(count)``, where ``count`` is the number of earlier updates.
 
@@ -206,6 +209,7 @@ def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> Sca
     return scalar_transformation(init_fn, factor_fn)
 
 
+@factory
 def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool = True) -> ScalarTransformation:
     """Multiply every update by ``-learning_rate`` (a constant or a schedule of the step count).
 
@@ -286,6 +290,7 @@ def _adam_direction_into(
         torch._foreach_mul_([u[k] for k in small], [m[k] for k in small])
 
 
+@factory
 def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moment estimates.
 
@@ -382,6 +387,7 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
 # --- weight decay --------------------------------------------------------------------------
 
 
+@factory
 def add_decayed_weights(
     weight_decay: Scalar = 0.0, mask: PyTree | Callable[[Params], PyTree] | None = None
 ) -> GradientTransformation:
@@ -456,6 +462,7 @@ class TraceState(NamedTuple):
     trace: PyTree
 
 
+@factory
 def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
     """Heavy-ball momentum: ``trace = decay * trace + g``; the update is ``trace`` (or ``g + decay * trace``).
 
@@ -526,6 +533,7 @@ def _is_zero(value: Scalar) -> bool:
     return not isinstance(value, torch.Tensor) and value == 0.0
 
 
+@factory
 def sgd(
     learning_rate: ScalarOrSchedule, momentum: Scalar = 0.0, nesterov: bool = False, weight_decay: Scalar = 0.0
 ) -> OptimizerChain:
@@ -574,6 +582,7 @@ def sgd(
     )
 
 
+@factory
 def adam(
     learning_rate: ScalarOrSchedule,
     b1: Scalar = 0.9,
@@ -617,6 +626,7 @@ def adam(
     return _alias(txs, OptimizerSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=len(txs) - 2))
 
 
+@factory
 def adamw(
     learning_rate: ScalarOrSchedule,
     b1: Scalar = 0.9,

@@ -12,11 +12,12 @@ stages' contributions and count the tied weight once.
 from __future__ import annotations
 
 from gradtx import tree as tu
-from gradtx.base import EmptyState, GradientTransformation, Params
+from gradtx.base import EmptyState, GradientTransformation, Params, factory
 from gradtx.comm.base import ReduceOp
 from gradtx.plan import MeshGroups
 
 
+@factory
 def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     """Sum the grads of tied weights over the stages that hold a copy, so a chain is correct under pipelining.
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from gradtx import validate as check
+from gradtx.base import factory
 
 Schedule = Callable[[Any], torch.Tensor]
 
@@ -91,6 +92,7 @@ def _as_value(value: Any, like: torch.Tensor) -> torch.Tensor:
 # --- schedules ---------------------------------------------------------------------------
 
 
+@factory
 def constant_schedule(value: float) -> Schedule:
     """A schedule that always returns ``value``.
 
@@ -115,6 +117,7 @@ def constant_schedule(value: float) -> Schedule:
     return schedule
 
 
+@factory
 def polynomial_schedule(
     init_value: float, end_value: float, power: float, transition_steps: int, transition_begin: int = 0
 ) -> Schedule:
@@ -160,6 +163,7 @@ def polynomial_schedule(
     return schedule
 
 
+@factory
 def linear_schedule(init_value: float, end_value: float, transition_steps: int, transition_begin: int = 0) -> Schedule:
     """A linear transition from ``init_value`` to ``end_value``: :func:`polynomial_schedule` with ``power=1``.
 
@@ -187,6 +191,7 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 
+@factory
 def piecewise_constant_schedule(
     init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
 ) -> Schedule:
@@ -226,6 +231,7 @@ def piecewise_constant_schedule(
     return schedule
 
 
+@factory
 def exponential_decay(
     init_value: float,
     transition_steps: int,
@@ -279,6 +285,7 @@ def exponential_decay(
     return schedule
 
 
+@factory
 def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.0, exponent: float = 1.0) -> Schedule:
     r"""Cosine decay from ``init_value`` to ``alpha * init_value`` over ``decay_steps``.
 
@@ -327,6 +334,7 @@ def _cosine_interpolate(start: float, end: float, pct: torch.Tensor) -> torch.Te
     return end + _f32_const(start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
 
 
+@factory
 def piecewise_interpolate_schedule(
     interpolate_type: str, init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
 ) -> Schedule:
@@ -387,6 +395,7 @@ def piecewise_interpolate_schedule(
     return schedule
 
 
+@factory
 def linear_onecycle_schedule(
     transition_steps: int,
     peak_value: float,
@@ -431,6 +440,7 @@ def linear_onecycle_schedule(
     )
 
 
+@factory
 def cosine_onecycle_schedule(
     transition_steps: int,
     peak_value: float,
@@ -474,6 +484,7 @@ def cosine_onecycle_schedule(
     )
 
 
+@factory
 def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
     """Run ``schedules`` one after another, switching at each boundary.
 
@@ -517,6 +528,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     return schedule
 
 
+@factory
 def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps: int) -> Schedule:
     """A linear warm-up from ``init_value`` to ``peak_value`` over ``warmup_steps``, then constant.
 
@@ -542,6 +554,7 @@ def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps:
     return linear_schedule(init_value, peak_value, warmup_steps)
 
 
+@factory
 def warmup_cosine_decay_schedule(
     init_value: float,
     peak_value: float,
@@ -590,6 +603,7 @@ def warmup_cosine_decay_schedule(
     )
 
 
+@factory
 def warmup_exponential_decay_schedule(
     init_value: float,
     peak_value: float,
@@ -631,6 +645,7 @@ def warmup_exponential_decay_schedule(
     )
 
 
+@factory
 def sgdr_schedule(cosine_kwargs: Iterable[Mapping[str, Any]]) -> Schedule:
     """SGD with warm restarts: :func:`warmup_cosine_decay_schedule` cycles joined end to end.
 

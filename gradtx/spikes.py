@@ -26,7 +26,7 @@ from gradtx import plan as plans
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of
-from gradtx.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics
+from gradtx.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 
 __all__ = [
@@ -64,6 +64,7 @@ class ZeroNansState(NamedTuple):
     found_nan: Any
 
 
+@factory
 def zero_nans() -> GradientTransformation:
     """Replace every NaN in the updates with zero; infinities are kept.
 
@@ -246,6 +247,7 @@ def _check_inner(inner: Any, *, name: str) -> None:
         raise TypeError(f"{name}: inner must be a GradientTransformation, got {type(inner).__name__}")
 
 
+@factory
 def skip_if(
     inner: GradientTransformation,
     should_skip_update_fn: ShouldSkipUpdateFunction,
@@ -365,6 +367,7 @@ class SkipSpikesState(NamedTuple):
     inner_state: OptState
 
 
+@factory
 def skip_spikes(
     inner: GradientTransformation,
     *,
