@@ -124,3 +124,18 @@ def test_doc_code_blocks_run(page):
         if name.startswith("test_") and callable(fn):
             for kwargs in _parametrized_calls(fn):
                 fn(**kwargs)
+
+
+# Pages whose python blocks are whole multi-process programs, run under torchrun by tests/distributed.
+TORCHRUN_PAGES = ["distributed.md"]
+
+
+def test_every_python_block_in_the_docs_is_run():
+    """Each page with Python code is run here or under torchrun, and no Python hides behind another fence."""
+    for path in sorted(DOCS.rglob("*.md")):
+        page = path.relative_to(DOCS).as_posix()
+        text = path.read_text(encoding="utf-8")
+        hidden = re.findall(r"^```(py|py3|python3|pycon|ipython)\s*$", text, re.MULTILINE)
+        assert not hidden, f"docs/{page}: a ```{hidden[0]} block is not run; fence Python as ```python"
+        if PYTHON_BLOCK.search(text):
+            assert page in DOC_PAGES or page in TORCHRUN_PAGES, f"docs/{page} has python blocks no test runs"
