@@ -2,8 +2,10 @@
 
 * ``examples/train_nd_parallel.py`` on 4 ranks: TP x FSDP2 and a 2-stage pipeline x FSDP2 end
   within fp32 rounding of a single-device run of the same model.
-* every complete program in ``docs/distributed.md`` (a ``python`` block that starts its own
-  process group) on 2 ranks: it exits 0 and reports its steps.
+* every ``python`` block of ``docs/distributed.md``, each a complete program that starts its own
+  process group, on the number of ranks its first line names (``# torchrun --nproc-per-node 4``;
+  2 if it names none): it exits 0 and reports three optimizer steps on rank 0. The programs assert
+  what the text around them claims (norms against one device or the gathered grads, copies equal).
 """
 
 from __future__ import annotations
@@ -37,19 +39,34 @@ def test_train_nd_parallel_matches_one_device():
     assert all(d < 1e-5 for d in diffs), out
 
 
-PROGRAMS = [
-    b for b in PYTHON_BLOCK.findall((DOCS / "distributed.md").read_text(encoding="utf-8")) if "init_process_group" in b
-]
+PROGRAMS = PYTHON_BLOCK.findall((DOCS / "distributed.md").read_text(encoding="utf-8"))
+NPROC = re.compile(r"\A#\s*torchrun\b.*?--nproc[-_]per[-_]node[ =](\d+)")
+
+
+def _nproc(block: str) -> int:
+    """The rank count a block's first-line comment names (``# torchrun --nproc-per-node 4``), else 2."""
+    match = NPROC.match(block)
+    return int(match.group(1)) if match else 2
 
 
 @pytest.mark.parametrize("index", range(len(PROGRAMS)))
-def test_distributed_md_programs_run_on_two_ranks(index):
+def test_distributed_md_programs_run(index):
+    block = PROGRAMS[index]
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / f"distributed_md_program_{index + 1}.py"
-        script.write_text(PROGRAMS[index], encoding="utf-8")
-        out = _torchrun(script, nproc=2)
-    assert out.count("step:") == 3, out  # three windows of k micro-steps, one line each on rank 0
+        script.write_text(block, encoding="utf-8")
+        out = _torchrun(script, nproc=_nproc(block))
+    assert out.count("step:") == 3, out  # three optimizer steps, one line each on rank 0
 
 
-def test_docs_have_complete_programs_to_run():
-    assert len(PROGRAMS) >= 2
+def test_distributed_md_has_no_fragments():
+    # Every python block is a complete program, so the test above runs all of them: no fragment slips back in.
+    assert len(PROGRAMS) >= 6
+    fragments = [i + 1 for i, b in enumerate(PROGRAMS) if "init_process_group" not in b]
+    assert not fragments, f"docs/distributed.md python blocks {fragments} start no process group"
+
+
+def test_nproc_comment_is_read():
+    assert _nproc("# torchrun --nproc-per-node 4\nimport torch\n") == 4
+    assert _nproc("# torchrun --nproc-per-node=3 this.py\n") == 3
+    assert _nproc("import torch\n# torchrun --nproc-per-node 4\n") == 2
