@@ -419,7 +419,10 @@ def accumulate(
     # Whether the window emits is decided on the host: traced, that is a graph break inside the window's
     # bookkeeping, and dynamo (torch 2.13) then hands optree specs built by its polyfill to eager code,
     # which fails. The window runs eagerly instead, as one break; the rest of a compiled step is traced.
-    reason = "gradtx.accumulate decides on the host whether its window emits (data-dependent control flow)"
+    reason = (
+        "gradtx.accumulate decides on the host whether its window emits (data-dependent control flow): "
+        "compile the step without fullgraph=True, or leave the accumulation to TransformedOptimizer"
+    )
     update_fn = torch.compiler.disable(update_fn, reason=reason)
     sum_window = torch.compiler.disable(sum_window, reason=reason)
     return Accumulation(init_fn, update_fn, window, sum_window)

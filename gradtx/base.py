@@ -33,6 +33,7 @@ that does not say anything about itself is simply run.
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol, Self, TypeVar
@@ -66,12 +67,23 @@ class _TransformationFields(NamedTuple):
 class GradientTransformation(_TransformationFields):
     """A pure gradient transformation: ``init(params)`` and ``update(updates, state, params, **extra)``.
 
-    What gradtx's factories return pickles, and copies, as the call that built
-    it (``adamw(3e-4)``), since its functions are closures; see :func:`factory`.
+    What gradtx's factories return pickles as the call that built it
+    (``adamw(3e-4)``), since its functions are closures; see :func:`factory`.
     One built directly from two module-level functions pickles them by name.
+    ``copy.copy`` and ``copy.deepcopy`` share the functions, as for any
+    NamedTuple of functions, and copy the attributes a subclass adds.
     """
 
-    # No __slots__: an instance has a __dict__, where a factory leaves the call that built it.
+    # No __slots__: an instance has a __dict__, for the serial number of its creation and, where a
+    # factory built it, the call that did.
+    _created = 0
+
+    def __new__(cls, init: InitFn, update: UpdateFn) -> Self:
+        self = super().__new__(cls, init, update)
+        if not torch.compiler.is_compiling():  # nothing traced is pickled
+            GradientTransformation._created += 1
+            self.__dict__[_SERIAL] = GradientTransformation._created
+        return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         recipe = self.__dict__.get(_RECIPE)
@@ -79,8 +91,21 @@ class GradientTransformation(_TransformationFields):
             return super().__reduce_ex__(protocol)
         return (_rebuild, recipe)
 
+    def __copy__(self) -> Self:
+        new = tuple.__new__(type(self), self)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
+        new = tuple.__new__(type(self), [copy.deepcopy(f, memo) for f in self])  # functions copy as themselves
+        memo[id(self)] = new
+        # The recipe is for pickling: it is shared, since its arguments may not copy (a process group).
+        new.__dict__.update({k: v if k == _RECIPE else copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
 
 _RECIPE = "_gradtx_recipe"
+_SERIAL = "_gradtx_serial"
 _Factory = TypeVar("_Factory", bound=Callable[..., Any])
 
 
@@ -111,12 +136,15 @@ def factory(fn: _Factory) -> _Factory:
     """Decorator for a factory of transforms or schedules: what it builds pickles as the call that built it.
 
     A transform's ``init`` and ``update`` (and a schedule) are closures, which
-    pickle cannot store. The factory's result remembers the call instead, and
-    pickling (or ``copy.deepcopy``) stores that call and makes it again: the
-    arguments must pickle (numbers, tensors, other transforms and schedules,
-    module-level functions). A transform returned as it was passed in keeps its
-    own way of pickling. Every public gradtx factory is decorated; decorate
-    your own factory to make what it returns picklable too.
+    pickle cannot store. What the factory builds remembers the call instead,
+    and pickling stores that call and makes it again: the arguments must
+    pickle (numbers, tensors, other transforms and schedules, module-level
+    functions). The arguments' containers are copied when the call is
+    remembered, so changing a dict afterwards does not change what unpickles.
+    A transform the factory did not build (one it was given, however deep in
+    its arguments) keeps its own way of pickling. Every public gradtx factory
+    is decorated; decorate your own factory to make what it returns picklable
+    too.
 
     Example:
       >>> @factory
@@ -127,36 +155,44 @@ def factory(fn: _Factory) -> _Factory:
 
     @functools.wraps(fn)
     def build(*args: Any, **kwargs: Any) -> Any:
-        return remember(fn(*args, **kwargs), build, args, kwargs)
+        if torch.compiler.is_compiling():  # nothing traced is pickled, and reading the counter would be a guard
+            return fn(*args, **kwargs)
+        since = GradientTransformation._created + 1  # the serial of the first transform this call creates
+        return remember(fn(*args, **kwargs), build, args, kwargs, since=since)
 
     return build  # type: ignore[return-value]
 
 
-def remember(out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``out``, made to pickle as ``build(*args, **kwargs)``: see :func:`factory`."""
+def remember(
+    out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, since: int | None = None
+) -> Any:
+    """``out``, made to pickle as ``build(*args, **kwargs)``: see :func:`factory`.
+
+    A transform is marked only if it was created by this call (its serial is
+    at least ``since``; ``None``: the caller just created it). The outermost
+    call wins, so a factory built from other factories pickles as itself.
+    """
     if torch.compiler.is_compiling():  # nothing traced is pickled; tracing leaves the result alone
         return out
-    if _passed_in(out, args, kwargs):
-        return out
+    recipe = (build, _copy_containers(args), _copy_containers(kwargs))
     if isinstance(out, GradientTransformation):
-        out.__dict__[_RECIPE] = (build, args, kwargs)  # the outermost call wins: the one the user wrote
+        if since is None or out.__dict__.get(_SERIAL, 0) >= since:
+            out.__dict__[_RECIPE] = recipe
         return out
     if isinstance(out, BuiltSchedule):
-        return BuiltSchedule(out.fn, (build, args, kwargs))
+        return BuiltSchedule(out.fn, recipe)
     if callable(out) and not isinstance(out, torch.Tensor):
-        return BuiltSchedule(out, (build, args, kwargs))
+        return BuiltSchedule(out, recipe)
     return out
 
 
-def _passed_in(out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    for value in (*args, *kwargs.values()):
-        if value is out:
-            return True
-        if isinstance(value, (list, tuple)) and any(v is out for v in value):
-            return True
-        if isinstance(value, dict) and any(v is out for v in value.values()):
-            return True
-    return False
+def _copy_containers(value: Any) -> Any:
+    """``value`` with its plain dicts, lists and tuples copied, all the way down; everything else as it is."""
+    if type(value) is dict:
+        return {k: _copy_containers(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_copy_containers(v) for v in value)
+    return value
 
 
 class EmptyState(NamedTuple):

@@ -405,15 +405,21 @@ def _store_into(donated: Any, result: Any) -> Any:
     The trees are matched from the root down: where their structures differ (an accumulation window
     that closed, say) tuples are matched field by field, and anything else keeps ``result``'s own
     leaves. A leaf fits when the two tensors have the same shape, dtype and device. A donated tensor
-    that ``result`` still holds (anywhere) is never written, so no leaf of ``result`` changes value.
+    that ``result`` still holds (anywhere) is never written, so no leaf of ``result`` changes value;
+    nor is one the donated tree holds at several places (a state whose fields share one zero tensor).
     """
-    held = {id(leaf) for leaf in tu.flatten(result)[0]}
+    keep = {id(leaf) for leaf in tu.flatten(result)[0]}
+    seen: set[int] = set()
+    for leaf in tu.flatten(donated)[0]:
+        if id(leaf) in seen:
+            keep.add(id(leaf))
+        seen.add(id(leaf))
 
     def store(d: Any, r: Any) -> Any:
         d_leaves, d_spec = tu.flatten(d)
         r_leaves, r_spec = tu.flatten(r)
         if d_spec == r_spec:
-            return tu.unflatten(r_spec, [_store_leaf(a, b, held) for a, b in zip(d_leaves, r_leaves)])
+            return tu.unflatten(r_spec, [_store_leaf(a, b, keep) for a, b in zip(d_leaves, r_leaves)])
         if isinstance(d, tuple) and type(d) is type(r) and len(d) == len(r):
             parts = [store(a, b) for a, b in zip(d, r)]
             return r._make(parts) if hasattr(r, "_make") else type(r)(parts)
@@ -422,12 +428,12 @@ def _store_into(donated: Any, result: Any) -> Any:
     return store(donated, result)
 
 
-def _store_leaf(d: Any, r: Any, held: set[int]) -> Any:
+def _store_leaf(d: Any, r: Any, keep: set[int]) -> Any:
     if (
         isinstance(d, torch.Tensor)
         and isinstance(r, torch.Tensor)
         and r is not d
-        and id(d) not in held
+        and id(d) not in keep
         and (d.shape, d.dtype, d.device) == (r.shape, r.dtype, r.device)
     ):
         d.copy_(r)

@@ -256,7 +256,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             return None
         flat = [p for group in self.param_tree() for p in group]
         self._ckpt_check_sums_visible(flat, f"TransformedOptimizer {what}")
-        return [p.grad for p in flat]
+        return [None if p.grad is None else p.grad.detach() for p in flat]
 
     def _put_window_grads(self, grads: list[torch.Tensor | None]) -> None:
         for p, g in zip([p for group in self.param_tree() for p in group], grads):

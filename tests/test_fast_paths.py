@@ -300,8 +300,11 @@ def test_compiled_step_equals_eager_step(make_tx, fullgraph):
         lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(0.9), gtx.scale(-0.1)),  # member by member
         # Whether the window emits is data-dependent control flow: dynamo breaks the graph there.
         lambda: gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(0.5), gtx.sgd(0.1, momentum=0.9)),
+        # States whose fields share one zero tensor at init: it must not be written once per field.
+        lambda: gtx.skip_spikes(gtx.sgd(0.1), warmup_steps=2),
+        lambda: gtx.chain(gtx.zclip(warmup_steps=2), gtx.sgd(0.1)),
     ],
-    ids=["adamw", "trace", "accumulate"],
+    ids=["adamw", "trace", "accumulate", "skip_spikes", "zclip"],
 )
 def test_compiled_donated_step_equals_pure_step_and_writes_the_donated_buffers(make_tx, request):
     """A user compiling the donated step: the pure numbers, the results in the donated storage, no graph break."""
@@ -320,9 +323,10 @@ def test_compiled_donated_step_equals_pure_step_and_writes_the_donated_buffers(m
     pure_state = tx.init(pure_params)
     compiled_params = _clone(pure_params)
     compiled_state = tx.init(compiled_params)
-    for seed in range(4):
+    for seed in range(5):
         g = torch.Generator().manual_seed(seed)
-        grads = {"w": torch.randn(8, 4, generator=g), "b": torch.randn(4, generator=g)}
+        spike = 100.0 if seed == 3 else 1.0  # after the warm-up: skip_spikes skips it, zclip clips it
+        grads = {"w": torch.randn(8, 4, generator=g) * spike, "b": torch.randn(4, generator=g) * spike}
         pure_params, pure_state = gtx.update_and_apply(tx, grads, pure_state, pure_params)
         donated = compiled_params
         storage = {k: v.data_ptr() for k, v in donated.items()}
@@ -341,6 +345,9 @@ def test_store_into_never_writes_a_buffer_the_result_still_holds():
     assert out["a"] is donated["a"] and torch.equal(out["a"], torch.ones(3))  # stored into the free buffer
     assert out["b"] is result["b"] and torch.equal(donated["b"], torch.ones(3))  # the held one is untouched
     assert torch.equal(executor._store_into({"a": torch.zeros(2)}, {"a": torch.ones(3)})["a"], torch.ones(3))
+    zero = torch.zeros(())
+    shared = executor._store_into({"n": zero, "m": zero}, {"n": torch.tensor(1.0), "m": torch.tensor(2.0)})
+    assert (float(shared["n"]), float(shared["m"]), float(zero)) == (1.0, 2.0, 0.0)  # one buffer, two places
 
 
 # --- no host syncs -----------------------------------------------------------------------------

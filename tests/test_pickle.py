@@ -177,6 +177,54 @@ def test_a_transform_passed_through_keeps_its_own_pickling():
     _side_by_side(outer, pickle.loads(pickle.dumps(outer)))
 
 
+@factory
+def _first_of(pairs):
+    return pairs[0][1]
+
+
+@factory
+def _with_opaque(opaque, step):
+    del opaque  # stands for a process group: it neither pickles nor copies
+    return gtx.scale(step)
+
+
+class _Opaque:
+    def __reduce__(self):
+        raise TypeError("cannot pickle _Opaque")
+
+    def __deepcopy__(self, memo):
+        raise TypeError("cannot copy _Opaque")
+
+
+def test_a_transform_found_deep_in_the_arguments_keeps_its_own_pickling():
+    tx = gtx.sgd(0.1)
+    assert _first_of((("opt", tx),)) is tx
+    assert _first_of([{"a": 1}, ("opt", tx)][1:]) is tx
+    _side_by_side(tx, pickle.loads(pickle.dumps(tx)))  # still pickles as sgd(0.1), not as _first_of(...)
+    assert tx.__dict__["_gradtx_recipe"][0] is gtx.sgd
+
+
+def test_the_remembered_call_does_not_follow_later_changes_to_its_arguments():
+    boundaries = {3: 0.5}
+    schedule = gtx.piecewise_constant_schedule(1.0, boundaries)
+    boundaries[1] = 0.0
+    again = pickle.loads(pickle.dumps(schedule))
+    assert float(again(2)) == float(schedule(2)) == 1.0
+
+
+def test_copies_share_the_functions_and_need_no_picklable_arguments():
+    tx = _with_opaque(_Opaque(), 0.5)
+    for other in (copy.copy(tx), copy.deepcopy(tx)):
+        assert other == tx and other.update is tx.update and type(other) is type(tx)
+        _side_by_side(tx, other)
+    chained = gtx.chain(gtx.clip_by_global_norm(1.0), tx)
+    deep = copy.deepcopy(chained)
+    assert type(deep) is type(chained) and len(deep.members) == len(chained.members)
+    _side_by_side(chained, deep)
+    with pytest.raises(TypeError, match="cannot pickle _Opaque"):
+        pickle.dumps(tx)
+
+
 def test_a_closure_the_user_wrote_fails_to_pickle_as_pickle_does():
     tx = gtx.GradientTransformation(lambda params: gtx.EmptyState(), lambda u, s, p=None, **e: (u, s))
     with pytest.raises((pickle.PicklingError, AttributeError)):
