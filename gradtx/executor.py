@@ -435,10 +435,15 @@ def _store_leaf(d: Any, r: Any, keep: set[int]) -> Any:
         and r is not d
         and id(d) not in keep
         and (d.shape, d.dtype, d.device) == (r.shape, r.dtype, r.device)
+        and _layout(d) == _layout(r)  # a DTensor keeps its placements: a copy_ across them would redistribute
     ):
         d.copy_(r)
         return d
     return r
+
+
+def _layout(t: torch.Tensor) -> Any:
+    return (t.device_mesh, tuple(t.placements)) if tu.DTensor is not None and isinstance(t, tu.DTensor) else None
 
 
 def update_and_apply(

@@ -1,0 +1,31 @@
+"""A compiled donated step stores into a donated DTensor only where the result has its placements."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed.harness import run_distributed
+
+
+def _body(rank: int, world_size: int) -> dict[str, bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gradtx import executor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    donated = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])
+    same = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    other = distribute_tensor(torch.full((4, 2), 2.0), mesh, [Replicate()])
+    kept = executor._store_into({"a": donated}, {"a": other})["a"]
+    stored = executor._store_into({"a": donated}, {"a": same})["a"]
+    return {
+        "other placements are returned as they are": kept is other and tuple(kept.placements) == (Replicate(),),
+        "same placements are stored into the donated buffer": stored is donated
+        and bool((donated.to_local() == 1.0).all()),
+    }
+
+
+def test_store_into_respects_dtensor_placements():
+    for result in run_distributed(_body, world_size=2):
+        assert all(result.values()), result
