@@ -264,7 +264,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 p.grad = g
 
     def _plain_state(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("grad_scale", "found_inf")}
+        # An lr scheduler patches `step` on the instance with a wrapper bound to this very object (a weakref):
+        # a copy keeps the class's own step, as torch.optim.Optimizer's pickling does.
+        return {k: v for k, v in self.__dict__.items() if k not in ("grad_scale", "found_inf", "step")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         grads = state.pop(_PICKLED_GRADS, None)

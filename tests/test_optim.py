@@ -515,3 +515,35 @@ def test_pickle_of_a_closure_transform_says_what_to_do():
         pickle.dumps(opt)
     clone = copy.deepcopy(opt)
     assert clone.optimizer is not opt.optimizer and clone.tx is opt.tx
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_copy_with_its_lr_scheduler_trains_itself_not_the_original(how):
+    """An lr scheduler patches opt.step with a wrapper of the original optimizer: a copy must not keep it."""
+    import pickle
+
+    def make():
+        model = make_model()
+        opt = gtx.TransformedOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-2), gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(0.5))
+        )
+        return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    data = batches(10)
+    twin, twin_opt, twin_sched = make()
+    model, opt, sched = make()
+    original = state_of(model)
+    for i, (x, y) in enumerate(data):
+        if i == 3:  # mid-window
+            trio = (model, opt, sched)
+            model, opt, sched = pickle.loads(pickle.dumps(trio)) if how == "pickle" else copy.deepcopy(trio)
+            original = state_of(trio[0])
+        for m, o, s in ((twin, twin_opt, twin_sched), (model, opt, sched)):
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+            if o.emitted:
+                s.step()
+            o.zero_grad()
+    assert_trees_equal(state_of(model), state_of(twin))
+    assert opt.param_groups[0]["lr"] == twin_opt.param_groups[0]["lr"] == 1e-2 * 0.5**2
+    assert_trees_equal(state_of(trio[0]), original)  # the original did not move after the copy
