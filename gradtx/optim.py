@@ -19,6 +19,7 @@ from gradtx.accumulation import AccumulateState
 from gradtx.base import GradientTransformation, OptState, metrics
 from gradtx.combine import chain
 from gradtx.executor import StepPlan
+from gradtx.optimizers import OptimizerChain
 
 try:  # a CPU-only or old build may lack torch.distributed
     from torch.distributed.fsdp import FSDPModule
@@ -169,6 +170,16 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise TypeError("TransformedOptimizer: optimizer is already a TransformedOptimizer; chain the transforms")
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
+        for member in StepPlan.of(chain(tx)).members:
+            if isinstance(member, OptimizerChain):
+                kind = member.spec.kind
+                raise TypeError(
+                    f"TransformedOptimizer: the chain holds gtx.{kind}(...), an optimizer: its output is an update "
+                    f"(-learning_rate times a direction), which the inner {type(optimizer).__name__} would step "
+                    "against once more (the loss would climb). The chain transforms the gradients the inner "
+                    f"optimizer steps on: leave gtx.{kind} out and let {type(optimizer).__name__} take the step, or "
+                    f"run gtx.{kind} functionally (gtx.update_and_apply)"
+                )
         self.optimizer = optimizer
         self._user_tx = tx  # issue 8: what pickle stores; self.tx and self._plan are rebuilt from it
         self.tx = chain(tx)

@@ -547,3 +547,13 @@ def test_a_copy_with_its_lr_scheduler_trains_itself_not_the_original(how):
     assert_trees_equal(state_of(model), state_of(twin))
     assert opt.param_groups[0]["lr"] == twin_opt.param_groups[0]["lr"] == 1e-2 * 0.5**2
     assert_trees_equal(state_of(trio[0]), original)  # the original did not move after the copy
+
+
+@pytest.mark.parametrize(
+    "opt_tx", [gtx.sgd(0.1), gtx.adamw(1e-2), gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adam(1e-3))]
+)
+def test_an_optimizer_in_the_chain_is_refused_naming_it(opt_tx):
+    """gtx.adamw's output is an update, not a gradient: the inner optimizer would step against it (ascent)."""
+    model = make_model()
+    with pytest.raises(TypeError, match=r"the chain holds gtx\.(sgd|adamw|adam)\(\.\.\.\), an optimizer"):
+        gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), opt_tx)
