@@ -367,11 +367,17 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
                 torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
             # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
             # u = m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
-            if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
-                u = g  # the donated update buffers, read for the last time above: the result goes there
+            scale_, shift = bc1 / bc2_sqrt, bc1 * _as(eps, bc1)
+            if torch.is_grad_enabled() and any(t.requires_grad for t in (*g, *mus, *nus)):
+                # Autograd is recording (grads of nn.Parameters from torch.func.grad, say): no out= ops.
+                denom = torch._foreach_add(torch._foreach_mul(torch._foreach_sqrt(v), scale_), shift)
+                u = list(torch._foreach_div(m, denom))
             else:
-                u = [torch.empty_like(x) for x in v]
-            _adam_direction_into(u, m, v, bc1 / bc2_sqrt, bc1 * _as(eps, bc1))
+                if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
+                    u = g  # the donated update buffers, read for the last time above: the result goes there
+                else:
+                    u = [torch.empty_like(x) for x in v]
+                _adam_direction_into(u, m, v, scale_, shift)
             back = torch.view_as_complex if dtype.is_complex else _same
             for k, j in enumerate(idx):
                 i = index[j]

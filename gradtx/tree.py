@@ -217,7 +217,10 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
         if inplace:
             torch._foreach_mul_(group, f)
         else:
-            for i, r in zip(idx, torch._foreach_mul(group, f)):
+            recording = torch.is_grad_enabled() and any(t.requires_grad for t in group)
+            # aot autograd (torch 2.13) cannot trace foreach_mul by a tensor scalar while autograd records.
+            scaled = [t * f for t in group] if recording else torch._foreach_mul(group, f)
+            for i, r in zip(idx, scaled):
                 # A 0-d low-precision leaf times a 0-d fp32 factor would promote to fp32.
                 out[i] = like(leaves[i], r if r.dtype == locals_[i].dtype else r.to(locals_[i].dtype))
     return out

@@ -293,6 +293,32 @@ def test_compiled_step_equals_eager_step(make_tx, fullgraph):
     assert_trees_close(compiled_state, eager_state, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_pure_step_on_parameters_with_recording_grads_equals_eager():
+    """params = dict(model.named_parameters()), grads from torch.func.grad: autograd records the step."""
+    tx = gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(0.9), gtx.adam(1e-2))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 300), torch.nn.Tanh(), torch.nn.Linear(300, 1))
+    x = torch.randn(8, 4)
+
+    def loss(p):
+        return torch.func.functional_call(model, p, (x,)).pow(2).mean()
+
+    def step(params, state, grads):
+        return gtx.update_and_apply(tx, grads, state, params)
+
+    torch.compiler.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    eager_params = compiled_params = dict(model.named_parameters())
+    eager_state = compiled_state = tx.init(eager_params)
+    for _ in range(3):
+        grads = torch.func.grad(loss)(eager_params)
+        assert any(g.requires_grad for g in grads.values())
+        eager_params, eager_state = step(eager_params, eager_state, grads)
+        compiled_params, compiled_state = compiled(
+            compiled_params, compiled_state, torch.func.grad(loss)(compiled_params)
+        )
+    assert_trees_close(compiled_params, eager_params, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "make_tx",
     [
