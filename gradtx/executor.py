@@ -355,10 +355,15 @@ def _fused_launch(
     count = core_state.count + 1 if isinstance(core_state, ScaleByAdamState) else None
 
     def launch() -> None:
-        for (device, _), columns in groups.items():
+        for (device, dtype), columns in groups.items():
             kw: dict[str, Any] = {"weight_decay": spec.weight_decay, "maximize": False}
-            # The kernel divides the grads by grad_scale (it unscales AMP grads), so the factor goes in inverted.
-            kw["grad_scale"] = None if factor is None else torch.reciprocal(factor.to(device, torch.float32))
+            if factor is not None and dtype == torch.float64:
+                # The kernel reads grad_scale as fp32: fp64 grads take the factor in fp64, one pass of their own.
+                torch._foreach_mul_(columns[1], factor.to(device, torch.float64))
+                kw["grad_scale"] = None
+            else:
+                # The kernel divides the grads by grad_scale (it unscales AMP grads): the factor goes in inverted.
+                kw["grad_scale"] = None if factor is None else torch.reciprocal(factor.to(device, torch.float32))
             kw["lr"] = lr.to(device, non_blocking=True) if isinstance(lr, torch.Tensor) else lr
             if spec.kind == "sgd":
                 ps, gs, *bufs = columns

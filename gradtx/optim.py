@@ -534,7 +534,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
             # Under torch.compile, dynamo drops writes to an optimizer's attributes, so grad_scale/found_inf
             # cannot reach the fused kernel there: the factor is applied to the grads instead (inductor fuses it).
             if self._fused and not torch.compiler.is_compiling():
-                # torch's fused kernels read grad_scale as fp32; gradtx's factors may be fp64.
+                grads = [p.grad for group in params for p in group if p.grad is not None]
+                if factor is not None and any(g.dtype == torch.float64 for g in grads):
+                    # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
+                    tu.scale_leaves(grads, factor, inplace=True)
+                    factor = None
                 grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)
                 self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
                 self.optimizer.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]

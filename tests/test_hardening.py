@@ -174,6 +174,44 @@ def test_fp64_optimizers_match_torch_to_fp64_rounding(opt):
     _against_torch(opt, _params(torch.float64), 20, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("opt", sorted(OPTIMIZER_PAIRS))
+@pytest.mark.parametrize("path", ["donated", "wrapper"])
+def test_fp64_clip_then_fused_step_keeps_fp64(opt, path):
+    """torch's fused kernels read grad_scale as fp32: a folded fp64 clip factor must not round through it."""
+    make_torch, make_tx = OPTIMIZER_PAIRS[opt]
+    start = _params(torch.float64)
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    torch_opt = make_torch(list(ref.values()))
+    ours = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    if path == "wrapper":
+        inner = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[opt]
+        kwargs = {k: v for k, v in torch_opt.defaults.items() if k in ("lr", "weight_decay", "momentum", "nesterov")}
+        wrapper = gtx.TransformedOptimizer(
+            inner(list(ours.values()), fused=True, **kwargs), gtx.clip_by_global_norm(0.5)
+        )
+    else:
+        tx = gtx.chain(gtx.clip_by_global_norm(0.5), make_tx())
+        params = {k: v.detach() for k, v in ours.items()}  # the donated step writes them, so ours move
+        state = tx.init(params)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        grads = {k: torch.randn(v.shape, dtype=v.dtype, generator=gen) for k, v in start.items()}
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch.nn.utils.clip_grad_norm_(list(ref.values()), 0.5)
+        torch_opt.step()
+        if path == "wrapper":
+            for k, p in ours.items():
+                p.grad = grads[k].clone()
+            wrapper.step()
+        else:
+            params, state = gtx.update_and_apply(
+                tx, {k: g.clone() for k, g in grads.items()}, state, params, donate=True
+            )
+    for k, r in ref.items():
+        torch.testing.assert_close(ours[k].detach(), r.detach(), rtol=1e-12, atol=1e-14)
+
+
 def test_fp64_accumulation_keeps_fp64():
     tx = gtx.accumulate(2)
     a = torch.tensor([1.0 + 1e-12], dtype=torch.float64)
