@@ -148,6 +148,11 @@ def scale(step_size: Scalar) -> ScalarTransformation:
       {'w': tensor([ 1., -2.])}
     """
     step_size = check.number(step_size, arg="step_size", name="scale", tensor=True)
+    return _scale(step_size, 1.0, name="scale")
+
+
+def _scale(step_size: Scalar, sign: float, *, name: str) -> ScalarTransformation:
+    """Multiply by ``sign * step_size``; a tensor ``step_size`` is read at every update, never copied."""
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -155,10 +160,10 @@ def scale(step_size: Scalar) -> ScalarTransformation:
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
-        tu.require_state(state, EmptyState, name="scale")
+        tu.require_state(state, EmptyState, name=name)
         if isinstance(step_size, torch.Tensor):
-            return step_size.to(torch.float64), state
-        return torch.tensor(step_size, dtype=torch.float64), state
+            return step_size.to(torch.float64) * sign, state
+        return torch.tensor(sign * step_size, dtype=torch.float64), state
 
     return scalar_transformation(init_fn, factor_fn)
 
@@ -239,7 +244,7 @@ def scale_by_learning_rate(learning_rate: ScalarOrSchedule, *, flip_sign: bool =
     sign = -1.0 if flip_sign else 1.0
     if callable(learning_rate):
         return _scale_by_schedule(learning_rate, sign=sign, name="scale_by_learning_rate")
-    return scale(sign * learning_rate)
+    return _scale(learning_rate, sign, name="scale_by_learning_rate")
 
 
 # --- Adam ----------------------------------------------------------------------------------

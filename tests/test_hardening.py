@@ -212,6 +212,33 @@ def test_fp64_clip_then_fused_step_keeps_fp64(opt, path):
         torch.testing.assert_close(ours[k].detach(), r.detach(), rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_tensor_learning_rate_is_read_at_every_step_as_torch_reads_it(opt, donate):
+    """lr = torch.tensor(...), changed in place between steps: gradtx and torch.optim both follow it."""
+    start = _params()
+    lr, torch_lr = torch.tensor(0.1), torch.tensor(0.1)
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    if opt == "sgd":
+        torch_opt, tx = torch.optim.SGD(list(ref.values()), lr=torch_lr, momentum=0.9), gtx.sgd(lr, momentum=0.9)
+    else:
+        torch_opt, tx = torch.optim.AdamW(list(ref.values()), lr=torch_lr), gtx.adamw(lr)
+    params = {k: v.clone() for k, v in start.items()}
+    state = tx.init(params)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(4):
+        if step == 2:
+            lr.fill_(0.01)
+            torch_lr.fill_(0.01)
+        grads = {k: torch.randn(v.shape, generator=gen) for k, v in start.items()}
+        for k, p in ref.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        params, state = gtx.update_and_apply(tx, grads, state, params, donate=donate)
+    for k, r in ref.items():
+        torch.testing.assert_close(params[k], r.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_fp64_accumulation_keeps_fp64():
     tx = gtx.accumulate(2)
     a = torch.tensor([1.0 + 1e-12], dtype=torch.float64)
