@@ -185,6 +185,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self.tx = chain(tx)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._tree = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+        self._fp64 = any(p.dtype == torch.float64 for group in self._tree for p in group)  # grad_scale is fp32
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
         self._plan = StepPlan.of(self.tx)
         self._live = _Live(self.tx.init(self.param_tree()))  # issue 8: what a step writes (see _Live)
@@ -333,6 +334,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             kept.append(prev if same else leaf)
         self.tx_state = tu.unflatten(spec, kept)
         self._tree = [list(g) for g in tree]
+        self._fp64 = any(p.dtype == torch.float64 for group in self._tree for p in group)
         self._frozen = [*self._frozen, *(p for p in group["params"] if not p.requires_grad)]
 
     # the tree the transform sees: one list per param group, params that require grad ----------
@@ -534,10 +536,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
             # Under torch.compile, dynamo drops writes to an optimizer's attributes, so grad_scale/found_inf
             # cannot reach the fused kernel there: the factor is applied to the grads instead (inductor fuses it).
             if self._fused and not torch.compiler.is_compiling():
-                grads = [p.grad for group in params for p in group if p.grad is not None]
-                if factor is not None and any(g.dtype == torch.float64 for g in grads):
+                if factor is not None and self._fp64:
                     # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
-                    tu.scale_leaves(grads, factor, inplace=True)
+                    tu.scale_leaves(
+                        [p.grad for group in params for p in group if p.grad is not None], factor, inplace=True
+                    )
                     factor = None
                 grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)
                 self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
