@@ -170,7 +170,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
             raise TypeError("TransformedOptimizer: optimizer is already a TransformedOptimizer; chain the transforms")
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
-        for member in StepPlan.of(chain(tx)).members:
+        full = chain(tx)
+        plan = StepPlan.of(full)
+        for member in plan.members:
             if isinstance(member, OptimizerChain):
                 kind = member.spec.kind
                 raise TypeError(
@@ -182,12 +184,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 )
         self.optimizer = optimizer
         self._user_tx = tx  # issue 8: what pickle stores; self.tx and self._plan are rebuilt from it
-        self.tx = chain(tx)
+        self.tx = full
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._tree = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
         self._fp64 = any(p.dtype == torch.float64 for group in self._tree for p in group)  # grad_scale is fp32
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-        self._plan = StepPlan.of(self.tx)
+        self._plan = plan
         self._live = _Live(self.tx.init(self.param_tree()))  # issue 8: what a step writes (see _Live)
         # issue 8: the chain's structure is fixed, so a step branches on nothing else. A chain whose body
         # transforms .grad in place is snapshotted on an emitting step, so a member that raises leaves it as it was.
