@@ -60,7 +60,7 @@ def test_a_state_dict_saved_by_the_earlier_version_loads():
             p.copy_(q)
     opt.load_state_dict(torch.load(FIXTURES / "wrapper_v1_state.pt", weights_only=True))
     assert_trees_close(opt.tx_state, ref_opt.tx_state, rtol=0, atol=0)
-    assert_trees_close(list(p.grad for p in model.parameters()), [p.grad for p in reference.parameters()], rtol=0, atol=0)
+    assert_trees_close([p.grad for p in model.parameters()], [p.grad for p in reference.parameters()], rtol=0, atol=0)
     for batch in data[recipe.STEPS :]:
         recipe.micro_step(model, opt, batch)
         recipe.micro_step(reference, ref_opt, batch)
