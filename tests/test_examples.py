@@ -45,6 +45,12 @@ def test_example_runs_and_loss_falls(name):
         assert "max |param diff| = 0.0e+00" in out, out
 
 
+def test_torchtitan_example_resumes_exactly():
+    pytest.importorskip("torchtitan")
+    out = run_example(EXAMPLES / "torchtitan_gradtx.py").stdout  # exits 1 if the resumed run differs
+    assert "max |resumed - uninterrupted| = 0" in out, out
+
+
 TINY_LM = EXAMPLES / "train_tiny_lm.py"
 
 
@@ -94,6 +100,7 @@ DOC_PAGES = [
     "optax.md",
     "executor.md",
     "checkpointing.md",
+    "torchtitan.md",
 ]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
