@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Self
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, Params, PyTree, export_metrics, factory
@@ -425,4 +426,4 @@ def accumulate(
     )
     update_fn = torch.compiler.disable(update_fn, reason=reason)
     sum_window = torch.compiler.disable(sum_window, reason=reason)
-    return Accumulation(init_fn, update_fn, window, sum_window)
+    return kinds.declare_fresh(Accumulation(init_fn, update_fn, window, sum_window))

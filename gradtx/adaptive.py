@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of, leaf_norms_of
@@ -407,7 +408,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
             out.append(tu.like(u, (local / denom).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- norms by layer ------------------------------------------------------------------------
@@ -498,4 +499,4 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         full = {n: norms[n] if n in norms else torch.zeros_like(v) for n, v in state.norms.items()}
         return updates, TrackNormsState(norms=full)
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

@@ -7,9 +7,10 @@ A :class:`GradientTransformation` is a pair of pure functions:
   gradients (or updates from an earlier transform) into new updates.
 
 ``update`` never mutates ``updates``, ``state`` or ``params``; it returns new
-trees. The updates it returns never share storage with the state it returns,
-so a later transform that writes into its updates (``inplace=True``) cannot
-corrupt an earlier transform's state. Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
+trees. The updates it returns may be tensors its state holds (optax's ``trace``
+returns its new trace): a caller that writes into updates copies those first,
+unless the transform declared they never are (:func:`gradtx.kinds.declare_fresh`).
+Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
 member of a chain, and a transform ignores the ones it does not use.
 
 A transform may also return ``None`` as its updates: that means "hold", the
@@ -40,6 +41,7 @@ from typing import Any, NamedTuple, Protocol, Self, TypeVar
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 
 PyTree = Any
@@ -219,7 +221,7 @@ def identity() -> GradientTransformation:
         del params, extra
         return updates, state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 class FactorFn(Protocol):
@@ -273,7 +275,7 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
         tu.check_tensors(leaves, tu.paths(updates), what="updates")
         return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=bool(extra.get("inplace", False)))), new_state
 
-    return ScalarTransformation(init, update_fn, factor)
+    return kinds.declare_fresh(ScalarTransformation(init, update_fn, factor))
 
 
 class Guard(GradientTransformation):

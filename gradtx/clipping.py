@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx import plan
+from gradtx import kinds, plan
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import (
@@ -78,7 +78,7 @@ def clip(max_delta: float) -> GradientTransformation:
                     out[i] = tu.like(leaves[i], c)
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- clip by global norm -----------------------------------------------------------------
@@ -272,4 +272,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor, inplace=bool(extra.get("inplace", False))))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Self, cast
 import optree
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
@@ -70,7 +71,9 @@ def _run(
 ) -> tuple[Updates | None, list[OptState]]:
     # A scalar member's product is computed here, into new buffers (or the donated ones): from then
     # on the chain owns its updates, so later members may write into them (``inplace=True``), with
-    # the pure path's numbers and one gradient-sized allocation fewer per member.
+    # the pure path's numbers and one gradient-sized allocation fewer per member. Updates from a
+    # member that did not declare them fresh may be its state's own tensors (optax's trace returns
+    # its new trace): those leaves are copied before anything writes into them.
     owned = bool(extra.get("inplace", False))
     new_states = list(states)
     for i, tx in enumerate(txs):
@@ -86,6 +89,8 @@ def _run(
         )
         if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
             break
+        if owned and not kinds.returns_fresh(tx):
+            updates = kinds.owned_updates(updates, new_states[i], states[i], params)
     return updates, new_states
 
 
@@ -118,7 +123,7 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs)
-    return out
+    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
 
 
 @factory
@@ -145,7 +150,7 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs, names)
-    return out
+    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
 
 
 # --- masked and partition -------------------------------------------------------------
@@ -293,7 +298,8 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         _take(out, routed, keep, new, name="masked")
         return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
 
 
 @factory
@@ -374,7 +380,9 @@ def partition(
             _take(out, routed, keep, new, name="partition")
         return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(
+        GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
+    )
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:

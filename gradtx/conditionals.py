@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from gradtx import norms, plan
+from gradtx import kinds, norms, plan
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, Guard, OptState, Params, export_metrics, factory
@@ -143,4 +143,4 @@ def apply_if_finite(
         )
         return tu.unflatten(out_spec, out), new_state
 
-    return Guard(init_fn, update_fn)
+    return kinds.declare_fresh(Guard(init_fn, update_fn))

@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.accumulation import AccumulateState, Accumulation, Window
@@ -128,6 +129,7 @@ class StepPlan:
         while tail > start and isinstance(self.members[tail - 1], ScalarTransformation):
             tail -= 1
         self.body_start, self.tail_start, self.body_end = start, tail, end
+        self.fresh = [kinds.returns_fresh(m) for m in self.members]
 
     @staticmethod
     def of(tx: GradientTransformation) -> StepPlan:
@@ -240,9 +242,12 @@ class StepPlan:
             if pending is not None:
                 updates = _scale_owned(updates, pending)
                 pending = None
-            updates, states[i] = member.update(updates, states[i], params, inplace=True, **extra)
+            old_state = states[i]
+            updates, states[i] = member.update(updates, old_state, params, inplace=True, **extra)
             if updates is None:  # a member held: nothing after it runs or changes
                 return StepResult(None, _join(self.tx, iter(states)), None, None)
+            if not self.fresh[i]:  # what it returned may be its state's tensors: copy those before writing
+                updates = kinds.owned_updates(updates, states[i], old_state, params)
             if isinstance(member, Guard):
                 vetoed = states[i].skipped
                 skip = vetoed if skip is None else skip | vetoed.to(skip.device)

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, OptState, Params, export_metrics, remember
@@ -139,7 +140,9 @@ def inject_hyperparams(
                 fixed[arg] = value
         # Build once with the values as given: bad numbers fail here, with the factory's own message.
         zero = torch.zeros((), dtype=torch.int64)
-        inner_factory(**fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()})
+        probe = inner_factory(
+            **fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()}
+        )
 
         def dtype_for(params: Params) -> torch.dtype:
             if hyperparam_dtype is not None:
@@ -182,7 +185,8 @@ def inject_hyperparams(
             return new_updates, InjectHyperparamsState(state.count + 1, hparams, inner_state)
 
         options = (inner_factory, tuple(sorted(static)), hyperparam_dtype)
-        return remember(GradientTransformation(init_fn, update_fn), _injected, (options, args, kwargs), {})
+        out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(probe))
+        return remember(out, _injected, (options, args, kwargs), {})
 
     return wrapped
 

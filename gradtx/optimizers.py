@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Self
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import (
@@ -392,7 +393,7 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
         new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
         return tu.unflatten(spec, out), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- weight decay --------------------------------------------------------------------------
@@ -461,7 +462,7 @@ def add_decayed_weights(
                     out[j] = tu.like(leaves[j], r)
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- momentum ------------------------------------------------------------------------------
@@ -533,7 +534,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
                     out[j] = tu.like(leaves[j], u[k].to(leaves[j].dtype, copy=not nesterov))
         return tu.unflatten(spec, out), TraceState(trace=tu.unflatten(tr_spec, new_tr))
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- aliases -------------------------------------------------------------------------------
@@ -773,4 +774,4 @@ def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerC
                 break
         return updates, tuple(new_states)
 
-    return OptimizerChain(inner.init, update_fn, txs, spec)
+    return kinds.declare_fresh(OptimizerChain(inner.init, update_fn, txs, spec), all(map(kinds.returns_fresh, txs)))

@@ -22,6 +22,7 @@ from typing import Any, Literal, NamedTuple
 import optree
 import torch
 
+from gradtx import kinds
 from gradtx import plan as plans
 from gradtx import tree as tu
 from gradtx import validate as check
@@ -111,7 +112,7 @@ def zero_nans() -> GradientTransformation:
         )
         return tu.unflatten(spec, out), ZeroNansState(found_nan=found_nan)
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- optax's should_skip_update_fn functions ------------------------------------------------
@@ -334,7 +335,7 @@ def skip_if(
             inner_state=inner_state,
         )
 
-    return Guard(init_fn, update_fn)
+    return kinds.declare_fresh(Guard(init_fn, update_fn))
 
 
 # --- skip_spikes ----------------------------------------------------------------------------
@@ -529,4 +530,4 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    return Guard(init_fn, update_fn)
+    return kinds.declare_fresh(Guard(init_fn, update_fn))

@@ -1,0 +1,209 @@
+"""Transform kinds: what the executor, the wrapper and the checkpoint may know about a transform, declared.
+
+A transform is plain ``init``/``update``, and running it member by member is
+always correct. A caller that owns its buffers (:func:`gradtx.update_and_apply`
+with ``donate=True``, :class:`gradtx.TransformedOptimizer`) can do better when
+a transform says what it is. It says so through the small protocols below and
+nothing else: no code reads another module's state fields by name or position.
+Each is optional; a transform that declares none is run as it is, correctly.
+
+* **Fresh updates** (:func:`declare_fresh`, :func:`returns_fresh`): the updates
+  ``update`` returns never share storage with its state or its params. A caller
+  may then write into those updates (pass them on with ``inplace=True``, scale
+  them in place) without a check. A transform that does not declare it is
+  checked by storage after every update, and a leaf that is also held by its
+  state or params is copied first, so optax's way of writing a transform
+  (``new = decay * trace + g; return new, State(new)``) is safe everywhere.
+* **A trailing scalar factor** (:class:`ScalarFactor`): ``update`` multiplies every
+  leaf by one scalar, and ``factor`` returns that scalar, so a run of them folds
+  into one multiply or into a fused kernel's ``grad_scale``.
+* **A guard with a verdict** (:class:`Verdict`): the transform may veto a step;
+  ``verdict(state)`` reads the veto of the step that made ``state``, so a caller
+  whose terminal would still move on zero updates (a torch optimizer's moments)
+  skips that terminal.
+* **A window** (:class:`Windowed`): the transform holds updates back over a window
+  of micro-steps and emits their normalised sum, so the wrapper can let autograd's
+  ``.grad`` be the running sum and count only.
+* **A fusable optimizer** (:class:`FusableOptimizer`): a trailing optimizer whose
+  whole step a donated step may run as one fused torch kernel.
+
+See ``docs/transforms.md`` for how to declare them on your own transforms.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+
+from gradtx import tree as tu
+
+__all__ = [
+    "FusableOptimizer",
+    "ScalarFactor",
+    "Verdict",
+    "Windowed",
+    "declare_fresh",
+    "owned_updates",
+    "returns_fresh",
+    "storages",
+]
+
+_FRESH = "fresh_updates"
+_T = TypeVar("_T")
+
+
+def declare_fresh(tx: _T, fresh: bool = True) -> _T:
+    """Declare that ``tx.update`` returns updates sharing no storage with its state or params; returns ``tx``.
+
+    A declared transform skips the storage check a caller that writes in place
+    runs after an undeclared one. Declare only what holds for every call:
+    :func:`gradtx.testing.assert_pure` fails a transform that declares it and
+    returns a tensor its state or params hold.
+
+    Args:
+      tx: the transform (a :class:`gradtx.GradientTransformation`).
+      fresh: the declaration; ``False`` takes it back.
+
+    Returns:
+      ``tx`` itself, declared.
+
+    Example:
+      >>> tx = declare_fresh(GradientTransformation(init_fn, update_fn))
+    """
+    if not isinstance(fresh, bool):
+        raise TypeError(f"declare_fresh: fresh must be a bool, got {type(fresh).__name__}")
+    vars(tx)[_FRESH] = fresh
+    return tx
+
+
+def returns_fresh(tx: Any) -> bool:
+    """Whether ``tx`` declared (:func:`declare_fresh`) that its updates share no storage with its state or params."""
+    return getattr(tx, "__dict__", {}).get(_FRESH, False) is True
+
+
+def storages(tree: Any) -> set[int]:
+    """The storages (by address) of every tensor in ``tree``, through DTensors' local shards."""
+    out = set()
+    for leaf in tu.flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            local = tu.local(leaf)
+            if local.device.type != "meta":
+                out.add(local.untyped_storage().data_ptr())
+    return out
+
+
+def owned_updates(updates: Any, *held: Any) -> Any:
+    """``updates`` with every leaf whose storage one of the ``held`` trees shares replaced by a copy.
+
+    What a caller runs after a transform that did not :func:`declare_fresh`,
+    before it writes into the updates: ``held`` are that transform's new state,
+    its old state and the params. Traced by ``torch.compile`` (no storage to
+    compare), every leaf is copied.
+    """
+    if updates is None:
+        return None
+    leaves, spec = tu.flatten(updates)
+    if torch.compiler.is_compiling():
+        return tu.unflatten(
+            spec, [tu.like(u, tu.local(u).clone()) if isinstance(u, torch.Tensor) else u for u in leaves]
+        )
+    taken: set[int] = set()
+    for tree in held:
+        taken |= storages(tree)
+    out = []
+    for u in leaves:
+        if isinstance(u, torch.Tensor):
+            local = tu.local(u)
+            ptr = local.untyped_storage().data_ptr() if local.device.type != "meta" else None
+            if ptr in taken:
+                u = tu.like(u, local.clone())
+            elif ptr is not None:
+                taken.add(ptr)  # two leaves on one buffer: the second is copied too
+        out.append(u)
+    return tu.unflatten(spec, out)
+
+
+@runtime_checkable
+class ScalarFactor(Protocol):
+    """A transform whose ``update`` is ``updates * factor``, with the factor exposed (:class:`gradtx.ScalarTransformation`).
+
+    ``factor(updates, state, params=None, *, scale=None, **extra) -> (factor, new_state)``
+    returns the 0-d fp32 tensor the updates are multiplied by. ``scale`` (a 0-d
+    tensor or ``None``) says the given updates still carry a pending multiplier:
+    the true updates are ``updates * scale``; a factor that reads the updates (a
+    clip reads their norm) accounts for it, one that does not ignores it.
+    Build one with :func:`gradtx.scalar_transformation`.
+    """
+
+    def factor(
+        self, updates: Any, state: Any, params: Any = None, *, scale: Any = None, **extra: Any
+    ) -> tuple[torch.Tensor, Any]: ...
+
+
+@runtime_checkable
+class Verdict(Protocol):
+    """A guard: a transform that may veto a step (returning zero updates, its inner state left as it was).
+
+    ``verdict(state)`` is the 0-d bool tensor that says whether the step that
+    produced ``state`` was vetoed; no host sync. Build one with
+    :class:`gradtx.Guard` (``Guard(init, update, verdict)``).
+    """
+
+    def verdict(self, state: Any) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class Windowed(Protocol):
+    """A transform that holds its updates over a window of micro-steps, then emits their normalised sum.
+
+    Every method takes the transform's own state and reads only the host:
+
+    * ``emits_next(state, *, flush=False)``: whether the next micro-step closes the window;
+    * ``is_open(state)``: whether micro-steps have been counted and not emitted;
+    * ``count(state, *, tokens=None, flush=False, device=None) -> (factor | None, new_state)``:
+      count one micro-step whose gradient the caller sums itself (autograd's ``.grad``);
+      on the closing one, ``factor`` is ``1 / denominator``, else ``None`` (hold);
+    * ``reduce(leaves)``: the caller's summed leaves, summed over the data-parallel
+      ranks in place where the window says so (else returned as they are);
+    * ``sum_window(updates, state, params=None, *, tokens=None, flush=False) ->
+      (sum | None, factor | None, new_state)``: the pure function ``update`` is
+      built on: the window's running sum in a new tree and its normaliser, or
+      ``None`` while the window holds;
+    * ``k``: the window length (for messages).
+
+    :func:`gradtx.accumulate` is one; :class:`gradtx.Window` does the counting
+    for a windowed transform of yours.
+    """
+
+    k: int
+
+    def emits_next(self, state: Any, *, flush: bool = False) -> bool: ...
+
+    def is_open(self, state: Any) -> bool: ...
+
+    def count(
+        self, state: Any, *, tokens: Any = None, flush: bool = False, device: torch.device | None = None
+    ) -> tuple[torch.Tensor | None, Any]: ...
+
+    def reduce(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def sum_window(
+        self, updates: Any, state: Any, params: Any = None, *, tokens: Any = None, flush: bool = False
+    ) -> tuple[Any, torch.Tensor | None, Any]: ...
+
+
+@runtime_checkable
+class FusableOptimizer(Protocol):
+    """A trailing optimizer a donated step may run as one fused torch kernel.
+
+    ``fused_step(state, updates, params, factor)`` returns ``(launch, new_state)``,
+    where ``launch()`` writes the step into ``params`` and the state's buffers
+    with the pending ``factor`` (or ``None``) applied to the updates, or
+    ``None`` when a leaf or the state does not suit the kernel (the caller
+    then runs ``update`` as usual).
+    """
+
+    def fused_step(
+        self, state: Any, updates: Any, params: Any, factor: torch.Tensor | None
+    ) -> tuple[Any, Any] | None: ...
