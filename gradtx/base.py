@@ -278,15 +278,37 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
     return kinds.declare_fresh(ScalarTransformation(init, update_fn, factor))
 
 
+class VerdictFn(Protocol):
+    def __call__(self, state: OptState) -> torch.Tensor: ...
+
+
 class Guard(GradientTransformation):
-    """A transform that may veto a step, with the verdict in its state (``state.skipped``, a 0-d bool tensor).
+    """A transform that may veto a step, with the verdict read from its state by ``verdict(state)``.
 
     A vetoed step returns zero updates and leaves the guarded state as it was
-    (see :func:`gradtx.apply_if_finite`). A caller that applies updates through
-    something that would still move (a torch optimizer's moments decay even on
-    a zero gradient) reads the verdict: :mod:`gradtx.executor` hands it on as
-    ``found_inf`` to a fused kernel, or skips the inner optimizer's step.
+    (see :func:`gradtx.apply_if_finite`). ``verdict(state)`` is a pure function
+    returning the 0-d bool tensor that says whether the step that produced
+    ``state`` was vetoed (the :class:`gradtx.kinds.Verdict` kind). A caller
+    that applies updates through something that would still move (a torch
+    optimizer's moments decay even on a zero gradient) reads it:
+    :mod:`gradtx.executor` hands it on as ``found_inf`` to a fused kernel, or
+    skips the inner optimizer's step.
+
+    Example:
+      >>> guard = Guard(init_fn, update_fn, lambda state: state.vetoed)
     """
+
+    verdict: VerdictFn
+
+    def __new__(cls, init: InitFn, update: UpdateFn, verdict: VerdictFn) -> Self:
+        if not callable(verdict):
+            raise TypeError(f"Guard: verdict must be a function of the state, got {type(verdict).__name__}")
+        self = super().__new__(cls, init, update)
+        self.verdict = verdict
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+        return (self.init, self.update, self.verdict)
 
 
 _StateType = TypeVar("_StateType", bound=type)

@@ -40,6 +40,10 @@ def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
     return torch.isfinite(norms.local_norm(leaves, float("inf")))
 
 
+def _skipped(state: ApplyIfFiniteState) -> torch.Tensor:
+    return state.skipped
+
+
 @factory
 def apply_if_finite(
     inner: GradientTransformation,
@@ -143,4 +147,4 @@ def apply_if_finite(
         )
         return tu.unflatten(out_spec, out), new_state
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn))
+    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))

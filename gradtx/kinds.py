@@ -161,7 +161,7 @@ class Windowed(Protocol):
 
     * ``emits_next(state, *, flush=False)``: whether the next micro-step closes the window;
     * ``is_open(state)``: whether micro-steps have been counted and not emitted;
-    * ``count(state, *, tokens=None, flush=False, device=None) -> (factor | None, new_state)``:
+    * ``count_step(state, *, tokens=None, flush=False, device=None) -> (factor | None, new_state)``:
       count one micro-step whose gradient the caller sums itself (autograd's ``.grad``);
       on the closing one, ``factor`` is ``1 / denominator``, else ``None`` (hold);
     * ``reduce(leaves)``: the caller's summed leaves, summed over the data-parallel
@@ -170,7 +170,12 @@ class Windowed(Protocol):
       (sum | None, factor | None, new_state)``: the pure function ``update`` is
       built on: the window's running sum in a new tree and its normaliser, or
       ``None`` while the window holds;
+    * ``rank_local()``: what of the state differs between data-parallel ranks
+      (a :class:`gradtx.accumulation.RankLocal`), for a checkpoint to sum on save;
     * ``k``: the window length (for messages).
+
+    Its state is an :class:`gradtx.AccumulateState` (what :class:`gradtx.Window`
+    makes): the checkpoint keeps its running sum ``acc`` by parameter.
 
     :func:`gradtx.accumulate` is one; :class:`gradtx.Window` does the counting
     for a windowed transform of yours.
@@ -182,7 +187,7 @@ class Windowed(Protocol):
 
     def is_open(self, state: Any) -> bool: ...
 
-    def count(
+    def count_step(
         self, state: Any, *, tokens: Any = None, flush: bool = False, device: torch.device | None = None
     ) -> tuple[torch.Tensor | None, Any]: ...
 
@@ -191,6 +196,8 @@ class Windowed(Protocol):
     def sum_window(
         self, updates: Any, state: Any, params: Any = None, *, tokens: Any = None, flush: bool = False
     ) -> tuple[Any, torch.Tensor | None, Any]: ...
+
+    def rank_local(self) -> Any: ...
 
 
 @runtime_checkable

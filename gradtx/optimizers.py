@@ -33,10 +33,12 @@ from gradtx import validate as check
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
+    OptState,
     Params,
     PyTree,
     ScalarTransformation,
     Schedule,
+    Updates,
     factory,
     scalar_transformation,
 )
@@ -750,6 +752,19 @@ class OptimizerChain(Chain):
 
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
         return (self.init, self.update, self.members, self.spec)
+
+    def fused_step(
+        self, state: OptState, updates: Updates, params: Params, factor: torch.Tensor | None
+    ) -> tuple[Callable[[], None], OptState] | None:
+        """The :class:`gradtx.kinds.FusableOptimizer` kind: ``(launch, new_state)`` for one fused torch kernel, or ``None``.
+
+        ``launch()`` writes the step into ``params`` and the state's moments in
+        place, with ``factor`` (or ``None``) applied to ``updates``; ``None``
+        comes back when a leaf or the state does not suit the kernel.
+        """
+        from gradtx.fused import launch_for  # the kernels sit beside the optimizers that own their state
+
+        return launch_for(self.spec, state, updates, params, factor)
 
 
 def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerChain:

@@ -243,6 +243,10 @@ def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState
     return tu.unflatten(spec, out), tu.tree_map(pick, new_inner, old_inner)
 
 
+def _skipped(state: SkipIfState | SkipSpikesState) -> torch.Tensor:
+    return state.skipped
+
+
 def _check_inner(inner: Any, *, name: str) -> None:
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"{name}: inner must be a GradientTransformation, got {type(inner).__name__}")
@@ -335,7 +339,7 @@ def skip_if(
             inner_state=inner_state,
         )
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn))
+    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
 
 
 # --- skip_spikes ----------------------------------------------------------------------------
@@ -530,4 +534,4 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn))
+    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
