@@ -29,6 +29,7 @@ from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
     ("emitted", "emitted"),
     ("empty_windows", "empty_windows"),
 )
+@kinds.window_state(running_sum="acc", micro_step="micro_step", tokens="tokens", k="k")
 class AccumulateState(NamedTuple):
     """The accumulation window.
 

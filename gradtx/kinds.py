@@ -47,6 +47,8 @@ __all__ = [
     "owned_updates",
     "returns_fresh",
     "storages",
+    "window_fields",
+    "window_state",
 ]
 
 _FRESH = "fresh_updates"
@@ -174,8 +176,8 @@ class Windowed(Protocol):
       (a :class:`gradtx.accumulation.RankLocal`), for a checkpoint to sum on save;
     * ``k``: the window length (for messages).
 
-    Its state is an :class:`gradtx.AccumulateState` (what :class:`gradtx.Window`
-    makes): the checkpoint keeps its running sum ``acc`` by parameter.
+    Its state is a NamedTuple declared with :func:`window_state` (as
+    :class:`gradtx.AccumulateState`, which :class:`gradtx.Window` makes, is).
 
     :func:`gradtx.accumulate` is one; :class:`gradtx.Window` does the counting
     for a windowed transform of yours.
@@ -198,6 +200,44 @@ class Windowed(Protocol):
     ) -> tuple[Any, torch.Tensor | None, Any]: ...
 
     def rank_local(self) -> Any: ...
+
+
+_WINDOW_FIELDS = "_gradtx_window_fields"
+_S = TypeVar("_S", bound=type)
+
+
+def window_state(*, running_sum: str, micro_step: str, tokens: str, k: str) -> Any:
+    """Class decorator: declare which fields of a window's state NamedTuple hold what, for the checkpoint.
+
+    The checkpoint keeps ``running_sum`` (a tree like the updates while the
+    window is open, else ``None``) by parameter, refuses a load under another
+    ``k``, and sums ``tokens`` and ``running_sum`` over the data-parallel ranks
+    where the window's ``rank_local()`` says they are per rank.
+    :class:`gradtx.AccumulateState` is declared with it.
+
+    Example:
+      >>> @window_state(running_sum="acc", micro_step="micro_step", tokens="tokens", k="k")
+      ... class MyWindowState(NamedTuple): ...
+    """
+    fields = {"running_sum": running_sum, "micro_step": micro_step, "tokens": tokens, "k": k}
+
+    def decorate(cls: _S) -> _S:
+        names = getattr(cls, "_fields", None)
+        if names is None:
+            raise TypeError(f"window_state: decorates a NamedTuple class, got {cls!r}")
+        missing = [f for f in fields.values() if f not in names]
+        if missing:
+            raise ValueError(f"window_state: {cls.__name__} has no field(s) {missing}; its fields are {names}")
+        setattr(cls, _WINDOW_FIELDS, dict(fields))
+        return cls
+
+    return decorate
+
+
+def window_fields(state: Any) -> dict[str, str] | None:
+    """The fields a window's state declared with :func:`window_state` (``running_sum``, ...), or ``None``."""
+    fields = getattr(type(state), _WINDOW_FIELDS, None)
+    return dict(fields) if isinstance(state, tuple) and fields is not None else None
 
 
 @runtime_checkable

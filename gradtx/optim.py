@@ -828,7 +828,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """The checkpoint key of the leading window's partial sums (autograd's ``.grad``), or ``None``."""
         if self._plan.window is None or not layout.windows:
             return None
-        return _ckpt._child(layout.windows[0][0], _ckpt._ACC)  # the leading window's, the first in the walk
+        return layout.windows[0].key("running_sum")  # the leading window's, the first in the walk
 
     def _ckpt_pids(self, params: list[list[torch.Tensor]]) -> list[int]:
         """torch.optim's state_dict index of each param of :meth:`param_tree`, in order."""
