@@ -209,8 +209,9 @@ _S = TypeVar("_S", bound=type)
 def window_state(*, running_sum: str, micro_step: str, tokens: str, k: str) -> Any:
     """Class decorator: declare which fields of a window's state NamedTuple hold what, for the checkpoint.
 
-    The checkpoint keeps ``running_sum`` (a tree like the updates while the
-    window is open, else ``None``) by parameter, refuses a load under another
+    The checkpoint keeps ``running_sum`` (a tree like the params while the
+    window is open, each leaf in ``torch.promote_types(param.dtype, torch.float32)``,
+    else ``None``) by parameter, refuses a load under another
     ``k``, and sums ``tokens`` and ``running_sum`` over the data-parallel ranks
     where the window's ``rank_local()`` says they are per rank.
     :class:`gradtx.AccumulateState` is declared with it.
