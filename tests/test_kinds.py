@@ -7,7 +7,7 @@ vetoed step is a step not taken), and the pure functional path.
 from __future__ import annotations
 
 import copy
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Self
 
 import torch
 
@@ -22,7 +22,7 @@ K, LR, MOMENTUM, THRESHOLD = 3, 1e-3, 0.9, 80.0
 class SumWindow(gtx.GradientTransformation):
     """Emit the plain *sum* of k micro-batch grads (torch's own accumulation), counting with gtx.Window."""
 
-    def __new__(cls, k: int) -> SumWindow:
+    def __new__(cls, k: int) -> Self:
         window = gtx.Window(k)
 
         def init(params):
