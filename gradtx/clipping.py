@@ -62,8 +62,7 @@ def clip(max_delta: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, **extra):
         del params
-        if state is not None:  # stateless: None is harmless, another transform's state is a mistake
-            tu.require_state(state, EmptyState, name="clip")
+        tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
         leaves, spec = _leaves(updates, name="clip")
         locals_ = [tu.local(t) for t in leaves]
         out = list(leaves)
@@ -244,8 +243,7 @@ def adaptive_clip(
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
-        if state is not None:  # stateless: None is harmless, another transform's state is a mistake
-            tu.require_state(state, EmptyState, name="adaptive_clip")
+        tu.require_state(state, EmptyState, name="adaptive_clip")
         if params is None:
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
         # A None update (a param with no gradient) stays None; its weight is not read.

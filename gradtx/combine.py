@@ -84,13 +84,14 @@ def _run(
             updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
             owned = True
             continue
+        given = updates
         updates, new_states[i] = tx.update(
             updates, states[i], params, **({**extra, "inplace": True} if owned else extra)
         )
         if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
             break
         if owned and not kinds.returns_fresh(tx):
-            updates = kinds.owned_updates(updates, new_states[i], states[i], params)
+            updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
     return updates, new_states
 
 
@@ -134,12 +135,20 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
       >>> tx = named_chain(("clip", clip_by_global_norm(1.0)), ("opt", adamw(3e-4)))
       >>> state = tx.init(params); state["clip"].grad_norm
     """
+    for i, pair in enumerate(named_txs):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"named_chain: argument {i} must be a (name, transform) pair, got {pair!r:.80}; see docs/chaining.md"
+            )
+        name, tx = pair
+        if not isinstance(name, str) or not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"named_chain: argument {i} must be a (str, GradientTransformation) pair, got "
+                f"({type(name).__name__}, {type(tx).__name__}); see docs/chaining.md"
+            )
     names = [name for name, _ in named_txs]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
-    for name, tx in named_txs:
-        if not isinstance(name, str) or not isinstance(tx, GradientTransformation):
-            raise TypeError(f"named_chain: expected (str, GradientTransformation) pairs, got ({name!r}, {tx!r})")
     txs = [tx for _, tx in named_txs]
 
     def init_fn(params: Params) -> dict[str, OptState]:

@@ -237,12 +237,12 @@ class StepPlan:
             if pending is not None:
                 updates = _scale_owned(updates, pending)
                 pending = None
-            old_state = states[i]
+            old_state, given = states[i], updates
             updates, states[i] = member.update(updates, old_state, params, inplace=True, **extra)
             if updates is None:  # a member held: nothing after it runs or changes
                 return StepResult(None, _join(self.tx, iter(states)), None, None)
             if not self.fresh[i]:  # what it returned may be its state's tensors: copy those before writing
-                updates = kinds.owned_updates(updates, states[i], old_state, params)
+                updates = kinds.owned_updates(updates, kinds.held_storages(states[i], old_state, params, given))
             if self.guard[i]:
                 vetoed = member.verdict(states[i])  # type: ignore[attr-defined]
                 skip = vetoed if skip is None else skip | vetoed.to(skip.device)

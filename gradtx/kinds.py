@@ -44,6 +44,7 @@ __all__ = [
     "Verdict",
     "Windowed",
     "declare_fresh",
+    "held_storages",
     "owned_updates",
     "returns_fresh",
     "storages",
@@ -95,13 +96,21 @@ def storages(tree: Any) -> set[int]:
     return out
 
 
-def owned_updates(updates: Any, *held: Any) -> Any:
-    """``updates`` with every leaf whose storage one of the ``held`` trees shares replaced by a copy.
+def held_storages(new_state: Any, state: Any, params: Any, given: Any) -> set[int]:
+    """The storages a transform's returned updates must not share: its states', and the params' it was not given as updates.
+
+    A leaf passed through from the updates it was given (``identity``) belongs to the
+    caller like the updates do, even when the caller gave the params as updates too.
+    """
+    return storages(new_state) | storages(state) | (storages(params) - storages(given))
+
+
+def owned_updates(updates: Any, held: set[int]) -> Any:
+    """``updates`` with every leaf whose storage is in ``held`` (see :func:`held_storages`) replaced by a copy.
 
     What a caller runs after a transform that did not :func:`declare_fresh`,
-    before it writes into the updates: ``held`` are that transform's new state,
-    its old state and the params. Traced by ``torch.compile`` (no storage to
-    compare), every leaf is copied.
+    before it writes into the updates it returned. Traced by ``torch.compile``
+    (no storage to compare), every leaf is copied.
     """
     if updates is None:
         return None
@@ -110,9 +119,7 @@ def owned_updates(updates: Any, *held: Any) -> Any:
         return tu.unflatten(
             spec, [tu.like(u, tu.local(u).clone()) if isinstance(u, torch.Tensor) else u for u in leaves]
         )
-    taken: set[int] = set()
-    for tree in held:
-        taken |= storages(tree)
+    taken = set(held)
     out = []
     for u in leaves:
         if isinstance(u, torch.Tensor):

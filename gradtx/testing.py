@@ -91,7 +91,7 @@ def _check_ownership(
     """The ownership rule of ``docs/transforms.md``: a declared-fresh result holds no input, and ``inplace`` is honest."""
     new_updates, new_state = pure
     if new_updates is not None and kinds.returns_fresh(tx):
-        held = kinds.storages(new_state) | kinds.storages(state) | kinds.storages(params)
+        held = kinds.held_storages(new_state, state, params, updates)
         for path, leaf in _tensor_leaves(new_updates):
             if tu.local(leaf).untyped_storage().data_ptr() in held:
                 raise AssertionError(

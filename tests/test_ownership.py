@@ -193,11 +193,16 @@ def test_optax_style_trace_in_a_compiled_wrapper_step_matches_the_hand_loop():
 def test_owned_updates_copies_only_the_leaves_the_state_holds():
     held = torch.ones(3)
     free = torch.ones(2)
-    out = kinds.owned_updates({"a": held, "b": free}, {"s": held}, None)
+    out = kinds.owned_updates({"a": held, "b": free}, kinds.held_storages({"s": held}, None, None, None))
     assert out["b"] is free and out["a"] is not held
     assert torch.equal(out["a"], held)
     view = held[1:]  # another view of a held buffer counts as held
-    assert kinds.owned_updates([view], [held])[0].untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+    (copied,) = kinds.owned_updates([view], kinds.storages([held]))
+    assert copied.untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
+    # a param passed through as an update it was given belongs to the caller; one it was not given is held
+    p = torch.ones(2)
+    assert p in kinds.owned_updates([p], kinds.held_storages(None, None, [p], [p]))
+    assert kinds.owned_updates([p], kinds.held_storages(None, None, [p], [free]))[0] is not p
 
 
 def test_gradtx_transforms_declare_fresh_updates_and_composites_inherit_it():
