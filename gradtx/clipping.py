@@ -28,12 +28,6 @@ def _check_plan(mesh_groups: Any, method: str, *, name: str) -> None:
         )
 
 
-def _leaves(updates: Any, *, name: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(updates)
-    tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
-    return leaves, spec
-
-
 # --- clip by value ---------------------------------------------------------------------
 
 
@@ -63,7 +57,7 @@ def clip(max_delta: float) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         del params
         tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
-        leaves, spec = _leaves(updates, name="clip")
+        leaves, spec = tu.tensor_leaves(updates, what="clip: updates")
         locals_ = [tu.local(t) for t in leaves]
         out = list(leaves)
         for idx in tu.group_by_device_dtype(locals_).values():
@@ -137,7 +131,7 @@ def clip_by_global_norm(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
-        leaves, _ = _leaves(updates, name="clip_by_global_norm")
+        leaves, _ = tu.tensor_leaves(updates, what="clip_by_global_norm: updates")
         tree = updates
         if mesh_groups is not None and params is not None and len(leaves) != len(mesh_groups):
             # A declared plan covers every param; one with no gradient (None) joins the collectives as

@@ -97,8 +97,7 @@ def apply_if_finite(
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         # The counters live where the grads do, so the per-step verdict never crosses to the host.
-        tensors = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
-        device = tu.local(tensors[0]).device if tensors else torch.device("cpu")
+        device = tu.device_of(params)
         return ApplyIfFiniteState(
             notfinite_count=torch.zeros((), dtype=torch.int64, device=device),
             last_finite=torch.ones((), dtype=torch.bool, device=device),

@@ -151,8 +151,7 @@ def inject_hyperparams(
             return torch.float64 if any(t.dtype in (torch.float64, torch.complex128) for t in leaves) else torch.float32
 
         def init_fn(params: Params) -> InjectHyperparamsState:
-            leaves = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
-            device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
+            device = tu.device_of(params)
             dtype = dtype_for(params)
             count = torch.zeros((), dtype=torch.int64, device=device)
             hparams = {k: _as_tensor(v, dtype, device) for k, v in numeric.items()}

@@ -68,12 +68,6 @@ __all__ = [
 # --- validation and small helpers --------------------------------------------------------
 
 
-def _leaves(tree: PyTree, *, name: str, what: str = "updates") -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(tree)
-    tu.check_tensors(leaves, tu.paths(tree), what=f"{name}: {what}")
-    return leaves, spec
-
-
 def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for low-precision floating params, the param's own dtype otherwise."""
     if dtype.is_floating_point and dtype.itemsize < 4:
@@ -88,7 +82,7 @@ def _zeros_moments(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _count_device(leaves: Sequence[torch.Tensor]) -> torch.device:
     # The count lives beside the params, so bias corrections and schedules need no host sync.
-    return tu.local(leaves[0]).device if leaves else torch.device("cpu")
+    return tu.device_of(list(leaves))
 
 
 def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -329,7 +323,7 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
     eps = check.non_negative(eps, arg="eps", name="scale_by_adam", tensor=True)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, spec = _leaves(params, name="scale_by_adam", what="params")
+        leaves, spec = tu.tensor_leaves(params, what="scale_by_adam: params")
         return ScaleByAdamState(
             count=_zero_count(leaves),
             mu=tu.unflatten(spec, _zeros_moments(leaves)),
@@ -502,7 +496,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
     nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
-        leaves, spec = _leaves(params, name="trace", what="params")
+        leaves, spec = tu.tensor_leaves(params, what="trace: params")
         return TraceState(trace=tu.unflatten(spec, _zeros_moments(leaves)))
 
     def update_fn(updates, state, params=None, **extra):
