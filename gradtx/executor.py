@@ -68,7 +68,8 @@ class StepResult(NamedTuple):
 
 def _expands(tx: GradientTransformation) -> TypeGuard[Chain]:
     # An optimizer alias stays whole: it may be the terminal kernel, and its members are its business.
-    return isinstance(tx, Chain) and not isinstance(tx, kinds.FusableOptimizer)
+    # (Read through the protocol's method, not isinstance on the runtime Protocol: this runs every step.)
+    return isinstance(tx, Chain) and not callable(getattr(tx, "fused_step", None))
 
 
 def _leaf_members(tx: GradientTransformation) -> list[GradientTransformation]:
