@@ -2,7 +2,7 @@
 
 import torch
 
-from gradtx import checkpoint, comm, schedules, testing
+from gradtx import checkpoint, comm, kinds, schedules, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.adaptive import (
     AutoClipState,
@@ -152,6 +152,7 @@ __all__ = [
     "identity",
     "inject_hyperparams",
     "join_schedules",
+    "kinds",
     "linear_onecycle_schedule",
     "linear_schedule",
     "masked",

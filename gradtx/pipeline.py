@@ -11,6 +11,7 @@ stages' contributions and count the tied weight once.
 
 from __future__ import annotations
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx.base import EmptyState, GradientTransformation, Params, factory
 from gradtx.comm.base import ReduceOp
@@ -77,4 +78,4 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
                 out[i] = s
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

@@ -88,10 +88,6 @@ class _Bucket(NamedTuple):
     leaves: tuple[int, ...]
 
 
-def _dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(k) for k in path) if path else "<root>"
-
-
 def _is_shard(placement: Any) -> TypeGuard[Shard]:
     # Not placement.is_shard(): it is False for _StridedShard.
     return isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard))
@@ -463,7 +459,7 @@ def mesh_groups(
         comm = default_comm(flat_leaves)
     check_comm(comm, name="mesh_groups")
     return _build(
-        [_dotted(p) for p in flat_paths],
+        [tu.dotted(p) for p in flat_paths],
         flat_leaves,
         comm,
         sharded=sharded,
@@ -635,7 +631,7 @@ def _remember(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: An
 
 def _leaf_paths(n: int, tree: PyTree | None) -> list[str]:
     if tree is not None:
-        paths = [_dotted(p) for p in optree.tree_paths(tree)]
+        paths = [tu.dotted(p) for p in optree.tree_paths(tree)]
         if len(paths) == n:
             return paths
     return [f"<leaf {i}>" for i in range(n)]

@@ -217,8 +217,8 @@ def test_transforms_reject_a_plan_that_is_not_one():
 def test_adaptive_clip_with_a_local_plan_equals_without():
     grads, params = tree(2), tree(3)
     plan = mesh_groups(params, comm=LocalComm(), sharded={"l1.w": Sharded("tp", dim=1)})
-    a, _ = gtx.adaptive_clip(0.05).update(grads, None, params)
-    b, _ = gtx.adaptive_clip(0.05, mesh_groups=plan).update(grads, None, params)
+    a, _ = gtx.adaptive_clip(0.05).update(grads, gtx.EmptyState(), params)
+    b, _ = gtx.adaptive_clip(0.05, mesh_groups=plan).update(grads, gtx.EmptyState(), params)
     assert_trees_close(b, a, rtol=1e-6)
 
 
@@ -228,10 +228,10 @@ def test_adaptive_clip_units_span_ranks_only_when_split_along_dim_1(dim):
     grad, weight = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g) * 0.5
     comm = RecordingComm(MirrorComm(2))
     plan = mesh_groups({"w": weight}, comm=comm, sharded={"w": Sharded("tp", dim=dim)})
-    out, _ = gtx.adaptive_clip(0.5, mesh_groups=plan).update({"w": grad}, None, {"w": weight})
+    out, _ = gtx.adaptive_clip(0.5, mesh_groups=plan).update({"w": grad}, gtx.EmptyState(), {"w": weight})
     # The reference: the full tensor two identical shards make, clipped on one device.
     full_g, full_w = torch.cat([grad, grad], dim=dim), torch.cat([weight, weight], dim=dim)
-    ref, _ = gtx.adaptive_clip(0.5).update({"w": full_g}, None, {"w": full_w})
+    ref, _ = gtx.adaptive_clip(0.5).update({"w": full_g}, gtx.EmptyState(), {"w": full_w})
     expected = ref["w"].chunk(2, dim=dim)[0]
     torch.testing.assert_close(out["w"], expected, rtol=1e-6, atol=1e-7)
     assert not torch.equal(out["w"], grad)  # some unit really was clipped
