@@ -173,20 +173,20 @@ class MeshGroups:
             if leaf.tie_group is not None:
                 tied.setdefault(leaf.tie_group, []).append(i)
         self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
-        # Set by gradtx.pp_reduce(plan): the tied copies' grads are summed before any norm reads them.
-        self.tie_reduce_built = False
+        # Set when gradtx.pp_reduce(plan) runs: the tied copies' grads are summed before a norm reads them.
+        self.tie_reduced = False
 
     def require_tie_reduce(self, *, what: str) -> None:
-        """Raise unless :func:`gradtx.pp_reduce` was built for this plan, when it declares tied weights.
+        """Raise unless :func:`gradtx.pp_reduce` has run for this plan, when it declares tied weights.
 
         Unsummed tied copies give each stage a different grad: the norm is
         wrong and the copies drift apart. This check costs nothing per step.
         """
-        if self.tied and not self.tie_reduce_built:
+        if self.tied and not self.tie_reduced:
             paths = [self._leaves[i].path for idx in self.tied.values() for i in idx]
             raise ValueError(
                 f"{what}: the mesh_groups plan declares tied weights ({', '.join(paths)}), but no "
-                "gradtx.pp_reduce(plan) was built for it, so the tied copies' grads are not summed; put it "
+                "gradtx.pp_reduce(plan) ran before this norm, so the tied copies' grads are not summed; put it "
                 "first in the chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., mesh_groups=plan), ...)"
             )
 
@@ -709,10 +709,14 @@ def infer_plan(
     return plan
 
 
-def _check_plan_arg(mesh_groups: Any, *, what: str) -> None:
-    if not isinstance(mesh_groups, MeshGroups):
+def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
+    """Raise ``TypeError`` unless ``mesh_groups`` is a plan from :func:`gradtx.mesh_groups` (or ``None``, unless ``required``).
+
+    The one check of a ``mesh_groups=`` argument, for every transform that takes one.
+    """
+    if (mesh_groups is not None or required) and not isinstance(mesh_groups, MeshGroups):
         raise TypeError(
-            f"{what}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
+            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
 
 
@@ -746,7 +750,7 @@ def tree_norm(
       A 0-d fp32 tensor, equal on every rank; no host sync.
     """
     if mesh_groups is not None:
-        _check_plan_arg(mesh_groups, what=what)
+        check_plan(mesh_groups, name=what)
         return mesh_groups.global_norm(leaves, norm_type)
     plan = infer_plan(leaves, what=what, tree=tree)
     if plan is None:
@@ -772,7 +776,7 @@ def tree_unitwise_norms(
     """
     plan = mesh_groups
     if plan is not None:
-        _check_plan_arg(plan, what="adaptive_clip")
+        check_plan(plan, name="adaptive_clip")
     else:
         plan = infer_plan(grads, what="adaptive_clip", tree=tree)
     if plan is None:
