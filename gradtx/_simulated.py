@@ -385,10 +385,11 @@ def assert_matches_single_device(
     grads_seq: Sequence[PyTree],
     params: PyTree,
     *,
-    mesh_shape: Sequence[int] | int,
+    mesh_shape: Sequence[int] | int | None = None,
     names: Sequence[str] | None = None,
     layout: Layout,
     steps: int | None = None,
+    mesh: DeviceMesh | None = None,
     rtol: float = 1e-5,
     atol: float = 1e-6,
     **extra: Any,
@@ -410,6 +411,8 @@ def assert_matches_single_device(
       names: the mesh dim names; default ``("d0", ...)``.
       layout: a preset or placement map for :func:`distribute` (used for params and grads alike).
       steps: how many steps; default ``len(grads_seq)``.
+      mesh: a mesh to reuse instead (one from an enclosing :func:`simulated_mesh`, or a real one): many checks in
+        one simulated world cost one start-up.
       rtol, atol: tolerances: sharded sums add in another order than one device's.
       **extra: forwarded to every ``update`` (e.g. ``tokens=``).
 
@@ -422,7 +425,12 @@ def assert_matches_single_device(
     if not grads_seq:
         raise ValueError("assert_matches_single_device: grads_seq is empty; pass one grads tree per step")
     steps = len(grads_seq) if steps is None else steps
-    shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+    if mesh is not None:
+        shape = tuple(mesh.shape)
+    elif mesh_shape is None:
+        raise ValueError("assert_matches_single_device: pass mesh_shape=(...) (or a mesh= to reuse)")
+    else:
+        shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
     world = math.prod(shape)
 
     expected = []
@@ -433,23 +441,25 @@ def assert_matches_single_device(
         expected.append((u, ref_params, ref_state, _metrics(ref_state)))
 
     real = dist.is_initialized() and enabled_local_tensor_mode() is None
-    if real and dist.get_world_size() != world:
+    if real and mesh is None and dist.get_world_size() != world:
         raise ValueError(
             f"assert_matches_single_device: mesh_shape {shape} has {world} ranks, the process group "
             f"{dist.get_world_size()}"
         )
     names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
-    mesh_cm: Any = (
-        contextlib.nullcontext(init_device_mesh("cpu", shape, mesh_dim_names=names))
-        if real
-        else simulated_mesh(shape, names)
-    )
+    mesh_cm: Any
+    if mesh is not None:
+        mesh_cm = contextlib.nullcontext(mesh)
+    elif real:
+        mesh_cm = contextlib.nullcontext(init_device_mesh("cpu", shape, mesh_dim_names=names))
+    else:
+        mesh_cm = simulated_mesh(shape, names)
     put = _real_distribute if real else distribute
-    with mesh_cm as mesh:
-        d_params = put(params, mesh, layout)
+    with mesh_cm as on:
+        d_params = put(params, on, layout)
         d_state = tx.init(d_params)
         for i in range(steps):
-            grads = put(grads_seq[i % len(grads_seq)], mesh, layout)
+            grads = put(grads_seq[i % len(grads_seq)], on, layout)
             u, d_state = tx.update(grads, d_state, d_params, **extra)
             d_params = apply_updates(d_params, u)
             e_u, e_params, e_state, e_metrics = expected[i]

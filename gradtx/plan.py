@@ -198,6 +198,15 @@ class MeshGroups:
         """The dotted path of every leaf, in flatten order."""
         return [leaf.path for leaf in self._leaves]
 
+    def leaf(self, index: int) -> _Leaf:
+        """What the plan knows of leaf ``index``: path, global shape, placements, the groups it is summed over
+        (with the tensor dim each splits), and its tie group."""
+        return self._leaves[index]
+
+    def weight_of(self, index: int) -> float:
+        """The factor leaf ``index``'s p-th power carries in the norm: ``1 / copies`` for a tied leaf, else 1."""
+        return next(b.weight for b in self._buckets if index in b.leaves)
+
     def groups_of(self, index: int) -> tuple[GroupKey, ...]:
         """The groups leaf ``index``'s norm is summed over (its sharded mesh dims and declared groups)."""
         return tuple(g for g, _ in self._leaves[index].shards)
