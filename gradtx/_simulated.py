@@ -28,7 +28,8 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, enabled_local_tensor_mode
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, enabled_local_tensor_mode, local_tensor_mode
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -147,7 +148,7 @@ def _local_shard(
 
 
 def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
-    mode = enabled_local_tensor_mode()
+    mode = local_tensor_mode()
     if mode is None:
         raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...)")
     coords = _coords(mesh)
@@ -160,7 +161,7 @@ def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Place
 
 def _replicas(full: torch.Tensor) -> torch.Tensor:
     """A plain tensor held by every simulated rank, one copy each (as DDP leaves its params and grads)."""
-    mode = enabled_local_tensor_mode()
+    mode = local_tensor_mode()
     if mode is None:
         raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...)")
     return mode.rank_map(lambda r: full.detach().clone())
@@ -293,15 +294,22 @@ def _mesh_coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
     return {r: tuple(c[d] for d in dims) for r, c in _coords(root).items()}
 
 
+def _unwrap(t: torch.Tensor) -> torch.Tensor:
+    # A redistribute's output may still be wrapped as a pending functional collective; its value is inside.
+    while isinstance(t, AsyncCollectiveTensor):
+        t = t.elem
+    return t
+
+
 def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """Each rank's part of ``x``, beside the same part of the single-device ``ref``.
 
     A DTensor is compared shard by shard (no gather: ``ref`` is split as the DTensor is), anything else
     as a whole; a value every simulated rank shares is compared once per rank.
     """
-    real = enabled_local_tensor_mode() is None and dist.is_initialized()
+    real = local_tensor_mode() is None and dist.is_initialized()
     if isinstance(x, DTensor):
-        mesh, local = x.device_mesh, x._local_tensor
+        mesh, local = x.device_mesh, _unwrap(x._local_tensor)
         shape, placements = tuple(mesh.shape), tuple(x.placements)
         if real:
             coord = tuple(mesh.get_coordinate() or ())
@@ -309,6 +317,7 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
         coords = _mesh_coords(mesh)
         held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
         return {r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False)) for r, t in sorted(held.items())}
+    x = _unwrap(x)
     if isinstance(x, LocalTensor):
         return {r: (t.detach(), ref) for r, t in sorted(x._local_tensors.items())}
     if real:
@@ -338,9 +347,8 @@ def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: floa
             continue
         if not isinstance(g, torch.Tensor):
             raise AssertionError(f"{name}: one device has a tensor, the mesh {type(g).__name__}")
-        ranks = _per_rank(g, tu.local(e).detach(), world)
-        with _mode_off():
-            _check_ranks(name, ranks, rtol=rtol, atol=atol)
+        with _mode_off():  # plain per-rank tensors from here on: no per-op dispatch through the mode
+            _check_ranks(name, _per_rank(g, tu.local(e).detach(), world), rtol=rtol, atol=atol)
 
 
 def _check_ranks(name: str, ranks: dict[int, tuple[torch.Tensor, torch.Tensor]], *, rtol: float, atol: float) -> None:
@@ -434,13 +442,14 @@ def assert_matches_single_device(
     world = math.prod(shape)
 
     expected = []
-    ref_params, ref_state = params, tx.init(params)
-    for i in range(steps):
-        u, ref_state = tx.update(grads_seq[i % len(grads_seq)], ref_state, ref_params, **extra)
-        ref_params = apply_updates(ref_params, u)
-        expected.append((u, ref_params, ref_state, _metrics(ref_state)))
+    with _mode_off():  # inside a reused simulated mesh, one device is plain tensors with the mode off
+        ref_params, ref_state = params, tx.init(params)
+        for i in range(steps):
+            u, ref_state = tx.update(grads_seq[i % len(grads_seq)], ref_state, ref_params, **extra)
+            ref_params = apply_updates(ref_params, u)
+            expected.append((u, ref_params, ref_state, _metrics(ref_state)))
 
-    real = dist.is_initialized() and enabled_local_tensor_mode() is None
+    real = dist.is_initialized() and local_tensor_mode() is None
     if real and mesh is None and dist.get_world_size() != world:
         raise ValueError(
             f"assert_matches_single_device: mesh_shape {shape} has {world} ranks, the process group "
