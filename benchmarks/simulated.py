@@ -29,7 +29,11 @@ def transformer_grads(quick: bool) -> tuple[dict[str, torch.Tensor], list[dict[s
     d, layers, vocab = (32, 1, 64) if quick else (64, 2, 128)
     layer = torch.nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
     model = torch.nn.ModuleDict(
-        {"emb": torch.nn.Embedding(vocab, d), "blocks": torch.nn.TransformerEncoder(layer, layers), "head": torch.nn.Linear(d, vocab)}
+        {
+            "emb": torch.nn.Embedding(vocab, d),
+            "blocks": torch.nn.TransformerEncoder(layer, layers),
+            "head": torch.nn.Linear(d, vocab),
+        }
     )
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads_seq = []

@@ -142,7 +142,7 @@ def _local_shard(
     local = full
     for d in order:
         p = placements[d]
-        if isinstance(p, Shard) or isinstance(p, _StridedShard):
+        if isinstance(p, (Shard, _StridedShard)):
             local = _chunk(local, p.dim % max(full.ndim, 1), mesh_shape[d], coord[d])
     return local.clone() if copy else local
 
@@ -212,9 +212,11 @@ def _strided(placements: list[Placement], mesh: DeviceMesh) -> list[Placement]:
     out = list(placements)
     for d, p in enumerate(out):
         if isinstance(p, _StridedShard):
-            factor = math.prod(
-                mesh.size(e) for e in range(d + 1, len(out)) if isinstance(out[e], Shard) and out[e].dim == p.dim
-            )
+            factor = 1
+            for e in range(d + 1, len(out)):
+                later = out[e]
+                if isinstance(later, Shard) and later.dim == p.dim:
+                    factor *= mesh.size(e)
             out[d] = _StridedShard(p.dim, split_factor=factor)
     return out
 
@@ -253,7 +255,9 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"distribute: mesh must be a DeviceMesh from simulated_mesh, got {type(mesh).__name__}")
     if not (isinstance(layout, (str, Mapping)) or callable(layout)):
-        raise TypeError(f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}")
+        raise TypeError(
+            f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
+        )
     paths, leaves, spec = optree.tree_flatten_with_path(tree)
     out: list[Any] = []
     matrices = 0
@@ -316,7 +320,10 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
             return {dist.get_rank(): (local.detach(), _local_shard(ref, shape, placements, coord, copy=False))}
         coords = _mesh_coords(mesh)
         held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
-        return {r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False)) for r, t in sorted(held.items())}
+        return {
+            r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False))
+            for r, t in sorted(held.items())
+        }
     x = _unwrap(x)
     if isinstance(x, LocalTensor):
         return {r: (t.detach(), ref) for r, t in sorted(x._local_tensors.items())}
@@ -346,7 +353,7 @@ def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: floa
                 raise AssertionError(f"{name}: one device has {e!r}, the mesh {g!r}")
             continue
         if not isinstance(g, torch.Tensor):
-            raise AssertionError(f"{name}: one device has a tensor, the mesh {type(g).__name__}")
+            raise AssertionError(f"{name}: one device has a tensor, the mesh {type(g).__name__}")  # noqa: TRY004
         with _mode_off():  # plain per-rank tensors from here on: no per-op dispatch through the mode
             _check_ranks(name, _per_rank(g, tu.local(e).detach(), world), rtol=rtol, atol=atol)
 
@@ -361,7 +368,11 @@ def _check_ranks(name: str, ranks: dict[int, tuple[torch.Tensor, torch.Tensor]],
         groups: list[tuple[torch.Tensor, list[int]]] = []
         for r, t, _ in part:
             for value, members in groups:
-                if value.shape == t.shape and value.dtype == t.dtype and torch.equal(torch.nan_to_num(value), torch.nan_to_num(t)):
+                if (
+                    value.shape == t.shape
+                    and value.dtype == t.dtype
+                    and torch.equal(torch.nan_to_num(value), torch.nan_to_num(t))
+                ):
                     members.append(r)
                     break
             else:
@@ -503,7 +514,9 @@ def _real_distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
         placements = _strided(list(placements), mesh)
         if any(isinstance(p, _StridedShard) for p in placements):
             local = _local_shard(leaf.detach(), tuple(mesh.mesh.shape), placements, coord)
-            out.append(DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape, stride=leaf.stride()))
+            out.append(
+                DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape, stride=leaf.stride())
+            )
         else:
             out.append(distribute_tensor(leaf.detach().clone(), mesh, placements))
     return optree.tree_unflatten(spec, out)

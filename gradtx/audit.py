@@ -173,9 +173,7 @@ def _placements(leaf: Any) -> tuple[str, tuple[str, ...]]:
     return "(" + ", ".join(shown) + ")", tuple(skipped)
 
 
-def norm_audit(
-    grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type: float = 2.0
-) -> NormAudit:
+def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type: float = 2.0) -> NormAudit:
     """How the global norm of ``grads`` is put together: per leaf, the groups summed and skipped, and its share.
 
     The plan is ``plan`` (a :func:`gradtx.mesh_groups` plan), else the one the DTensor placements define (what
@@ -221,6 +219,7 @@ def norm_audit(
             )
         comm: Any = None
         stage = powers
+        rows_info: list[tuple[tuple[str, ...], str | None, str | None]]
         total = _total(powers, inf, device=None)
         rows_info = [((), None, None) for _ in leaves]
         collectives = 0

@@ -19,7 +19,7 @@ try:  # torch's simulated ranks (gtx.testing.simulated_mesh): the shard-size bra
     from torch.distributed._local_tensor import maybe_run_for_local_tensor
 except ImportError:  # pragma: no cover
 
-    def maybe_run_for_local_tensor(func):  # type: ignore[no-redef]
+    def maybe_run_for_local_tensor(func):  # type: ignore[no-redef,misc]
         return func
 
 

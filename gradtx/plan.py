@@ -611,6 +611,7 @@ def _build(
 # A step's cost on a cache hit is one read of each leaf's DTensor spec (shape, placements, mesh)
 # and a tuple compare: no collective and no host sync beyond what the plan itself issues.
 
+
 class PlanCache:
     """The plans inferred from placements, and the groups a finite check agrees over, built once and reused.
 

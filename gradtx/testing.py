@@ -183,6 +183,6 @@ class RecordingComm:
 # --- simulated meshes: distributed transforms tested in one process (torch's LocalTensorMode) ----------
 
 try:  # a torch build without distributed support has no simulated meshes
-    from gradtx._simulated import assert_matches_single_device, distribute, simulated_mesh
+    from gradtx._simulated import assert_matches_single_device, distribute, simulated_mesh  # noqa: F401
 except ImportError:  # pragma: no cover
     pass

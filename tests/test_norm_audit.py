@@ -11,7 +11,7 @@ import gradtx as gtx
 from gradtx import testing
 
 pytest.importorskip("torch.distributed._local_tensor")
-from torch.distributed._local_tensor import rank_map  # noqa: E402
+from torch.distributed._local_tensor import rank_map
 
 
 def _tree(seed: int = 0, **shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -101,7 +101,9 @@ def test_a_declared_plain_tensor_pipeline_matches_one_device():
     for r in range(2):
         torch.testing.assert_close(emb[r], expected["emb"])
         torch.testing.assert_close(block[r], expected[f"block{r}"])
-        torch.testing.assert_close(norms[r], torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in whole.values()])))
+        torch.testing.assert_close(
+            norms[r], torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in whole.values()]))
+        )
     assert audit.row("emb").tied == "pp: 1/2" and audit.row("block").pipeline == "pp"
     assert norm_after_tie == pytest.approx(math.sqrt(sum(_sq(t) for t in whole.values())), rel=1e-6)
 

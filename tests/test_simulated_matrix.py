@@ -17,7 +17,7 @@ import gradtx as gtx
 from gradtx import testing
 
 pytest.importorskip("torch.distributed._local_tensor")
-from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+from torch.distributed.tensor import Replicate, Shard
 
 STEPS = 2
 
@@ -82,9 +82,7 @@ def _transforms():
         "zclip": gtx.zclip(warmup_steps=1, z_thresh=0.5),
         "autoclip": gtx.autoclip(50.0),
         "track_norms": gtx.track_norms(),
-        "skip_large_updates": gtx.skip_if(
-            gtx.sgd(0.1), lambda u, s, p: gtx.skip_large_updates(u, s, p, 20.0)
-        ),
+        "skip_large_updates": gtx.skip_if(gtx.sgd(0.1), lambda u, s, p: gtx.skip_large_updates(u, s, p, 20.0)),
         "skip_spikes": gtx.skip_spikes(gtx.sgd(0.1), warmup_steps=1, z_thresh=0.5),
         "apply_if_finite": gtx.apply_if_finite(gtx.sgd(0.1), 2),
         "zero_nans": gtx.zero_nans(),

@@ -13,9 +13,9 @@ import gradtx as gtx
 from gradtx import testing
 
 pytest.importorskip("torch.distributed._local_tensor")
-from torch.distributed._local_tensor import LocalTensor  # noqa: E402
-from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
+from torch.distributed._local_tensor import LocalTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def _tree(seed: int = 0, **shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -44,16 +44,12 @@ def test_simulated_mesh_yields_the_mesh_and_leaves_no_process_group_behind():
 
 
 def test_simulated_mesh_refuses_bad_shapes_and_nesting():
-    with pytest.raises(ValueError, match="shape must be positive ints"):
-        with testing.simulated_mesh((2, 0)):
-            pass
-    with pytest.raises(ValueError, match="names must be 2 distinct strings"):
-        with testing.simulated_mesh((2, 2), ("dp",)):
-            pass
-    with testing.simulated_mesh(2):
-        with pytest.raises(RuntimeError, match="already initialised"):
-            with testing.simulated_mesh(2):
-                pass
+    with pytest.raises(ValueError, match="shape must be positive ints"), testing.simulated_mesh((2, 0)):
+        pass
+    with pytest.raises(ValueError, match="names must be 2 distinct strings"), testing.simulated_mesh((2, 2), ("dp",)):
+        pass
+    with testing.simulated_mesh(2), pytest.raises(RuntimeError, match="already initialised"), testing.simulated_mesh(2):
+        pass
 
 
 def test_plans_do_not_outlive_their_process_groups():
@@ -84,7 +80,11 @@ def test_plans_do_not_outlive_their_process_groups():
                 "s": (Replicate(), Replicate()),
             },
         ),
-        ("ep_fsdp", (2, 2), {"experts.w": (Shard(1), Shard(0)), "w": (Shard(0), Replicate()), "b": (Shard(0), Replicate())}),
+        (
+            "ep_fsdp",
+            (2, 2),
+            {"experts.w": (Shard(1), Shard(0)), "w": (Shard(0), Replicate()), "b": (Shard(0), Replicate())},
+        ),
         ("cp", (2, 2), {"w": (Shard(0), Replicate()), "b": (Shard(0), Replicate())}),
     ],
 )
@@ -165,7 +165,9 @@ def test_a_rank_inconsistent_transform_fails_naming_the_path_and_the_ranks():
     params = _tree(w=(6, 4), b=(4,))
     grads = [_tree(1, w=(6, 4), b=(4,))]
     testing.assert_matches_single_device(_local_norm_clip(1.0), grads, params, mesh_shape=1, layout="fsdp")
-    with pytest.raises(AssertionError, match=r"step 0: updates at b: the ranks disagree \(ranks \[0\] hold .*; ranks \[1\]"):
+    with pytest.raises(
+        AssertionError, match=r"step 0: updates at b: the ranks disagree \(ranks \[0\] hold .*; ranks \[1\]"
+    ):
         testing.assert_matches_single_device(
             _local_norm_clip(1.0), grads, params, mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp"
         )
@@ -179,9 +181,7 @@ def test_a_consistent_but_wrong_transform_fails_against_one_device():
 
     tx = gtx.GradientTransformation(lambda p: gtx.EmptyState(), double_count)
     with pytest.raises(AssertionError, match=r"step 0: updates at w: ranks \[0, 1, 2, 3\] differ from one device"):
-        testing.assert_matches_single_device(
-            tx, [_tree(1, w=(4, 4))], _tree(w=(4, 4)), mesh_shape=4, layout="fsdp"
-        )
+        testing.assert_matches_single_device(tx, [_tree(1, w=(4, 4))], _tree(w=(4, 4)), mesh_shape=4, layout="fsdp")
 
 
 def test_the_state_is_checked_every_step():
@@ -197,7 +197,10 @@ def test_the_state_is_checked_every_step():
 
     tx = gtx.GradientTransformation(init, update)
     testing.assert_matches_single_device(tx, [_tree(1, w=(4, 2))], _tree(w=(4, 2)), mesh_shape=4, layout="fsdp")
-    with pytest.raises(AssertionError, match=r"step 0: state at count: the ranks disagree \(ranks \[0, 1\] hold \[1\]; ranks \[2, 3\] hold \[0\]"):
+    with pytest.raises(
+        AssertionError,
+        match=r"step 0: state at count: the ranks disagree \(ranks \[0, 1\] hold \[1\]; ranks \[2, 3\] hold \[0\]",
+    ):
         testing.assert_matches_single_device(tx, [_tree(1, w=(2, 2))], _tree(w=(2, 2)), mesh_shape=4, layout="fsdp")
 
 
