@@ -432,7 +432,8 @@ def assert_matches_single_device(
       steps: how many steps; default ``len(grads_seq)``.
       mesh: a mesh to reuse instead (one from an enclosing :func:`simulated_mesh`, or a real one): many checks in
         one simulated world cost one start-up.
-      rtol, atol: tolerances: sharded sums add in another order than one device's.
+      rtol: relative tolerance: sharded sums add in another order than one device's.
+      atol: absolute tolerance.
       **extra: forwarded to every ``update`` (e.g. ``tokens=``).
 
     Example:
