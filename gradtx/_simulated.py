@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -95,9 +96,9 @@ def simulated_mesh(shape: Sequence[int] | int, names: Sequence[str] | None = Non
 
 def _coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
     """Each rank's coordinate in a root ``mesh``, computed once per mesh (pure Python, with the mode off)."""
-    found = _COORDS.get(id(mesh))
-    if found is not None and found[0] is mesh:
-        return found[1]
+    found = _COORDS.get(mesh)
+    if found is not None:
+        return found
     with _mode_off():
         ranks = mesh.mesh
         shape = tuple(ranks.shape)
@@ -109,12 +110,13 @@ def _coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
             coord.append(flat % n)
             flat //= n
         out[int(rank)] = tuple(reversed(coord))
-    _COORDS.clear()  # one mesh at a time: a new simulated world makes new meshes
-    _COORDS[id(mesh)] = (mesh, out)
+    _COORDS[mesh] = out
     return out
 
 
-_COORDS: dict[int, tuple[DeviceMesh, dict[int, tuple[int, ...]]]] = {}
+# Reading a mesh's rank layout costs ~0.1 s here, and every shard of every leaf needs it. Weak keys: an
+# entry lives as long as its mesh (equal meshes have equal coordinates, so a hit is always right).
+_COORDS: weakref.WeakKeyDictionary[DeviceMesh, dict[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 
 
 def _mode_off() -> contextlib.AbstractContextManager:
