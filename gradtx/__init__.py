@@ -13,6 +13,7 @@ from gradtx.adaptive import (
     track_norms,
     zclip,
 )
+from gradtx.audit import AuditRow, NormAudit, norm_audit
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -103,6 +104,7 @@ __all__ = [
     "AccumulateState",
     "Accumulation",
     "ApplyIfFiniteState",
+    "AuditRow",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
@@ -112,6 +114,7 @@ __all__ = [
     "InjectHyperparamsState",
     "MaskedState",
     "MeshGroups",
+    "NormAudit",
     "OptimizerChain",
     "OptimizerSpec",
     "PartitionState",
@@ -160,6 +163,7 @@ __all__ = [
     "metrics",
     "named_chain",
     "no_sync",
+    "norm_audit",
     "partition",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",

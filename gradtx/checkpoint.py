@@ -55,7 +55,7 @@ import torch
 from gradtx import kinds
 from gradtx import tree as tu
 from gradtx.base import GradientTransformation, OptState, Params, PyTree
-from gradtx.comm.base import ReduceOp
+from gradtx.comm.base import ReduceOp, as_comm
 
 try:
     from torch.distributed.tensor import DTensor
@@ -204,18 +204,8 @@ def _multi_process() -> bool:
 
 
 def _group_rank(comm: Any, group: Any) -> int:
-    if comm.size(group) == 1:
-        return 0
-    rank = getattr(comm, "rank", None)
-    if rank is None:
-        inner = getattr(comm, "inner", None)  # a wrapping comm (gradtx.testing.RecordingComm)
-        rank = getattr(inner, "rank", None)
-    if rank is None:
-        raise TypeError(
-            f"gradtx.checkpoint: the accumulation's comm ({type(comm).__name__}) has no rank(group); "
-            "loading a window's per-rank sums needs it (gradtx.comm.TorchComm has it)"
-        )
-    return int(rank(group))
+    # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
+    return int(as_comm(comm, name="gradtx.checkpoint").rank(group))
 
 
 def _windows_with_comm(layout: _Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:

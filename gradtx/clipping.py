@@ -20,12 +20,6 @@ from gradtx.base import (
 )
 
 
-def _check_plan(mesh_groups: Any, method: str, *, name: str) -> None:
-    if mesh_groups is not None and not callable(getattr(mesh_groups, method, None)):
-        raise TypeError(
-            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...) (with .{method}), "
-            f"got {type(mesh_groups).__name__}"
-        )
 
 
 # --- clip by value ---------------------------------------------------------------------
@@ -120,7 +114,7 @@ def clip_by_global_norm(
     """
     max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
-    _check_plan(mesh_groups, "global_norm", name="clip_by_global_norm")
+    plan.check_plan(mesh_groups, name="clip_by_global_norm")
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
@@ -227,7 +221,7 @@ def adaptive_clip(
     clipping = check.positive(clipping, arg="clipping", name="adaptive_clip", tensor=True)
     eps = check.non_negative(eps, arg="eps", name="adaptive_clip")
     unitwise = check.flag(unitwise, arg="unitwise", name="adaptive_clip")
-    _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
+    plan.check_plan(mesh_groups, name="adaptive_clip")
     if isinstance(mesh_groups, plan.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
             mesh_groups.unit_groups(i, unitwise=unitwise)

@@ -11,7 +11,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from gradtx import kinds
 from gradtx import tree as tu
 from gradtx.base import GradientTransformation, PyTree
-from gradtx.comm.base import Comm, GroupKey, ReduceOp
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
 from gradtx.comm.local import LocalComm
 
 
@@ -200,8 +200,22 @@ class RecordingComm:
     def size(self, group: GroupKey) -> int:
         return self.inner.size(group)
 
+    def rank(self, group: GroupKey) -> int:
+        return as_comm(self.inner, name="RecordingComm").rank(group)
+
+    def group_id(self, group: GroupKey) -> Hashable:
+        return as_comm(self.inner, name="RecordingComm").group_id(group)
+
     def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
         return getattr(self.inner, name)
 
     def reset(self) -> None:
         self.calls.clear()
+
+
+# --- simulated meshes: distributed transforms tested in one process (torch's LocalTensorMode) ----------
+
+try:  # a torch build without distributed support has no simulated meshes
+    from gradtx._simulated import assert_matches_single_device, distribute, simulated_mesh  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass

@@ -131,7 +131,10 @@ def test_pp_stages_add_and_tied_weight_counts_once():
     plan = mesh_groups({"emb": emb, "block": block}, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
     with pytest.raises(ValueError, match=r"tied weights \(emb\).*pp_reduce\(plan\)"):
         plan.global_norm([block, emb], 2.0)  # the tied copies' grads would not be summed
-    gtx.pp_reduce(plan)
+    tie = gtx.pp_reduce(plan)
+    with pytest.raises(ValueError, match=r"no gradtx.pp_reduce\(plan\) ran"):
+        plan.global_norm([block, emb], 2.0)  # built but never run: still refused
+    tie.update({"emb": emb, "block": block}, tie.init({"emb": emb, "block": block}))
     # Two stages: each holds a copy of emb (counted once overall) and its own block (counted per stage).
     torch.testing.assert_close(plan.global_norm([block, emb], 2.0), torch.tensor(math.sqrt(25 + 2 * 1)))
     torch.testing.assert_close(plan.global_norm([block, emb], math.inf), torch.tensor(4.0))
@@ -144,9 +147,9 @@ def test_empty_rank_still_joins_the_pp_reduction():
     assert float(norm) == 0.0 and [c.group for c in comm.calls] == ["pp"]
 
 
-def test_mesh_dim_keys_dedupe_through_the_comm_resolver():
+def test_mesh_dim_keys_dedupe_through_the_comm_group_id():
     class Resolving(RecordingComm):
-        def resolve(self, group):
+        def group_id(self, group):
             return {"tp": "TP", "tensor": "TP"}.get(group, group)
 
     comm = Resolving()
