@@ -19,9 +19,6 @@ from gradtx.base import (
     scalar_transformation,
 )
 
-
-
-
 # --- clip by value ---------------------------------------------------------------------
 
 
