@@ -2,7 +2,7 @@
 
 import torch
 
-from gradtx import checkpoint, comm, schedules, testing
+from gradtx import checkpoint, comm, kinds, schedules, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.adaptive import (
     AutoClipState,
@@ -13,6 +13,7 @@ from gradtx.adaptive import (
     track_norms,
     zclip,
 )
+from gradtx.audit import AuditRow, NormAudit, norm_audit
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -103,6 +104,7 @@ __all__ = [
     "AccumulateState",
     "Accumulation",
     "ApplyIfFiniteState",
+    "AuditRow",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
@@ -112,6 +114,7 @@ __all__ = [
     "InjectHyperparamsState",
     "MaskedState",
     "MeshGroups",
+    "NormAudit",
     "OptimizerChain",
     "OptimizerSpec",
     "PartitionState",
@@ -152,6 +155,7 @@ __all__ = [
     "identity",
     "inject_hyperparams",
     "join_schedules",
+    "kinds",
     "linear_onecycle_schedule",
     "linear_schedule",
     "masked",
@@ -159,6 +163,7 @@ __all__ = [
     "metrics",
     "named_chain",
     "no_sync",
+    "norm_audit",
     "partition",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",

@@ -2,10 +2,9 @@
 
 The wrapper needs to know whether the chain holds an accumulation window,
 where that window stands, and which part of the state survives a skipped
-step. Today it learns this from the step plan and from the window's state
-type; these few functions are the only places it does, so a public
-declaration of those kinds can replace them without touching the rest of
-the wrapper.
+step. It learns this from the step plan and from what the members and their
+states declare through :mod:`gradtx.kinds`; these few functions are the only
+places it does.
 """
 
 from __future__ import annotations
@@ -14,9 +13,8 @@ from typing import Any
 
 import torch
 
-from gradtx import checkpoint as _ckpt
+from gradtx import kinds
 from gradtx import tree as tu
-from gradtx.accumulation import AccumulateState
 from gradtx.base import OptState
 from gradtx.executor import StepPlan
 
@@ -42,16 +40,16 @@ def acc_key(plan: StepPlan, layout: Any) -> str | None:
     """The checkpoint key of the leading window's partial sums (autograd's ``.grad``), or ``None``.
 
     ``layout`` is :func:`gradtx.checkpoint`'s walk of the state; the window's
-    running sum is its ``acc`` field.
+    running sum is the field its state declares (:func:`gradtx.kinds.window_state`).
     """
     if plan.window is None or not layout.windows:
         return None
-    return _ckpt._child(layout.windows[0][0], _ckpt._ACC)  # the leading window's, the first in the walk
+    return layout.windows[0].key("running_sum")  # the leading window's, the first in the walk
 
 
 def keep_on_skip(skip: torch.Tensor, old: Any, new: Any) -> Any:
     """``new``, except where ``skip``: then ``old``; the accumulation window closes either way (no host sync)."""
-    if isinstance(new, AccumulateState):
+    if kinds.window_fields(new) is not None:  # a declared window state
         return new
     if isinstance(new, torch.Tensor):
         local_new = tu.local(new)
