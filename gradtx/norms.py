@@ -56,7 +56,7 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
         if inf or dtype.is_complex:  # max|x| is exact in any dtype; complex magnitudes take the norm kernel
             kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
             norms = torch._foreach_norm([locals_[i] for i in idx], norm_type, **kwargs)
-            sums = norms if inf else torch._foreach_pow(norms, norm_type)
+            sums: Sequence[torch.Tensor] = norms if inf else torch._foreach_pow(norms, norm_type)
         else:
             whole = []
             for i in idx:
@@ -123,8 +123,10 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
 
 
 def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
-    """The L2 norm of each output unit of ``x``'s local shard (dim 0 is the unit), broadcastable to it.
+    """The L2 norm of each output unit of ``x``'s local shard, in PyTorch layouts, broadcastable to it.
 
+    A Linear weight is ``(out, in)`` and a Conv weight ``(out, in, kh, kw)``, so
+    a unit is a slice along dim 0 and the norm reduces over dims ``1..ndim-1``.
     A 0-d or 1-d tensor is one unit, and so is any tensor when ``unitwise`` is
     False. An empty shard gives zeros of the right shape. fp32, fp64 for
     fp64/complex128; a complex tensor's units are measured by magnitude.
