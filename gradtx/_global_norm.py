@@ -25,8 +25,8 @@ import torch
 from gradtx import norms
 from gradtx import plan as plans
 from gradtx import tree as tu
-from gradtx.comm.base import ReduceOp
-from gradtx.comm.groups import start_reduce_over_groups
+from gradtx.comm.base import ReduceOp, start_all_reduce
+from gradtx.comm.groups import levels
 
 
 def check_plan(mesh_groups: Any, *, name: str) -> None:
@@ -73,35 +73,84 @@ def plan_norm(plan: Any, leaves: Sequence[torch.Tensor], norm_type: float) -> to
     """The ``norm_type``-norm of the whole model under ``plan`` (a :class:`gradtx.MeshGroups`), checks done.
 
     One contribution (a sum of p-th powers, or a max for ``inf``) per bucket
-    of leaves that share the same groups; the sharded buckets' reductions are
-    started before the replicated buckets' local pass runs, then one wait,
-    then the reduction over ``pp_group``, which needs the stage's total.
+    of leaves that share the same groups. The groups are reduced in rounds
+    (:func:`rounds`), innermost first: a round's collectives are all started,
+    then the local pass of the buckets that round does not need runs while
+    they are in flight, then one wait. Buckets left with the same groups are
+    added before the next round, so every group still costs one collective of
+    one value per bucket set. The reduction over ``pp_group`` comes last: it
+    needs the stage's total.
     """
     inf = math.isinf(norm_type)
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
     buckets = plan._buckets
-    sharded = [b for b in buckets if b.groups]
-    replicated = [b for b in buckets if not b.groups]
-    pending = start_reduce_over_groups(
-        plan.comm, _bucket_sums(sharded, leaves, norm_type, device), [b.groups for b in sharded], plan.group_order, op
-    )
-    sums = _bucket_sums(replicated, leaves, norm_type, device)  # runs while the reductions are in flight
-    sums += pending.wait()
-    total = norms.total(sums, norm_type, device).to(norms.partial_dtype(device))
+    schedule = rounds([b.groups for b in buckets], plan.group_order)
+    # (value, groups still to reduce over); a bucket's local pass runs just before its first round.
+    values: list[tuple[torch.Tensor, frozenset]] = []
+    todo = list(buckets)
+    for r, groups in enumerate(schedule):
+        now = [b for b in todo if any(g in b.groups for g in groups)]
+        todo = [b for b in todo if b not in now]
+        values += [(s, frozenset(b.groups)) for b, s in zip(now, _bucket_sums(now, leaves, norm_type, device))]
+        values = _merge(values, norm_type, device)
+        started = []
+        for g in groups:
+            idx = [i for i, (_, gs) in enumerate(values) if g in gs]
+            started.append((g, idx, start_all_reduce(plan.comm, [values[i][0] for i in idx], op, g)))
+        if r + 1 < len(schedule):  # overlap: the next round's buckets, else the replicated ones
+            nxt = [b for b in todo if any(g in b.groups for g in schedule[r + 1])]
+        else:
+            nxt = [b for b in todo if not b.groups]
+        todo = [b for b in todo if b not in nxt]
+        ahead = list(zip(nxt, _bucket_sums(nxt, leaves, norm_type, device)))
+        for g, idx, pending in started:
+            for i, reduced in zip(idx, pending.wait()):
+                values[i] = (reduced, values[i][1] - {g})
+        values += [(s, frozenset(b.groups)) for b, s in ahead]
+    values += [(s, frozenset()) for s in _bucket_sums(todo, leaves, norm_type, device)]
+    total = norms.total([v for v, _ in values], norm_type, device).to(norms.partial_dtype(device))
     if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
         (total,) = plan.comm.all_reduce([total], op, plan.pp_group)
     return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
+
+
+def rounds(groups: Sequence[tuple[Any, ...]], order: Sequence[Any]) -> list[list[Any]]:
+    """The rounds a plan's groups are reduced in: innermost first (the groups fewest buckets need).
+
+    Groups that as many buckets need share a round unless one bucket needs
+    both (see :func:`gradtx.comm.groups.levels`); a bucket sharded over
+    ``(dp, tp)`` beside one sharded over ``dp`` gives ``[[tp], [dp]]``: the
+    first bucket's part is summed over ``tp``, added to the second's, and the
+    sum reduced over ``dp`` once. The order depends only on the plan, so every
+    rank starts the same collectives in the same order.
+    """
+    need = {g: sum(g in gs for gs in groups) for g in order}
+    out: list[list[Any]] = []
+    for count in sorted({n for n in need.values() if n}):
+        same = [g for g in order if need[g] == count]
+        out += levels([gs for gs in groups if any(g in gs for g in same)], same)
+    return out
+
+
+def _merge(values: list[tuple[torch.Tensor, frozenset]], norm_type: float, device: torch.device) -> list:
+    """Add up the values left with the same groups (max for ``inf``): one tensor per group set in a collective."""
+    by_groups: dict[frozenset, list[torch.Tensor]] = {}
+    for v, gs in values:
+        by_groups.setdefault(gs, []).append(v)
+    return [(vs[0] if len(vs) == 1 else norms.total(vs, norm_type, device), gs) for gs, vs in by_groups.items()]
 
 
 def _bucket_sums(
     buckets: Sequence[Any], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
 ) -> list[torch.Tensor]:
     """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), all in one dtype."""
+    if not buckets:
+        return []
     index = [i for b in buckets for i in b.leaves]
     per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
     out = []
     for b in buckets:
-        s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device)
+        s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))
         out.append(s if b.weight == 1.0 or math.isinf(norm_type) else s * b.weight)
     return out

@@ -108,10 +108,10 @@ def test_one_collective_per_group_however_many_tensors(n_layers):
         pp_group="pp",
     )
     plan.global_norm(leaves(grads), 2.0)
-    # optree sorts dict keys, so "l0.colwise" comes first: dp, then tp; pp is always last.
-    assert [c.group for c in comm.calls] == ["dp", "tp", "pp"]
-    # dp carries both buckets ({dp} and {dp, tp}), tp only the {dp, tp} bucket: never one per tensor.
-    assert [c.num_tensors for c in comm.calls] == [2, 1, 1]
+    # Innermost first: tp (the {dp, tp} bucket only), then dp once, over that sum added to the {dp} bucket's;
+    # pp is always last. Never one collective per tensor, and never more than one value per collective here.
+    assert [c.group for c in comm.calls] == ["tp", "dp", "pp"]
+    assert [c.num_tensors for c in comm.calls] == [1, 1, 1]
     assert plan.num_collectives() == 3 and plan.group_order == ("dp", "tp")
 
 
@@ -364,12 +364,19 @@ def test_a_grad_sharded_over_two_groups_waits_once_per_level():
     comm = RecordingComm()
     plan = mesh_groups(grads, comm=comm, sharded={"w": ["dp", "tp"], "b": "dp"})
     plan.global_norm(leaves(grads), 2.0)
-    assert [(c.group, c.num_tensors) for c in comm.calls] == [("dp", 2), ("tp", 1)]
+    # w over tp first (b's local pass runs while it is in flight), then w's sum plus b's over dp, once.
+    assert [(c.group, c.num_tensors) for c in comm.calls] == [("tp", 1), ("dp", 1)]
     assert comm.events == [("start", 0), ("wait", 0), ("start", 1), ("wait", 1)]
+    mirrored = mesh_groups(grads, comm=MirrorComm(2), sharded={"w": ["dp", "tp"], "b": "dp"})
+    torch.testing.assert_close(mirrored.global_norm(leaves(grads), 2.0), torch.tensor(math.sqrt(4 * 8 + 2 * 2.0)))
 
 
 def test_levels_put_groups_a_value_needs_together_apart():
+    from gradtx._global_norm import rounds
     from gradtx.comm.groups import levels
 
     assert levels([("dp",), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "tp", "ep"]]
     assert levels([("dp", "tp"), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "ep"], ["tp"]]
+    assert rounds([("dp", "tp"), ("dp",)], ["dp", "tp"]) == [["tp"], ["dp"]]
+    assert rounds([("dp", "tp"), ("dp", "tp")], ["dp", "tp"]) == [["dp"], ["tp"]]
+    assert rounds([("tp",), ("ep",), ()], ["tp", "ep"]) == [["tp", "ep"]]
