@@ -17,7 +17,6 @@ round-robin, medians of the rounds.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
 import statistics
@@ -174,19 +173,19 @@ class BlockingComm:
     def __init__(self, inner: object) -> None:
         self.inner = inner
 
-    def all_reduce(self, tensors, op, group):  # noqa: ANN001, ANN201
+    def all_reduce(self, tensors, op, group):
         return self.inner.all_reduce(tensors, op, group)
 
-    def size(self, group):  # noqa: ANN001, ANN201
+    def size(self, group):
         return self.inner.size(group)
 
-    def resolve(self, group):  # noqa: ANN001, ANN201
+    def resolve(self, group):
         return self.inner.resolve(group)
 
-    def group_id(self, group):  # noqa: ANN001, ANN201
+    def group_id(self, group):
         return self.inner.group_id(group)
 
-    def rank(self, group):  # noqa: ANN001, ANN201
+    def rank(self, group):
         return self.inner.rank(group)
 
 
@@ -249,7 +248,7 @@ def dist_overlap(quick: bool, rounds: int) -> list[tuple[str, str]]:
     out = os.path.join(tempfile.mkdtemp(), "dist.txt")
     port = 29500 + random.Random(os.getpid()).randrange(2000)
     mp.spawn(_dist_worker, args=(4, port, quick, rounds, out), nprocs=4, join=True)
-    ov, seq, local, order = Path(out).read_text().splitlines()
+    ov, seq, local, _order = Path(out).read_text().splitlines()
     return [
         (
             f"4 gloo ranks, mesh (dp=2, tp=2), {int(local):,} local fp32 grads per rank: norm, sequential",
@@ -291,8 +290,10 @@ def main() -> None:
     if args.dist and not args.cuda_only:
         rows += dist_overlap(args.quick, max(3, rounds))
     lines = [
-        f"Device: **{name}**; torch {torch.__version__}; Python {sys.version.split()[0]}; "
-        f"load {load_start} at the start, {load()} at the end; {time.perf_counter() - t0:.0f} s.",
+        (
+            f"Device: **{name}**; torch {torch.__version__}; Python {sys.version.split()[0]}; "
+            f"load {load_start} at the start, {load()} at the end; {time.perf_counter() - t0:.0f} s."
+        ),
         "",
         "| what | value |",
         "|---|---|",
