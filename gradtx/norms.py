@@ -117,8 +117,8 @@ def power_to_norm(power: torch.Tensor, norm_type: float) -> torch.Tensor:
 def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
     """The ``norm_type``-norm of the local shards of ``leaves`` taken together (0-d, fp32 or fp64); no communication.
 
-    Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors (more closely
-    than it matches itself against fp64: see :func:`tensor_powsums`). For the
+    Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors, and is closer
+    than it to the exact norm of long tensors (see :func:`tensor_powsums`). For the
     norm of a sharded model use :func:`gradtx.global_norm`, which reduces it
     over the mesh dims where each leaf is sharded.
     """
