@@ -84,8 +84,27 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
     fp64 norm. A complex tensor's norm is that of its magnitudes, as
     ``torch.linalg.vector_norm`` takes it. An empty shard has norm 0.
     """
+    locals_ = [tu.local(t) for t in tensors]
+    if norm_dtype(locals_) == torch.float64 and not _is_batched(locals_[0]):  # see _fp64_norms
+        return _fp64_norms(locals_, norm_type)
     sums = tensor_powsums(tensors, norm_type)
     return [power_to_norm(s, norm_type).to(tu.acc_dtype(t.dtype)) for s, t in zip(sums, tensors)]
+
+
+def _fp64_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Norms taken by torch's norm kernel, which scales: a finite fp64 norm past 1e154 has no finite square."""
+    out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
+    for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
+        acc = tu.acc_dtype(dtype)
+        for i in idx:
+            if locals_[i].numel() == 0:  # _foreach_norm refuses the inf-norm of an empty tensor
+                out[i] = torch.zeros((), dtype=acc, device=device)
+        idx = [i for i in idx if locals_[i].numel() != 0]
+        if idx:
+            kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
+            for i, n in zip(idx, torch._foreach_norm([locals_[i] for i in idx], norm_type, **kwargs)):
+                out[i] = n.to(acc)
+    return out
 
 
 def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
@@ -124,6 +143,9 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
     """
     locals_ = [tu.local(t) for t in leaves]
     device = locals_[0].device if locals_ else None
+    if norm_dtype(leaves) == torch.float64 and not _is_batched(locals_[0]):  # fp64 leaves: norms, combined by the scaling norm kernel too
+        norms = _fp64_norms(locals_, norm_type)
+        return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)
     inf = math.isinf(norm_type)
     parts = [sums.max() if inf else sums.sum() for _, sums in _powsum_groups(locals_, norm_type)]
     norm = power_to_norm(parts[0] if len(parts) == 1 else total(parts, norm_type, device), norm_type)
