@@ -2,7 +2,7 @@
 
 import torch
 
-from gradtx import checkpoint, comm, schedules, testing
+from gradtx import checkpoint, comm, kinds, schedules, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.adaptive import (
     AutoClipState,
@@ -13,6 +13,7 @@ from gradtx.adaptive import (
     track_norms,
     zclip,
 )
+from gradtx.audit import AuditRow, NormAudit, norm_audit
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -29,7 +30,6 @@ from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
 from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
-from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
     OptimizerSpec,
@@ -74,6 +74,7 @@ from gradtx.spikes import (
     skip_spikes,
     zero_nans,
 )
+from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
@@ -103,6 +104,7 @@ __all__ = [
     "AccumulateState",
     "Accumulation",
     "ApplyIfFiniteState",
+    "AuditRow",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
@@ -112,6 +114,7 @@ __all__ = [
     "InjectHyperparamsState",
     "MaskedState",
     "MeshGroups",
+    "NormAudit",
     "OptimizerChain",
     "OptimizerSpec",
     "PartitionState",
@@ -152,6 +155,7 @@ __all__ = [
     "identity",
     "inject_hyperparams",
     "join_schedules",
+    "kinds",
     "linear_onecycle_schedule",
     "linear_schedule",
     "masked",
@@ -159,6 +163,7 @@ __all__ = [
     "metrics",
     "named_chain",
     "no_sync",
+    "norm_audit",
     "partition",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",

@@ -15,6 +15,13 @@ import torch
 
 from gradtx import tree as tu
 
+try:  # torch's simulated ranks (gtx.testing.simulated_mesh): the shard-size branch below must run per rank
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+except ImportError:  # pragma: no cover
+
+    def maybe_run_for_local_tensor(func):  # type: ignore[no-redef,misc]
+        return func
+
 
 def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """Each tensor's local contribution to a ``norm_type``-norm: ``sum(|x|**p)``, or ``max(|x|)`` for ``inf`` (0-d each).
@@ -35,7 +42,11 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     magnitude. Under ``torch.func.vmap`` (a batched first leaf) only plain
     per-tensor ops run: foreach kernels have no batching rules.
     """
-    locals_ = [tu.local(t) for t in tensors]
+    return list(_local_norms([tu.local(t) for t in tensors], norm_type))
+
+
+@maybe_run_for_local_tensor  # under simulated ranks, once per rank: their shards differ in size (empty included)
+def _local_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for idx, sums in _powsum_groups(locals_, norm_type):
         for i, v in zip(idx, sums.unbind()):

@@ -1,6 +1,6 @@
 """The communication layer: the only code in gradtx that issues collectives."""
 
-from gradtx.comm.base import AsyncComm, Comm, GroupKey, PendingReduce, ReduceOp, start_all_reduce
+from gradtx.comm.base import AsyncComm, Comm, GroupKey, MinimalComm, PendingReduce, ReduceOp, as_comm, start_all_reduce
 from gradtx.comm.groups import reduce_over_groups, start_reduce_over_groups
 from gradtx.comm.local import LocalComm
 
@@ -14,9 +14,11 @@ __all__ = [
     "Comm",
     "GroupKey",
     "LocalComm",
+    "MinimalComm",
     "PendingReduce",
     "ReduceOp",
     "TorchComm",
+    "as_comm",
     "reduce_over_groups",
     "start_all_reduce",
     "start_reduce_over_groups",
