@@ -42,11 +42,11 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     magnitude. Under ``torch.func.vmap`` (a batched first leaf) only plain
     per-tensor ops run: foreach kernels have no batching rules.
     """
-    return list(_local_norms([tu.local(t) for t in tensors], norm_type))
+    return list(_local_powsums([tu.local(t) for t in tensors], norm_type))
 
 
 @maybe_run_for_local_tensor  # under simulated ranks, once per rank: their shards differ in size (empty included)
-def _local_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+def _local_powsums(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for idx, sums in _powsum_groups(locals_, norm_type):
         for i, v in zip(idx, sums.unbind()):
@@ -102,6 +102,7 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
     return [power_to_norm(s, norm_type).to(tu.acc_dtype(t.dtype)) for s, t in zip(sums, tensors)]
 
 
+@maybe_run_for_local_tensor  # per simulated rank, as _local_powsums
 def _fp64_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """Norms taken by torch's norm kernel, which scales: a finite fp64 norm past 1e154 has no finite square."""
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
@@ -154,13 +155,19 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
     """
     locals_ = [tu.local(t) for t in leaves]
     device = locals_[0].device if locals_ else None
-    if norm_dtype(leaves) == torch.float64 and not _is_batched(locals_[0]):  # fp64 leaves: norms, combined by the scaling norm kernel too
+    if norm_dtype(leaves) == torch.float64 and not _is_batched(
+        locals_[0]
+    ):  # fp64 leaves: norms, combined by the scaling norm kernel too
         norms = _fp64_norms(locals_, norm_type)
         return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)
+    return power_to_norm(_local_total(locals_, norm_type, device), norm_type).to(norm_dtype(leaves))
+
+
+@maybe_run_for_local_tensor  # per simulated rank, as _local_powsums
+def _local_total(locals_: list[torch.Tensor], norm_type: float, device: torch.device | None) -> torch.Tensor:
     inf = math.isinf(norm_type)
     parts = [sums.max() if inf else sums.sum() for _, sums in _powsum_groups(locals_, norm_type)]
-    norm = power_to_norm(parts[0] if len(parts) == 1 else total(parts, norm_type, device), norm_type)
-    return norm.to(norm_dtype(leaves))
+    return parts[0] if len(parts) == 1 else total(parts, norm_type, device)
 
 
 def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
