@@ -1,0 +1,96 @@
+"""gradtx on a CUDA device against torch on the same device (skipped without one).
+
+CI has no GPU; these run where one is lent (see docs/benchmarks.md for the device they last ran on).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradtx as gtx
+from gradtx.testing import assert_trees_close
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)).cuda()
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(32, 64, generator=g).cuda(), torch.randint(0, 10, (32,), generator=g).cuda()) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, float("inf")])
+def test_global_norm_and_clip_match_torch_on_cuda(dtype: torch.dtype, norm_type: float):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grads = {f"w{i}": torch.randn(257, 129, generator=g, device="cuda").to(dtype) * (i + 1) for i in range(5)}
+    ref = [t.clone() for t in grads.values()]
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type=norm_type)
+    tx = gtx.clip_by_global_norm(1.0, norm_type=norm_type)
+    updates, state = tx.update(grads, tx.init(grads))
+    assert state.grad_norm.dtype == torch.float32 and state.grad_norm.device.type == "cuda"
+    exact = torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in grads.values()]), norm_type)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(state.grad_norm.double(), exact, rtol=tol, atol=0)
+    torch.testing.assert_close(ref_norm.double().to(exact.device), exact, rtol=tol if dtype == torch.float32 else 2e-2, atol=0)
+    for u, r in zip(updates.values(), ref):
+        torch.testing.assert_close(u.float(), r.float(), rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_wrapper_with_accumulation_and_clip_matches_torch_on_cuda(fused: bool):
+    k, steps = 2, 4
+    batches = _batches(k * steps)
+    ref_model, model = _model(), _model()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=fused)
+    opt = gtx.TransformedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused),
+        gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(0.5)),
+    )
+    for s in range(steps):
+        for x, y in batches[s * k : (s + 1) * k]:
+            (torch.nn.functional.cross_entropy(ref_model(x), y) / k).backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for x, y in batches[s * k : (s + 1) * k]:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.emitted
+    assert_trees_close(list(model.parameters()), list(ref_model.parameters()), rtol=1e-5, atol=1e-6)
+
+
+def test_donated_fused_step_matches_the_pure_step_on_cuda():
+    torch.manual_seed(0)
+    params = {f"w{i}": torch.randn(300, 70, device="cuda") for i in range(4)}
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-2, weight_decay=0.1))
+    pure_p, pure_s = dict(params), tx.init(params)
+    don_p = {k: v.clone() for k, v in params.items()}
+    don_s = tx.init(don_p)
+    for step in range(5):
+        grads = {k: torch.randn_like(v) * (step + 1) for k, v in params.items()}
+        pure_p, pure_s = gtx.update_and_apply(tx, grads, pure_s, pure_p)
+        don_p, don_s = gtx.update_and_apply(tx, {k: g.clone() for k, g in grads.items()}, don_s, don_p, donate=True)
+    assert_trees_close(don_p, pure_p, rtol=1e-5, atol=1e-6)
+
+
+def test_a_clipped_adamw_step_on_cuda_never_syncs_with_the_host():
+    torch.manual_seed(0)
+    params = {f"w{i}": torch.randn(64, 64, device="cuda") for i in range(3)}
+    tx = gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3))
+    state = tx.init(params)
+    grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(4)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for g in grads:
+            updates, state = tx.update(g, state, params)
+            params = gtx.apply_updates(params, updates)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
