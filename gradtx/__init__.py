@@ -29,17 +29,6 @@ from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
 from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
-from gradtx.muon import (
-    ExchangePlan,
-    MuonDimensionNumbers,
-    MuonState,
-    exchange_plan,
-    muon,
-    newton_schulz,
-    orthogonalize,
-    scale_by_muon,
-    scale_by_shape,
-)
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
@@ -56,6 +45,17 @@ from gradtx.optimizers import (
     scale_by_schedule,
     sgd,
     trace,
+)
+from gradtx.orthogonal import (
+    ExchangePlan,
+    MuonDimensionNumbers,
+    MuonState,
+    exchange_plan,
+    muon,
+    newton_schulz,
+    orthogonalize,
+    scale_by_muon,
+    scale_by_shape,
 )
 from gradtx.pipeline import pp_reduce
 from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups

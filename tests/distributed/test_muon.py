@@ -6,13 +6,14 @@ params and grads are DTensors made with ``distribute_tensor``; several
 ``gtx.muon`` steps run through ``tx.update`` + ``apply_updates`` and the full
 params, the full momentum and the step count are compared with the same steps
 on one device. The all-to-alls the step issues are counted (``RecordingComm``)
-and their bytes compared with :func:`gradtx.muon.exchange_plan`. Also: the
+and their bytes compared with :func:`gradtx.exchange_plan`. Also: the
 wrapper with an inner SGD, ``inject_hyperparams``, and a DCP checkpoint saved
 under FSDP2 and loaded under TP x FSDP2.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import tempfile
 from typing import Any
@@ -27,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import gradtx as gtx
 from gradtx.comm.torch_dist import mesh_comm
-from gradtx.muon import exchange_plan
+from gradtx.orthogonal import exchange_plan
 from gradtx.testing import RecordingComm
 from tests.distributed.harness import part_results, share_spawn
 
@@ -50,6 +51,7 @@ def _grads() -> list[dict[str, torch.Tensor]]:
     return [{k: torch.randn(v.shape, generator=g) for k, v in _params().items()} for _ in range(STEPS)]
 
 
+@functools.cache  # a mesh's process groups cost a rendezvous each: make them once per process
 def _layouts() -> dict[str, Any]:
     dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
@@ -98,10 +100,25 @@ def _run(tx: gtx.GradientTransformation, params: Any, grads: list[Any]) -> tuple
 
 
 def _muon_state(state: Any) -> Any:
-    return state.inner_states["muon"][0]
+    return state[0].inner_states["muon"][0]
+
+
+@functools.cache
+def _reference() -> tuple[Any, Any]:
+    return _run(_tx(), _params(), _grads())
+
+
+def _pairs(got: dict[str, Any], want: dict[str, Any], layout: dict[str, Any]) -> dict[str, Any]:
+    """Each leaf's local shard beside the reference's same shard (cut locally, with no collective)."""
+    return {
+        k: (v.to_local().clone(), distribute_tensor(want[k], *layout[k], src_data_rank=None).to_local())
+        for k, v in got.items()
+        if v is not None
+    }
 
 
 def part_layouts(rank: int) -> dict[str, Any]:
+    ref_params, ref_state = _reference()
     out: dict[str, Any] = {}
     for name, layout in _layouts().items():
         params = _distribute(_params(), layout)
@@ -113,8 +130,8 @@ def part_layouts(rank: int) -> dict[str, Any]:
         alltoall = [c for c in comm.calls if c.op == "all_to_all"]
         mu = _muon_state(s)
         out[name] = {
-            "params": {k: _full(v) for k, v in p.items()},
-            "mu": {k: _full(v) for k, v in mu.mu.items() if v is not None},
+            "params": _pairs(p, ref_params, layout),
+            "mu": _pairs(mu.mu, _muon_state(ref_state).mu, layout),
             "count": mu.count.clone(),
             "collectives": len(alltoall) // STEPS,
             "plan_collectives": plan.collectives,
@@ -131,10 +148,15 @@ def part_layouts(rank: int) -> dict[str, Any]:
 
 
 def part_wrapper(rank: int) -> dict[str, Any]:
-    """TransformedOptimizer over an inner SGD(lr=1) and inject_hyperparams, under TP x FSDP2."""
+    """TransformedOptimizer (Muon's direction before an inner SGD) and inject_hyperparams, under TP x FSDP2."""
     layout = _layouts()["tp_fsdp"]
-    params = {k: torch.nn.Parameter(v) for k, v in _distribute(_params(), layout).items()}
-    opt = gtx.TransformedOptimizer(torch.optim.SGD(params.values(), lr=1.0), _tx())
+    mats = [k for k, v in DIMS.items() if v is not None]
+    params = {k: torch.nn.Parameter(v) for k, v in _distribute(_params(), layout).items() if k in mats}
+    # The wrapper's tree is the inner optimizer's param groups: a list of lists, in order. SGD's L2 decay
+    # without momentum is muon's decoupled decay: p - lr (d + wd p).
+    dims = [[DIMS[k] for k in params]]
+    tx = gtx.chain(gtx.scale_by_muon(weight_dimension_numbers=dims), gtx.scale_by_shape(dims))
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(params.values(), lr=0.05, weight_decay=0.1), tx)
     for g in _grads():
         for k, v in params.items():
             v.grad = _distribute({k: g[k]}, layout)[k]
@@ -143,10 +165,8 @@ def part_wrapper(rank: int) -> dict[str, Any]:
         0.05, weight_decay=0.1, muon_weight_dimension_numbers=DIMS
     )
     p2, _ = _run(injected, _distribute(_params(), layout), [_distribute(g, layout) for g in _grads()])
-    return {
-        "wrapper": {k: _full(v) for k, v in params.items()},
-        "injected": {k: _full(v) for k, v in p2.items()},
-    }
+    ref_params, _ = _reference()
+    return {"wrapper": _pairs(params, ref_params, layout), "injected": _pairs(p2, ref_params, layout)}
 
 
 def part_checkpoint(rank: int) -> dict[str, Any]:
@@ -168,7 +188,7 @@ def part_checkpoint(rank: int) -> dict[str, Any]:
     new_state = gtx.checkpoint.load_state_dict(sd["tx"], new_state, new_params, tx=tx)
     updates, new_state = tx.update(_distribute(grads[2], layouts["tp_fsdp"]), new_state, new_params)
     new_params = gtx.apply_updates(new_params, updates)
-    return {k: _full(v) for k, v in new_params.items()}
+    return _pairs(new_params, _reference()[0], layouts["tp_fsdp"])
 
 
 _SHARED = share_spawn(
@@ -181,26 +201,18 @@ def ranks() -> list[dict[str, Any]]:
     return _SHARED()
 
 
-@pytest.fixture(scope="module")
-def reference() -> tuple[Any, Any]:
-    return _run(_tx(), _params(), _grads())
-
-
 def _close(a: torch.Tensor, b: torch.Tensor, msg: str) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=msg)
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp"])
-def test_muon_matches_one_device(ranks, reference, layout):
-    ref_params, ref_state = reference
-    ref_mu = _muon_state(ref_state)
+def test_muon_matches_one_device(ranks, layout):
     for rank, res in enumerate(part_results(ranks, "layouts")):
         got = res[layout]
-        for k, v in ref_params.items():
-            _close(got["params"][k], v, f"rank {rank} {layout} params[{k}]")
-        for k, v in ref_mu.mu.items():
-            if v is not None:
-                _close(got["mu"][k], v, f"rank {rank} {layout} mu[{k}]")
+        assert set(got["params"]) == set(DIMS) and set(got["mu"]) == {k for k, v in DIMS.items() if v is not None}
+        for what in ("params", "mu"):
+            for k, (mine, want) in got[what].items():
+                _close(mine, want, f"rank {rank} {layout} {what}[{k}]")
         assert int(got["count"]) == STEPS
 
 
@@ -218,16 +230,15 @@ def test_muon_exchange_cost(ranks, layout):
     assert sum(flops) <= results[0]["total_flops"]
 
 
-def test_muon_wrapper_and_inject_hyperparams(ranks, reference):
-    ref_params, _ = reference
+def test_muon_wrapper_and_inject_hyperparams(ranks):
     for rank, res in enumerate(part_results(ranks, "wrapper")):
-        for k, v in ref_params.items():
-            _close(res["wrapper"][k], v, f"rank {rank} wrapper params[{k}]")
-            _close(res["injected"][k], v, f"rank {rank} injected params[{k}]")
+        for what in ("wrapper", "injected"):
+            for k, (mine, want) in res[what].items():
+                _close(mine, want, f"rank {rank} {what} params[{k}]")
 
 
-def test_muon_checkpoint_resharded(ranks, reference):
-    ref_params, _ = reference
+def test_muon_checkpoint_resharded(ranks):
     for rank, res in enumerate(part_results(ranks, "checkpoint")):
-        for k, v in ref_params.items():
-            _close(res[k], v, f"rank {rank} params[{k}]")
+        assert set(res) == set(DIMS)
+        for k, (mine, want) in res.items():
+            _close(mine, want, f"rank {rank} params[{k}]")

@@ -44,6 +44,8 @@ from gradtx.combine import chain, partition
 from gradtx.comm.base import ExchangeComm, check_exchange_comm
 from gradtx.comm.local import LocalComm
 from gradtx.optimizers import (
+    OptimizerChain,
+    OptimizerSpec,
     ScaleByAdamState,
     _bias_correction,
     _moment_dtype,
@@ -97,13 +99,23 @@ class MuonDimensionNumbers(NamedTuple):
     may be one axis or a sequence of axes (flattened together, in order);
     negative axes count from the end.
 
+    Two fields optax does not have cut a fused axis into equal pieces, each
+    orthogonalized on its own: ``output_split=3`` treats a fused QKV weight
+    ``(3 d, d)`` as three ``(d, d)`` matrices, ``output_split=n_heads`` a
+    projection ``(n_heads d_head, d)`` as one matrix per head, and
+    ``reduction_split=n_heads`` the attention output ``(d, n_heads d_head)``.
+    A split axis must be a single axis whose size the split divides.
+
     Example:
       >>> MuonDimensionNumbers()                                   # a Linear weight (out, in)
       >>> MuonDimensionNumbers(reduction_axis=2, output_axis=1)    # stacked experts (E, out, in)
+      >>> MuonDimensionNumbers(output_split=3)                     # fused QKV (3 d, d): Q, K, V apart
     """
 
     reduction_axis: Sequence[int] | int = 1
     output_axis: Sequence[int] | int = 0
+    reduction_split: int = 1
+    output_split: int = 1
 
 
 def _is_dn(x: Any) -> bool:
@@ -129,23 +141,59 @@ def _axes(ndim: int, dn: MuonDimensionNumbers, *, where: str) -> tuple[tuple[int
 
 
 class _Layout(NamedTuple):
+    split: tuple[int, ...]  # the shape with split axes cut
     perm: tuple[int, ...]  # batch + reduction + output axes
     inv: tuple[int, ...]
     flat: tuple[int, int, int]  # (batch, rows = reduction, cols = output)
     unflat: tuple[int, ...]
-    batch_axes: frozenset[int]
+    batch_axes: frozenset[int]  # in the leaf's own axes (a split axis is not one)
     fan_in: int
     fan_out: int
 
 
+def _split(
+    shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str
+) -> tuple[tuple[int, ...], MuonDimensionNumbers]:
+    """``shape`` with each split axis cut into ``(pieces, size / pieces)``, and the dimension numbers on that shape.
+
+    The pieces become a batch axis just before the axis they cut.
+    """
+    red, outp = _axes(len(shape), dn, where=where)
+    cuts: dict[int, int] = {}
+    for axes, k, name in ((red, dn.reduction_split, "reduction"), (outp, dn.output_split, "output")):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"muon: {name}_split at {where} must be an int >= 1, got {k!r}")
+        if k > 1:
+            if len(axes) != 1 or shape[axes[0]] % k:
+                raise ValueError(
+                    f"muon: {name}_split={k} at {where} needs one {name} axis whose size it divides, "
+                    f"got axes {axes} of shape {tuple(shape)}"
+                )
+            cuts[axes[0]] = k
+    if not cuts:
+        return tuple(shape), dn
+    new_shape: list[int] = []
+    where_is: dict[int, int] = {}
+    for ax, n in enumerate(shape):
+        if ax in cuts:
+            new_shape.append(cuts[ax])
+            n //= cuts[ax]
+        where_is[ax] = len(new_shape)
+        new_shape.append(n)
+    return tuple(new_shape), MuonDimensionNumbers(tuple(where_is[a] for a in red), tuple(where_is[a] for a in outp))
+
+
 def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _Layout:
+    red0, out0 = _axes(len(shape), dn, where=where)
+    own_batch = frozenset(ax for ax in range(len(shape)) if ax not in red0 and ax not in out0)
+    shape, dn = _split(shape, dn, where=where)
     red, outp = _axes(len(shape), dn, where=where)
     batch = tuple(ax for ax in range(len(shape)) if ax not in red and ax not in outp)
     perm = batch + red + outp
     inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
     size = lambda axes: math.prod(shape[ax] for ax in axes)
     return _Layout(
-        perm, inv, (size(batch), size(red), size(outp)), tuple(shape[ax] for ax in perm), frozenset(batch),
+        shape, perm, inv, (size(batch), size(red), size(outp)), tuple(shape[ax] for ax in perm), own_batch,
         size(red), size(outp),
     )  # fmt: skip
 
@@ -235,8 +283,10 @@ def _orthogonalize_full(
     if x.is_complex():
         raise TypeError("muon: complex leaves are not supported (torch.optim.Muon refuses them too)")
     dtype = ns_dtype if ns_dtype is not None else x.dtype
-    m = x.permute(lay.perm).reshape(lay.flat).to(dtype)
-    transposed = lay.flat[1] >= lay.flat[2]
+    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat).to(dtype)
+    # Iterate on the wide side. A square matrix is transposed too (where torch.optim.Muon iterates it, so bf16
+    # agrees bit for bit), except under AOL, whose row scaling depends on the side: there optax's side.
+    transposed = lay.flat[1] > lay.flat[2] or (lay.flat[1] == lay.flat[2] and preconditioning != "aol")
     if transposed:
         m = m.mT
     if lay.flat[0] == 1:  # one matrix: the 2-d ops torch.optim.Muon uses, so bf16 results agree bit for bit
@@ -245,7 +295,7 @@ def _orthogonalize_full(
         y = _ns_batched(m, rows, preconditioning, eps)
     if transposed:
         y = y.mT
-    return y.reshape(lay.unflat).permute(lay.inv).to(x.dtype)
+    return y.reshape(lay.unflat).permute(lay.inv).reshape(x.shape).to(x.dtype)
 
 
 def _eps_like(eps: Scalar, like: torch.Tensor) -> Scalar:
@@ -1100,7 +1150,11 @@ def muon(
       consistent_rms: ``None`` for width scaling, else the target RMS (see :func:`scale_by_shape`).
 
     Returns:
-      A :class:`GradientTransformation`: a :func:`gradtx.partition` with labels ``"muon"`` and ``"adam"``.
+      An :class:`~gradtx.OptimizerChain` of one :func:`gradtx.partition` (labels ``"muon"`` and ``"adam"``);
+      its state is ``(PartitionState,)``. Its output is an update, so
+      :class:`gradtx.TransformedOptimizer` refuses it; in front of a torch
+      optimizer chain :func:`scale_by_muon` and :func:`scale_by_shape` instead
+      (``docs/muon.md``).
 
     References:
       Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024;
@@ -1150,4 +1204,23 @@ def muon(
     if isinstance(adam_weight_decay, torch.Tensor) or adam_weight_decay != 0.0:
         adam_members.append(add_decayed_weights(adam_weight_decay))
     adam_members.append(scale_by_learning_rate(adam_lr))
-    return partition({"muon": chain(*members), "adam": chain(*adam_members)}, labels)
+    inner = partition({"muon": chain(*members), "adam": chain(*adam_members)}, labels)
+    # An OptimizerChain: its output is an update (-learning_rate times a direction), so the wrapper refuses
+    # it in front of a torch optimizer, and no fused kernel claims it.
+    spec = OptimizerSpec("muon", learning_rate, weight_decay, b1=adam_b1, b2=adam_b2, eps=eps, fusable=False)
+    return OptimizerChain(*_as_chain(inner), [inner], spec)
+
+
+def _as_chain(inner: GradientTransformation) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``init`` and ``update`` of ``chain(inner)``: the state is a 1-tuple, as every chain's."""
+
+    def init_fn(params: Params) -> tuple[Any]:
+        return (inner.init(params),)
+
+    def update_fn(updates, state, params=None, **extra):
+        if not isinstance(state, tuple) or len(state) != 1:
+            raise TypeError(f"muon: expected the state that init() returned (a 1-tuple), got {type(state).__name__}")
+        updates, inner_state = inner.update(updates, state[0], params, **extra)
+        return updates, (inner_state,)
+
+    return init_fn, update_fn
