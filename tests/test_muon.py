@@ -79,7 +79,7 @@ OPTAX_LAYOUT = {"w": (0, 1), "v": (0, 1), "sq": (0, 1), "b": None, "heads": (1, 
             "adam_eps_root": 1e-8,
         },
         {"ns_coeffs": "dion"},
-    ],  # fmt: skip
+    ],
     ids=lambda kw: ",".join(kw) or "defaults",
 )
 def test_muon_matches_optax(kw):
