@@ -42,14 +42,14 @@ from benchmarks.harness import Contender, measure
 LR, WD, MOMENTUM = 0.02, 0.1, 0.95
 
 
-def matrix_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
-    cfg = {"n_layer": 2, "n_embd": 64, "vocab_size": 1000, "n_positions": 64} if quick else {}
+def matrix_shapes(quick: bool, n_layer: int = 12) -> dict[str, tuple[int, ...]]:
+    cfg = {"n_layer": 2, "n_embd": 64, "vocab_size": 1000, "n_positions": 64} if quick else {"n_layer": n_layer}
     # HF's Conv1D weights are (in, out); torch.optim.Muon and gtx read (out, in): transpose them.
     return {k: tuple(reversed(s)) for k, s in gpt2_shapes(**cfg).items() if len(s) == 2 and k.startswith("h.")}
 
 
-def step_time(device: torch.device, quick: bool, reps: int) -> dict[str, Any]:
-    shapes = matrix_shapes(quick)
+def step_time(device: torch.device, quick: bool, reps: int, n_layer: int) -> dict[str, Any]:
+    shapes = matrix_shapes(quick, n_layer)
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=gen).to(device) for s in shapes.values()]
     grads = [torch.randn(s, generator=gen).mul_(1e-3).to(device) for s in shapes.values()]
@@ -84,6 +84,7 @@ def step_time(device: torch.device, quick: bool, reps: int) -> dict[str, Any]:
         "max_abs_diff": err,
         "contention": contention,
         "reps": reps,
+        "layers": n_layer if not quick else 2,
     }
 
 
@@ -185,13 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=12, help="GPT-2 blocks in the step-time case (12: GPT-2 small)")
     ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--skip-exchange", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks_muon.md"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     reps = args.reps or (3 if args.quick else 15)
-    single = None if args.skip_single else step_time(device, args.quick, reps)
+    single = None if args.skip_single else step_time(device, args.quick, reps, args.layers)
     ranks = None if args.skip_exchange else exchange(args.quick)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     text = report(single, ranks, name, "python benchmarks/muon.py " + " ".join(argv or sys.argv[1:]))

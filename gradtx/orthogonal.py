@@ -363,9 +363,9 @@ class _Dn:
 
 def _resolve_dims(dims: Any, updates: PyTree, *, name: str) -> list[MuonDimensionNumbers | None]:
     """One dimension-numbers entry per (non-None) leaf of ``updates``; ``None`` where a leaf is not Muon's."""
-    if dims is None:
-        dims = MuonDimensionNumbers()
-    elif callable(dims) and not _is_dn(dims):
+    if dims is None:  # the default 2-d rule: every matrix is an (out, in) weight, the rest pass through
+        return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(updates)[0]]
+    if callable(dims) and not _is_dn(dims):
         dims = dims(updates)
     wrapped = optree.tree_map(_Dn, dims, is_leaf=lambda x: x is None or _is_dn(x), none_is_leaf=True)
     full = optree.tree_map(lambda x: x, updates, none_is_leaf=True)
@@ -833,8 +833,8 @@ def orthogonalize(
       preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or ``"schatten"``.
       weight_dimension_numbers: a :class:`MuonDimensionNumbers` for every
         leaf, a tree of them (``None`` leaves pass through unchanged), or a
-        function of the updates returning such a tree. ``None``: every leaf is
-        an ``(out, in)`` matrix.
+        function of the updates returning such a tree. ``None``: every 2-d leaf is an
+        ``(out, in)`` matrix, and the other leaves pass through.
       ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the update's.
       comm: the :class:`~gradtx.comm.ExchangeComm` for sharded leaves; ``None``
         derives one from the DTensors' meshes.
@@ -915,7 +915,7 @@ def scale_by_muon(
       weight_dimension_numbers: a :class:`MuonDimensionNumbers` for every
         leaf, a tree of them (a ``None`` leaf passes through untouched, and its
         momentum is not kept), or a function of the updates returning one.
-        ``None``: every leaf is an ``(out, in)`` matrix.
+        ``None``: every 2-d leaf is an ``(out, in)`` matrix, and the other leaves pass through.
       bias_correction: divide the momentum by ``1 - beta**t`` (optax); False as ``torch.optim.Muon``.
       ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the update's.
       comm: the :class:`~gradtx.comm.ExchangeComm` for sharded leaves; ``None``
