@@ -42,14 +42,16 @@ from benchmarks.harness import Contender, measure
 LR, WD, MOMENTUM = 0.02, 0.1, 0.95
 
 
-def matrix_shapes(quick: bool, n_layer: int = 12) -> dict[str, tuple[int, ...]]:
+def matrix_shapes(quick: bool, n_layer: int = 12, n_embd: int = 768) -> dict[str, tuple[int, ...]]:
     cfg = {"n_layer": 2, "n_embd": 64, "vocab_size": 1000, "n_positions": 64} if quick else {"n_layer": n_layer}
+    if not quick and n_embd != 768:
+        cfg["n_embd"] = n_embd
     # HF's Conv1D weights are (in, out); torch.optim.Muon and gtx read (out, in): transpose them.
     return {k: tuple(reversed(s)) for k, s in gpt2_shapes(**cfg).items() if len(s) == 2 and k.startswith("h.")}
 
 
-def step_time(device: torch.device, quick: bool, reps: int, n_layer: int) -> dict[str, Any]:
-    shapes = matrix_shapes(quick, n_layer)
+def step_time(device: torch.device, quick: bool, reps: int, n_layer: int, n_embd: int) -> dict[str, Any]:
+    shapes = matrix_shapes(quick, n_layer, n_embd)
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=gen).to(device) for s in shapes.values()]
     grads = [torch.randn(s, generator=gen).mul_(1e-3).to(device) for s in shapes.values()]
@@ -85,6 +87,7 @@ def step_time(device: torch.device, quick: bool, reps: int, n_layer: int) -> dic
         "contention": contention,
         "reps": reps,
         "layers": n_layer if not quick else 2,
+        "width": n_embd if not quick else 64,
     }
 
 
@@ -187,13 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--layers", type=int, default=12, help="GPT-2 blocks in the step-time case (12: GPT-2 small)")
+    ap.add_argument("--width", type=int, default=768, help="n_embd in the step-time case (768: GPT-2 small)")
     ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--skip-exchange", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks_muon.md"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     reps = args.reps or (3 if args.quick else 15)
-    single = None if args.skip_single else step_time(device, args.quick, reps, args.layers)
+    single = None if args.skip_single else step_time(device, args.quick, reps, args.layers, args.width)
     ranks = None if args.skip_exchange else exchange(args.quick)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
     text = report(single, ranks, name, "python benchmarks/muon.py " + " ".join(argv or sys.argv[1:]))

@@ -1138,11 +1138,23 @@ def muon(
 
     Args:
       learning_rate: a number ``>= 0``, a 0-d tensor or a schedule.
-      ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov, adaptive, preconditioning,
-        bias_correction, ns_dtype, comm: as for :func:`scale_by_muon`.
+      ns_coeffs: as for :func:`scale_by_muon`, or a preset (``"standard"``, ``"dion"``).
+      ns_steps: Newton–Schulz iterations.
+      beta: the momentum decay.
+      eps: added to the normalising norm, and Adam's denominator.
+      mu_dtype: the moments' dtype (both members).
+      nesterov: Nesterov momentum (both members, as optax).
+      adaptive: as for :func:`scale_by_muon`.
+      preconditioning: as for :func:`scale_by_muon`.
+      bias_correction: as for :func:`scale_by_muon` (the Muon leaves only).
+      ns_dtype: as for :func:`scale_by_muon`.
+      comm: as for :func:`scale_by_muon`.
       weight_decay: decoupled decay of the Muon leaves, scaled by the learning rate.
       weight_decay_mask: which Muon leaves decay (a tree of bools, a prefix, or a function).
-      adam_b1, adam_b2, adam_eps_root, adam_weight_decay: the fallback AdamW's.
+      adam_b1: the fallback AdamW's first-moment decay.
+      adam_b2: its second-moment decay.
+      adam_eps_root: added inside its square root.
+      adam_weight_decay: its decoupled decay.
       adam_learning_rate: the fallback's learning rate; ``None``: ``learning_rate``.
       muon_weight_dimension_numbers: a tree of :class:`MuonDimensionNumbers`
         (``None`` for Adam leaves), a prefix of the params, or a function of
