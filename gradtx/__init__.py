@@ -2,7 +2,7 @@
 
 import torch
 
-from gradtx import checkpoint, comm, schedules, testing
+from gradtx import checkpoint, comm, kinds, schedules, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.adaptive import (
     AutoClipState,
@@ -13,6 +13,7 @@ from gradtx.adaptive import (
     track_norms,
     zclip,
 )
+from gradtx.audit import AuditRow, NormAudit, norm_audit
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -29,7 +30,6 @@ from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
 from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
-from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
     OptimizerSpec,
@@ -85,6 +85,7 @@ from gradtx.spikes import (
     skip_spikes,
     zero_nans,
 )
+from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
@@ -115,6 +116,7 @@ __all__ = [
     "AccumulateState",
     "Accumulation",
     "ApplyIfFiniteState",
+    "AuditRow",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
@@ -127,6 +129,7 @@ __all__ = [
     "MeshGroups",
     "MuonDimensionNumbers",
     "MuonState",
+    "NormAudit",
     "OptimizerChain",
     "OptimizerSpec",
     "PartitionState",
@@ -168,6 +171,7 @@ __all__ = [
     "identity",
     "inject_hyperparams",
     "join_schedules",
+    "kinds",
     "linear_onecycle_schedule",
     "linear_schedule",
     "masked",
@@ -177,6 +181,7 @@ __all__ = [
     "named_chain",
     "newton_schulz",
     "no_sync",
+    "norm_audit",
     "orthogonalize",
     "partition",
     "piecewise_constant_schedule",

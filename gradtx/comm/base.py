@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -25,7 +25,12 @@ class ReduceOp(str, Enum):
 
 @runtime_checkable
 class Comm(Protocol):
-    """Collectives over named groups; every rank calls them in the same order."""
+    """Collectives over named groups; every rank calls them in the same order.
+
+    This is everything gradtx calls on a comm. A comm of your own needs only
+    :meth:`all_reduce` and :meth:`size`: gradtx adapts it with :func:`as_comm`,
+    which gives it one rank per group and names each group by its key.
+    """
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
         """Reduce every tensor over ``group`` in one coalesced collective; returns new tensors."""
@@ -34,6 +39,17 @@ class Comm(Protocol):
     def size(self, group: GroupKey) -> int:
         """The number of ranks in ``group``."""
         ...
+
+    def rank(self, group: GroupKey) -> int:
+        """This process's rank within ``group``."""
+        ...
+
+    def group_id(self, group: GroupKey) -> Hashable:
+        """What ``group`` is, as a hashable: two keys with the same id name one group (and share one collective)."""
+        ...
+
+
+_REQUIRED = ("all_reduce", "size")
 
 
 @runtime_checkable
@@ -44,10 +60,6 @@ class ExchangeComm(Comm, Protocol):
     satisfies :class:`Comm`. :class:`~gradtx.comm.LocalComm` and
     :class:`~gradtx.comm.TorchComm` implement both.
     """
-
-    def rank(self, group: GroupKey) -> int:
-        """This process's rank within ``group`` (0 to ``size(group) - 1``)."""
-        ...
 
     def all_to_all(
         self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
@@ -63,15 +75,59 @@ class ExchangeComm(Comm, Protocol):
 
 
 def check_comm(comm: object, *, name: str) -> None:
-    """Raise ``TypeError`` unless ``comm`` implements :class:`Comm`."""
-    if not isinstance(comm, Comm):
-        raise TypeError(f"{name}: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__}")
+    """Raise ``TypeError`` unless ``comm`` has what every comm needs: ``all_reduce`` and ``size``."""
+    missing = [m for m in _REQUIRED if not callable(getattr(comm, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name}: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__} "
+            f"without {', '.join(missing)}"
+        )
+
+
+def as_comm(comm: object, *, name: str) -> Comm:
+    """``comm`` as a full :class:`Comm`: itself when it has every method, else adapted (see :class:`MinimalComm`)."""
+    check_comm(comm, name=name)
+    if isinstance(comm, Comm):
+        return comm
+    return MinimalComm(comm)
+
+
+class MinimalComm:
+    """A :class:`Comm` around one that has only ``all_reduce`` and ``size``.
+
+    Its groups are named by their keys (two keys are two groups), and
+    :meth:`rank` is 0 in a group of one rank; in a larger group it raises,
+    because nothing else can tell which rank this is.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        return self.inner.all_reduce(tensors, op, group)
+
+    def size(self, group: GroupKey) -> int:
+        return self.inner.size(group)
+
+    def rank(self, group: GroupKey) -> int:
+        if self.inner.size(group) == 1:
+            return 0
+        raise TypeError(
+            f"{type(self.inner).__name__} has no rank(group), and group {group!r} has {self.inner.size(group)} "
+            "ranks; give the comm a rank(group) method (gradtx.comm.TorchComm has one)"
+        )
+
+    def group_id(self, group: GroupKey) -> Hashable:
+        return ("key", group)
+
+    def __repr__(self) -> str:
+        return f"MinimalComm({self.inner!r})"
 
 
 def check_exchange_comm(comm: object, *, name: str) -> None:
     """Raise ``TypeError`` unless ``comm`` implements :class:`ExchangeComm`."""
     if not isinstance(comm, ExchangeComm):
         raise TypeError(
-            f"{name}: comm must implement gradtx.comm.ExchangeComm (all_reduce, size, rank, all_to_all), "
+            f"{name}: comm must implement gradtx.comm.ExchangeComm (all_reduce, size, rank, group_id, all_to_all), "
             f"got {type(comm).__name__}"
         )

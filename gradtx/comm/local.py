@@ -35,5 +35,8 @@ class LocalComm:
             )
         return [tensors[0]]
 
+    def group_id(self, group: GroupKey) -> tuple:
+        return ("key", group)
+
     def __repr__(self) -> str:
         return "LocalComm()"
