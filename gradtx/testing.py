@@ -222,6 +222,13 @@ class RecordingComm:
     def group_id(self, group: GroupKey) -> Hashable:
         return as_comm(self.inner, name="RecordingComm").group_id(group)
 
+    def all_to_all(
+        self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
+    ) -> list[torch.Tensor]:
+        """Log an exchange (``shapes`` are what goes to each rank), then forward it to the inner comm."""
+        self.calls.append(Collective("all_to_all", group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
+        return self.inner.all_to_all(tensors, recv_numels, group)  # type: ignore[attr-defined]
+
     def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
         return getattr(self.inner, name)
 

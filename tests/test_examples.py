@@ -73,6 +73,16 @@ def test_train_tiny_lm_quick_writes_its_plot(tmp_path):
     assert png.is_file() and png.stat().st_size > 0
 
 
+def test_train_tiny_lm_muon_quick_trains_both_and_writes_the_plot(tmp_path):
+    png = tmp_path / "train_tiny_lm_muon.png"
+    out = run_example(EXAMPLES / "train_tiny_lm_muon.py", "--quick", "--out", str(png)).stdout
+    runs = dict(re.findall(r"^(adamw|muon \+ adamw)\s+first loss (\S+)", out, re.MULTILINE))
+    assert set(runs) == {"adamw", "muon + adamw"} and runs["adamw"] == runs["muon + adamw"], out  # same start
+    initial, final = (float(v) for v in LOSSES.findall(out)[-1])
+    assert final < initial, out
+    assert png.is_file() and png.stat().st_size > 0
+
+
 def test_spike_guard_quick_guards_beat_no_guard_and_write_the_plot(tmp_path):
     png = tmp_path / "spike_guard.png"
     out = run_example(EXAMPLES / "spike_guard.py", "--quick", "--out", str(png)).stdout
@@ -101,6 +111,7 @@ DOC_PAGES = [
     "norm_audit.md",
     "schedules.md",
     "spikes.md",
+    "muon.md",
     "optax.md",
     "executor.md",
     "checkpointing.md",

@@ -59,14 +59,20 @@ TRANSFORMS = {
         learning_rate=gtx.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1
     ),
     "masked": lambda: gtx.masked(gtx.trace(0.9), {"w": True, "b": False}),
+    "muon": lambda: gtx.muon(
+        0.02, weight_decay=0.1, muon_weight_dimension_numbers={"w": gtx.MuonDimensionNumbers(), "b": None}
+    ),
     "named_chain": lambda: gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0)), ("opt", gtx.sgd(0.1))),
     "partition": lambda: gtx.partition({"a": gtx.sgd(0.1), "b": gtx.adam(1e-2)}, {"w": "a", "b": "b"}),
+    "orthogonalize": lambda: gtx.orthogonalize(ns_steps=3, preconditioning="schatten"),
     "pp_reduce": lambda: gtx.pp_reduce(gtx.mesh_groups({"w": torch.zeros(3, 2), "b": torch.zeros(2)})),
     "scalar_transformation": lambda: gtx.scalar_transformation(_halve_init, _halve_factor),
     "scale": lambda: gtx.scale(-0.1),
     "scale_by_adam": lambda: gtx.scale_by_adam(b1=0.8),
     "scale_by_learning_rate": lambda: gtx.scale_by_learning_rate(gtx.exponential_decay(0.1, 2, 0.5)),
+    "scale_by_muon": lambda: gtx.scale_by_muon(beta=0.9, nesterov=False),
     "scale_by_schedule": lambda: gtx.scale_by_schedule(gtx.cosine_decay_schedule(1.0, 10)),
+    "scale_by_shape": lambda: gtx.scale_by_shape(consistent_rms=0.2),
     "sgd": lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True),
     "skip_if": lambda: gtx.skip_if(gtx.sgd(0.1), gtx.skip_not_finite),
     "skip_spikes": lambda: gtx.skip_spikes(gtx.sgd(0.1), warmup_steps=2),

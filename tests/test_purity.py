@@ -71,6 +71,10 @@ CASES = {
     "track_norms": (lambda: gtx.track_norms(), {}),
     "zclip_mesh_groups": (lambda: gtx.zclip(warmup_steps=1, mesh_groups=_local_plan()), {}),
     "track_norms_mesh_groups": (lambda: gtx.track_norms(mesh_groups=_local_plan()), {}),
+    "muon": (lambda: gtx.muon(0.02, weight_decay=0.1, adaptive=True), {}),
+    "scale_by_muon": (lambda: gtx.scale_by_muon(nesterov=False), {}),
+    "scale_by_shape": (lambda: gtx.scale_by_shape(consistent_rms=0.2), {}),
+    "orthogonalize": (lambda: gtx.orthogonalize(ns_steps=3), {}),
 }
 
 

@@ -1,6 +1,16 @@
 """The communication layer: the only code in gradtx that issues collectives."""
 
-from gradtx.comm.base import AsyncComm, Comm, GroupKey, MinimalComm, PendingReduce, ReduceOp, as_comm, start_all_reduce
+from gradtx.comm.base import (
+    AsyncComm,
+    Comm,
+    ExchangeComm,
+    GroupKey,
+    MinimalComm,
+    PendingReduce,
+    ReduceOp,
+    as_comm,
+    start_all_reduce,
+)
 from gradtx.comm.groups import reduce_over_groups, start_reduce_over_groups
 from gradtx.comm.local import LocalComm
 
@@ -12,6 +22,7 @@ except ImportError:  # pragma: no cover
 __all__ = [
     "AsyncComm",
     "Comm",
+    "ExchangeComm",
     "GroupKey",
     "LocalComm",
     "MinimalComm",

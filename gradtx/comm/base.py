@@ -86,6 +86,28 @@ def start_all_reduce(comm: Comm, tensors: Sequence[torch.Tensor], op: ReduceOp, 
     return Done(comm.all_reduce(tensors, op, group))
 
 
+@runtime_checkable
+class ExchangeComm(Comm, Protocol):
+    """A :class:`Comm` that can also move tensors between ranks: what sharded orthogonalization needs.
+
+    A separate protocol, so a comm that only reduces (all a norm needs) still
+    satisfies :class:`Comm`. :class:`~gradtx.comm.LocalComm` and
+    :class:`~gradtx.comm.TorchComm` implement both.
+    """
+
+    def all_to_all(
+        self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
+    ) -> list[torch.Tensor]:
+        """Send ``tensors[r]`` (1-d) to rank ``r`` of ``group`` and receive one 1-d tensor from every rank.
+
+        ``recv_numels[r]`` is how many elements rank ``r`` sends here (every
+        rank knows it from the shapes alone, so no sizes travel). All the
+        tensors share one dtype and device. One collective, whatever the
+        number of ranks; the inputs are not modified.
+        """
+        ...
+
+
 def check_comm(comm: object, *, name: str) -> None:
     """Raise ``TypeError`` unless ``comm`` has what every comm needs: ``all_reduce`` and ``size``."""
     missing = [m for m in _REQUIRED if not callable(getattr(comm, m, None))]
@@ -134,3 +156,12 @@ class MinimalComm:
 
     def __repr__(self) -> str:
         return f"MinimalComm({self.inner!r})"
+
+
+def check_exchange_comm(comm: object, *, name: str) -> None:
+    """Raise ``TypeError`` unless ``comm`` implements :class:`ExchangeComm`."""
+    if not isinstance(comm, ExchangeComm):
+        raise TypeError(
+            f"{name}: comm must implement gradtx.comm.ExchangeComm (all_reduce, size, rank, group_id, all_to_all), "
+            f"got {type(comm).__name__}"
+        )

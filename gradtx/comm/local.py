@@ -27,6 +27,17 @@ class LocalComm:
         del group
         return 0
 
+    def all_to_all(
+        self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
+    ) -> list[torch.Tensor]:
+        del group
+        if len(tensors) != 1 or len(recv_numels) != 1 or tensors[0].numel() != recv_numels[0]:
+            raise ValueError(
+                "LocalComm.all_to_all: one process sends one tensor to itself; got "
+                f"{len(tensors)} tensors and recv_numels={list(recv_numels)}"
+            )
+        return [tensors[0]]
+
     def group_id(self, group: GroupKey) -> tuple:
         return ("key", group)
 

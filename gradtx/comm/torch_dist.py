@@ -30,7 +30,10 @@ class TorchComm:
       derives from a DTensor's mesh dims);
     * a string naming a dim of ``mesh`` (``"dp"``, ``"tp"``, ``"pp"``), resolved
       with ``mesh.get_group(name)``, or a key of ``groups``;
-    * ``"world"`` (or ``None``), the default group.
+    * ``"world"`` (or ``None``), the default group;
+    * a ``DeviceMesh``: one group over all of its ranks, ranked by global rank
+      (the default group when the mesh spans the world, the mesh's own group
+      when it is 1-d, else its flattened group).
 
     Every call to :meth:`all_reduce` issues one collective for its whole list
     of tensors: they are flattened into one buffer, reduced, and split back.
@@ -70,10 +73,12 @@ class TorchComm:
 
     def resolve(self, group: GroupKey) -> dist.ProcessGroup | None:
         """The process group a key names (``None`` is the default group)."""
-        if group is None or group == "world":
+        if group is None or (isinstance(group, str) and group == "world"):
             return None
         if isinstance(group, dist.ProcessGroup):
             return group
+        if isinstance(group, DeviceMesh):
+            return mesh_process_group(group)
         if isinstance(group, str):
             if group in self.groups:
                 return self.groups[group]
@@ -131,6 +136,44 @@ class TorchComm:
     def size(self, group: GroupKey) -> int:
         """The number of ranks in ``group``."""
         return dist.get_world_size(self.resolve(group))
+
+    def all_to_all(
+        self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
+    ) -> list[torch.Tensor]:
+        """Send ``tensors[r]`` to rank ``r`` of ``group``; receive ``recv_numels[r]`` elements from each rank.
+
+        One ``all_to_all_single`` over one flat buffer, whatever the number of
+        ranks: the sends are concatenated, and the receive is split by
+        ``recv_numels``, which every rank knows from the shapes it exchanges.
+
+        Args:
+          tensors: one 1-d dense tensor per rank of ``group`` (empty where
+            nothing goes), all of one dtype and device; not modified.
+          recv_numels: the number of elements each rank sends to this one.
+          group: a group key (see the class docstring).
+
+        Returns:
+          One 1-d tensor per rank of ``group``: what that rank sent here.
+        """
+        pg = self.resolve(group)
+        n = dist.get_world_size(pg)
+        tensors = list(tensors)
+        if len(tensors) != n or len(recv_numels) != n:
+            raise ValueError(
+                f"TorchComm.all_to_all: the group has {n} ranks; got {len(tensors)} tensors and "
+                f"{len(recv_numels)} recv_numels"
+            )
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
+                raise TypeError(f"TorchComm.all_to_all: tensors[{i}] must be a plain torch.Tensor")
+            if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
+                raise ValueError("TorchComm.all_to_all: every tensor must share tensors[0]'s dtype and device")
+        send = torch.cat([t.detach().reshape(-1) for t in tensors])
+        recv = torch.empty(sum(recv_numels), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(
+            recv, send, output_split_sizes=list(recv_numels), input_split_sizes=[t.numel() for t in tensors], group=pg
+        )
+        return list(torch.split(recv, list(recv_numels)))
 
     def group_id(self, group: GroupKey) -> tuple:
         """What ``group`` is, as a hashable: its global ranks. Two keys (or two ``ProcessGroup`` objects, as two
@@ -197,6 +240,28 @@ def mesh_comm(meshes: Iterable[DeviceMesh]) -> TorchComm:
                     ambiguous.add(name)
                 groups[name] = group
     return TorchComm(groups={n: g for n, g in groups.items() if n not in ambiguous})
+
+
+def mesh_ranks(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The global ranks of ``mesh``, in mesh order (row-major over its dims); no communication."""
+    return tuple(int(r) for r in mesh.mesh.reshape(-1).tolist())
+
+
+def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
+    """One process group over every rank of ``mesh`` (``None``: the default group), ranked by global rank.
+
+    A mesh over the whole world uses the default group and a 1-d mesh its own
+    group, so neither creates a group; any other mesh is flattened once
+    (``DeviceMesh._flatten``, cached by the mesh), which every rank of the
+    world must reach together, as the mesh's creation did.
+    """
+    ranks = mesh_ranks(mesh)
+    if dist.is_initialized() and len(ranks) == dist.get_world_size():
+        return None
+    pg = mesh.get_group(0) if mesh.ndim == 1 else mesh._flatten().get_group()
+    if tuple(dist.get_process_group_ranks(pg)) != tuple(sorted(ranks)):  # pragma: no cover - torch's own rule
+        raise ValueError("TorchComm: a mesh's process group must rank its members by global rank")
+    return pg
 
 
 def world_size() -> int:

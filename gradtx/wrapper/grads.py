@@ -36,9 +36,7 @@ def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree | None:
     seen = {id(p) for p in flat(tree)}
     if all(id(p) in seen or not (p.requires_grad and p.grad is not None) for g in groups for p in g["params"]):
         return None
-    return [
-        [p for p in g["params"] if id(p) in seen or (p.requires_grad and p.grad is not None)] for g in groups
-    ]
+    return [[p for p in g["params"] if id(p) in seen or (p.requires_grad and p.grad is not None)] for g in groups]
 
 
 def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: ParamTree) -> OptState:

@@ -120,7 +120,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
       ...     opt.zero_grad()
     """
 
-
     # GradScaler sets grad_scale/found_inf on the wrapper and leaves .grad scaled: the wrapper unscales
     # inside the chain (so clipping sees true grads) and honours found_inf itself.
     _step_supports_amp_scaling = True
@@ -487,13 +486,17 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 loss = closure()
             with torch.no_grad():
                 params = self.param_tree()
-                updates, new_state, factor, skip = self._run_chain(grads.read(params, emitting=True), params, extra, None)
+                updates, new_state, factor, skip = self._run_chain(
+                    grads.read(params, emitting=True), params, extra, None
+                )
                 if skip is not None:  # a guard's skip: this evaluation's grads count as zero
                     keep = (~skip).to(torch.float32)
                     factor = keep if factor is None else factor * keep.to(factor.device)
                 grads.write(params, updates)
                 if factor is not None:
-                    tu.scale_leaves([p.grad for group in params for p in group if p.grad is not None], factor, inplace=True)
+                    tu.scale_leaves(
+                        [p.grad for group in params for p in group if p.grad is not None], factor, inplace=True
+                    )
                 self._commit(new_state, False, emitted=True)
             return loss
 

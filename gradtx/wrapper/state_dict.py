@@ -357,7 +357,9 @@ def load_state_dict(opt: TransformedOptimizer, state_dict: dict[str, Any]) -> No
         for i, (p, name, entry) in enumerate(zip(flat, names, entries)):
             first = [GLOBAL, AMP] if acc_key is not None and i == 0 else [GLOBAL] if i == 0 else []
             present = [k for k in optional if isinstance(entry, dict) and k in entry]
-            _ckpt._check_keys(entry, expected + present + first, what=f"{what}: gradtx state of {name}", hint=_ckpt._HINT)
+            _ckpt._check_keys(
+                entry, expected + present + first, what=f"{what}: gradtx state of {name}", hint=_ckpt._HINT
+            )
             for key in expected:
                 per_param[key].append(entry[key])
             if _flag(entry, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):

@@ -1,0 +1,282 @@
+"""Muon on one device: against optax.contrib.muon, torch.optim.Muon, and orthogonalizing pieces by hand."""
+
+from __future__ import annotations
+
+import pickle
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+from optax.contrib import MuonDimensionNumbers as OptaxDN
+from optax.contrib import muon as optax_muon
+from optax.contrib import scale_by_muon as optax_scale_by_muon
+
+import gradtx as gtx
+from gradtx.comm import LocalComm
+from gradtx.testing import assert_pure
+
+DN = gtx.MuonDimensionNumbers
+STEPS = 6
+
+
+def _tree(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (16, 8), "v": (6, 10), "sq": (7, 7), "b": (8,), "heads": (3, 5, 4)}
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def _grads(n: int = STEPS) -> list[dict[str, torch.Tensor]]:
+    return [_tree(seed=100 + i) for i in range(n)]
+
+
+def _jax(tree):
+    return {k: jnp.asarray(v.numpy()) for k, v in tree.items()}
+
+
+def _run_gtx(tx, params, grads):
+    state = tx.init(params)
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        params = gtx.apply_updates(params, updates)
+    return params, state
+
+
+def _run_optax(tx, params, grads):
+    params = _jax(params)
+    state = tx.init(params)
+    update = jax.jit(tx.update)  # one compile instead of hundreds of eager ones
+    for g in grads:
+        updates, state = update(_jax(g), state, params)
+        params = optax.apply_updates(params, updates)
+    return {k: torch.from_numpy(np.asarray(v).copy()) for k, v in params.items()}, state
+
+
+# optax's layout: every 2-d leaf (in, out); the heads leaf (H, in, out) with H a batch axis.
+OPTAX_LAYOUT = {"w": (0, 1), "v": (0, 1), "sq": (0, 1), "b": None, "heads": (1, 2)}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"nesterov": False, "adaptive": True, "preconditioning": "spectral"},
+        {
+            "consistent_rms": 0.2,
+            "weight_decay": 0.05,
+            "preconditioning": "aol",
+            "beta": 0.9,
+            "weight_decay_mask": {"w": True, "v": False, "sq": True, "b": False, "heads": False},
+        },
+        {
+            "preconditioning": "schatten",
+            "ns_steps": 3,
+            "adam_b1": 0.8,
+            "adam_weight_decay": 0.01,
+            "adam_learning_rate": 0.003,
+            "adam_eps_root": 1e-8,
+        },
+        {"ns_coeffs": "dion"},
+    ],
+    ids=lambda kw: ",".join(kw) or "defaults",
+)
+def test_muon_matches_optax(kw):
+    dims = {k: DN(*v) if v else None for k, v in OPTAX_LAYOUT.items()}
+    odims = {k: OptaxDN(*v) if v else None for k, v in OPTAX_LAYOUT.items()}
+    got, state = _run_gtx(gtx.muon(0.02, muon_weight_dimension_numbers=dims, **kw), _tree(), _grads())
+    want, ostate = _run_optax(optax_muon(0.02, muon_weight_dimension_numbers=odims, **kw), _tree(), _grads())
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=2e-6, msg=k)
+    mu = state[0].inner_states["muon"][0].mu
+    omu = ostate.inner_states["muon"].inner_state[0].mu
+    torch.testing.assert_close(mu["w"], torch.from_numpy(np.asarray(omu["w"]).copy()), rtol=1e-6, atol=1e-7)
+
+
+def test_default_dimension_numbers_read_torch_layout():
+    """gtx's default on a torch (out, in) weight is optax's default on the (in, out) transpose."""
+    params = {k: v for k, v in _tree().items() if k in ("w", "v", "sq", "b")}
+    grads = [{k: v for k, v in g.items() if k in params} for g in _grads()]
+    got, _ = _run_gtx(gtx.muon(0.02), params, grads)
+    tr = lambda t: {k: v.T.contiguous() if v.ndim == 2 else v for k, v in t.items()}
+    want, _ = _run_optax(optax_muon(0.02), tr(params), [tr(g) for g in grads])
+    for k in got:
+        torch.testing.assert_close(got[k], tr(want)[k], rtol=1e-5, atol=2e-6, msg=k)
+
+
+def test_scale_by_muon_matches_optax_with_mu_dtype():
+    g = _grads(4)
+    dims = {k: DN(*v) if v else None for k, v in OPTAX_LAYOUT.items()}
+    tx = gtx.scale_by_muon(weight_dimension_numbers=dims, mu_dtype=torch.float64)
+    state = tx.init(_tree())
+    otx = optax_scale_by_muon(
+        weight_dimension_numbers={k: OptaxDN(*v) for k, v in OPTAX_LAYOUT.items() if v},
+    )
+    ostate = otx.init({k: v for k, v in _jax(_tree()).items() if k != "b"})
+    update = jax.jit(otx.update)
+    for step in g:
+        u, state = tx.update(step, state)
+        ou, ostate = update({k: v for k, v in _jax(step).items() if k != "b"}, ostate)
+    assert state.mu["w"].dtype == torch.float64 and int(state.count) == 4
+    for k in ou:
+        torch.testing.assert_close(u[k], torch.from_numpy(np.asarray(ou[k]).copy()), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(u["b"], g[-1]["b"])  # a None leaf passes through
+
+
+@pytest.mark.parametrize("adjust_lr_fn, rms", [(None, None), ("match_rms_adamw", 0.2)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_matches_torch_optim_muon(adjust_lr_fn, rms, nesterov):
+    params = [p for p in _tree().values() if p.ndim == 2]
+    ref = [p.clone().requires_grad_() for p in params]
+    opt = torch.optim.Muon(ref, lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    tx = gtx.muon(
+        0.02, beta=0.9, eps=1e-7, weight_decay=0.1, nesterov=nesterov, bias_correction=False,
+        ns_dtype=torch.bfloat16, consistent_rms=rms,
+    )  # fmt: skip
+    state = tx.init(params)
+    for step in _grads():
+        grads = [v for v in step.values() if v.ndim == 2]
+        for p, g in zip(ref, grads):
+            p.grad = g.clone()
+        opt.step()
+        updates, state = tx.update(grads, state, params)
+        params = gtx.apply_updates(params, updates)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _by_hand(x: torch.Tensor) -> torch.Tensor:
+    return gtx.newton_schulz(x)
+
+
+def test_heads_and_fused_qkv_against_pieces_by_hand():
+    d, h = 8, 4
+    g = torch.Generator().manual_seed(3)
+    qkv, proj, heads = torch.randn(3 * d, d, generator=g), torch.randn(d, d, generator=g), torch.randn(h, 6, 5)
+    dims = {
+        "qkv": DN(output_split=3),  # Q, K, V apart
+        "qkv_heads": DN(output_split=3 * h),  # every head of Q, K and V apart
+        "proj": DN(reduction_split=h),  # the attention output, one matrix per head's input columns
+        "heads": DN(2, 1),  # (H, out, in), H a batch axis
+    }
+    updates = {"qkv": qkv, "qkv_heads": qkv, "proj": proj, "heads": heads}
+    tx = gtx.orthogonalize(weight_dimension_numbers=dims)
+    out, _ = tx.update(updates, tx.init(updates))
+    torch.testing.assert_close(out["qkv"], torch.cat([_by_hand(p) for p in qkv.chunk(3)]))
+    torch.testing.assert_close(out["qkv_heads"], torch.cat([_by_hand(p) for p in qkv.chunk(3 * h)]))
+    torch.testing.assert_close(out["proj"], torch.cat([_by_hand(p) for p in proj.chunk(h, dim=1)], dim=1))
+    torch.testing.assert_close(out["heads"], torch.stack([_by_hand(p) for p in heads]))
+    # The whole fused matrix is something else: the split is not a no-op.
+    assert not torch.allclose(out["qkv"], _by_hand(qkv), atol=1e-3)
+    # Shape scaling reads each piece: a (d, d) piece has no width factor.
+    scaled, _ = gtx.scale_by_shape(dims).update(updates, gtx.EmptyState())
+    torch.testing.assert_close(scaled["qkv"], qkv)
+
+
+def test_newton_schulz_orthogonalizes():
+    x = torch.randn(32, 64, dtype=torch.float64)
+    s = torch.linalg.svdvals(gtx.newton_schulz(x, ns_steps=10))
+    assert bool(((s > 0.6) & (s < 1.25)).all())
+    u, _, vh = torch.linalg.svd(x, full_matrices=False)
+    # ``spectral`` with the classic cubic (1.5, -0.5, 0) converges to U Vᵀ exactly.
+    exact = gtx.newton_schulz(x, (1.5, -0.5, 0.0), 60, preconditioning="spectral")
+    torch.testing.assert_close(exact, u @ vh, rtol=0, atol=1e-8)
+
+
+def test_orthogonalize_chains_with_own_momentum_and_is_pure():
+    params = {k: v for k, v in _tree().items() if k in ("w", "v")}
+    tx = gtx.chain(gtx.trace(0.9), gtx.orthogonalize(ns_steps=4), gtx.scale_by_learning_rate(0.1))
+    grads = [{k: g[k] for k in params} for g in _grads(3)]
+    state = tx.init(params)
+    tr = {k: torch.zeros_like(v) for k, v in params.items()}
+    for g in grads:
+        updates, state = tx.update(g, state, params)
+        tr = {k: 0.9 * tr[k] + g[k] for k in tr}
+        for k in params:
+            torch.testing.assert_close(updates[k], -0.1 * gtx.newton_schulz(tr[k], ns_steps=4))
+
+
+def test_purity_none_grads_and_inject_hyperparams():
+    params = _tree()
+    grads = _grads(3)
+    assert_pure(gtx.muon(0.02, weight_decay=0.1), params, grads[0])
+    # A param with no gradient keeps its state, as torch.optim does.
+    tx = gtx.muon(0.02)
+    state = tx.init(params)
+    updates, new = tx.update({**grads[0], "w": None}, state, params)
+    assert updates["w"] is None
+    assert torch.equal(new[0].inner_states["muon"][0].mu["w"], state[0].inner_states["muon"][0].mu["w"])
+    # inject_hyperparams: tensors in the state, the same numbers.
+    inj = gtx.inject_hyperparams(gtx.muon, static_args=("ns_steps",))(0.02, beta=0.9, weight_decay=0.1)
+    got, istate = _run_gtx(inj, params, grads)
+    want, _ = _run_gtx(gtx.muon(0.02, beta=0.9, weight_decay=0.1), params, grads)
+    assert set(istate.hyperparams) >= {"learning_rate", "beta", "weight_decay"}
+    for k in got:
+        torch.testing.assert_close(got[k], want[k])
+    with pytest.raises(TypeError, match="static_args"):
+        _run_gtx(gtx.inject_hyperparams(gtx.muon)(0.02), params, grads)
+
+
+def test_functional_step_and_checkpoint_roundtrip(tmp_path):
+    params, grads = _tree(), _grads(4)
+    tx = gtx.muon(0.02, weight_decay=0.1)
+    want, _ = _run_gtx(tx, params, grads)
+    p, state = _run_gtx(tx, params, grads[:2])
+    sd = gtx.checkpoint.state_dict(state, p, tx=tx)
+    torch.save(sd, tmp_path / "s.pt")
+    fresh = tx.init(params)
+    state = gtx.checkpoint.load_state_dict(torch.load(tmp_path / "s.pt"), fresh, p, tx=tx)
+    for g in grads[2:]:
+        p, state = gtx.update_and_apply(tx, g, state, p)
+    for k in want:
+        torch.testing.assert_close(p[k], want[k])
+    restored = pickle.loads(pickle.dumps(tx))
+    got, _ = _run_gtx(restored, params, grads)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+
+
+def test_wrapper_refuses_muon_and_takes_the_direction():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False))
+    with pytest.raises(TypeError, match="gtx.muon"):
+        gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), gtx.muon(0.02))
+    # The direction before an inner SGD(lr) equals gtx.muon on the matrices (SGD's L2 decay with no
+    # momentum is the decoupled decay, scaled by lr).
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    start = [p.detach().clone() for p in mats]
+    tx = gtx.chain(gtx.scale_by_muon(), gtx.scale_by_shape())
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(mats, lr=0.02, weight_decay=0.1), tx)
+    ref_tx = gtx.muon(0.02, weight_decay=0.1)
+    ref, ref_state = start, ref_tx.init(start)
+    for i in range(3):
+        torch.manual_seed(i)
+        model.zero_grad()
+        model(torch.randn(5, 6)).square().mean().backward()
+        grads = [p.grad.clone() for p in mats]
+        opt.step()
+        updates, ref_state = ref_tx.update(grads, ref_state, ref)
+        ref = gtx.apply_updates(ref, updates)
+        for p, r in zip(mats, ref):
+            p.data.copy_(r)  # keep both on one trajectory: the comparison is per step
+    for p, r in zip(mats, ref):
+        torch.testing.assert_close(p.detach(), r)
+
+
+def test_bad_input_raises_and_names_it():
+    with pytest.raises(ValueError, match="ns_coeffs"):
+        gtx.scale_by_muon(ns_coeffs=(1.0, 2.0))
+    with pytest.raises(ValueError, match="preconditioning"):
+        gtx.orthogonalize(preconditioning="svd")
+    with pytest.raises(ValueError, match="beta"):
+        gtx.muon(0.02, beta=1.0)
+    with pytest.raises(TypeError, match="ExchangeComm"):
+        gtx.orthogonalize(comm=object())
+    tx = gtx.orthogonalize(weight_dimension_numbers=DN(2, 1))
+    with pytest.raises(ValueError, match=r"\['w'\]"):
+        tx.update({"w": torch.randn(3, 4)}, gtx.EmptyState())
+    with pytest.raises(ValueError, match="output_split"):
+        gtx.orthogonalize(weight_dimension_numbers=DN(output_split=3)).update(
+            {"w": torch.randn(4, 4)}, gtx.EmptyState()
+        )
+    assert isinstance(LocalComm(), gtx.comm.ExchangeComm)
