@@ -13,6 +13,7 @@ from gradtx.adaptive import (
     track_norms,
     zclip,
 )
+from gradtx.averaging import EmaState, ema, incremental_update, periodic_update
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -29,6 +30,10 @@ from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
 from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
+from gradtx.lookahead_optim import LookaheadParams, LookaheadState, lookahead
+from gradtx.microbatching import AccumulationType, microbatch
+from gradtx.monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
+from gradtx.normalize import centralize, normalize_by_update_norm
 from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
@@ -48,6 +53,15 @@ from gradtx.optimizers import (
 )
 from gradtx.pipeline import pp_reduce
 from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
+from gradtx.plateau import ReduceLROnPlateauState, reduce_on_plateau
+from gradtx.schedule_free_optim import (
+    ScaleByRmsWithCountState,
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
 from gradtx.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -64,6 +78,17 @@ from gradtx.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from gradtx.selective import (
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    conditionally_mask,
+    conditionally_transform,
+    freeze,
+    selective_transform,
+    set_to_zero,
+)
+from gradtx.sharpness import SAMState, sam
+from gradtx.sign_momentum import ScaleByLionState, lion, scale_by_lion
 from gradtx.spikes import (
     SkipIfState,
     SkipSpikesState,
@@ -74,6 +99,7 @@ from gradtx.spikes import (
     skip_spikes,
     zero_nans,
 )
+from gradtx.trust_ratio import lamb, lars, scale_by_trust_ratio
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
@@ -94,6 +120,18 @@ torch.serialization.add_safe_globals(
         TrackNormsState,
         ZClipState,
         ZeroNansState,
+        ConditionallyMaskState,
+        ConditionallyTransformState,
+        EmaState,
+        LookaheadParams,
+        LookaheadState,
+        MonitorState,
+        ReduceLROnPlateauState,
+        SAMState,
+        ScaleByLionState,
+        ScaleByRmsWithCountState,
+        ScheduleFreeState,
+        SnapshotState,
     ]
 )
 
@@ -102,25 +140,37 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateState",
     "Accumulation",
+    "AccumulationType",
     "ApplyIfFiniteState",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
+    "EmaState",
     "EmptyState",
     "GradientTransformation",
     "Guard",
     "InjectHyperparamsState",
+    "LookaheadParams",
+    "LookaheadState",
     "MaskedState",
     "MeshGroups",
+    "MonitorState",
     "OptimizerChain",
     "OptimizerSpec",
     "PartitionState",
+    "ReduceLROnPlateauState",
+    "SAMState",
     "ScalarTransformation",
     "ScaleByAdamState",
+    "ScaleByLionState",
     "ScaleByScheduleState",
+    "ScheduleFreeState",
     "Sharded",
     "SkipIfState",
     "SkipSpikesState",
+    "SnapshotState",
     "StepPlan",
     "TraceState",
     "TrackNormsState",
@@ -136,46 +186,72 @@ __all__ = [
     "apply_if_finite",
     "apply_updates",
     "autoclip",
+    "centralize",
     "chain",
     "checkpoint",
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",
     "comm",
+    "conditionally_mask",
+    "conditionally_transform",
     "constant_schedule",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "cp_reduce",
+    "ema",
     "exponential_decay",
     "export_metrics",
+    "freeze",
     "global_norm",
     "identity",
+    "incremental_update",
     "inject_hyperparams",
     "join_schedules",
+    "lamb",
+    "lars",
     "linear_onecycle_schedule",
     "linear_schedule",
+    "lion",
+    "lookahead",
     "masked",
+    "measure_with_ema",
     "mesh_groups",
     "metrics",
+    "microbatch",
+    "monitor",
     "named_chain",
     "no_sync",
+    "normalize_by_update_norm",
     "partition",
+    "periodic_update",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
     "pp_reduce",
+    "reduce_on_plateau",
+    "sam",
     "scalar_transformation",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_lion",
     "scale_by_schedule",
+    "scale_by_trust_ratio",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
     "schedules",
+    "selective_transform",
+    "set_to_zero",
     "sgd",
     "sgdr_schedule",
     "skip_if",
     "skip_large_updates",
     "skip_not_finite",
     "skip_spikes",
+    "snapshot",
     "sum_grad_reduction",
     "testing",
     "trace",
