@@ -39,9 +39,7 @@ def grads_like(params, seed: int, scale: float = 1.0) -> dict:
     return optree.tree_map(lambda t: scale * torch.randn(t.shape, generator=g), params)
 
 
-def run_both(
-    tx, ref, params, *, steps=20, with_params=True, extra=None, grads_fn=None, rtol=1e-5, atol=1e-5, jit=True
-):
+def run_both(tx, ref, params, *, steps=20, with_params=True, extra=None, grads_fn=None, rtol=1e-5, atol=1e-5, jit=True):
     """Step both for ``steps`` steps on the same grads; compare updates and params at every step.
 
     ``extra(i)`` gives the keyword arguments of step ``i`` (the same for both).

@@ -14,7 +14,9 @@ MASK = {"w": True, "b": False, "conv": False, "s": True}
 
 @pytest.mark.parametrize("mask", [MASK, True, False])
 def test_freeze_matches_optax(mask):
-    run_both(gtx.chain(gtx.adam(0.1), gtx.freeze(mask)), optax.chain(optax.adam(0.1), optax.freeze(mask)), params_tree())
+    run_both(
+        gtx.chain(gtx.adam(0.1), gtx.freeze(mask)), optax.chain(optax.adam(0.1), optax.freeze(mask)), params_tree()
+    )
 
 
 @pytest.mark.parametrize("mask", [MASK, True, False])
@@ -79,4 +81,3 @@ def test_bad_arguments_name_themselves():
         gtx.selective_transform(None, freeze_mask=True)
     with pytest.raises(TypeError, match="should_transform_fn"):
         gtx.conditionally_mask(gtx.sgd(0.1), 3)
-

@@ -51,9 +51,9 @@ def test_scale_by_lion_in_the_wrapper_matches_the_functional_lion():
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-        grads = torch.func.grad(
-            lambda p: torch.nn.functional.mse_loss(torch.func.functional_call(model, p, (x,)), y)
-        )(params)
+        grads = torch.func.grad(lambda p: torch.nn.functional.mse_loss(torch.func.functional_call(model, p, (x,)), y))(
+            params
+        )
         u, state = tx.update(grads, state, params)
         params = gtx.apply_updates(params, u)
     assert_trees_close(dict(model.named_parameters()), params, rtol=1e-5, atol=1e-6)
