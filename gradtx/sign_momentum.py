@@ -143,6 +143,8 @@ def lion(
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
     learning_rate = check.learning_rate(learning_rate, name="lion")
+    b1 = check.beta(b1, arg="b1", name="lion", tensor=True)
+    b2 = check.beta(b2, arg="b2", name="lion", tensor=True)
     weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lion", tensor=True)
     return chain(
         scale_by_lion(b1=b1, b2=b2, mu_dtype=mu_dtype),
