@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import optree
 import torch
@@ -103,7 +103,7 @@ def microbatch(
         num_real_microbatches = check.integer(
             num_real_microbatches, arg="num_real_microbatches", name="microbatch", minimum=0
         )
-    for acc in optree.tree_leaves(accumulator):
+    for acc in optree.tree_leaves(cast(Any, accumulator)):
         if not isinstance(acc, AccumulationType):
             raise TypeError(f"microbatch: accumulator must be an AccumulationType or a tree of them, got {acc!r}")
 
@@ -169,6 +169,6 @@ def microbatch(
             elif kind is AccumulationType.CONCAT:
                 c = c.transpose(0, 1).reshape(-1, *c.shape[2:])  # back to the batch's row order
             out.append(c)
-        return optree.tree_unflatten(spec, out)
+        return optree.tree_unflatten(cast(Any, spec), out)
 
     return microbatched

@@ -85,7 +85,7 @@ def _check_local_units(x: torch.Tensor, path: str) -> None:
         if isinstance(placement, Shard) and placement.dim % x.ndim == 0 and type(placement) is Shard:
             continue
         raise ValueError(
-            f"centralize: the update at {path} is a DTensor placed {placement} on its mesh; centralize needs each "
+            f"centralize: the update at {path} is a DTensor placed {placement!r} on its mesh; centralize needs each "
             "row (dim 0 slice) whole on one rank: Shard(0) (FSDP2, colwise TP) or Replicate"
         )
 

@@ -10,7 +10,7 @@ a tensor value, so a step compiles to one graph and nothing is read back.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
@@ -123,7 +123,7 @@ def selective_transform(optimizer: GradientTransformation, *, freeze_mask: bool 
     _check_mask(freeze_mask, arg="freeze_mask", name="selective_transform")
     if callable(freeze_mask):
         raise TypeError("selective_transform: freeze_mask must be a bool or a tree of bools, got a function")
-    labels = optree.tree_map(lambda m: "freeze" if m else "train", freeze_mask)
+    labels = optree.tree_map(lambda m: "freeze" if m else "train", cast(Any, freeze_mask))
     return partition({"train": optimizer, "freeze": set_to_zero()}, labels)
 
 
