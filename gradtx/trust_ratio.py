@@ -186,9 +186,11 @@ def lars(
     eps = check.non_negative(eps, arg="eps", name="lars", tensor=True)
     momentum = check.non_negative(momentum, arg="momentum", name="lars", tensor=True)
     nesterov = check.flag(nesterov, arg="nesterov", name="lars")
+    # A mask of True covers every leaf: the transform itself, with no masking to trace (or to broadcast).
+    trust = scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps)
     return chain(
-        add_decayed_weights(weight_decay, mask=weight_decay_mask),
-        masked(scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps), trust_ratio_mask),
+        add_decayed_weights(weight_decay, mask=None if weight_decay_mask is True else weight_decay_mask),
+        trust if trust_ratio_mask is True else masked(trust, trust_ratio_mask),
         scale_by_learning_rate(learning_rate),
         trace(decay=momentum, nesterov=nesterov),
     )
