@@ -80,3 +80,27 @@ def test_monitor_state_has_its_structure_from_init_and_round_trips():
     round_trip(tx, params)
     round_trip(gtx.snapshot("n", _norm), params)
     assert_pure(tx, grads_like(params, 0), params, steps=2)
+
+
+def test_in_the_wrapper_measurements_reach_opt_metrics():
+    """The raw gradient norm recorded ahead of a clip is torch's clip_grad_norm_ total norm."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    tx = gtx.chain(
+        gtx.monitor({"raw_norm": gtx.global_norm}), gtx.clip_by_global_norm(0.1), gtx.snapshot("clipped", _norm)
+    )
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(16, 4)
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+        total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        opt.step()
+        ref_opt.step()
+        assert abs(float(opt.metrics["raw_norm"]) - float(total)) <= 1e-5 * float(total)
+        assert abs(float(opt.metrics["clipped"]) - min(float(total), 0.1)) < 1e-5
+    gtx.testing.assert_trees_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=1e-5, atol=1e-6)
