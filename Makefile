@@ -49,8 +49,11 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
+# torchtitan goes in without its dependencies (its pins would replace the CPU torch); the test extra has
+# the two its optimizer and checkpoint modules import.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -c constraints.txt -e ".[test,examples]"
+	$(PY) -m pip install -c constraints.txt --no-deps torchtitan==0.3.0
 	touch $@
 
 $(DEV_STAMP): $(STAMP)

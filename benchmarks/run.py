@@ -28,7 +28,7 @@ if str(REPO) not in sys.path:  # run as a script: make `gradtx` and `benchmarks`
 
 import torch
 
-from benchmarks import cases, peers
+from benchmarks import cases, peers, simulated
 from benchmarks.harness import CaseResult
 from benchmarks.report import MISSED_NOTES, Target, write_chart, write_markdown
 
@@ -61,7 +61,7 @@ def machine(load_before: float | None = None) -> dict[str, str]:
 
 def targets(results: dict[str, CaseResult], compiled: dict[str, Any]) -> list[Target]:
     """The issue's targets, each checked on a ratio of medians from one side-by-side run."""
-    a, b, bp, c, d = (results.get(k) for k in ("a-float32", "b", "b-peers", "c", "d"))
+    a, b, bp, c, d, f = (results.get(k) for k in ("a-float32", "b", "b-peers", "c", "d", "f"))
 
     def ratio(res: CaseResult | None, num: str | None, den: str) -> float | None:
         return None if res is None or num is None else res.ratio(num, den)
@@ -97,13 +97,15 @@ def targets(results: dict[str, CaseResult], compiled: dict[str, Any]) -> list[Ta
         Target("e", f"e: compiled pure step (graph breaks = {breaks}) / torch clip + AdamW(fused)",
                "<= 1.0 and 0 breaks", ratio(b, cases.GTX_COMPILED, cases.TORCH_FUSED) if breaks is not None else None,
                1.0 if breaks == 0 else None, passed=False if breaks not in (0, None) else None),
+        Target("f", "f: assert_matches_single_device, simulated 2x2 mesh / 4 gloo processes", "<= 0.2",
+               ratio(f, simulated.F_SIM, simulated.F_GLOO), 0.2),
     ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions: a smoke run")
-    parser.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'ab' (default: abcde)")
+    parser.add_argument("--cases", default="abcdef", help="which cases to run, e.g. 'ab' (default: abcdef)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "docs", help="where benchmarks.md and the PNG go")
     parser.add_argument("--reps", type=int, default=None, help="timed rounds per case (default 15, quick 3)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -125,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_d is not None:
         cases.d_child(args.child_d, args.quick, args.threads)
         return 0
-    unknown = set(args.cases) - set("abcde")
+    unknown = set(args.cases) - set("abcdef")
     if unknown:
-        parser.error(f"unknown cases {sorted(unknown)}; choose from a, b, c, d, e")
+        parser.error(f"unknown cases {sorted(unknown)}; choose from a, b, c, d, e, f")
 
     torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -168,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         results["d"] = cases.case_d(ctx)
     if "e" in args.cases:
         results["e"] = cases.case_e(ctx, results.get("b"))
+    if "f" in args.cases:
+        results["f"] = simulated.case_f(ctx)
     elapsed = time.perf_counter() - t0
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

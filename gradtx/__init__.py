@@ -2,7 +2,7 @@
 
 import torch
 
-from gradtx import checkpoint, comm, schedules, testing
+from gradtx import checkpoint, comm, kinds, schedules, testing
 from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
 from gradtx.adaptive import (
     AutoClipState,
@@ -13,6 +13,7 @@ from gradtx.adaptive import (
     track_norms,
     zclip,
 )
+from gradtx.audit import AuditRow, NormAudit, norm_audit
 from gradtx.averaging import EmaState, ema, incremental_update, periodic_update
 from gradtx.base import (
     EmptyState,
@@ -34,7 +35,6 @@ from gradtx.lookahead_optim import LookaheadParams, LookaheadState, lookahead
 from gradtx.microbatching import AccumulationType, microbatch
 from gradtx.monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
 from gradtx.normalize import centralize, normalize_by_update_norm
-from gradtx.optim import TransformedOptimizer, no_sync, sum_grad_reduction
 from gradtx.optimizers import (
     OptimizerChain,
     OptimizerSpec,
@@ -100,6 +100,7 @@ from gradtx.spikes import (
     zero_nans,
 )
 from gradtx.trust_ratio import lamb, lars, scale_by_trust_ratio
+from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
@@ -142,6 +143,7 @@ __all__ = [
     "Accumulation",
     "AccumulationType",
     "ApplyIfFiniteState",
+    "AuditRow",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
@@ -157,6 +159,7 @@ __all__ = [
     "MaskedState",
     "MeshGroups",
     "MonitorState",
+    "NormAudit",
     "OptimizerChain",
     "OptimizerSpec",
     "PartitionState",
@@ -208,6 +211,7 @@ __all__ = [
     "incremental_update",
     "inject_hyperparams",
     "join_schedules",
+    "kinds",
     "lamb",
     "lars",
     "linear_onecycle_schedule",
@@ -222,6 +226,7 @@ __all__ = [
     "monitor",
     "named_chain",
     "no_sync",
+    "norm_audit",
     "normalize_by_update_norm",
     "partition",
     "periodic_update",

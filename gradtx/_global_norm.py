@@ -16,12 +16,9 @@ import torch
 
 from gradtx import norms
 from gradtx import plan as plans
+from gradtx.plan import check_plan
 
-
-def check_plan(mesh_groups: Any, *, name: str) -> None:
-    """Raise ``TypeError`` unless ``mesh_groups`` is ``None`` or a plan from :func:`gradtx.mesh_groups`."""
-    if mesh_groups is not None:
-        plans._check_plan_arg(mesh_groups, what=name)
+__all__ = ["check_plan", "global_norm_of", "leaf_norms_of"]
 
 
 def global_norm_of(

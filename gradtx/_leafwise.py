@@ -63,6 +63,11 @@ def where_tree(cond: torch.Tensor, if_true: PyTree, if_false: PyTree) -> PyTree:
     return tu.tree_map(pick, if_true, if_false)
 
 
+def without_inplace(extra: dict[str, Any]) -> dict[str, Any]:
+    """The extra keywords minus ``inplace``: for an inner transform whose input the caller reads again afterwards."""
+    return {k: v for k, v in extra.items() if k != "inplace"}
+
+
 def as_tensor(value: Any, like: torch.Tensor) -> Any:
     """A tensor hyperparameter on ``like``'s device, in its dtype; a Python number stays one."""
     if isinstance(value, torch.Tensor):

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Self
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, Params, PyTree, export_metrics, factory
@@ -28,6 +29,7 @@ from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
     ("emitted", "emitted"),
     ("empty_windows", "empty_windows"),
 )
+@kinds.window_state(running_sum="acc", micro_step="micro_step", tokens="tokens", k="k")
 class AccumulateState(NamedTuple):
     """The accumulation window.
 
@@ -229,6 +231,22 @@ class Window:
         return tu.all_reduce_leaves(self.comm, leaves, ReduceOp.SUM, self.group, inplace=inplace)
 
 
+class RankLocal(NamedTuple):
+    """What of a window's state is per data-parallel rank, for a checkpoint to sum on save.
+
+    Attributes:
+      comm: the :class:`gradtx.comm.Comm` over the data-parallel ranks, or ``None`` (nothing is per rank).
+      group: its group key.
+      tokens: the window's token count is this rank's only.
+      sums: the window's running sum is this rank's only.
+    """
+
+    comm: Comm | None
+    group: GroupKey
+    tokens: bool
+    sums: bool
+
+
 class Accumulation(GradientTransformation):
     """What :func:`accumulate` returns: the transform, with its pieces exposed.
 
@@ -252,6 +270,39 @@ class Accumulation(GradientTransformation):
 
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
         return (self.init, self.update, self.window, self.sum_window)
+
+    # The gradtx.kinds.Windowed protocol: what the executor, the wrapper and the checkpoint read.
+
+    @property
+    def k(self) -> int:
+        """The window length."""
+        return self.window.k
+
+    def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
+        """Whether the next micro-step closes the window (reads host counters only)."""
+        return self.window.emits_next(state, flush=flush)
+
+    def is_open(self, state: AccumulateState) -> bool:
+        """Whether micro-steps have been counted and not emitted yet."""
+        return self.window.is_open(state)
+
+    def count_step(
+        self, state: AccumulateState, *, tokens: Any = None, flush: bool = False, device: torch.device | None = None
+    ) -> tuple[torch.Tensor | None, AccumulateState]:
+        """Count a micro-step whose gradient the caller sums (autograd's ``.grad``): ``(1/denominator or None, state)``."""
+        stepped = self.window.step(state, tokens=tokens, flush=flush, device=device)
+        return stepped.factor, stepped.state
+
+    def reduce(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The caller's summed leaves, summed over the data-parallel group in place (``reduce_grads``)."""
+        return self.window.reduce(leaves, inplace=True)
+
+    def rank_local(self) -> RankLocal:
+        """Which parts of the window's state differ between data-parallel ranks, and how to sum them."""
+        w = self.window
+        if w.comm is None:
+            return RankLocal(None, w.group, False, False)
+        return RankLocal(w.comm, w.group, w.token_weighted, w.reduce_grads)
 
 
 @factory
@@ -425,4 +476,4 @@ def accumulate(
     )
     update_fn = torch.compiler.disable(update_fn, reason=reason)
     sum_window = torch.compiler.disable(sum_window, reason=reason)
-    return Accumulation(init_fn, update_fn, window, sum_window)
+    return kinds.declare_fresh(Accumulation(init_fn, update_fn, window, sum_window))

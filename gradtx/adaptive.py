@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx._global_norm import check_plan, global_norm_of, leaf_norms_of
@@ -28,7 +29,6 @@ from gradtx.base import (
     GradientTransformation,
     Params,
     ScalarTransformation,
-    Updates,
     export_metrics,
     factory,
     scalar_transformation,
@@ -44,17 +44,6 @@ __all__ = [
     "track_norms",
     "zclip",
 ]
-
-
-def _leaves(updates: Updates, *, name: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(updates)
-    tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
-    return leaves, spec
-
-
-def _device_of(tree: Any) -> torch.device:
-    tensors = [t for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor)]
-    return tu.local(tensors[0]).device if tensors else torch.device("cpu")
 
 
 # --- ZClip ---------------------------------------------------------------------------------
@@ -178,7 +167,7 @@ def zclip(
     window = max(1, warmup_steps)
 
     def init_fn(params: Params) -> ZClipState:
-        device = _device_of(params)
+        device = tu.device_of(params)
         zero = torch.zeros((), dtype=torch.float32, device=device)
         return ZClipState(
             count=torch.zeros((), dtype=torch.int64, device=device),
@@ -192,7 +181,7 @@ def zclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, ZClipState, name=name)
-        leaves, _ = _leaves(updates, name=name)
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         device = state.mean.device
         g = global_norm_of(
             leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
@@ -324,7 +313,7 @@ def autoclip(
     q = percentile / 100.0
 
     def init_fn(params: Params) -> AutoClipState:
-        device = _device_of(params)
+        device = tu.device_of(params)
         zero = torch.zeros((), dtype=torch.float32, device=device)
         return AutoClipState(
             norms=torch.full((size,), float("nan"), dtype=torch.float32, device=device),
@@ -337,7 +326,7 @@ def autoclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, AutoClipState, name=name)
-        leaves, _ = _leaves(updates, name=name)
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         device = state.norms.device
         g = global_norm_of(
             leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
@@ -397,7 +386,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        leaves, spec = _leaves(updates, name=name)
+        leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates)
         out = []
         for u, n in zip(leaves, l2):
@@ -407,7 +396,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
             out.append(tu.like(u, (local / denom).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- norms by layer ------------------------------------------------------------------------
@@ -418,10 +407,6 @@ class TrackNormsState(NamedTuple):
     """The last step's L2 norm of each parameter or group: ``{name: 0-d fp32 tensor}``."""
 
     norms: dict[str, torch.Tensor]
-
-
-def _dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(k) for k in path) if path else "<root>"
 
 
 @factory
@@ -456,7 +441,7 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
     check_plan(mesh_groups, name=name)
 
     def names_of(tree: Any) -> list[str]:
-        names = [_dotted(p) for p in tu.paths(tree)]
+        names = [tu.dotted(p) for p in tu.paths(tree)]
         if group_by is None:
             return names
         out = []
@@ -468,7 +453,7 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         return out
 
     def init_fn(params: Params) -> TrackNormsState:
-        device = _device_of(params)
+        device = tu.device_of(params)
         return TrackNormsState(
             norms={n: torch.zeros((), dtype=torch.float32, device=device) for n in dict.fromkeys(names_of(params))}
         )
@@ -476,7 +461,7 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, TrackNormsState, name=name)
-        leaves, _ = _leaves(updates, name=name)
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         names = names_of(updates)
         l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates)
         grouped: dict[str, list[torch.Tensor]] = {}
@@ -498,4 +483,4 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         full = {n: norms[n] if n in norms else torch.zeros_like(v) for n, v in state.norms.items()}
         return updates, TrackNormsState(norms=full)
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

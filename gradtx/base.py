@@ -7,9 +7,10 @@ A :class:`GradientTransformation` is a pair of pure functions:
   gradients (or updates from an earlier transform) into new updates.
 
 ``update`` never mutates ``updates``, ``state`` or ``params``; it returns new
-trees. The updates it returns never share storage with the state it returns,
-so a later transform that writes into its updates (``inplace=True``) cannot
-corrupt an earlier transform's state. Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
+trees. The updates it returns may be tensors its state holds (optax's ``trace``
+returns its new trace): a caller that writes into updates copies those first,
+unless the transform declared they never are (:func:`gradtx.kinds.declare_fresh`).
+Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
 member of a chain, and a transform ignores the ones it does not use.
 
 A transform may also return ``None`` as its updates: that means "hold", the
@@ -40,6 +41,7 @@ from typing import Any, NamedTuple, Protocol, Self, TypeVar
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 
 PyTree = Any
@@ -219,7 +221,7 @@ def identity() -> GradientTransformation:
         del params, extra
         return updates, state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 class FactorFn(Protocol):
@@ -273,18 +275,40 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
         tu.check_tensors(leaves, tu.paths(updates), what="updates")
         return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=bool(extra.get("inplace", False)))), new_state
 
-    return ScalarTransformation(init, update_fn, factor)
+    return kinds.declare_fresh(ScalarTransformation(init, update_fn, factor))
+
+
+class VerdictFn(Protocol):
+    def __call__(self, state: OptState) -> torch.Tensor: ...
 
 
 class Guard(GradientTransformation):
-    """A transform that may veto a step, with the verdict in its state (``state.skipped``, a 0-d bool tensor).
+    """A transform that may veto a step, with the verdict read from its state by ``verdict(state)``.
 
     A vetoed step returns zero updates and leaves the guarded state as it was
-    (see :func:`gradtx.apply_if_finite`). A caller that applies updates through
-    something that would still move (a torch optimizer's moments decay even on
-    a zero gradient) reads the verdict: :mod:`gradtx.executor` hands it on as
-    ``found_inf`` to a fused kernel, or skips the inner optimizer's step.
+    (see :func:`gradtx.apply_if_finite`). ``verdict(state)`` is a pure function
+    returning the 0-d bool tensor that says whether the step that produced
+    ``state`` was vetoed (the :class:`gradtx.kinds.Verdict` kind). A caller
+    that applies updates through something that would still move (a torch
+    optimizer's moments decay even on a zero gradient) reads it:
+    :mod:`gradtx.executor` hands it on as ``found_inf`` to a fused kernel, or
+    skips the inner optimizer's step.
+
+    Example:
+      >>> guard = Guard(init_fn, update_fn, lambda state: state.vetoed)
     """
+
+    verdict: VerdictFn
+
+    def __new__(cls, init: InitFn, update: UpdateFn, verdict: VerdictFn) -> Self:
+        if not callable(verdict):
+            raise TypeError(f"Guard: verdict must be a function of the state, got {type(verdict).__name__}")
+        self = super().__new__(cls, init, update)
+        self.verdict = verdict
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+        return (self.init, self.update, self.verdict)
 
 
 _StateType = TypeVar("_StateType", bound=type)

@@ -47,15 +47,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
-from gradtx.accumulation import AccumulateState, Accumulation
 from gradtx.base import GradientTransformation, OptState, Params, PyTree
-from gradtx.comm.base import ReduceOp
+from gradtx.comm.base import ReduceOp, as_comm
 
 try:
     from torch.distributed.tensor import DTensor
@@ -65,9 +65,6 @@ except ImportError:  # pragma: no cover
     compute_local_shape_and_global_offset = None  # type: ignore[assignment]
 
 __all__ = ["TransformState", "load_state_dict", "param_names", "state_dict", "to_torch_optimizer"]
-
-_ACC = "acc"  # AccumulateState's running-sum field
-
 
 # --- walking a state: which subtrees are per parameter -------------------------------------------
 
@@ -97,13 +94,27 @@ def _children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], A
     return list(zip(entries, children)), lambda cs, u=unflatten: u(cs)
 
 
+class _Window(NamedTuple):
+    """A window's state found in the walk: its key prefix, the state, and the fields it declared (gradtx.kinds.window_state)."""
+
+    prefix: str
+    state: Any
+    fields: dict[str, str]
+
+    def get(self, what: str) -> Any:
+        return getattr(self.state, self.fields[what])
+
+    def key(self, what: str) -> str:
+        return _child(self.prefix, self.fields[what])
+
+
 @dataclass
 class _Layout:
     """Where every piece of a state goes: per-parameter subtrees and global leaves, by key."""
 
     per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
     globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
-    windows: list[tuple[str, AccumulateState]] = field(default_factory=list)  # key prefix -> window state
+    windows: list[_Window] = field(default_factory=list)
 
 
 def _is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
@@ -127,18 +138,18 @@ def _walk(
     ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
     for an accumulation window's running sum).
     """
-    if isinstance(node, AccumulateState):
-        prefix = _key(path)
-        layout.windows.append((prefix, node))
+    declared = kinds.window_fields(node)
+    if declared is not None:
+        layout.windows.append(_Window(_key(path), node, declared))
         fields = []
         for name, child in zip(node._fields, node):
-            if name == _ACC:
-                key = _key((*path, _ACC))
+            if name == declared["running_sum"]:
+                key = _key((*path, name))
                 layout.per_param[key] = child  # None between windows
                 fields.append(rebuild("acc", child, key) if rebuild else child)
             else:
                 fields.append(_walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
-        return AccumulateState(*fields)  # type: ignore[arg-type]
+        return type(node)(*fields)
     if _is_per_param(node, p_spec, p_leaves):
         key = _key(path)
         layout.per_param[key] = node
@@ -178,12 +189,13 @@ def param_names(params: Params) -> list[str]:
 # --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
 
 
-def _accumulations(tx: GradientTransformation | None) -> list[Accumulation]:
+def _accumulations(tx: GradientTransformation | None) -> list[Any]:
+    """The windowed members of ``tx`` (gradtx.kinds.Windowed), in chain order."""
     if tx is None:
         return []
     from gradtx.executor import StepPlan
 
-    return [m for m in StepPlan.of(tx).members if isinstance(m, Accumulation)]
+    return [m for m in StepPlan.of(tx).members if isinstance(m, kinds.Windowed)]
 
 
 def _multi_process() -> bool:
@@ -192,25 +204,15 @@ def _multi_process() -> bool:
 
 
 def _group_rank(comm: Any, group: Any) -> int:
-    if comm.size(group) == 1:
-        return 0
-    rank = getattr(comm, "rank", None)
-    if rank is None:
-        inner = getattr(comm, "inner", None)  # a wrapping comm (gradtx.testing.RecordingComm)
-        rank = getattr(inner, "rank", None)
-    if rank is None:
-        raise TypeError(
-            f"gradtx.checkpoint: the accumulation's comm ({type(comm).__name__}) has no rank(group); "
-            "loading a window's per-rank sums needs it (gradtx.comm.TorchComm has it)"
-        )
-    return int(rank(group))
+    # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
+    return int(as_comm(comm, name="gradtx.checkpoint").rank(group))
 
 
 def _windows_with_comm(layout: _Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
-    """The Accumulation of each window state in ``layout`` (``None`` for one without per-rank parts)."""
+    """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
     accs = _accumulations(tx)
     if tx is None:
-        if _multi_process() and any(int(w.micro_step) > 0 for _, w in layout.windows):
+        if _multi_process() and any(int(w.get("micro_step")) > 0 for w in layout.windows):
             raise ValueError(
                 f"{what}: an accumulation window is open in a run of several processes; pass tx= (the transform), "
                 "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "
@@ -219,18 +221,20 @@ def _windows_with_comm(layout: _Layout, tx: GradientTransformation | None, *, wh
         return [None] * len(layout.windows)
     if len(accs) != len(layout.windows):
         raise ValueError(
-            f"{what}: tx has {len(accs)} accumulate() members but the state has {len(layout.windows)} "
-            "accumulation states; pass the transform this state was made by"
+            f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
+            "window states; pass the transform this state was made by"
         )
     return list(accs)
 
 
 def _per_rank(acc: Any) -> tuple[bool, bool]:
-    """(tokens are per rank, the running sum is per rank) for an Accumulation."""
-    if acc is None or acc.window.comm is None:
+    """(tokens are per rank, the running sum is per rank) for a windowed member (its ``rank_local()``)."""
+    if acc is None:
         return False, False
-    w = acc.window
-    return w.token_weighted, w.reduce_grads
+    local = acc.rank_local()
+    if local.comm is None:
+        return False, False
+    return bool(local.tokens), bool(local.sums)
 
 
 # --- tensors onto a template ---------------------------------------------------------------------
@@ -345,16 +349,17 @@ def _export(
         else:
             per_param[key] = [t.detach() for t in tu.flatten(subtree)[0]]
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
-    for (prefix, ws), acc in zip(layout.windows, _windows_with_comm(layout, tx, what=what)):
+    for w, acc in zip(layout.windows, _windows_with_comm(layout, tx, what=what)):
         tokens_per_rank, sums_per_rank = _per_rank(acc)
-        if int(ws.micro_step) == 0 or not (tokens_per_rank or sums_per_rank):
+        if int(w.get("micro_step")) == 0 or not (tokens_per_rank or sums_per_rank):
             continue
-        comm, group = acc.window.comm, acc.window.group
+        comm, group = acc.rank_local().comm, acc.rank_local().group
         if tokens_per_rank:
-            (total,) = comm.all_reduce([ws.tokens.clone()], ReduceOp.SUM, group)
-            globals_[_child(prefix, "tokens")] = total.to(ws.tokens.dtype).cpu()
+            tokens = w.get("tokens")
+            (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
+            globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
         if sums_per_rank:
-            key = _child(prefix, _ACC)
+            key = w.key("running_sum")
             sums = comm.all_reduce([tu.local(t) for t in per_param[key]], ReduceOp.SUM, group)
             per_param[key] = [tu.like(t, s) for t, s in zip(per_param[key], sums)]
     return per_param, globals_
@@ -440,20 +445,24 @@ def _import(
         for name, value, template in zip(names, per_param[key], templates):
             _check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     accs = _windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
-    for (prefix, ws), acc in zip(layout.windows, accs):
-        saved_k = int(globals_[_child(prefix, "k")])
-        if saved_k != int(ws.k):
+    for w in layout.windows:
+        saved_k, k = int(globals_[w.key("k")]), int(w.get("k"))
+        if saved_k != k:
             raise ValueError(
-                f"{what}: the accumulation window at {prefix!r} was saved with k={saved_k}, this transform has "
-                f"k={int(ws.k)}; resume with the same k (or save at a boundary and start a fresh state)"
+                f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "
+                f"k={k}; resume with the same k (or save at a boundary and start a fresh state)"
             )
     # Everything checked: build the new state.
-    opened = {prefix: int(globals_[_child(prefix, "micro_step")]) > 0 for prefix, _ in layout.windows}
+    opened = {w.prefix: int(globals_[w.key("micro_step")]) > 0 for w in layout.windows}
+    tokens_field = {w.prefix: w.fields["tokens"] for w in layout.windows}
     first_rank = {}
-    for (prefix, _), acc in zip(layout.windows, accs):
+    for w, acc in zip(layout.windows, accs):
         tokens_per_rank, sums_per_rank = _per_rank(acc)
-        on_first = _group_rank(acc.window.comm, acc.window.group) == 0 if (tokens_per_rank or sums_per_rank) else True
-        first_rank[prefix] = (tokens_per_rank, sums_per_rank, on_first)
+        on_first = True
+        if tokens_per_rank or sums_per_rank:
+            local = acc.rank_local()
+            on_first = _group_rank(local.comm, local.group) == 0
+        first_rank[w.prefix] = (tokens_per_rank, sums_per_rank, on_first)
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "global":
@@ -462,7 +471,7 @@ def _import(
                 return value
             prefix, fieldname = _parent(key)
             tokens_per_rank, _, on_first = first_rank.get(prefix, (False, False, True))
-            if fieldname == "tokens" and tokens_per_rank and not on_first:
+            if fieldname == tokens_field.get(prefix) and tokens_per_rank and not on_first:
                 return torch.zeros_like(old)
             return _onto(value, old, what=f"{what}: global state {key!r}")
         if kind == "acc":

@@ -6,7 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx import plan
+from gradtx import kinds, plan
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import (
@@ -18,21 +18,6 @@ from gradtx.base import (
     factory,
     scalar_transformation,
 )
-
-
-def _check_plan(mesh_groups: Any, method: str, *, name: str) -> None:
-    if mesh_groups is not None and not callable(getattr(mesh_groups, method, None)):
-        raise TypeError(
-            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...) (with .{method}), "
-            f"got {type(mesh_groups).__name__}"
-        )
-
-
-def _leaves(updates: Any, *, name: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(updates)
-    tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
-    return leaves, spec
-
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -62,9 +47,8 @@ def clip(max_delta: float) -> GradientTransformation:
 
     def update_fn(updates, state, params=None, **extra):
         del params
-        if state is not None:  # stateless: None is harmless, another transform's state is a mistake
-            tu.require_state(state, EmptyState, name="clip")
-        leaves, spec = _leaves(updates, name="clip")
+        tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
+        leaves, spec = tu.tensor_leaves(updates, what="clip: updates")
         locals_ = [tu.local(t) for t in leaves]
         out = list(leaves)
         for idx in tu.group_by_device_dtype(locals_).values():
@@ -78,7 +62,7 @@ def clip(max_delta: float) -> GradientTransformation:
                     out[i] = tu.like(leaves[i], c)
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- clip by global norm -----------------------------------------------------------------
@@ -127,7 +111,7 @@ def clip_by_global_norm(
     """
     max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
-    _check_plan(mesh_groups, "global_norm", name="clip_by_global_norm")
+    plan.check_plan(mesh_groups, name="clip_by_global_norm")
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
@@ -138,7 +122,7 @@ def clip_by_global_norm(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del extra
         tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
-        leaves, _ = _leaves(updates, name="clip_by_global_norm")
+        leaves, _ = tu.tensor_leaves(updates, what="clip_by_global_norm: updates")
         tree = updates
         if mesh_groups is not None and params is not None and len(leaves) != len(mesh_groups):
             # A declared plan covers every param; one with no gradient (None) joins the collectives as
@@ -234,7 +218,7 @@ def adaptive_clip(
     clipping = check.positive(clipping, arg="clipping", name="adaptive_clip", tensor=True)
     eps = check.non_negative(eps, arg="eps", name="adaptive_clip")
     unitwise = check.flag(unitwise, arg="unitwise", name="adaptive_clip")
-    _check_plan(mesh_groups, "unitwise_norms", name="adaptive_clip")
+    plan.check_plan(mesh_groups, name="adaptive_clip")
     if isinstance(mesh_groups, plan.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
             mesh_groups.unit_groups(i, unitwise=unitwise)
@@ -244,8 +228,7 @@ def adaptive_clip(
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
-        if state is not None:  # stateless: None is harmless, another transform's state is a mistake
-            tu.require_state(state, EmptyState, name="adaptive_clip")
+        tu.require_state(state, EmptyState, name="adaptive_clip")
         if params is None:
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
         # A None update (a param with no gradient) stays None; its weight is not read.
@@ -272,4 +255,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor, inplace=bool(extra.get("inplace", False))))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

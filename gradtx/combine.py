@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Self, cast
 import optree
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
@@ -70,7 +71,9 @@ def _run(
 ) -> tuple[Updates | None, list[OptState]]:
     # A scalar member's product is computed here, into new buffers (or the donated ones): from then
     # on the chain owns its updates, so later members may write into them (``inplace=True``), with
-    # the pure path's numbers and one gradient-sized allocation fewer per member.
+    # the pure path's numbers and one gradient-sized allocation fewer per member. Updates from a
+    # member that did not declare them fresh may be its state's own tensors (optax's trace returns
+    # its new trace): those leaves are copied before anything writes into them.
     owned = bool(extra.get("inplace", False))
     new_states = list(states)
     for i, tx in enumerate(txs):
@@ -81,11 +84,14 @@ def _run(
             updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
             owned = True
             continue
+        given = updates
         updates, new_states[i] = tx.update(
             updates, states[i], params, **({**extra, "inplace": True} if owned else extra)
         )
         if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
             break
+        if owned and not kinds.returns_fresh(tx):
+            updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
     return updates, new_states
 
 
@@ -118,7 +124,7 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs)
-    return out
+    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
 
 
 @factory
@@ -129,12 +135,20 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
       >>> tx = named_chain(("clip", clip_by_global_norm(1.0)), ("opt", adamw(3e-4)))
       >>> state = tx.init(params); state["clip"].grad_norm
     """
+    for i, pair in enumerate(named_txs):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"named_chain: argument {i} must be a (name, transform) pair, got {pair!r:.80}; see docs/chaining.md"
+            )
+        name, tx = pair
+        if not isinstance(name, str) or not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"named_chain: argument {i} must be a (str, GradientTransformation) pair, got "
+                f"({type(name).__name__}, {type(tx).__name__}); see docs/chaining.md"
+            )
     names = [name for name, _ in named_txs]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
-    for name, tx in named_txs:
-        if not isinstance(name, str) or not isinstance(tx, GradientTransformation):
-            raise TypeError(f"named_chain: expected (str, GradientTransformation) pairs, got ({name!r}, {tx!r})")
     txs = [tx for _, tx in named_txs]
 
     def init_fn(params: Params) -> dict[str, OptState]:
@@ -145,7 +159,7 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs, names)
-    return out
+    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
 
 
 # --- masked and partition -------------------------------------------------------------
@@ -293,7 +307,8 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         _take(out, routed, keep, new, name="masked")
         return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
-    return GradientTransformation(init_fn, update_fn)
+    # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
 
 
 @factory
@@ -374,7 +389,9 @@ def partition(
             _take(out, routed, keep, new, name="partition")
         return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(
+        GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
+    )
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:

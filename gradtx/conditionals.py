@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from gradtx import norms, plan
+from gradtx import kinds, norms, plan
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, Guard, OptState, Params, export_metrics, factory
@@ -38,6 +38,10 @@ def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool)
     # The inf-norm is finite exactly when every element is (NaN propagates through max).
     return torch.isfinite(norms.local_norm(leaves, float("inf")))
+
+
+def _skipped(state: ApplyIfFiniteState) -> torch.Tensor:
+    return state.skipped
 
 
 @factory
@@ -93,8 +97,7 @@ def apply_if_finite(
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         # The counters live where the grads do, so the per-step verdict never crosses to the host.
-        tensors = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
-        device = tu.local(tensors[0]).device if tensors else torch.device("cpu")
+        device = tu.device_of(params)
         return ApplyIfFiniteState(
             notfinite_count=torch.zeros((), dtype=torch.int64, device=device),
             last_finite=torch.ones((), dtype=torch.bool, device=device),
@@ -143,4 +146,4 @@ def apply_if_finite(
         )
         return tu.unflatten(out_spec, out), new_state
 
-    return Guard(init_fn, update_fn)
+    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx.base import EmptyState, GradientTransformation, Params, factory
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
@@ -89,4 +90,4 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
         summed = tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key, inplace=bool(extra.get("inplace", False)))
         return tu.unflatten(spec, summed), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

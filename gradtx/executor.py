@@ -2,25 +2,26 @@
 
 A transform is plain ``init``/``update``. Running a chain member by member is
 always correct, and it is what a pure ``tx.update`` does. When the caller owns
-its buffers, more is possible, and this module is where it happens:
+its buffers, more is possible, and this module is where it happens. It knows
+the members only by the kinds they declare (:mod:`gradtx.kinds`):
 
 * :class:`gradtx.TransformedOptimizer` owns ``p.grad``, and autograd is its
-  accumulator: a leading :func:`gradtx.accumulate` only counts (its
-  :class:`~gradtx.accumulation.Window`), keeps no buffer, and its ``1/k`` is
-  not applied yet;
+  accumulator: a leading window (:func:`gradtx.accumulate`, a
+  :class:`~gradtx.kinds.Windowed`) only counts, keeps no buffer, and its ``1/k``
+  is not applied yet;
 * :func:`update_and_apply` with ``donate=True`` owns the grads, the state and
   the params, as ``jax.jit(donate_argnums=...)`` would.
 
 :class:`StepPlan` reads the chain once (nested chains flattened):
 
-1. an optional leading window (an :class:`~gradtx.accumulation.Accumulation`);
+1. an optional leading window (a :class:`~gradtx.kinds.Windowed`);
 2. the body: members run in order on the owned buffers (``inplace=True``);
 3. the scalar tail: the trailing run of
-   :class:`~gradtx.base.ScalarTransformation` s (the clip coefficient, a
+   :class:`~gradtx.kinds.ScalarFactor` s (the clip coefficient, a
    learning rate, ``scale``), whose factors are multiplied together with the
    window's normaliser instead of each costing a pass over memory;
 4. the terminal kernel: for a donated step, a trailing gradtx optimizer
-   (:class:`~gradtx.optimizers.OptimizerChain`) applied in one fused torch
+   (a :class:`~gradtx.kinds.FusableOptimizer`) applied in one fused torch
    kernel, with the pending factor as its ``grad_scale``. The wrapper's
    terminal is the inner torch optimizer, given the same factor.
 
@@ -31,17 +32,15 @@ since a member that is not scalar must see the true updates.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeGuard
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
-from gradtx.accumulation import AccumulateState, Accumulation, Window
-from gradtx.base import GradientTransformation, Guard, OptState, Params, ScalarTransformation, Updates
+from gradtx.base import GradientTransformation, OptState, Params, Updates
 from gradtx.combine import Chain, apply_updates
-from gradtx.optimizers import OptimizerChain, OptimizerSpec, ScaleByAdamState, ScaleByScheduleState, TraceState
 
 __all__ = ["StepPlan", "StepResult", "update_and_apply"]
 
@@ -69,7 +68,8 @@ class StepResult(NamedTuple):
 
 def _expands(tx: GradientTransformation) -> TypeGuard[Chain]:
     # An optimizer alias stays whole: it may be the terminal kernel, and its members are its business.
-    return isinstance(tx, Chain) and not isinstance(tx, OptimizerChain)
+    # (Read through the protocol's method, not isinstance on the runtime Protocol: this runs every step.)
+    return isinstance(tx, Chain) and not callable(getattr(tx, "fused_step", None))
 
 
 def _leaf_members(tx: GradientTransformation) -> list[GradientTransformation]:
@@ -99,14 +99,13 @@ class StepPlan:
     """The structure of a chain, read once: window, body, scalar tail, terminal kernel.
 
     Build it with :meth:`of` (cached per transform). Transforms know nothing of
-    it; it relies only on what the chain's members are: :class:`~gradtx.combine.Chain`,
-    :class:`~gradtx.accumulation.Accumulation`, :class:`~gradtx.base.ScalarTransformation`,
-    :class:`~gradtx.base.Guard`, :class:`~gradtx.optimizers.OptimizerChain`.
+    it; it relies only on the chain's structure (:class:`~gradtx.combine.Chain`) and on the
+    kinds its members declare (:mod:`gradtx.kinds`).
 
     Attributes:
       tx: the planned transform.
       members: its leaf members (nested chains flattened), in order.
-      window: the leading accumulation window, or ``None``.
+      window: the leading :class:`~gradtx.kinds.Windowed` member, or ``None``.
       tail_start: index of the first member of the trailing scalar run.
       terminal: a trailing optimizer alias a donated step may fuse, or ``None``.
     """
@@ -117,17 +116,19 @@ class StepPlan:
         self.tx = tx
         self.members = _leaf_members(tx)
         first = self.members[0] if self.members else None
-        self.accumulation: Accumulation | None = first if isinstance(first, Accumulation) else None
-        self.window: Window | None = self.accumulation.window if self.accumulation is not None else None
-        self.late_accumulation = [i for i, m in enumerate(self.members) if i > 0 and isinstance(m, Accumulation)]
+        self.window: Any = first if isinstance(first, kinds.Windowed) else None
+        self.late_accumulation = [i for i, m in enumerate(self.members) if i > 0 and isinstance(m, kinds.Windowed)]
         last = self.members[-1] if self.members else None
-        self.terminal: OptimizerChain | None = last if isinstance(last, OptimizerChain) else None
+        self.terminal: Any = last if isinstance(last, kinds.FusableOptimizer) else None
         end = len(self.members) - (self.terminal is not None)
-        start = 1 if self.accumulation is not None else 0
+        start = 1 if self.window is not None else 0
+        self.scalar = [isinstance(m, kinds.ScalarFactor) for m in self.members]
         tail = end
-        while tail > start and isinstance(self.members[tail - 1], ScalarTransformation):
+        while tail > start and self.scalar[tail - 1]:
             tail -= 1
         self.body_start, self.tail_start, self.body_end = start, tail, end
+        self.fresh = [kinds.returns_fresh(m) for m in self.members]
+        self.guard = [isinstance(m, kinds.Verdict) for m in self.members]
 
     @staticmethod
     def of(tx: GradientTransformation) -> StepPlan:
@@ -142,12 +143,12 @@ class StepPlan:
         parts += [name(m) for m in self.members[self.body_start : self.tail_start]]
         parts += [f"scalar:{name(m)}" for m in self.members[self.tail_start : self.body_end]]
         if self.terminal is not None:
-            parts.append(f"terminal:{self.terminal.spec.kind}")
+            parts.append(f"terminal:{name(self.terminal)}")
         return f"StepPlan({', '.join(parts)})"
 
     # --- the window, read on the host ---------------------------------------------------------
 
-    def window_state(self, state: OptState) -> AccumulateState | None:
+    def window_state(self, state: OptState) -> OptState | None:
         """The leading window's state inside the chain's ``state``, or ``None`` without a window."""
         return _split(self.tx, state)[0] if self.window is not None else None
 
@@ -205,22 +206,19 @@ class StepPlan:
         states = _split(self.tx, state)
         pending = inv_scale
         updates = grads
-        if self.accumulation is not None:
-            window = self.accumulation.window
+        if self.window is not None:
+            window = self.window
             tokens, flush = extra.get("tokens"), bool(extra.get("flush", False))
             if autograd_buffer:
                 leaves, spec = tu.flatten(grads)
                 device = tu.local(leaves[0]).device if leaves else None
-                stepped = window.step(states[0], tokens=tokens, flush=flush, device=device)
-                states[0] = stepped.state
-                if stepped.factor is None:
+                closing, states[0] = window.count_step(states[0], tokens=tokens, flush=flush, device=device)
+                if closing is None:
                     return StepResult(None, _join(self.tx, iter(states)), None, None)
-                updates = tu.unflatten(spec, window.reduce(leaves, inplace=True))
-                factor = stepped.factor
+                updates = tu.unflatten(spec, window.reduce(leaves))
+                factor = closing
             else:
-                total, factor, states[0] = self.accumulation.sum_window(
-                    grads, states[0], params, tokens=tokens, flush=flush
-                )
+                total, factor, states[0] = window.sum_window(grads, states[0], params, tokens=tokens, flush=flush)
                 if total is None:
                     return StepResult(None, _join(self.tx, iter(states)), None, None)
                 updates = _cast_like(total, grads, factor)
@@ -233,18 +231,21 @@ class StepPlan:
         end = self.body_end if not run_terminal or self.terminal is None else len(self.members)
         for i in range(self.body_start, end):
             member = self.members[i]
-            if isinstance(member, ScalarTransformation) and self.tail_start <= i < self.body_end:
-                f, states[i] = member.factor(updates, states[i], params, scale=pending, **extra)
+            if self.scalar[i] and self.tail_start <= i < self.body_end:
+                f, states[i] = member.factor(updates, states[i], params, scale=pending, **extra)  # type: ignore[attr-defined]
                 pending = f if pending is None else pending * f.to(pending.device)
                 continue
             if pending is not None:
                 updates = _scale_owned(updates, pending)
                 pending = None
-            updates, states[i] = member.update(updates, states[i], params, inplace=True, **extra)
+            old_state, given = states[i], updates
+            updates, states[i] = member.update(updates, old_state, params, inplace=True, **extra)
             if updates is None:  # a member held: nothing after it runs or changes
                 return StepResult(None, _join(self.tx, iter(states)), None, None)
-            if isinstance(member, Guard):
-                vetoed = states[i].skipped
+            if not self.fresh[i]:  # what it returned may be its state's tensors: copy those before writing
+                updates = kinds.owned_updates(updates, kinds.held_storages(states[i], old_state, params, given))
+            if self.guard[i]:
+                vetoed = member.verdict(states[i])  # type: ignore[attr-defined]
                 skip = vetoed if skip is None else skip | vetoed.to(skip.device)
         return StepResult(updates, _join(self.tx, iter(states)), pending, skip)
 
@@ -268,126 +269,6 @@ def _cast_like(total: Updates, grads: Updates, factor: torch.Tensor) -> Updates:
         return total
     scaled = tu.scale_leaves(sums, factor, inplace=True)
     return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)])
-
-
-# --- the terminal kernel of a donated step ---------------------------------------------------
-#
-# A pure step must write new moments, new updates and new params: on a big model those are
-# fresh gradient-sized buffers every step. A donated step may instead update them in place
-# with one fused torch kernel (torch._fused_adamw_, _fused_adam_, _fused_sgd_): it reads p, g
-# and the moments once and writes p and the moments once, and the pending factor rides in its
-# ``grad_scale``.
-
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-# torch.optim's own list of device types with fused optimizer kernels; a guess if it moves.
-try:
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
-    _FUSED_DEVICE_TYPES = frozenset(_get_fused_kernels_supported_devices())
-except ImportError:  # pragma: no cover
-    _FUSED_DEVICE_TYPES = frozenset({"cpu", "cuda"})
-
-
-def _fused_groups(
-    lists: Sequence[Sequence[torch.Tensor]],
-) -> dict[tuple[torch.device, torch.dtype], list[list[Any]]] | None:
-    """Group parallel lists of local tensors by (device, dtype) for a fused kernel, or ``None`` if one does not suit it.
-
-    The kernels walk each tensor's memory flat and check neither shapes nor
-    layouts, so every tensor of a leaf must have the same dtype, device and
-    shape, and be contiguous.
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[list[Any]]] = {}
-    for ts in zip(*lists):
-        p = ts[0]
-        if not isinstance(p, torch.Tensor) or p.dtype not in _FUSED_DTYPES or p.device.type not in _FUSED_DEVICE_TYPES:
-            return None
-        for t in ts:
-            if (
-                not isinstance(t, torch.Tensor)
-                or t.dtype != p.dtype
-                or t.device != p.device
-                or t.shape != p.shape
-                or not t.is_contiguous()
-            ):
-                return None
-        group = groups.get((p.device, p.dtype))
-        if group is None:
-            group = groups[(p.device, p.dtype)] = [[] for _ in ts]
-        for column, t in zip(group, ts):
-            column.append(t)
-    return groups
-
-
-def _fused_launch(
-    spec: OptimizerSpec, state: OptState, updates: Updates, params: Params, factor: torch.Tensor | None
-) -> tuple[Callable[[], None], OptState] | None:
-    """The fused kernel launch and the alias's new state, or ``None`` when a leaf or the state does not suit it."""
-    if not isinstance(state, tuple) or not spec.fused_ok():  # tensor hyperparameters, or a masked weight decay
-        return None
-    core_state = state[spec.core] if spec.core is not None and spec.core < len(state) else None
-    if spec.core is not None and not isinstance(core_state, ScaleByAdamState if spec.kind != "sgd" else TraceState):
-        return None
-    lr_state = state[-1] if state else None
-    scheduled = callable(spec.learning_rate)
-    if scheduled != isinstance(lr_state, ScaleByScheduleState):
-        return None
-    g_leaves, g_spec = tu.flatten(updates)
-    p_leaves, p_spec = tu.flatten(params)
-    if g_spec != p_spec:
-        return None
-    lists = [[tu.local(t) for t in p_leaves], [tu.local(t) for t in g_leaves]]
-    if core_state is not None:
-        moments = (core_state.mu, core_state.nu) if isinstance(core_state, ScaleByAdamState) else (core_state.trace,)
-        for buffers in moments:
-            b_leaves, b_spec = tu.flatten(buffers)
-            if b_spec != p_spec:
-                return None
-            lists.append([tu.local(t) for t in b_leaves])
-    groups = _fused_groups(lists)
-    if groups is None:
-        return None
-
-    lr: Any = spec.learning_rate
-    if scheduled:
-        value = spec.learning_rate(lr_state.count)  # type: ignore[operator,union-attr]
-        lr = value.to(torch.float32) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
-    count = core_state.count + 1 if isinstance(core_state, ScaleByAdamState) else None
-
-    def launch() -> None:
-        for (device, dtype), columns in groups.items():
-            kw: dict[str, Any] = {"weight_decay": spec.weight_decay, "maximize": False}
-            if factor is not None and dtype == torch.float64:
-                # The kernel reads grad_scale as fp32: fp64 grads take the factor in fp64, one pass of their own.
-                torch._foreach_mul_(columns[1], factor.to(device, torch.float64))
-                kw["grad_scale"] = None
-            else:
-                # The kernel divides the grads by grad_scale (it unscales AMP grads): the factor goes in inverted.
-                kw["grad_scale"] = None if factor is None else torch.reciprocal(factor.to(device, torch.float32))
-            kw["lr"] = lr.to(device, non_blocking=True) if isinstance(lr, torch.Tensor) else lr
-            if spec.kind == "sgd":
-                ps, gs, *bufs = columns
-                kw.update(momentum=spec.momentum, dampening=0.0, nesterov=spec.nesterov, is_first_step=False)
-                packet = torch.ops.aten._fused_sgd_
-                op = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
-                op(ps, gs, bufs[0] if bufs else [], **kw)
-            else:
-                ps, gs, ms, vs = columns
-                assert count is not None
-                step = count.to(device, torch.float32, non_blocking=True)
-                kw.update(beta1=spec.b1, beta2=spec.b2, eps=spec.eps, amsgrad=False)
-                packet = torch.ops.aten._fused_adamw_ if spec.kind == "adamw" else torch.ops.aten._fused_adam_
-                op = packet.tensor_lr if isinstance(lr, torch.Tensor) else packet.default
-                op(ps, gs, ms, vs, [], [step] * len(ps), **kw)
-
-    new_state = list(state)
-    if isinstance(core_state, ScaleByAdamState):
-        # The moments are the donated buffers: the launch advances them in place.
-        assert count is not None  # set together with core_state
-        new_state[spec.core] = ScaleByAdamState(count=count, mu=core_state.mu, nu=core_state.nu)  # type: ignore[index]
-    if scheduled:
-        new_state[-1] = ScaleByScheduleState(count=lr_state.count + 1)  # type: ignore[union-attr]
-    return launch, tuple(new_state)
 
 
 def _add_in_place(params: Params, updates: Updates, factor: torch.Tensor | None) -> None:
@@ -539,7 +420,7 @@ def update_and_apply(
         updates, factor = result.updates, result.factor
         states = _split(tx, result.state)
         if plan.terminal is not None:
-            planned = _fused_launch(plan.terminal.spec, states[-1], updates, params, factor)
+            planned = plan.terminal.fused_step(states[-1], updates, params, factor)
             if planned is not None:
                 launch, states[-1] = planned
                 launch()

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, OptState, Params, export_metrics, remember
@@ -139,7 +140,9 @@ def inject_hyperparams(
                 fixed[arg] = value
         # Build once with the values as given: bad numbers fail here, with the factory's own message.
         zero = torch.zeros((), dtype=torch.int64)
-        inner_factory(**fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()})
+        probe = inner_factory(
+            **fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()}
+        )
 
         def dtype_for(params: Params) -> torch.dtype:
             if hyperparam_dtype is not None:
@@ -148,8 +151,7 @@ def inject_hyperparams(
             return torch.float64 if any(t.dtype in (torch.float64, torch.complex128) for t in leaves) else torch.float32
 
         def init_fn(params: Params) -> InjectHyperparamsState:
-            leaves = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
-            device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
+            device = tu.device_of(params)
             dtype = dtype_for(params)
             count = torch.zeros((), dtype=torch.int64, device=device)
             hparams = {k: _as_tensor(v, dtype, device) for k, v in numeric.items()}
@@ -182,7 +184,8 @@ def inject_hyperparams(
             return new_updates, InjectHyperparamsState(state.count + 1, hparams, inner_state)
 
         options = (inner_factory, tuple(sorted(static)), hyperparam_dtype)
-        return remember(GradientTransformation(init_fn, update_fn), _injected, (options, args, kwargs), {})
+        out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(probe))
+        return remember(out, _injected, (options, args, kwargs), {})
 
     return wrapped
 

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradtx import _leafwise as lw
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.averaging import ema
@@ -153,7 +154,7 @@ def monitor(measures: Mapping[str, GradientTransformation | Measure]) -> Gradien
         measurements: dict[str, Any] = {}
         new_states = []
         for n, s in zip(names, state.measure_states):
-            measurements[n], s = txs[n].update(updates, s, params, **extra)
+            measurements[n], s = txs[n].update(updates, s, params, **lw.without_inplace(extra))  # updates pass on
             new_states.append(s)
         return updates, MonitorState(measurements, tuple(new_states))
 
@@ -204,7 +205,7 @@ def measure_with_ema(
             raise ValueError(
                 "measure_with_ema: state must be the (EmptyState(), EmaState) pair this transform's init returns"
             )
-        out, ema_state = average.update(measure(updates), state[1], None, **extra)
+        out, ema_state = average.update(measure(updates), state[1], None, **lw.without_inplace(extra))
         return out, (state[0], ema_state)
 
     return GradientTransformation(init_fn, update_fn)

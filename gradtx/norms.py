@@ -15,6 +15,13 @@ import torch
 
 from gradtx import tree as tu
 
+try:  # torch's simulated ranks (gtx.testing.simulated_mesh): the shard-size branch below must run per rank
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+except ImportError:  # pragma: no cover
+
+    def maybe_run_for_local_tensor(func):  # type: ignore[no-redef,misc]
+        return func
+
 
 def check_norm_type(norm_type: float, *, name: str) -> float:
     """Validate a norm order: a positive number or ``inf``."""
@@ -34,7 +41,11 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
     rounded to fp32). A complex tensor's norm is that of its magnitudes, as
     ``torch.linalg.vector_norm`` takes it. An empty shard has norm 0.
     """
-    locals_ = [tu.local(t) for t in tensors]
+    return list(_local_norms([tu.local(t) for t in tensors], norm_type))
+
+
+@maybe_run_for_local_tensor  # under simulated ranks, once per rank: their shards differ in size (empty included)
+def _local_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
         acc = tu.acc_dtype(dtype)

@@ -27,15 +27,18 @@ from typing import Any, NamedTuple, Self
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
+    OptState,
     Params,
     PyTree,
     ScalarTransformation,
     Schedule,
+    Updates,
     factory,
     scalar_transformation,
 )
@@ -65,12 +68,6 @@ __all__ = [
 # --- validation and small helpers --------------------------------------------------------
 
 
-def _leaves(tree: PyTree, *, name: str, what: str = "updates") -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(tree)
-    tu.check_tensors(leaves, tu.paths(tree), what=f"{name}: {what}")
-    return leaves, spec
-
-
 def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for low-precision floating params, the param's own dtype otherwise."""
     if dtype.is_floating_point and dtype.itemsize < 4:
@@ -85,7 +82,7 @@ def _zeros_moments(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _count_device(leaves: Sequence[torch.Tensor]) -> torch.device:
     # The count lives beside the params, so bias corrections and schedules need no host sync.
-    return tu.local(leaves[0]).device if leaves else torch.device("cpu")
+    return tu.device_of(list(leaves))
 
 
 def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -326,7 +323,7 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
     eps = check.non_negative(eps, arg="eps", name="scale_by_adam", tensor=True)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, spec = _leaves(params, name="scale_by_adam", what="params")
+        leaves, spec = tu.tensor_leaves(params, what="scale_by_adam: params")
         return ScaleByAdamState(
             count=_zero_count(leaves),
             mu=tu.unflatten(spec, _zeros_moments(leaves)),
@@ -392,7 +389,7 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
         new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
         return tu.unflatten(spec, out), new_state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- weight decay --------------------------------------------------------------------------
@@ -461,7 +458,7 @@ def add_decayed_weights(
                     out[j] = tu.like(leaves[j], r)
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- momentum ------------------------------------------------------------------------------
@@ -499,7 +496,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
     nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
-        leaves, spec = _leaves(params, name="trace", what="params")
+        leaves, spec = tu.tensor_leaves(params, what="trace: params")
         return TraceState(trace=tu.unflatten(spec, _zeros_moments(leaves)))
 
     def update_fn(updates, state, params=None, **extra):
@@ -533,7 +530,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
                     out[j] = tu.like(leaves[j], u[k].to(leaves[j].dtype, copy=not nesterov))
         return tu.unflatten(spec, out), TraceState(trace=tu.unflatten(tr_spec, new_tr))
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- aliases -------------------------------------------------------------------------------
@@ -750,6 +747,19 @@ class OptimizerChain(Chain):
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
         return (self.init, self.update, self.members, self.spec)
 
+    def fused_step(
+        self, state: OptState, updates: Updates, params: Params, factor: torch.Tensor | None
+    ) -> tuple[Callable[[], None], OptState] | None:
+        """The :class:`gradtx.kinds.FusableOptimizer` kind: ``(launch, new_state)`` for one fused torch kernel, or ``None``.
+
+        ``launch()`` writes the step into ``params`` and the state's moments in
+        place, with ``factor`` (or ``None``) applied to ``updates``; ``None``
+        comes back when a leaf or the state does not suit the kernel.
+        """
+        from gradtx.fused import launch_for  # the kernels sit beside the optimizers that own their state
+
+        return launch_for(self.spec, state, updates, params, factor)
+
 
 def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerChain:
     """``chain(*txs)``, whose pure path lets every member after the first write into the first one's output.
@@ -773,4 +783,4 @@ def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerC
                 break
         return updates, tuple(new_states)
 
-    return OptimizerChain(inner.init, update_fn, txs, spec)
+    return kinds.declare_fresh(OptimizerChain(inner.init, update_fn, txs, spec), all(map(kinds.returns_fresh, txs)))

@@ -11,10 +11,11 @@ stages' contributions and count the tied weight once.
 
 from __future__ import annotations
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx.base import EmptyState, GradientTransformation, Params, factory
 from gradtx.comm.base import ReduceOp
-from gradtx.plan import MeshGroups
+from gradtx.plan import MeshGroups, check_plan
 
 
 @factory
@@ -32,10 +33,11 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     mesh shape), because their local shards are summed elementwise, and a
     stage holding several tied weights pairs them in flatten order.
 
-    Building it marks the plan: a plan that declares tied weights refuses to
+    Running it marks the plan: a plan that declares tied weights refuses to
     compute a norm (``clip_by_global_norm``, ``adaptive_clip``,
-    ``global_norm``) until ``pp_reduce(plan)`` exists, so a chain that forgets
-    it fails on its first step instead of letting the copies drift apart.
+    ``global_norm``) until ``pp_reduce(plan)`` has summed the tied grads, so a
+    chain that forgets it, or puts it after the clip, fails on its first step
+    instead of letting the copies drift apart.
 
     Args:
       mesh_groups: the plan from :func:`gradtx.mesh_groups` with ``pp_group``
@@ -54,12 +56,8 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
       >>> plan = gtx.mesh_groups(stage_params, pp_group="pp", tied=tied)  # "pp": a dim of the DTensors' mesh
       >>> tx = gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan), gtx.adamw(3e-4))
     """
-    if not isinstance(mesh_groups, MeshGroups):
-        raise TypeError(
-            f"pp_reduce: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
-        )
+    check_plan(mesh_groups, name="pp_reduce", required=True)
     comm = mesh_groups.comm
-    mesh_groups.tie_reduce_built = True  # the plan's norms may now trust that tied grads are summed
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -69,6 +67,9 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
         del params
         leaves, spec = tu.flatten(updates)
         mesh_groups.check(leaves, what="pp_reduce")
+        # Marked when it runs, not when it is built: a pp_reduce built and never run in the chain
+        # leaves the plan's norms refusing, and one placed after the clip fails the first step.
+        mesh_groups.tie_reduced = True
         inplace = bool(extra.get("inplace", False))
         out = list(leaves)
         for group, idx in mesh_groups.tied.items():
@@ -77,4 +78,4 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
                 out[i] = s
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

@@ -28,7 +28,7 @@ from gradtx import norms
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import PyTree
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm, check_comm
 from gradtx.comm.local import LocalComm
 from gradtx.norms import power_to_norm, tensor_norms
 
@@ -86,10 +86,6 @@ class _Bucket(NamedTuple):
     groups: tuple[GroupKey, ...]  # in plan order
     weight: float  # 1 / number of stages holding a tied copy; 1 otherwise
     leaves: tuple[int, ...]
-
-
-def _dotted(path: tuple[Any, ...]) -> str:
-    return ".".join(str(k) for k in path) if path else "<root>"
 
 
 def _is_shard(placement: Any) -> TypeGuard[Shard]:
@@ -173,20 +169,20 @@ class MeshGroups:
             if leaf.tie_group is not None:
                 tied.setdefault(leaf.tie_group, []).append(i)
         self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
-        # Set by gradtx.pp_reduce(plan): the tied copies' grads are summed before any norm reads them.
-        self.tie_reduce_built = False
+        # Set when gradtx.pp_reduce(plan) runs: the tied copies' grads are summed before a norm reads them.
+        self.tie_reduced = False
 
     def require_tie_reduce(self, *, what: str) -> None:
-        """Raise unless :func:`gradtx.pp_reduce` was built for this plan, when it declares tied weights.
+        """Raise unless :func:`gradtx.pp_reduce` has run for this plan, when it declares tied weights.
 
         Unsummed tied copies give each stage a different grad: the norm is
         wrong and the copies drift apart. This check costs nothing per step.
         """
-        if self.tied and not self.tie_reduce_built:
+        if self.tied and not self.tie_reduced:
             paths = [self._leaves[i].path for idx in self.tied.values() for i in idx]
             raise ValueError(
                 f"{what}: the mesh_groups plan declares tied weights ({', '.join(paths)}), but no "
-                "gradtx.pp_reduce(plan) was built for it, so the tied copies' grads are not summed; put it "
+                "gradtx.pp_reduce(plan) ran before this norm, so the tied copies' grads are not summed; put it "
                 "first in the chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., mesh_groups=plan), ...)"
             )
 
@@ -197,6 +193,15 @@ class MeshGroups:
     def paths(self) -> list[str]:
         """The dotted path of every leaf, in flatten order."""
         return [leaf.path for leaf in self._leaves]
+
+    def leaf(self, index: int) -> _Leaf:
+        """What the plan knows of leaf ``index``: path, global shape, placements, the groups it is summed over
+        (with the tensor dim each splits), and its tie group."""
+        return self._leaves[index]
+
+    def weight_of(self, index: int) -> float:
+        """The factor leaf ``index``'s p-th power carries in the norm: ``1 / copies`` for a tied leaf, else 1."""
+        return next(b.weight for b in self._buckets if index in b.leaves)
 
     def groups_of(self, index: int) -> tuple[GroupKey, ...]:
         """The groups leaf ``index``'s norm is summed over (its sharded mesh dims and declared groups)."""
@@ -385,13 +390,13 @@ def reduce_over_groups(
     return values
 
 
-def _mesh_dim_key(mesh: Any, mesh_dim: int, resolve: Callable[[GroupKey], Any] | None) -> GroupKey:
-    """The key of a mesh dim's group: its name when the comm resolves that name to the same group, else the group."""
+def _mesh_dim_key(mesh: Any, mesh_dim: int, comm: Comm) -> GroupKey:
+    """The key of a mesh dim's group: its name when the comm names the same group so, else the group."""
     group = mesh.get_group(mesh_dim)
     names = mesh.mesh_dim_names
-    if names is not None and resolve is not None:
+    if names is not None:
         try:
-            if resolve(names[mesh_dim]) is group:
+            if comm.group_id(names[mesh_dim]) == comm.group_id(group):
                 return names[mesh_dim]  # readable in logs and in RecordingComm's calls
         except (ValueError, TypeError, KeyError):
             pass
@@ -459,11 +464,9 @@ def mesh_groups(
     """
     flat_paths, flat_leaves, _ = optree.tree_flatten_with_path(params)
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
-    if comm is None:
-        comm = default_comm(flat_leaves)
-    check_comm(comm, name="mesh_groups")
+    comm = default_comm(flat_leaves) if comm is None else as_comm(comm, name="mesh_groups")
     return _build(
-        [_dotted(p) for p in flat_paths],
+        [tu.dotted(p) for p in flat_paths],
         flat_leaves,
         comm,
         sharded=sharded,
@@ -529,21 +532,13 @@ def _build(
     for key in tied:
         _check_matcher(key, arg="tied")
 
-    resolve = getattr(comm, "resolve", None)
-    group_id = getattr(comm, "group_id", None)
     seen: dict[Any, GroupKey] = {}
 
     def canonical(group: GroupKey) -> GroupKey:
         # Two keys for one process group (the string "tp" and the mesh's ProcessGroup, or two meshes'
         # groups over the same ranks) must share one collective, so each group is named by the first
         # key seen for it.
-        ident = group
-        if group_id is not None:
-            ident = group_id(group)
-        elif resolve is not None:
-            resolved = resolve(group)
-            ident = ("pg", id(resolved)) if resolved is not None else ("pg", "world")
-        return seen.setdefault(ident, group)
+        return seen.setdefault(comm.group_id(group), group)
 
     used: set[int] = set()
     checked: set[GroupKey] = set()
@@ -561,7 +556,7 @@ def _build(
                         "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
-                    group_key = canonical(_mesh_dim_key(mesh, mesh_dim, resolve))
+                    group_key = canonical(_mesh_dim_key(mesh, mesh_dim, comm))
                     if group_key not in checked:  # a LocalComm here would silently drop the other shards
                         if comm.size(group_key) != mesh.size(mesh_dim):
                             raise ValueError(
@@ -612,9 +607,54 @@ def _build(
 # A step's cost on a cache hit is one read of each leaf's DTensor spec (shape, placements, mesh)
 # and a tuple compare: no collective and no host sync beyond what the plan itself issues.
 
-_CACHE_SIZE = 16
-_plans: dict[tuple[Any, ...], MeshGroups] = {}
-_agreements: dict[tuple[Any, ...], tuple[Comm, tuple[GroupKey, ...]]] = {}
+
+class PlanCache:
+    """The plans inferred from placements, and the groups a finite check agrees over, built once and reused.
+
+    Keyed by each leaf's DTensor spec (mesh, placements, shape, stride, dtype) and bounded (a model re-sharded,
+    or a second model, gets a new entry; the oldest goes). Its entries belong to the process-group world they
+    were built in: once the default process group is destroyed and another one started (a test's simulated
+    mesh ending, an in-process restart), the first lookup drops them all, so no plan reduces over a dead group
+    and no dead group is kept alive by a plan. gradtx's norms use :data:`DEFAULT_CACHE`; code that wants
+    a shorter lifetime builds its own and passes ``cache=`` to :func:`infer_plan` and :func:`agree_finite`.
+
+    Args:
+      size: how many plans (and as many agreements) to keep.
+    """
+
+    def __init__(self, size: int = 16) -> None:
+        self.size = size
+        self._world: Any = None
+        self.plans: dict[tuple[Any, ...], MeshGroups] = {}
+        self.agreements: dict[tuple[Any, ...], tuple[Comm, tuple[GroupKey, ...]]] = {}
+
+    def current(self) -> PlanCache:
+        """This cache, emptied first if the process-group world changed since its entries were built."""
+        dist = torch.distributed
+        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+        if world is not self._world:
+            self.clear()
+            self._world = world
+        return self
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        self.plans.clear()
+        self.agreements.clear()
+        self._world = None
+
+    def remember(self, table: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
+        """Store ``value`` under ``key`` in ``table`` (one of this cache's), evicting the oldest entry when full."""
+        if len(table) >= self.size:
+            table.pop(next(iter(table)))
+        table[key] = value
+        return value
+
+    def __len__(self) -> int:
+        return len(self.plans) + len(self.agreements)
+
+
+DEFAULT_CACHE = PlanCache()
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
@@ -625,23 +665,17 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
     return key if any(k is not None for k in key) else None
 
 
-def _remember(cache: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
-    # Bounded: a model re-sharded (or a second model) gets a new plan; the oldest one goes.
-    if len(cache) >= _CACHE_SIZE:
-        cache.pop(next(iter(cache)))
-    cache[key] = value
-    return value
-
-
 def _leaf_paths(n: int, tree: PyTree | None) -> list[str]:
     if tree is not None:
-        paths = [_dotted(p) for p in optree.tree_paths(tree)]
+        paths = [tu.dotted(p) for p in optree.tree_paths(tree)]
         if len(paths) == n:
             return paths
     return [f"<leaf {i}>" for i in range(n)]
 
 
-def infer_plan(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
+def infer_plan(
+    leaves: Sequence[Any], *, what: str, tree: PyTree | None = None, cache: PlanCache | None = None
+) -> MeshGroups | None:
     """The plan the placements of ``leaves`` define, built once per placements and meshes; ``None`` without DTensors.
 
     Plain tensors in the tree are taken as replicated (as DDP leaves them).
@@ -653,6 +687,7 @@ def infer_plan(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) 
       leaves: the grads (DTensors and plain tensors), in flatten order.
       what: the caller's name, for error messages.
       tree: the tree ``leaves`` came from, only to name paths in errors.
+      cache: where the plan is kept; default :data:`DEFAULT_CACHE`.
 
     Returns:
       A cached :class:`MeshGroups` over the DTensors' own process groups, or ``None``.
@@ -660,10 +695,11 @@ def infer_plan(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) 
     key = _signature(leaves)
     if key is None:
         return None
-    plan = _plans.get(key)
+    cache = (cache if cache is not None else DEFAULT_CACHE).current()
+    plan = cache.plans.get(key)
     if plan is None:
-        plan = _remember(
-            _plans,
+        plan = cache.remember(
+            cache.plans,
             key,
             _build(
                 _leaf_paths(len(leaves), tree),
@@ -679,10 +715,14 @@ def infer_plan(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) 
     return plan
 
 
-def _check_plan_arg(mesh_groups: Any, *, what: str) -> None:
-    if not isinstance(mesh_groups, MeshGroups):
+def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
+    """Raise ``TypeError`` unless ``mesh_groups`` is a plan from :func:`gradtx.mesh_groups` (or ``None``, unless ``required``).
+
+    The one check of a ``mesh_groups=`` argument, for every transform that takes one.
+    """
+    if (mesh_groups is not None or required) and not isinstance(mesh_groups, MeshGroups):
         raise TypeError(
-            f"{what}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
+            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
 
 
@@ -716,7 +756,7 @@ def tree_norm(
       A 0-d fp32 tensor, equal on every rank; no host sync.
     """
     if mesh_groups is not None:
-        _check_plan_arg(mesh_groups, what=what)
+        check_plan(mesh_groups, name=what)
         return mesh_groups.global_norm(leaves, norm_type)
     plan = infer_plan(leaves, what=what, tree=tree)
     if plan is None:
@@ -742,7 +782,7 @@ def tree_unitwise_norms(
     """
     plan = mesh_groups
     if plan is not None:
-        _check_plan_arg(plan, what="adaptive_clip")
+        check_plan(plan, name="adaptive_clip")
     else:
         plan = infer_plan(grads, what="adaptive_clip", tree=tree)
     if plan is None:
@@ -755,7 +795,12 @@ def tree_unitwise_norms(
 
 
 def agree_finite(
-    finite: torch.Tensor, leaves: Sequence[Any], *, comm: Comm | None = None, group: GroupKey = "world"
+    finite: torch.Tensor,
+    leaves: Sequence[Any],
+    *,
+    comm: Comm | None = None,
+    group: GroupKey = "world",
+    cache: PlanCache | None = None,
 ) -> torch.Tensor:
     """Agree on a finite-check verdict over every rank that holds part of the model (MAX of the not-finite flag).
 
@@ -773,9 +818,10 @@ def agree_finite(
         plan: tuple[Comm, tuple[GroupKey, ...]] | None = (comm, (group,))
     else:
         key = _signature(leaves)
-        plan = None if key is None else _agreements.get(key)
+        table = (cache if cache is not None else DEFAULT_CACHE).current()
+        plan = None if key is None else table.agreements.get(key)
         if key is not None and plan is None:
-            plan = _remember(_agreements, key, _agreement_groups(leaves))
+            plan = table.remember(table.agreements, key, _agreement_groups(leaves))
     if plan is None:
         return finite
     agree_comm, groups = plan

@@ -172,8 +172,9 @@ def _conditional(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, state_type, name=name)
-        cond = should_transform_fn(state.step, **(extra if forward_extra_args else {}))
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
+        cond = should_transform_fn(state.step, **(lw.without_inplace(extra) if forward_extra_args else {}))
+        # The updates are read again when the step is rejected: the inner transform may not write into them.
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **lw.without_inplace(extra))
         if new_updates is None:
             raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before {name}")
         rejected = tu.tree_map(torch.zeros_like, updates) if zero_rejected else updates

@@ -22,6 +22,7 @@ from typing import Any, Literal, NamedTuple
 import optree
 import torch
 
+from gradtx import kinds
 from gradtx import plan as plans
 from gradtx import tree as tu
 from gradtx import validate as check
@@ -42,17 +43,6 @@ __all__ = [
 ]
 
 ShouldSkipUpdateFunction = Callable[..., tuple[torch.Tensor, Any]]
-
-
-def _device_of(tree: Any) -> torch.device:
-    tensors = [t for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor)]
-    return tu.local(tensors[0]).device if tensors else torch.device("cpu")
-
-
-def _tensor_leaves(updates: Updates, *, name: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(updates)
-    tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
-    return leaves, spec
 
 
 # --- zero_nans -----------------------------------------------------------------------------
@@ -91,7 +81,7 @@ def zero_nans() -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, ZeroNansState, name="zero_nans")
-        leaves, spec = _tensor_leaves(updates, name="zero_nans")
+        leaves, spec = tu.tensor_leaves(updates, what="zero_nans: updates")
         found: dict[tuple[Any, ...], torch.Tensor] = {}
         out = []
         for path, u in zip(tu.paths(updates), leaves):
@@ -111,7 +101,7 @@ def zero_nans() -> GradientTransformation:
         )
         return tu.unflatten(spec, out), ZeroNansState(found_nan=found_nan)
 
-    return GradientTransformation(init_fn, update_fn)
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
 
 
 # --- optax's should_skip_update_fn functions ------------------------------------------------
@@ -138,8 +128,8 @@ def skip_not_finite(
       >>> tx = skip_if(adamw(1e-3), skip_not_finite)
     """
     del gradient_step, params
-    leaves, _ = _tensor_leaves(updates, name="skip_not_finite")
-    device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
+    leaves, _ = tu.tensor_leaves(updates, what="skip_not_finite: updates")
+    device = tu.device_of(leaves)
     counts = [(~torch.isfinite(tu.local(u))).sum().to(device) for u in leaves]
     num = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64, device=device)
     should_skip = num > 0
@@ -183,7 +173,7 @@ def skip_large_updates(
             max_squared_norm, arg="max_squared_norm", name="skip_large_updates", finite=False
         )
     check_plan(mesh_groups, name="skip_large_updates")
-    leaves, _ = _tensor_leaves(updates, name="skip_large_updates")
+    leaves, _ = tu.tensor_leaves(updates, what="skip_large_updates: updates")
     norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups, what="skip_large_updates", tree=updates).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
@@ -242,6 +232,10 @@ def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState
     return tu.unflatten(spec, out), tu.tree_map(pick, new_inner, old_inner)
 
 
+def _skipped(state: SkipIfState | SkipSpikesState) -> torch.Tensor:
+    return state.skipped
+
+
 def _check_inner(inner: Any, *, name: str) -> None:
     if not isinstance(inner, GradientTransformation):
         raise TypeError(f"{name}: inner must be a GradientTransformation, got {type(inner).__name__}")
@@ -294,7 +288,7 @@ def skip_if(
         check_comm(comm, name="skip_if")
 
     def init_fn(params: Params) -> SkipIfState:
-        device = _device_of(params)
+        device = tu.device_of(params)
         step = torch.zeros((), dtype=torch.int64, device=device)
         # As optax's MultiSteps does: the skip state's structure comes from a call on zero updates.
         zeros = tu.tree_map(torch.zeros_like, params)
@@ -334,7 +328,7 @@ def skip_if(
             inner_state=inner_state,
         )
 
-    return Guard(init_fn, update_fn)
+    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
 
 
 # --- skip_spikes ----------------------------------------------------------------------------
@@ -452,7 +446,7 @@ def skip_spikes(
         check_comm(comm, name=name)
 
     def init_fn(params: Params) -> SkipSpikesState:
-        device = _device_of(params)
+        device = tu.device_of(params)
         zero = torch.zeros((), dtype=torch.float32, device=device)
         izero = torch.zeros((), dtype=torch.int64, device=device)
         return SkipSpikesState(
@@ -469,7 +463,7 @@ def skip_spikes(
 
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
-            leaves, _ = _tensor_leaves(updates, name=name)
+            leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
             return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
                 device=device, dtype=torch.float32
             )
@@ -529,4 +523,4 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    return Guard(init_fn, update_fn)
+    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))

@@ -11,14 +11,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from gradtx import kinds
 from gradtx import tree as tu
 from gradtx.base import GradientTransformation, PyTree
-from gradtx.comm.base import Comm, GroupKey, ReduceOp
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
 from gradtx.comm.local import LocalComm
 
 
@@ -53,11 +54,16 @@ def assert_pure(
     steps: int = 2,
     **extra: Any,
 ) -> tuple[PyTree, PyTree]:
-    """Check that ``tx`` mutates none of its inputs, and is deterministic.
+    """Check that ``tx`` mutates none of its inputs, is deterministic, and keeps the ownership rule.
 
     Runs ``init`` (unless ``state`` is given) and ``steps`` updates with the
     same inputs, and fails if any input tensor's version counter moved or its
     value changed, or if running the same update twice gives different results.
+    Each step also runs with ``inplace=True`` on a copy of the updates (what a
+    donated step or the wrapper passes), which may write only into that copy,
+    and must give the same numbers. A transform that declares fresh updates
+    (:func:`gradtx.kinds.declare_fresh`) fails if an update it returns shares
+    storage with its state or the params (see ``docs/transforms.md``).
 
     Returns:
       The ``(updates, state)`` of the last step.
@@ -74,8 +80,35 @@ def assert_pure(
         for snap, what in snaps:
             _check_unchanged(snap, what)
         assert_trees_equal(first, again, msg="update is not deterministic: ")
+        _check_ownership(tx, updates, state, params, first, extra)
         result, state = first, first[1]
     return result
+
+
+def _check_ownership(
+    tx: GradientTransformation, updates: PyTree, state: PyTree, params: PyTree, pure: tuple[PyTree, PyTree], extra: Any
+) -> None:
+    """The ownership rule of ``docs/transforms.md``: a declared-fresh result holds no input, and ``inplace`` is honest."""
+    new_updates, new_state = pure
+    if new_updates is not None and kinds.returns_fresh(tx):
+        held = kinds.held_storages(new_state, state, params, updates)
+        for path, leaf in _tensor_leaves(new_updates):
+            if tu.local(leaf).untyped_storage().data_ptr() in held:
+                raise AssertionError(
+                    f"update: the returned updates at {path} share storage with the state or params, but the "
+                    "transform declares fresh updates (gradtx.kinds.declare_fresh); return a new tensor, or drop "
+                    "the declaration (see docs/transforms.md)"
+                )
+    if "inplace" in extra or updates is None:
+        return
+    donated = tu.tree_map(
+        lambda t: tu.like(t, tu.local(t).detach().clone()) if isinstance(t, torch.Tensor) else t, updates
+    )
+    snaps = [(_snapshot(state), "update(inplace=True): state"), (_snapshot(params), "update(inplace=True): params")]
+    got = tx.update(donated, state, params, inplace=True, **extra)
+    for snap, what in snaps:
+        _check_unchanged(snap, what)
+    assert_trees_close(got, pure, rtol=1e-6, atol=0.0, msg="update(inplace=True) differs from the pure update: ")
 
 
 def assert_trees_close(
@@ -167,8 +200,22 @@ class RecordingComm:
     def size(self, group: GroupKey) -> int:
         return self.inner.size(group)
 
+    def rank(self, group: GroupKey) -> int:
+        return as_comm(self.inner, name="RecordingComm").rank(group)
+
+    def group_id(self, group: GroupKey) -> Hashable:
+        return as_comm(self.inner, name="RecordingComm").group_id(group)
+
     def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
         return getattr(self.inner, name)
 
     def reset(self) -> None:
         self.calls.clear()
+
+
+# --- simulated meshes: distributed transforms tested in one process (torch's LocalTensorMode) ----------
+
+try:  # a torch build without distributed support has no simulated meshes
+    from gradtx._simulated import assert_matches_single_device, distribute, simulated_mesh  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass

@@ -44,6 +44,26 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[Any]) -> PyTree:
     return optree.tree_unflatten(spec, list(leaves))
 
 
+def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[torch.Tensor], Any]:
+    """``tree``'s leaves and structure, after :func:`check_tensors` (``what`` names the tree in the error)."""
+    leaves, spec = flatten(tree)
+    check_tensors(leaves, paths(tree), what=what)
+    return leaves, spec
+
+
+def device_of(tree: PyTree) -> torch.device:
+    """The device of ``tree``'s first tensor (a DTensor's local shard's), or the CPU when it holds none."""
+    for leaf in flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return local(leaf).device
+    return torch.device("cpu")
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+    """A pytree path as ``"a.b.0"`` (``"<root>"`` for the root)."""
+    return ".".join(str(k) for k in path) if path else "<root>"
+
+
 def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     return optree.tree_map(fn, tree, *rest)
 

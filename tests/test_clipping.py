@@ -242,3 +242,14 @@ def test_wrong_state_raises():
         tx.update({"a": torch.ones(1)}, None)
     with pytest.raises(TypeError, match="ClipByGlobalNormState"):
         tx.update({"a": torch.ones(1)}, gtx.EmptyState())
+
+
+@pytest.mark.parametrize(
+    "make, params", [(lambda: gtx.clip(0.5), None), (lambda: gtx.adaptive_clip(0.1), {"w": torch.ones(2, 2)})]
+)
+def test_stateless_clips_refuse_a_missing_or_foreign_state_as_every_transform_does(make, params):
+    tx, grads = make(), {"w": torch.ones(2, 2)}
+    with pytest.raises(ValueError, match=r"state is None; call init"):
+        tx.update(grads, None, params)
+    with pytest.raises(TypeError, match=r"expected state of type EmptyState, got ScaleByAdamState"):
+        tx.update(grads, gtx.scale_by_adam().init(grads), params)

@@ -203,3 +203,9 @@ def test_metrics_star_exports_every_item_of_a_dict_field_by_its_key():
     found = gtx.metrics(state)
     assert found["learning_rate"] is lr and found["weight_decay"] is wd  # the first member in chain order wins
     assert int(found["count"]) == 3 and "*" not in found
+
+
+@pytest.mark.parametrize("bad", ["b", ("b",), ("b", gtx.identity(), 1), (1, gtx.identity()), ("b", "tx")])
+def test_named_chain_names_a_malformed_pair(bad):
+    with pytest.raises(TypeError, match=r"named_chain: argument 1 must be a .*pair.*docs/chaining.md"):
+        gtx.named_chain(("a", gtx.identity()), bad)

@@ -230,3 +230,41 @@ def test_torch_comm_group_keys_sizes_and_errors(torch_comm_results):
         assert r["size"] == (2, 2, 2) and r["rank"] == rank
         assert "plain torch.Tensor" in r["dtensor_error"]
         assert "unknown group 'tp'" in r["unknown_error"] and "'dp'" in r["unknown_error"]
+
+
+# --- the protocol: everything gradtx calls on a comm is declared ---------------------------------
+
+
+class _TwoMethods:
+    """A user's comm with only what every comm needs: all_reduce and size."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def all_reduce(self, tensors, op, group):
+        return [t * self.n for t in tensors]
+
+    def size(self, group) -> int:
+        return self.n
+
+
+def test_every_method_gradtx_calls_is_on_the_protocol_and_local_comm_has_them_all():
+    declared = {m for m in vars(Comm) if not m.startswith("_")}
+    assert declared == {"all_reduce", "size", "rank", "group_id"}
+    assert isinstance(LocalComm(), Comm) and isinstance(RecordingComm(), Comm)
+    assert LocalComm().rank("dp") == 0 and LocalComm().group_id("dp") != LocalComm().group_id("tp")
+
+
+def test_a_comm_with_two_methods_is_adapted_and_a_rank_it_cannot_know_raises():
+    from gradtx.comm import MinimalComm, as_comm
+
+    one, two = as_comm(_TwoMethods(1), name="t"), as_comm(_TwoMethods(2), name="t")
+    assert isinstance(one, MinimalComm) and isinstance(one, Comm)
+    assert one.rank("dp") == 0 and one.group_id("dp") == ("key", "dp")
+    with pytest.raises(TypeError, match=r"_TwoMethods has no rank\(group\), and group 'dp' has 2 ranks"):
+        two.rank("dp")
+    assert RecordingComm(_TwoMethods(1)).rank("dp") == 0  # RecordingComm declares it and forwards
+    with pytest.raises(TypeError, match="t: comm must implement gradtx.comm.Comm .* without all_reduce, size"):
+        as_comm(object(), name="t")
+    tc = LocalComm()
+    assert as_comm(tc, name="t") is tc

@@ -45,6 +45,17 @@ def test_example_runs_and_loss_falls(name):
         assert "max |param diff| = 0.0e+00" in out, out
 
 
+def test_torchtitan_example_resumes_exactly():
+    pytest.importorskip("torchtitan")
+    out = run_example(EXAMPLES / "torchtitan_gradtx.py").stdout  # exits 1 if the resumed run differs
+    assert "max |resumed - uninterrupted| = 0" in out, out
+
+
+def test_norm_audit_example_matches_one_device_and_shows_the_double_count():
+    out = run_example(EXAMPLES / "norm_audit.py").stdout
+    assert "norm_audit: ok" in out and "tp: replicated" in out, out
+
+
 TINY_LM = EXAMPLES / "train_tiny_lm.py"
 
 
@@ -89,11 +100,13 @@ DOC_PAGES = [
     "accumulation.md",
     "wrapper.md",
     "testing.md",
+    "norm_audit.md",
     "schedules.md",
     "spikes.md",
     "optax.md",
     "executor.md",
     "checkpointing.md",
+    "torchtitan.md",
 ]
 PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

@@ -51,22 +51,22 @@ def test_plan_reads_the_structure():
     assert plan.window is not None and plan.window.k == 2
     assert repr(plan) == (
         "StepPlan(window(k=2), GradientTransformation, scalar:ScalarTransformation, scalar:ScalarTransformation, "
-        "terminal:adamw)"
+        "terminal:OptimizerChain)"
     )
     assert gtx.StepPlan.of(tx) is plan  # built once per transform
 
 
 def test_a_users_transforms_fold_and_fuse_in_a_donated_step(monkeypatch):
-    from gradtx import executor
+    from gradtx import fused as fused_kernels
 
     fused = []
-    original = executor._fused_launch
+    original = fused_kernels.launch_for
 
     def spy(spec, state, updates, params, factor):
         fused.append(factor)
         return original(spec, state, updates, params, factor)
 
-    monkeypatch.setattr(executor, "_fused_launch", spy)
+    monkeypatch.setattr(fused_kernels, "launch_for", spy)
     tx = gtx.chain(centralize(), gtx.clip_by_global_norm(0.5), halve_every_step(), gtx.adamw(1e-2, weight_decay=0.1))
     assert_donated_matches_pure(tx, _tree(0), [_tree(10 + step) for step in range(4)])
     # One fused launch per step, carrying clip coefficient * 0.5**t as one factor.

@@ -17,6 +17,7 @@ import torch
 
 import gradtx as gtx
 from gradtx import executor
+from gradtx import fused as fused_kernels
 from gradtx import tree as tu
 from gradtx.testing import assert_donated_matches_pure, assert_trees_close
 
@@ -66,7 +67,7 @@ FUSES |= {"clip_value+scale+adamw"}
 def claims(monkeypatch):
     """The kinds of the optimizers whose donated step ran as one fused kernel."""
     seen: list[str] = []
-    original = executor._fused_launch
+    original = fused_kernels.launch_for
 
     def spy(spec, *args, **kwargs):
         planned = original(spec, *args, **kwargs)
@@ -74,7 +75,7 @@ def claims(monkeypatch):
             seen.append(spec.kind)
         return planned
 
-    monkeypatch.setattr(executor, "_fused_launch", spy)
+    monkeypatch.setattr(fused_kernels, "launch_for", spy)
     return seen
 
 

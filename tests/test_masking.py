@@ -474,7 +474,8 @@ def test_clips_refuse_another_transforms_state(make):
     params = {"w": torch.ones(2, 2)}
     with pytest.raises(TypeError, match="expected state of type EmptyState, got ScaleByAdamState"):
         make().update(params, gtx.scale_by_adam().init(params), params)
-    make().update(params, None, params)  # a stateless transform's missing state is harmless
+    with pytest.raises(ValueError, match="state is None; call init"):  # as every transform refuses it
+        make().update(params, None, params)
 
 
 def test_masked_and_partition_are_pure_with_none_grads():

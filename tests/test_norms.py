@@ -131,7 +131,10 @@ def test_pp_stages_add_and_tied_weight_counts_once():
     plan = mesh_groups({"emb": emb, "block": block}, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
     with pytest.raises(ValueError, match=r"tied weights \(emb\).*pp_reduce\(plan\)"):
         plan.global_norm([block, emb], 2.0)  # the tied copies' grads would not be summed
-    gtx.pp_reduce(plan)
+    tie = gtx.pp_reduce(plan)
+    with pytest.raises(ValueError, match=r"no gradtx.pp_reduce\(plan\) ran"):
+        plan.global_norm([block, emb], 2.0)  # built but never run: still refused
+    tie.update({"emb": emb, "block": block}, tie.init({"emb": emb, "block": block}))
     # Two stages: each holds a copy of emb (counted once overall) and its own block (counted per stage).
     torch.testing.assert_close(plan.global_norm([block, emb], 2.0), torch.tensor(math.sqrt(25 + 2 * 1)))
     torch.testing.assert_close(plan.global_norm([block, emb], math.inf), torch.tensor(4.0))
@@ -144,9 +147,9 @@ def test_empty_rank_still_joins_the_pp_reduction():
     assert float(norm) == 0.0 and [c.group for c in comm.calls] == ["pp"]
 
 
-def test_mesh_dim_keys_dedupe_through_the_comm_resolver():
+def test_mesh_dim_keys_dedupe_through_the_comm_group_id():
     class Resolving(RecordingComm):
-        def resolve(self, group):
+        def group_id(self, group):
             return {"tp": "TP", "tensor": "TP"}.get(group, group)
 
     comm = Resolving()
@@ -217,8 +220,8 @@ def test_transforms_reject_a_plan_that_is_not_one():
 def test_adaptive_clip_with_a_local_plan_equals_without():
     grads, params = tree(2), tree(3)
     plan = mesh_groups(params, comm=LocalComm(), sharded={"l1.w": Sharded("tp", dim=1)})
-    a, _ = gtx.adaptive_clip(0.05).update(grads, None, params)
-    b, _ = gtx.adaptive_clip(0.05, mesh_groups=plan).update(grads, None, params)
+    a, _ = gtx.adaptive_clip(0.05).update(grads, gtx.EmptyState(), params)
+    b, _ = gtx.adaptive_clip(0.05, mesh_groups=plan).update(grads, gtx.EmptyState(), params)
     assert_trees_close(b, a, rtol=1e-6)
 
 
@@ -228,10 +231,10 @@ def test_adaptive_clip_units_span_ranks_only_when_split_along_dim_1(dim):
     grad, weight = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g) * 0.5
     comm = RecordingComm(MirrorComm(2))
     plan = mesh_groups({"w": weight}, comm=comm, sharded={"w": Sharded("tp", dim=dim)})
-    out, _ = gtx.adaptive_clip(0.5, mesh_groups=plan).update({"w": grad}, None, {"w": weight})
+    out, _ = gtx.adaptive_clip(0.5, mesh_groups=plan).update({"w": grad}, gtx.EmptyState(), {"w": weight})
     # The reference: the full tensor two identical shards make, clipped on one device.
     full_g, full_w = torch.cat([grad, grad], dim=dim), torch.cat([weight, weight], dim=dim)
-    ref, _ = gtx.adaptive_clip(0.5).update({"w": full_g}, None, {"w": full_w})
+    ref, _ = gtx.adaptive_clip(0.5).update({"w": full_g}, gtx.EmptyState(), {"w": full_w})
     expected = ref["w"].chunk(2, dim=dim)[0]
     torch.testing.assert_close(out["w"], expected, rtol=1e-6, atol=1e-7)
     assert not torch.equal(out["w"], grad)  # some unit really was clipped

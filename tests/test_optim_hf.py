@@ -58,17 +58,20 @@ def fresh_accelerate_state():
 # --- accelerate ------------------------------------------------------------------------------
 
 
-def accelerate_run(tx, k):
+def accelerate_run(tx, k, *, schedule=False):
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=k)
     model = make_model()
     opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), tx)
     loader = DataLoader(TensorDataset(*data()), batch_size=BATCH, shuffle=False)
-    model, opt, loader = accelerator.prepare(model, opt, loader)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
     steps = 0
     for x, y in loader:
         with accelerator.accumulate(model):
             accelerator.backward(F.cross_entropy(model(x), y))  # accelerate divides by k
             opt.step()
+            if schedule:
+                sched.step()
             steps += accelerator.sync_gradients
             opt.zero_grad()
         if steps == STEPS:
@@ -84,9 +87,10 @@ def test_accelerate_with_its_own_accumulation_equals_torch_loop(k):
 
 
 def test_accelerate_with_accumulate_in_the_chain_is_refused():
-    with pytest.raises(ValueError, match=r"gtx.accumulate is in the chain, but accelerate calls step\(\).*"
+    """accelerate counts every step() call: its scheduler moves the lr inside the chain's window, which is refused."""
+    with pytest.raises(ValueError, match=r"lr changed from .* inside an accumulation window.*"
                        r"gradient_accumulation_steps"):  # fmt: skip
-        accelerate_run(gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(MAX_NORM)), 1)
+        accelerate_run(gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(MAX_NORM)), 1, schedule=True)
 
 
 # --- the transformers Trainer ----------------------------------------------------------------
@@ -111,12 +115,12 @@ class Classifier(torch.nn.Module):
         return {"loss": F.cross_entropy(logits, labels), "logits": logits}
 
 
-def hf_train(tmp_path, tx, k):
+def hf_train(tmp_path, tx, k, decay=0.0):
     from transformers import Trainer, TrainingArguments
 
     model = Classifier()
     opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), tx)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1.0 + decay * step))
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=STEPS,
@@ -146,5 +150,6 @@ def test_hf_trainer_with_its_own_accumulation_equals_torch_loop(tmp_path, k):
 
 
 def test_hf_trainer_with_accumulate_in_the_chain_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps"):
-        hf_train(tmp_path, gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(MAX_NORM)), 1)
+    """The Trainer steps its scheduler on every step() call: the lr moves inside the chain's window, refused."""
+    with pytest.raises(ValueError, match=r"lr changed .* inside an accumulation window.*gradient_accumulation_steps"):
+        hf_train(tmp_path, gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(MAX_NORM)), 1, decay=0.5)

@@ -49,7 +49,7 @@ def test_clip_agc_and_finite_check_on_an_empty_shard(p):
     out, state = tx.update(grads, tx.init(params))
     torch.testing.assert_close(state.grad_norm.double(), _reference_norm(list(grads.values()), p))
     assert out["empty"].shape == (0, 4)
-    agc, _ = gtx.adaptive_clip(0.1).update(grads, None, params)
+    agc, _ = gtx.adaptive_clip(0.1).update(grads, gtx.EmptyState(), params)
     assert agc["empty"].shape == (0, 4)
     torch.testing.assert_close(agc["w"], grads["w"] * (0.1 * math.sqrt(2) / 5.0))
     fin = gtx.apply_if_finite(gtx.identity(), 1)

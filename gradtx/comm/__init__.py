@@ -1,6 +1,6 @@
 """The communication layer: the only code in gradtx that issues collectives."""
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp
+from gradtx.comm.base import Comm, GroupKey, MinimalComm, ReduceOp, as_comm
 from gradtx.comm.local import LocalComm
 
 try:  # a torch build without distributed support still has LocalComm
@@ -8,4 +8,4 @@ try:  # a torch build without distributed support still has LocalComm
 except ImportError:  # pragma: no cover
     TorchComm = None  # type: ignore[assignment,misc]
 
-__all__ = ["Comm", "GroupKey", "LocalComm", "ReduceOp", "TorchComm"]
+__all__ = ["Comm", "GroupKey", "LocalComm", "MinimalComm", "ReduceOp", "TorchComm", "as_comm"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -25,7 +25,12 @@ class ReduceOp(str, Enum):
 
 @runtime_checkable
 class Comm(Protocol):
-    """Collectives over named groups; every rank calls them in the same order."""
+    """Collectives over named groups; every rank calls them in the same order.
+
+    This is everything gradtx calls on a comm. A comm of your own needs only
+    :meth:`all_reduce` and :meth:`size`: gradtx adapts it with :func:`as_comm`,
+    which gives it one rank per group and names each group by its key.
+    """
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
         """Reduce every tensor over ``group`` in one coalesced collective; returns new tensors."""
@@ -35,8 +40,63 @@ class Comm(Protocol):
         """The number of ranks in ``group``."""
         ...
 
+    def rank(self, group: GroupKey) -> int:
+        """This process's rank within ``group``."""
+        ...
+
+    def group_id(self, group: GroupKey) -> Hashable:
+        """What ``group`` is, as a hashable: two keys with the same id name one group (and share one collective)."""
+        ...
+
+
+_REQUIRED = ("all_reduce", "size")
+
 
 def check_comm(comm: object, *, name: str) -> None:
-    """Raise ``TypeError`` unless ``comm`` implements :class:`Comm`."""
-    if not isinstance(comm, Comm):
-        raise TypeError(f"{name}: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__}")
+    """Raise ``TypeError`` unless ``comm`` has what every comm needs: ``all_reduce`` and ``size``."""
+    missing = [m for m in _REQUIRED if not callable(getattr(comm, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name}: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__} "
+            f"without {', '.join(missing)}"
+        )
+
+
+def as_comm(comm: object, *, name: str) -> Comm:
+    """``comm`` as a full :class:`Comm`: itself when it has every method, else adapted (see :class:`MinimalComm`)."""
+    check_comm(comm, name=name)
+    if isinstance(comm, Comm):
+        return comm
+    return MinimalComm(comm)
+
+
+class MinimalComm:
+    """A :class:`Comm` around one that has only ``all_reduce`` and ``size``.
+
+    Its groups are named by their keys (two keys are two groups), and
+    :meth:`rank` is 0 in a group of one rank; in a larger group it raises,
+    because nothing else can tell which rank this is.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        return self.inner.all_reduce(tensors, op, group)
+
+    def size(self, group: GroupKey) -> int:
+        return self.inner.size(group)
+
+    def rank(self, group: GroupKey) -> int:
+        if self.inner.size(group) == 1:
+            return 0
+        raise TypeError(
+            f"{type(self.inner).__name__} has no rank(group), and group {group!r} has {self.inner.size(group)} "
+            "ranks; give the comm a rank(group) method (gradtx.comm.TorchComm has one)"
+        )
+
+    def group_id(self, group: GroupKey) -> Hashable:
+        return ("key", group)
+
+    def __repr__(self) -> str:
+        return f"MinimalComm({self.inner!r})"

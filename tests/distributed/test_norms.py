@@ -89,7 +89,7 @@ def _tp_fsdp(rank: int) -> dict:
     rec = RecordingComm(comm)
     plan = mesh_groups(params, comm=rec)
     clipping = 0.05
-    agc, _ = gtx.adaptive_clip(clipping, mesh_groups=plan).update(grads, None, params)
+    agc, _ = gtx.adaptive_clip(clipping, mesh_groups=plan).update(grads, gtx.EmptyState(), params)
     out["agc"] = {n: _full(g) for n, g in agc.items()}
     out["agc_ref"] = models.reference_agc(ref_grads, dict(ref.named_parameters()), clipping)
     out["agc_calls"] = [(c.op, c.num_tensors) for c in rec.calls]
@@ -189,7 +189,7 @@ def _plain_and_manual(rank: int, world: int) -> dict:
     params = {"a": full["a"].chunk(world, dim=1)[rank] * 3.0, "b": full["b"].chunk(world)[rank] * 3.0, "c": full["c"]}
     full_params = {"a": full["a"] * 3.0, "b": full["b"] * 3.0, "c": full["c"]}
     plan = mesh_groups(params, comm=TorchComm(), sharded={"a": Sharded("world", dim=1), "b": "world"})
-    agc, _ = gtx.adaptive_clip(0.2, mesh_groups=plan).update(grads, None, params)
+    agc, _ = gtx.adaptive_clip(0.2, mesh_groups=plan).update(grads, gtx.EmptyState(), params)
     return {
         "replicated": replicated,
         "manual": manual,

@@ -133,7 +133,7 @@ def _checks(layout: Layout, *, agc: bool = False) -> dict[str, Any]:
     out["finite"] = bool(fin_state.last_finite)
     if agc:
         clipping = 0.05
-        agc_out, _ = gtx.adaptive_clip(clipping).update(grads, None, params)
+        agc_out, _ = gtx.adaptive_clip(clipping).update(grads, gtx.EmptyState(), params)
         out["agc"] = {n: _full(g) for n, g in agc_out.items()}
         out["agc_ref"] = models.reference_agc(ref_grads, dict(ref.named_parameters()), clipping)
     out["train"] = _train(layout)

@@ -1,0 +1,212 @@
+"""gtx.testing's simulated meshes: the mesh, the layouts, and the single-device check itself."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradtx as gtx
+from gradtx import testing
+
+pytest.importorskip("torch.distributed._local_tensor")
+from torch.distributed._local_tensor import LocalTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+
+def _tree(seed: int = 0, **shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+
+
+def _shards(x: DTensor) -> dict[int, torch.Tensor]:
+    local = x.to_local()
+    assert isinstance(local, LocalTensor)
+    return dict(sorted(local._local_tensors.items()))
+
+
+# --- the mesh ---------------------------------------------------------------------------------------
+
+
+def test_simulated_mesh_yields_the_mesh_and_leaves_no_process_group_behind():
+    assert not dist.is_initialized()
+    with testing.simulated_mesh((2, 3), ("dp", "tp")) as mesh:
+        assert tuple(mesh.shape) == (2, 3) and mesh.mesh_dim_names == ("dp", "tp")
+        assert dist.get_world_size() == 6
+    assert not dist.is_initialized()
+    with pytest.raises(ZeroDivisionError), testing.simulated_mesh(2):
+        raise ZeroDivisionError  # an error in the block still tears the world down
+    assert not dist.is_initialized()
+
+
+def test_simulated_mesh_refuses_bad_shapes_and_nesting():
+    with pytest.raises(ValueError, match="shape must be positive ints"), testing.simulated_mesh((2, 0)):
+        pass
+    with pytest.raises(ValueError, match="names must be 2 distinct strings"), testing.simulated_mesh((2, 2), ("dp",)):
+        pass
+    with testing.simulated_mesh(2), pytest.raises(RuntimeError, match="already initialised"), testing.simulated_mesh(2):
+        pass
+
+
+def test_plans_do_not_outlive_their_process_groups():
+    # Two simulated worlds in a row: the second must not reduce over the first one's (destroyed) groups.
+    grads = _tree(w=(6, 4), b=(4,))
+    for _ in range(2):
+        for tx in (gtx.clip_by_global_norm(1.0), gtx.adaptive_clip(0.01)):
+            testing.assert_matches_single_device(tx, [grads], grads, mesh_shape=(2, 2), layout="tp_fsdp")
+    assert not dist.is_initialized()
+
+
+# --- the layouts ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "layout, shape, expected",
+    [
+        ("fsdp", (4,), {"w": (Shard(0),), "b": (Shard(0),), "s": (Replicate(),)}),
+        ("tp", (2,), {"w": (Shard(0),), "v": (Shard(1),), "b": (Replicate(),), "s": (Replicate(),)}),
+        ("hsdp", (2, 2), {"w": (Replicate(), Shard(0)), "b": (Replicate(), Shard(0)), "s": (Replicate(), Replicate())}),
+        (
+            "tp_fsdp",
+            (2, 2),
+            {
+                "w": (_StridedShard(0, split_factor=2), Shard(0)),  # FSDP2 over a column-wise TP weight
+                "v": (Shard(0), Shard(1)),  # over a row-wise one
+                "b": (Shard(0), Replicate()),  # a bias TP leaves replicated
+                "s": (Replicate(), Replicate()),
+            },
+        ),
+        (
+            "ep_fsdp",
+            (2, 2),
+            {"experts.w": (Shard(1), Shard(0)), "w": (Shard(0), Replicate()), "b": (Shard(0), Replicate())},
+        ),
+        ("cp", (2, 2), {"w": (Shard(0), Replicate()), "b": (Shard(0), Replicate())}),
+    ],
+)
+def test_presets_place_each_leaf_as_the_parallelism_does(layout, shape, expected):
+    full = _tree(w=(4, 6), v=(6, 4), b=(4,), s=(), **{"experts.w": (2, 4, 3)})
+    with testing.simulated_mesh(shape) as mesh:
+        out = testing.distribute(full, mesh, layout)
+        for path, placements in expected.items():
+            assert isinstance(out[path], DTensor)
+            assert tuple(out[path].placements) == placements, path
+            # torch's own gather puts the full tensor back together, on every rank
+            for r, t in out[path].full_tensor()._local_tensors.items():
+                torch.testing.assert_close(t, full[path], rtol=0, atol=0, msg=f"{path} on rank {r}")
+
+
+def test_uneven_shards_follow_torch_chunk_and_may_be_empty():
+    full = _tree(w=(5, 3), b=(2,))
+    with testing.simulated_mesh(4) as mesh:
+        out = testing.distribute(full, mesh, "fsdp")
+        assert [t.shape[0] for t in _shards(out["w"]).values()] == [2, 2, 1, 0]  # torch.chunk(5 rows, 4)
+        assert [t.shape[0] for t in _shards(out["b"]).values()] == [1, 1, 0, 0]
+        for r, t in _shards(out["w"]).items():
+            chunks = torch.chunk(full["w"], 4)
+            torch.testing.assert_close(t, chunks[r] if r < len(chunks) else full["w"][:0])
+
+
+def test_every_rank_holds_its_own_copy_of_a_replicated_leaf():
+    # torch's distribute_tensor shares one plain tensor among the simulated ranks of a replicated DTensor,
+    # so an in-place update mixed with per-rank tensors runs once per rank on it: Adam's step counter moves
+    # four times per step, and the update is off by about the learning rate.
+    full = _tree(w=(3, 2))
+    with testing.simulated_mesh((2, 2)) as mesh:
+        out = testing.distribute(full, mesh, {"w": (Replicate(), Replicate())})
+        shards = _shards(out["w"])
+        assert len({t.data_ptr() for t in shards.values()}) == 4
+    with testing.simulated_mesh(4) as mesh:
+        plain = testing.distribute(full, mesh, "ddp")["w"]  # DDP's plain tensors: one replica per rank
+        assert isinstance(plain, LocalTensor) and not isinstance(plain, DTensor)
+        assert len({t.data_ptr() for t in plain._local_tensors.values()}) == 4
+    testing.assert_matches_single_device(
+        gtx.adam(0.1), [_tree(1, w=(3, 2))] * 2, full, mesh_shape=(2, 2), layout=lambda p, x: [Replicate()] * 2
+    )
+
+
+def test_a_placement_map_lays_out_leaves_by_path_and_glob():
+    full = _tree(**{"layers.0.w": (4, 2), "layers.1.w": (4, 2), "head": (2,)})
+    with testing.simulated_mesh(2) as mesh:
+        out = testing.distribute(full, mesh, {"layers.*.w": [Shard(1)]})
+        assert out["layers.0.w"].placements == (Shard(1),) and out["layers.1.w"].placements == (Shard(1),)
+        assert out["head"].placements == (Replicate(),)
+        with pytest.raises(ValueError, match="takes a 2-D mesh"):
+            testing.distribute(full, mesh, "tp_fsdp")
+        with pytest.raises(ValueError, match="layout must be one of"):
+            testing.distribute(full, mesh, "zero3")
+        with pytest.raises(ValueError, match="gives head 2 placements for a 1-D mesh"):
+            testing.distribute(full, mesh, {"head": [Replicate(), Replicate()]})
+
+
+# --- the check --------------------------------------------------------------------------------------
+
+
+def _local_norm_clip(max_norm: float) -> gtx.GradientTransformation:
+    """A user's clip with a rank-consistency bug: it measures only the shard this rank holds."""
+
+    def init(params):
+        return gtx.EmptyState()
+
+    def update(updates, state, params=None, **extra):
+        local = [u.to_local() if isinstance(u, DTensor) else u for u in optree.tree_leaves(updates)]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in local]))
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        return optree.tree_map(lambda u: u * scale, updates), state
+
+    return gtx.GradientTransformation(init, update)
+
+
+def test_a_rank_inconsistent_transform_fails_naming_the_path_and_the_ranks():
+    params = _tree(w=(6, 4), b=(4,))
+    grads = [_tree(1, w=(6, 4), b=(4,))]
+    testing.assert_matches_single_device(_local_norm_clip(1.0), grads, params, mesh_shape=1, layout="fsdp")
+    with pytest.raises(
+        AssertionError, match=r"step 0: updates at b: the ranks disagree \(ranks \[0\] hold .*; ranks \[1\]"
+    ):
+        testing.assert_matches_single_device(
+            _local_norm_clip(1.0), grads, params, mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp"
+        )
+
+
+def test_a_consistent_but_wrong_transform_fails_against_one_device():
+    # Every rank agrees, on the wrong number: it sums the squared norm over a replicated dim (a double count).
+    def double_count(u, state, params=None, **extra):
+        del extra
+        return optree.tree_map(lambda x: x * 2.0 if isinstance(x, DTensor) else x, u), state
+
+    tx = gtx.GradientTransformation(lambda p: gtx.EmptyState(), double_count)
+    with pytest.raises(AssertionError, match=r"step 0: updates at w: ranks \[0, 1, 2, 3\] differ from one device"):
+        testing.assert_matches_single_device(tx, [_tree(1, w=(4, 4))], _tree(w=(4, 4)), mesh_shape=4, layout="fsdp")
+
+
+def test_the_state_is_checked_every_step():
+    # A counter that advances only where this rank's shard is non-zero: right on one device and on even
+    # shards, per rank where FSDP2 leaves a rank an empty shard.
+    def init(params):
+        return {"count": torch.zeros((), dtype=torch.int32)}
+
+    def update(u, state, params=None, **extra):
+        leaf = u["w"]
+        local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
+        return u, {"count": state["count"] + (local.abs().sum() > 0).to(torch.int32)}
+
+    tx = gtx.GradientTransformation(init, update)
+    testing.assert_matches_single_device(tx, [_tree(1, w=(4, 2))], _tree(w=(4, 2)), mesh_shape=4, layout="fsdp")
+    with pytest.raises(
+        AssertionError,
+        match=r"step 0: state at count: the ranks disagree \(ranks \[0, 1\] hold \[1\]; ranks \[2, 3\] hold \[0\]",
+    ):
+        testing.assert_matches_single_device(tx, [_tree(1, w=(2, 2))], _tree(w=(2, 2)), mesh_shape=4, layout="fsdp")
+
+
+def test_empty_shards_under_every_norm_type():
+    grads = _tree(w=(2, 3), b=(1,))
+    for p in (1.0, 2.0, math.inf):
+        testing.assert_matches_single_device(
+            gtx.clip_by_global_norm(0.5, norm_type=p), [grads], grads, mesh_shape=4, layout="fsdp"
+        )

@@ -1,0 +1,106 @@
+"""gradtx.wrapper.inner: the inner optimizer's stand-in state, and closure-driven inner optimizers (LBFGS)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradtx as gtx
+from gradtx.testing import assert_trees_close
+from gradtx.wrapper import inner
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def data():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd", "rmsprop", "adagrad", "lbfgs"])
+def test_materialize_leaves_the_optimizer_as_it_was_and_shows_torchs_keys(name):
+    build = {
+        "adamw": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1),
+        "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
+        "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.1, momentum=0.5),
+        "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+        "lbfgs": lambda p: torch.optim.LBFGS(p, lr=0.1),
+    }[name]
+    model, ref = make_model(), make_model()
+    opt, ref_opt = build(list(model.parameters())), build(list(ref.parameters()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    made = inner.materialize(opt, [p for p in model.parameters()])
+    assert_trees_close(dict(model.state_dict()), before, rtol=0, atol=0)  # no param moved
+    assert all(p.grad is None for p in model.parameters())
+    # untouched: the state it had (Adagrad makes its own in __init__), nothing more
+    assert [set(opt.state.get(p, {})) for p in model.parameters()] == [
+        set(ref_opt.state.get(p, {})) for p in ref.parameters()
+    ]
+    x, y = data()
+
+    def loss_of(m):
+        def closure():
+            m.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+
+        return closure
+
+    ref_opt.step(loss_of(ref))
+    for p, q in zip(model.parameters(), ref.parameters()):  # the stand-ins have the keys torch's first step makes
+        mine = set(made[p] if p in made else opt.state.get(p, {}))
+        theirs = set(ref_opt.state.get(q, {}))
+        # LBFGS stops at once on zero grads: its stand-in has the counters, not the search history.
+        assert mine <= theirs if name == "lbfgs" else mine == theirs
+
+
+def test_lbfgs_with_a_clip_equals_lbfgs_whose_closure_clips():
+    """The chain runs on the grads of every closure evaluation LBFGS makes."""
+    x, y = data()
+    ref = make_model()
+    ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.5, max_iter=5, history_size=4)
+
+    def ref_closure():
+        ref_opt.zero_grad()
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        return loss
+
+    model = make_model()
+    opt = gtx.TransformedOptimizer(
+        torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5, history_size=4), gtx.clip_by_global_norm(0.05)
+    )
+
+    def closure():
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    for _ in range(3):
+        ref_loss = ref_opt.step(ref_closure)
+        loss = opt.step(closure)
+        assert_trees_close(loss, ref_loss, rtol=1e-6, atol=1e-7)
+        assert_trees_close(dict(model.state_dict()), dict(ref.state_dict()), rtol=1e-5, atol=1e-6)
+        assert opt.emitted
+    assert opt.metrics["clip_coef"] < 1  # the clip did act
+    with pytest.raises(TypeError, match="needs a closure"):
+        opt.step()
+
+
+def test_a_closure_driven_optimizer_refuses_accumulate_at_construction():
+    model = make_model()
+    with pytest.raises(ValueError, match=r"LBFGS.*gtx.accumulate"):
+        gtx.TransformedOptimizer(
+            torch.optim.LBFGS(model.parameters()), gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0))
+        )
+
+
+def test_needs_closure_reads_the_step_signature():
+    p = [torch.nn.Parameter(torch.ones(2))]
+    assert inner.needs_closure(torch.optim.LBFGS(p))
+    assert not inner.needs_closure(torch.optim.AdamW(p))
