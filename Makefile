@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
 	$(PY) benchmarks/run.py --wait-quiet 180
+	$(PY) benchmarks/norm.py --dist --out docs/benchmarks-norm.md  # on CUDA when present
 
 lint: $(DEV_STAMP)
 	$(PY) -m ruff check gradtx tests examples tools

@@ -183,7 +183,11 @@ INSTALL_NOTES = """\
 ```
 make bench    # .venv/bin/python benchmarks/run.py; ~10 minutes on 2 CPU cores
 .venv/bin/python benchmarks/run.py --quick --out-dir /tmp/bench   # smoke run on tiny shapes
+python benchmarks/norm.py --cuda-only                                # the GPU norm/step table alone
 ```
+
+The global norm's own table (accuracy, the fused step's bandwidth on a GPU, the overlap on 4
+gloo ranks) is `benchmarks/norm.py`, written to `docs/benchmarks-norm.md`.
 
 The peers come from the `bench` extra:
 `.venv/bin/pip install -c constraints.txt -e '.[bench]'` installs torchopt (with graphviz, which

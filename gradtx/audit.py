@@ -201,7 +201,7 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     norm_type = check.norm_type(norm_type, name="norm_audit")
     plans.check_plan(plan, name="norm_audit")
     paths, leaves, _ = optree.tree_flatten_with_path(grads)
-    dotted = [plans._dotted(p) for p in paths]
+    dotted = [tu.dotted(p) for p in paths]
     tu.check_tensors(leaves, paths, what="norm_audit: grads")
     source = "declared" if plan is not None else "placements"
     if plan is None:

@@ -18,6 +18,7 @@ from gradtx.base import (
     factory,
     scalar_transformation,
 )
+from gradtx.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -145,13 +146,6 @@ def clip_by_global_norm(
 # --- adaptive gradient clipping ----------------------------------------------------------
 
 
-def _magnitudes(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in the precision its norms are taken in (fp32, fp64 for fp64); ``|x|`` for complex ``x``."""
-    if x.is_complex():
-        return x.abs().to(tu.acc_dtype(x.dtype))
-    return x.to(tu.acc_dtype(x.dtype))
-
-
 def _apply_factor(g: torch.Tensor, factor: torch.Tensor, *, inplace: bool) -> torch.Tensor:
     """``g * factor`` on the local shard, computed in at least fp32 so a tiny factor does not round away in fp16."""
     g_local = tu.local(g)
@@ -166,18 +160,6 @@ def _apply_factor(g: torch.Tensor, factor: torch.Tensor, *, inplace: bool) -> to
         return g
     return tu.like(g, g_local * factor)
 
-
-def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
-    """The fp32 L2 norm of each output unit of ``x``, in PyTorch layouts, broadcastable to ``x``.
-
-    A Linear weight is ``(out, in)`` and a Conv weight ``(out, in, kh, kw)``, so
-    a unit is a slice along dim 0 and the norm reduces over dims ``1..ndim-1``.
-    A 0-d or 1-d tensor is one unit, and so is any tensor when ``unitwise`` is False.
-    """
-    x = _magnitudes(tu.local(x))
-    if x.ndim <= 1 or not unitwise:
-        return torch.linalg.vector_norm(x)
-    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
 
 
 @factory

@@ -17,7 +17,6 @@ inferred plan comes from :func:`gradtx.comm.torch_dist.mesh_comm`.
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, TypeGuard, cast
 
@@ -29,8 +28,8 @@ from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import PyTree
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm, check_comm
+from gradtx.comm.groups import reduce_over_groups
 from gradtx.comm.local import LocalComm
-from gradtx.norms import power_to_norm, tensor_norms
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor, Shard
@@ -271,33 +270,9 @@ class MeshGroups:
         self.check(leaves, what="mesh_groups.global_norm")
         norm_type = check.norm_type(norm_type, name="mesh_groups.global_norm")
         self.require_tie_reduce(what="mesh_groups.global_norm")
-        return self._global_norm(leaves, norm_type)
+        from gradtx._global_norm import plan_norm  # the norm sits above the plan
 
-    def _global_norm(self, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        # The checks are done: by global_norm, or by the inferred plan's cache key.
-        inf = math.isinf(norm_type)
-        op = ReduceOp.MAX if inf else ReduceOp.SUM
-        device = tu.local(leaves[0]).device if leaves else self.device
-        leaf_norms = tensor_norms(leaves, norm_type)
-        # One dtype for every partial, so each group's reduction is one collective: fp64 if any leaf is.
-        acc = torch.float64 if any(n.dtype == torch.float64 for n in leaf_norms) else torch.float32
-        partials: list[torch.Tensor] = []
-        for bucket in self._buckets:
-            stacked = torch.stack([leaf_norms[i].to(device, acc) for i in bucket.leaves])
-            if inf:
-                partials.append(stacked.max())
-            else:
-                partial = stacked.pow(norm_type).sum()
-                partials.append(partial if bucket.weight == 1.0 else partial * bucket.weight)
-        partials = reduce_over_groups(self.comm, partials, [b.groups for b in self._buckets], self.group_order, op)
-        if partials:
-            stacked = torch.stack(partials)
-            total = stacked.max() if inf else stacked.sum()
-        else:  # a rank with no grads (an empty stage) still joins the PP reduction
-            total = torch.zeros((), dtype=acc, device=device)
-        if self.pp_group is not None:
-            (total,) = self.comm.all_reduce([total], op, self.pp_group)
-        return power_to_norm(total, norm_type)
+        return plan_norm(self, leaves, norm_type)
 
     # --- unit-wise norms (AGC) ----------------------------------------------------------
 
@@ -365,29 +340,6 @@ class MeshGroups:
         for (t, i), sq in zip(where, reduced):
             out[t][i] = sq.sqrt()
         return out
-
-
-def reduce_over_groups(
-    comm: Comm,
-    values: Sequence[torch.Tensor],
-    groups: Sequence[tuple[GroupKey, ...]],
-    order: Sequence[GroupKey],
-    op: ReduceOp,
-) -> list[torch.Tensor]:
-    """Reduce ``values[i]`` over every group in ``groups[i]``: one coalesced collective per group, in ``order``.
-
-    SUM and MAX over different groups commute, so a value sharded over
-    ``(dp, tp)`` is reduced over ``dp`` together with every other value that
-    needs ``dp``, then over ``tp`` likewise.
-    """
-    values = list(values)
-    for group in order:
-        idx = [i for i, gs in enumerate(groups) if group in gs]
-        if not idx:
-            continue
-        for i, r in zip(idx, comm.all_reduce([values[i] for i in idx], op, group)):
-            values[i] = r
-    return values
 
 
 def _mesh_dim_key(mesh: Any, mesh_dim: int, comm: Comm) -> GroupKey:
@@ -761,7 +713,9 @@ def tree_norm(
     plan = infer_plan(leaves, what=what, tree=tree)
     if plan is None:
         return norms.local_norm(leaves, norm_type)
-    return plan._global_norm(leaves, norm_type)
+    from gradtx._global_norm import plan_norm
+
+    return plan_norm(plan, leaves, norm_type)
 
 
 def tree_unitwise_norms(

@@ -500,3 +500,16 @@ def test_bench_quick_runs(tmp_path):
     assert "torch clip + AdamW(fused)" in md and "gradtx TransformedOptimizer" in md
     assert "skipped: left out (--no-peers)" in md  # the peers were left out, and say so
     assert (tmp_path / "benchmarks.png").stat().st_size > 0
+
+
+def test_norm_bench_quick_runs(tmp_path):
+    out = tmp_path / "norm.md"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "norm.py"), "--quick", "--rounds", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    md = out.read_text()
+    assert "float32: time, gtx / torch" in md and "rel. error on wte" in md
+    if not torch.cuda.is_available():  # the GPU rows say they were not run
+        assert "not run: no CUDA device" in md

@@ -108,10 +108,10 @@ def test_one_collective_per_group_however_many_tensors(n_layers):
         pp_group="pp",
     )
     plan.global_norm(leaves(grads), 2.0)
-    # optree sorts dict keys, so "l0.colwise" comes first: dp, then tp; pp is always last.
-    assert [c.group for c in comm.calls] == ["dp", "tp", "pp"]
-    # dp carries both buckets ({dp} and {dp, tp}), tp only the {dp, tp} bucket: never one per tensor.
-    assert [c.num_tensors for c in comm.calls] == [2, 1, 1]
+    # Innermost first: tp (the {dp, tp} bucket only), then dp once, over that sum added to the {dp} bucket's;
+    # pp is always last. Never one collective per tensor, and never more than one value per collective here.
+    assert [c.group for c in comm.calls] == ["tp", "dp", "pp"]
+    assert [c.num_tensors for c in comm.calls] == [1, 1, 1]
     assert plan.num_collectives() == 3 and plan.group_order == ("dp", "tp")
 
 
@@ -298,3 +298,88 @@ def test_global_norm_of_fp64_tensors_stays_fp64_and_exact(norm_type):
     expected = torch.nn.utils.get_total_norm(list(grads.values()), norm_type)
     assert got.dtype == torch.float64  # nothing is rounded to fp32
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+
+
+# --- the local pass: one pass over sums of p-th powers, accurate on long tensors --------------
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return abs(float(a.double()) / float(b) - 1.0)
+
+
+@pytest.mark.parametrize("powsum", [True, False], ids=["foreach_powsum", "older_torch"])
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+def test_long_tensor_norm_is_within_1e6_of_fp64(monkeypatch, powsum, norm_type):
+    # All-positive values make one long fp32 running sum drift (torch's CPU norm is ~1e-4 off here).
+    from gradtx import norms
+
+    if not powsum:
+        monkeypatch.setattr(norms, "_HAS_POWSUM", False)
+    x = torch.rand(1 << 22, generator=torch.Generator().manual_seed(0)) + 1.0
+    small = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
+    expected = torch.linalg.vector_norm(torch.cat([x.double(), small.double().reshape(-1)]), norm_type)
+    got = gtx.global_norm({"x": x, "small": small}, norm_type)
+    assert got.dtype == torch.float32
+    assert _rel(got, expected) <= (1e-6 if norm_type != 3.0 else 2e-5)  # a cube rounds in fp32 per element
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_long_tensor_accumulates_in_fp32(dtype):
+    x = (torch.rand((1 << 20) + 3, generator=torch.Generator().manual_seed(2)) + 1.0).to(dtype)
+    expected = torch.linalg.vector_norm(x.double())
+    got = gtx.global_norm([x])
+    # The same rows an fp32 copy would take, without the copy (fp16's exact squares leave 2.2e-6 here).
+    assert got.dtype == torch.float32 and _rel(got, expected) <= 5e-6
+    torch.testing.assert_close(got, gtx.global_norm([x.float()]), rtol=0, atol=0)
+
+
+def test_tensor_powsums_are_the_additive_form():
+    from gradtx import norms
+
+    x, y = torch.tensor([3.0, -4.0]), torch.empty(0)
+    sq, empty = norms.tensor_powsums([x, y], 2.0)
+    assert float(sq) == 25.0 and float(empty) == 0.0 and sq.dtype == torch.float64
+    assert [float(s) for s in norms.tensor_powsums([x, y], math.inf)] == [4.0, 0.0]
+
+
+def test_global_norm_under_vmap_uses_plain_ops():
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    for p in (1.0, 2.0, math.inf):
+        got = torch.func.vmap(lambda row, p=p: gtx.global_norm({"a": row[:2], "b": row[2:]}, p))(x)
+        torch.testing.assert_close(got, torch.linalg.vector_norm(x, p, dim=1), rtol=1e-6, atol=0)
+
+
+# --- overlap: every reduction started before the first wait -----------------------------------
+
+
+def test_every_reduction_is_started_before_the_first_wait():
+    grads = {"colwise": torch.ones(4, 2), "experts": torch.ones(3), "norm": torch.ones(2), "rowwise": torch.ones(2, 4)}
+    comm = RecordingComm()
+    plan = mesh_groups(grads, comm=comm, sharded={"colwise": "tp", "rowwise": "tp", "experts": "ep"})
+    norm = plan.global_norm(leaves(grads), 2.0)
+    torch.testing.assert_close(norm, gtx.global_norm(grads))
+    assert [c.group for c in comm.calls] == ["tp", "ep"]  # the plan's order: first appearance
+    assert comm.events == [("start", 0), ("start", 1), ("wait", 0), ("wait", 1)]
+
+
+def test_a_grad_sharded_over_two_groups_waits_once_per_level():
+    grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
+    comm = RecordingComm()
+    plan = mesh_groups(grads, comm=comm, sharded={"w": ["dp", "tp"], "b": "dp"})
+    plan.global_norm(leaves(grads), 2.0)
+    # w over tp first (b's local pass runs while it is in flight), then w's sum plus b's over dp, once.
+    assert [(c.group, c.num_tensors) for c in comm.calls] == [("tp", 1), ("dp", 1)]
+    assert comm.events == [("start", 0), ("wait", 0), ("start", 1), ("wait", 1)]
+    mirrored = mesh_groups(grads, comm=MirrorComm(2), sharded={"w": ["dp", "tp"], "b": "dp"})
+    torch.testing.assert_close(mirrored.global_norm(leaves(grads), 2.0), torch.tensor(math.sqrt(4 * 8 + 2 * 2.0)))
+
+
+def test_levels_put_groups_a_value_needs_together_apart():
+    from gradtx._global_norm import rounds
+    from gradtx.comm.groups import levels
+
+    assert levels([("dp",), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "tp", "ep"]]
+    assert levels([("dp", "tp"), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "ep"], ["tp"]]
+    assert rounds([("dp", "tp"), ("dp",)], ["dp", "tp"]) == [["tp"], ["dp"]]
+    assert rounds([("dp", "tp"), ("dp", "tp")], ["dp", "tp"]) == [["dp"], ["tp"]]
+    assert rounds([("tp",), ("ep",), ()], ["tp", "ep"]) == [["tp", "ep"]]

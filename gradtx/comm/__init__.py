@@ -1,6 +1,7 @@
 """The communication layer: the only code in gradtx that issues collectives."""
 
-from gradtx.comm.base import Comm, GroupKey, MinimalComm, ReduceOp, as_comm
+from gradtx.comm.base import AsyncComm, Comm, GroupKey, MinimalComm, PendingReduce, ReduceOp, as_comm, start_all_reduce
+from gradtx.comm.groups import reduce_over_groups, start_reduce_over_groups
 from gradtx.comm.local import LocalComm
 
 try:  # a torch build without distributed support still has LocalComm
@@ -8,4 +9,17 @@ try:  # a torch build without distributed support still has LocalComm
 except ImportError:  # pragma: no cover
     TorchComm = None  # type: ignore[assignment,misc]
 
-__all__ = ["Comm", "GroupKey", "LocalComm", "MinimalComm", "ReduceOp", "TorchComm", "as_comm"]
+__all__ = [
+    "AsyncComm",
+    "Comm",
+    "GroupKey",
+    "LocalComm",
+    "MinimalComm",
+    "PendingReduce",
+    "ReduceOp",
+    "TorchComm",
+    "as_comm",
+    "reduce_over_groups",
+    "start_all_reduce",
+    "start_reduce_over_groups",
+]

@@ -1,0 +1,323 @@
+"""The global norm's benchmarks: the local pass against torch, the fused step on a GPU, and the overlap over gloo ranks.
+
+Usage::
+
+    python benchmarks/norm.py                 # the local pass on CUDA if present, else CPU (+ the step on CUDA)
+    python benchmarks/norm.py --cuda-only     # the GPU table only; exits 2 without CUDA (about 1 minute on an H100)
+    python benchmarks/norm.py --dist          # also 4 gloo ranks on CPU, TP x FSDP layout: overlapped vs sequential
+    python benchmarks/norm.py --quick         # tiny shapes, a smoke run
+
+It needs torch, optree and this repository only (no torchopt, no JAX), and
+writes its markdown table to ``--out`` (default ``norm-bench-<device>.md``)
+as well as printing it, so the table can be pasted into ``docs/benchmarks.md``
+with the device named. Every ratio is between rows timed in the same run,
+round-robin, medians of the rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as a script: make `gradtx` and `benchmarks` importable
+    sys.path.insert(0, str(REPO))
+
+import torch
+
+import gradtx as gtx
+from benchmarks.cases import gpt2_shapes, randn_tree
+
+# Nominal HBM bandwidth, bytes/s, by the name CUDA reports; the measured copy bandwidth is shown beside it.
+NOMINAL_BW = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100": 2.0e12}
+
+
+def timed(contenders: dict[str, Callable[[], object]], rounds: int, sync: Callable[[], None]) -> dict[str, float]:
+    """Median seconds per call of each contender, timed round-robin in a shuffled order, after two warm-ups."""
+    for f in contenders.values():
+        f()
+        f()
+    sync()
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    rng = random.Random(0)
+    for _ in range(rounds):
+        order = list(contenders)
+        rng.shuffle(order)
+        for k in order:
+            sync()
+            t0 = time.perf_counter()
+            contenders[k]()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def load() -> str:
+    if not hasattr(os, "getloadavg"):
+        return "?"
+    return f"{os.getloadavg()[0]:.2f} (1-min load average) on {os.cpu_count()} cores"
+
+
+def local_pass(device: torch.device, quick: bool, rounds: int, sync: Callable[[], None]) -> list[tuple[str, str]]:
+    """gtx.global_norm against torch.nn.utils.get_total_norm(foreach=True) on GPT-2-small grads: time and accuracy."""
+    cfg = {"n_layer": 2, "n_embd": 64, "vocab_size": 1000, "n_positions": 64} if quick else {}
+    shapes = gpt2_shapes(**cfg)
+    rows: list[tuple[str, str]] = []
+    for dtype in (torch.float32, torch.bfloat16):
+        grads = randn_tree(shapes, dtype=dtype, device=device, seed=1, scale=1e-3)
+        leaves = list(grads.values())
+        kind = str(dtype).replace("torch.", "")
+        t = timed(
+            {
+                "torch": lambda leaves=leaves: torch.nn.utils.get_total_norm(leaves, foreach=True),
+                "gtx": lambda grads=grads: gtx.global_norm(grads),
+            },
+            rounds,
+            sync,
+        )
+        wte = grads["wte.weight"]
+        ref = torch.linalg.vector_norm(wte.double()).item()
+        err_torch = abs(torch.nn.utils.get_total_norm([wte], foreach=True).double().item() / ref - 1)
+        err_gtx = abs(gtx.global_norm([wte]).double().item() / ref - 1)
+        n = sum(t.numel() for t in leaves)
+        note = " (torch sums bf16 in bf16)" if dtype != torch.float32 else ""
+        rows += [
+            (
+                f"{kind}: torch get_total_norm(foreach=True), {len(leaves)} tensors, {n:,} params",
+                f"{t['torch'] * 1e3:.3f} ms",
+            ),
+            (f"{kind}: gtx.global_norm", f"{t['gtx'] * 1e3:.3f} ms"),
+            (f"{kind}: time, gtx / torch", f"**{t['gtx'] / t['torch']:.3f}**"),
+            (
+                f"{kind}: rel. error on wte ({wte.numel():,} el.) vs fp64, torch / gtx{note}",
+                f"{err_torch:.2e} / **{err_gtx:.2e}**",
+            ),
+        ]
+        del grads, leaves
+    return rows
+
+
+def fused_step(device: torch.device, quick: bool, rounds: int, sync: Callable[[], None]) -> list[tuple[str, str]]:
+    """The wrapper's fused clip + AdamW step on GPT-2-small: achieved bandwidth vs the device's, the norm's share."""
+    cfg = {"n_layer": 2, "n_embd": 64, "vocab_size": 1000, "n_positions": 64} if quick else {}
+    shapes = gpt2_shapes(**cfg)
+    params = randn_tree(shapes, dtype=torch.float32, device=device, seed=0)
+    grads = randn_tree(shapes, dtype=torch.float32, device=device, seed=1, scale=1e-3)
+    plist = []
+    for p, g in zip(params.values(), grads.values()):
+        p.requires_grad_(True)
+        p.grad = g
+        plist.append(p)
+    n = sum(p.numel() for p in plist)
+    wrapper = gtx.TransformedOptimizer(
+        torch.optim.AdamW(plist, lr=1e-4, weight_decay=0.1, fused=True), gtx.chain(gtx.clip_by_global_norm(1.0))
+    )
+    baseline = torch.optim.AdamW(plist, lr=1e-4, weight_decay=0.1, fused=True)
+
+    def torch_step() -> None:
+        torch.nn.utils.clip_grad_norm_(plist, 1.0, foreach=True)
+        baseline.step()
+
+    big = torch.empty(1 << 28, dtype=torch.float32, device=device)  # 1 GiB: the copy that measures bandwidth
+    dst = torch.empty_like(big)
+    gl = list(grads.values())
+    t = timed(
+        {
+            "wrapper": wrapper.step,
+            "torch": torch_step,
+            "norm": lambda: gtx.global_norm(gl),
+            "copy": lambda: dst.copy_(big),
+        },
+        rounds,
+        sync,
+    )
+    # The wrapper's step reads each grad once for the norm, then the fused AdamW kernel reads param,
+    # grad and both moments and writes param and moments: 8 fp32 passes over the model.
+    step_bytes = 8 * 4 * n
+    copy_bw = 2 * big.numel() * 4 / t["copy"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    nominal = next((bw for key, bw in NOMINAL_BW.items() if key in name), None)
+    achieved = step_bytes / t["wrapper"]
+    rows = [
+        ("fused wrapper step (clip + AdamW(fused)), GPT-2-small fp32", f"{t['wrapper'] * 1e3:.3f} ms"),
+        ("torch clip_grad_norm_(foreach) + AdamW(fused).step()", f"{t['torch'] * 1e3:.3f} ms"),
+        ("step time, wrapper / torch", f"**{t['wrapper'] / t['torch']:.3f}**"),
+        ("wrapper's achieved bandwidth (8 fp32 passes)", f"{achieved / 1e9:.0f} GB/s"),
+        ("device-to-device copy bandwidth (1 GiB, read + write)", f"{copy_bw / 1e9:.0f} GB/s"),
+        ("achieved / copy bandwidth", f"**{achieved / copy_bw:.2f}**"),
+    ]
+    if nominal is not None:
+        rows.append((f"achieved / nominal {nominal / 1e12:.2f} TB/s", f"**{achieved / nominal:.2f}**"))
+    rows += [
+        ("gtx.global_norm alone", f"{t['norm'] * 1e3:.3f} ms"),
+        (
+            "the norm's share of the wrapper step (what a norm in the backward would take off it)",
+            f"**{t['norm'] / t['wrapper']:.2f}**",
+        ),
+    ]
+    return rows
+
+
+# --- 4 gloo ranks, TP x FSDP layout -----------------------------------------------------------
+
+
+class BlockingComm:
+    """A TorchComm without ``all_reduce_async``: every reduction finishes before the next line runs (sequential)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def all_reduce(self, tensors, op, group):
+        return self.inner.all_reduce(tensors, op, group)
+
+    def size(self, group):
+        return self.inner.size(group)
+
+    def resolve(self, group):
+        return self.inner.resolve(group)
+
+    def group_id(self, group):
+        return self.inner.group_id(group)
+
+    def rank(self, group):
+        return self.inner.rank(group)
+
+
+def _dist_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from gradtx import tree as tu
+    from gradtx.comm.torch_dist import TorchComm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        d, layers, vocab = (64, 2, 512) if quick else (768, 12, 50304)
+        gen = torch.Generator().manual_seed(0)
+        grads: dict[str, torch.Tensor] = {}
+
+        def put(name: str, shape: tuple[int, ...], placements: list) -> None:
+            grads[name] = distribute_tensor(torch.randn(shape, generator=gen) * 1e-3, mesh, placements)
+
+        put("wte", (vocab, d), [Shard(0), Shard(0)])  # vocab-parallel embedding, FSDP over dp
+        for i in range(layers):
+            put(f"h{i}.qkv", (3 * d, d), [Shard(0), Shard(0)])  # colwise
+            put(f"h{i}.proj", (d, d), [Shard(0), Shard(1)])  # rowwise
+            put(f"h{i}.fc", (4 * d, d), [Shard(0), Shard(0)])
+            put(f"h{i}.out", (d, 4 * d), [Shard(0), Shard(1)])
+            for b in ("ln1", "ln2", "proj_bias", "out_bias"):
+                put(f"h{i}.{b}", (d,), [Shard(0), Replicate()])  # replicated over tp: the dp-only bucket
+        leaves, _ = tu.flatten(grads)  # the flatten order the plan is bound to
+        overlapped = gtx.mesh_groups(grads, comm=TorchComm(mesh))
+        sequential = gtx.mesh_groups(grads, comm=BlockingComm(TorchComm(mesh)))
+        a, b = overlapped.global_norm(leaves, 2.0), sequential.global_norm(leaves, 2.0)
+        assert torch.equal(a, b), (a, b)
+        times: dict[str, list[float]] = {"overlapped": [], "sequential": []}
+        plans = {"overlapped": overlapped, "sequential": sequential}
+        for r in range(rounds + 2):
+            for k in sorted(plans, reverse=r % 2 == 1):  # the same order on every rank
+                dist.barrier()
+                t0 = time.perf_counter()
+                plans[k].global_norm(leaves, 2.0)
+                if r >= 2:
+                    times[k].append(time.perf_counter() - t0)
+        if rank == 0:
+            med = {k: statistics.median(v) for k, v in times.items()}
+            local = sum(t._local_tensor.numel() for t in leaves)
+            with open(out, "w") as f:
+                f.write(f"{med['overlapped']}\n{med['sequential']}\n{local}\n{overlapped.group_order}\n")
+    finally:
+        dist.destroy_process_group()
+
+
+def dist_overlap(quick: bool, rounds: int) -> list[tuple[str, str]]:
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    out = os.path.join(tempfile.mkdtemp(), "dist.txt")
+    port = 29500 + random.Random(os.getpid()).randrange(2000)
+    mp.spawn(_dist_worker, args=(4, port, quick, rounds, out), nprocs=4, join=True)
+    ov, seq, local, _order = Path(out).read_text().splitlines()
+    return [
+        (
+            f"4 gloo ranks, mesh (dp=2, tp=2), {int(local):,} local fp32 grads per rank: norm, sequential",
+            f"{float(seq) * 1e3:.2f} ms",
+        ),
+        (
+            "the same, overlapped (tp reduction in flight during the dp-only bucket's local pass)",
+            f"{float(ov) * 1e3:.2f} ms",
+        ),
+        ("end of backward to end of norm, overlapped / sequential", f"**{float(ov) / float(seq):.3f}**"),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cuda-only", action="store_true", help="the GPU table only; exit 2 when CUDA is absent")
+    ap.add_argument("--dist", action="store_true", help="also 4 gloo ranks on CPU (TP x FSDP layout)")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, a smoke run")
+    ap.add_argument(
+        "--rounds", type=int, default=None, help="timed rounds per contender (default 30 on CUDA, 9 on CPU)"
+    )
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--out", default=None, help="where the markdown table goes (default norm-bench-<device>.md)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cuda = torch.cuda.is_available()
+    if args.cuda_only and not cuda:
+        print("benchmarks/norm.py --cuda-only: no CUDA device here; nothing was run", file=sys.stderr)
+        sys.exit(2)
+    device = torch.device("cuda" if cuda else "cpu")
+    rounds = args.rounds or (3 if args.quick else 30 if cuda else 9)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    load_start = load()
+    t0 = time.perf_counter()
+    rows = local_pass(device, args.quick, rounds, sync)
+    if cuda:
+        rows += fused_step(device, args.quick, rounds, sync)
+    else:
+        rows.append(("fused wrapper step's bandwidth vs peak (CUDA only)", "not run: no CUDA device"))
+    if args.dist and not args.cuda_only:
+        rows += dist_overlap(args.quick, max(3, rounds))
+    command = "python benchmarks/norm.py " + " ".join(sys.argv[1:])
+    lines = [
+        "# The global norm: benchmarks",
+        "",
+        (
+            f"Generated by `{command.strip()}` (`make bench` runs it with `--dist`). Do not edit by hand: rerun the "
+            "script. On a GPU it also times the fused wrapper step; `--cuda-only` gives that table alone, for "
+            "a lent GPU machine. Every ratio is between rows timed round-robin in this run (medians)."
+        ),
+        "",
+        (
+            f"Device: **{name}** ({torch.get_num_threads()} CPU threads); torch {torch.__version__}; Python {sys.version.split()[0]}; "
+            f"load {load_start} at the start, {load()} at the end; {time.perf_counter() - t0:.0f} s."
+        ),
+        "",
+        "| what | value |",
+        "|---|---|",
+        *[f"| {k} | {v} |" for k, v in rows],
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    out = Path(args.out or f"norm-bench-{device.type}.md")
+    out.write_text(text)
+    print(f"written to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
