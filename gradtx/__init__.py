@@ -14,6 +14,7 @@ from gradtx.adaptive import (
     zclip,
 )
 from gradtx.audit import AuditRow, NormAudit, norm_audit
+from gradtx.averaging import EmaState, ema, incremental_update, periodic_update
 from gradtx.base import (
     EmptyState,
     GradientTransformation,
@@ -30,6 +31,10 @@ from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.context_parallel import cp_reduce
 from gradtx.executor import StepPlan, update_and_apply
 from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
+from gradtx.lookahead_optim import LookaheadParams, LookaheadState, lookahead
+from gradtx.microbatching import AccumulationType, microbatch
+from gradtx.monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
+from gradtx.normalize import centralize, normalize_by_update_norm
 from gradtx.optimizers import (
     OptimizerChain,
     OptimizerSpec,
@@ -59,6 +64,15 @@ from gradtx.orthogonal import (
 )
 from gradtx.pipeline import pp_reduce
 from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
+from gradtx.plateau import ReduceLROnPlateauState, reduce_on_plateau
+from gradtx.schedule_free_optim import (
+    ScaleByRmsWithCountState,
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
 from gradtx.schedules import (
     constant_schedule,
     cosine_decay_schedule,
@@ -75,6 +89,17 @@ from gradtx.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
+from gradtx.selective import (
+    ConditionallyMaskState,
+    ConditionallyTransformState,
+    conditionally_mask,
+    conditionally_transform,
+    freeze,
+    selective_transform,
+    set_to_zero,
+)
+from gradtx.sharpness import SAMState, sam
+from gradtx.sign_momentum import ScaleByLionState, lion, scale_by_lion
 from gradtx.spikes import (
     SkipIfState,
     SkipSpikesState,
@@ -85,6 +110,7 @@ from gradtx.spikes import (
     skip_spikes,
     zero_nans,
 )
+from gradtx.trust_ratio import lamb, lars, scale_by_trust_ratio
 from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
@@ -107,6 +133,18 @@ torch.serialization.add_safe_globals(
         TrackNormsState,
         ZClipState,
         ZeroNansState,
+        ConditionallyMaskState,
+        ConditionallyTransformState,
+        EmaState,
+        LookaheadParams,
+        LookaheadState,
+        MonitorState,
+        ReduceLROnPlateauState,
+        SAMState,
+        ScaleByLionState,
+        ScaleByRmsWithCountState,
+        ScheduleFreeState,
+        SnapshotState,
     ]
 )
 
@@ -115,30 +153,42 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateState",
     "Accumulation",
+    "AccumulationType",
     "ApplyIfFiniteState",
     "AuditRow",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
+    "ConditionallyMaskState",
+    "ConditionallyTransformState",
+    "EmaState",
     "EmptyState",
     "ExchangePlan",
     "GradientTransformation",
     "Guard",
     "InjectHyperparamsState",
+    "LookaheadParams",
+    "LookaheadState",
     "MaskedState",
     "MeshGroups",
+    "MonitorState",
     "MuonDimensionNumbers",
     "MuonState",
     "NormAudit",
     "OptimizerChain",
     "OptimizerSpec",
     "PartitionState",
+    "ReduceLROnPlateauState",
+    "SAMState",
     "ScalarTransformation",
     "ScaleByAdamState",
+    "ScaleByLionState",
     "ScaleByScheduleState",
+    "ScheduleFreeState",
     "Sharded",
     "SkipIfState",
     "SkipSpikesState",
+    "SnapshotState",
     "StepPlan",
     "TraceState",
     "TrackNormsState",
@@ -154,54 +204,80 @@ __all__ = [
     "apply_if_finite",
     "apply_updates",
     "autoclip",
+    "centralize",
     "chain",
     "checkpoint",
     "clip",
     "clip_by_block_rms",
     "clip_by_global_norm",
     "comm",
+    "conditionally_mask",
+    "conditionally_transform",
     "constant_schedule",
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "cp_reduce",
+    "ema",
     "exchange_plan",
     "exponential_decay",
     "export_metrics",
+    "freeze",
     "global_norm",
     "identity",
+    "incremental_update",
     "inject_hyperparams",
     "join_schedules",
     "kinds",
+    "lamb",
+    "lars",
     "linear_onecycle_schedule",
     "linear_schedule",
+    "lion",
+    "lookahead",
     "masked",
+    "measure_with_ema",
     "mesh_groups",
     "metrics",
+    "microbatch",
+    "monitor",
     "muon",
     "named_chain",
     "newton_schulz",
     "no_sync",
     "norm_audit",
+    "normalize_by_update_norm",
     "orthogonalize",
     "partition",
+    "periodic_update",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",
     "pp_reduce",
+    "reduce_on_plateau",
+    "sam",
     "scalar_transformation",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
+    "scale_by_lion",
     "scale_by_muon",
     "scale_by_schedule",
     "scale_by_shape",
+    "scale_by_trust_ratio",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
     "schedules",
+    "selective_transform",
+    "set_to_zero",
     "sgd",
     "sgdr_schedule",
     "skip_if",
     "skip_large_updates",
     "skip_not_finite",
     "skip_spikes",
+    "snapshot",
     "sum_grad_reduction",
     "testing",
     "trace",

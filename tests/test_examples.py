@@ -34,7 +34,7 @@ def run_example(script: Path, *args: str, timeout: float = 300) -> subprocess.Co
     return result
 
 
-@pytest.mark.parametrize("name", ["functional_step.py", "wrap_torch_optimizer.py"])
+@pytest.mark.parametrize("name", ["functional_step.py", "wrap_torch_optimizer.py", "lookahead_and_ema.py"])
 def test_example_runs_and_loss_falls(name):
     out = run_example(EXAMPLES / name).stdout
     found = LOSSES.findall(out)
@@ -49,6 +49,8 @@ def test_torchtitan_example_resumes_exactly():
     pytest.importorskip("torchtitan")
     out = run_example(EXAMPLES / "torchtitan_gradtx.py").stdout  # exits 1 if the resumed run differs
     assert "max |resumed - uninterrupted| = 0" in out, out
+
+
 def test_norm_audit_example_matches_one_device_and_shows_the_double_count():
     out = run_example(EXAMPLES / "norm_audit.py").stdout
     assert "norm_audit: ok" in out and "tp: replicated" in out, out

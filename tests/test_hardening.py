@@ -414,6 +414,25 @@ MORE_FACTORIES = {
         lambda **kw: gtx.inject_hyperparams(gtx.sgd)(**kw).init({"w": torch.zeros(2)}),
         {"learning_rate": 0.1, "momentum": 0.9},
     ),
+    # optax parity, second part
+    "ema": (gtx.ema, {"decay": 0.9}),
+    "scale_by_lion": (gtx.scale_by_lion, {"b1": 0.9, "b2": 0.99}),
+    "lion": (gtx.lion, {"learning_rate": 1e-4, "b1": 0.9, "b2": 0.99, "weight_decay": 1e-3}),
+    "scale_by_trust_ratio": (gtx.scale_by_trust_ratio, {"min_norm": 0.0, "trust_coefficient": 1.0, "eps": 0.0}),
+    "lars": (gtx.lars, {"learning_rate": 0.1, "weight_decay": 0.0, "trust_coefficient": 0.001, "momentum": 0.9}),
+    "lamb": (gtx.lamb, {"learning_rate": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-6, "eps_root": 0.0}),
+    "normalize_by_update_norm": (gtx.normalize_by_update_norm, {"scale_factor": 1.0, "eps": 1e-6}),
+    "reduce_on_plateau": (
+        gtx.reduce_on_plateau,
+        {"factor": 0.1, "patience": 10, "rtol": 1e-4, "atol": 0.0, "cooldown": 0, "accumulation_size": 1},
+    ),
+    "lookahead": (lambda **kw: gtx.lookahead(gtx.sgd(0.1), **kw), {"sync_period": 5, "slow_step_size": 0.5}),
+    "schedule_free_adamw": (
+        gtx.schedule_free_adamw,
+        {"learning_rate": 1e-3, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+    ),
+    "sam": (lambda **kw: gtx.sam(gtx.sgd(0.1), gtx.scale(0.05), **kw), {"sync_period": 2}),
+    "measure_with_ema": (lambda **kw: gtx.measure_with_ema(gtx.global_norm, **kw), {"decay": 0.9}),
 }
 
 # Wrong for any numeric argument, whatever its range.

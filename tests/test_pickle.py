@@ -40,6 +40,14 @@ def _user_factory(step: float, momentum: float = 0.5) -> gtx.GradientTransformat
     return gtx.GradientTransformation(init, update)
 
 
+def _every_other(step):
+    return step % 2 == 0
+
+
+def _norm(tree):
+    return gtx.global_norm(tree)
+
+
 # name -> a call a user would write; every decorated public factory must be here (checked below).
 TRANSFORMS = {
     "accumulate": lambda: gtx.accumulate(2),
@@ -49,23 +57,37 @@ TRANSFORMS = {
     "add_decayed_weights": lambda: gtx.add_decayed_weights(0.1, mask={"w": True, "b": False}),
     "apply_if_finite": lambda: gtx.apply_if_finite(gtx.sgd(0.1), 3),
     "autoclip": lambda: gtx.autoclip(50.0, history=10),
+    "centralize": lambda: gtx.centralize(),
     "chain": lambda: gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(0.5), gtx.sgd(0.1, momentum=0.9)),
     "clip": lambda: gtx.clip(0.3),
     "clip_by_block_rms": lambda: gtx.clip_by_block_rms(0.5),
     "clip_by_global_norm": lambda: gtx.clip_by_global_norm(0.5),
+    "conditionally_mask": lambda: gtx.conditionally_mask(gtx.adam(1e-2), _every_other),
+    "conditionally_transform": lambda: gtx.conditionally_transform(gtx.sgd(0.1, momentum=0.9), _every_other),
     "cp_reduce": lambda: gtx.cp_reduce("cp", comm=LocalComm()),
+    "ema": lambda: gtx.ema(0.9),
+    "freeze": lambda: gtx.freeze({"w": True, "b": False}),
     "identity": lambda: gtx.identity(),
     "inject_hyperparams": lambda: gtx.inject_hyperparams(gtx.adamw)(
         learning_rate=gtx.linear_schedule(1e-2, 1e-3, 10), weight_decay=0.1
     ),
+    "lamb": lambda: gtx.lamb(1e-2, weight_decay=0.1),
+    "lars": lambda: gtx.lars(0.1, weight_decay=1e-3),
+    "lion": lambda: gtx.lion(1e-2),
+    "lookahead": lambda: gtx.lookahead(gtx.adam(1e-2), 2, 0.5, reset_state=True),
     "masked": lambda: gtx.masked(gtx.trace(0.9), {"w": True, "b": False}),
     "muon": lambda: gtx.muon(
         0.02, weight_decay=0.1, muon_weight_dimension_numbers={"w": gtx.MuonDimensionNumbers(), "b": None}
     ),
+    "measure_with_ema": lambda: gtx.chain(gtx.monitor({"n": gtx.measure_with_ema(_norm, 0.9)}), gtx.sgd(0.1)),
+    "monitor": lambda: gtx.chain(gtx.monitor({"n": _norm}), gtx.sgd(0.1)),
     "named_chain": lambda: gtx.named_chain(("clip", gtx.clip_by_global_norm(1.0)), ("opt", gtx.sgd(0.1))),
+    "normalize_by_update_norm": lambda: gtx.normalize_by_update_norm(2.0),
     "partition": lambda: gtx.partition({"a": gtx.sgd(0.1), "b": gtx.adam(1e-2)}, {"w": "a", "b": "b"}),
     "orthogonalize": lambda: gtx.orthogonalize(ns_steps=3, preconditioning="schatten"),
     "pp_reduce": lambda: gtx.pp_reduce(gtx.mesh_groups({"w": torch.zeros(3, 2), "b": torch.zeros(2)})),
+    "reduce_on_plateau": lambda: gtx.chain(gtx.sgd(0.1), gtx.reduce_on_plateau(patience=1)),
+    "sam": lambda: gtx.sam(gtx.adam(1e-2), gtx.chain(gtx.normalize_by_update_norm(eps=0.0), gtx.scale(0.05))),
     "scalar_transformation": lambda: gtx.scalar_transformation(_halve_init, _halve_factor),
     "scale": lambda: gtx.scale(-0.1),
     "scale_by_adam": lambda: gtx.scale_by_adam(b1=0.8),
@@ -73,9 +95,17 @@ TRANSFORMS = {
     "scale_by_muon": lambda: gtx.scale_by_muon(beta=0.9, nesterov=False),
     "scale_by_schedule": lambda: gtx.scale_by_schedule(gtx.cosine_decay_schedule(1.0, 10)),
     "scale_by_shape": lambda: gtx.scale_by_shape(consistent_rms=0.2),
+    "scale_by_lion": lambda: gtx.scale_by_lion(b1=0.8),
+    "scale_by_trust_ratio": lambda: gtx.scale_by_trust_ratio(min_norm=0.1),
+    "schedule_free": lambda: gtx.schedule_free(gtx.sgd(0.1), 0.1),
+    "schedule_free_adamw": lambda: gtx.schedule_free_adamw(1e-2, warmup_steps=2),
+    "schedule_free_sgd": lambda: gtx.schedule_free_sgd(0.1, weight_decay=0.01),
+    "selective_transform": lambda: gtx.selective_transform(gtx.adam(1e-2), freeze_mask={"w": False, "b": True}),
+    "set_to_zero": lambda: gtx.set_to_zero(),
     "sgd": lambda: gtx.sgd(0.1, momentum=0.9, nesterov=True),
     "skip_if": lambda: gtx.skip_if(gtx.sgd(0.1), gtx.skip_not_finite),
     "skip_spikes": lambda: gtx.skip_spikes(gtx.sgd(0.1), warmup_steps=2),
+    "snapshot": lambda: gtx.chain(gtx.snapshot("n", _norm), gtx.sgd(0.1)),
     "trace": lambda: gtx.trace(0.9),
     "track_norms": lambda: gtx.track_norms(),
     "zclip": lambda: gtx.zclip(warmup_steps=2),
@@ -120,13 +150,19 @@ def _grads(seed: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(3, 2, generator=g), "b": torch.randn(2, generator=g)}
 
 
-def _side_by_side(tx: gtx.GradientTransformation, other: gtx.GradientTransformation) -> None:
-    params = _grads(100)
+# What some transforms need beyond (grads, state, params): the value they monitor; params as a pair.
+EXTRAS = {"reduce_on_plateau": {"value": 1.0}}
+PARAMS = {"lookahead": gtx.LookaheadParams.init_synced}
+
+
+def _side_by_side(tx: gtx.GradientTransformation, other: gtx.GradientTransformation, name: str = "") -> None:
+    params = PARAMS.get(name, lambda p: p)(_grads(100))
+    extra = EXTRAS.get(name, {})
     state, other_state = tx.init(params), other.init(params)
     assert_trees_equal(other_state, state)
     for seed in range(5):
-        updates, state = tx.update(_grads(seed), state, params)
-        other_updates, other_state = other.update(_grads(seed), other_state, params)
+        updates, state = tx.update(_grads(seed), state, params, **extra)
+        other_updates, other_state = other.update(_grads(seed), other_state, params, **extra)
         assert_trees_equal(other_updates, updates)
         assert_trees_equal(other_state, state)
         if updates is not None:
@@ -139,7 +175,7 @@ def test_a_pickled_transform_computes_what_the_original_does(name, how):
     tx = TRANSFORMS[name]()
     other = pickle.loads(pickle.dumps(tx)) if how == "pickle" else copy.deepcopy(tx)
     assert type(other) is type(tx) and other is not tx
-    _side_by_side(tx, other)
+    _side_by_side(tx, other, name)
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

@@ -75,14 +75,43 @@ CASES = {
     "scale_by_muon": (lambda: gtx.scale_by_muon(nesterov=False), {}),
     "scale_by_shape": (lambda: gtx.scale_by_shape(consistent_rms=0.2), {}),
     "orthogonalize": (lambda: gtx.orthogonalize(ns_steps=3), {}),
+    # optax parity, second part
+    "set_to_zero": (lambda: gtx.set_to_zero(), {}),
+    "freeze": (lambda: gtx.freeze({"w": True, "b": False, "nested": {"s": False}}), {}),
+    "selective_transform": (
+        lambda: gtx.selective_transform(gtx.adam(0.1), freeze_mask={"w": True, "b": False, "nested": False}),
+        {},
+    ),
+    "conditionally_mask": (lambda: gtx.conditionally_mask(gtx.adam(0.1), lambda step: step % 2 == 0), {}),
+    "conditionally_transform": (lambda: gtx.conditionally_transform(gtx.adam(0.1), lambda step: step % 2 == 1), {}),
+    "ema": (lambda: gtx.ema(0.9), {}),
+    "lookahead": (lambda: gtx.lookahead(gtx.adam(0.1), 2, 0.5, reset_state=True), {}),
+    "scale_by_trust_ratio": (lambda: gtx.scale_by_trust_ratio(), {}),
+    "lars": (lambda: gtx.lars(0.1, weight_decay=0.01), {}),
+    "lamb": (lambda: gtx.lamb(0.1, weight_decay=0.01), {}),
+    "scale_by_lion": (lambda: gtx.scale_by_lion(), {}),
+    "lion": (lambda: gtx.lion(0.1), {}),
+    "schedule_free": (lambda: gtx.schedule_free(gtx.sgd(0.1), 0.1), {}),
+    "schedule_free_adamw": (lambda: gtx.schedule_free_adamw(0.1, warmup_steps=2), {}),
+    "schedule_free_sgd": (lambda: gtx.schedule_free_sgd(0.1), {}),
+    "snapshot": (lambda: gtx.snapshot("norm", gtx.global_norm), {}),
+    "monitor": (lambda: gtx.monitor({"norm": gtx.global_norm}), {}),
+    "measure_with_ema": (lambda: gtx.monitor({"norm": gtx.measure_with_ema(gtx.global_norm, 0.9)}), {}),
+    "reduce_on_plateau": (lambda: gtx.reduce_on_plateau(patience=1), {"value": 1.0}),
+    "normalize_by_update_norm": (lambda: gtx.normalize_by_update_norm(), {}),
+    "centralize": (lambda: gtx.centralize(), {}),
+    "sam": (lambda: gtx.sam(gtx.adam(0.1), gtx.chain(gtx.normalize_by_update_norm(eps=0.0), gtx.scale(0.05))), {}),
 }
+
+# Params other than the plain tree: lookahead trains a (fast, slow) pair.
+PARAMS = {"lookahead": gtx.LookaheadParams.init_synced}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_transform_is_pure(name, dtype):
     make, extra = CASES[name]
-    grads, params = _tree(0, dtype), _tree(1, dtype)
+    grads, params = _tree(0, dtype), PARAMS.get(name, lambda p: p)(_tree(1, dtype))
     assert_pure(make(), grads, params, steps=3, **extra)
 
 

@@ -1,0 +1,110 @@
+"""The norm-based optax-parity transforms on DTensor grads over 2 gloo ranks, against one device.
+
+scale_by_trust_ratio, lars and lamb need each param's whole norm, and
+normalize_by_update_norm the whole model's: on shards split along dim 0 and
+dim 1 (and replicated) they must scale every shard by the single-device
+factor, with the norms read from the placements. centralize needs each row
+on one rank. Every rank also runs the same steps on the full tensors, and the
+parent compares the gathered results with that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import gradtx as gtx
+from tests.distributed.harness import part_results, share_spawn
+
+WORLD = 2
+PLACEMENTS = {"w": Shard(0), "v": Shard(1), "b": Shard(0), "r": Replicate()}
+SHAPES = {"w": (6, 4), "v": (4, 6), "b": (8,), "r": (3, 3)}
+
+
+def _tree(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(shape, generator=g) for k, shape in SHAPES.items()}
+
+
+def _full(tree: Any) -> Any:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in tree.items()}
+
+
+def _run(make: Callable[[], gtx.GradientTransformation], steps: int = 3, keys=tuple(SHAPES)) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+
+    def shard(tree):
+        return {k: distribute_tensor(v, mesh, [PLACEMENTS[k]]) for k, v in tree.items() if k in keys}
+
+    ref_params = {k: v for k, v in _tree(0).items() if k in keys}
+    params = shard(ref_params)
+    tx, ref_tx = make(), make()
+    state, ref_state = tx.init(params), ref_tx.init(ref_params)
+    for step in range(steps):
+        grads = _tree(100 + step)
+        u, state = tx.update(shard(grads), state, params)
+        ref_u, ref_state = ref_tx.update({k: v for k, v in grads.items() if k in keys}, ref_state, ref_params)
+        params, ref_params = gtx.apply_updates(params, u), gtx.apply_updates(ref_params, ref_u)
+        assert all(isinstance(v, DTensor) and v.placements == (PLACEMENTS[k],) for k, v in u.items())
+    return {"params": _full(params), "ref": ref_params}
+
+
+def _trust_ratio(rank: int) -> dict[str, Any]:
+    return _run(lambda: gtx.chain(gtx.scale_by_trust_ratio(trust_coefficient=0.5), gtx.scale(-0.1)))
+
+
+def _lamb(rank: int) -> dict[str, Any]:
+    return _run(lambda: gtx.lamb(1e-2, weight_decay=0.1))
+
+
+def _lars(rank: int) -> dict[str, Any]:
+    return _run(lambda: gtx.lars(0.5, weight_decay=1e-2))
+
+
+def _normalize(rank: int) -> dict[str, Any]:
+    return _run(lambda: gtx.chain(gtx.normalize_by_update_norm(2.0), gtx.sgd(0.1, momentum=0.9)))
+
+
+def _elementwise(rank: int) -> dict[str, Any]:
+    return _run(lambda: gtx.chain(gtx.ema(0.5), gtx.lion(1e-2)))
+
+
+def _centralize(rank: int) -> dict[str, Any]:
+    out = _run(lambda: gtx.chain(gtx.centralize(), gtx.sgd(0.1)), keys=("w", "b", "r"))
+    try:
+        _run(lambda: gtx.centralize(), steps=1, keys=("v",))
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+PARTS: dict[str, Callable[[int], Any]] = {
+    "trust_ratio": _trust_ratio,
+    "lamb": _lamb,
+    "lars": _lars,
+    "normalize": _normalize,
+    "elementwise": _elementwise,
+    "centralize": _centralize,
+}
+
+_SHARED = share_spawn(PARTS, WORLD, prefix="optax_parity_sharded")
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return _SHARED()
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_sharded_run_matches_one_device(ranks: list[dict[str, Any]], part: str) -> None:
+    for res in part_results(ranks, part):
+        assert set(res["params"]) == set(res["ref"])
+        for k, v in res["params"].items():
+            torch.testing.assert_close(v, res["ref"][k], rtol=1e-5, atol=1e-6, msg=f"{part} {k}")
+        if part == "centralize":
+            assert "['v']" in res["refused"] and "Shard(dim=1)" in res["refused"]
