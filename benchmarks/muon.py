@@ -140,7 +140,8 @@ def report(single: dict[str, Any] | None, ranks: list[dict[str, Any]] | None, de
         ok = "met" if single["ratio"] <= 1.1 else "NOT met"
         lines += [
             "## Step time on one device", "",
-            (f"GPT-2 small's block matrices ({single['shapes']}), fp32 params, Newton–Schulz in bf16, "
+            (f"GPT-2's block matrices, {single['layers']} blocks of width {single['width']} ({single['shapes']}; "
+             "GPT-2 small has 12 of width 768), fp32 params, Newton–Schulz in bf16, "
             f"{single['reps']} rounds; the same hyperparameters in both."), "",
             "| contender | median ms |", "|---|---|",
             f"| `torch.optim.Muon.step()` | {single['torch_ms']:.2f} |",
