@@ -54,7 +54,7 @@ def test_an_old_pickled_transform_steps_as_a_fresh_one(name):
 def test_an_old_saved_state_steps_as_a_fresh_one(name):
     saved = torch.load(OLD / f"{name}.state.pt")  # weights_only=True: the state types are allow-listed
     tx, params, state, steps = _fresh(name)
-    assert_trees_equal(saved["params"], params)
+    assert_trees_close(saved["params"], params, rtol=1e-6, atol=1e-8)  # saved by 0.1.0: rounding may differ
     expected = _continue(tx, params, state, steps)
     # fp32 rounding may differ between releases (a norm summed in another order): structure exact, values close
     assert_trees_close(_continue(tx, saved["params"], saved["state"], steps), expected, rtol=1e-5, atol=1e-7)
