@@ -32,8 +32,9 @@ def window_open(plan: StepPlan, state: OptState) -> bool:
 def window_position(plan: StepPlan, state: OptState) -> tuple[int, int]:
     """(micro-steps counted, k) of the open window, for messages."""
     ws, window = plan.window_state(state), plan.window
-    assert ws is not None and window is not None
-    return int(ws.micro_step), int(window.k)
+    fields = kinds.window_fields(ws)
+    assert fields is not None and window is not None
+    return int(getattr(ws, fields["micro_step"])), int(window.k)
 
 
 def acc_key(plan: StepPlan, layout: Any) -> str | None:
