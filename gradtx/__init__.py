@@ -47,6 +47,15 @@ from gradtx.optimizers import (
     trace,
 )
 from gradtx.pipeline import pp_reduce
+from gradtx.privacy import (
+    AddNoiseState,
+    DifferentiallyPrivateAggregateState,
+    add_noise,
+    differentially_private_aggregate,
+    dpsgd,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+)
 from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.schedules import (
     constant_schedule,
@@ -79,9 +88,11 @@ from gradtx.spikes import (
 torch.serialization.add_safe_globals(
     [
         AccumulateState,
+        AddNoiseState,
         ApplyIfFiniteState,
         AutoClipState,
         ClipByGlobalNormState,
+        DifferentiallyPrivateAggregateState,
         EmptyState,
         InjectHyperparamsState,
         MaskedState,
@@ -102,10 +113,12 @@ __version__ = "0.1.0"
 __all__ = [
     "AccumulateState",
     "Accumulation",
+    "AddNoiseState",
     "ApplyIfFiniteState",
     "AutoClipState",
     "Chain",
     "ClipByGlobalNormState",
+    "DifferentiallyPrivateAggregateState",
     "EmptyState",
     "GradientTransformation",
     "Guard",
@@ -133,6 +146,7 @@ __all__ = [
     "adamw",
     "adaptive_clip",
     "add_decayed_weights",
+    "add_noise",
     "apply_if_finite",
     "apply_updates",
     "autoclip",
@@ -146,6 +160,8 @@ __all__ = [
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "cp_reduce",
+    "differentially_private_aggregate",
+    "dpsgd",
     "exponential_decay",
     "export_metrics",
     "global_norm",
@@ -160,6 +176,8 @@ __all__ = [
     "named_chain",
     "no_sync",
     "partition",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
     "polynomial_schedule",

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Self, cast
 import optree
 import torch
 
+from gradtx import _foreach as fe
 from gradtx import tree as tu
 from gradtx import validate as check
 from gradtx.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
@@ -397,7 +398,7 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
         else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
             out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
     for pairs in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
-        added = torch._foreach_add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
+        added = fe.add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
         for (i, _), r in zip(pairs, added):
             out[i] = r
     return tu.unflatten(spec, out)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gradtx import _foreach as fe
 from gradtx import tree as tu
 
 
@@ -35,6 +36,8 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
     ``torch.linalg.vector_norm`` takes it. An empty shard has norm 0.
     """
     locals_ = [tu.local(t) for t in tensors]
+    if fe.under_vmap():  # per-example norms: foreach kernels have no batching rule
+        return [torch.linalg.vector_norm(magnitudes(t), norm_type) for t in locals_]
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
         acc = tu.acc_dtype(dtype)

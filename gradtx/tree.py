@@ -14,6 +14,8 @@ from typing import Any
 import optree
 import torch
 
+from gradtx import _foreach as fe
+
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
@@ -215,11 +217,12 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
         group = [locals_[i] for i in idx]
         f = factor.to(device, acc_dtype(dtype), non_blocking=True)
         if inplace:
-            torch._foreach_mul_(group, f)
+            fe.mul_(group, f)
         else:
             recording = torch.is_grad_enabled() and any(t.requires_grad for t in group)
             # aot autograd (torch 2.13) cannot trace foreach_mul by a tensor scalar while autograd records.
-            scaled = [t * f for t in group] if recording else torch._foreach_mul(group, f)
+            # Under vmap foreach has no batching rule: one multiply per tensor there too.
+            scaled = [t * f for t in group] if recording or fe.under_vmap() else torch._foreach_mul(group, f)
             for i, r in zip(idx, scaled):
                 # A 0-d low-precision leaf times a 0-d fp32 factor would promote to fp32.
                 out[i] = like(leaves[i], r if r.dtype == locals_[i].dtype else r.to(locals_[i].dtype))
