@@ -47,6 +47,7 @@ from gradtx.optimizers import (
     trace,
 )
 from gradtx.pipeline import pp_reduce
+from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.privacy import (
     AddNoiseState,
     DifferentiallyPrivateAggregateState,
@@ -56,7 +57,6 @@ from gradtx.privacy import (
     per_example_global_norm_clip,
     per_example_layer_norm_clip,
 )
-from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.schedules import (
     constant_schedule,
     cosine_decay_schedule,

@@ -69,7 +69,9 @@ def add_(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.
     return xs
 
 
-def addcmul_(xs: list[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, value: float) -> list[torch.Tensor]:
+def addcmul_(
+    xs: list[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, value: float
+) -> list[torch.Tensor]:
     if under_vmap():
         return _rebind(xs, _each(lambda x, y, z: torch.addcmul(x, y, z, value=value), list(xs), list(a), list(b)))
     torch._foreach_addcmul_(xs, a, b, value=value)

@@ -57,7 +57,10 @@ def _clip_and_sum(leaves: list[torch.Tensor], limit: Any) -> tuple[list[torch.Te
     # optax's multiplier: min(clip / norm, 1), and 1 where that is 0/0 (a zero gradient with a zero clip).
     multipliers = torch.nan_to_num(torch.clamp(limit / norms, max=1.0), nan=1.0)
     clipped = (multipliers < 1.0).sum()
-    sums = [torch.tensordot(multipliers.to(tu.acc_dtype(t.dtype)), t.to(tu.acc_dtype(t.dtype)), dims=1).to(t.dtype) for t in leaves]
+    sums = [
+        torch.tensordot(multipliers.to(tu.acc_dtype(t.dtype)), t.to(tu.acc_dtype(t.dtype)), dims=1).to(t.dtype)
+        for t in leaves
+    ]
     return sums, clipped
 
 
@@ -164,7 +167,9 @@ def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[l
 
 def _check_seed(seed: Any, *, name: str) -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) and type(seed).__module__ != "numpy":
-        raise TypeError(f"{name}: seed must be an int (optax takes a key here; gradtx takes its seed), got {type(seed).__name__}")
+        raise TypeError(
+            f"{name}: seed must be an int (optax takes a key here; gradtx takes its seed), got {type(seed).__name__}"
+        )
     seed = int(seed)
     if seed < 0:
         raise ValueError(f"{name}: seed must be >= 0, got {seed}")
@@ -239,9 +244,7 @@ class DifferentiallyPrivateAggregateState(NamedTuple):
 
 
 @factory
-def differentially_private_aggregate(
-    l2_norm_clip: float, noise_multiplier: float, seed: int
-) -> GradientTransformation:
+def differentially_private_aggregate(l2_norm_clip: float, noise_multiplier: float, seed: int) -> GradientTransformation:
     """Clip per-example gradients, sum them, add Gaussian noise, and divide by the batch size (DP-SGD's aggregation).
 
     The update is ``(sum_i clip(g_i) + l2_norm_clip * noise_multiplier * N(0, I)) / batch``,
