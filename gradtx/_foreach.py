@@ -30,6 +30,25 @@ def under_vmap() -> bool:
     return any(i.key() == _functorch.TransformType.Vmap for i in pyfunctorch.retrieve_all_functorch_interpreters())
 
 
+def _per_tensor(*scalars: Any) -> bool:
+    """Whether to run one op per tensor: under vmap, or when autograd records a gradient for a 0-d factor.
+
+    Foreach kernels broadcasting one 0-d tensor that requires grad (a learning
+    rate, a beta: hypergradients) have no correct backward in torch 2.13
+    ("inconsistent range for TensorList output"); per-tensor ops do.
+    """
+    if under_vmap():
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    for a in scalars:
+        if isinstance(a, (list, tuple)):
+            a = a[0] if a else None
+        if isinstance(a, torch.Tensor) and a.ndim == 0 and a.requires_grad:
+            return True
+    return False
+
+
 def _each(fn: Callable[..., torch.Tensor], *args: Any) -> list[torch.Tensor]:
     n = next(len(a) for a in args if isinstance(a, (list, tuple)))
     return [fn(*(a[i] if isinstance(a, (list, tuple)) else a for a in args)) for i in range(n)]
@@ -41,26 +60,26 @@ def _rebind(xs: list[torch.Tensor], results: Sequence[torch.Tensor]) -> list[tor
 
 
 def mul(xs: Sequence[torch.Tensor], other: Any) -> list[torch.Tensor]:
-    if under_vmap():
+    if _per_tensor(other):
         return _each(torch.mul, list(xs), other)
     return list(torch._foreach_mul(xs, other))
 
 
 def mul_(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
-    if under_vmap():
+    if _per_tensor(other):
         return _rebind(xs, _each(torch.mul, list(xs), other))
     torch._foreach_mul_(xs, other)
     return xs
 
 
 def add(xs: Sequence[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
-    if under_vmap():
+    if _per_tensor(other):
         return _each(lambda x, y: torch.add(x, y, alpha=alpha), list(xs), other)
     return list(torch._foreach_add(xs, other, alpha=alpha) if alpha != 1 else torch._foreach_add(xs, other))
 
 
 def add_(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
-    if under_vmap():
+    if _per_tensor(other):
         return _rebind(xs, _each(lambda x, y: torch.add(x, y, alpha=alpha), list(xs), other))
     if alpha != 1:
         torch._foreach_add_(xs, other, alpha=alpha)
@@ -79,14 +98,16 @@ def addcmul_(
 
 
 def div(xs: Sequence[torch.Tensor], other: Any) -> list[torch.Tensor]:
-    if under_vmap():
+    if _per_tensor(other):
         return _each(torch.div, list(xs), other)
     return list(torch._foreach_div(xs, other))
 
 
 def lerp(xs: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: Any) -> list[torch.Tensor]:
-    if under_vmap():
+    if _per_tensor(weight):
         return _each(torch.lerp, list(xs), list(ends), weight)
+    if isinstance(weight, torch.Tensor):  # the weights overload: a 0-d tensor as a Scalar would be read to the host
+        return list(torch._foreach_lerp(xs, ends, [weight] * len(xs)))
     return list(torch._foreach_lerp(xs, ends, weight))
 
 

@@ -47,6 +47,13 @@ class AccumulateState(NamedTuple):
       acc: the fp32 running sum, a tree like the updates, while a window is
         open in :func:`accumulate`; ``None`` otherwise (and always when
         autograd is the buffer).
+      loss_sum: the sum of the losses given (``update(..., loss=...)``) in the
+        open window (fp32, 0-d, on the loss's device).
+      loss_weight: what ``loss_sum`` is divided by when the window closes: the
+        number of micro-steps that gave a loss, or their tokens when
+        token-weighted (int64, on the host).
+      last_loss: the last emitted window's loss, reduced as its grads were
+        (fp32, 0-d); what the members after the window see as ``loss``.
     """
 
     micro_step: torch.Tensor
@@ -56,6 +63,9 @@ class AccumulateState(NamedTuple):
     empty_windows: torch.Tensor
     k: torch.Tensor
     acc: PyTree | None
+    loss_sum: torch.Tensor
+    loss_weight: torch.Tensor
+    last_loss: torch.Tensor
 
 
 def _token_count(tokens: Any) -> int:
@@ -78,6 +88,19 @@ def _token_count(tokens: Any) -> int:
     if tokens >= 2**62:
         raise ValueError(f"accumulate: tokens must be < 2**62 (an int64 running total), got {tokens}")
     return tokens
+
+
+def _loss_value(loss: Any) -> torch.Tensor | None:
+    """A micro-batch's loss as a detached fp32 0-d tensor (no host read), or ``None`` when none was given."""
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"accumulate: loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
+        if not loss.dtype.is_floating_point:
+            raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
+        return loss.detach().reshape(()).to(torch.float32)
+    return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
 
 
 def _multi_process() -> int:
@@ -129,6 +152,9 @@ class Window:
             empty_windows=zero.clone(),
             k=torch.tensor(self.k, dtype=torch.int64),
             acc=None,
+            loss_sum=torch.zeros((), dtype=torch.float32),
+            loss_weight=zero.clone(),
+            last_loss=torch.zeros((), dtype=torch.float32),
         )
 
     def check(self, state: Any) -> None:
@@ -163,7 +189,13 @@ class Window:
         return _token_count(tokens)
 
     def step(
-        self, state: AccumulateState, *, tokens: Any = None, flush: bool = False, device: torch.device | None = None
+        self,
+        state: AccumulateState,
+        *,
+        tokens: Any = None,
+        flush: bool = False,
+        device: torch.device | None = None,
+        loss: Any = None,
     ) -> WindowStep:
         """Count one micro-step; on the closing one, compute the normaliser.
 
@@ -178,9 +210,18 @@ class Window:
           tokens: this micro-batch's valid tokens (token-weighted windows).
           flush: close the window now, over its real size.
           device: where the factor (and the token collective) lives: the grads' device.
+          loss: this micro-batch's loss (its mean loss, or its summed loss when
+            token-weighted, as its grads are), added to the window's loss; the
+            closing step's :attr:`AccumulateState.last_loss` is their mean (or
+            token mean), what the members after the window see as ``loss``.
         """
         self.check(state)
         n = self.check_tokens(tokens)
+        loss_value = _loss_value(loss)
+        loss_sum, loss_weight = state.loss_sum, int(state.loss_weight)
+        if loss_value is not None:
+            loss_sum = loss_sum.to(loss_value.device) + loss_value
+            loss_weight += n if self.token_weighted else 1
         micro_step = int(state.micro_step) + 1
         window_tokens = int(state.tokens) + n
         if micro_step < self.k and not flush:
@@ -188,12 +229,21 @@ class Window:
                 False,
                 None,
                 state._replace(
-                    micro_step=torch.tensor(micro_step), tokens=torch.tensor(window_tokens), emitted=torch.tensor(False)
+                    micro_step=torch.tensor(micro_step),
+                    tokens=torch.tensor(window_tokens),
+                    emitted=torch.tensor(False),
+                    loss_sum=loss_sum,
+                    loss_weight=torch.tensor(loss_weight),
                 ),
             )
         device = device if device is not None else torch.device("cpu")
         closed = state._replace(
-            micro_step=torch.zeros((), dtype=torch.int64), tokens=torch.zeros((), dtype=torch.int64), acc=None
+            micro_step=torch.zeros((), dtype=torch.int64),
+            tokens=torch.zeros((), dtype=torch.int64),
+            acc=None,
+            loss_sum=torch.zeros((), dtype=torch.float32),
+            loss_weight=torch.zeros((), dtype=torch.int64),
+            last_loss=loss_sum / loss_weight if loss_weight > 0 else state.last_loss,
         )
         if self.token_weighted:
             total = window_tokens
@@ -252,6 +302,18 @@ class Accumulation(GradientTransformation):
 
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
         return (self.init, self.update, self.window, self.sum_window)
+
+    def downstream_extra(self, state: AccumulateState, extra: dict[str, Any]) -> dict[str, Any]:
+        """The extras the members after the window see, once it has emitted with ``state``.
+
+        A ``loss`` given on the micro-steps is replaced by the window's loss,
+        reduced as the grads were (:attr:`AccumulateState.last_loss`), so a
+        loss-based guard after the window judges the whole window, not its
+        last micro-batch. Everything else passes as given.
+        """
+        if extra.get("loss") is None:
+            return extra
+        return {**extra, "loss": state.last_loss}
 
 
 @factory
@@ -355,20 +417,23 @@ def accumulate(
         return window.init()
 
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
-        total, factor, new_state = sum_window(updates, state, params, tokens=tokens, flush=flush)
+        total, factor, new_state = sum_window(
+            updates, state, params, tokens=tokens, flush=flush, loss=extra.get("loss")
+        )
         if total is None:
             return None, new_state
         leaves, spec = tu.flatten(updates)
         scaled = tu.scale_leaves(tu.flatten(total)[0], factor, inplace=True)  # the sums are ours
         return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), new_state
 
-    def sum_window(updates, state, params=None, *, tokens=None, flush=False):
+    def sum_window(updates, state, params=None, *, tokens=None, flush=False, loss=None):
         """The window's fp32 sum (``None`` while it holds) and its normaliser: ``update`` is their product."""
         window.check(state)
         leaves, spec = tu.flatten(updates)
         leaf_paths = tu.paths(updates)
         tu.check_tensors(leaves, leaf_paths, what="accumulate: updates")
         window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
+        _loss_value(loss)
         if state.acc is not None:
             expected = state.acc
             against = "the open window's running sum"
@@ -407,7 +472,7 @@ def accumulate(
             tu.check_devices(acc_leaves, leaves, updates, what="accumulate: updates", against="the open window's sum")
             acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(acc_leaves, leaves)]
         device = tu.local(leaves[0]).device if leaves else None
-        stepped = window.step(state, tokens=tokens, flush=flush, device=device)
+        stepped = window.step(state, tokens=tokens, flush=flush, device=device, loss=loss)
         if stepped.factor is None:
             closed = stepped.state if int(stepped.state.micro_step) == 0 else None
             if closed is not None:  # an empty window: dropped, nothing emitted

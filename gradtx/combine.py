@@ -87,6 +87,9 @@ def _run(
         )
         if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
             break
+        downstream = getattr(tx, "downstream_extra", None)
+        if downstream is not None:  # a window that emitted hands its reduced loss to what follows
+            extra = downstream(new_states[i], extra)
     return updates, new_states
 
 

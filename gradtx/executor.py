@@ -211,7 +211,7 @@ class StepPlan:
             if autograd_buffer:
                 leaves, spec = tu.flatten(grads)
                 device = tu.local(leaves[0]).device if leaves else None
-                stepped = window.step(states[0], tokens=tokens, flush=flush, device=device)
+                stepped = window.step(states[0], tokens=tokens, flush=flush, device=device, loss=extra.get("loss"))
                 states[0] = stepped.state
                 if stepped.factor is None:
                     return StepResult(None, _join(self.tx, iter(states)), None, None)
@@ -219,7 +219,7 @@ class StepPlan:
                 factor = stepped.factor
             else:
                 total, factor, states[0] = self.accumulation.sum_window(
-                    grads, states[0], params, tokens=tokens, flush=flush
+                    grads, states[0], params, tokens=tokens, flush=flush, loss=extra.get("loss")
                 )
                 if total is None:
                     return StepResult(None, _join(self.tx, iter(states)), None, None)
@@ -228,6 +228,7 @@ class StepPlan:
                     factor = None  # applied in fp32, before rounding to the grads' dtype
             if factor is not None:
                 pending = factor if pending is None else pending * factor.to(pending.device)
+            extra = self.accumulation.downstream_extra(states[0], extra)
 
         skip: torch.Tensor | None = None
         end = self.body_end if not run_terminal or self.terminal is None else len(self.members)

@@ -216,10 +216,12 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
     for (device, dtype), idx in group_by_device_dtype(locals_).items():
         group = [locals_[i] for i in idx]
         f = factor.to(device, acc_dtype(dtype), non_blocking=True)
-        if inplace:
+        recording = torch.is_grad_enabled() and (f.requires_grad or any(t.requires_grad for t in group))
+        if inplace and not recording:
             fe.mul_(group, f)
         else:
-            recording = torch.is_grad_enabled() and any(t.requires_grad for t in group)
+            # Autograd records (a hypergradient, or grads through the step): always new tensors, which
+            # every pure caller reads from the result (the donated paths run under no_grad).
             # aot autograd (torch 2.13) cannot trace foreach_mul by a tensor scalar while autograd records.
             # Under vmap foreach has no batching rule: one multiply per tensor there too.
             scaled = [t * f for t in group] if recording or fe.under_vmap() else torch._foreach_mul(group, f)
