@@ -54,6 +54,8 @@ class AccumulateState(NamedTuple):
         token-weighted (int64, on the host).
       last_loss: the last emitted window's loss, reduced as its grads were
         (fp32, 0-d); what the members after the window see as ``loss``.
+      windows: the number of windows emitted so far (int64, on the host): what
+        ``every_k_schedule`` is called with.
     """
 
     micro_step: torch.Tensor
@@ -66,6 +68,7 @@ class AccumulateState(NamedTuple):
     loss_sum: torch.Tensor
     loss_weight: torch.Tensor
     last_loss: torch.Tensor
+    windows: torch.Tensor
 
 
 def _token_count(tokens: Any) -> int:
@@ -141,6 +144,17 @@ class Window:
     comm: Comm | None = None
     group: GroupKey = "dp"
     reduce_grads: bool = False
+    every_k_schedule: Any = None  # ``windows -> k``; then ``k`` is 0 (recorded in the state as such)
+
+    def window_k(self, state: AccumulateState) -> int:
+        """The length of the window ``state`` is in: ``k``, or ``every_k_schedule(windows emitted so far)``."""
+        if self.every_k_schedule is None:
+            return self.k
+        value = self.every_k_schedule(state.windows)
+        k = int(value) if isinstance(value, torch.Tensor) else value  # host counters in, a host count out
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) and not float(k).is_integer() or k < 1:
+            raise ValueError(f"accumulate: every_k_schedule({int(state.windows)}) must be an integer >= 1, got {value!r}")
+        return int(k)
 
     def init(self) -> AccumulateState:
         zero = torch.zeros((), dtype=torch.int64)
@@ -155,6 +169,7 @@ class Window:
             loss_sum=torch.zeros((), dtype=torch.float32),
             loss_weight=zero.clone(),
             last_loss=torch.zeros((), dtype=torch.float32),
+            windows=zero.clone(),
         )
 
     def check(self, state: Any) -> None:
@@ -172,7 +187,7 @@ class Window:
 
     def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
         """Whether the next micro-step closes the window (the ``k``-th, or one passed ``flush=True``)."""
-        return flush or int(state.micro_step) + 1 >= self.k
+        return flush or int(state.micro_step) + 1 >= self.window_k(state)
 
     def check_tokens(self, tokens: Any) -> int:
         """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
@@ -224,7 +239,7 @@ class Window:
             loss_weight += n if self.token_weighted else 1
         micro_step = int(state.micro_step) + 1
         window_tokens = int(state.tokens) + n
-        if micro_step < self.k and not flush:
+        if micro_step < self.window_k(state) and not flush:
             return WindowStep(
                 False,
                 None,
@@ -265,7 +280,11 @@ class Window:
         return WindowStep(
             True,
             factor,
-            closed._replace(emitted=torch.tensor(True), last_tokens=torch.tensor(total, dtype=torch.int64)),
+            closed._replace(
+                emitted=torch.tensor(True),
+                last_tokens=torch.tensor(total, dtype=torch.int64),
+                windows=state.windows + 1,
+            ),
         )
 
     def reduce(self, leaves: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
@@ -318,8 +337,9 @@ class Accumulation(GradientTransformation):
 
 @factory
 def accumulate(
-    k: int,
+    k: int | None = None,
     *,
+    every_k_schedule: Any = None,
     token_weighted: bool = False,
     comm: Comm | None = None,
     group: GroupKey = "dp",
@@ -379,8 +399,15 @@ def accumulate(
     issue none. The token total is read on the host once per emitted update,
     to refuse a global zero.
 
+    A window's length may follow a schedule, as optax's ``MultiSteps(every_k_schedule=...)``
+    does (batch-size warm-up): ``every_k_schedule(n)`` is the length of the
+    window after ``n`` emitted ones (``n`` a 0-d int64 tensor on the host; the
+    schedule returns an int or a 0-d tensor, read on the host, where the
+    window's counters live).
+
     Args:
-      k: micro-steps per emitted update; ``>= 1``.
+      k: micro-steps per emitted update; ``>= 1``. Give ``k`` or ``every_k_schedule``.
+      every_k_schedule: ``windows_emitted -> k``, the length of each window.
       token_weighted: weight micro-batches by their valid-token counts.
       comm: a :class:`gradtx.comm.Comm` over the data-parallel ranks; ``None``
         for one process.
@@ -403,14 +430,25 @@ def accumulate(
       >>> tx = chain(accumulate(4, token_weighted=True, comm=comm, reduce_grads=True), adamw(3e-4))
       >>> updates, state = tx.update(sum_loss_grads, state, params, tokens=n_valid)
     """
-    k = check.integer(k, arg="k", name="accumulate", minimum=1)
+    if (k is None) == (every_k_schedule is None):
+        raise ValueError("accumulate: give k (micro-steps per update) or every_k_schedule, exactly one of them")
+    if every_k_schedule is not None:
+        if not callable(every_k_schedule):
+            raise TypeError(
+                f"accumulate: every_k_schedule must be a callable windows -> k, got {type(every_k_schedule).__name__}"
+            )
+        k = 0  # recorded in the state: a scheduled window resumes only under a schedule
+    else:
+        k = check.integer(k, arg="k", name="accumulate", minimum=1)
     token_weighted = check.flag(token_weighted, arg="token_weighted", name="accumulate")
     reduce_grads = check.flag(reduce_grads, arg="reduce_grads", name="accumulate")
     if comm is not None:
         check_comm(comm, name="accumulate")
     if reduce_grads and comm is None:
         raise ValueError("accumulate: reduce_grads=True needs a comm over the data-parallel ranks (comm=...)")
-    window = Window(k, token_weighted, comm, group, reduce_grads)
+    window = Window(k, token_weighted, comm, group, reduce_grads, every_k_schedule)
+    if every_k_schedule is not None:
+        window.window_k(window.init())  # a bad schedule fails here, not on the first micro-step
 
     def init_fn(params: Params) -> AccumulateState:
         del params

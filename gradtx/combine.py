@@ -73,6 +73,8 @@ def _run(
     # on the chain owns its updates, so later members may write into them (``inplace=True``), with
     # the pure path's numbers and one gradient-sized allocation fewer per member.
     owned = bool(extra.get("inplace", False))
+    # Under vmap nothing is written in place: an unbatched buffer cannot hold a batched result.
+    donate = not fe.under_vmap()
     new_states = list(states)
     for i, tx in enumerate(txs):
         if isinstance(tx, ScalarTransformation):
@@ -80,7 +82,7 @@ def _run(
             leaves, spec = tu.flatten(updates)
             tu.check_tensors(leaves, tu.paths(updates), what="updates")
             updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
-            owned = True
+            owned = donate
             continue
         updates, new_states[i] = tx.update(
             updates, states[i], params, **({**extra, "inplace": True} if owned else extra)

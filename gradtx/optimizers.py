@@ -768,8 +768,9 @@ def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerC
     inner = chain(*txs)
 
     def update_fn(updates, state, params=None, **extra):
-        if extra.get("inplace", False) or not isinstance(state, tuple) or len(state) != len(txs):
-            return inner.update(updates, state, params, **extra)  # donated already, or a bad state to report
+        if extra.get("inplace", False) or not isinstance(state, tuple) or len(state) != len(txs) or fe.under_vmap():
+            # donated already, or a bad state to report, or vmap (whose batched values are written out of place)
+            return inner.update(updates, state, params, **extra)
         new_states = list(state)
         for i, tx in enumerate(txs):
             owned = {**extra, "inplace": True} if i > 0 else extra

@@ -217,7 +217,7 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
         group = [locals_[i] for i in idx]
         f = factor.to(device, acc_dtype(dtype), non_blocking=True)
         recording = torch.is_grad_enabled() and (f.requires_grad or any(t.requires_grad for t in group))
-        if inplace and not recording:
+        if inplace and not recording and not fe.under_vmap():
             fe.mul_(group, f)
         else:
             # Autograd records (a hypergradient, or grads through the step): always new tensors, which
