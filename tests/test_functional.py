@@ -62,7 +62,10 @@ def test_vmap_over_examples_equals_a_loop(name):
         g_i = {k: v[i] for k, v in grads.items()}
         want_u, want_s = tx.update(g_i, state, params)
         want_u2, want_s2 = tx.update(g_i, want_s, params)
-        pick = lambda tree: gtx.tree.tree_map(lambda t: t[i], tree)
+
+        def pick(tree, i=i):
+            return gtx.tree.tree_map(lambda t: t[i], tree)
+
         assert_trees_close(pick(got_u), want_u, rtol=1e-6, atol=1e-7)
         assert_trees_close(pick(got_u2), want_u2, rtol=1e-6, atol=1e-7)
         assert_trees_close(pick(got_s2), want_s2, rtol=1e-6, atol=1e-7)
