@@ -15,7 +15,7 @@ read the results from it, which is how every caller here uses them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,12 +54,12 @@ def _each(fn: Callable[..., torch.Tensor], *args: Any) -> list[torch.Tensor]:
     return [fn(*(a[i] if isinstance(a, (list, tuple)) else a for a in args)) for i in range(n)]
 
 
-def _rebind(xs: list[torch.Tensor], results: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _rebind(xs: list[torch.Tensor], results: list[torch.Tensor]) -> list[torch.Tensor]:
     xs[:] = results
     return xs
 
 
-def mul(xs: Sequence[torch.Tensor], other: Any) -> list[torch.Tensor]:
+def mul(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
     if _per_tensor(other):
         return _each(torch.mul, list(xs), other)
     return list(torch._foreach_mul(xs, other))
@@ -72,7 +72,7 @@ def mul_(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
     return xs
 
 
-def add(xs: Sequence[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
+def add(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
     if _per_tensor(other):
         return _each(lambda x, y: torch.add(x, y, alpha=alpha), list(xs), other)
     return list(torch._foreach_add(xs, other, alpha=alpha) if alpha != 1 else torch._foreach_add(xs, other))
@@ -89,7 +89,7 @@ def add_(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.
 
 
 def addcmul_(
-    xs: list[torch.Tensor], a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, value: float
+    xs: list[torch.Tensor], a: list[torch.Tensor], b: list[torch.Tensor], *, value: float
 ) -> list[torch.Tensor]:
     if under_vmap():
         return _rebind(xs, _each(lambda x, y, z: torch.addcmul(x, y, z, value=value), list(xs), list(a), list(b)))
@@ -97,13 +97,13 @@ def addcmul_(
     return xs
 
 
-def div(xs: Sequence[torch.Tensor], other: Any) -> list[torch.Tensor]:
+def div(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
     if _per_tensor(other):
         return _each(torch.div, list(xs), other)
     return list(torch._foreach_div(xs, other))
 
 
-def lerp(xs: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: Any) -> list[torch.Tensor]:
+def lerp(xs: list[torch.Tensor], ends: list[torch.Tensor], weight: Any) -> list[torch.Tensor]:
     if _per_tensor(weight):
         return _each(torch.lerp, list(xs), list(ends), weight)
     if isinstance(weight, torch.Tensor):  # the weights overload: a 0-d tensor as a Scalar would be read to the host
@@ -111,19 +111,19 @@ def lerp(xs: Sequence[torch.Tensor], ends: Sequence[torch.Tensor], weight: Any) 
     return list(torch._foreach_lerp(xs, ends, weight))
 
 
-def sqrt(xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def sqrt(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     if under_vmap():
         return _each(torch.sqrt, list(xs))
     return list(torch._foreach_sqrt(xs))
 
 
-def clamp(xs: Sequence[torch.Tensor], low: float, high: float) -> list[torch.Tensor]:
+def clamp(xs: list[torch.Tensor], low: float, high: float) -> list[torch.Tensor]:
     if under_vmap():
         return _each(lambda x: torch.clamp(x, low, high), list(xs))
     return list(torch._foreach_clamp_max(torch._foreach_clamp_min(xs, low), high))
 
 
-def norm(xs: Sequence[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def norm(xs: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     if under_vmap():
         return _each(lambda x: torch.linalg.vector_norm(x, ord, dtype=dtype), list(xs))
     if dtype is None:
