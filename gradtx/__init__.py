@@ -65,6 +65,15 @@ from gradtx.orthogonal import (
 from gradtx.pipeline import pp_reduce
 from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
 from gradtx.plateau import ReduceLROnPlateauState, reduce_on_plateau
+from gradtx.privacy import (
+    AddNoiseState,
+    DifferentiallyPrivateAggregateState,
+    add_noise,
+    differentially_private_aggregate,
+    dpsgd,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+)
 from gradtx.schedule_free_optim import (
     ScaleByRmsWithCountState,
     ScheduleFreeState,
@@ -117,9 +126,11 @@ from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 torch.serialization.add_safe_globals(
     [
         AccumulateState,
+        AddNoiseState,
         ApplyIfFiniteState,
         AutoClipState,
         ClipByGlobalNormState,
+        DifferentiallyPrivateAggregateState,
         EmptyState,
         InjectHyperparamsState,
         MaskedState,
@@ -154,6 +165,7 @@ __all__ = [
     "AccumulateState",
     "Accumulation",
     "AccumulationType",
+    "AddNoiseState",
     "ApplyIfFiniteState",
     "AuditRow",
     "AutoClipState",
@@ -161,6 +173,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "ConditionallyMaskState",
     "ConditionallyTransformState",
+    "DifferentiallyPrivateAggregateState",
     "EmaState",
     "EmptyState",
     "ExchangePlan",
@@ -201,6 +214,7 @@ __all__ = [
     "adamw",
     "adaptive_clip",
     "add_decayed_weights",
+    "add_noise",
     "apply_if_finite",
     "apply_updates",
     "autoclip",
@@ -217,6 +231,8 @@ __all__ = [
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "cp_reduce",
+    "differentially_private_aggregate",
+    "dpsgd",
     "ema",
     "exchange_plan",
     "exponential_decay",
@@ -248,6 +264,8 @@ __all__ = [
     "normalize_by_update_norm",
     "orthogonalize",
     "partition",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
     "periodic_update",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",

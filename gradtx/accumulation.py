@@ -49,6 +49,15 @@ class AccumulateState(NamedTuple):
       acc: the fp32 running sum, a tree like the updates, while a window is
         open in :func:`accumulate`; ``None`` otherwise (and always when
         autograd is the buffer).
+      loss_sum: the sum of the losses given (``update(..., loss=...)``) in the
+        open window (fp32, 0-d, on the loss's device).
+      loss_weight: what ``loss_sum`` is divided by when the window closes: the
+        number of micro-steps that gave a loss, or their tokens when
+        token-weighted (int64, on the host).
+      last_loss: the last emitted window's loss, reduced as its grads were
+        (fp32, 0-d); what the members after the window see as ``loss``.
+      windows: the number of windows emitted so far (int64, on the host): what
+        ``every_k_schedule`` is called with.
     """
 
     micro_step: torch.Tensor
@@ -58,6 +67,10 @@ class AccumulateState(NamedTuple):
     empty_windows: torch.Tensor
     k: torch.Tensor
     acc: PyTree | None
+    loss_sum: torch.Tensor
+    loss_weight: torch.Tensor
+    last_loss: torch.Tensor
+    windows: torch.Tensor
 
 
 def _token_count(tokens: Any) -> int:
@@ -80,6 +93,19 @@ def _token_count(tokens: Any) -> int:
     if tokens >= 2**62:
         raise ValueError(f"accumulate: tokens must be < 2**62 (an int64 running total), got {tokens}")
     return tokens
+
+
+def _loss_value(loss: Any) -> torch.Tensor | None:
+    """A micro-batch's loss as a detached fp32 0-d tensor (no host read), or ``None`` when none was given."""
+    if loss is None:
+        return None
+    if isinstance(loss, torch.Tensor):
+        if loss.numel() != 1:
+            raise ValueError(f"accumulate: loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
+        if not loss.dtype.is_floating_point:
+            raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
+        return loss.detach().reshape(()).to(torch.float32)
+    return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
 
 
 def _multi_process() -> int:
@@ -120,6 +146,17 @@ class Window:
     comm: Comm | None = None
     group: GroupKey = "dp"
     reduce_grads: bool = False
+    every_k_schedule: Any = None  # ``windows -> k``; then ``k`` is 0 (recorded in the state as such)
+
+    def window_k(self, state: AccumulateState) -> int:
+        """The length of the window ``state`` is in: ``k``, or ``every_k_schedule(windows emitted so far)``."""
+        if self.every_k_schedule is None:
+            return self.k
+        value = self.every_k_schedule(state.windows)
+        k = int(value) if isinstance(value, torch.Tensor) else value  # host counters in, a host count out
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) and not float(k).is_integer() or k < 1:
+            raise ValueError(f"accumulate: every_k_schedule({int(state.windows)}) must be an integer >= 1, got {value!r}")
+        return int(k)
 
     def init(self) -> AccumulateState:
         zero = torch.zeros((), dtype=torch.int64)
@@ -131,6 +168,10 @@ class Window:
             empty_windows=zero.clone(),
             k=torch.tensor(self.k, dtype=torch.int64),
             acc=None,
+            loss_sum=torch.zeros((), dtype=torch.float32),
+            loss_weight=zero.clone(),
+            last_loss=torch.zeros((), dtype=torch.float32),
+            windows=zero.clone(),
         )
 
     def check(self, state: Any) -> None:
@@ -148,7 +189,7 @@ class Window:
 
     def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
         """Whether the next micro-step closes the window (the ``k``-th, or one passed ``flush=True``)."""
-        return flush or int(state.micro_step) + 1 >= self.k
+        return flush or int(state.micro_step) + 1 >= self.window_k(state)
 
     def check_tokens(self, tokens: Any) -> int:
         """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
@@ -165,7 +206,13 @@ class Window:
         return _token_count(tokens)
 
     def step(
-        self, state: AccumulateState, *, tokens: Any = None, flush: bool = False, device: torch.device | None = None
+        self,
+        state: AccumulateState,
+        *,
+        tokens: Any = None,
+        flush: bool = False,
+        device: torch.device | None = None,
+        loss: Any = None,
     ) -> WindowStep:
         """Count one micro-step; on the closing one, compute the normaliser.
 
@@ -180,22 +227,40 @@ class Window:
           tokens: this micro-batch's valid tokens (token-weighted windows).
           flush: close the window now, over its real size.
           device: where the factor (and the token collective) lives: the grads' device.
+          loss: this micro-batch's loss (its mean loss, or its summed loss when
+            token-weighted, as its grads are), added to the window's loss; the
+            closing step's :attr:`AccumulateState.last_loss` is their mean (or
+            token mean), what the members after the window see as ``loss``.
         """
         self.check(state)
         n = self.check_tokens(tokens)
+        loss_value = _loss_value(loss)
+        loss_sum, loss_weight = state.loss_sum, int(state.loss_weight)
+        if loss_value is not None:
+            loss_sum = loss_sum.to(loss_value.device) + loss_value
+            loss_weight += n if self.token_weighted else 1
         micro_step = int(state.micro_step) + 1
         window_tokens = int(state.tokens) + n
-        if micro_step < self.k and not flush:
+        if micro_step < self.window_k(state) and not flush:
             return WindowStep(
                 False,
                 None,
                 state._replace(
-                    micro_step=torch.tensor(micro_step), tokens=torch.tensor(window_tokens), emitted=torch.tensor(False)
+                    micro_step=torch.tensor(micro_step),
+                    tokens=torch.tensor(window_tokens),
+                    emitted=torch.tensor(False),
+                    loss_sum=loss_sum,
+                    loss_weight=torch.tensor(loss_weight),
                 ),
             )
         device = device if device is not None else torch.device("cpu")
         closed = state._replace(
-            micro_step=torch.zeros((), dtype=torch.int64), tokens=torch.zeros((), dtype=torch.int64), acc=None
+            micro_step=torch.zeros((), dtype=torch.int64),
+            tokens=torch.zeros((), dtype=torch.int64),
+            acc=None,
+            loss_sum=torch.zeros((), dtype=torch.float32),
+            loss_weight=torch.zeros((), dtype=torch.int64),
+            last_loss=loss_sum / loss_weight if loss_weight > 0 else state.last_loss,
         )
         if self.token_weighted:
             total = window_tokens
@@ -217,7 +282,11 @@ class Window:
         return WindowStep(
             True,
             factor,
-            closed._replace(emitted=torch.tensor(True), last_tokens=torch.tensor(total, dtype=torch.int64)),
+            closed._replace(
+                emitted=torch.tensor(True),
+                last_tokens=torch.tensor(total, dtype=torch.int64),
+                windows=state.windows + 1,
+            ),
         )
 
     def reduce(self, leaves: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
@@ -287,10 +356,16 @@ class Accumulation(GradientTransformation):
         return self.window.is_open(state)
 
     def count_step(
-        self, state: AccumulateState, *, tokens: Any = None, flush: bool = False, device: torch.device | None = None
+        self,
+        state: AccumulateState,
+        *,
+        tokens: Any = None,
+        flush: bool = False,
+        device: torch.device | None = None,
+        loss: Any = None,
     ) -> tuple[torch.Tensor | None, AccumulateState]:
         """Count a micro-step whose gradient the caller sums (autograd's ``.grad``): ``(1/denominator or None, state)``."""
-        stepped = self.window.step(state, tokens=tokens, flush=flush, device=device)
+        stepped = self.window.step(state, tokens=tokens, flush=flush, device=device, loss=loss)
         return stepped.factor, stepped.state
 
     def reduce(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -304,11 +379,24 @@ class Accumulation(GradientTransformation):
             return RankLocal(None, w.group, False, False)
         return RankLocal(w.comm, w.group, w.token_weighted, w.reduce_grads)
 
+    def downstream_extra(self, state: AccumulateState, extra: dict[str, Any]) -> dict[str, Any]:
+        """The extras the members after the window see, once it has emitted with ``state``.
+
+        A ``loss`` given on the micro-steps is replaced by the window's loss,
+        reduced as the grads were (:attr:`AccumulateState.last_loss`), so a
+        loss-based guard after the window judges the whole window, not its
+        last micro-batch. Everything else passes as given.
+        """
+        if extra.get("loss") is None:
+            return extra
+        return {**extra, "loss": state.last_loss}
+
 
 @factory
 def accumulate(
-    k: int,
+    k: int | None = None,
     *,
+    every_k_schedule: Any = None,
     token_weighted: bool = False,
     comm: Comm | None = None,
     group: GroupKey = "dp",
@@ -368,8 +456,15 @@ def accumulate(
     issue none. The token total is read on the host once per emitted update,
     to refuse a global zero.
 
+    A window's length may follow a schedule, as optax's ``MultiSteps(every_k_schedule=...)``
+    does (batch-size warm-up): ``every_k_schedule(n)`` is the length of the
+    window after ``n`` emitted ones (``n`` a 0-d int64 tensor on the host; the
+    schedule returns an int or a 0-d tensor, read on the host, where the
+    window's counters live).
+
     Args:
-      k: micro-steps per emitted update; ``>= 1``.
+      k: micro-steps per emitted update; ``>= 1``. Give ``k`` or ``every_k_schedule``.
+      every_k_schedule: ``windows_emitted -> k``, the length of each window.
       token_weighted: weight micro-batches by their valid-token counts.
       comm: a :class:`gradtx.comm.Comm` over the data-parallel ranks; ``None``
         for one process.
@@ -392,34 +487,48 @@ def accumulate(
       >>> tx = chain(accumulate(4, token_weighted=True, comm=comm, reduce_grads=True), adamw(3e-4))
       >>> updates, state = tx.update(sum_loss_grads, state, params, tokens=n_valid)
     """
-    k = check.integer(k, arg="k", name="accumulate", minimum=1)
+    if (k is None) == (every_k_schedule is None):
+        raise ValueError("accumulate: give k (micro-steps per update) or every_k_schedule, exactly one of them")
+    if every_k_schedule is not None:
+        if not callable(every_k_schedule):
+            raise TypeError(
+                f"accumulate: every_k_schedule must be a callable windows -> k, got {type(every_k_schedule).__name__}"
+            )
+        k = 0  # recorded in the state: a scheduled window resumes only under a schedule
+    else:
+        k = check.integer(k, arg="k", name="accumulate", minimum=1)
     token_weighted = check.flag(token_weighted, arg="token_weighted", name="accumulate")
     reduce_grads = check.flag(reduce_grads, arg="reduce_grads", name="accumulate")
     if comm is not None:
         check_comm(comm, name="accumulate")
     if reduce_grads and comm is None:
         raise ValueError("accumulate: reduce_grads=True needs a comm over the data-parallel ranks (comm=...)")
-    window = Window(k, token_weighted, comm, group, reduce_grads)
+    window = Window(k, token_weighted, comm, group, reduce_grads, every_k_schedule)
+    if every_k_schedule is not None:
+        window.window_k(window.init())  # a bad schedule fails here, not on the first micro-step
 
     def init_fn(params: Params) -> AccumulateState:
         del params
         return window.init()
 
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
-        total, factor, new_state = sum_window(updates, state, params, tokens=tokens, flush=flush)
+        total, factor, new_state = sum_window(
+            updates, state, params, tokens=tokens, flush=flush, loss=extra.get("loss")
+        )
         if total is None:
             return None, new_state
         leaves, spec = tu.flatten(updates)
         scaled = tu.scale_leaves(tu.flatten(total)[0], factor, inplace=True)  # the sums are ours
         return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), new_state
 
-    def sum_window(updates, state, params=None, *, tokens=None, flush=False):
+    def sum_window(updates, state, params=None, *, tokens=None, flush=False, loss=None):
         """The window's fp32 sum (``None`` while it holds) and its normaliser: ``update`` is their product."""
         window.check(state)
         leaves, spec = tu.flatten(updates)
         leaf_paths = tu.paths(updates)
         tu.check_tensors(leaves, leaf_paths, what="accumulate: updates")
         window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
+        _loss_value(loss)
         if state.acc is not None:
             expected = state.acc
             against = "the open window's running sum"
@@ -458,7 +567,7 @@ def accumulate(
             tu.check_devices(acc_leaves, leaves, updates, what="accumulate: updates", against="the open window's sum")
             acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(acc_leaves, leaves)]
         device = tu.local(leaves[0]).device if leaves else None
-        stepped = window.step(state, tokens=tokens, flush=flush, device=device)
+        stepped = window.step(state, tokens=tokens, flush=flush, device=device, loss=loss)
         if stepped.factor is None:
             closed = stepped.state if int(stepped.state.micro_step) == 0 else None
             if closed is not None:  # an empty window: dropped, nothing emitted

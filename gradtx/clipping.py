@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradtx import _foreach as fe
 from gradtx import kinds, plan
 from gradtx import tree as tu
 from gradtx import validate as check
@@ -58,7 +59,7 @@ def clip(max_delta: float) -> GradientTransformation:
                 torch._foreach_clamp_min_(group, -max_delta)
                 torch._foreach_clamp_max_(group, max_delta)
             else:
-                clipped = torch._foreach_clamp_max(torch._foreach_clamp_min(group, -max_delta), max_delta)
+                clipped = fe.clamp(group, -max_delta, max_delta)
                 for i, c in zip(idx, clipped):
                     out[i] = tu.like(leaves[i], c)
         return tu.unflatten(spec, out), state

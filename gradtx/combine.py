@@ -8,6 +8,7 @@ from typing import Any, NamedTuple, Self, cast
 import optree
 import torch
 
+from gradtx import _foreach as fe
 from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
@@ -75,6 +76,8 @@ def _run(
     # member that did not declare them fresh may be its state's own tensors (optax's trace returns
     # its new trace): those leaves are copied before anything writes into them.
     owned = bool(extra.get("inplace", False))
+    # Under vmap nothing is written in place: an unbatched buffer cannot hold a batched result.
+    donate = not fe.under_vmap()
     new_states = list(states)
     for i, tx in enumerate(txs):
         if isinstance(tx, ScalarTransformation):
@@ -82,7 +85,7 @@ def _run(
             leaves, spec = tu.flatten(updates)
             tu.check_tensors(leaves, tu.paths(updates), what="updates")
             updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
-            owned = True
+            owned = donate
             continue
         given = updates
         updates, new_states[i] = tx.update(
@@ -92,6 +95,9 @@ def _run(
             break
         if owned and not kinds.returns_fresh(tx):
             updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
+        downstream = getattr(tx, "downstream_extra", None)
+        if downstream is not None:  # a window that emitted hands its reduced loss to what follows
+            extra = downstream(new_states[i], extra)
     return updates, new_states
 
 
@@ -414,7 +420,7 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
         else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
             out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
     for pairs in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
-        added = torch._foreach_add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
+        added = fe.add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
         for (i, _), r in zip(pairs, added):
             out[i] = r
     return tu.unflatten(spec, out)

@@ -209,16 +209,22 @@ class StepPlan:
         if self.window is not None:
             window = self.window
             tokens, flush = extra.get("tokens"), bool(extra.get("flush", False))
+            # A loss reaches the window only when given, so a user's window need not take one.
+            loss_kw = {"loss": extra["loss"]} if extra.get("loss") is not None else {}
             if autograd_buffer:
                 leaves, spec = tu.flatten(grads)
                 device = tu.local(leaves[0]).device if leaves else None
-                closing, states[0] = window.count_step(states[0], tokens=tokens, flush=flush, device=device)
+                closing, states[0] = window.count_step(
+                    states[0], tokens=tokens, flush=flush, device=device, **loss_kw
+                )
                 if closing is None:
                     return StepResult(None, _join(self.tx, iter(states)), None, None)
                 updates = tu.unflatten(spec, window.reduce(leaves))
                 factor = closing
             else:
-                total, factor, states[0] = window.sum_window(grads, states[0], params, tokens=tokens, flush=flush)
+                total, factor, states[0] = window.sum_window(
+                    grads, states[0], params, tokens=tokens, flush=flush, **loss_kw
+                )
                 if total is None:
                     return StepResult(None, _join(self.tx, iter(states)), None, None)
                 updates = _cast_like(total, grads, factor)
@@ -226,6 +232,9 @@ class StepPlan:
                     factor = None  # applied in fp32, before rounding to the grads' dtype
             if factor is not None:
                 pending = factor if pending is None else pending * factor.to(pending.device)
+            downstream = getattr(window, "downstream_extra", None)
+            if downstream is not None:  # a window that emitted hands its reduced loss to what follows
+                extra = downstream(states[0], extra)
 
         skip: torch.Tensor | None = None
         end = self.body_end if not run_terminal or self.terminal is None else len(self.members)

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, Self
 
 import torch
 
+from gradtx import _foreach as fe
 from gradtx import kinds
 from gradtx import tree as tu
 from gradtx import validate as check
@@ -284,7 +285,9 @@ def _adam_direction_into(
         torch._foreach_copy_([u[k] for k in small], [v[k] for k in small])
         torch._foreach_sqrt_([u[k] for k in small])
     torch._foreach_mul_(u, scale)
-    torch._foreach_add_(u, shift)
+    # The list overload: with one 0-d tensor, _foreach_add_ reads it to the host (.item()) on every
+    # call, which breaks a compiled graph, fails on meta tensors, and is 3x slower on CPU.
+    torch._foreach_add_(u, [shift] * len(u))
     for k in large:
         torch.div(m[k], u[k], out=u[k])
     if small:
@@ -359,21 +362,23 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
             bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
             if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
                 w1 = (1 - b1).to(device, m_dtype) if isinstance(b1, torch.Tensor) else 1 - b1
-                m = torch._foreach_lerp(mus, g, w1)
+                m = fe.lerp(mus, g, w1)
                 # addcmul's value must be a Python number: v = lerp(v, g*g, 1 - b2) is the same update.
                 w2 = (1 - b2).to(device, m_dtype) if isinstance(b2, torch.Tensor) else torch.tensor(1 - b2)
-                v = torch._foreach_lerp(nus, torch._foreach_mul(g, g), w2.to(device, m_dtype))
+                v = fe.lerp(nus, fe.mul(g, g), w2.to(device, m_dtype))
             else:
-                m = torch._foreach_lerp(mus, g, 1 - b1)
-                v = torch._foreach_mul(nus, b2)
-                torch._foreach_addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
+                m = fe.lerp(mus, g, 1 - b1)
+                v = fe.mul(nus, b2)
+                fe.addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
             # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
             # u = m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
             scale_, shift = bc1 / bc2_sqrt, bc1 * _as(eps, bc1)
-            if torch.is_grad_enabled() and any(t.requires_grad for t in (*g, *mus, *nus)):
-                # Autograd is recording (grads of nn.Parameters from torch.func.grad, say): no out= ops.
-                denom = torch._foreach_add(torch._foreach_mul(torch._foreach_sqrt(v), scale_), shift)
-                u = list(torch._foreach_div(m, denom))
+            recording = torch.is_grad_enabled() and any(t.requires_grad for t in (*g, *mus, *nus, scale_, shift))
+            if recording or fe.under_vmap():
+                # Autograd is recording (torch.func.grad through the step, a hyperparameter that requires
+                # grad), or vmap is batching: no out= ops, no writes into the moments.
+                denom = fe.add(fe.mul(fe.sqrt(v), scale_), [shift] * len(v))
+                u = fe.div(m, denom)
             else:
                 if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
                     u = g  # the donated update buffers, read for the last time above: the result goes there
@@ -447,12 +452,12 @@ def add_decayed_weights(
             group = [locals_[j] for j in idx]
             p = [tu.local(param_leaves[index[j]]).to(dtype) for j in idx]
             if isinstance(weight_decay, torch.Tensor):
-                decay = torch._foreach_mul(p, weight_decay.to(device, dtype, non_blocking=True))
-                result = torch._foreach_add_(group, decay) if inplace else torch._foreach_add(group, decay)
+                decay = fe.mul(p, weight_decay.to(device, dtype, non_blocking=True))
+                result = fe.add_(group, decay) if inplace else fe.add(group, decay)
             elif inplace:
-                torch._foreach_add_(group, p, alpha=weight_decay)
+                fe.add_(group, p, alpha=weight_decay)
             else:
-                result = torch._foreach_add(group, p, alpha=weight_decay)
+                result = fe.add(group, p, alpha=weight_decay)
             if not inplace:
                 for j, r in zip(idx, result):
                     out[j] = tu.like(leaves[j], r)
@@ -514,14 +519,14 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
         for (device, dtype), idx in tu.group_by_device_dtype(tr_locals).items():
             g = [tu.local(leaves[j]).to(dtype) for j in idx]
             d = decay.to(device, dtype, non_blocking=True) if isinstance(decay, torch.Tensor) else decay
-            tr = torch._foreach_mul([tr_locals[j] for j in idx], d)
-            torch._foreach_add_(tr, g)  # tr is ours: a fresh tensor
+            tr = fe.mul([tr_locals[j] for j in idx], d)
+            fe.add_(tr, g)  # tr is ours: a fresh tensor
             if not nesterov:
                 u = tr
             elif isinstance(d, torch.Tensor):
-                u = torch._foreach_add(g, torch._foreach_mul(tr, d))
+                u = fe.add(g, fe.mul(tr, d))
             else:
-                u = torch._foreach_add(g, tr, alpha=d)
+                u = fe.add(g, tr, alpha=d)
             for k, j in enumerate(idx):
                 new_tr[index[j]] = tu.like(tr_leaves[index[j]], tr[k])
                 if inplace:  # write into the donated buffer, never hand out the state itself
@@ -773,8 +778,9 @@ def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerC
     inner = chain(*txs)
 
     def update_fn(updates, state, params=None, **extra):
-        if extra.get("inplace", False) or not isinstance(state, tuple) or len(state) != len(txs):
-            return inner.update(updates, state, params, **extra)  # donated already, or a bad state to report
+        if extra.get("inplace", False) or not isinstance(state, tuple) or len(state) != len(txs) or fe.under_vmap():
+            # donated already, or a bad state to report, or vmap (whose batched values are written out of place)
+            return inner.update(updates, state, params, **extra)
         new_states = list(state)
         for i, tx in enumerate(txs):
             owned = {**extra, "inplace": True} if i > 0 else extra

@@ -14,6 +14,8 @@ from typing import Any
 import optree
 import torch
 
+from gradtx import _foreach as fe
+
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor
 except ImportError:  # pragma: no cover
@@ -234,12 +236,15 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
     for (device, dtype), idx in group_by_device_dtype(locals_).items():
         group = [locals_[i] for i in idx]
         f = factor.to(device, acc_dtype(dtype), non_blocking=True)
-        if inplace:
-            torch._foreach_mul_(group, f)
+        recording = torch.is_grad_enabled() and (f.requires_grad or any(t.requires_grad for t in group))
+        if inplace and not recording and not fe.under_vmap():
+            fe.mul_(group, f)
         else:
-            recording = torch.is_grad_enabled() and any(t.requires_grad for t in group)
+            # Autograd records (a hypergradient, or grads through the step): always new tensors, which
+            # every pure caller reads from the result (the donated paths run under no_grad).
             # aot autograd (torch 2.13) cannot trace foreach_mul by a tensor scalar while autograd records.
-            scaled = [t * f for t in group] if recording else torch._foreach_mul(group, f)
+            # Under vmap foreach has no batching rule: one multiply per tensor there too.
+            scaled = [t * f for t in group] if recording or fe.under_vmap() else torch._foreach_mul(group, f)
             for i, r in zip(idx, scaled):
                 # A 0-d low-precision leaf times a 0-d fp32 factor would promote to fp32.
                 out[i] = like(leaves[i], r if r.dtype == locals_[i].dtype else r.to(locals_[i].dtype))

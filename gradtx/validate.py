@@ -28,14 +28,14 @@ def scalar_tensor(value: torch.Tensor, *, arg: str, name: str) -> torch.Tensor:
 
     Its value is not read: reading it would be a host sync on an accelerator and
     a graph break under ``torch.compile``. :func:`gradtx.inject_hyperparams`
-    checks the values it is first given as Python numbers.
+    checks the values it is first given as Python numbers. It may require grad:
+    the pure ``update`` is differentiable in it (hypergradients); the paths that
+    write into donated buffers refuse it.
     """
     if value.ndim != 0:
         raise ValueError(f"{name}: {arg} must be a number or a 0-d tensor, got a tensor of shape {tuple(value.shape)}")
     if value.dtype == torch.bool or value.is_complex():
         raise TypeError(f"{name}: {arg} must be a real number, got a {value.dtype} tensor")
-    if value.requires_grad:
-        raise ValueError(f"{name}: {arg} must not require grad")
     return value
 
 
