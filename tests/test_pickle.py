@@ -1,7 +1,7 @@
 """Every public factory's result pickles and copies: the rebuilt transform or schedule computes what the original does.
 
 gradtx's transforms are closures, which pickle cannot store by themselves;
-each factory's result pickles as the call that built it (``gradtx.base.factory``).
+each factory's result pickles as the call that built it (``gradtx.core.base.factory``).
 The reference is the original object, stepped side by side with its copy.
 """
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.base import factory
 from gradtx.comm.local import LocalComm
+from gradtx.core.base import factory
 from gradtx.testing import assert_trees_equal
 
 
@@ -150,7 +150,7 @@ def test_every_public_factory_is_covered():
     }
     assert decorated == (set(TRANSFORMS) | set(SCHEDULES) | set(PER_EXAMPLE)) - {"inject_hyperparams"}
     for name in decorated:
-        assert hasattr(getattr(gtx, name), "__wrapped__"), f"{name} is not decorated with gradtx.base.factory"
+        assert hasattr(getattr(gtx, name), "__wrapped__"), f"{name} is not decorated with gradtx.core.base.factory"
 
 
 def _grads(seed: int) -> dict[str, torch.Tensor]:
