@@ -69,7 +69,7 @@ class Context:
     reps: int
     warmup: int
     log: Callable[[str], None] = print
-    cases: str = "abcde"
+    cases: str = "abcdef"
     peers: bool = True
     slow_compiles: bool = False
     wait_quiet: float = 0.0
@@ -794,3 +794,98 @@ def case_d(ctx: Context) -> CaseResult:
         else "peak RSS (VmHWM) of a fresh process per contender, 3 optimizer steps each; contenders alternate"
     )
     return result
+
+
+# --- f. per-example clipping ------------------------------------------------------------------
+
+F_VMAP = "gradtx: vmap(grad) + vmap(clip_by_global_norm.update), summed"
+F_PER_EXAMPLE = "gradtx: vmap(grad) + per_example_global_norm_clip"
+F_LOOP = "Python loop: grad + clip_by_global_norm per example, summed"
+F_OPACUS = "opacus GradSampleModule + DPOptimizer.clip_and_accumulate"
+F_BATCH, F_CLIP = 64, 1.0
+
+
+def case_g(ctx: Context) -> CaseResult:
+    """Per-example clipping (DP-SGD's aggregation, no noise) of a small MLP's grads, batch of 64."""
+    dev = ctx.device
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)).to(dev)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x, y = torch.randn(F_BATCH, 32, device=dev), torch.randint(0, 10, (F_BATCH,), device=dev)
+
+    def example_loss(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(torch.func.functional_call(model, p, (xi[None],)), yi[None])
+
+    per_example_grads = torch.func.vmap(torch.func.grad(example_loss), in_dims=(None, 0, 0))
+    clip = gtx.clip_by_global_norm(F_CLIP)
+    clip_state = clip.init(params)
+    clip_each = torch.func.vmap(lambda g: clip.update(g, clip_state)[0])
+    out: dict[str, dict[str, torch.Tensor]] = {}
+
+    def gtx_vmap() -> None:
+        out[F_VMAP] = {k: v.sum(0) for k, v in clip_each(per_example_grads(params, x, y)).items()}
+
+    def gtx_per_example() -> None:
+        out[F_PER_EXAMPLE] = gtx.per_example_global_norm_clip(per_example_grads(params, x, y), F_CLIP)[0]
+
+    one_grad = torch.func.grad(example_loss)
+
+    def loop() -> None:
+        total = {k: torch.zeros_like(v) for k, v in params.items()}
+        for i in range(F_BATCH):
+            clipped, _ = clip.update(one_grad(params, x[i], y[i]), clip_state)
+            total = {k: total[k] + clipped[k] for k in total}
+        out[F_LOOP] = total
+
+    contenders = [
+        Contender(F_VMAP, gtx_vmap, "per-example grads and clip both batched by torch.func.vmap"),
+        Contender(F_PER_EXAMPLE, gtx_per_example, "optax's name: clip factors then one tensordot per leaf"),
+        Contender(F_LOOP, loop, f"{F_BATCH} grad and clip calls"),
+    ]
+    result = CaseResult("g", f"g. Per-example clipping: MLP 32-64-64-10, batch {F_BATCH}, clip {F_CLIP}, fp32")
+    try:
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+    except ImportError as e:  # opacus is in the bench extra; say why it is missing
+        result.skipped.append(Skipped(F_OPACUS, f"opacus not importable ({type(e).__name__}: {e})"))
+    else:
+        gsm = GradSampleModule(copy_module(model), loss_reduction="sum")
+        dp = DPOptimizer(
+            torch.optim.SGD(gsm.parameters(), lr=0.0),
+            noise_multiplier=0.0,
+            max_grad_norm=F_CLIP,
+            expected_batch_size=F_BATCH,
+        )
+
+        def opacus_step() -> None:
+            dp.zero_grad(set_to_none=True)
+            F.cross_entropy(gsm(x), y, reduction="sum").backward()
+            dp.clip_and_accumulate()
+            out[F_OPACUS] = {k.removeprefix("_module."): p.summed_grad for k, p in gsm.named_parameters()}
+
+        contenders.append(Contender(F_OPACUS, opacus_step, "per-sample grads from backward hooks, then clip + sum"))
+    # Every contender computes the same clipped sum (the 1e-6 in the coefficients aside).
+    for c in contenders:
+        c.step()
+    for name, got in out.items():
+        for k, v in got.items():
+            torch.testing.assert_close(v, out[F_LOOP][k], rtol=1e-3, atol=1e-5, msg=f"{name} differs at {k}")
+    result.timings, result.contention = measure(
+        contenders, reps=3 * ctx.reps, warmup=ctx.warmup, device=dev, log=ctx.log, wait_quiet=ctx.wait_quiet
+    )
+    result.ratios = [
+        ("vmap / Python loop", F_VMAP, F_LOOP),
+        ("per_example_global_norm_clip / Python loop", F_PER_EXAMPLE, F_LOOP),
+    ]
+    if any(c.name == F_OPACUS for c in contenders):
+        result.ratios += [
+            ("vmap / opacus", F_VMAP, F_OPACUS),
+            ("per_example_global_norm_clip / opacus", F_PER_EXAMPLE, F_OPACUS),
+        ]
+    return result
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    import copy
+
+    return copy.deepcopy(module)

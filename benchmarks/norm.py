@@ -194,8 +194,8 @@ def _dist_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from gradtx import tree as tu
     from gradtx.comm.torch_dist import TorchComm
+    from gradtx.core import tree as tu
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -105,7 +105,7 @@ def targets(results: dict[str, CaseResult], compiled: dict[str, Any]) -> list[Ta
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions: a smoke run")
-    parser.add_argument("--cases", default="abcdef", help="which cases to run, e.g. 'ab' (default: abcdef)")
+    parser.add_argument("--cases", default="abcdefg", help="which cases to run, e.g. 'ab' (default: abcdefg)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "docs", help="where benchmarks.md and the PNG go")
     parser.add_argument("--reps", type=int, default=None, help="timed rounds per case (default 15, quick 3)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child_d is not None:
         cases.d_child(args.child_d, args.quick, args.threads)
         return 0
-    unknown = set(args.cases) - set("abcdef")
+    unknown = set(args.cases) - set("abcdefg")
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; choose from a, b, c, d, e, f")
 
@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         results["e"] = cases.case_e(ctx, results.get("b"))
     if "f" in args.cases:
         results["f"] = simulated.case_f(ctx)
+    if "g" in args.cases:
+        results["g"] = cases.case_g(ctx)
     elapsed = time.perf_counter() - t0
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

@@ -2,20 +2,9 @@
 
 import torch
 
-from gradtx import checkpoint, comm, kinds, schedules, testing
-from gradtx.accumulation import AccumulateState, Accumulation, Window, accumulate
-from gradtx.adaptive import (
-    AutoClipState,
-    TrackNormsState,
-    ZClipState,
-    autoclip,
-    clip_by_block_rms,
-    track_norms,
-    zclip,
-)
-from gradtx.audit import AuditRow, NormAudit, norm_audit
-from gradtx.averaging import EmaState, ema, incremental_update, periodic_update
-from gradtx.base import (
+from gradtx import checkpoint, comm, schedules, testing
+from gradtx.core import kinds
+from gradtx.core.base import (
     EmptyState,
     GradientTransformation,
     Guard,
@@ -25,17 +14,32 @@ from gradtx.base import (
     metrics,
     scalar_transformation,
 )
-from gradtx.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
-from gradtx.combine import Chain, MaskedState, PartitionState, apply_updates, chain, masked, named_chain, partition
-from gradtx.conditionals import ApplyIfFiniteState, apply_if_finite
-from gradtx.context_parallel import cp_reduce
-from gradtx.executor import StepPlan, update_and_apply
-from gradtx.hyperparams import InjectHyperparamsState, inject_hyperparams
-from gradtx.lookahead_optim import LookaheadParams, LookaheadState, lookahead
-from gradtx.microbatching import AccumulationType, microbatch
-from gradtx.monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
-from gradtx.normalize import centralize, normalize_by_update_norm
-from gradtx.optimizers import (
+from gradtx.distributed.audit import AuditRow, NormAudit, norm_audit
+from gradtx.distributed.context_parallel import cp_reduce
+from gradtx.distributed.pipeline import pp_reduce
+from gradtx.distributed.plan import MeshGroups, Sharded, global_norm, mesh_groups
+from gradtx.optimizers.lion import ScaleByLionState, lion, scale_by_lion
+from gradtx.optimizers.lookahead import LookaheadParams, LookaheadState, lookahead
+from gradtx.optimizers.muon import (
+    ExchangePlan,
+    MuonDimensionNumbers,
+    MuonState,
+    exchange_plan,
+    muon,
+    newton_schulz,
+    orthogonalize,
+    scale_by_muon,
+    scale_by_shape,
+)
+from gradtx.optimizers.schedule_free import (
+    ScaleByRmsWithCountState,
+    ScheduleFreeState,
+    schedule_free,
+    schedule_free_adamw,
+    schedule_free_eval_params,
+    schedule_free_sgd,
+)
+from gradtx.optimizers.standard import (
     OptimizerChain,
     OptimizerSpec,
     ScaleByAdamState,
@@ -51,29 +55,9 @@ from gradtx.optimizers import (
     sgd,
     trace,
 )
-from gradtx.orthogonal import (
-    ExchangePlan,
-    MuonDimensionNumbers,
-    MuonState,
-    exchange_plan,
-    muon,
-    newton_schulz,
-    orthogonalize,
-    scale_by_muon,
-    scale_by_shape,
-)
-from gradtx.pipeline import pp_reduce
-from gradtx.plan import MeshGroups, Sharded, global_norm, mesh_groups
-from gradtx.plateau import ReduceLROnPlateauState, reduce_on_plateau
-from gradtx.schedule_free_optim import (
-    ScaleByRmsWithCountState,
-    ScheduleFreeState,
-    schedule_free,
-    schedule_free_adamw,
-    schedule_free_eval_params,
-    schedule_free_sgd,
-)
-from gradtx.schedules import (
+from gradtx.optimizers.trust_ratio import lamb, lars, scale_by_trust_ratio
+from gradtx.runtime.executor import StepPlan, update_and_apply
+from gradtx.schedules.builtin import (
     constant_schedule,
     cosine_decay_schedule,
     cosine_onecycle_schedule,
@@ -89,7 +73,45 @@ from gradtx.schedules import (
     warmup_cosine_decay_schedule,
     warmup_exponential_decay_schedule,
 )
-from gradtx.selective import (
+from gradtx.schedules.hyperparams import InjectHyperparamsState, inject_hyperparams
+from gradtx.transforms.accumulation import AccumulateState, Accumulation, Window, accumulate
+from gradtx.transforms.adaptive import (
+    AutoClipState,
+    TrackNormsState,
+    ZClipState,
+    autoclip,
+    clip_by_block_rms,
+    track_norms,
+    zclip,
+)
+from gradtx.transforms.averaging import EmaState, ema, incremental_update, periodic_update
+from gradtx.transforms.clipping import ClipByGlobalNormState, adaptive_clip, clip, clip_by_global_norm, unitwise_norm
+from gradtx.transforms.combine import (
+    Chain,
+    MaskedState,
+    PartitionState,
+    apply_updates,
+    chain,
+    masked,
+    named_chain,
+    partition,
+)
+from gradtx.transforms.conditionals import ApplyIfFiniteState, apply_if_finite
+from gradtx.transforms.microbatching import AccumulationType, microbatch
+from gradtx.transforms.monitoring import MonitorState, SnapshotState, measure_with_ema, monitor, snapshot
+from gradtx.transforms.normalize import centralize, normalize_by_update_norm
+from gradtx.transforms.plateau import ReduceLROnPlateauState, reduce_on_plateau
+from gradtx.transforms.privacy import (
+    AddNoiseState,
+    DifferentiallyPrivateAggregateState,
+    add_noise,
+    differentially_private_aggregate,
+    dpsgd,
+    per_example_global_norm_clip,
+    per_example_layer_norm_clip,
+)
+from gradtx.transforms.sam import SAMState, sam
+from gradtx.transforms.selective import (
     ConditionallyMaskState,
     ConditionallyTransformState,
     conditionally_mask,
@@ -98,9 +120,7 @@ from gradtx.selective import (
     selective_transform,
     set_to_zero,
 )
-from gradtx.sharpness import SAMState, sam
-from gradtx.sign_momentum import ScaleByLionState, lion, scale_by_lion
-from gradtx.spikes import (
+from gradtx.transforms.spikes import (
     SkipIfState,
     SkipSpikesState,
     ZeroNansState,
@@ -110,16 +130,17 @@ from gradtx.spikes import (
     skip_spikes,
     zero_nans,
 )
-from gradtx.trust_ratio import lamb, lars, scale_by_trust_ratio
 from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 torch.serialization.add_safe_globals(
     [
         AccumulateState,
+        AddNoiseState,
         ApplyIfFiniteState,
         AutoClipState,
         ClipByGlobalNormState,
+        DifferentiallyPrivateAggregateState,
         EmptyState,
         InjectHyperparamsState,
         MaskedState,
@@ -154,6 +175,7 @@ __all__ = [
     "AccumulateState",
     "Accumulation",
     "AccumulationType",
+    "AddNoiseState",
     "ApplyIfFiniteState",
     "AuditRow",
     "AutoClipState",
@@ -161,6 +183,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "ConditionallyMaskState",
     "ConditionallyTransformState",
+    "DifferentiallyPrivateAggregateState",
     "EmaState",
     "EmptyState",
     "ExchangePlan",
@@ -201,6 +224,7 @@ __all__ = [
     "adamw",
     "adaptive_clip",
     "add_decayed_weights",
+    "add_noise",
     "apply_if_finite",
     "apply_updates",
     "autoclip",
@@ -217,6 +241,8 @@ __all__ = [
     "cosine_decay_schedule",
     "cosine_onecycle_schedule",
     "cp_reduce",
+    "differentially_private_aggregate",
+    "dpsgd",
     "ema",
     "exchange_plan",
     "exponential_decay",
@@ -248,6 +274,8 @@ __all__ = [
     "normalize_by_update_norm",
     "orthogonalize",
     "partition",
+    "per_example_global_norm_clip",
+    "per_example_layer_norm_clip",
     "periodic_update",
     "piecewise_constant_schedule",
     "piecewise_interpolate_schedule",
@@ -290,3 +318,7 @@ __all__ = [
     "zclip",
     "zero_nans",
 ]
+
+# The flat module paths from before the layered layout (gradtx.plan, gradtx.executor, ...): each is the
+# moved module itself, so old imports, attribute paths and pickles keep working.
+from gradtx import _global_norm, accumulation, adaptive, base, clipping, combine, conditionals, context_parallel, executor, hyperparams, norms, pipeline, plan, spikes, tree, validate  # noqa: F401, I001

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import gradtx as gtx
-from gradtx import tree as tu
+from gradtx.core import tree as tu
 
 K = 3
 

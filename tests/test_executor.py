@@ -57,7 +57,7 @@ def test_plan_reads_the_structure():
 
 
 def test_a_users_transforms_fold_and_fuse_in_a_donated_step(monkeypatch):
-    from gradtx import fused as fused_kernels
+    from gradtx.optimizers import fused as fused_kernels
 
     fused = []
     original = fused_kernels.launch_for

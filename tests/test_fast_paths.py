@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx import executor
-from gradtx import fused as fused_kernels
-from gradtx import tree as tu
+from gradtx.core import tree as tu
+from gradtx.optimizers import fused as fused_kernels
+from gradtx.runtime import executor
 from gradtx.testing import assert_donated_matches_pure, assert_trees_close
 
 REPO = Path(__file__).resolve().parent.parent

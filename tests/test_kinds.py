@@ -1,4 +1,4 @@
-"""A user's own windowed transform and guard, declared through gradtx.kinds, in the wrapper and the donated step.
+"""A user's own windowed transform and guard, declared through gradtx.core.kinds, in the wrapper and the donated step.
 
 References: plain torch (autograd sums micro-batch grads into .grad, SGD steps every k-th call, and a
 vetoed step is a step not taken), and the pure functional path.
@@ -12,8 +12,8 @@ from typing import Any, NamedTuple, Self
 import torch
 
 import gradtx as gtx
-from gradtx import kinds
-from gradtx import tree as tu
+from gradtx.core import kinds
+from gradtx.core import tree as tu
 from gradtx.testing import assert_donated_matches_pure, assert_trees_close
 
 K, LR, MOMENTUM, THRESHOLD = 3, 1e-3, 0.9, 80.0
@@ -50,7 +50,7 @@ class SumWindow(gtx.GradientTransformation):
     def __getnewargs__(self) -> tuple[Any, ...]:
         return (self.window.k,)
 
-    # gradtx.kinds.Windowed
+    # gradtx.core.kinds.Windowed
     @property
     def k(self) -> int:
         return self.window.k

@@ -16,8 +16,8 @@ import torch
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
-from gradtx.pipeline import pp_reduce
-from gradtx.plan import MeshGroups, Sharded, mesh_groups
+from gradtx.distributed.pipeline import pp_reduce
+from gradtx.distributed.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close
 
 NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
@@ -311,7 +311,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
 def test_long_tensor_norm_is_within_1e6_of_fp64(monkeypatch, powsum, norm_type):
     # All-positive values make one long fp32 running sum drift (torch's CPU norm is ~1e-4 off here).
-    from gradtx import norms
+    from gradtx.core import norms
 
     if not powsum:
         monkeypatch.setattr(norms, "_HAS_POWSUM", False)
@@ -334,7 +334,7 @@ def test_low_precision_long_tensor_accumulates_in_fp32(dtype):
 
 
 def test_tensor_powsums_are_the_additive_form():
-    from gradtx import norms
+    from gradtx.core import norms
 
     x, y = torch.tensor([3.0, -4.0]), torch.empty(0)
     sq, empty = norms.tensor_powsums([x, y], 2.0)
@@ -375,8 +375,8 @@ def test_a_grad_sharded_over_two_groups_waits_once_per_level():
 
 
 def test_levels_put_groups_a_value_needs_together_apart():
-    from gradtx._global_norm import rounds
     from gradtx.comm.groups import levels
+    from gradtx.distributed.global_norm import rounds
 
     assert levels([("dp",), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "tp", "ep"]]
     assert levels([("dp", "tp"), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "ep"], ["tp"]]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.testing import assert_trees_equal
+from gradtx.testing import assert_trees_close, assert_trees_equal
 
 HERE = Path(__file__).resolve().parent / "fixtures"
 OLD = HERE / "v0_1_0"
@@ -54,9 +54,10 @@ def test_an_old_pickled_transform_steps_as_a_fresh_one(name):
 def test_an_old_saved_state_steps_as_a_fresh_one(name):
     saved = torch.load(OLD / f"{name}.state.pt")  # weights_only=True: the state types are allow-listed
     tx, params, state, steps = _fresh(name)
-    assert_trees_equal(saved["params"], params)
+    assert_trees_close(saved["params"], params, rtol=1e-6, atol=1e-8)  # saved by 0.1.0: rounding may differ
     expected = _continue(tx, params, state, steps)
-    assert_trees_equal(_continue(tx, saved["params"], saved["state"], steps), expected)
+    # fp32 rounding may differ between releases (a norm summed in another order): structure exact, values close
+    assert_trees_close(_continue(tx, saved["params"], saved["state"], steps), expected, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", sorted(make.CASES))
@@ -64,7 +65,8 @@ def test_an_old_checkpoint_dict_loads_and_steps_as_a_fresh_one(name):
     saved = torch.load(OLD / f"{name}.dcp.pt")
     tx, params, state, steps = _fresh(name)
     loaded = gtx.checkpoint.load_state_dict(saved, tx.init(params), params, tx=tx)
-    assert_trees_equal(_continue(tx, params, loaded, steps), _continue(tx, params, state, steps))
+    expected = _continue(tx, params, state, steps)
+    assert_trees_close(_continue(tx, params, loaded, steps), expected, rtol=1e-5, atol=1e-7)
 
 
 def test_an_old_pickled_schedule_computes_what_a_fresh_one_does():

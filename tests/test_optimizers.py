@@ -1,4 +1,4 @@
-"""Tests for gradtx.optimizers: parity with torch.optim, hand-worked numbers, errors, purity, dtypes, extras."""
+"""Tests for gradtx.optimizers.standard: parity with torch.optim, hand-worked numbers, errors, purity, dtypes, extras."""
 
 from __future__ import annotations
 
@@ -11,10 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradtx.base import EmptyState, ScalarTransformation
-from gradtx.combine import apply_updates, chain
-from gradtx.executor import StepPlan
-from gradtx.optimizers import (
+from gradtx.core.base import EmptyState, ScalarTransformation
+from gradtx.optimizers.standard import (
     ScaleByAdamState,
     ScaleByScheduleState,
     TraceState,
@@ -28,6 +26,8 @@ from gradtx.optimizers import (
     sgd,
     trace,
 )
+from gradtx.runtime.executor import StepPlan
+from gradtx.transforms.combine import apply_updates, chain
 
 STEPS = 100
 RTOL = 1e-5

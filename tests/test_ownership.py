@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx import kinds
+from gradtx.core import kinds
 from gradtx.testing import assert_trees_close
 
 DECAY, LR, MAX_NORM, DELTA, STEPS = 0.9, 0.1, 0.5, 0.3, 4

@@ -135,7 +135,7 @@ def test_user_script_type_checks_against_the_installed_wheel(venv_python, mypy_c
     result = _mypy(venv_python, mypy_cache, tmp_path, USER_SCRIPT)
     out = result.stdout + result.stderr
     assert "py.typed" not in out and "import-untyped" not in out, out
-    assert 'Revealed type is "tuple[' in out and "fallback=gradtx.base.GradientTransformation]" in out, out
+    assert 'Revealed type is "tuple[' in out and "fallback=gradtx.core.base.GradientTransformation]" in out, out
     assert 'Revealed type is "dict[str, torch._tensor.Tensor]"' in out, out
     assert result.returncode == 0 and "error:" not in out, out
 

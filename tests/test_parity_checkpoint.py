@@ -1,4 +1,4 @@
-"""The optax-parity transforms' states through gradtx.checkpoint.state_dict / load_state_dict (the DCP format)."""
+"""The optax-parity transforms' states through gradtx.checkpoint.functional.state_dict / load_state_dict (the DCP format)."""
 
 from __future__ import annotations
 

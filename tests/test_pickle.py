@@ -1,7 +1,7 @@
 """Every public factory's result pickles and copies: the rebuilt transform or schedule computes what the original does.
 
 gradtx's transforms are closures, which pickle cannot store by themselves;
-each factory's result pickles as the call that built it (``gradtx.base.factory``).
+each factory's result pickles as the call that built it (``gradtx.core.base.factory``).
 The reference is the original object, stepped side by side with its copy.
 """
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.base import factory
 from gradtx.comm.local import LocalComm
+from gradtx.core.base import factory
 from gradtx.testing import assert_trees_equal
 
 
@@ -54,6 +54,7 @@ TRANSFORMS = {
     "adam": lambda: gtx.adam(1e-2, weight_decay=0.1),
     "adamw": lambda: gtx.adamw(gtx.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), weight_decay=0.1),
     "adaptive_clip": lambda: gtx.adaptive_clip(0.05),
+    "add_noise": lambda: gtx.add_noise(0.1, 0.55, seed=3),
     "add_decayed_weights": lambda: gtx.add_decayed_weights(0.1, mask={"w": True, "b": False}),
     "apply_if_finite": lambda: gtx.apply_if_finite(gtx.sgd(0.1), 3),
     "autoclip": lambda: gtx.autoclip(50.0, history=10),
@@ -132,6 +133,13 @@ SCHEDULES = {
 }
 
 
+# Transforms of per-example grads (a leading example dim on every leaf), stepped on such grads.
+PER_EXAMPLE = {
+    "differentially_private_aggregate": lambda: gtx.differentially_private_aggregate(1.0, 0.5, seed=1),
+    "dpsgd": lambda: gtx.dpsgd(0.1, 1.0, 0.5, seed=2, momentum=0.9),
+}
+
+
 def test_every_public_factory_is_covered():
     decorated = {
         name
@@ -140,9 +148,9 @@ def test_every_public_factory_is_covered():
         and inspect.signature(getattr(gtx, name)).return_annotation
         in ("GradientTransformation", "ScalarTransformation", "OptimizerChain", "Accumulation", "Guard", "Schedule")
     }
-    assert decorated == (set(TRANSFORMS) | set(SCHEDULES)) - {"inject_hyperparams"}
+    assert decorated == (set(TRANSFORMS) | set(SCHEDULES) | set(PER_EXAMPLE)) - {"inject_hyperparams"}
     for name in decorated:
-        assert hasattr(getattr(gtx, name), "__wrapped__"), f"{name} is not decorated with gradtx.base.factory"
+        assert hasattr(getattr(gtx, name), "__wrapped__"), f"{name} is not decorated with gradtx.core.base.factory"
 
 
 def _grads(seed: int) -> dict[str, torch.Tensor]:
@@ -167,6 +175,21 @@ def _side_by_side(tx: gtx.GradientTransformation, other: gtx.GradientTransformat
         assert_trees_equal(other_state, state)
         if updates is not None:
             params = gtx.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize("name", sorted(PER_EXAMPLE))
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_a_pickled_per_example_transform_computes_what_the_original_does(name, how):
+    tx = PER_EXAMPLE[name]()
+    other = pickle.loads(pickle.dumps(tx)) if how == "pickle" else copy.deepcopy(tx)
+    params = _grads(100)
+    state, other_state = tx.init(params), other.init(params)
+    for seed in range(3):
+        per_example = {k: torch.stack([_grads(seed * 10 + i)[k] for i in range(4)]) for k in params}
+        updates, state = tx.update(per_example, state, params)
+        other_updates, other_state = other.update(per_example, other_state, params)
+        assert_trees_equal(other_updates, updates)
+        assert_trees_equal(other_state, state)
 
 
 @pytest.mark.parametrize("name", sorted(TRANSFORMS))

@@ -1,4 +1,4 @@
-"""gradtx.plan in one process: the zero-configuration norm, empty shards, cp_reduce, and the declared-plan checks.
+"""gradtx.distributed.plan in one process: the zero-configuration norm, empty shards, cp_reduce, and the declared-plan checks.
 
 The multi-process behaviour (plans read from DTensor placements, on every
 layout) is in ``tests/distributed/test_zero_config.py``.
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx import plan as gplan
 from gradtx.comm import LocalComm
+from gradtx.distributed import plan as gplan
 from gradtx.testing import RecordingComm, assert_pure
 
 NORM_TYPES = [1.0, 2.0, 3.0, math.inf]

@@ -25,6 +25,18 @@ def _local_plan(**kw):
 # name -> (factory, extras). Each factory builds one configured transform.
 CASES = {
     "identity": (lambda: gtx.identity(), {}),
+    "add_noise": (lambda: gtx.add_noise(0.1, 0.55, seed=0), {}),
+    # Per-example transforms: the leaves under "w" are 4 examples of shape (3,).
+    "differentially_private_aggregate": (
+        lambda: gtx.masked(
+            gtx.differentially_private_aggregate(1.0, 0.5, seed=0), {"w": True, "b": False, "nested": False}
+        ),
+        {},
+    ),
+    "dpsgd": (
+        lambda: gtx.masked(gtx.dpsgd(0.1, 1.0, 0.5, seed=0), {"w": True, "b": False, "nested": False}),
+        {},
+    ),
     "chain": (lambda: gtx.chain(gtx.clip_by_global_norm(0.1), gtx.adam(0.1)), {}),
     "named_chain": (lambda: gtx.named_chain(("clip", gtx.clip(0.1)), ("sgd", gtx.sgd(0.1, momentum=0.9))), {}),
     "masked": (lambda: gtx.masked(gtx.adamw(0.1), lambda p: {"w": True, "b": False, "nested": {"s": True}}), {}),

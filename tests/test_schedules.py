@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx import schedules
+from gradtx.schedules import builtin as schedules
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx import checkpoint as _ckpt
+from gradtx.checkpoint import functional as _ckpt
 
 
 class AmpVerdict(NamedTuple):

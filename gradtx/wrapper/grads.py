@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from gradtx import checkpoint as _ckpt
-from gradtx import tree as tu
-from gradtx.base import GradientTransformation, OptState
+from gradtx.checkpoint import functional as _ckpt
+from gradtx.core import tree as tu
+from gradtx.core.base import GradientTransformation, OptState
 
 ParamTree = list[list[torch.Tensor]]
 

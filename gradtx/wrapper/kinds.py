@@ -3,7 +3,7 @@
 The wrapper needs to know whether the chain holds an accumulation window,
 where that window stands, and which part of the state survives a skipped
 step. It learns this from the step plan and from what the members and their
-states declare through :mod:`gradtx.kinds`; these few functions are the only
+states declare through :mod:`gradtx.core.kinds`; these few functions are the only
 places it does.
 """
 
@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from gradtx import kinds
-from gradtx import tree as tu
-from gradtx.base import OptState
-from gradtx.executor import StepPlan
+from gradtx.core import kinds
+from gradtx.core import tree as tu
+from gradtx.core.base import OptState
+from gradtx.runtime.executor import StepPlan
 
 
 def accumulates(plan: StepPlan) -> bool:
@@ -32,15 +32,16 @@ def window_open(plan: StepPlan, state: OptState) -> bool:
 def window_position(plan: StepPlan, state: OptState) -> tuple[int, int]:
     """(micro-steps counted, k) of the open window, for messages."""
     ws, window = plan.window_state(state), plan.window
-    assert ws is not None and window is not None
-    return int(ws.micro_step), int(window.k)
+    fields = kinds.window_fields(ws)
+    assert fields is not None and window is not None
+    return int(getattr(ws, fields["micro_step"])), int(window.k)
 
 
 def acc_key(plan: StepPlan, layout: Any) -> str | None:
     """The checkpoint key of the leading window's partial sums (autograd's ``.grad``), or ``None``.
 
-    ``layout`` is :func:`gradtx.checkpoint`'s walk of the state; the window's
-    running sum is the field its state declares (:func:`gradtx.kinds.window_state`).
+    ``layout`` is :func:`gradtx.checkpoint.functional`'s walk of the state; the window's
+    running sum is the field its state declares (:func:`gradtx.core.kinds.window_state`).
     """
     if plan.window is None or not layout.windows:
         return None

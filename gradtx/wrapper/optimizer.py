@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from gradtx import tree as tu
-from gradtx.base import GradientTransformation, OptState, metrics
-from gradtx.combine import chain
-from gradtx.executor import StepPlan
-from gradtx.optimizers import OptimizerChain
+from gradtx.core import tree as tu
+from gradtx.core.base import GradientTransformation, OptState, metrics
+from gradtx.optimizers.standard import OptimizerChain
+from gradtx.runtime.executor import StepPlan
+from gradtx.transforms.combine import chain
 from gradtx.wrapper import amp, grads, inner, kinds
 from gradtx.wrapper import state_dict as _sd
 from gradtx.wrapper.sync import data_parallel_modules, no_sync

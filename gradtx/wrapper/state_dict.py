@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gradtx import checkpoint as _ckpt
-from gradtx import tree as tu
-from gradtx.base import OptState
+from gradtx.checkpoint import functional as _ckpt
+from gradtx.core import tree as tu
+from gradtx.core.base import OptState
 from gradtx.wrapper import amp, grads, kinds
 from gradtx.wrapper.inner import GTX
 from gradtx.wrapper.inner import started as inner_started

@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import gradtx as gtx
 from gradtx.comm.torch_dist import mesh_comm
-from gradtx.orthogonal import exchange_plan
+from gradtx.optimizers.muon import exchange_plan
 from gradtx.testing import RecordingComm
 from tests.distributed.harness import part_results, share_spawn
 

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
-from gradtx.plan import Sharded, mesh_groups
+from gradtx.distributed.plan import Sharded, mesh_groups
 from gradtx.testing import RecordingComm
 from tests.distributed import models
 from tests.distributed.harness import part_results, share_spawn

@@ -16,8 +16,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
-from gradtx.pipeline import pp_reduce
-from gradtx.plan import mesh_groups
+from gradtx.distributed.pipeline import pp_reduce
+from gradtx.distributed.plan import mesh_groups
 from gradtx.testing import RecordingComm
 from tests.distributed import models
 from tests.distributed.harness import part_results, share_spawn

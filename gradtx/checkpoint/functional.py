@@ -1,0 +1,577 @@
+"""Checkpoints of transform states with ``torch.distributed.checkpoint`` (DCP): sharded, resharded, validated.
+
+A transform state is a pytree of (D)Tensors. Some of it is *per parameter*
+(Adam's moments, a momentum trace, an open accumulation window's running sum):
+a subtree shaped like the params, one tensor per param, each sharded like its
+param. The rest is *global*: counters, the last grad norm, the window's
+bookkeeping. :func:`state_dict` splits a state along that line into a plain
+nested dict that DCP saves, keyed by parameter name, so each per-parameter
+tensor keeps its parameter's placement and reshards to another world size or
+mesh on load::
+
+    {"state": {param_name: {"1/mu": tensor, "1/nu": tensor, ...}, ...},
+     "global": {"0/micro_step": tensor, "0/k": tensor, ...}}
+
+:func:`load_state_dict` checks a saved dict against a live state (same chain,
+same ``k``, same parameter names, shapes and dtypes) before building anything
+from it, and raises naming the first difference.
+
+Accumulation windows need care, and get it here:
+
+* ``AccumulateState.acc`` is ``None`` between windows and an fp32 (fp64) tree while
+  one is open. The saved dict always carries the running sum (zeros at a
+  boundary), so its keys do not depend on where the window stands, which is
+  what DCP's load needs: the dict it loads into is made before the checkpoint
+  is read.
+* State that differs between data-parallel ranks is reduced on save: the
+  window's token count (``token_weighted`` with a ``comm``) and the running
+  sum of a functional data-parallel step (``reduce_grads=True``) are summed
+  over the group (one coalesced collective through the transform's ``comm``),
+  and on load the group's first rank holds the total and the others zero. The
+  window then closes with the same sums on any number of ranks. This needs
+  ``tx=``; without it, a save from several processes with an open window raises.
+
+:class:`gradtx.TransformedOptimizer` uses the same split for its own
+``state_dict`` (torch.optim's layout, see ``docs/checkpointing.md``).
+
+Example:
+  >>> import torch.distributed.checkpoint as dcp
+  >>> dcp.save({"model": model.state_dict(), "tx": gtx.checkpoint.state_dict(state, params, tx=tx)}, checkpoint_id=path)
+  >>> # later, on any number of ranks:
+  >>> sd = {"model": model.state_dict(), "tx": gtx.checkpoint.state_dict(state, params, tx=tx)}
+  >>> dcp.load(sd, checkpoint_id=path)
+  >>> state = gtx.checkpoint.load_state_dict(sd["tx"], state, params, tx=tx)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from gradtx.comm.base import ReduceOp, as_comm
+from gradtx.core import kinds
+from gradtx.core import tree as tu
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+    compute_local_shape_and_global_offset = None  # type: ignore[assignment]
+
+__all__ = ["TransformState", "load_state_dict", "param_names", "state_dict", "to_torch_optimizer"]
+
+# --- walking a state: which subtrees are per parameter -------------------------------------------
+
+
+def _key(path: tuple[Any, ...]) -> str:
+    # DCP joins nested keys with "." and torch's flattened optimizer dicts split on it: keep it out.
+    return "/".join(str(c).replace(".", ":").replace("/", ":") for c in path) or "<root>"
+
+
+def _children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]] | None:
+    """A container node's (name, child) pairs and a function rebuilding it from new children; None for a leaf."""
+    if node is None:
+        return None
+    kind = type(node)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return [(f, getattr(node, f)) for f in node._fields], lambda cs: kind(*cs)
+    if isinstance(node, tuple):
+        return list(enumerate(node)), tuple
+    if isinstance(node, list):
+        return list(enumerate(node)), list
+    if isinstance(node, dict):
+        keys = list(node)
+        return [(k, node[k]) for k in keys], lambda cs: kind(zip(keys, cs))
+    if optree.treespec_is_leaf(optree.tree_structure(node)):
+        return None
+    children, _, entries, unflatten = optree.tree_flatten_one_level(node)
+    return list(zip(entries, children)), lambda cs, u=unflatten: u(cs)
+
+
+class _Window(NamedTuple):
+    """A window's state found in the walk: its key prefix, the state, and the fields it declared (gradtx.core.kinds.window_state)."""
+
+    prefix: str
+    state: Any
+    fields: dict[str, str]
+
+    def get(self, what: str) -> Any:
+        return getattr(self.state, self.fields[what])
+
+    def key(self, what: str) -> str:
+        return _child(self.prefix, self.fields[what])
+
+
+@dataclass
+class _Layout:
+    """Where every piece of a state goes: per-parameter subtrees and global leaves, by key."""
+
+    per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
+    globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
+    windows: list[_Window] = field(default_factory=list)
+
+
+def _is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
+    leaves, spec = tu.flatten(node)
+    if spec != p_spec or not leaves:
+        return False
+    return all(isinstance(t, torch.Tensor) and t.shape == p.shape for t, p in zip(leaves, p_leaves))
+
+
+def _walk(
+    node: Any,
+    path: tuple[Any, ...],
+    p_spec: Any,
+    p_leaves: list[torch.Tensor],
+    layout: _Layout,
+    rebuild: Callable[[str, Any, str], Any] | None,
+) -> Any:
+    """Classify ``node``'s pieces into ``layout``; with ``rebuild``, return the node with every piece replaced.
+
+    ``rebuild(kind, old, key)`` gives the new value of a piece (``kind`` is
+    ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
+    for an accumulation window's running sum).
+    """
+    declared = kinds.window_fields(node)
+    if declared is not None:
+        layout.windows.append(_Window(_key(path), node, declared))
+        fields = []
+        for name, child in zip(node._fields, node):
+            if name == declared["running_sum"]:
+                key = _key((*path, name))
+                layout.per_param[key] = child  # None between windows
+                fields.append(rebuild("acc", child, key) if rebuild else child)
+            else:
+                fields.append(_walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
+        return type(node)(*fields)
+    if _is_per_param(node, p_spec, p_leaves):
+        key = _key(path)
+        layout.per_param[key] = node
+        return rebuild("param", node, key) if rebuild else node
+    parts = _children(node)
+    if parts is None:
+        if node is None:
+            return None
+        key = _key(path)
+        layout.globals_[key] = node
+        return rebuild("global", node, key) if rebuild else node
+    named, make = parts
+    new = [_walk(child, (*path, name), p_spec, p_leaves, layout, rebuild) for name, child in named]
+    return make(new) if rebuild else node
+
+
+def _layout_of(state: OptState, params: Params) -> _Layout:
+    p_leaves, p_spec = tu.flatten(params)
+    layout = _Layout()
+    _walk(state, (), p_spec, p_leaves, layout, None)
+    return layout
+
+
+def param_names(params: Params) -> list[str]:
+    """The name each param gets in a checkpoint: its pytree path (a dict's keys, as is, for a flat dict).
+
+    Example:
+      >>> param_names({"fc.weight": w, "fc.bias": b})
+      ['fc.weight', 'fc.bias']
+    """
+    out = []
+    for path in tu.paths(params):
+        out.append(str(path[0]) if len(path) == 1 else "/".join(str(c) for c in path))
+    return out
+
+
+# --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
+
+
+def _accumulations(tx: GradientTransformation | None) -> list[Any]:
+    """The windowed members of ``tx`` (gradtx.core.kinds.Windowed), in chain order."""
+    if tx is None:
+        return []
+    from gradtx.runtime.executor import StepPlan
+
+    return [m for m in StepPlan.of(tx).members if isinstance(m, kinds.Windowed)]
+
+
+def _multi_process() -> bool:
+    dist = getattr(torch, "distributed", None)
+    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def _group_rank(comm: Any, group: Any) -> int:
+    # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
+    return int(as_comm(comm, name="gradtx.checkpoint.functional").rank(group))
+
+
+def _windows_with_comm(layout: _Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
+    """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
+    accs = _accumulations(tx)
+    if tx is None:
+        if _multi_process() and any(int(w.get("micro_step")) > 0 for w in layout.windows):
+            raise ValueError(
+                f"{what}: an accumulation window is open in a run of several processes; pass tx= (the transform), "
+                "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "
+                "or save at a window boundary"
+            )
+        return [None] * len(layout.windows)
+    if len(accs) != len(layout.windows):
+        raise ValueError(
+            f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
+            "window states; pass the transform this state was made by"
+        )
+    return list(accs)
+
+
+def _per_rank(acc: Any) -> tuple[bool, bool]:
+    """(tokens are per rank, the running sum is per rank) for a windowed member (its ``rank_local()``)."""
+    if acc is None:
+        return False, False
+    local = acc.rank_local()
+    if local.comm is None:
+        return False, False
+    return bool(local.tokens), bool(local.sums)
+
+
+# --- tensors onto a template ---------------------------------------------------------------------
+
+
+def _onto(value: Any, template: torch.Tensor, *, what: str) -> torch.Tensor:
+    """``value`` as a tensor placed like ``template`` (a DTensor's local chunk is cut out, no communication)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
+    if DTensor is not None and isinstance(template, DTensor):
+        if isinstance(value, DTensor):
+            if value.device_mesh != template.device_mesh or tuple(value.placements) != tuple(template.placements):
+                raise ValueError(
+                    f"{what}: saved with placements {tuple(value.placements)}, the live state has "
+                    f"{tuple(template.placements)}; load through torch.distributed.checkpoint (dcp.load), which reshards"
+                )
+            return value
+        shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
+        chunk = value
+        for dim, (n, start) in enumerate(zip(shape, offset)):
+            chunk = chunk.narrow(dim, start, n)
+        local = chunk.to(tu.local(template).device, tu.local(template).dtype).clone()
+        return tu.like(template, local)
+    if DTensor is not None and isinstance(value, DTensor):
+        raise ValueError(
+            f"{what}: a DTensor ({tuple(value.placements)}) for an unsharded state; load through "
+            "torch.distributed.checkpoint (dcp.load into a state_dict of the live state), which gathers it"
+        )
+    return value.to(template.device, template.dtype)
+
+
+def _check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: the checkpoint has a {type(value).__name__}, this state a tensor")
+    if tuple(value.shape) != tuple(template.shape):
+        raise ValueError(f"{what}: the checkpoint has shape {tuple(value.shape)}, this state {tuple(template.shape)}")
+    if value.dtype != template.dtype:
+        raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
+
+
+def _check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
+    if not isinstance(got, dict):
+        raise TypeError(f"{what}: expected a dict, got {type(got).__name__}")
+    missing = [k for k in expected if k not in got]
+    extra = [k for k in got if k not in expected]
+    if missing:
+        raise ValueError(f"{what}: the checkpoint has no {missing[0]!r} (this state has {expected}); {hint}")
+    if extra:
+        raise ValueError(f"{what}: the checkpoint has {extra[0]!r}, which this state lacks (it has {expected}); {hint}")
+
+
+_HINT = "the checkpoint was made by a different chain; build the same transform (members, order, k) to load it"
+
+
+# --- the functional API ----------------------------------------------------------------------------
+
+
+def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | None = None) -> dict[str, Any]:
+    """A transform state as a DCP-ready dict: per-parameter state keyed by param name, the rest global.
+
+    Per-parameter tensors keep their parameter's type and placement (a DTensor
+    stays a DTensor sharded like its param), so ``dcp.save`` writes shards and
+    ``dcp.load`` reshards them. An accumulation window's running sum is always
+    present (zeros at a boundary), so the keys never depend on where the
+    window stands. Tensors are the live ones where the state's own (as
+    ``torch.optim`` does), except the running sum at a boundary and the
+    per-rank reductions below.
+
+    Per-rank state is reduced: with ``tx`` given, an open window's token count
+    (``token_weighted`` with a ``comm``) and its running sum (``reduce_grads``)
+    are summed over the accumulation's group, one coalesced collective each
+    through its ``comm``; call this on every rank. Without ``tx``, a save from
+    several processes while a window is open raises.
+
+    Args:
+      state: the transform's state.
+      params: the params the state was made for (names and placements come from here).
+      tx: the transform (needed for per-rank window state; recommended always).
+
+    Returns:
+      ``{"state": {name: {key: tensor}}, "global": {key: value}}``.
+
+    Example:
+      >>> sd = {"model": model.state_dict(), "tx": gtx.checkpoint.state_dict(state, params, tx=tx)}
+      >>> dcp.save(sd, checkpoint_id=path)
+    """
+    names = param_names(params)
+    if len(set(names)) != len(names):
+        raise ValueError(f"gradtx.checkpoint.functional.state_dict: params have duplicate names: {names}")
+    p_leaves, _ = tu.flatten(params)
+    layout = _layout_of(state, params)
+    per_param, globals_ = _export(layout, p_leaves, tx, what="gradtx.checkpoint.functional.state_dict")
+    return {
+        "state": {n: {k: v[i] for k, v in per_param.items()} for i, n in enumerate(names)},
+        "global": globals_,
+    }
+
+
+def _export(
+    layout: _Layout,
+    p_leaves: list[torch.Tensor],
+    tx: GradientTransformation | None,
+    *,
+    what: str,
+    acc_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: torch.promote_types(d, torch.float32),
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
+    """Per-parameter leaves (key -> one tensor per param) and global leaves of ``layout``, per-rank parts reduced."""
+    per_param: dict[str, list[torch.Tensor]] = {}
+    for key, subtree in layout.per_param.items():
+        if subtree is None:  # a closed window: its running sum is zeros
+            per_param[key] = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
+        else:
+            per_param[key] = [t.detach() for t in tu.flatten(subtree)[0]]
+    globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
+    for w, acc in zip(layout.windows, _windows_with_comm(layout, tx, what=what)):
+        tokens_per_rank, sums_per_rank = _per_rank(acc)
+        if int(w.get("micro_step")) == 0 or not (tokens_per_rank or sums_per_rank):
+            continue
+        comm, group = acc.rank_local().comm, acc.rank_local().group
+        if tokens_per_rank:
+            tokens = w.get("tokens")
+            (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
+            globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
+        if sums_per_rank:
+            key = w.key("running_sum")
+            sums = comm.all_reduce([tu.local(t) for t in per_param[key]], ReduceOp.SUM, group)
+            per_param[key] = [tu.like(t, s) for t, s in zip(per_param[key], sums)]
+    return per_param, globals_
+
+
+def _child(prefix: str, name: str) -> str:
+    """The key of field ``name`` of the node whose key is ``prefix``."""
+    return name if prefix == "<root>" else f"{prefix}/{name}"
+
+
+def _parent(key: str) -> tuple[str, str]:
+    prefix, _, name = key.rpartition("/")
+    return prefix or "<root>", name
+
+
+def load_state_dict(
+    saved: dict[str, Any], state: OptState, params: Params, *, tx: GradientTransformation | None = None
+) -> OptState:
+    """The state held by ``saved`` (from :func:`state_dict`), checked against the live ``state``; pure.
+
+    Checks before it builds anything: the same parameter names, the same
+    per-parameter and global keys (the same chain), shapes and dtypes, and the
+    same accumulation ``k``; the first difference raises a ``ValueError`` that
+    names it. Tensors are placed like the live state's (a plain full tensor is
+    cut to a DTensor's local shard with no communication; a DTensor must
+    already have the live placement, which ``dcp.load`` into a
+    :func:`state_dict` of the live state gives). Per-rank window state saved
+    as a group total (see :func:`state_dict`) goes to the group's first rank.
+
+    Args:
+      saved: the dict :func:`state_dict` made (after ``dcp.load`` filled it, or from ``torch.load``).
+      state: the live state (e.g. ``tx.init(params)``), the template; not modified.
+      params: the params (names, shapes and placements).
+      tx: the transform (needed for per-rank window state).
+
+    Returns:
+      The loaded state: same structure as ``state``, except an accumulation
+      window's ``acc``, which is a tree (open window) or ``None`` (boundary) as saved.
+
+    Example:
+      >>> state = gtx.checkpoint.load_state_dict(sd["tx"], tx.init(params), params, tx=tx)
+    """
+    what = "gradtx.checkpoint.functional.load_state_dict"
+    names = param_names(params)
+    if not isinstance(saved, dict) or "state" not in saved or "global" not in saved:
+        raise ValueError(f"{what}: expected the dict gradtx.checkpoint.functional.state_dict made ('state' and 'global')")
+    _check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
+    per_param: dict[str, list[Any]] = {}
+    layout = _layout_of(state, params)
+    expected = list(layout.per_param)
+    for i, name in enumerate(names):
+        entry = saved["state"][name]
+        _check_keys(entry, expected, what=f"{what}: state of param {name!r}", hint=_HINT)
+        for key in expected:
+            per_param.setdefault(key, []).append(entry[key])
+    return _import(layout, state, params, per_param, saved["global"], tx, names, what=what)
+
+
+def _import(
+    layout: _Layout,
+    state: OptState,
+    params: Params,
+    per_param: dict[str, list[Any]],
+    globals_: Any,
+    tx: GradientTransformation | None,
+    names: list[str],
+    *,
+    what: str,
+    acc_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: torch.promote_types(d, torch.float32),
+) -> OptState:
+    """Validate everything, then build the new state (the caller commits it)."""
+    p_leaves, p_spec = tu.flatten(params)
+    _check_keys(globals_, list(layout.globals_), what=f"{what}: global state", hint=_HINT)
+    for key, template in layout.globals_.items():
+        if isinstance(template, torch.Tensor):
+            _check_tensor(globals_[key], template, what=f"{what}: global state {key!r}")
+    for key, subtree in layout.per_param.items():
+        templates = (
+            [torch.empty(p.shape, dtype=acc_dtype(p.dtype), device="meta") for p in p_leaves]
+            if subtree is None
+            else tu.flatten(subtree)[0]
+        )
+        for name, value, template in zip(names, per_param[key], templates):
+            _check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
+    accs = _windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
+    for w in layout.windows:
+        saved_k, k = int(globals_[w.key("k")]), int(w.get("k"))
+        if saved_k != k:
+            raise ValueError(
+                f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "
+                f"k={k}; resume with the same k (or save at a boundary and start a fresh state)"
+            )
+    # Everything checked: build the new state.
+    opened = {w.prefix: int(globals_[w.key("micro_step")]) > 0 for w in layout.windows}
+    tokens_field = {w.prefix: w.fields["tokens"] for w in layout.windows}
+    first_rank = {}
+    for w, acc in zip(layout.windows, accs):
+        tokens_per_rank, sums_per_rank = _per_rank(acc)
+        on_first = True
+        if tokens_per_rank or sums_per_rank:
+            local = acc.rank_local()
+            on_first = _group_rank(local.comm, local.group) == 0
+        first_rank[w.prefix] = (tokens_per_rank, sums_per_rank, on_first)
+
+    def rebuild(kind: str, old: Any, key: str) -> Any:
+        if kind == "global":
+            value = globals_[key]
+            if not isinstance(old, torch.Tensor):
+                return value
+            prefix, fieldname = _parent(key)
+            tokens_per_rank, _, on_first = first_rank.get(prefix, (False, False, True))
+            if fieldname == tokens_field.get(prefix) and tokens_per_rank and not on_first:
+                return torch.zeros_like(old)
+            return _onto(value, old, what=f"{what}: global state {key!r}")
+        if kind == "acc":
+            prefix = _parent(key)[0]
+            if not opened[prefix]:
+                return None
+            _, sums_per_rank, on_first = first_rank[prefix]
+            templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
+            values = [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
+            if sums_per_rank and not on_first:
+                values = [torch.zeros_like(v) for v in values]
+            return tu.unflatten(p_spec, values)
+        leaves, spec = tu.flatten(old)
+        return tu.unflatten(spec, [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])
+
+    return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild)
+
+
+def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A :class:`gradtx.TransformedOptimizer` checkpoint as one for its bare inner ``torch.optim`` optimizer.
+
+    The inner optimizer's state is all a plain optimizer has, so this drops the
+    ``"gradtx"`` entries, which is honest only at a window boundary: an open
+    window's partial sums and micro-step count would be lost, so that raises.
+    The transform's own state (the clip's last norm, counters) is dropped; the
+    resumed run no longer clips or accumulates unless you add that back.
+
+    Args:
+      optimizer_state_dict: ``opt.state_dict()``, or torch's ``get_optimizer_state_dict``
+        of the wrapper (not flattened).
+
+    Returns:
+      A new dict in ``torch.optim``'s layout, for ``plain_optimizer.load_state_dict``
+      or ``set_optimizer_state_dict``.
+
+    Raises:
+      ValueError: the checkpoint was saved with an accumulation window open.
+
+    Example:
+      >>> plain = torch.optim.AdamW(model.parameters())
+      >>> plain.load_state_dict(gtx.checkpoint.to_torch_optimizer(ckpt["optim"]))
+    """
+    if not isinstance(optimizer_state_dict, dict) or "state" not in optimizer_state_dict:
+        raise ValueError("to_torch_optimizer: expected an optimizer state dict ('state', 'param_groups')")
+    state = {}
+    for pid, entry in optimizer_state_dict["state"].items():
+        gtx_entry = entry.get("gradtx") if isinstance(entry, dict) else None
+        for key, value in ((gtx_entry or {}).get("global") or {}).items():
+            if key.rpartition("/")[2] == "micro_step" and int(value) > 0:
+                raise ValueError(
+                    f"to_torch_optimizer: the checkpoint was saved with an accumulation window open ({key} = "
+                    f"{int(value)}); its partial sums would be lost. Save at a window boundary (opt.window_open False) "
+                    "to move to a plain optimizer"
+                )
+        rest = {k: v for k, v in entry.items() if k != "gradtx"}
+        if rest:
+            state[pid] = rest
+    return {"state": state, "param_groups": [dict(g) for g in optimizer_state_dict["param_groups"]]}
+
+
+def _take_acc(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:
+    """``state`` with every window's ``acc`` set to ``None``, and the ``acc`` trees taken out, in order."""
+    p_leaves, p_spec = tu.flatten(params)
+    taken: list[PyTree | None] = []
+
+    def rebuild(kind: str, old: Any, key: str) -> Any:
+        if kind == "acc":
+            taken.append(old)
+            return None
+        return old
+
+    return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild), taken
+
+
+class TransformState:
+    """A transform state as a DCP ``Stateful``: put it in the dict you give ``dcp.save`` / ``dcp.load``.
+
+    Holds ``state`` (update it after every step) and saves and loads it through
+    :func:`state_dict` / :func:`load_state_dict`. After ``dcp.load``,
+    ``holder.state`` is the loaded state.
+
+    Args:
+      tx: the transform.
+      state: its current state.
+      params: the params the state is for.
+
+    Example:
+      >>> holder = gtx.checkpoint.TransformState(tx, state, params)
+      >>> dcp.save({"model": model.state_dict(), "tx": holder}, checkpoint_id=path)
+      >>> dcp.load({"model": model.state_dict(), "tx": holder}, checkpoint_id=path)
+      >>> state = holder.state
+    """
+
+    def __init__(self, tx: GradientTransformation, state: OptState, params: Params) -> None:
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"TransformState: tx must be a GradientTransformation, got {type(tx).__name__}")
+        self.tx, self.state, self.params = tx, state, params
+
+    def state_dict(self) -> dict[str, Any]:
+        return state_dict(self.state, self.params, tx=self.tx)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.state = load_state_dict(state_dict, self.state, self.params, tx=self.tx)

@@ -1,0 +1,131 @@
+"""Foreach calls that also run under ``torch.func.vmap``.
+
+``torch._foreach_*`` kernels have no batching rules, so a transform built on
+them fails inside ``vmap`` (per-example clipping, DP-SGD). Each function here
+calls the foreach kernel, unless a ``vmap`` is active, in which case it runs
+the same math one tensor at a time, through ops that do have batching rules.
+The check reads functorch's interpreter stack: well under a microsecond, and
+traced by ``torch.compile`` without a graph break.
+
+Under ``vmap`` the in-place functions rebind the list's elements instead of
+writing into the tensors (an unbatched moment updated in place by a batched
+grad cannot hold the result), so a caller must own the list it passes and
+read the results from it, which is how every caller here uses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch._C import _functorch
+from torch._functorch import pyfunctorch
+
+
+def under_vmap() -> bool:
+    """True inside ``torch.func.vmap`` (at any depth of functorch transforms)."""
+    if _functorch.maybe_current_level() is None:
+        return False
+    return any(i.key() == _functorch.TransformType.Vmap for i in pyfunctorch.retrieve_all_functorch_interpreters())
+
+
+def _per_tensor(*scalars: Any) -> bool:
+    """Whether to run one op per tensor: under vmap, or when autograd records a gradient for a 0-d factor.
+
+    Foreach kernels broadcasting one 0-d tensor that requires grad (a learning
+    rate, a beta: hypergradients) have no correct backward in torch 2.13
+    ("inconsistent range for TensorList output"); per-tensor ops do.
+    """
+    if under_vmap():
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    for a in scalars:
+        if isinstance(a, (list, tuple)):
+            a = a[0] if a else None
+        if isinstance(a, torch.Tensor) and a.ndim == 0 and a.requires_grad:
+            return True
+    return False
+
+
+def _each(fn: Callable[..., torch.Tensor], *args: Any) -> list[torch.Tensor]:
+    n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+    return [fn(*(a[i] if isinstance(a, (list, tuple)) else a for a in args)) for i in range(n)]
+
+
+def _rebind(xs: list[torch.Tensor], results: list[torch.Tensor]) -> list[torch.Tensor]:
+    xs[:] = results
+    return xs
+
+
+def mul(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+    if _per_tensor(other):
+        return _each(torch.mul, list(xs), other)
+    return list(torch._foreach_mul(xs, other))
+
+
+def mul_(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+    if _per_tensor(other):
+        return _rebind(xs, _each(torch.mul, list(xs), other))
+    torch._foreach_mul_(xs, other)
+    return xs
+
+
+def add(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
+    if _per_tensor(other):
+        return _each(lambda x, y: torch.add(x, y, alpha=alpha), list(xs), other)
+    return list(torch._foreach_add(xs, other, alpha=alpha) if alpha != 1 else torch._foreach_add(xs, other))
+
+
+def add_(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
+    if _per_tensor(other):
+        return _rebind(xs, _each(lambda x, y: torch.add(x, y, alpha=alpha), list(xs), other))
+    if alpha != 1:
+        torch._foreach_add_(xs, other, alpha=alpha)
+    else:
+        torch._foreach_add_(xs, other)
+    return xs
+
+
+def addcmul_(
+    xs: list[torch.Tensor], a: list[torch.Tensor], b: list[torch.Tensor], *, value: float
+) -> list[torch.Tensor]:
+    if under_vmap():
+        return _rebind(xs, _each(lambda x, y, z: torch.addcmul(x, y, z, value=value), list(xs), list(a), list(b)))
+    torch._foreach_addcmul_(xs, a, b, value=value)
+    return xs
+
+
+def div(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+    if _per_tensor(other):
+        return _each(torch.div, list(xs), other)
+    return list(torch._foreach_div(xs, other))
+
+
+def lerp(xs: list[torch.Tensor], ends: list[torch.Tensor], weight: Any) -> list[torch.Tensor]:
+    if _per_tensor(weight):
+        return _each(torch.lerp, list(xs), list(ends), weight)
+    if isinstance(weight, torch.Tensor):  # the weights overload: a 0-d tensor as a Scalar would be read to the host
+        return list(torch._foreach_lerp(xs, ends, [weight] * len(xs)))
+    return list(torch._foreach_lerp(xs, ends, weight))
+
+
+def sqrt(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    if under_vmap():
+        return _each(torch.sqrt, list(xs))
+    return list(torch._foreach_sqrt(xs))
+
+
+def clamp(xs: list[torch.Tensor], low: float, high: float) -> list[torch.Tensor]:
+    if under_vmap():
+        return _each(lambda x: torch.clamp(x, low, high), list(xs))
+    return list(torch._foreach_clamp_max(torch._foreach_clamp_min(xs, low), high))
+
+
+def norm(xs: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    if under_vmap():
+        return _each(lambda x: torch.linalg.vector_norm(x, ord, dtype=dtype), list(xs))
+    if dtype is None:
+        return list(torch._foreach_norm(xs, ord))
+    return list(torch._foreach_norm(xs, ord, dtype=dtype))

@@ -1,0 +1,271 @@
+"""Local norms of gradient trees: sums of p-th powers in one pass, fp32 kernels, fp64 partial sums.
+
+Everything here is computed on each tensor's local shard, with no
+communication. Turning local parts into the norm of a sharded model (summing
+p-th powers over the mesh dims where a grad is sharded) is the job of the
+plan in :mod:`gradtx.distributed.plan`; see ``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from gradtx.core import tree as tu
+
+try:  # torch's simulated ranks (gtx.testing.simulated_mesh): the shard-size branch below must run per rank
+    from torch.distributed._local_tensor import maybe_run_for_local_tensor
+except ImportError:  # pragma: no cover
+
+    def maybe_run_for_local_tensor(func):  # type: ignore[no-redef,misc]
+        return func
+
+
+def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's local contribution to a ``norm_type``-norm: ``sum(|x|**p)``, or ``max(|x|)`` for ``inf`` (0-d each).
+
+    This is the additive form every reduction works on: contributions of the
+    shards of one tensor, or of many tensors, are summed (or maxed for ``inf``)
+    and the ``p``-th root is taken once, at the end. One pass over each
+    tensor, with no root-then-power round trip: ``torch._foreach_powsum``
+    where the installed torch has it, else ``_foreach_norm`` raised to the
+    ``p``. Big CPU tensors are summed in rows of a fixed length whose fp32
+    partial sums are added in fp64, so a 38M-element tensor is within about
+    1e-7 of an fp64 reference, where one long fp32 running sum drifts 3e-3;
+    bf16/fp16 rows are upcast one row at a time, never as a whole copy. On a
+    GPU the foreach kernel's own block-wise reduction does the same.
+
+    The results are fp64 (fp32 on a device without fp64), whatever the input
+    dtype; an empty shard contributes 0. Complex tensors are measured by
+    magnitude. Under ``torch.func.vmap`` (a batched first leaf) only plain
+    per-tensor ops run: foreach kernels have no batching rules.
+    """
+    return list(_local_powsums([tu.local(t) for t in tensors], norm_type))
+
+
+@maybe_run_for_local_tensor  # under simulated ranks, once per rank: their shards differ in size (empty included)
+def _local_powsums(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
+    for idx, sums in _powsum_groups(locals_, norm_type):
+        for i, v in zip(idx, sums.unbind()):
+            out[i] = v
+    return out
+
+
+def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[list[int], torch.Tensor]]:
+    """:func:`tensor_powsums` as ``(indices, 1-d tensor of their contributions)`` per (device, dtype) group."""
+    if not locals_:
+        return []
+    if _is_batched(locals_[0]):
+        return [([i], _plain_powsum(t, norm_type).reshape(1)) for i, t in enumerate(locals_)]
+    inf = math.isinf(norm_type)
+    groups: list[tuple[list[int], torch.Tensor]] = []
+    for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
+        sum_dtype = partial_dtype(device)
+        # An empty shard (FSDP2 gives one to a rank whenever a param has fewer rows than ranks)
+        # contributes 0 for every p; _foreach_norm refuses the inf-norm of an empty tensor.
+        empty = [i for i in idx if locals_[i].numel() == 0]
+        if empty:
+            groups.append((empty, torch.zeros(len(empty), dtype=sum_dtype, device=device)))
+            idx = [i for i in idx if locals_[i].numel() != 0]
+        if not idx:
+            continue
+        acc = tu.acc_dtype(dtype)
+        if inf or dtype.is_complex:  # max|x| is exact in any dtype; complex magnitudes take the norm kernel
+            kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
+            norms = torch._foreach_norm([locals_[i] for i in idx], norm_type, **kwargs)
+            sums: Sequence[torch.Tensor] = norms if inf else torch._foreach_pow(norms, norm_type)
+        else:
+            rows = [i for i in idx if _by_rows(locals_[i])]
+            if rows:
+                groups.append((rows, torch.stack([_rows_powsum(locals_[i], norm_type, acc, sum_dtype) for i in rows])))
+                idx = [i for i in idx if not _by_rows(locals_[i])]
+            sums = _foreach_powsum([locals_[i] for i in idx], norm_type, acc) if idx else []
+        if idx:
+            groups.append((idx, torch.stack(list(sums)).to(sum_dtype)))
+    return groups
+
+
+def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """The ``norm_type``-norm of each tensor's local shard, from :func:`tensor_powsums`.
+
+    Low-precision tensors' norms are fp32; fp64 and complex128 ones keep an
+    fp64 norm. A complex tensor's norm is that of its magnitudes, as
+    ``torch.linalg.vector_norm`` takes it. An empty shard has norm 0.
+    """
+    locals_ = [tu.local(t) for t in tensors]
+    if norm_dtype(locals_) == torch.float64 and not _is_batched(locals_[0]):  # see _fp64_norms
+        return _fp64_norms(locals_, norm_type)
+    sums = tensor_powsums(tensors, norm_type)
+    return [power_to_norm(s, norm_type).to(tu.acc_dtype(t.dtype)) for s, t in zip(sums, tensors)]
+
+
+@maybe_run_for_local_tensor  # per simulated rank, as _local_powsums
+def _fp64_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Norms taken by torch's norm kernel, which scales: a finite fp64 norm past 1e154 has no finite square."""
+    out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
+    for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
+        acc = tu.acc_dtype(dtype)
+        for i in idx:
+            if locals_[i].numel() == 0:  # _foreach_norm refuses the inf-norm of an empty tensor
+                out[i] = torch.zeros((), dtype=acc, device=device)
+        idx = [i for i in idx if locals_[i].numel() != 0]
+        if idx:
+            kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
+            for i, n in zip(idx, torch._foreach_norm([locals_[i] for i in idx], norm_type, **kwargs)):
+                out[i] = n.to(acc)
+    return out
+
+
+def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
+    """Add up contributions from :func:`tensor_powsums` (``max`` for ``inf``) into one 0-d tensor; 0 if none."""
+    if not sums:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    device = device if device is not None else sums[0].device
+    dtype = sums[0].dtype if all(s.dtype == sums[0].dtype for s in sums) else torch.float64
+    # Only cross-device values move: a .to() per tensor is most of the cost on many small ones.
+    stacked = torch.stack([s if s.device == device and s.dtype == dtype else s.to(device, dtype) for s in sums])
+    return stacked.max() if math.isinf(norm_type) else stacked.sum()
+
+
+def norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype a norm of ``tensors`` is returned in: fp64 if any of them is fp64/complex128, else fp32."""
+    return torch.float64 if any(tu.acc_dtype(t.dtype) == torch.float64 for t in tensors) else torch.float32
+
+
+def norm_to_power(norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The additive form of a norm: ``norm**p``, or the norm itself for ``inf`` (combined with MAX)."""
+    return norm if math.isinf(norm_type) else norm.pow(norm_type)
+
+
+def power_to_norm(power: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """Invert :func:`norm_to_power`."""
+    return power if math.isinf(norm_type) else power.pow(1.0 / norm_type)
+
+
+def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of the local shards of ``leaves`` taken together (0-d, fp32 or fp64); no communication.
+
+    Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors, and is closer
+    than it to the exact norm of long tensors (see :func:`tensor_powsums`). For the
+    norm of a sharded model use :func:`gradtx.global_norm`, which reduces it
+    over the mesh dims where each leaf is sharded.
+    """
+    locals_ = [tu.local(t) for t in leaves]
+    device = locals_[0].device if locals_ else None
+    if norm_dtype(leaves) == torch.float64 and not _is_batched(
+        locals_[0]
+    ):  # fp64 leaves: norms, combined by the scaling norm kernel too
+        norms = _fp64_norms(locals_, norm_type)
+        return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)
+    return power_to_norm(_local_total(locals_, norm_type, device), norm_type).to(norm_dtype(leaves))
+
+
+@maybe_run_for_local_tensor  # per simulated rank, as _local_powsums
+def _local_total(locals_: list[torch.Tensor], norm_type: float, device: torch.device | None) -> torch.Tensor:
+    inf = math.isinf(norm_type)
+    parts = [sums.max() if inf else sums.sum() for _, sums in _powsum_groups(locals_, norm_type)]
+    return parts[0] if len(parts) == 1 else total(parts, norm_type, device)
+
+
+def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
+    """The L2 norm of each output unit of ``x``'s local shard, in PyTorch layouts, broadcastable to it.
+
+    A Linear weight is ``(out, in)`` and a Conv weight ``(out, in, kh, kw)``, so
+    a unit is a slice along dim 0 and the norm reduces over dims ``1..ndim-1``.
+    A 0-d or 1-d tensor is one unit, and so is any tensor when ``unitwise`` is
+    False. An empty shard gives zeros of the right shape. fp32, fp64 for
+    fp64/complex128; a complex tensor's units are measured by magnitude.
+    """
+    x = magnitudes(tu.local(x))
+    if x.ndim <= 1 or not unitwise:
+        return torch.linalg.vector_norm(x)
+    return torch.linalg.vector_norm(x, dim=tuple(range(1, x.ndim)), keepdim=True)
+
+
+def magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the precision its norms are taken in (fp32, fp64 for fp64/complex128); ``|x|`` for complex ``x``."""
+    if x.is_complex():
+        return x.abs().to(tu.acc_dtype(x.dtype))
+    return x.to(tu.acc_dtype(x.dtype))
+
+
+# --- the local pass, by device and feature -------------------------------------------------------
+
+# Rows of 64K elements: fp32 running sums that short stay within about 1e-7, and the fp64 sum of
+# the row partials costs nothing (about 600 values for GPT-2's 38M-element embedding). One
+# row-wise reduction per big tensor runs at the memory-bound floor on CPU; a bf16/fp16 row is
+# upcast in the kernel's own small buffers. On a GPU the foreach kernel already reduces in blocks
+# and adds the block partials by a tree, so there big tensors go to it whole, in one launch.
+_ROW = 1 << 16
+_LOWP_ROWS = 16
+_HAS_POWSUM = hasattr(torch, "_foreach_powsum") and hasattr(torch.linalg, "_powsum")
+
+
+def partial_dtype(device: torch.device) -> torch.dtype:
+    """The dtype contributions are added in on ``device``: fp64, or fp32 where the device has no fp64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _is_batched(t: torch.Tensor) -> bool:
+    """True under ``torch.func.vmap``, whose batched tensors foreach kernels cannot take."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace the check; a compiled vmap is not supported here
+        return False
+    is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
+    return bool(is_batched(t)) if is_batched is not None else False
+
+
+def _plain_powsum(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """One tensor's contribution with ops that have batching rules (vector_norm, pow)."""
+    n = torch.linalg.vector_norm(magnitudes(t), norm_type)
+    return norm_to_power(n, norm_type).to(partial_dtype(t.device))
+
+
+def _by_rows(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.numel() >= 2 * _ROW and t.is_contiguous()
+
+
+def _use_powsum() -> bool:
+    # dynamo cannot trace the powsum kernels yet (torch 2.13); inside a compiled step inductor
+    # generates its own reduction from the norm ops instead.
+    return _HAS_POWSUM and not torch.compiler.is_compiling()
+
+
+def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float, acc: torch.dtype) -> Sequence[torch.Tensor]:
+    # On CPU, _foreach_powsum with an upcasting dtype= takes a slow path (150x _foreach_norm's, measured
+    # on bf16 in torch 2.13); the norm kernel raised to the p-th power is one pass too.
+    if _use_powsum() and (tensors[0].dtype == acc or tensors[0].device.type != "cpu"):
+        return torch._foreach_powsum(tensors, norm_type, dtype=acc)
+    return torch._foreach_pow(torch._foreach_norm(tensors, norm_type, dtype=acc), norm_type)  # older torch
+
+
+def _rows_powsum(t: torch.Tensor, norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype) -> torch.Tensor:
+    """``sum(|t|**p)`` of a big contiguous CPU tensor: fp32 sums of 64K-element rows, added in fp64."""
+    flat = t.view(-1)
+    n = flat.numel() // _ROW * _ROW
+    head = flat[:n].view(-1, _ROW)
+    if t.dtype == acc:
+        parts = _row_sums(head, norm_type, acc)
+    else:  # bf16/fp16: upcast a block of rows at a time into a 4 MiB scratch that stays in cache
+        scratch = torch.empty(_LOWP_ROWS, _ROW, dtype=acc)
+        blocks = []
+        for start in range(0, head.shape[0], _LOWP_ROWS):
+            block = head[start : start + _LOWP_ROWS]
+            buf = scratch[: block.shape[0]]
+            buf.copy_(block)
+            blocks.append(_row_sums(buf, norm_type, acc))
+        parts = torch.cat(blocks)
+    s = parts.sum(dtype=sum_dtype)
+    if n < flat.numel():
+        (rest,) = _foreach_powsum([flat[n:]], norm_type, acc)
+        s = s + rest.to(sum_dtype)
+    return s
+
+
+def _row_sums(rows: torch.Tensor, norm_type: float, acc: torch.dtype) -> torch.Tensor:
+    if _use_powsum():
+        return torch.linalg._powsum(rows, norm_type, dim=1, dtype=acc)
+    # older torch: the row norms, raised back to the p-th power (still one pass over the data)
+    return torch.linalg.vector_norm(rows, norm_type, dim=1, dtype=acc).pow(norm_type)

@@ -1,0 +1,362 @@
+"""Small optree helpers: leaf paths for error messages, structure checks, foreach grouping.
+
+Every transform flattens its trees with :func:`flatten`, so leaves come in one
+order everywhere, and reports a bad tree through :func:`check_structure`,
+which names the first pytree path that differs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from gradtx.core import foreach as fe
+
+try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+
+PyTree = Any
+Path = tuple[Any, ...]
+
+
+def path_str(path: Path) -> str:
+    """Render an optree path like ``['fc']['weight'][0]``; the root is ``<root>``."""
+    if not path:
+        return "<root>"
+    return "".join(f"[{key!r}]" for key in path)
+
+
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flatten ``tree`` into its leaves and treespec (``None`` is an empty subtree)."""
+    return optree.tree_flatten(tree)
+
+
+def paths(tree: PyTree) -> list[Path]:
+    """The path of every leaf of ``tree``, in flatten order."""
+    return optree.tree_paths(tree)
+
+
+def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[Any]) -> PyTree:
+    return optree.tree_unflatten(spec, list(leaves))
+
+
+def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[torch.Tensor], Any]:
+    """``tree``'s leaves and structure, after :func:`check_tensors` (``what`` names the tree in the error)."""
+    leaves, spec = flatten(tree)
+    check_tensors(leaves, paths(tree), what=what)
+    return leaves, spec
+
+
+def device_of(tree: PyTree) -> torch.device:
+    """The device of ``tree``'s first tensor (a DTensor's local shard's), or the CPU when it holds none."""
+    for leaf in flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return local(leaf).device
+    return torch.device("cpu")
+
+
+def dotted(path: tuple[Any, ...]) -> str:
+    """A pytree path as ``"a.b.0"`` (``"<root>"`` for the root)."""
+    return ".".join(str(k) for k in path) if path else "<root>"
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    return optree.tree_map(fn, tree, *rest)
+
+
+def _same_shapes(expected: Sequence[Any], got: Sequence[Any]) -> bool:
+    for e, g in zip(expected, got):
+        e_shape = getattr(e, "shape", None)
+        g_shape = getattr(g, "shape", None)
+        if e_shape is not None and g_shape is not None and e_shape != g_shape:
+            return False
+    return True
+
+
+def first_mismatch(expected: PyTree, got: PyTree) -> str | None:
+    """Describe where ``got`` first differs in structure from ``expected``, or ``None``."""
+    # Every step checks its trees and almost always they match: settle that without building paths.
+    exp_leaves, exp_spec = optree.tree_flatten(expected)
+    got_leaves, got_spec = optree.tree_flatten(got)
+    if exp_spec == got_spec and _same_shapes(exp_leaves, got_leaves):
+        return None
+    exp_paths, exp_leaves, exp_spec = optree.tree_flatten_with_path(expected)
+    got_paths, got_leaves, got_spec = optree.tree_flatten_with_path(got)
+    if exp_spec == got_spec:
+        for path, e, g in zip(exp_paths, exp_leaves, got_leaves):
+            e_shape = getattr(e, "shape", None)
+            g_shape = getattr(g, "shape", None)
+            if e_shape is not None and g_shape is not None and tuple(e_shape) != tuple(g_shape):
+                return f"{path_str(path)}: expected shape {tuple(e_shape)}, got {tuple(g_shape)}"
+        return None
+    for e, g in zip(exp_paths, got_paths):
+        if e != g:
+            return f"{path_str(g)}: expected a leaf at {path_str(e)}"
+    if len(exp_paths) > len(got_paths):
+        return f"{path_str(exp_paths[len(got_paths)])}: missing"
+    if len(got_paths) > len(exp_paths):
+        return f"{path_str(got_paths[len(exp_paths)])}: unexpected"
+    return f"<root>: expected structure {exp_spec}, got {got_spec}"
+
+
+def check_structure(expected: PyTree, got: PyTree, *, what: str, against: str) -> None:
+    """Raise ``ValueError`` naming the first path where ``got`` differs from ``expected``."""
+    where = first_mismatch(expected, got)
+    if where is not None:
+        raise ValueError(f"{what} does not match {against} at {where}")
+
+
+def require_state(state: Any, state_type: type, *, name: str) -> None:
+    """Raise a clear error when ``update`` gets no state, or another transform's state."""
+    if state is None:
+        raise ValueError(f"{name}: state is None; call init(params) before update()")
+    if not isinstance(state, state_type):
+        raise TypeError(
+            f"{name}: expected state of type {state_type.__name__}, got {type(state).__name__}; "
+            "pass the state that this transform's init() returned"
+        )
+
+
+def check_tensors(leaves: Sequence[Any], leaf_paths: Sequence[Path], *, what: str) -> None:
+    """Raise ``TypeError`` naming the first leaf that is not a dense floating-point or complex tensor.
+
+    Integer and bool tensors have no gradient to transform (a clip or a moment
+    would truncate them silently), and sparse tensors are refused as
+    ``torch.nn.utils.clip_grad_norm_`` refuses them.
+    """
+    for path, leaf in zip(leaf_paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(f"{what} leaf at {path_str(path)} is a {type(leaf).__name__}, not a torch.Tensor")
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"{what} leaf at {path_str(path)} is a {leaf.layout} tensor; gradtx transforms dense tensors only "
+                "(torch.nn.utils.clip_grad_norm_ refuses sparse grads too): pass leaf.to_dense()"
+            )
+        if not (leaf.is_floating_point() or leaf.is_complex()):
+            raise TypeError(
+                f"{what} leaf at {path_str(path)} has dtype {leaf.dtype}; gradients and params must be "
+                "floating point or complex"
+            )
+
+
+def check_devices(expected: Sequence[Any], got: Sequence[Any], tree: PyTree, *, what: str, against: str) -> None:
+    """Raise ``ValueError`` naming the first leaf of ``tree`` whose (local) device differs from its partner's.
+
+    ``got`` are the leaves of ``tree`` (e.g. the updates), ``expected`` the leaves
+    they are combined with (the state's moments, the params), in the same order.
+    """
+    for i, (e, g) in enumerate(zip(expected, got)):
+        if isinstance(e, torch.Tensor) and isinstance(g, torch.Tensor) and local(e).device != local(g).device:
+            raise ValueError(
+                f"{what} leaf at {path_str(paths(tree)[i])} is on {local(g).device}, {against} on "
+                f"{local(e).device}; move them to one device"
+            )
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The precision to compute a leaf's norms and factors in: fp64 for fp64/complex128, fp32 otherwise."""
+    return torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor, or the tensor itself; no communication."""
+    if DTensor is not None and isinstance(x, DTensor):
+        return x._local_tensor
+    return x
+
+
+def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:
+    """Wrap ``local_result`` the way ``template`` is wrapped (a DTensor with the same spec), with no communication."""
+    if DTensor is not None and isinstance(template, DTensor):
+        return DTensor.from_local(
+            local_result,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=template.shape,
+            stride=template.stride(),
+        )
+    return local_result
+
+
+def all_reduce_leaves(comm: Any, leaves: Sequence[torch.Tensor], op: Any, group: Any, *, inplace: bool) -> list[Any]:
+    """Reduce ``leaves`` over ``group`` through ``comm``, one coalesced collective on their local shards.
+
+    With ``inplace`` the results are written back into the leaves (the same
+    objects, so ``.grad`` tensors and DTensor metadata are kept); otherwise new
+    leaves are returned, wrapped like the inputs.
+    """
+    locals_ = [local(t) for t in leaves]
+    reduced = comm.all_reduce(locals_, op, group)
+    if not inplace:
+        return [like(t, r) for t, r in zip(leaves, reduced)]
+    for loc, r in zip(locals_, reduced):
+        if r is not loc:  # a one-process comm hands its inputs back
+            loc.copy_(r)
+    return list(leaves)
+
+
+def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), the unit a foreach kernel takes.
+
+    Groups come in order of first appearance, indices in ascending order.
+
+    Args:
+      tensors: local tensors (not DTensors).
+
+    Returns:
+      ``{(device, dtype): [indices]}``, new lists on every call.
+
+    Example:
+      >>> group_by_device_dtype([torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)])
+      {(device(type='cpu'), torch.float32): [0, 2], (device(type='cpu'), torch.float64): [1]}
+    """
+    # Not cached: a cache key needs the same per-leaf reads as the grouping itself (measured:
+    # no faster at 2000 leaves), and a lock around a shared cache would break torch.compile.
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(i)
+    return dict(groups)
+
+
+def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplace: bool) -> list[torch.Tensor]:
+    """Multiply every leaf by the 0-d tensor ``factor``, through local shards, keeping dtypes.
+
+    With ``inplace`` the leaves' storage is overwritten and the same objects
+    are returned; otherwise new tensors are returned and the leaves are untouched.
+    """
+    locals_ = [local(t) for t in leaves]
+    out: list[torch.Tensor] = list(leaves)
+    for (device, dtype), idx in group_by_device_dtype(locals_).items():
+        group = [locals_[i] for i in idx]
+        f = factor.to(device, acc_dtype(dtype), non_blocking=True)
+        recording = torch.is_grad_enabled() and (f.requires_grad or any(t.requires_grad for t in group))
+        if inplace and not recording and not fe.under_vmap():
+            fe.mul_(group, f)
+        else:
+            # Autograd records (a hypergradient, or grads through the step): always new tensors, which
+            # every pure caller reads from the result (the donated paths run under no_grad).
+            # aot autograd (torch 2.13) cannot trace foreach_mul by a tensor scalar while autograd records.
+            # Under vmap foreach has no batching rule: one multiply per tensor there too.
+            scaled = [t * f for t in group] if recording or fe.under_vmap() else torch._foreach_mul(group, f)
+            for i, r in zip(idx, scaled):
+                # A 0-d low-precision leaf times a 0-d fp32 factor would promote to fp32.
+                out[i] = like(leaves[i], r if r.dtype == locals_[i].dtype else r.to(locals_[i].dtype))
+    return out
+
+
+# --- absent leaves and prefix trees ---------------------------------------------------------
+#
+# optree treats ``None`` as an empty subtree. A grads tree may hold ``None`` where the params hold
+# a tensor (a param that got no gradient); every transform then leaves that param's state alone
+# and returns ``None`` there, as torch.optim skips a param whose ``.grad`` is None.
+
+
+def align(
+    reference: PyTree, updates: PyTree, *, what: str, against: str, tensors: bool = True
+) -> tuple[list[int], list[Any], Any]:
+    """Match the leaves of ``updates`` to those of ``reference``, allowing ``None`` (no update) for any of them.
+
+    ``updates`` must have the structure of ``reference``, except that a subtree
+    or leaf of ``reference`` may be ``None`` in ``updates``. Shapes must match.
+
+    Args:
+      reference: the full tree (the params, or a state tree mirroring them).
+      updates: the updates tree.
+      what: how to name ``updates`` in an error.
+      against: how to name ``reference`` in an error.
+      tensors: also require every (non-``None``) leaf of ``updates`` to be a tensor.
+
+    Returns:
+      ``(index, leaves, spec)``: ``leaves`` and ``spec`` are the flattened
+      updates (``None`` dropped), and ``leaves[j]`` goes with the reference
+      leaf ``index[j]``.
+
+    Raises:
+      ValueError: naming the first path that is missing, unexpected, or of another shape.
+    """
+    ref_leaves, ref_spec = optree.tree_flatten(reference)
+    leaves, spec = optree.tree_flatten(updates)
+    if tensors and not all(
+        isinstance(leaf, torch.Tensor)
+        and leaf.layout == torch.strided
+        and (leaf.is_floating_point() or leaf.is_complex())
+        for leaf in leaves
+    ):
+        check_tensors(leaves, paths(updates), what=what)
+    if spec == ref_spec:
+        if not _same_shapes(ref_leaves, leaves):
+            check_structure(reference, updates, what=what, against=against)
+        return list(range(len(leaves))), leaves, spec
+    ref_paths = optree.tree_paths(reference)
+    where = {p: i for i, p in enumerate(ref_paths)}
+    index: list[int] = []
+    for path, leaf in zip(optree.tree_paths(updates), leaves):
+        i = where.get(path)
+        if i is None:
+            raise ValueError(f"{what} does not match {against} at {path_str(path)}: unexpected")
+        e_shape, g_shape = getattr(ref_leaves[i], "shape", None), getattr(leaf, "shape", None)
+        if e_shape is not None and g_shape is not None and tuple(e_shape) != tuple(g_shape):
+            raise ValueError(
+                f"{what} does not match {against} at {path_str(path)}: "
+                f"expected shape {tuple(e_shape)}, got {tuple(g_shape)}"
+            )
+        index.append(i)
+    all_paths, all_leaves, _ = optree.tree_flatten_with_path(updates, none_is_leaf=True)
+    absent = {p for p, leaf in zip(all_paths, all_leaves) if leaf is None}
+    covered = set(index)
+    for i, path in enumerate(ref_paths):
+        if i not in covered and not any(path[:k] in absent for k in range(len(path) + 1)):
+            raise ValueError(f"{what} does not match {against} at {path_str(path)}: missing")
+    return index, leaves, spec
+
+
+def scatter(size: int, index: Sequence[int], values: Sequence[Any], fill: Any = None) -> list[Any]:
+    """A list of ``size`` items: ``values[j]`` at ``index[j]``, ``fill`` elsewhere."""
+    out = [fill] * size
+    for i, v in zip(index, values):
+        out[i] = v
+    return out
+
+
+def _prefix_mismatch(prefix: PyTree, full: PyTree, path: Path = ()) -> Path:
+    """The first path at which ``prefix`` stops being a prefix of ``full`` (best effort, for messages)."""
+    if optree.tree_is_leaf(prefix):
+        return path
+    if optree.tree_is_leaf(full) or type(prefix) is not type(full):
+        return path
+    p_children, _, p_entries, _ = optree.tree_flatten_one_level(prefix)
+    f_children, _, f_entries, _ = optree.tree_flatten_one_level(full)
+    if list(p_entries) != list(f_entries):
+        return path
+    for entry, p, f in zip(p_entries, p_children, f_children):
+        try:
+            optree.tree_broadcast_prefix(p, f)
+        except (ValueError, TypeError):
+            return _prefix_mismatch(p, f, (*path, entry))
+    return path
+
+
+def prefix_leaves(prefix: PyTree, full: PyTree, *, what: str, against: str) -> list[Any]:
+    """Broadcast ``prefix`` (a tree with the structure of ``full`` down to some depth) to one value per leaf of ``full``.
+
+    A leaf of ``prefix`` stands for every leaf of the subtree of ``full`` it
+    covers (a single value covers the whole tree), as optax's masks and labels do.
+
+    Raises:
+      ValueError: naming the path at which ``prefix`` is not a prefix of ``full``.
+    """
+    try:
+        broadcast = optree.tree_broadcast_prefix(prefix, full)
+    except (ValueError, TypeError) as e:
+        detail = str(e).split("; dict:")[0].split("; list:")[0].split("; tuple:")[0]
+        raise ValueError(
+            f"{what} is not a prefix of {against} at {path_str(_prefix_mismatch(prefix, full))}: {detail:.300}"
+        ) from None
+    return optree.tree_structure(full).flatten_up_to(broadcast)

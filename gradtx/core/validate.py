@@ -1,0 +1,122 @@
+"""Argument validation for every factory: one place, one wording, numpy scalars welcome.
+
+Each checker takes the value, the argument's name (``arg``) and the factory's
+name (``name``), and returns the value as a plain Python ``float``, ``int`` or
+``bool``, or raises ``TypeError`` (wrong kind) / ``ValueError`` (out of range)
+naming both. numpy scalars (``np.float32(0.1)``, ``np.int64(4)``,
+``np.bool_(True)``) are accepted like the Python numbers they stand for.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+from gradtx.core.base import Schedule
+
+
+def _is_bool(value: Any) -> bool:
+    # numpy.bool_ (named "bool" in numpy 2), recognised without importing numpy
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def scalar_tensor(value: torch.Tensor, *, arg: str, name: str) -> torch.Tensor:
+    """A 0-d real (floating or integer, not bool) tensor standing for a hyperparameter, returned as is.
+
+    Its value is not read: reading it would be a host sync on an accelerator and
+    a graph break under ``torch.compile``. :func:`gradtx.inject_hyperparams`
+    checks the values it is first given as Python numbers. It may require grad:
+    the pure ``update`` is differentiable in it (hypergradients); the paths that
+    write into donated buffers refuse it.
+    """
+    if value.ndim != 0:
+        raise ValueError(f"{name}: {arg} must be a number or a 0-d tensor, got a tensor of shape {tuple(value.shape)}")
+    if value.dtype == torch.bool or value.is_complex():
+        raise TypeError(f"{name}: {arg} must be a real number, got a {value.dtype} tensor")
+    return value
+
+
+def number(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
+    """A real number (not a bool), never NaN; finite unless ``finite=False``.
+
+    With ``tensor=True`` a 0-d tensor is accepted too (see :func:`scalar_tensor`).
+    """
+    if isinstance(value, torch.Tensor):
+        if tensor:
+            return scalar_tensor(value, arg=arg, name=name)
+        raise TypeError(
+            f"{name}: {arg} must be a number, got a tensor (only hyperparameters documented as such take one)"
+        )
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value):
+        raise ValueError(f"{name}: {arg} must not be NaN")
+    if finite and math.isinf(value):
+        raise ValueError(f"{name}: {arg} must be finite, got {value}")
+    return value
+
+
+def non_negative(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
+    """A number ``>= 0``."""
+    value = number(value, arg=arg, name=name, finite=finite, tensor=tensor)
+    if isinstance(value, torch.Tensor):
+        return value
+    if value < 0:
+        raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
+    return value
+
+
+def positive(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
+    """A number ``> 0``."""
+    value = number(value, arg=arg, name=name, finite=finite, tensor=tensor)
+    if isinstance(value, torch.Tensor):
+        return value
+    if value <= 0:
+        raise ValueError(f"{name}: {arg} must be > 0, got {value}")
+    return value
+
+
+def beta(value: Any, *, arg: str, name: str, tensor: bool = False) -> Any:
+    """A decay rate in ``[0, 1)``."""
+    value = number(value, arg=arg, name=name, tensor=tensor)
+    if isinstance(value, torch.Tensor):
+        return value
+    if not 0.0 <= value < 1.0:
+        raise ValueError(f"{name}: {arg} must be in [0, 1), got {value}")
+    return value
+
+
+def integer(value: Any, *, arg: str, name: str, minimum: int | None = None) -> int:
+    """An integer (not a bool), ``>= minimum`` when given."""
+    if _is_bool(value) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: {arg} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: {arg} must be >= {minimum}, got {value}")
+    return value
+
+
+def flag(value: Any, *, arg: str, name: str) -> bool:
+    """A bool (``True``/``False`` or a numpy bool): never a truthy stand-in such as ``None`` or ``"no"``."""
+    if not _is_bool(value):
+        raise TypeError(f"{name}: {arg} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def learning_rate(value: Any, *, name: str) -> float | torch.Tensor | Schedule:
+    """A learning rate: a number ``>= 0``, a 0-d tensor, or a schedule (a callable of the step count)."""
+    if callable(value) and not isinstance(value, torch.Tensor):
+        return value
+    return non_negative(value, arg="learning_rate", name=name, tensor=True)
+
+
+def norm_type(value: Any, *, name: str) -> float:
+    """A norm order: a number ``> 0``, or ``inf``."""
+    value = number(value, arg="norm_type", name=name, finite=False)
+    if value <= 0:
+        raise ValueError(f"{name}: norm_type must be > 0 or inf, got {value}")
+    return value

@@ -1,0 +1,1 @@
+"""The sharding plan read from placements, reductions, pipeline and context parallelism."""

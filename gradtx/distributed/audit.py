@@ -1,0 +1,272 @@
+"""The norm audit: for every leaf, which mesh dims its norm is summed over, which are skipped, and its share.
+
+A distributed global norm is a sum of p-th powers over the right groups; a
+replicated dim summed counts a grad once per replica, a group left out drops
+other ranks' parts, and neither shows in the number. :func:`norm_audit` prints
+the plan behind the number, leaf by leaf, with each leaf's share of the total,
+so a double count or a missing group can be read off a table. See
+``docs/distributed.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from gradtx.comm.base import GroupKey, ReduceOp
+from gradtx.core import norms
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import PyTree
+from gradtx.distributed import plan as plans
+
+try:
+    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    LocalTensor = DTensor = None  # type: ignore[assignment,misc]
+
+    def maybe_disable_local_tensor_mode() -> contextlib.AbstractContextManager:  # type: ignore[misc]
+        return contextlib.nullcontext()
+
+
+Number = float | tuple[float, ...]
+
+
+class AuditRow(NamedTuple):
+    """One leaf of a :class:`NormAudit`.
+
+    Attributes:
+      path: the dotted path of the leaf.
+      placements: the DTensor's placements with their mesh dim names, or ``"plain"``.
+      local_numel: the elements this rank holds (per simulated rank, as a tuple, where they differ).
+      global_numel: the elements of the whole (unsharded) tensor.
+      summed: the groups (mesh dim names, or declared group keys) its p-th power is summed over.
+      skipped: the mesh dims it is not summed over, and why (``"tp: replicated"``, ``"dp: size 1"``).
+      tied: the tie group and the weight of this copy (``"pp: 1/2"``), or ``None``.
+      pipeline: the pipeline group its stage's total is added over, or ``None``.
+      share: its share of the total ``norm**p`` (of the max for ``p = inf``), in ``[0, 1]``; per rank where ranks differ.
+    """
+
+    path: str
+    placements: str
+    local_numel: int | tuple[int, ...]
+    global_numel: int
+    summed: tuple[str, ...]
+    skipped: tuple[str, ...]
+    tied: str | None
+    pipeline: str | None
+    share: Number
+
+
+class NormAudit(NamedTuple):
+    """What :func:`norm_audit` returns: a row per leaf, the norm, and how the plan was found; ``str()`` is a table.
+
+    Attributes:
+      rows: one :class:`AuditRow` per leaf, in flatten order.
+      norm: the global norm (what ``gtx.global_norm`` gives with the same plan).
+      norm_type: the norm's order.
+      plan: where the plan came from: ``"declared"``, ``"placements"``, or ``"none"`` (local norm).
+      collectives: the all-reduces one norm of this plan issues.
+      notes: what the plan cannot know and assumed (e.g. plain tensors read as replicated in a multi-process run).
+    """
+
+    rows: tuple[AuditRow, ...]
+    norm: Number
+    norm_type: float
+    plan: str
+    collectives: int
+    notes: tuple[str, ...]
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def row(self, path: str) -> AuditRow:
+        """The row of the leaf at ``path``."""
+        for r in self.rows:
+            if r.path == path:
+                return r
+        raise KeyError(f"norm_audit: no leaf at {path!r}; paths are {[r.path for r in self.rows]}")
+
+    def __str__(self) -> str:
+        head = ("path", "placements", "local", "global", "summed over", "skipped", "tied / pp", "share")
+        body = [
+            (
+                r.path,
+                r.placements,
+                _fmt(r.local_numel, "{:d}"),
+                str(r.global_numel),
+                ", ".join(r.summed) or "-",
+                ", ".join(r.skipped) or "-",
+                " / ".join(x for x in (r.tied, r.pipeline) if x) or "-",
+                _fmt(r.share, "{:.1%}"),
+            )
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head, *body]]
+        p = "inf" if math.isinf(self.norm_type) else f"{self.norm_type:g}"
+        lines.append(
+            f"norm (p={p}) = {_fmt(self.norm, '{:.6g}')}; plan: {self.plan}; "
+            f"{self.collectives} all-reduce{'s' if self.collectives != 1 else ''} per norm"
+        )
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _fmt(value: Number | int, spec: str) -> str:
+    if isinstance(value, tuple):
+        return "[" + " ".join(spec.format(v) for v in value) + "] by rank"
+    return spec.format(value)
+
+
+def _values(t: torch.Tensor) -> Number:
+    """A 0-d tensor as a float, or one float per simulated rank where they differ (a diagnostic: reads to the host)."""
+    with maybe_disable_local_tensor_mode():
+        if LocalTensor is not None and isinstance(t, LocalTensor):
+            vals = tuple(float(x) for _, x in sorted(t._local_tensors.items()))
+            return vals[0] if all(v == vals[0] or (math.isnan(v) and math.isnan(vals[0])) for v in vals) else vals
+        return float(t)
+
+
+def _numel(x: torch.Tensor) -> int | tuple[int, ...]:
+    local = tu.local(x)
+    if LocalTensor is not None and isinstance(local, LocalTensor):
+        counts = tuple(t.numel() for _, t in sorted(local._local_tensors.items()))
+        return counts[0] if len(set(counts)) == 1 else counts
+    return int(local.numel())
+
+
+def _group_name(group: GroupKey, leaf: Any, comm: Any) -> str:
+    if isinstance(group, str):
+        return group
+    if DTensor is not None and isinstance(leaf, DTensor):
+        mesh = leaf.device_mesh
+        for d, name in enumerate(mesh.mesh_dim_names or ()):
+            if mesh.get_group(d) is group:
+                return name
+    ident = comm.group_id(group)
+    return f"group{ident[1]}" if isinstance(ident, tuple) and len(ident) == 2 else repr(group)
+
+
+def _placements(leaf: Any) -> tuple[str, tuple[str, ...]]:
+    """The leaf's placements, named by mesh dim, and the mesh dims its norm is not summed over, with why."""
+    if DTensor is None or not isinstance(leaf, DTensor):
+        return "plain", ()
+    mesh = leaf.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    shown, skipped = [], []
+    for d, p in enumerate(leaf.placements):
+        shown.append(f"{names[d]}={p}")
+        if mesh.size(d) == 1:
+            skipped.append(f"{names[d]}: size 1")
+        elif not plans._is_shard(p):
+            skipped.append(f"{names[d]}: {'replicated' if p.is_replicate() else p}")
+    return "(" + ", ".join(shown) + ")", tuple(skipped)
+
+
+def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type: float = 2.0) -> NormAudit:
+    """How the global norm of ``grads`` is put together: per leaf, the groups summed and skipped, and its share.
+
+    The plan is ``plan`` (a :func:`gradtx.mesh_groups` plan), else the one the DTensor placements define (what
+    ``clip_by_global_norm(max_norm)`` uses with no plan), else none: the local norm. Run it where the transform
+    runs: on every rank of a real run (it issues the plan's collectives, plus one per group for the
+    per-leaf shares), or on a simulated mesh (:func:`gradtx.testing.simulated_mesh`), where a value the ranks
+    disagree on shows one entry per rank.
+
+    Args:
+      grads: the grads tree (DTensors and plain tensors).
+      plan: a declared plan, or ``None`` to read the placements.
+      norm_type: any ``p > 0`` or ``inf``.
+
+    Returns:
+      A :class:`NormAudit`; ``print(audit)`` shows the table.
+
+    References:
+      d9d, "Gradient Norm & Clipping" (the no-double-counting argument), 2025.
+
+    Example:
+      >>> audit = gtx.norm_audit(grads)            # on every rank (or on a simulated mesh)
+      >>> print(audit)                             # path, placements, summed over, skipped, share
+      >>> assert audit.row("tok_emb.weight").summed == ("dp",)
+    """
+    norm_type = check.norm_type(norm_type, name="norm_audit")
+    plans.check_plan(plan, name="norm_audit")
+    paths, leaves, _ = optree.tree_flatten_with_path(grads)
+    dotted = [tu.dotted(p) for p in paths]
+    tu.check_tensors(leaves, paths, what="norm_audit: grads")
+    source = "declared" if plan is not None else "placements"
+    if plan is None:
+        plan = plans.infer_plan(leaves, what="norm_audit", tree=grads)
+    notes: list[str] = []
+    inf = math.isinf(norm_type)
+    local_norms = norms.tensor_norms(leaves, norm_type)
+    powers = [n if inf else n.pow(norm_type) for n in local_norms]
+    if plan is None:
+        source = "none (local norm)"
+        if _multi_process():
+            notes.append(
+                "plain tensors in a multi-process run, read as replicated (as DDP leaves them); a pipeline stage "
+                "needs mesh_groups(params, pp_group=...), a hand-sharded tensor mesh_groups(params, sharded={...})"
+            )
+        comm: Any = None
+        stage = powers
+        rows_info: list[tuple[tuple[str, ...], str | None, str | None]]
+        total = _total(powers, inf, device=None)
+        rows_info = [((), None, None) for _ in leaves]
+        collectives = 0
+    else:
+        plan.check(leaves, what="norm_audit")
+        comm = plan.comm
+        acc = torch.float64 if any(p.dtype == torch.float64 for p in powers) else torch.float32
+        device = tu.local(leaves[0]).device if leaves else plan.device
+        values = [p.to(device, acc) for p in powers]
+        groups = [plan.groups_of(i) for i in range(len(leaves))]
+        op = ReduceOp.MAX if inf else ReduceOp.SUM
+        reduced = plans.reduce_over_groups(comm, values, groups, plan.group_order, op)
+        stage = [r if inf else r * plan.weight_of(i) for i, r in enumerate(reduced)]
+        total = _total(stage, inf, device=device)
+        if plan.pp_group is not None:
+            (total,) = comm.all_reduce([total], op, plan.pp_group)
+        rows_info = []
+        for i, leaf in enumerate(leaves):
+            info = plan.leaf(i)
+            tied = None
+            if info.tie_group is not None:
+                copies = round(1 / plan.weight_of(i))
+                tied = f"{_group_name(info.tie_group, leaf, comm)}: 1/{copies}"
+            pp = _group_name(plan.pp_group, leaf, comm) if plan.pp_group is not None else None
+            rows_info.append((tuple(_group_name(g, leaf, comm) for g in plan.groups_of(i)), tied, pp))
+        collectives = plan.num_collectives()
+    rows = []
+    for i, leaf in enumerate(leaves):
+        summed, tied, pp = rows_info[i]
+        shown, skipped = _placements(leaf)
+        share = stage[i] / total.clamp_min(torch.finfo(total.dtype).tiny)
+        rows.append(
+            AuditRow(dotted[i], shown, _numel(leaf), int(leaf.numel()), summed, skipped, tied, pp, _values(share))
+        )
+    norm = total if inf else total.pow(1.0 / norm_type)
+    if any(isinstance(r.share, tuple) for r in rows) or isinstance(_values(norm), tuple):
+        notes.append("the ranks disagree on some values (shown per rank): this norm is not the same on every rank")
+    return NormAudit(tuple(rows), _values(norm), norm_type, source, collectives, tuple(notes))
+
+
+def _total(values: list[torch.Tensor], inf: bool, *, device: torch.device | None) -> torch.Tensor:
+    if not values:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    stacked = torch.stack([v.to(values[0].device, values[0].dtype) for v in values])
+    return stacked.max() if inf else stacked.sum()
+
+
+def _multi_process() -> bool:
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)

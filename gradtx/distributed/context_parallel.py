@@ -1,0 +1,93 @@
+"""Context parallelism: sum the grads of the ranks that split a sequence between them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
+from gradtx.core import kinds
+from gradtx.core import tree as tu
+from gradtx.core.base import EmptyState, GradientTransformation, Params, factory
+
+
+def _resolve(group: Any, comm: Comm | None) -> tuple[Comm, GroupKey]:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover
+        DeviceMesh = None  # type: ignore[assignment,misc]
+    if DeviceMesh is not None and isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"cp_reduce: group must be a 1-D DeviceMesh (e.g. mesh['cp']), got {group.ndim} dims")
+        if comm is not None:
+            raise ValueError("cp_reduce: pass either a DeviceMesh as group, or a group key with comm, not both")
+        from gradtx.comm.torch_dist import TorchComm
+
+        names = group.mesh_dim_names
+        if names:
+            return TorchComm(group), names[0]
+        return TorchComm(), group.get_group()
+    if comm is None:
+        import torch.distributed as dist
+
+        if isinstance(group, dist.ProcessGroup):
+            from gradtx.comm.torch_dist import TorchComm
+
+            return TorchComm(), group
+        raise ValueError(
+            f"cp_reduce: group {group!r} needs a comm that names it: pass the mesh dim itself "
+            "(cp_reduce(mesh['cp'])), a ProcessGroup, or comm=gtx.comm.TorchComm(mesh)"
+        )
+    check_comm(comm, name="cp_reduce")
+    return comm, group
+
+
+@factory
+def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation:
+    """Sum every grad over the context-parallel group, so each CP rank holds the grad of the whole sequence.
+
+    Context-parallel ranks hold complementary token chunks of the same
+    sequences, so each computes only its tokens' part of every grad; the
+    true grad is their sum. When CP is folded into the FSDP2 mesh, FSDP2's
+    reduce-scatter already sums it and this transform is not needed; when it
+    is not (a separate ``cp`` mesh dim that FSDP2 does not shard over), put
+    this first in the chain. The grads stay as they were sharded (DTensors
+    keep their placements; their local shards are summed), and the norm
+    downstream (``clip_by_global_norm(max_norm)``) is read from the
+    placements as usual: after the sum the grads are replicated over ``cp``,
+    which is never summed in the norm.
+
+    One coalesced all-reduce (SUM) per step for all the grads (one per dtype
+    under :class:`~gradtx.comm.TorchComm`); no host sync.
+
+    Args:
+      group: the CP group: a 1-D ``DeviceMesh`` (``mesh["cp"]``), a
+        ``ProcessGroup``, or a group key that ``comm`` resolves (``"cp"``).
+      comm: the :class:`~gradtx.comm.Comm` that resolves ``group``; default:
+        built from the mesh or process group.
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    References:
+      xorl, ``sync_sp_gradients`` ("Gradient Accumulation & Token Normalization"), 2025;
+      Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context", 2023.
+
+    Example:
+      >>> mesh = init_device_mesh("cuda", (dp, cp), mesh_dim_names=("dp", "cp"))
+      >>> fully_shard(model, mesh=mesh["dp"])   # CP not folded into FSDP2
+      >>> tx = gtx.chain(gtx.cp_reduce(mesh["cp"]), gtx.clip_by_global_norm(1.0), gtx.adamw(3e-4))
+    """
+    comm, key = _resolve(group, comm)
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params
+        leaves, spec = tu.flatten(updates)
+        tu.check_tensors(leaves, tu.paths(updates), what="cp_reduce: updates")
+        summed = tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key, inplace=bool(extra.get("inplace", False)))
+        return tu.unflatten(spec, summed), state
+
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))

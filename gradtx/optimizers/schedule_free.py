@@ -1,0 +1,329 @@
+"""Schedule-free optimization (optax.contrib's ``schedule_free`` family), and how to get its evaluation params.
+
+Schedule-free training keeps two sequences: ``z``, moved by the base
+optimizer, and ``x``, a running average of ``z`` weighted by the learning rate
+seen so far. The params it trains are ``y = b1 * x + (1 - b1) * z``, where
+grads are taken. Evaluate ``x`` instead: :func:`schedule_free_eval_params`
+computes it from the state and ``y``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from gradtx.core import leafwise as lw
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, export_metrics, factory
+from gradtx.optimizers.standard import add_decayed_weights, scale_by_learning_rate, sgd
+from gradtx.schedules.builtin import warmup_constant_schedule
+from gradtx.transforms.combine import chain
+
+__all__ = [
+    "ScaleByRmsWithCountState",
+    "ScheduleFreeState",
+    "schedule_free",
+    "schedule_free_adamw",
+    "schedule_free_eval_params",
+    "schedule_free_sgd",
+]
+
+ScalarOrSchedule = float | torch.Tensor | Callable[[torch.Tensor], Any]
+
+
+@export_metrics(("max_lr", "max_lr"))
+class ScheduleFreeState(NamedTuple):
+    """optax's fields: ``b1``, the weight sum, the step count (from 1), the largest learning rate, the base state, ``z``."""
+
+    b1: torch.Tensor
+    weight_sum: torch.Tensor
+    step_count: torch.Tensor
+    max_lr: torch.Tensor
+    base_optimizer_state: OptState
+    z: PyTree
+
+
+def _check_dtype(value: Any, *, name: str) -> torch.dtype | None:
+    if value is not None and not isinstance(value, torch.dtype):
+        raise TypeError(f"{name}: state_dtype must be a torch.dtype or None, got {type(value).__name__}")
+    return value
+
+
+@factory
+def schedule_free(
+    base_optimizer: GradientTransformation,
+    learning_rate: ScalarOrSchedule,
+    b1: float = 0.9,
+    weight_lr_power: float = 2.0,
+    state_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Turn ``base_optimizer`` into its schedule-free version: no learning-rate decay needed.
+
+    ``update`` needs ``params`` (``y``, the params grads are taken at) and
+    returns the updates that move them to the next ``y``. ``learning_rate``
+    must be the one ``base_optimizer`` uses: it weights the average (a
+    schedule is called with the step count from 1, as optax calls it). As
+    ``optax.contrib.schedule_free``.
+
+    To evaluate, use :func:`schedule_free_eval_params` (``x``). In
+    :class:`gradtx.TransformedOptimizer` (with a plain ``torch.optim.SGD(lr=1)``
+    inner optimizer, which applies the updates as they are), the state is
+    ``opt.tx_state`` and the params ``opt.param_tree()``.
+
+    Args:
+      base_optimizer: the optimizer that moves ``z`` (``sgd(lr)``, or Adam without momentum).
+      learning_rate: the base optimizer's learning rate: a number or a schedule.
+      b1: the interpolation between ``x`` and ``z``; in ``(0, 1)``.
+      weight_lr_power: the average weights step ``t`` by ``max_lr_t ** weight_lr_power``.
+      state_dtype: the dtype ``z`` is kept in; ``None``: the params'.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`ScheduleFreeState`.
+
+    References:
+      Defazio et al., "The Road Less Scheduled", 2024.
+
+    Example:
+      >>> tx = schedule_free(sgd(1.0), learning_rate=1.0)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+      >>> eval_params = schedule_free_eval_params(state, apply_updates(params, updates))
+    """
+    if not isinstance(base_optimizer, GradientTransformation):
+        raise TypeError(
+            f"schedule_free: base_optimizer must be a GradientTransformation, got {type(base_optimizer).__name__}"
+        )
+    learning_rate = check.learning_rate(learning_rate, name="schedule_free")
+    b1 = check.number(b1, arg="b1", name="schedule_free")
+    if not 0.0 < b1 < 1.0:
+        raise ValueError(f"schedule_free: b1 must be in (0, 1), got {b1}")
+    weight_lr_power = check.number(weight_lr_power, arg="weight_lr_power", name="schedule_free")
+    state_dtype = _check_dtype(state_dtype, name="schedule_free")
+
+    def init_fn(params: Params) -> ScheduleFreeState:
+        lw.tensor_leaves(params, name="schedule_free", what="params")
+        device, dtype = lw.device_of(params), lw.lowest_dtype(params)
+        return ScheduleFreeState(
+            b1=torch.tensor(b1, dtype=dtype, device=device),
+            weight_sum=torch.zeros((), dtype=dtype, device=device),
+            step_count=torch.ones((), dtype=torch.int64, device=device),
+            max_lr=torch.zeros((), dtype=dtype, device=device),
+            base_optimizer_state=base_optimizer.init(params),
+            z=lw.clone_tree(params, state_dtype),  # its own storage: z never aliases the params
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        tu.require_state(state, ScheduleFreeState, name="schedule_free")
+        if params is None:
+            raise ValueError("schedule_free: update() needs params (y, where the grads were taken), got params=None")
+        if callable(learning_rate):
+            lr = learning_rate(state.step_count)
+            lr = torch.as_tensor(lr).to(state.max_lr.device, state.max_lr.dtype)
+        elif isinstance(learning_rate, torch.Tensor):
+            lr = learning_rate.to(state.max_lr.device, state.max_lr.dtype)
+        else:
+            lr = torch.tensor(learning_rate, dtype=state.max_lr.dtype, device=state.max_lr.device)
+        max_lr = torch.maximum(state.max_lr, lr)
+        weight = max_lr**weight_lr_power
+        total = state.weight_sum + weight
+        # A tiny learning rate gives 0/0: count it as no weight, as optax does.
+        ck = torch.where(
+            torch.isnan(weight) | torch.isnan(total),
+            torch.full_like(weight, float("nan")),
+            torch.nan_to_num(weight / total, nan=0.0, posinf=float("inf")),
+        )
+        base_updates, base_state = base_optimizer.update(updates, state.base_optimizer_state, params, **extra)
+        if base_updates is None:
+            raise ValueError("schedule_free: the base optimizer held (returned None); put accumulate() before it")
+        z = lw.lmap(lambda zi, ui: (zi + ui).to(zi.dtype), state.z, base_updates)
+
+        def step(y: torch.Tensor, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
+            c = ck.to(y.device)
+            prev_x = (y - (1.0 - b1) * z_old) / b1
+            x = (1.0 - c) * prev_x + c * z_new
+            return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype)
+
+        out = lw.lmap(step, params, state.z, z)
+        new_state = ScheduleFreeState(
+            b1=state.b1,
+            weight_sum=total,
+            step_count=state.step_count + 1,
+            max_lr=max_lr,
+            base_optimizer_state=base_state,
+            z=z,
+        )
+        return out, new_state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _find_state(state: Any) -> ScheduleFreeState | None:
+    if isinstance(state, ScheduleFreeState):
+        return state
+    children: Any = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
+    for child in children:
+        found = _find_state(child)
+        if found is not None:
+            return found
+    return None
+
+
+def schedule_free_eval_params(state: OptState, params: Params) -> Params:
+    """The params to evaluate a schedule-free run at: ``x = (y - (1 - b1) * z) / b1``; pure.
+
+    Args:
+      state: the :class:`ScheduleFreeState`, or any state holding one (a chain's,
+        the wrapper's ``opt.tx_state``).
+      params: ``y``, the params being trained (the wrapper's ``opt.param_tree()``).
+
+    Returns:
+      A new tree of the params' structure; nothing is changed.
+
+    Raises:
+      ValueError: when ``state`` holds no :class:`ScheduleFreeState`.
+
+    Example:
+      >>> eval_params = schedule_free_eval_params(state, params)
+    """
+    found = _find_state(state)
+    if found is None:
+        raise ValueError(
+            f"schedule_free_eval_params: state must be (or hold) a ScheduleFreeState, got {type(state).__name__}"
+        )
+    tu.check_structure(found.z, params, what="schedule_free_eval_params: params", against="the state's z")
+
+    def evaluate(y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        b1 = found.b1.to(y.device)
+        return ((y - (1.0 - b1) * z.to(y.dtype)) / b1).to(y.dtype)
+
+    return lw.lmap(evaluate, params, found.z)
+
+
+class ScaleByRmsWithCountState(NamedTuple):
+    """The step count (0-d int64) and the second moment (a tree mirroring the params), as optax's."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
+    nu: PyTree
+
+
+def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
+    """optax's ``scale_by_rms(decay, eps, eps_in_sqrt=False, bias_correction=True)``: Adam without momentum."""
+
+    def init_fn(params: Params) -> ScaleByRmsWithCountState:
+        return ScaleByRmsWithCountState(count=lw.zero_count(params), nu=lw.zeros_like_tree(params))
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, ScaleByRmsWithCountState, name="schedule_free_adamw")
+        lw.tensor_leaves(updates, name="schedule_free_adamw", what="updates")
+        count = state.count + 1
+        nu = lw.lmap(lambda g, v: (1 - decay) * g * g + decay * v, updates, state.nu)
+
+        def scaled(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            t = count.to(v.device, tu.acc_dtype(v.dtype))
+            v_hat = v / (1 - decay**t).to(v.dtype)
+            return g * (1 / (torch.sqrt(v_hat) + eps))
+
+        return lw.lmap(scaled, updates, nu), ScaleByRmsWithCountState(count=count, nu=nu)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _warmed_up(learning_rate: Any, warmup_steps: Any, *, name: str) -> Any:
+    if warmup_steps is None:
+        return learning_rate
+    warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name, minimum=0)
+    return warmup_constant_schedule(init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps)
+
+
+@factory
+def schedule_free_adamw(
+    learning_rate: float = 0.0025,
+    warmup_steps: int | None = None,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    weight_lr_power: float = 2.0,
+    state_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Schedule-free AdamW: :func:`schedule_free` around Adam's second-moment scaling (no momentum), decay and lr.
+
+    ``schedule_free(chain(scale_by_rms(b2, eps, bias corrected), add_decayed_weights(weight_decay),
+    scale_by_learning_rate(lr)), lr, b1)``, with a constant warm-up over
+    ``warmup_steps`` when given, as ``optax.contrib.schedule_free_adamw`` (whose
+    defaults these are). ``b1`` is the schedule-free interpolation, which
+    takes the place of Adam's momentum. ``update`` needs ``params``.
+
+    Args:
+      learning_rate: the peak learning rate; ``>= 0``.
+      warmup_steps: linear warm-up from 0 over this many steps; ``None``: none.
+      b1: the schedule-free interpolation; in ``(0, 1)``.
+      b2: the decay of the second moment; in ``[0, 1)``.
+      eps: added to the denominator; ``>= 0``.
+      weight_decay: decoupled weight decay (scaled by the learning rate); ``>= 0``.
+      weight_lr_power: the power of the learning rate in the average's weights.
+      state_dtype: the dtype ``z`` is kept in; ``None``: the params'.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`ScheduleFreeState`.
+
+    References:
+      Defazio et al., "The Road Less Scheduled", 2024.
+
+    Example:
+      >>> tx = schedule_free_adamw(1e-3, warmup_steps=100, weight_decay=1e-4)
+    """
+    name = "schedule_free_adamw"
+    learning_rate = check.non_negative(learning_rate, arg="learning_rate", name=name)
+    b1 = check.number(b1, arg="b1", name=name)
+    b2 = check.beta(b2, arg="b2", name=name)
+    eps = check.non_negative(eps, arg="eps", name=name)
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name=name)
+    lr = _warmed_up(learning_rate, warmup_steps, name=name)
+    optimizer = chain(_scale_by_rms_debiased(b2, eps), add_decayed_weights(weight_decay), scale_by_learning_rate(lr))
+    return schedule_free(optimizer, learning_rate=lr, b1=b1, weight_lr_power=weight_lr_power, state_dtype=state_dtype)
+
+
+@factory
+def schedule_free_sgd(
+    learning_rate: float = 1.0,
+    warmup_steps: int | None = None,
+    b1: float = 0.9,
+    weight_decay: float | None = None,
+    weight_lr_power: float = 2.0,
+    state_dtype: torch.dtype | None = None,
+) -> GradientTransformation:
+    """Schedule-free SGD: :func:`schedule_free` around ``sgd(learning_rate)``, with L2 decay when given.
+
+    As ``optax.contrib.schedule_free_sgd`` (whose defaults these are). With
+    ``weight_decay``, ``update`` needs ``params`` (it always does: ``y``).
+
+    Args:
+      learning_rate: the peak learning rate; ``>= 0``.
+      warmup_steps: linear warm-up from 0 over this many steps; ``None``: none.
+      b1: the schedule-free interpolation; in ``(0, 1)``.
+      weight_decay: L2 decay added to the gradient; ``None``: none.
+      weight_lr_power: the power of the learning rate in the average's weights.
+      state_dtype: the dtype ``z`` is kept in; ``None``: the params'.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`ScheduleFreeState`.
+
+    References:
+      Defazio et al., "The Road Less Scheduled", 2024.
+
+    Example:
+      >>> tx = schedule_free_sgd(1.0, warmup_steps=10)
+    """
+    name = "schedule_free_sgd"
+    learning_rate = check.non_negative(learning_rate, arg="learning_rate", name=name)
+    b1 = check.number(b1, arg="b1", name=name)
+    lr = _warmed_up(learning_rate, warmup_steps, name=name)
+    optimizer: GradientTransformation = sgd(lr)
+    if weight_decay is not None:
+        weight_decay = check.non_negative(weight_decay, arg="weight_decay", name=name)
+        optimizer = chain(add_decayed_weights(weight_decay), optimizer)
+    return schedule_free(optimizer, learning_rate=lr, b1=b1, weight_lr_power=weight_lr_power, state_dtype=state_dtype)

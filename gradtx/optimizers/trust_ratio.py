@@ -1,0 +1,258 @@
+"""Layer-wise trust ratios: ``scale_by_trust_ratio``, and the ``lars`` and ``lamb`` aliases built on it.
+
+Each param's update is rescaled by ``||param|| / ||update||``. The norms are
+per param, of the whole (unsharded) tensor: on DTensor grads they are read
+from the placements through the same plan :func:`gradtx.adaptive_clip` uses
+(one coalesced all-reduce per sharded mesh dim per step), so every rank scales
+its shard by the single-device ratio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradtx.core import leafwise as lw
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory
+from gradtx.distributed import plan
+from gradtx.optimizers.standard import (
+    ScaleByAdamState,
+    add_decayed_weights,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+from gradtx.transforms.combine import chain, masked
+
+__all__ = ["lamb", "lars", "scale_by_trust_ratio"]
+
+ScalarOrSchedule = float | torch.Tensor | Callable[[torch.Tensor], Any]
+MaskOrFn = PyTree | Callable[[Params], PyTree] | None
+
+
+def _hyper(value: Any) -> Callable[[torch.Tensor], Any]:
+    if isinstance(value, torch.Tensor):
+        return lambda like: value.to(like.device, like.dtype)
+    return lambda like: value
+
+
+@factory
+def scale_by_trust_ratio(
+    min_norm: float | torch.Tensor = 0.0,
+    trust_coefficient: float | torch.Tensor = 1.0,
+    eps: float | torch.Tensor = 0.0,
+    *,
+    mesh_groups: Any | None = None,
+) -> GradientTransformation:
+    """Scale each param's update by ``trust_coefficient * ||param|| / (||update|| + eps)``.
+
+    Norms are floored at ``min_norm``; a param or an update of norm zero keeps
+    its update unchanged (ratio 1), so zero-initialised params can move. As
+    optax's ``scale_by_trust_ratio``. Norms are fp32 (fp64 for fp64 params)
+    whatever the dtype.
+
+    Args:
+      min_norm: the floor on both norms; ``>= 0``.
+      trust_coefficient: multiplies the ratio; ``>= 0``.
+      eps: added to the update's norm; ``>= 0``.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (plain tensors
+        sharded by hand); ``None`` reads it from DTensor placements, so the norms
+        are the unsharded tensors' on every rank.
+
+    Returns:
+      A stateless :class:`GradientTransformation`; ``update`` needs ``params``.
+
+    References:
+      You, Gitman & Ginsburg, "Large Batch Training of Convolutional Networks", 2017.
+
+    Example:
+      >>> tx = chain(scale_by_adam(), scale_by_trust_ratio(), scale_by_learning_rate(1e-3))
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+    """
+    name = "scale_by_trust_ratio"
+    min_norm = check.non_negative(min_norm, arg="min_norm", name=name, tensor=True)
+    trust_coefficient = check.non_negative(trust_coefficient, arg="trust_coefficient", name=name, tensor=True)
+    eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
+    if mesh_groups is not None and not callable(getattr(mesh_groups, "unitwise_norms", None)):
+        raise TypeError(
+            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
+        )
+    floor, coef, shift = _hyper(min_norm), _hyper(trust_coefficient), _hyper(eps)
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del extra
+        if state is not None:
+            tu.require_state(state, EmptyState, name=name)
+        if params is None:
+            raise ValueError(f"{name}: update() needs params (the weights whose norms set the ratio), got params=None")
+        index, leaves, spec = tu.align(params, updates, what=f"{name}: updates", against="params")
+        all_params = tu.flatten(params)[0]
+        if mesh_groups is not None and len(index) != len(all_params):
+            # A declared plan covers every leaf: a param with no update joins the collectives with zeros.
+            full = tu.scatter(len(all_params), index, leaves)
+            full = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
+            u_all, p_all = plan.tree_unitwise_norms(
+                full, all_params, unitwise=False, mesh_groups=mesh_groups, tree=params
+            )
+            u_norms, p_norms = [u_all[i] for i in index], [p_all[i] for i in index]
+        else:
+            u_norms, p_norms = plan.tree_unitwise_norms(
+                leaves, [all_params[i] for i in index], unitwise=False, mesh_groups=mesh_groups, tree=updates
+            )
+        out = []
+        for u, u_norm, p_norm in zip(leaves, u_norms, p_norms):
+            p_norm = torch.clamp(p_norm, min=floor(p_norm))
+            u_norm = torch.clamp(u_norm, min=floor(u_norm))
+            ratio = coef(p_norm) * p_norm / (u_norm + shift(u_norm))
+            ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+            local = tu.local(u)
+            out.append(tu.like(u, (local * ratio.to(local.device)).to(local.dtype)))
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _scale_by_adam_eps_root(b1: Any, b2: Any, eps: Any, eps_root: Any) -> GradientTransformation:
+    """optax's Adam with ``eps_root`` inside the square root: ``m_hat / (sqrt(v_hat + eps_root) + eps)``."""
+
+    def init_fn(params: Params) -> ScaleByAdamState:
+        return ScaleByAdamState(
+            count=lw.zero_count(params), mu=lw.zeros_like_tree(params), nu=lw.zeros_like_tree(params)
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, ScaleByAdamState, name="lamb")
+        lw.tensor_leaves(updates, name="lamb", what="updates")
+        count = state.count + 1
+        mu = lw.lmap(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
+        nu = lw.lmap(lambda g, v: (1 - b2) * g * g + b2 * v, updates, state.nu)
+
+        def direction(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            t = count.to(m.device, tu.acc_dtype(m.dtype))
+            m_hat = m / (1 - b1**t).to(m.dtype)
+            v_hat = v / (1 - b2**t).to(v.dtype)
+            return m_hat / (torch.sqrt(v_hat + eps_root) + eps)
+
+        return lw.lmap(direction, mu, nu), ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+@factory
+def lars(
+    learning_rate: ScalarOrSchedule,
+    weight_decay: float | torch.Tensor = 0.0,
+    weight_decay_mask: MaskOrFn = True,
+    trust_coefficient: float | torch.Tensor = 0.001,
+    eps: float | torch.Tensor = 0.0,
+    trust_ratio_mask: MaskOrFn = True,
+    momentum: float | torch.Tensor = 0.9,
+    nesterov: bool = False,
+) -> GradientTransformation:
+    """LARS: SGD with momentum whose step for each layer is scaled by its trust ratio.
+
+    ``chain(add_decayed_weights(weight_decay, weight_decay_mask),
+    masked(scale_by_trust_ratio(trust_coefficient=..., eps=...), trust_ratio_mask),
+    scale_by_learning_rate(learning_rate), trace(momentum, nesterov))``, as
+    optax's ``lars`` (whose parameter order and defaults these are). ``update``
+    needs ``params``. Exempt biases and norms with the masks.
+
+    Args:
+      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
+      weight_decay: L2 decay added to the gradient before the trust ratio; ``>= 0``.
+      weight_decay_mask: where to decay (True: everywhere), as for :func:`gradtx.masked`.
+      trust_coefficient: multiplies the trust ratio; ``>= 0``.
+      eps: added to the update's norm; ``>= 0``.
+      trust_ratio_mask: where to apply the trust ratio (True: everywhere).
+      momentum: the momentum coefficient; ``>= 0``.
+      nesterov: use Nesterov momentum.
+
+    Returns:
+      A :class:`GradientTransformation` that runs that chain and has its state.
+
+    References:
+      You, Gitman & Ginsburg, "Large Batch Training of Convolutional Networks", 2017.
+
+    Example:
+      >>> tx = lars(0.1, weight_decay=1e-4)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+    """
+    learning_rate = check.learning_rate(learning_rate, name="lars")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lars", tensor=True)
+    trust_coefficient = check.non_negative(trust_coefficient, arg="trust_coefficient", name="lars", tensor=True)
+    eps = check.non_negative(eps, arg="eps", name="lars", tensor=True)
+    momentum = check.non_negative(momentum, arg="momentum", name="lars", tensor=True)
+    nesterov = check.flag(nesterov, arg="nesterov", name="lars")
+    # A mask of True covers every leaf: the transform itself, with no masking to trace (or to broadcast).
+    trust = scale_by_trust_ratio(trust_coefficient=trust_coefficient, eps=eps)
+    return chain(
+        add_decayed_weights(weight_decay, mask=None if weight_decay_mask is True else weight_decay_mask),
+        trust if trust_ratio_mask is True else masked(trust, trust_ratio_mask),
+        scale_by_learning_rate(learning_rate),
+        trace(decay=momentum, nesterov=nesterov),
+    )
+
+
+@factory
+def lamb(
+    learning_rate: ScalarOrSchedule,
+    b1: float | torch.Tensor = 0.9,
+    b2: float | torch.Tensor = 0.999,
+    eps: float | torch.Tensor = 1e-6,
+    eps_root: float = 0.0,
+    weight_decay: float | torch.Tensor = 0.0,
+    mask: MaskOrFn = None,
+) -> GradientTransformation:
+    """LAMB: Adam with decoupled weight decay, each layer's step scaled by its trust ratio.
+
+    ``chain(scale_by_adam(b1, b2, eps, eps_root), add_decayed_weights(weight_decay, mask),
+    scale_by_trust_ratio(), scale_by_learning_rate(learning_rate))``, as optax's
+    ``lamb`` (whose parameter order and defaults these are; note ``eps=1e-6``).
+    ``update`` needs ``params``.
+
+    Args:
+      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
+      b1: decay of the first moment; in ``[0, 1)``.
+      b2: decay of the second moment; in ``[0, 1)``.
+      eps: added to the denominator outside the square root; ``>= 0``.
+      eps_root: added to the second moment inside the square root; ``>= 0``.
+      weight_decay: the decoupled decay coefficient; ``>= 0``.
+      mask: decay only where this is True (a tree of bools or a function of the params).
+
+    Returns:
+      A :class:`GradientTransformation` that runs that chain and has its state.
+
+    References:
+      You et al., "Large Batch Optimization for Deep Learning: Training BERT in 76 minutes", 2020.
+
+    Example:
+      >>> tx = lamb(1e-3, weight_decay=0.01)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+    """
+    learning_rate = check.learning_rate(learning_rate, name="lamb")
+    b1 = check.beta(b1, arg="b1", name="lamb", tensor=True)
+    b2 = check.beta(b2, arg="b2", name="lamb", tensor=True)
+    eps = check.non_negative(eps, arg="eps", name="lamb", tensor=True)
+    eps_root = check.non_negative(eps_root, arg="eps_root", name="lamb")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lamb", tensor=True)
+    if eps_root == 0.0:
+        adam_tx = scale_by_adam(b1=b1, b2=b2, eps=eps)
+    else:
+        if any(isinstance(v, torch.Tensor) for v in (b1, b2, eps)):
+            raise TypeError("lamb: with eps_root > 0, b1, b2 and eps must be numbers, not tensors")
+        adam_tx = _scale_by_adam_eps_root(b1, b2, eps, eps_root)
+    return chain(
+        adam_tx,
+        add_decayed_weights(weight_decay=weight_decay, mask=mask),
+        scale_by_trust_ratio(),
+        scale_by_learning_rate(learning_rate),
+    )

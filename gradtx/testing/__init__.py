@@ -1,0 +1,254 @@
+"""Helpers for testing gradient transformations, yours included, in one process.
+
+Example:
+  >>> from gradtx import testing
+  >>> testing.assert_pure(my_tx, grads, params)
+  >>> testing.assert_trees_close(got, expected, rtol=1e-6)
+  >>> comm = testing.RecordingComm()
+  >>> tx = clip_by_global_norm(1.0, mesh_groups=plan_using(comm))
+  >>> assert [c.op for c in comm.calls] == ["sum"]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from gradtx.comm.base import Comm, Done, GroupKey, PendingReduce, ReduceOp, as_comm, start_all_reduce
+from gradtx.comm.local import LocalComm
+from gradtx.core import kinds
+from gradtx.core import tree as tu
+from gradtx.core.base import GradientTransformation, PyTree
+
+
+def _tensor_leaves(tree: PyTree) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (tu.path_str(p), leaf) for p, leaf in zip(tu.paths(tree), tu.flatten(tree)[0]) if isinstance(leaf, torch.Tensor)
+    ]
+
+
+def _snapshot(tree: PyTree) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
+    return [(path, t, tu.local(t).detach().clone(), t._version) for path, t in _tensor_leaves(tree)]
+
+
+def _check_unchanged(snapshot: list[tuple[str, torch.Tensor, torch.Tensor, int]], what: str) -> None:
+    for path, t, copy, version in snapshot:
+        if t._version != version:
+            raise AssertionError(f"{what} at {path} was modified in place (its version counter moved)")
+        if not torch.equal(tu.local(t).detach(), copy) and not _both_nan_equal(tu.local(t).detach(), copy):
+            raise AssertionError(f"{what} at {path} changed value")
+
+
+def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
+
+
+def assert_pure(
+    tx: GradientTransformation,
+    updates: PyTree,
+    params: PyTree | None = None,
+    state: PyTree | None = None,
+    *,
+    steps: int = 2,
+    **extra: Any,
+) -> tuple[PyTree, PyTree]:
+    """Check that ``tx`` mutates none of its inputs, is deterministic, and keeps the ownership rule.
+
+    Runs ``init`` (unless ``state`` is given) and ``steps`` updates with the
+    same inputs, and fails if any input tensor's version counter moved or its
+    value changed, or if running the same update twice gives different results.
+    Each step also runs with ``inplace=True`` on a copy of the updates (what a
+    donated step or the wrapper passes), which may write only into that copy,
+    and must give the same numbers. A transform that declares fresh updates
+    (:func:`gradtx.core.kinds.declare_fresh`) fails if an update it returns shares
+    storage with its state or the params (see ``docs/transforms.md``).
+
+    Returns:
+      The ``(updates, state)`` of the last step.
+    """
+    params_snap = _snapshot(params)
+    if state is None:
+        state = tx.init(params if params is not None else updates)
+        _check_unchanged(params_snap, "init: params")
+    result: tuple[PyTree, PyTree] = (None, state)
+    for _ in range(steps):
+        snaps = [(_snapshot(updates), "update: updates"), (_snapshot(state), "update: state"), (params_snap, "params")]
+        first = tx.update(updates, state, params, **extra)
+        again = tx.update(updates, state, params, **extra)
+        for snap, what in snaps:
+            _check_unchanged(snap, what)
+        assert_trees_equal(first, again, msg="update is not deterministic: ")
+        _check_ownership(tx, updates, state, params, first, extra)
+        result, state = first, first[1]
+    return result
+
+
+def _check_ownership(
+    tx: GradientTransformation, updates: PyTree, state: PyTree, params: PyTree, pure: tuple[PyTree, PyTree], extra: Any
+) -> None:
+    """The ownership rule of ``docs/transforms.md``: a declared-fresh result holds no input, and ``inplace`` is honest."""
+    new_updates, new_state = pure
+    if new_updates is not None and kinds.returns_fresh(tx):
+        held = kinds.held_storages(new_state, state, params, updates)
+        for path, leaf in _tensor_leaves(new_updates):
+            if tu.local(leaf).untyped_storage().data_ptr() in held:
+                raise AssertionError(
+                    f"update: the returned updates at {path} share storage with the state or params, but the "
+                    "transform declares fresh updates (gradtx.core.kinds.declare_fresh); return a new tensor, or drop "
+                    "the declaration (see docs/transforms.md)"
+                )
+    if "inplace" in extra or updates is None:
+        return
+    donated = tu.tree_map(
+        lambda t: tu.like(t, tu.local(t).detach().clone()) if isinstance(t, torch.Tensor) else t, updates
+    )
+    snaps = [(_snapshot(state), "update(inplace=True): state"), (_snapshot(params), "update(inplace=True): params")]
+    got = tx.update(donated, state, params, inplace=True, **extra)
+    for snap, what in snaps:
+        _check_unchanged(snap, what)
+    assert_trees_close(got, pure, rtol=1e-6, atol=0.0, msg="update(inplace=True) differs from the pure update: ")
+
+
+def assert_trees_close(
+    actual: PyTree, expected: PyTree, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = ""
+) -> None:
+    """Assert two trees have the same structure and every leaf is close (NaNs equal)."""
+    where = tu.first_mismatch(expected, actual)
+    if where is not None:
+        raise AssertionError(f"{msg}actual tree does not match expected tree at {where}")
+    for (path, a), (_, e) in zip(_tensor_leaves(actual), _tensor_leaves(expected)):
+        a, e = tu.local(a).detach(), tu.local(e).detach()
+        if a.dtype != e.dtype:
+            raise AssertionError(f"{msg}{path}: dtype {a.dtype} != {e.dtype}")
+        try:
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
+        except AssertionError as err:
+            raise AssertionError(f"{msg}{path}: {err}") from None
+
+
+def assert_donated_matches_pure(
+    tx: GradientTransformation,
+    params: PyTree,
+    grads_seq: Sequence[PyTree],
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+    **extra: Any,
+) -> tuple[PyTree, Any]:
+    """Run ``tx`` over ``grads_seq`` as pure steps and as donated steps; assert the params and states agree.
+
+    The donated path (:func:`gradtx.update_and_apply` with ``donate=True``) runs
+    through the step executor: in place, with trailing scalar factors folded and a
+    trailing optimizer fused. A transform of yours is correct there when this passes.
+    Every step's params are compared, and the states at the end.
+
+    Returns:
+      The donated run's final ``(params, state)``.
+
+    Example:
+      >>> grads_seq = [torch.func.grad(loss)(params, b) for b in batches]
+      >>> assert_donated_matches_pure(chain(my_tx(), adamw(1e-3)), params, grads_seq)
+    """
+    from gradtx.runtime.executor import update_and_apply  # the executor sits above the transforms
+
+    pure_params = params
+    donated_params = tu.tree_map(lambda t: t.detach().clone(), params)
+    pure_state, donated_state = tx.init(pure_params), tx.init(donated_params)
+    for i, grads in enumerate(grads_seq):
+        pure_params, pure_state = update_and_apply(tx, grads, pure_state, pure_params, **extra)
+        donated_grads = tu.tree_map(lambda t: t.detach().clone(), grads)
+        donated_params, donated_state = update_and_apply(
+            tx, donated_grads, donated_state, donated_params, donate=True, **extra
+        )
+        assert_trees_close(donated_params, pure_params, rtol=rtol, atol=atol, msg=f"params after step {i}: ")
+    assert_trees_close(donated_state, pure_state, rtol=rtol, atol=atol, msg="state after the last step: ")
+    return donated_params, donated_state
+
+
+def assert_trees_equal(actual: PyTree, expected: PyTree, *, msg: str = "") -> None:
+    """Assert two trees are bitwise equal (NaNs equal)."""
+    assert_trees_close(actual, expected, rtol=0.0, atol=0.0, msg=msg)
+
+
+class Collective(NamedTuple):
+    """One collective a :class:`RecordingComm` saw."""
+
+    op: str
+    group: GroupKey
+    num_tensors: int
+    shapes: tuple[tuple[int, ...], ...]
+
+
+class RecordingComm:
+    """A :class:`~gradtx.comm.Comm` that logs every collective, then forwards it.
+
+    Tests use it to assert how many collectives a step issues, over which
+    groups; wrap a ``TorchComm`` to count real ones, or use it alone (it
+    forwards to a :class:`LocalComm`). It is an :class:`~gradtx.comm.AsyncComm`:
+    ``events`` logs ``("start", i)`` when collective ``calls[i]`` is started and
+    ``("wait", i)`` when its result is waited for, so a test can check that
+    every reduction was started before the first wait.
+    """
+
+    def __init__(self, inner: Comm | None = None) -> None:
+        self.inner: Comm = inner if inner is not None else LocalComm()
+        self.calls: list[Collective] = []
+        self.events: list[tuple[str, int]] = []
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        self.calls.append(Collective(ReduceOp(op).value, group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
+        return self.inner.all_reduce(tensors, op, group)
+
+    def all_reduce_async(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> PendingReduce:
+        index = len(self.calls)
+        if type(self).all_reduce is RecordingComm.all_reduce:  # forward the start, so a wrapped TorchComm overlaps
+            self.calls.append(
+                Collective(ReduceOp(op).value, group, len(tensors), tuple(tuple(t.shape) for t in tensors))
+            )
+            pending = start_all_reduce(self.inner, tensors, op, group)
+        else:  # a subclass that answers all_reduce itself (a simulated peer) answers now
+            pending = Done(self.all_reduce(tensors, op, group))
+        self.events.append(("start", index))
+        return _RecordedWait(self, index, pending)
+
+    def size(self, group: GroupKey) -> int:
+        return self.inner.size(group)
+
+    def rank(self, group: GroupKey) -> int:
+        return as_comm(self.inner, name="RecordingComm").rank(group)
+
+    def group_id(self, group: GroupKey) -> Hashable:
+        return as_comm(self.inner, name="RecordingComm").group_id(group)
+
+    def all_to_all(
+        self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
+    ) -> list[torch.Tensor]:
+        """Log an exchange (``shapes`` are what goes to each rank), then forward it to the inner comm."""
+        self.calls.append(Collective("all_to_all", group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
+        return self.inner.all_to_all(tensors, recv_numels, group)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
+        return getattr(self.inner, name)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.events.clear()
+
+
+class _RecordedWait:
+    def __init__(self, comm: RecordingComm, index: int, pending: PendingReduce) -> None:
+        self._comm, self._index, self._pending = comm, index, pending
+
+    def wait(self) -> list[torch.Tensor]:
+        self._comm.events.append(("wait", self._index))
+        return self._pending.wait()
+
+
+# --- simulated meshes: distributed transforms tested in one process (torch's LocalTensorMode) ----------
+
+try:  # a torch build without distributed support has no simulated meshes
+    from gradtx.testing.simulated import assert_matches_single_device, distribute, simulated_mesh  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass

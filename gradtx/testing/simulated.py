@@ -1,0 +1,525 @@
+"""Simulated meshes: every rank of a DeviceMesh in one process, on torch's ``LocalTensorMode``.
+
+Re-exported from :mod:`gradtx.testing`; see ``docs/testing.md``. Under
+``LocalTensorMode`` a DTensor's local tensor is a ``LocalTensor`` that holds
+each simulated rank's shard, and collectives run over those shards for real.
+The code under test runs once, as every rank at the same time.
+
+Two rough edges of torch's simulation are handled here, so they are never
+reported as a bug of the transform under test:
+
+* ``distribute_tensor`` gives a fully replicated DTensor a *plain* local
+  tensor, shared by all the simulated ranks. An in-place op that mixes it
+  with a per-rank ``LocalTensor`` then runs once per rank on that one shared
+  tensor (a step counter of an optimizer state advances once per rank). Every
+  leaf built here holds one copy per rank instead.
+* ``distribute_tensor`` does not build ``_StridedShard`` placements (FSDP2 over
+  TP); leaves here are built from per-rank shards with ``DTensor.from_local``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import math
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, enabled_local_tensor_mode, local_tensor_mode
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from gradtx.core import tree as tu
+from gradtx.core.base import GradientTransformation, PyTree
+from gradtx.core.base import metrics as _metrics
+from gradtx.transforms.combine import apply_updates
+
+PRESETS = ("ddp", "fsdp", "hsdp", "tp", "tp_fsdp", "ep_fsdp", "cp")
+_PRESET_NDIM = {"ddp": 1, "fsdp": 1, "tp": 1, "hsdp": 2, "tp_fsdp": 2, "ep_fsdp": 2, "cp": 2}
+
+Layout = str | Mapping[str, Sequence[Placement]] | Callable[[str, torch.Tensor], Sequence[Placement] | None]
+
+
+@contextlib.contextmanager
+def simulated_mesh(shape: Sequence[int] | int, names: Sequence[str] | None = None) -> Iterator[DeviceMesh]:
+    """A ``DeviceMesh`` of ``shape`` whose every rank lives in this process (torch's ``LocalTensorMode``).
+
+    Starts a ``"fake"`` process group of ``prod(shape)`` ranks and the mode, and
+    yields the mesh; on exit it destroys the process group, so nothing of the
+    simulated world outlives the block (and a later block starts afresh). Code
+    inside runs once for all ranks: a DTensor's local tensor holds every rank's
+    shard, and each collective reduces across them.
+
+    Args:
+      shape: the mesh shape, e.g. ``(2, 2)``; up to the number of ranks you can afford (each op runs once per rank).
+      names: the mesh dim names, e.g. ``("dp", "tp")``; default ``("d0", "d1", ...)``.
+
+    Yields:
+      The simulated ``DeviceMesh`` (on CPU).
+
+    Example:
+      >>> with gtx.testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+      ...     grads = gtx.testing.distribute(full_grads, mesh, "tp_fsdp")
+      ...     clipped, state = gtx.clip_by_global_norm(1.0).update(grads, tx.init(grads))
+    """
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        raise ValueError(f"simulated_mesh: shape must be positive ints, e.g. (2, 2), got {shape!r}")
+    names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        raise ValueError(f"simulated_mesh: names must be {len(shape)} distinct strings for shape {shape}, got {names}")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "simulated_mesh: a process group is already initialised in this process; a simulated mesh brings its "
+            "own (call it outside torchrun, or destroy the process group first)"
+        )
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    world = math.prod(shape)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with LocalTensorMode(world):
+            yield init_device_mesh("cpu", shape, mesh_dim_names=names)
+    finally:
+        dist.destroy_process_group()
+
+
+# --- layouts -------------------------------------------------------------------------------------
+
+
+def _coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Each rank's coordinate in a root ``mesh``, computed once per mesh (pure Python, with the mode off)."""
+    found = _COORDS.get(mesh)
+    if found is not None:
+        return found
+    with _mode_off():
+        ranks = mesh.mesh
+        shape = tuple(ranks.shape)
+        flat_ranks = ranks.reshape(-1).tolist()
+    out: dict[int, tuple[int, ...]] = {}
+    for flat, rank in enumerate(flat_ranks):
+        coord = []
+        for n in reversed(shape):
+            coord.append(flat % n)
+            flat //= n
+        out[int(rank)] = tuple(reversed(coord))
+    _COORDS[mesh] = out
+    return out
+
+
+# Reading a mesh's rank layout costs ~0.1 s here, and every shard of every leaf needs it. Weak keys: an
+# entry lives as long as its mesh (equal meshes have equal coordinates, so a hit is always right).
+_COORDS: weakref.WeakKeyDictionary[DeviceMesh, dict[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
+
+
+def _mode_off() -> contextlib.AbstractContextManager:
+    mode = enabled_local_tensor_mode()
+    return mode.disable() if mode is not None else contextlib.nullcontext()
+
+
+def _chunk(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    """torch's ``Shard`` split (``torch.chunk``): ranks past the last chunk hold an empty shard."""
+    chunks = torch.chunk(t, parts, dim)
+    return chunks[index] if index < len(chunks) else t.narrow(dim, 0, 0)
+
+
+def _local_shard(
+    full: torch.Tensor,
+    mesh_shape: tuple[int, ...],
+    placements: Sequence[Placement],
+    coord: tuple[int, ...],
+    *,
+    copy: bool = True,
+) -> torch.Tensor:
+    # Mesh dims split in order, except a _StridedShard (FSDP2 over TP): it splits what the later dims left.
+    order = [d for d, p in enumerate(placements) if not isinstance(p, _StridedShard)]
+    order += [d for d, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    local = full
+    for d in order:
+        p = placements[d]
+        if isinstance(p, (Shard, _StridedShard)):
+            local = _chunk(local, p.dim % max(full.ndim, 1), mesh_shape[d], coord[d])
+    return local.clone() if copy else local
+
+
+def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    mode = local_tensor_mode()
+    if mode is None:
+        raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...)")
+    coords = _coords(mesh)
+    shape = tuple(mesh.shape)
+    full = full.detach()
+    local = mode.rank_map(lambda r: _local_shard(full, shape, placements, coords[r]))
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def _replicas(full: torch.Tensor) -> torch.Tensor:
+    """A plain tensor held by every simulated rank, one copy each (as DDP leaves its params and grads)."""
+    mode = local_tensor_mode()
+    if mode is None:
+        raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...)")
+    return mode.rank_map(lambda r: full.detach().clone())
+
+
+def _is_expert(path: str) -> bool:
+    return "expert" in path
+
+
+def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, mesh_ndim: int) -> list[Placement] | None:
+    """The placements ``preset`` gives one leaf (``None``: a plain replicated tensor, as DDP holds it).
+
+    Mesh dims are read in order, whatever their names. A leaf the parallelism cannot split that way is
+    treated as that parallelism treats it: TP keeps 1-D and 0-d leaves (norm weights, a row-wise bias)
+    replicated, EP shards only leaves whose path contains ``"expert"`` (dense ones are FSDP-sharded
+    and replicated over ``ep``), FSDP2 keeps a 0-d leaf replicated.
+    """
+    if preset not in _PRESET_NDIM:
+        raise ValueError(f"distribute: layout must be one of {list(PRESETS)} or a per-path mapping, got {preset!r}")
+    if _PRESET_NDIM[preset] != mesh_ndim:
+        raise ValueError(f"distribute: layout {preset!r} takes a {_PRESET_NDIM[preset]}-D mesh, got {mesh_ndim}-D")
+    fsdp = Shard(0) if leaf.ndim >= 1 else Replicate()
+    if preset == "ddp":
+        return None
+    if preset == "fsdp":
+        return [fsdp]
+    if preset == "hsdp":
+        return [Replicate(), fsdp]
+    if preset == "cp":  # params FSDP-sharded over dp and replicated over cp, where each rank has its tokens
+        return [fsdp, Replicate()]
+    # TP alternates column-wise (Shard(0)) and row-wise (Shard(1)) over the matrices, in flatten order.
+    tp: Placement = Replicate() if leaf.ndim < 2 else (Shard(0) if index % 2 == 0 else Shard(1))
+    if preset == "tp":
+        return [tp]
+    if preset == "tp_fsdp":
+        if leaf.ndim == 0:
+            return [Replicate(), Replicate()]
+        # FSDP2 over a TP Shard(0) splits each TP shard's rows again: a _StridedShard on the fsdp dim.
+        return [_StridedShard(0, split_factor=1) if tp == Shard(0) else Shard(0), tp]
+    # ep_fsdp: experts split over ep (dim 0, the expert dim) and FSDP-sharded over fsdp along dim 1.
+    if _is_expert(path) and leaf.ndim >= 1:
+        return [Shard(1) if leaf.ndim >= 2 else Replicate(), Shard(0)]
+    return [fsdp, Replicate()]
+
+
+def _strided(placements: list[Placement], mesh: DeviceMesh) -> list[Placement]:
+    # The split factor is the size of the later mesh dims that shard the same tensor dim.
+    out = list(placements)
+    for d, p in enumerate(out):
+        if isinstance(p, _StridedShard):
+            factor = 1
+            for e in range(d + 1, len(out)):
+                later = out[e]
+                if isinstance(later, Shard) and later.dim == p.dim:
+                    factor *= mesh.size(e)
+            out[d] = _StridedShard(p.dim, split_factor=factor)
+    return out
+
+
+def _match_layout(layout: Any, path: str, leaf: torch.Tensor) -> Sequence[Placement] | None:
+    if callable(layout):
+        return layout(path, leaf)
+    for key, placements in layout.items():
+        if path == key or fnmatch.fnmatchcase(path, key):
+            return placements
+    return None
+
+
+def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
+    """Full tensors to DTensors on a simulated ``mesh``, laid out as a parallelism lays out params and grads.
+
+    Args:
+      tree: a pytree of full (single-device) tensors.
+      mesh: a mesh from :func:`simulated_mesh`.
+      layout: a preset, reading the mesh dims in order whatever their names: ``"ddp"`` (1-D: plain tensors,
+        one replica per rank), ``"fsdp"`` (1-D: ``Shard(0)``), ``"tp"`` (1-D: matrices alternate
+        ``Shard(0)``/``Shard(1)``, vectors replicated), ``"hsdp"`` (replicate, shard), ``"tp_fsdp"`` (fsdp, tp:
+        FSDP2 over TP, ``_StridedShard`` included), ``"ep_fsdp"`` (fsdp, ep: leaves whose path contains
+        ``"expert"`` split over ep) or ``"cp"`` (dp, cp); or a mapping from dotted path or glob to placements
+        (unmatched leaves are replicated), or a function ``(path, leaf) -> placements or None``. Shapes need not
+        divide: ranks past the last chunk hold empty shards, as with FSDP2.
+
+    Returns:
+      The same tree with DTensor leaves (plain per-rank replicas under ``"ddp"``). Every rank holds its own copy
+      of each local tensor.
+
+    Example:
+      >>> with gtx.testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+      ...     grads = gtx.testing.distribute({"w": torch.randn(5, 3)}, mesh, "tp_fsdp")
+    """
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"distribute: mesh must be a DeviceMesh from simulated_mesh, got {type(mesh).__name__}")
+    if not (isinstance(layout, (str, Mapping)) or callable(layout)):
+        raise TypeError(
+            f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
+        )
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    out: list[Any] = []
+    matrices = 0
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        dotted = ".".join(str(k) for k in path) if path else "<root>"
+        if isinstance(layout, str):
+            placements = preset_placements(layout, dotted, leaf, matrices, mesh.ndim)
+            matrices += leaf.ndim >= 2
+        else:
+            found = _match_layout(layout, dotted, leaf)
+            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
+            if len(placements) != mesh.ndim:
+                raise ValueError(
+                    f"distribute: layout gives {dotted} {len(placements)} placements for a {mesh.ndim}-D mesh"
+                )
+        if placements is None:
+            out.append(_replicas(leaf))
+        else:
+            out.append(_to_dtensor(leaf, mesh, _strided(list(placements), mesh)))
+    return optree.tree_unflatten(spec, out)
+
+
+# --- the check -----------------------------------------------------------------------------------
+
+
+def _mesh_coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
+    """Each simulated rank's coordinate in ``mesh``, a root mesh or a submesh sliced from one by dim names."""
+    root = mesh._get_root_mesh()
+    if root is mesh:
+        return _coords(mesh)
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if not names or any(n not in root_names for n in names):
+        raise AssertionError(f"assert_matches_single_device: cannot place the shards of a DTensor on mesh {mesh}")
+    dims = [root_names.index(n) for n in names]
+    return {r: tuple(c[d] for d in dims) for r, c in _coords(root).items()}
+
+
+def _unwrap(t: torch.Tensor) -> torch.Tensor:
+    # A redistribute's output may still be wrapped as a pending functional collective; its value is inside.
+    while isinstance(t, AsyncCollectiveTensor):
+        t = t.elem
+    return t
+
+
+def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's part of ``x``, beside the same part of the single-device ``ref``.
+
+    A DTensor is compared shard by shard (no gather: ``ref`` is split as the DTensor is), anything else
+    as a whole; a value every simulated rank shares is compared once per rank.
+    """
+    real = local_tensor_mode() is None and dist.is_initialized()
+    if isinstance(x, DTensor):
+        mesh, local = x.device_mesh, _unwrap(x._local_tensor)
+        shape, placements = tuple(mesh.shape), tuple(x.placements)
+        if real:
+            coord = tuple(mesh.get_coordinate() or ())
+            return {dist.get_rank(): (local.detach(), _local_shard(ref, shape, placements, coord, copy=False))}
+        coords = _mesh_coords(mesh)
+        held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
+        return {
+            r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False))
+            for r, t in sorted(held.items())
+        }
+    x = _unwrap(x)
+    if isinstance(x, LocalTensor):
+        return {r: (t.detach(), ref) for r, t in sorted(x._local_tensors.items())}
+    if real:
+        return {dist.get_rank(): (x.detach(), ref)}
+    return {r: (x.detach(), ref) for r in range(world)}
+
+
+def _describe(groups: list[list[int]]) -> str:
+    return " vs ".join(str(g) for g in groups)
+
+
+def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: float, atol: float) -> None:
+    if (got is None) != (expected is None):
+        raise AssertionError(f"{what}: one device gave {type(expected).__name__}, the mesh {type(got).__name__}")
+    if got is None:
+        return
+    where = tu.first_mismatch(expected, got)
+    if where is not None:
+        raise AssertionError(f"{what}: the mesh's tree differs from one device's at {where}")
+    e_paths, e_leaves, _ = optree.tree_flatten_with_path(expected, none_is_leaf=True)
+    _, g_leaves, _ = optree.tree_flatten_with_path(got, none_is_leaf=True)
+    for path, e, g in zip(e_paths, e_leaves, g_leaves):
+        name = f"{what} at {'.'.join(str(k) for k in path) or '<root>'}"
+        if not isinstance(e, torch.Tensor):
+            if isinstance(g, torch.Tensor) or e != g:
+                raise AssertionError(f"{name}: one device has {e!r}, the mesh {g!r}")
+            continue
+        if not isinstance(g, torch.Tensor):
+            raise AssertionError(f"{name}: one device has a tensor, the mesh {type(g).__name__}")  # noqa: TRY004
+        with _mode_off():  # plain per-rank tensors from here on: no per-op dispatch through the mode
+            _check_ranks(name, _per_rank(g, tu.local(e).detach(), world), rtol=rtol, atol=atol)
+
+
+def _check_ranks(name: str, ranks: dict[int, tuple[torch.Tensor, torch.Tensor]], *, rtol: float, atol: float) -> None:
+    # Ranks that hold the same part of the value must agree bitwise; a rank-inconsistent value names them.
+    by_part: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    for r, (t, ref) in ranks.items():
+        key = (tuple(ref.shape), ref.data_ptr(), ref.storage_offset(), tuple(ref.stride()))
+        by_part.setdefault(key, []).append((r, t, ref))
+    for part in by_part.values():
+        groups: list[tuple[torch.Tensor, list[int]]] = []
+        for r, t, _ in part:
+            for value, members in groups:
+                if (
+                    value.shape == t.shape
+                    and value.dtype == t.dtype
+                    and torch.equal(torch.nan_to_num(value), torch.nan_to_num(t))
+                ):
+                    members.append(r)
+                    break
+            else:
+                groups.append((t, [r]))
+        ref = part[0][2]
+        if len(groups) > 1:
+            values = "; ".join(f"ranks {m} hold {_short(v)}" for v, m in groups)
+            raise AssertionError(f"{name}: the ranks disagree ({values}); one device has {_short(ref)}")
+    for r, (t, ref) in ranks.items():
+        if t.dtype != ref.dtype or t.shape != ref.shape:
+            raise AssertionError(
+                f"{name}: rank {r} holds {t.dtype}{tuple(t.shape)}, one device's part {ref.dtype}{tuple(ref.shape)}"
+            )
+        if t.numel() == 0 or torch.allclose(t, ref, rtol=rtol, atol=atol, equal_nan=True):
+            continue
+        try:
+            torch.testing.assert_close(t, ref, rtol=rtol, atol=atol, equal_nan=True)
+        except AssertionError as err:
+            bad = [q for q, (u, v) in ranks.items() if not torch.allclose(u, v, rtol=rtol, atol=atol, equal_nan=True)]
+            raise AssertionError(f"{name}: ranks {bad} differ from one device: {err}") from None
+
+
+def _short(t: torch.Tensor) -> str:
+    return f"{t.reshape(-1)[:4].tolist()}{'...' if t.numel() > 4 else ''}"
+
+
+def assert_matches_single_device(
+    tx: GradientTransformation,
+    grads_seq: Sequence[PyTree],
+    params: PyTree,
+    *,
+    mesh_shape: Sequence[int] | int | None = None,
+    names: Sequence[str] | None = None,
+    layout: Layout,
+    steps: int | None = None,
+    mesh: DeviceMesh | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    **extra: Any,
+) -> None:
+    """Run ``tx`` on one device and on a mesh; assert that every rank gets the single-device answer at every step.
+
+    The same grads and params run through ``tx`` twice: as full tensors, and laid out by ``layout`` on a mesh of
+    ``mesh_shape`` (simulated in this process with :func:`simulated_mesh`, or the real mesh when this runs under
+    ``torchrun`` with ``prod(mesh_shape)`` ranks). After every step the updates (gathered from their shards), the
+    params after :func:`gradtx.apply_updates`, the metrics (:func:`gradtx.metrics`) and the whole state must match
+    the single-device run on every rank; a value that the ranks do not agree on (a norm, a verdict, a counter)
+    fails, naming the path and the ranks that disagree.
+
+    Args:
+      tx: the transform under test.
+      grads_seq: full (single-device) grad trees, one per step (cycled when ``steps`` is longer).
+      params: the full params tree.
+      mesh_shape: the mesh shape, e.g. ``(2, 2)``.
+      names: the mesh dim names; default ``("d0", ...)``.
+      layout: a preset or placement map for :func:`distribute` (used for params and grads alike).
+      steps: how many steps; default ``len(grads_seq)``.
+      mesh: a mesh to reuse instead (one from an enclosing :func:`simulated_mesh`, or a real one): many checks in
+        one simulated world cost one start-up.
+      rtol: relative tolerance: sharded sums add in another order than one device's.
+      atol: absolute tolerance.
+      **extra: forwarded to every ``update`` (e.g. ``tokens=``).
+
+    Example:
+      >>> grads_seq = [{"w": torch.randn(5, 3)} for _ in range(3)]
+      >>> gtx.testing.assert_matches_single_device(
+      ...     gtx.clip_by_global_norm(1.0), grads_seq, {"w": torch.randn(5, 3)},
+      ...     mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp")
+    """
+    if not grads_seq:
+        raise ValueError("assert_matches_single_device: grads_seq is empty; pass one grads tree per step")
+    steps = len(grads_seq) if steps is None else steps
+    if mesh is not None:
+        shape = tuple(mesh.shape)
+    elif mesh_shape is None:
+        raise ValueError("assert_matches_single_device: pass mesh_shape=(...) (or a mesh= to reuse)")
+    else:
+        shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+    world = math.prod(shape)
+
+    expected = []
+    with _mode_off():  # inside a reused simulated mesh, one device is plain tensors with the mode off
+        ref_params, ref_state = params, tx.init(params)
+        for i in range(steps):
+            u, ref_state = tx.update(grads_seq[i % len(grads_seq)], ref_state, ref_params, **extra)
+            ref_params = apply_updates(ref_params, u)
+            expected.append((u, ref_params, ref_state, _metrics(ref_state)))
+
+    real = dist.is_initialized() and local_tensor_mode() is None
+    if real and mesh is None and dist.get_world_size() != world:
+        raise ValueError(
+            f"assert_matches_single_device: mesh_shape {shape} has {world} ranks, the process group "
+            f"{dist.get_world_size()}"
+        )
+    names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
+    mesh_cm: Any
+    if mesh is not None:
+        mesh_cm = contextlib.nullcontext(mesh)
+    elif real:
+        mesh_cm = contextlib.nullcontext(init_device_mesh("cpu", shape, mesh_dim_names=names))
+    else:
+        mesh_cm = simulated_mesh(shape, names)
+    put = _real_distribute if real else distribute
+    with mesh_cm as on:
+        d_params = put(params, on, layout)
+        d_state = tx.init(d_params)
+        for i in range(steps):
+            grads = put(grads_seq[i % len(grads_seq)], on, layout)
+            u, d_state = tx.update(grads, d_state, d_params, **extra)
+            d_params = apply_updates(d_params, u)
+            e_u, e_params, e_state, e_metrics = expected[i]
+            for what, got, exp in (
+                ("updates", u, e_u),
+                ("metrics", _metrics(d_state), e_metrics),
+                ("state", d_state, e_state),
+                ("params", d_params, e_params),
+            ):
+                _compare(f"step {i}: {what}", got, exp, world=world, rtol=rtol, atol=atol)
+
+
+def _real_distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
+    """:func:`distribute` in a real multi-process run: each rank keeps its own shard."""
+    from torch.distributed.tensor import distribute_tensor
+
+    coord = tuple(mesh.get_coordinate() or ())
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    out: list[Any] = []
+    matrices = 0
+    for path, leaf in zip(paths, leaves):
+        dotted = ".".join(str(k) for k in path) if path else "<root>"
+        if isinstance(layout, str):
+            placements = preset_placements(layout, dotted, leaf, matrices, mesh.ndim)
+            matrices += leaf.ndim >= 2
+        else:
+            found = _match_layout(layout, dotted, leaf)
+            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
+        if placements is None:
+            out.append(leaf.detach().clone())
+            continue
+        placements = _strided(list(placements), mesh)
+        if any(isinstance(p, _StridedShard) for p in placements):
+            local = _local_shard(leaf.detach(), tuple(mesh.mesh.shape), placements, coord)
+            out.append(
+                DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape, stride=leaf.stride())
+            )
+        else:
+            out.append(distribute_tensor(leaf.detach().clone(), mesh, placements))
+    return optree.tree_unflatten(spec, out)

@@ -1,0 +1,1 @@
+"""Combining, masking, clipping, accumulation, guards and monitoring."""

@@ -1,0 +1,426 @@
+"""Combinators: chain, named_chain, masked, partition; and apply_updates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any, NamedTuple, Self, cast
+
+import optree
+import torch
+
+from gradtx.core import foreach as fe
+from gradtx.core import kinds
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
+
+
+class Chain(GradientTransformation):
+    """What :func:`chain` and :func:`named_chain` return: a transform that keeps its members.
+
+    Attributes:
+      members: the member transforms, in order.
+      names: the members' names (:func:`named_chain`, state a dict), or ``None``
+        (:func:`chain`, state a tuple).
+    """
+
+    members: tuple[GradientTransformation, ...]
+    names: tuple[str, ...] | None
+
+    def __new__(
+        cls,
+        init: Any,
+        update: Any,
+        members: Sequence[GradientTransformation],
+        names: Sequence[str] | None = None,
+    ) -> Self:
+        self = super().__new__(cls, init, update)
+        self.members = tuple(members)
+        self.names = None if names is None else tuple(names)
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+        return (self.init, self.update, self.members, self.names)
+
+    def member_states(self, state: OptState) -> list[OptState]:
+        """The members' states, in member order, from this chain's state (checked like ``update`` checks it)."""
+        if state is None:
+            name = "named_chain" if self.names is not None else "chain"
+            raise ValueError(f"{name}: state is None; call init(params) before update()")
+        if self.names is not None:
+            if not isinstance(state, dict) or list(state) != list(self.names):
+                raise ValueError(f"named_chain: expected a state dict with keys {list(self.names)}, got {state!r:.200}")
+            return [state[n] for n in self.names]
+        if not isinstance(state, tuple) or len(state) != len(self.members):
+            raise ValueError(
+                f"chain: expected a state tuple of {len(self.members)} member states, got {type(state).__name__}"
+                + (f" of length {len(state)}" if isinstance(state, tuple) else "")
+            )
+        return list(state)
+
+    def join_states(self, states: Sequence[OptState]) -> OptState:
+        """This chain's state from its members' states (the inverse of :meth:`member_states`)."""
+        return dict(zip(self.names, states)) if self.names is not None else tuple(states)
+
+
+def _run(
+    txs: Sequence[GradientTransformation],
+    updates: Updates,
+    states: Sequence[OptState],
+    params: Params | None,
+    extra: dict[str, Any],
+) -> tuple[Updates | None, list[OptState]]:
+    # A scalar member's product is computed here, into new buffers (or the donated ones): from then
+    # on the chain owns its updates, so later members may write into them (``inplace=True``), with
+    # the pure path's numbers and one gradient-sized allocation fewer per member. Updates from a
+    # member that did not declare them fresh may be its state's own tensors (optax's trace returns
+    # its new trace): those leaves are copied before anything writes into them.
+    owned = bool(extra.get("inplace", False))
+    # Under vmap nothing is written in place: an unbatched buffer cannot hold a batched result.
+    donate = not fe.under_vmap()
+    new_states = list(states)
+    for i, tx in enumerate(txs):
+        if isinstance(tx, ScalarTransformation):
+            factor, new_states[i] = tx.factor(updates, states[i], params, **extra)
+            leaves, spec = tu.flatten(updates)
+            tu.check_tensors(leaves, tu.paths(updates), what="updates")
+            updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
+            owned = donate
+            continue
+        given = updates
+        updates, new_states[i] = tx.update(
+            updates, states[i], params, **({**extra, "inplace": True} if owned else extra)
+        )
+        if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
+            break
+        if owned and not kinds.returns_fresh(tx):
+            updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
+        downstream = getattr(tx, "downstream_extra", None)
+        if downstream is not None:  # a window that emitted hands its reduced loss to what follows
+            extra = downstream(new_states[i], extra)
+    return updates, new_states
+
+
+@factory
+def chain(*txs: GradientTransformation) -> GradientTransformation:
+    """Apply transforms one after another; the state is a tuple of their states.
+
+    Every extra keyword given to ``update`` reaches every member. When a member
+    returns ``None`` (an accumulation window is still open), the chain stops
+    there and returns ``None``: later members neither run nor change state.
+
+    Args:
+      *txs: the transforms, applied in order.
+
+    Returns:
+      A :class:`GradientTransformation` whose state is ``tuple(member states)``.
+
+    Example:
+      >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4))
+    """
+    for i, tx in enumerate(txs):
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"chain: argument {i} is a {type(tx).__name__}, not a GradientTransformation")
+
+    def init_fn(params: Params) -> tuple[OptState, ...]:
+        return tuple(tx.init(params) for tx in txs)
+
+    def update_fn(updates, state, params=None, **extra):
+        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
+        return updates, out.join_states(new_states)
+
+    out = Chain(init_fn, update_fn, txs)
+    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
+
+
+@factory
+def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTransformation:
+    """Like :func:`chain`, with the state a dict keyed by each member's name.
+
+    Example:
+      >>> tx = named_chain(("clip", clip_by_global_norm(1.0)), ("opt", adamw(3e-4)))
+      >>> state = tx.init(params); state["clip"].grad_norm
+    """
+    for i, pair in enumerate(named_txs):
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(
+                f"named_chain: argument {i} must be a (name, transform) pair, got {pair!r:.80}; see docs/chaining.md"
+            )
+        name, tx = pair
+        if not isinstance(name, str) or not isinstance(tx, GradientTransformation):
+            raise TypeError(
+                f"named_chain: argument {i} must be a (str, GradientTransformation) pair, got "
+                f"({type(name).__name__}, {type(tx).__name__}); see docs/chaining.md"
+            )
+    names = [name for name, _ in named_txs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"named_chain: names must be unique, got {names}")
+    txs = [tx for _, tx in named_txs]
+
+    def init_fn(params: Params) -> dict[str, OptState]:
+        return {name: tx.init(params) for name, tx in named_txs}
+
+    def update_fn(updates, state, params=None, **extra):
+        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
+        return updates, out.join_states(new_states)
+
+    out = Chain(init_fn, update_fn, txs, names)
+    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
+
+
+# --- masked and partition -------------------------------------------------------------
+#
+# The inner transform sees the user's own tree, with ``None`` (an empty subtree) in place of
+# every leaf it does not own, as optax's ``MaskedNode``: its state mirrors the params with
+# ``None`` there, and its error messages name the user's paths.
+
+
+def _is_tree_fn(labels: Any) -> bool:
+    """Whether a mask/labels argument is a function of the params rather than a tree.
+
+    optax's rule (its issue 913): a callable counts as a function only when
+    every leaf of it is callable, so an equinox-style module that is both
+    callable and a pytree (registered with optree) is a tree.
+    """
+    leaves = optree.tree_leaves(cast(Any, labels))
+    return len(leaves) > 0 and all(callable(leaf) for leaf in leaves)
+
+
+def _resolve(labels: Any, tree: PyTree, *, name: str, what: str) -> list[Any]:
+    resolved = labels(tree) if _is_tree_fn(labels) else labels
+    return tu.prefix_leaves(resolved, tree, what=f"{name}: {what}", against="the params/updates tree")
+
+
+class _Routed(NamedTuple):
+    """One update's leaves, laid out on the reference tree (the params, else the updates)."""
+
+    spec: Any  # the reference tree's structure
+    where: list[int]  # reference leaf of each present update leaf
+    leaves: list[Any]  # the present update leaves
+    out_spec: Any  # the updates' own structure
+    param_leaves: list[Any] | None
+
+
+def _route(updates: Updates, params: Params | None, *, name: str) -> _Routed:
+    reference = params if params is not None else updates
+    index, leaves, out_spec = tu.align(reference, updates, what=f"{name}: updates", against="params")
+    ref_leaves, spec = tu.flatten(reference)
+    return _Routed(spec, index, leaves, out_spec, ref_leaves if params is not None else None)
+
+
+def _sub(routed: _Routed, keep: Sequence[bool]) -> tuple[Updates, Params | None]:
+    """The inner transform's updates and params: the reference tree with ``None`` at every leaf not kept."""
+    n = len(keep)
+    full = tu.scatter(n, routed.where, routed.leaves)
+    sub_updates = tu.unflatten(routed.spec, [u if k else None for u, k in zip(full, keep)])
+    if routed.param_leaves is None:
+        return sub_updates, None
+    return sub_updates, tu.unflatten(routed.spec, [p if k else None for p, k in zip(routed.param_leaves, keep)])
+
+
+def _mask_params(params: Params, keep: Sequence[bool]) -> Params:
+    leaves, spec = tu.flatten(params)
+    return tu.unflatten(spec, [p if k else None for p, k in zip(leaves, keep)])
+
+
+def _take(out: list[Any], routed: _Routed, keep: Sequence[bool], new: Updates, *, name: str) -> None:
+    """Write the inner transform's results (``new``, on the reference layout) into ``out``, for kept leaves."""
+    if new is None:
+        raise ValueError(f"{name}: an inner transform held (returned None); put accumulate() in the outer chain")
+    try:
+        new_leaves = routed.spec.flatten_up_to(new)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}: the inner transform returned updates of another structure: {e}") from None
+    for j, i in enumerate(routed.where):
+        if keep[i]:
+            out[j] = new_leaves[i]
+
+
+class MaskedState(NamedTuple):
+    """The inner transform's state, built on the params with ``None`` at every masked-out leaf."""
+
+    inner_state: OptState
+
+
+class PartitionState(NamedTuple):
+    """Each label's inner state, by label (each built like :class:`MaskedState`'s)."""
+
+    inner_states: dict[Hashable, OptState]
+
+
+def _check_mask_leaves(flags: Sequence[Any], tree: PyTree, *, name: str) -> list[bool]:
+    for path, f in zip(tu.paths(tree), flags):
+        if not check._is_bool(f):
+            raise TypeError(f"{name}: mask leaves must be bools, got {type(f).__name__} for {tu.path_str(path)}")
+    return [bool(f) for f in flags]
+
+
+@factory
+def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTree]) -> GradientTransformation:
+    """Apply ``inner`` only to the leaves where ``mask`` is True; the others pass through unchanged.
+
+    As optax's ``masked``. The inner transform sees the params and updates
+    with ``None`` (an empty subtree) in place of each masked-out leaf, so its
+    state holds nothing for them, and a param with no gradient (``None`` in
+    the updates) is left alone.
+
+    Args:
+      inner: the transform to apply to the masked leaves.
+      mask: bools in a tree with the structure of the params, or a prefix of
+        it (``{"encoder": False, "head": True}``; a single ``True`` covers the
+        whole tree); or a function ``params -> mask``, called with the params
+        (the updates when ``update`` gets no params). A callable whose leaves
+        are not all callable (an equinox-style module registered as a pytree)
+        is a tree, not a function, as in optax.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`MaskedState`.
+
+    Raises:
+      TypeError: at construction, when ``inner`` is not a transform or a mask
+        tree has a leaf that is not a bool.
+
+    References:
+      Optax's ``masked`` (DeepMind, 2020).
+
+    Example:
+      >>> decay_matrices = lambda p: {k: v.ndim > 1 for k, v in p.items()}
+      >>> tx = masked(add_decayed_weights(0.1), decay_matrices)
+    """
+    if not isinstance(inner, GradientTransformation):
+        raise TypeError(f"masked: inner must be a GradientTransformation, got {type(inner).__name__}")
+    is_fn = _is_tree_fn(mask)
+    if not is_fn:
+        for leaf in optree.tree_leaves(cast(Any, mask)):
+            if not check._is_bool(leaf):
+                raise TypeError(
+                    f"masked: mask must be a tree of bools or a function of the params, got a {type(leaf).__name__} leaf"
+                )
+
+    def keep_of(tree: PyTree) -> list[bool]:
+        return _check_mask_leaves(_resolve(mask, tree, name="masked", what="mask"), tree, name="masked")
+
+    def init_fn(params: Params) -> MaskedState:
+        return MaskedState(inner.init(_mask_params(params, keep_of(params))))
+
+    def update_fn(updates, state, params=None, **extra):
+        tu.require_state(state, MaskedState, name="masked")
+        routed = _route(updates, params, name="masked")
+        keep = keep_of(params if params is not None else updates)
+        sub_updates, sub_params = _sub(routed, keep)
+        new, inner_state = inner.update(sub_updates, state.inner_state, sub_params, **extra)
+        out = list(routed.leaves)
+        _take(out, routed, keep, new, name="masked")
+        return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
+
+    # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
+    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
+
+
+@factory
+def partition(
+    transforms: Mapping[Hashable, GradientTransformation],
+    param_labels: PyTree | Callable[[Params], PyTree],
+) -> GradientTransformation:
+    """Apply a different transform to each labelled part of the tree.
+
+    As optax's ``partition``: every leaf goes to the transform of its label,
+    which sees the params and updates with ``None`` at every leaf of another
+    label (see :func:`masked`).
+
+    Args:
+      transforms: a transform for every label.
+      param_labels: labels in a tree with the structure of the params, or a
+        prefix of it (``("generator", "discriminator")`` over a pair of
+        subtrees), or a function ``params -> labels`` (see :func:`masked` for
+        which callables count as functions).
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`PartitionState`.
+
+    Raises:
+      TypeError: at construction, when a transform is not a
+        :class:`GradientTransformation`. ValueError: when a label has no
+        transform (at construction for a labels tree).
+
+    References:
+      Optax's ``partition`` (formerly ``multi_transform``; DeepMind, 2021).
+
+    Example:
+      >>> labels = lambda p: {k: "no_decay" if "norm" in k else "decay" for k in p}
+      >>> tx = partition({"decay": adamw(1e-3), "no_decay": adam(1e-3)}, labels)
+    """
+    if not isinstance(transforms, Mapping):
+        raise TypeError(
+            f"partition: transforms must be a mapping from label to transform, got {type(transforms).__name__}"
+        )
+    for label, tx in transforms.items():
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"partition: transforms[{label!r}] is a {type(tx).__name__}, not a GradientTransformation")
+    names = list(transforms)
+    if not _is_tree_fn(param_labels):
+        for lab in optree.tree_leaves(cast(Any, param_labels)):
+            if not isinstance(lab, Hashable) or lab not in transforms:
+                raise ValueError(f"partition: label {lab!r} has no transform; known labels: {names}")
+
+    def label_of(tree: PyTree) -> list[Any]:
+        leaf_labels = _resolve(param_labels, tree, name="partition", what="param_labels")
+        for path, lab in zip(tu.paths(tree), leaf_labels):
+            if not isinstance(lab, Hashable) or lab not in transforms:
+                raise ValueError(
+                    f"partition: label {lab!r} at {tu.path_str(path)} has no transform; known labels: {names}"
+                )
+        return leaf_labels
+
+    def init_fn(params: Params) -> PartitionState:
+        leaf_labels = label_of(params)
+        return PartitionState(
+            {n: transforms[n].init(_mask_params(params, [lab == n for lab in leaf_labels])) for n in names}
+        )
+
+    def update_fn(updates, state, params=None, **extra):
+        tu.require_state(state, PartitionState, name="partition")
+        if not isinstance(state.inner_states, dict) or list(state.inner_states) != names:
+            raise ValueError(
+                f"partition: expected inner states for the labels {names}, got {state.inner_states!r:.200}"
+            )
+        routed = _route(updates, params, name="partition")
+        leaf_labels = label_of(params if params is not None else updates)
+        out = list(routed.leaves)
+        new_states = {}
+        for n in names:
+            keep = [lab == n for lab in leaf_labels]
+            sub_updates, sub_params = _sub(routed, keep)
+            new, new_states[n] = transforms[n].update(sub_updates, state.inner_states[n], sub_params, **extra)
+            _take(out, routed, keep, new, name="partition")
+        return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
+
+    return kinds.declare_fresh(
+        GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
+    )
+
+
+def apply_updates(params: Params, updates: Updates | None) -> Params:
+    """Return ``params + updates`` as a new tree, in each param's dtype. Pure.
+
+    ``updates`` of ``None`` (a held accumulation step) returns ``params`` itself.
+    A ``None`` inside ``updates`` where ``params`` has a tensor (a param that got
+    no gradient) leaves that param as it is: the same tensor object comes back.
+    """
+    if updates is None:
+        return params
+    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
+    p_leaves, spec = tu.flatten(params)
+    out: list[Any] = list(p_leaves)
+    plain: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
+    for j, i in enumerate(index):
+        p, u = p_leaves[i], u_leaves[j]
+        if type(p) is torch.Tensor and type(u) is torch.Tensor and p.dtype == u.dtype and p.device == u.device:
+            plain.setdefault((p.device, p.dtype), []).append((i, j))
+        else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
+            out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
+    for pairs in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
+        added = fe.add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
+        for (i, _), r in zip(pairs, added):
+            out[i] = r
+    return tu.unflatten(spec, out)

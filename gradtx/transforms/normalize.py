@@ -1,0 +1,144 @@
+"""Rescaling by the updates' own statistics: ``normalize_by_update_norm`` and ``centralize``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import (
+    EmptyState,
+    GradientTransformation,
+    Params,
+    ScalarTransformation,
+    factory,
+    scalar_transformation,
+)
+from gradtx.distributed import plan
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - torch built without distributed
+    DTensor = Replicate = Shard = None  # type: ignore[assignment, misc]
+
+__all__ = ["centralize", "normalize_by_update_norm"]
+
+
+@factory
+def normalize_by_update_norm(
+    scale_factor: float | torch.Tensor = 1.0, eps: float | torch.Tensor = 1e-6, *, mesh_groups: Any | None = None
+) -> ScalarTransformation:
+    """Divide all updates by their global L2 norm: ``g * scale_factor / (||g|| + eps)``.
+
+    The norm is the whole model's, taken as :func:`gradtx.clip_by_global_norm`
+    takes it (fp32, from DTensor placements or a declared plan, equal on every
+    rank). A scalar transformation, so the executor can fold it with a clip or
+    a learning rate. As optax's ``normalize_by_update_norm``.
+
+    Args:
+      scale_factor: the global norm of the result (up to ``eps``); a number or a 0-d tensor.
+      eps: added to the norm, so zero updates stay zero; ``>= 0``.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups` (pipeline
+        stages, tied weights, plain tensors sharded by hand); ``None`` reads the
+        plan from DTensor placements.
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    References:
+      Optax's ``normalize_by_update_norm`` (DeepMind, 2024); Hazan, Levy &
+      Shalev-Shwartz, "Beyond Convexity: Stochastic Quasi-Convex Optimization", 2015.
+
+    Example:
+      >>> tx = chain(normalize_by_update_norm(), scale_by_learning_rate(0.1))
+    """
+    name = "normalize_by_update_norm"
+    scale_factor = check.number(scale_factor, arg="scale_factor", name=name, tensor=True)
+    eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
+    if mesh_groups is not None and not callable(getattr(mesh_groups, "global_norm", None)):
+        raise TypeError(
+            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
+        )
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def factor_fn(updates, state, params=None, *, scale=None, **extra):
+        del params, extra
+        if state is not None:
+            tu.require_state(state, EmptyState, name=name)
+        leaves, _ = tu.flatten(updates)
+        tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
+        norm = plan.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
+        if scale is not None:
+            norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
+        sf = scale_factor.to(norm.device, norm.dtype) if isinstance(scale_factor, torch.Tensor) else scale_factor
+        shift = eps.to(norm.device, norm.dtype) if isinstance(eps, torch.Tensor) else eps
+        return sf / (norm + shift), state
+
+    return scalar_transformation(init_fn, factor_fn)
+
+
+def _check_local_units(x: torch.Tensor, path: str) -> None:
+    """Refuse a DTensor whose rows (dim 0 slices) are split across ranks: their mean would need a collective."""
+    if DTensor is None or not isinstance(x, DTensor):
+        return
+    for placement in x.placements:
+        if isinstance(placement, Replicate):
+            continue
+        if isinstance(placement, Shard) and placement.dim % x.ndim == 0 and type(placement) is Shard:
+            continue
+        raise ValueError(
+            f"centralize: the update at {path} is a DTensor placed {placement!r} on its mesh; centralize needs each "
+            "row (dim 0 slice) whole on one rank: Shard(0) (FSDP2, colwise TP) or Replicate"
+        )
+
+
+@factory
+def centralize() -> GradientTransformation:
+    """Gradient centralization: subtract from each row of a 2-d or larger update its mean.
+
+    For a tensor with more than one dim, the mean over dims ``1..ndim-1`` is
+    subtracted, keeping dim 0: in PyTorch layouts (a Linear weight is
+    ``(out, in)``, a Conv weight ``(out, in, kh, kw)``) that is each output
+    unit's weights, as in the paper. 0-d and 1-d updates pass through. The
+    same arithmetic as optax's ``centralize`` on the same array.
+
+    On DTensors a row must be on one rank (``Shard(0)``, as FSDP2 and colwise
+    TP place weights, or ``Replicate``); another placement is refused, naming the path.
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    References:
+      Yong et al., "Gradient Centralization: A New Optimization Technique for Deep Neural Networks", 2020.
+
+    Example:
+      >>> tx = chain(centralize(), sgd(0.1, momentum=0.9))
+    """
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        if state is not None:
+            tu.require_state(state, EmptyState, name="centralize")
+        leaves, spec = tu.flatten(updates)
+        leaf_paths = tu.paths(updates)
+        tu.check_tensors(leaves, leaf_paths, what="centralize: updates")
+        out = []
+        for path, g in zip(leaf_paths, leaves):
+            if g.ndim <= 1:
+                out.append(g)
+                continue
+            _check_local_units(g, tu.path_str(path))
+            local = tu.local(g)
+            out.append(tu.like(g, local - local.mean(dim=tuple(range(1, local.ndim)), keepdim=True)))
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
