@@ -133,7 +133,7 @@ from gradtx.transforms.spikes import (
 from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
-torch.serialization.add_safe_globals(
+_STATES = (
     [
         AccumulateState,
         AddNoiseState,
@@ -168,6 +168,7 @@ torch.serialization.add_safe_globals(
         SnapshotState,
     ]
 )
+torch.serialization.add_safe_globals(_STATES)
 
 __version__ = "0.1.0"
 
@@ -322,3 +323,20 @@ __all__ = [
 # The flat module paths from before the layered layout (gradtx.plan, gradtx.executor, ...): each is the
 # moved module itself, so old imports, attribute paths and pickles keep working.
 from gradtx import _global_norm, accumulation, adaptive, base, clipping, combine, conditionals, context_parallel, executor, hyperparams, norms, pipeline, plan, spikes, tree, validate  # noqa: F401, I001
+
+# Files saved by 0.1.0 name each state class by its flat module path (gradtx.accumulation.AccumulateState):
+# torch.load(weights_only=True) matches names, so the moved classes are allowed under those names too.
+_FLAT_PATHS = {
+    "gradtx.transforms.accumulation": "gradtx.accumulation",
+    "gradtx.transforms.adaptive": "gradtx.adaptive",
+    "gradtx.transforms.clipping": "gradtx.clipping",
+    "gradtx.transforms.combine": "gradtx.combine",
+    "gradtx.transforms.conditionals": "gradtx.conditionals",
+    "gradtx.transforms.spikes": "gradtx.spikes",
+    "gradtx.core.base": "gradtx.base",
+    "gradtx.optimizers.standard": "gradtx.optimizers",
+    "gradtx.schedules.hyperparams": "gradtx.hyperparams",
+}
+torch.serialization.add_safe_globals(
+    [(cls, f"{_FLAT_PATHS[cls.__module__]}.{cls.__qualname__}") for cls in _STATES if cls.__module__ in _FLAT_PATHS]
+)

@@ -115,6 +115,7 @@ class _Layout:
     per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
     globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
     windows: list[_Window] = field(default_factory=list)
+    added: list[str] = field(default_factory=list)  # key prefixes of fields declared with kinds.added_fields
 
 
 def _is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
@@ -138,6 +139,7 @@ def _walk(
     ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
     for an accumulation window's running sum).
     """
+    layout.added += [_key((*path, name)) for name in kinds.added_field_names(node)]
     declared = kinds.window_fields(node)
     if declared is not None:
         layout.windows.append(_Window(_key(path), node, declared))
@@ -273,6 +275,10 @@ def _check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
         raise ValueError(f"{what}: the checkpoint has shape {tuple(value.shape)}, this state {tuple(template.shape)}")
     if value.dtype != template.dtype:
         raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
+
+
+def _within(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + "/")
 
 
 def _check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
@@ -432,6 +438,9 @@ def _import(
 ) -> OptState:
     """Validate everything, then build the new state (the caller commits it)."""
     p_leaves, p_spec = tu.flatten(params)
+    if isinstance(globals_, dict):  # a file from before a field was added: the live state's value fills it
+        added = [k for k in layout.globals_ if k not in globals_ and any(_within(k, a) for a in layout.added)]
+        globals_ = {**globals_, **{k: layout.globals_[k] for k in added}}
     _check_keys(globals_, list(layout.globals_), what=f"{what}: global state", hint=_HINT)
     for key, template in layout.globals_.items():
         if isinstance(template, torch.Tensor):

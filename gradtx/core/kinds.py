@@ -32,6 +32,7 @@ See ``docs/transforms.md`` for how to declare them on your own transforms.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -240,6 +241,50 @@ def window_state(*, running_sum: str, micro_step: str, tokens: str, k: str) -> A
         return cls
 
     return decorate
+
+
+_ADDED_FIELDS = "_gradtx_added_fields"
+
+
+def added_fields(**defaults: Callable[[], Any]) -> Callable[[_S], _S]:
+    """Class decorator: fields a state NamedTuple gained after a release, each with a factory for its fresh value.
+
+    A file written before the field existed still loads: a pickle or
+    ``torch.save`` of the shorter tuple gets the fresh values (the class's
+    ``__new__`` takes them as defaults), and :mod:`gradtx.checkpoint` (and the
+    wrapper's ``load_state_dict``) fill a missing key with the live state's
+    value. New fields go last.
+
+    Example:
+      >>> @added_fields(windows=lambda: torch.zeros((), dtype=torch.int64))
+      ... class MyState(NamedTuple): ...
+    """
+
+    def decorate(cls: _S) -> _S:
+        names = getattr(cls, "_fields", ())
+        if list(names[len(names) - len(defaults) :]) != list(defaults):
+            raise ValueError(f"added_fields: {list(defaults)} must be the last fields of {cls.__name__}, in order")
+        original = cls.__new__
+        n_required = len(names) - len(defaults)
+
+        def __new__(klass: Any, *args: Any, **kwargs: Any) -> Any:
+            if len(args) + len(kwargs) < len(names):
+                filled = {name: make() for name, make in defaults.items() if name not in kwargs}
+                for name in names[n_required : len(args)]:
+                    filled.pop(name, None)
+                kwargs = {**filled, **kwargs}
+            return original(klass, *args, **kwargs)
+
+        cls.__new__ = staticmethod(__new__)  # type: ignore[assignment,method-assign]
+        setattr(cls, _ADDED_FIELDS, tuple(defaults))
+        return cls
+
+    return decorate
+
+
+def added_field_names(state: Any) -> tuple[str, ...]:
+    """The fields of ``state`` declared with :func:`added_fields` (empty when none)."""
+    return tuple(getattr(type(state), _ADDED_FIELDS, ())) if isinstance(state, tuple) else ()
 
 
 def window_fields(state: Any) -> dict[str, str] | None:

@@ -30,6 +30,12 @@ from gradtx.core.base import GradientTransformation, Params, PyTree, export_metr
     ("empty_windows", "empty_windows"),
 )
 @kinds.window_state(running_sum="acc", micro_step="micro_step", tokens="tokens", k="k")
+@kinds.added_fields(  # after 0.1.0: a 0.1.0 state loads as a window that has seen no loss
+    loss_sum=lambda: torch.zeros((), dtype=torch.float32),
+    loss_weight=lambda: torch.zeros((), dtype=torch.int64),
+    last_loss=lambda: torch.zeros((), dtype=torch.float32),
+    windows=lambda: torch.zeros((), dtype=torch.int64),
+)
 class AccumulateState(NamedTuple):
     """The accumulation window.
 
