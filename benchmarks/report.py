@@ -148,7 +148,7 @@ API_NOTES = """\
 ## The fast paths, and how to use them
 
 * **The wrapper** (`TransformedOptimizer`) owns the `.grad` buffers, so the step executor
-  (`gradtx/executor.py`, see `docs/executor.md`) runs the chain on them with `inplace=True`. The
+  (`gradtx/runtime/executor.py`, see `docs/executor.md`) runs the chain on them with `inplace=True`. The
   trailing scalar transforms (the clip coefficient, accumulation's `1/k`, a learning rate) expose
   their factors as pure functions, and the executor multiplies them together instead of making a
   pass over the grads for each; a fused `torch.optim.Adam/AdamW/SGD` receives the product as
@@ -187,7 +187,9 @@ python benchmarks/norm.py --cuda-only                                # the GPU n
 ```
 
 The global norm's own table (accuracy, the fused step's bandwidth on a GPU, the overlap on 4
-gloo ranks) is `benchmarks/norm.py`, written to `docs/benchmarks-norm.md`.
+gloo ranks) is `benchmarks/norm.py`, written to `docs/benchmarks-norm.md`. Muon's is
+`benchmarks/muon.py` (`docs/benchmarks_muon.md`). What a lent GPU measured (NVIDIA H200) is in
+`docs/benchmarks-gpu.md`.
 
 The peers come from the `bench` extra:
 `.venv/bin/pip install -c constraints.txt -e '.[bench]'` installs torchopt (with graphviz, which
