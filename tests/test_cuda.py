@@ -29,19 +29,23 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_global_norm_and_clip_match_torch_on_cuda(dtype: torch.dtype, norm_type: float):
     g = torch.Generator(device="cuda").manual_seed(0)
     grads = {f"w{i}": torch.randn(257, 129, generator=g, device="cuda").to(dtype) * (i + 1) for i in range(5)}
-    ref = [torch.zeros_like(t, requires_grad=True) for t in grads.values()]
-    for p, t in zip(ref, grads.values()):
-        p.grad = t.clone()
-    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type=norm_type)
     tx = gtx.clip_by_global_norm(1.0, norm_type=norm_type)
     updates, state = tx.update(grads, tx.init(grads))
     assert state.grad_norm.dtype == torch.float32 and state.grad_norm.device.type == "cuda"
     exact = torch.linalg.vector_norm(torch.cat([t.double().flatten() for t in grads.values()]), norm_type)
-    tol = 1e-5 if dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(state.grad_norm.double(), exact, rtol=tol, atol=0)
-    torch.testing.assert_close(ref_norm.double().to(exact.device), exact, rtol=tol if dtype == torch.float32 else 2e-2, atol=0)
-    for u, r in zip(updates.values(), ref):
-        torch.testing.assert_close(u.float(), r.grad.float(), rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-6)
+    torch.testing.assert_close(state.grad_norm.double(), exact, rtol=1e-5 if dtype == torch.float32 else 1e-3, atol=0)
+    coef = torch.clamp(1.0 / (exact + 1e-6), max=1.0)
+    if dtype == torch.float32:  # torch's own clip on the same device (it sums fp16 in fp16, which overflows here)
+        ref = [torch.zeros_like(t, requires_grad=True) for t in grads.values()]
+        for p, t in zip(ref, grads.values()):
+            p.grad = t.clone()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, 1.0, norm_type=norm_type)
+        torch.testing.assert_close(ref_norm.double().to(exact.device), exact, rtol=1e-5, atol=0)
+        expected = [p.grad for p in ref]
+    else:
+        expected = [(t.double() * coef).to(dtype) for t in grads.values()]
+    for u, e in zip(updates.values(), expected):
+        torch.testing.assert_close(u.float(), e.float(), rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-6)
 
 
 @pytest.mark.parametrize("fused", [False, True])

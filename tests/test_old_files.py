@@ -102,7 +102,8 @@ def test_an_old_wrapper_state_dict_loads_mid_window_and_steps_as_the_run_that_sa
     saved = torch.load(OLD / "wrapper.pt")
     expected = make.wrapper_state_dict()  # today's code, the same recipe
     # Today's format holds everything 0.1.0's did, with the same values (it may hold more, e.g. has_grad).
-    assert_trees_equal(saved["optim"], _restrict(expected["optim"], saved["optim"]))
+    # To fp32 rounding: the fixture's grads came from another machine's matmul kernels.
+    assert_trees_close(saved["optim"], _restrict(expected["optim"], saved["optim"]), rtol=1e-5, atol=1e-6)
 
     def resumed(sd):
         torch.manual_seed(0)
