@@ -122,4 +122,4 @@ def test_an_old_wrapper_state_dict_loads_mid_window_and_steps_as_the_run_that_sa
             opt.zero_grad()
         return dict(model.state_dict())
 
-    assert_trees_equal(resumed(saved), resumed(expected))
+    assert_trees_close(resumed(saved), resumed(expected), rtol=1e-5, atol=1e-7)
