@@ -1,5 +1,7 @@
 """gradtx: pure, composable gradient transformations for PyTorch, DTensors included."""
 
+from typing import Any
+
 import torch
 
 from gradtx import checkpoint, comm, schedules, testing
@@ -133,7 +135,7 @@ from gradtx.transforms.spikes import (
 from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
-_STATES = (
+_STATES: list[Any] = (
     [
         AccumulateState,
         AddNoiseState,
