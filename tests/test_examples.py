@@ -34,8 +34,7 @@ def run_example(script: Path, *args: str, timeout: float = 300) -> subprocess.Co
     return result
 
 
-@pytest.mark.parametrize("name", ["functional_step.py", "wrap_torch_optimizer.py", "lookahead_and_ema.py"])
-@pytest.mark.parametrize("name", ["functional_step.py", "wrap_torch_optimizer.py", "dp_sgd.py"])
+@pytest.mark.parametrize("name", ["functional_step.py", "wrap_torch_optimizer.py", "lookahead_and_ema.py", "dp_sgd.py"])
 def test_example_runs_and_loss_falls(name):
     out = run_example(EXAMPLES / name).stdout
     found = LOSSES.findall(out)
