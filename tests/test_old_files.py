@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.testing import assert_trees_close, assert_trees_equal
+from gradtx.testing import assert_trees_close, assert_trees_equal, without_added_fields
 
 HERE = Path(__file__).resolve().parent / "fixtures"
 OLD = HERE / "v0_1_0"
@@ -27,26 +27,11 @@ _spec.loader.exec_module(make)
 MORE = 4  # steps taken after loading
 
 
-def _counters_since_0_1_0(tree):
-    """``tree`` with the fields added after 0.1.0 (``gtx.kinds.added_fields``) left out: a 0.1.0 file cannot know them.
-
-    Only ``windows`` differs in practice: a 0.1.0 state resumes counting emitted windows from 0.
-    """
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        added = gtx.kinds.added_field_names(tree)
-        return tuple(_counters_since_0_1_0(v) for name, v in zip(tree._fields, tree) if name not in added)
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_counters_since_0_1_0(v) for v in tree)
-    if isinstance(tree, dict):
-        return {k: _counters_since_0_1_0(v) for k, v in tree.items()}
-    return tree
-
-
 def _continue(tx, params, state, first_seed):
     for seed in range(first_seed, first_seed + MORE):
         updates, state = tx.update(make.grads(seed), state, params)
         params = gtx.apply_updates(params, updates)
-    return params, _counters_since_0_1_0(state)
+    return params, without_added_fields(state)  # a 0.1.0 file cannot know the fields added since
 
 
 def _fresh(name):

@@ -87,8 +87,14 @@ def returns_fresh(tx: Any) -> bool:
 
 
 def storages(tree: Any) -> set[int]:
-    """The storages (by address) of every tensor in ``tree``, through DTensors' local shards."""
-    out = set()
+    """The storages (by address) of every tensor in ``tree``, through DTensors' local shards.
+
+    Empty while ``torch.compile`` traces (a traced tensor has no storage): :func:`owned_updates`
+    then copies every leaf instead of comparing.
+    """
+    out: set[int] = set()
+    if torch.compiler.is_compiling():
+        return out
     for leaf in tu.flatten(tree)[0]:
         if isinstance(leaf, torch.Tensor):
             local = tu.local(leaf)

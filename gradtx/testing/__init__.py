@@ -167,6 +167,27 @@ def assert_donated_matches_pure(
     return donated_params, donated_state
 
 
+def without_added_fields(tree: PyTree) -> PyTree:
+    """``tree`` with every state field declared by :func:`gradtx.kinds.added_fields` left out.
+
+    For comparing a state restored from a file written before those fields
+    existed (they start fresh there) with one that ran from the start.
+
+    Example:
+      >>> assert_trees_equal(without_added_fields(loaded), without_added_fields(fresh))
+    """
+    from gradtx.core import kinds
+
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        added = kinds.added_field_names(tree)
+        return tuple(without_added_fields(v) for name, v in zip(tree._fields, tree) if name not in added)
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(without_added_fields(v) for v in tree)
+    if isinstance(tree, dict):
+        return {k: without_added_fields(v) for k, v in tree.items()}
+    return tree
+
+
 def assert_trees_equal(actual: PyTree, expected: PyTree, *, msg: str = "") -> None:
     """Assert two trees are bitwise equal (NaNs equal)."""
     assert_trees_close(actual, expected, rtol=0.0, atol=0.0, msg=msg)
