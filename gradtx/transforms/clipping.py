@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradtx.comm.backward_norm import BackwardNorm
 from gradtx.core import foreach as fe
 from gradtx.core import kinds
 from gradtx.core import tree as tu
@@ -81,7 +82,11 @@ class ClipByGlobalNormState(NamedTuple):
 
 @factory
 def clip_by_global_norm(
-    max_norm: float | torch.Tensor, *, norm_type: float = 2.0, mesh_groups: Any | None = None
+    max_norm: float | torch.Tensor,
+    *,
+    norm_type: float = 2.0,
+    mesh_groups: Any | None = None,
+    precomputed: BackwardNorm | None = None,
 ) -> ScalarTransformation:
     """Scale all updates together so that their global norm is at most ``max_norm``.
 
@@ -115,6 +120,21 @@ def clip_by_global_norm(
     max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
     plan.check_plan(mesh_groups, name="clip_by_global_norm")
+    if precomputed is not None:
+        if not isinstance(precomputed, BackwardNorm):
+            raise TypeError(
+                f"clip_by_global_norm: precomputed must be a gradtx.BackwardNorm, got {type(precomputed).__name__}"
+            )
+        if precomputed.norm_type != norm_type:
+            raise ValueError(
+                f"clip_by_global_norm: precomputed measures the {precomputed.norm_type:g}-norm, "
+                f"but norm_type is {norm_type:g}; make them the same"
+            )
+        if mesh_groups is not None:
+            raise ValueError(
+                "clip_by_global_norm: precomputed (DDP's replicated grads) and mesh_groups (sharded grads) "
+                "cannot be given together"
+            )
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
@@ -134,7 +154,9 @@ def clip_by_global_norm(
             all_params = tu.flatten(params)[0]
             full = tu.scatter(len(all_params), index, leaves)
             leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
-        norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
+        norm = precomputed.norm(leaves) if precomputed is not None else None
+        if norm is None:
+            norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
