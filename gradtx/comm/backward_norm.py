@@ -4,7 +4,7 @@ DDP's grads are replicated once they are reduced, so each rank can measure
 the global norm alone: no collective is needed for it. Measured at
 ``step()``, that pass over every grad runs after the backward has ended.
 :func:`gradtx.comm.torch_dist.backward_norm_hook`, a DDP comm hook, measures
-each bucket instead, on the reduced flat bucket buffer, as soon as its
+each bucket instead, its grads as views of the reduced bucket buffer, as soon as its
 all-reduce is done, while autograd is still computing the earlier layers'
 grads. This object is the hook's state and the declared channel to the
 clip: the user passes the same object to ``register_comm_hook`` (or gets it
@@ -49,6 +49,7 @@ class BackwardNorm:
 
     Attributes:
       generation: the number of syncs measured so far.
+      buckets: how many DDP buckets the last measured sync had.
       used: how many times a clip took a measured value.
       fallbacks: how many times a clip found no value for its grads and computed the norm itself.
 
@@ -67,6 +68,7 @@ class BackwardNorm:
         self.generation = 0
         self.used = 0
         self.fallbacks = 0
+        self.buckets = 0
         self._lock = threading.Lock()  # gloo and NCCL run completion callbacks on their own threads
         self._reset()
 
@@ -90,15 +92,17 @@ class BackwardNorm:
             self._params.extend(params)
             self._last_issued = self._last_issued or is_last
 
-    def bucket_done(self, reduced: torch.Tensor) -> None:
-        """Called by the hook once a bucket's flat buffer is reduced: measure it; the last bucket publishes the sync."""
-        (part,) = norms.tensor_powsums([reduced], self.norm_type)  # one pass over the flat buffer
+    def bucket_done(self, grads: Sequence[torch.Tensor], numel: int) -> None:
+        """Called by the hook once a bucket is reduced, with its grads: measure them; the last bucket publishes."""
+        sums = norms.tensor_powsums(list(grads), self.norm_type)  # one pass, one kernel per (device, dtype) group
+        part = norms.total(sums, self.norm_type) if sums else torch.zeros((), dtype=torch.float64)
         with self._lock:
             self._parts.append(part)
-            self._numel += reduced.numel()
+            self._numel += numel
             self._inflight -= 1
             if self._last_issued and self._inflight == 0:
                 self._ready = (self._parts, self._params, self._numel)
+                self.buckets = len(self._parts)
                 self._parts, self._params = [], []
                 self.generation += 1
 
