@@ -42,6 +42,9 @@ class BackwardNorm:
       norm_type: the order of the norm: any ``p > 0`` or ``inf``; the clip
         given this object must use the same.
       process_group: DDP's process group (``None``: the default group).
+      engine: ``"ddp"`` (the comm hook measures whole buckets; no collective at
+        ``step()``) or ``"fsdp2"`` (each sharded param's post-accumulate-grad
+        hook measures its local shard; the plan's reductions remain at ``step()``).
       sum_state: a :class:`gradtx.comm.torch_dist.DDPSumState` to *sum* the
         grads across ranks (what :func:`gradtx.sum_grad_reduction` does),
         instead of DDP's mean; :func:`gradtx.norm_in_backward` with
@@ -59,9 +62,14 @@ class BackwardNorm:
       >>> tx = gtx.chain(gtx.clip_by_global_norm(1.0, precomputed=bn), gtx.adamw(3e-4))
     """
 
-    def __init__(self, norm_type: float = 2.0, *, process_group: Any = None, sum_state: Any = None) -> None:
+    def __init__(
+        self, norm_type: float = 2.0, *, process_group: Any = None, sum_state: Any = None, engine: str = "ddp"
+    ) -> None:
         if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
             raise ValueError(f"BackwardNorm: norm_type must be a number > 0 or inf, got {norm_type!r}")
+        if engine not in ("ddp", "fsdp2"):
+            raise ValueError(f"BackwardNorm: engine must be 'ddp' or 'fsdp2', got {engine!r}")
+        self.engine = engine
         self.norm_type = float(norm_type)
         self.process_group = process_group
         self.sum_state = sum_state
@@ -72,6 +80,11 @@ class BackwardNorm:
         self._lock = threading.Lock()  # gloo and NCCL run completion callbacks on their own threads
         self._reset()
 
+    @property
+    def is_ddp(self) -> bool:
+        """Whether the value is DDP's whole norm (else FSDP2's per-leaf local parts)."""
+        return self.engine == "ddp"
+
     def _reset(self) -> None:
         self._parts: list[torch.Tensor] = []
         self._params: list[torch.Tensor] = []
@@ -79,6 +92,9 @@ class BackwardNorm:
         self._inflight = 0
         self._last_issued = False
         self._ready: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None
+        # FSDP2: each sharded param's local contribution, from its post-accumulate-grad hook, keyed by
+        # the grad's (storage address, size): the latest sync's value of the grad the param now holds.
+        self._by_grad: dict[tuple[int, int], torch.Tensor] = {}
 
     # --- the hook's side -------------------------------------------------------------------
 
@@ -105,6 +121,16 @@ class BackwardNorm:
                 self.buckets = len(self._parts)
                 self._parts, self._params = [], []
                 self.generation += 1
+
+    def param_done(self, param: torch.Tensor) -> None:
+        """Called by a param's post-accumulate-grad hook (FSDP2: once its sharded grad is final): measure it."""
+        grad = param.grad
+        if grad is None:
+            return
+        local = tu.local(grad)
+        (part,) = norms.tensor_powsums([grad], self.norm_type)
+        with self._lock:
+            self._by_grad[(local.data_ptr(), local.numel())] = part
 
     # --- the clip's side -------------------------------------------------------------------
 
@@ -135,6 +161,34 @@ class BackwardNorm:
         self.used += 1
         return norms.total(ready[0], self.norm_type)
 
+    def take_leafwise(self, leaves: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Each leaf's local contribution, as the hooks measured it since the last take, or ``None`` (FSDP2).
+
+        Consumes every measured value. Returns ``None`` unless every leaf with
+        elements is a grad a hook measured (matched by its local shard's
+        storage address and size); the caller then reduces the contributions
+        over the mesh as the plan says.
+        """
+        with self._lock:
+            measured, self._by_grad = self._by_grad, {}
+        out: list[torch.Tensor] | None = [] if measured and not torch.compiler.is_compiling() else None
+        for t in leaves:
+            if out is None:
+                break
+            local = tu.local(t)
+            part = measured.get((local.data_ptr(), local.numel()))
+            if part is None and local.numel() == 0:  # an empty shard (FSDP2, fewer rows than ranks) adds 0
+                part = torch.zeros((), dtype=norms.partial_dtype(local.device), device=local.device)
+            if part is None:
+                out = None
+            else:
+                out.append(part)
+        if out is None:
+            self.fallbacks += 1
+        else:
+            self.used += 1
+        return out
+
     def norm(self, leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """:meth:`take`, as the norm itself (fp32, or fp64 for fp64 grads), or ``None``."""
         power = self.take(leaves)
@@ -145,10 +199,10 @@ class BackwardNorm:
     # --- pickling: a checkpointed transform keeps the settings, never a measured value ----------
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"norm_type": self.norm_type}
+        return {"norm_type": self.norm_type, "engine": self.engine}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["norm_type"])  # type: ignore[misc]
+        self.__init__(state["norm_type"], engine=state.get("engine", "ddp"))  # type: ignore[misc]
 
     def __repr__(self) -> str:
         p = "inf" if math.isinf(self.norm_type) else f"{self.norm_type:g}"

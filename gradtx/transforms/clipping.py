@@ -105,6 +105,12 @@ def clip_by_global_norm(
         reads the plan from DTensor placements (TP, FSDP2, HSDP, EP, and any
         mix), so the norm is the single-device one on every rank; plain
         tensors are taken as unsharded or replicated (DDP).
+      precomputed: a :class:`gradtx.BackwardNorm` whose hooks measured the
+        grads during the backward (see :func:`gradtx.norm_in_backward`): under
+        DDP the clip then only adds one value per bucket, under FSDP2 it runs
+        only the reductions. It is used when the clip is given the very grads
+        the last sync measured, once; otherwise the clip computes the norm as
+        without it. Its ``norm_type`` must be this one's; not with ``mesh_groups``.
 
     Returns:
       A :class:`GradientTransformation` with state :class:`ClipByGlobalNormState`.
@@ -132,8 +138,8 @@ def clip_by_global_norm(
             )
         if mesh_groups is not None:
             raise ValueError(
-                "clip_by_global_norm: precomputed (DDP's replicated grads) and mesh_groups (sharded grads) "
-                "cannot be given together"
+                "clip_by_global_norm: precomputed and mesh_groups cannot be given together (the hooks measure "
+                "the grads whose placements define the plan)"
             )
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
@@ -154,9 +160,13 @@ def clip_by_global_norm(
             all_params = tu.flatten(params)[0]
             full = tu.scatter(len(all_params), index, leaves)
             leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
-        norm = precomputed.norm(leaves) if precomputed is not None else None
+        norm = precomputed.norm(leaves) if precomputed is not None and precomputed.is_ddp else None
         if norm is None:
-            norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
+            # FSDP2: each sharded grad's local part, measured in the backward; the plan's reductions remain
+            powsums = precomputed.take_leafwise(leaves) if precomputed is not None and not precomputed.is_ddp else None
+            norm = plan.tree_norm(
+                leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, powsums=powsums
+            )
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
@@ -183,7 +193,6 @@ def _apply_factor(g: torch.Tensor, factor: torch.Tensor, *, inplace: bool) -> to
         g_local.mul_(factor)
         return g
     return tu.like(g, g_local * factor)
-
 
 
 @factory

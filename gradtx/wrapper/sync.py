@@ -179,7 +179,7 @@ def _sum_ddp(module: Any, backward_norm: Any = None) -> Any:
 
 
 def norm_in_backward(model: torch.nn.Module, norm_type: float = 2.0, *, sum_reduction: bool = False) -> Any:
-    """Measure the global grad norm of a DDP model during its backward; returns the :class:`gradtx.BackwardNorm`.
+    """Measure the global grad norm of a DDP or FSDP2 model during its backward; returns the :class:`gradtx.BackwardNorm`.
 
     Registers :func:`gradtx.comm.torch_dist.backward_norm_hook` on the DDP
     module: each bucket is measured on its reduced buffer as soon as its
@@ -195,10 +195,18 @@ def norm_in_backward(model: torch.nn.Module, norm_type: float = 2.0, *, sum_redu
     DDP takes one comm hook: with ``sum_reduction=True`` the hook also sums
     the grads across ranks, as :func:`sum_grad_reduction` does for DDP (its
     grad hooks included), so call this instead of :func:`sum_grad_reduction`,
-    not after it. FSDP2 is not supported: see ``docs/distributed.md``.
+    not after it.
+
+    On a model holding FSDP2 (``fully_shard``) modules and no DDP, a
+    post-accumulate-grad hook on every (sharded) param measures its local shard
+    once FSDP2 has reduce-scattered and assigned it (final for this sync); the
+    clip then runs only the plan's reductions, one scalar per sharded mesh dim
+    (see ``docs/distributed.md``). ``sum_reduction`` is DDP's only: FSDP2 sums
+    with :func:`sum_grad_reduction`, which composes with this.
 
     Args:
-      model: a ``DistributedDataParallel`` module, or a module holding exactly one.
+      model: a ``DistributedDataParallel`` module or a module holding exactly one, or a
+        module holding ``fully_shard`` modules.
       norm_type: the order of the norm the clip will use: any ``p > 0`` or ``inf``.
       sum_reduction: sum the grads across ranks instead of DDP's mean.
 
@@ -215,9 +223,21 @@ def norm_in_backward(model: torch.nn.Module, norm_type: float = 2.0, *, sum_redu
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"norm_in_backward: model must be a torch.nn.Module, got {type(model).__name__}")
     ddp = [m for m in model.modules() if DistributedDataParallel is not None and isinstance(m, DistributedDataParallel)]
+    fsdp = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+    if fsdp and not ddp:
+        if sum_reduction:
+            raise ValueError("norm_in_backward: sum_reduction is for DDP; for FSDP2 call gtx.sum_grad_reduction(model)")
+        state = BackwardNorm(norm_type, engine="fsdp2")
+        for param in model.parameters():
+            if param.requires_grad:
+                # FSDP2 runs a sharded param's post-accumulate-grad hooks once its reduce-scattered
+                # (and HSDP all-reduced, post-divided) grad is assigned or accumulated: final for this sync.
+                param.register_post_accumulate_grad_hook(state.param_done)
+        return state
     if len(ddp) != 1:
         raise TypeError(
-            f"norm_in_backward: model must be or hold exactly one DistributedDataParallel module, found {len(ddp)}"
+            "norm_in_backward: model must be or hold exactly one DistributedDataParallel module, or hold "
+            f"fully_shard (FSDP2) modules; found {len(ddp)} DDP and {len(fsdp)} FSDP2 modules"
         )
     (module,) = ddp
     state = BackwardNorm(norm_type, process_group=module.process_group)

@@ -121,12 +121,53 @@ def _wrapper(rank: int, sum_reduction: bool, norm_type: float) -> dict[str, Any]
     }
 
 
+def _fsdp2(rank: int, norm_type: float) -> dict[str, Any]:
+    """FSDP2: each sharded grad measured by its post-accumulate-grad hook; the plan's reduction at the clip."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import gradtx as gtx
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    model = _mlp()
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    bn = gtx.norm_in_backward(model, norm_type)
+    params = dict(model.named_parameters())
+    tx = gtx.clip_by_global_norm(MAX_NORM, norm_type=norm_type, precomputed=bn)
+    plain = gtx.clip_by_global_norm(MAX_NORM, norm_type=norm_type)
+    state, plain_state = tx.init(params), plain.init(params)
+    out: dict[str, Any] = {"norms": [], "ref_norms": [], "plain_norms": []}
+    for step in range(2):
+        _backward(model, rank, step)
+        grads = {n: p.grad for n, p in params.items()}
+        _, state = tx.update(grads, state, params)
+        _, plain_state = plain.update(grads, plain_state, params)
+        full = [g.full_tensor() for g in grads.values()]  # the unsharded grads, on every rank
+        out["norms"].append(state.grad_norm.clone())
+        out["plain_norms"].append(plain_state.grad_norm.clone())
+        out["ref_norms"].append(torch.nn.utils.get_total_norm(full, norm_type))
+        model.zero_grad()
+    out["used"] = bn.used
+    _, state = tx.update({n: p.grad for n, p in params.items()}, state, params)  # no backward since: computed
+    out["stale"] = (bn.used, bn.fallbacks)
+    return out
+
+
 CASES = [(s, p) for s in (False, True) for p in (2.0, math.inf)]
 
 
 def _body(rank: int, world_size: int) -> dict[str, Any]:
     del world_size
-    return {case: {"functional": _functional(rank, *case), "wrapper": _wrapper(rank, *case)} for case in CASES}
+    out: dict[Any, Any] = {
+        case: {"functional": _functional(rank, *case), "wrapper": _wrapper(rank, *case)} for case in CASES
+    }
+    out["fsdp2"] = {p: _fsdp2(rank, p) for p in (2.0, math.inf)}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +215,17 @@ def test_wrapper_steps_match_clip_grad_norm_and_sgd(ranks: list[dict[str, Any]],
         assert (got["used"], got["fallbacks"]) == (3, 0)
         for p, ref in zip(got["params"], got["ref_params"]):
             torch.testing.assert_close(p, ref, rtol=2e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["p2", "pinf"])
+def test_fsdp2_sharded_grads_measured_in_the_backward(ranks: list[dict[str, Any]], norm_type: float) -> None:
+    for out in ranks:
+        got = out["fsdp2"][norm_type]
+        assert got["used"] == 2  # both steps took the per-param parts measured after the reduce-scatter
+        for norm, ref, plain in zip(got["norms"], got["ref_norms"], got["plain_norms"]):
+            torch.testing.assert_close(norm, ref, rtol=2e-6, atol=0)
+            torch.testing.assert_close(norm, plain, rtol=1e-6, atol=0)
+        assert got["stale"] == (2, 1)
 
 
 def test_the_clip_refuses_a_mismatched_norm_type() -> None:
