@@ -160,10 +160,12 @@ def clip_by_global_norm(
             all_params = tu.flatten(params)[0]
             full = tu.scatter(len(all_params), index, leaves)
             leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
-        norm = precomputed.norm(leaves) if precomputed is not None and precomputed.is_ddp else None
+        # A traced step computes the norm: the hand-over is host-side bookkeeping under a lock.
+        measured = precomputed if precomputed is not None and not torch.compiler.is_compiling() else None
+        norm = measured.norm(leaves) if measured is not None and measured.is_ddp else None
         if norm is None:
             # FSDP2: each sharded grad's local part, measured in the backward; the plan's reductions remain
-            powsums = precomputed.take_leafwise(leaves) if precomputed is not None and not precomputed.is_ddp else None
+            powsums = measured.take_leafwise(leaves) if measured is not None and not measured.is_ddp else None
             norm = plan.tree_norm(
                 leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, powsums=powsums
             )
