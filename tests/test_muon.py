@@ -176,11 +176,14 @@ def test_heads_and_fused_qkv_against_pieces_by_hand():
 
 @pytest.mark.parametrize("ns_dtype, tol", [(None, 1e-6), (torch.bfloat16, 1e-4)])
 def test_stacked_iteration_equals_one_matrix_at_a_time(ns_dtype, tol):
-    """Same-shape matrices (either orientation) iterated as one bmm stack give the per-matrix numbers."""
+    """Same-shape matrices iterated as one bmm stack give the per-matrix numbers."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(5)
-    shapes = {"a": (24, 8), "a2": (24, 8), "b": (8, 24), "sq": (8, 8), "sq2": (8, 8), "sq3": (8, 8), "odd": (5, 9)}
+    shapes = {
+        "a": (24, 8), "a2": (24, 8), "b": (8, 24), "b2": (8, 24), "sq": (8, 8), "sq2": (8, 8), "sq3": (8, 8),
+        "odd": (5, 9),
+    }  # fmt: skip
     params = {**{k: torch.randn(s, generator=g) for k, s in shapes.items()}, "bias": torch.randn(8, generator=g)}
     grads = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(3)]
     kw = {"weight_decay": 0.1, "ns_dtype": ns_dtype}
@@ -196,7 +199,8 @@ def test_stacked_iteration_equals_one_matrix_at_a_time(ns_dtype, tol):
         tx.update(grads[0], gtx.EmptyState())
     names = [e.name for e in prof.events()]
     assert names.count("aten::addmm") == 2 * 5  # "odd" alone: 2 addmm per iteration, 5 iterations
-    assert names.count("aten::baddbmm") == 2 * 2 * 5  # two stacks: (a, a2, b) and (sq, sq2, sq3)
+    # Three stacks: (a, a2) and (b, b2) apart, as their wide views differ in memory layout; (sq, sq2, sq3).
+    assert names.count("aten::baddbmm") == 2 * 3 * 5
 
 
 def test_newton_schulz_orthogonalizes():

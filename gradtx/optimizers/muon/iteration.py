@@ -261,12 +261,28 @@ def _unmatrices(y: torch.Tensor, lay: _Layout, transposed: bool, shape: Sequence
     return y.reshape(lay.unflat).permute(lay.inv).reshape(shape)
 
 
+def _oriented(x: torch.Tensor, lay: _Layout, tr: bool) -> torch.Tensor:
+    """A single-matrix leaf as the ``(rows, cols)`` view the iteration runs on (its wide side)."""
+    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat[1:])
+    return m.mT if tr else m
+
+
+def _column_major(v: torch.Tensor) -> bool:
+    return not v.is_contiguous() and v.mT.is_contiguous()
+
+
 def _stack_key(x: torch.Tensor, lay: _Layout, preconditioning: str) -> tuple[Any, ...] | None:
-    """What single-matrix leaves must share to be stacked into one batched iteration; ``None``: never stacked."""
+    """What single-matrix leaves must share to be stacked into one batched iteration; ``None``: never stacked.
+
+    Leaves stack with the memory layout of their wide view (a tall ``(out, in)``
+    weight is a transposed view), so each matrix is multiplied in the layout
+    ``torch.optim.Muon`` multiplies it in: CPU kernels differ in speed by layout.
+    """
     if lay.flat[0] != 1 or x.is_complex():
         return None
     tr = _transposed(lay, preconditioning)
-    return (lay.flat[2], lay.flat[1]) if tr else (lay.flat[1], lay.flat[2]), x.dtype, x.device
+    v = _oriented(x, lay, tr)
+    return tuple(v.shape), _column_major(v), x.dtype, x.device
 
 
 def _orthogonalize_stacked(
@@ -285,12 +301,13 @@ def _orthogonalize_stacked(
     iteration makes anyway; the results are views of one buffer.
     """
     dtype = ns_dtype if ns_dtype is not None else xs[0].dtype
-    trs = [_transposed(lay, preconditioning) for lay in lays]  # a (3072, 768) and a (768, 3072) stack together
-    views = []
-    for x, lay, tr in zip(xs, lays, trs):
-        m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat[1:])
-        views.append(m.mT if tr else m)
-    y = _ns_batched(torch.stack(views).to(dtype), rows, preconditioning, eps).to(xs[0].dtype)
+    trs = [_transposed(lay, preconditioning) for lay in lays]
+    views = [_oriented(x, lay, tr) for x, lay, tr in zip(xs, lays, trs)]
+    if _column_major(views[0]):  # stack the transposes, so every matrix keeps its layout
+        stack = torch.stack([v.mT for v in views]).mT
+    else:
+        stack = torch.stack(views)
+    y = _ns_batched(stack.to(dtype), rows, preconditioning, eps).to(xs[0].dtype)
     return [_unmatrices(yi, lay, tr, x.shape) for yi, x, lay, tr in zip(y.unbind(0), xs, lays, trs)]
 
 
