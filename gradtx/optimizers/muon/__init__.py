@@ -26,6 +26,15 @@ orthogonalized once and the work is spread. A leaf sharded only along batch
 axes (experts over an EP dim) holds whole matrices and needs no
 communication; a replicated or plain leaf is orthogonalized where it is.
 The cost is stated in ``docs/muon.md``; :func:`exchange_plan` computes it.
+
+**One device.** Local matrices of one shape, dtype and memory layout are
+stacked (``ns_batch`` at most) and iterated as one batched ``bmm`` chain, and
+the momentum runs as foreach ops, so a step launches a few kernels per stack
+rather than a few per matrix.
+
+The modules: ``iteration`` (dimension numbers, layouts, the Newton–Schulz
+iteration), ``exchange`` (owners, the all-to-all exchange, the per-step
+orthogonalizer) and ``transforms``.
 """
 
 from gradtx.optimizers.muon.exchange import ExchangePlan, exchange_plan

@@ -1,7 +1,7 @@
 """Muon on sharded matrices: owners, the bucketed all-to-all exchange, and the per-step orthogonalizer.
 
 A leaf sharded across its matrix axes is gathered to one owner rank, orthogonalized
-there once and scattered back (see :mod:`gradtx.optimizers.muon`); every collective
+there once and scattered back (see ``gradtx.optimizers.muon``); every collective
 goes through the :class:`~gradtx.comm.ExchangeComm` it is given.
 """
 

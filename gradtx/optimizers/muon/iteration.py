@@ -1,8 +1,8 @@
 """Muon's matrices: the dimension numbers, the layout of each leaf, and the Newton–Schulz iteration.
 
 Everything here works on local (whole) tensors; the sharded exchange is in
-:mod:`gradtx.optimizers.muon.exchange` and the transforms in
-:mod:`gradtx.optimizers.muon.transforms`.
+``exchange`` and the transforms in
+``transforms``.
 """
 
 from __future__ import annotations
@@ -296,9 +296,10 @@ def _orthogonalize_stacked(
     """:func:`_orthogonalize_full` of single-matrix leaves of one :func:`_stack_key`, as one batched iteration.
 
     The same operations on every matrix, as ``bmm`` over the stack: a few
-    kernels for the group instead of a few per matrix. Costs one copy of the
-    group in its own dtype (the stack) besides the ``ns_dtype`` copy the
-    iteration makes anyway; the results are views of one buffer.
+    kernels for the group instead of a few per matrix. Costs a transient copy
+    of the group in its own dtype (the stack, before the cast to ``ns_dtype``),
+    and the iteration's working set for the whole group at once; the results
+    are views of one buffer.
     """
     dtype = ns_dtype if ns_dtype is not None else xs[0].dtype
     trs = [_transposed(lay, preconditioning) for lay in lays]
@@ -307,7 +308,8 @@ def _orthogonalize_stacked(
         stack = torch.stack([v.mT for v in views]).mT
     else:
         stack = torch.stack(views)
-    y = _ns_batched(stack.to(dtype), rows, preconditioning, eps).to(xs[0].dtype)
+    stack = stack.to(dtype)  # rebound: a copy in the leaves' own dtype is freed before the iteration
+    y = _ns_batched(stack, rows, preconditioning, eps).to(xs[0].dtype)
     return [_unmatrices(yi, lay, tr, x.shape) for yi, x, lay, tr in zip(y.unbind(0), xs, lays, trs)]
 
 
