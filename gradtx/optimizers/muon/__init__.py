@@ -34,12 +34,14 @@ rather than a few per matrix.
 
 The modules: ``iteration`` (dimension numbers, layouts, the Newton–Schulz
 iteration), ``exchange`` (owners, the all-to-all exchange, the per-step
-orthogonalizer) and ``transforms``.
+orthogonalizer), ``transforms`` (the momentum, the orthogonalization and the shape
+scaling) and ``optimizer`` (:func:`muon`).
 """
 
 from gradtx.optimizers.muon.exchange import ExchangePlan, exchange_plan
 from gradtx.optimizers.muon.iteration import MuonDimensionNumbers, newton_schulz
-from gradtx.optimizers.muon.transforms import MuonState, muon, orthogonalize, scale_by_muon, scale_by_shape
+from gradtx.optimizers.muon.optimizer import muon
+from gradtx.optimizers.muon.transforms import MuonState, orthogonalize, scale_by_muon, scale_by_shape
 
 __all__ = [
     "ExchangePlan",
