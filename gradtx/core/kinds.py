@@ -45,7 +45,10 @@ __all__ = [
     "Verdict",
     "Windowed",
     "declare_fresh",
+    "emptied",
+    "empty_sum",
     "held_storages",
+    "is_empty_sum",
     "owned_updates",
     "returns_fresh",
     "storages",
@@ -220,12 +223,59 @@ _WINDOW_FIELDS = "_gradtx_window_fields"
 _S = TypeVar("_S", bound=type)
 
 
+def empty_sum(params: Any) -> Any:
+    """The running sum of a window that holds nothing: a tree like ``params``, every leaf a 0-element tensor.
+
+    A window's state keeps its running sum from ``init`` on, so the state's
+    structure never changes between steps; outside a window (and where a
+    param got no gradient in the open one) a leaf is this 0-element
+    placeholder, in the sum's dtype (``torch.promote_types(param.dtype, torch.float32)``)
+    on the param's (local) device, and costs no memory. ``None`` gives ``None``.
+
+    Example:
+      >>> empty_sum({"w": torch.zeros(3)})["w"].shape
+      torch.Size([0])
+    """
+    if params is None:
+        return None
+    return tu.tree_map(
+        lambda p: (
+            torch.empty(0, dtype=torch.promote_types(p.dtype, torch.float32), device=tu.local(p).device)
+            if isinstance(p, torch.Tensor)
+            else p
+        ),
+        params,
+    )
+
+
+def is_empty_sum(tree: Any) -> bool:
+    """Whether a window's running sum holds nothing (``None``, or every tensor leaf a 0-element placeholder)."""
+    return all(not isinstance(t, torch.Tensor) or t.numel() == 0 for t in tu.flatten(tree)[0])
+
+
+def emptied(tree: Any) -> Any:
+    """``tree`` with every tensor leaf replaced by the placeholder of :func:`empty_sum` (kept where it is one)."""
+    return tu.tree_map(
+        lambda t: (
+            t
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 and t.dim() == 1 and not _is_dtensor(t)
+            else torch.empty(0, dtype=t.dtype, device=tu.local(t).device)
+        ),
+        tree,
+    )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return tu.DTensor is not None and isinstance(t, tu.DTensor)
+
+
 def window_state(*, running_sum: str, micro_step: str, tokens: str, k: str) -> Any:
     """Class decorator: declare which fields of a window's state NamedTuple hold what, for the checkpoint.
 
-    The checkpoint keeps ``running_sum`` (a tree like the params while the
-    window is open, each leaf in ``torch.promote_types(param.dtype, torch.float32)``,
-    else ``None``) by parameter, refuses a load under another
+    The checkpoint keeps ``running_sum`` (a tree like the params, each leaf in
+    ``torch.promote_types(param.dtype, torch.float32)``: the sum while the
+    window is open, the 0-element placeholder of :func:`empty_sum` where it
+    holds nothing, which is saved as zeros) by parameter, refuses a load under another
     ``k``, and sums ``tokens`` and ``running_sum`` over the data-parallel ranks
     where the window's ``rank_local()`` says they are per rank.
     :class:`gradtx.AccumulateState` is declared with it.

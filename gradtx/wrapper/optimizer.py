@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gradtx.checkpoint import functional as _ckpt
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.optimizers.standard import OptimizerChain
@@ -277,6 +278,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             self._live.synced = synced
         if window is not None:
             grads.put_window_grads(self._tree, window)
+        # A wrapper pickled by 0.1.0 holds no running-sum placeholders: give it the structure it keeps now.
+        self._live.tx_state = _ckpt.with_empty_sums(self._live.tx_state, self.param_tree())
         self._mirror = _sd.Mirror()
         self._install()
 
