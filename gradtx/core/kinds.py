@@ -26,6 +26,10 @@ Each is optional; a transform that declares none is run as it is, correctly.
   ``.grad`` be the running sum and count only.
 * **A fusable optimizer** (:class:`FusableOptimizer`): a trailing optimizer whose
   whole step a donated step may run as one fused torch kernel.
+* **Tied weights** (:func:`declare_ties`): the transform reads a norm over a
+  pipeline plan's tied weights, which an earlier member must have summed, or it
+  is that member (:func:`gradtx.pp_reduce`). A chain checks the order when it
+  is built.
 
 See ``docs/transforms.md`` for how to declare them on your own transforms.
 """
@@ -45,6 +49,7 @@ __all__ = [
     "Verdict",
     "Windowed",
     "declare_fresh",
+    "declare_ties",
     "emptied",
     "empty_sum",
     "held_storages",
@@ -52,6 +57,8 @@ __all__ = [
     "owned_updates",
     "returns_fresh",
     "storages",
+    "ties_read",
+    "ties_reduced",
     "window_fields",
     "window_state",
 ]
@@ -82,6 +89,39 @@ def declare_fresh(tx: _T, fresh: bool = True) -> _T:
         raise TypeError(f"declare_fresh: fresh must be a bool, got {type(fresh).__name__}")
     vars(tx)[_FRESH] = fresh
     return tx
+
+
+_TIES_READ = "tied_plans_read"
+_TIES_REDUCED = "tied_plans_reduced"
+
+
+def declare_ties(tx: _T, *, reads: tuple[Any, ...] = (), reduces: tuple[Any, ...] = ()) -> _T:
+    """Declare the pipeline plans whose tied weights ``tx`` reads a norm over, or sums the grads of; returns ``tx``.
+
+    ``reads``: plans (:func:`gradtx.mesh_groups` with ``tied=``) whose tied
+    copies' grads must be summed before ``tx`` runs, as a norm over unsummed
+    copies is wrong. ``reduces``: plans whose tied grads ``tx`` sums
+    (:func:`gradtx.pp_reduce`). :func:`gradtx.chain` checks, when it is built,
+    that every plan a member reads is reduced by an earlier member, and raises
+    a ``ValueError`` otherwise; a chain declares what its members reduce, and
+    what they read that none of them reduced.
+
+    Example:
+      >>> tx = declare_ties(GradientTransformation(init_fn, update_fn), reads=(plan,))
+    """
+    vars(tx)[_TIES_READ] = tuple(reads)
+    vars(tx)[_TIES_REDUCED] = tuple(reduces)
+    return tx
+
+
+def ties_read(tx: Any) -> tuple[Any, ...]:
+    """The plans whose tied weights ``tx`` reads a norm over, unsummed by ``tx`` itself (see :func:`declare_ties`)."""
+    return tuple(getattr(tx, "__dict__", {}).get(_TIES_READ, ()))
+
+
+def ties_reduced(tx: Any) -> tuple[Any, ...]:
+    """The plans whose tied weights' grads ``tx`` sums (see :func:`declare_ties`)."""
+    return tuple(getattr(tx, "__dict__", {}).get(_TIES_REDUCED, ()))
 
 
 def returns_fresh(tx: Any) -> bool:

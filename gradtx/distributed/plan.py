@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeGuard, cast
+from typing import Any, NamedTuple, TypeGuard, TypeVar, cast
 
 import optree
 import torch
@@ -26,7 +26,7 @@ import torch
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm, check_comm
 from gradtx.comm.groups import reduce_over_groups
 from gradtx.comm.local import LocalComm
-from gradtx.core import norms
+from gradtx.core import kinds, norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
@@ -168,22 +168,11 @@ class MeshGroups:
             if leaf.tie_group is not None:
                 tied.setdefault(leaf.tie_group, []).append(i)
         self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
-        # Set when gradtx.pp_reduce(plan) runs: the tied copies' grads are summed before a norm reads them.
-        self.tie_reduced = False
 
-    def require_tie_reduce(self, *, what: str) -> None:
-        """Raise unless :func:`gradtx.pp_reduce` has run for this plan, when it declares tied weights.
-
-        Unsummed tied copies give each stage a different grad: the norm is
-        wrong and the copies drift apart. This check costs nothing per step.
-        """
-        if self.tied and not self.tie_reduced:
-            paths = [self._leaves[i].path for idx in self.tied.values() for i in idx]
-            raise ValueError(
-                f"{what}: the mesh_groups plan declares tied weights ({', '.join(paths)}), but no "
-                "gradtx.pp_reduce(plan) ran before this norm, so the tied copies' grads are not summed; put it "
-                "first in the chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., mesh_groups=plan), ...)"
-            )
+    @property
+    def tied_paths(self) -> list[str]:
+        """The dotted paths of the tied leaves (``tied=``), in flatten order."""
+        return [self._leaves[i].path for idx in self.tied.values() for i in idx]
 
     def __len__(self) -> int:
         return len(self._leaves)
@@ -269,7 +258,6 @@ class MeshGroups:
         """
         self.check(leaves, what="mesh_groups.global_norm")
         norm_type = check.norm_type(norm_type, name="mesh_groups.global_norm")
-        self.require_tie_reduce(what="mesh_groups.global_norm")
         from gradtx.distributed.global_norm import plan_norm  # the norm sits above the plan
 
         return plan_norm(self, leaves, norm_type)
@@ -316,7 +304,6 @@ class MeshGroups:
         groups: list[tuple[GroupKey, ...]] = []
         where: list[tuple[int, int]] = []
         out: list[list[torch.Tensor]] = []
-        self.require_tie_reduce(what="adaptive_clip")
         for t, leaves in enumerate(trees):
             self.check(leaves, what="adaptive_clip")
             row: list[torch.Tensor] = []
@@ -665,6 +652,22 @@ def infer_plan(
             ),
         )
     return plan
+
+
+_T = TypeVar("_T")
+
+
+def reads_tied(tx: _T, mesh_groups: MeshGroups | None) -> _T:
+    """``tx``, declared as reading a norm over ``mesh_groups``' tied weights when the plan has some; returns ``tx``.
+
+    What every transform that takes ``mesh_groups=`` and computes a norm
+    returns: :func:`gradtx.chain` then refuses it, when built, unless a
+    :func:`gradtx.pp_reduce` of the same plan comes before it
+    (:func:`gradtx.core.kinds.declare_ties`).
+    """
+    if mesh_groups is not None and mesh_groups.tied:
+        kinds.declare_ties(tx, reads=(mesh_groups,))
+    return tx
 
 
 def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:

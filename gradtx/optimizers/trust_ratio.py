@@ -77,10 +77,7 @@ def scale_by_trust_ratio(
     min_norm = check.non_negative(min_norm, arg="min_norm", name=name, tensor=True)
     trust_coefficient = check.non_negative(trust_coefficient, arg="trust_coefficient", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    if mesh_groups is not None and not callable(getattr(mesh_groups, "unitwise_norms", None)):
-        raise TypeError(
-            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
-        )
+    plan.check_plan(mesh_groups, name=name)
     floor, coef, shift = _hyper(min_norm), _hyper(trust_coefficient), _hyper(eps)
 
     def init_fn(params: Params) -> EmptyState:
@@ -117,7 +114,7 @@ def scale_by_trust_ratio(
             out.append(tu.like(u, (local * ratio.to(local.device)).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return plan.reads_tied(GradientTransformation(init_fn, update_fn), mesh_groups)
 
 
 def _scale_by_adam_eps_root(b1: Any, b2: Any, eps: Any, eps_root: Any) -> GradientTransformation:

@@ -40,7 +40,7 @@ from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, Updates
-from gradtx.transforms.combine import Chain, apply_updates
+from gradtx.transforms.combine import Chain, apply_updates, tie_order
 
 __all__ = ["StepPlan", "StepResult", "update_and_apply"]
 
@@ -113,6 +113,7 @@ class StepPlan:
     def __init__(self, tx: GradientTransformation) -> None:
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"StepPlan: tx must be a GradientTransformation, got {type(tx).__name__}")
+        tie_order([tx], name="StepPlan")  # a lone transform reading tied weights no pp_reduce summed
         self.tx = tx
         self.members = _leaf_members(tx)
         first = self.members[0] if self.members else None
@@ -405,6 +406,8 @@ def update_and_apply(
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"update_and_apply: tx must be a GradientTransformation, got {type(tx).__name__}")
     donate = check.flag(donate, arg="donate", name="update_and_apply")
+    if not torch.compiler.is_compiling():
+        plan = StepPlan.of(tx)  # planned once per transform: a chain that cannot run right raises here
     if not donate:
         updates, new_state = tx.update(grads, state, params, **extra)
         return apply_updates(params, updates), new_state
@@ -419,7 +422,6 @@ def update_and_apply(
         with torch.no_grad():
             return _store_into((params, state), (apply_updates(params, updates), new_state))
 
-    plan = StepPlan.of(tx)
     # A donated step writes its inputs, so it is not differentiable; no_grad also lets it write
     # params that are leaves requiring grad (nn.Parameters), as an optimizer step does.
     with torch.no_grad():

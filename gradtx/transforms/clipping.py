@@ -142,7 +142,7 @@ def clip_by_global_norm(
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 
-    return scalar_transformation(init_fn, factor_fn)
+    return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------
@@ -239,4 +239,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor, inplace=bool(extra.get("inplace", False))))
         return tu.unflatten(spec, out), state
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return plan.reads_tied(kinds.declare_fresh(GradientTransformation(init_fn, update_fn)), mesh_groups)

@@ -101,6 +101,32 @@ def _run(
     return updates, new_states
 
 
+def tie_order(txs: Sequence[GradientTransformation], *, name: str) -> dict[str, tuple[Any, ...]]:
+    """What a chain of ``txs`` declares about tied weights (:func:`gradtx.core.kinds.declare_ties`), checked.
+
+    A member that reads a norm over a pipeline plan's tied weights needs a
+    :func:`gradtx.pp_reduce` of that plan before it, in the same chain: else
+    this raises, when the chain is built.
+    """
+    reduced: list[Any] = []
+    unmet: list[tuple[int, Any]] = []
+    for i, tx in enumerate(txs):
+        for p in kinds.ties_read(tx):
+            if not any(p is r for r in reduced) and not any(p is u for _, u in unmet):
+                unmet.append((i, p))
+        reduced += [p for p in kinds.ties_reduced(tx) if not any(p is r for r in reduced)]
+    if unmet:
+        i, p = unmet[0]
+        where = "comes only after it" if any(p is r for r in reduced) else "comes before it"
+        raise ValueError(
+            f"{name}: member {i} computes a norm over the tied weights ({', '.join(p.tied_paths)}) of a "
+            f"mesh_groups plan, but no gradtx.pp_reduce(plan) {where}, so the tied copies' grads are not summed; "
+            "put it first in the same chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., "
+            "mesh_groups=plan), ...) (see docs/distributed.md)"
+        )
+    return {"reduces": tuple(reduced)}
+
+
 @factory
 def chain(*txs: GradientTransformation) -> GradientTransformation:
     """Apply transforms one after another; the state is a tuple of their states.
@@ -115,9 +141,18 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     Returns:
       A :class:`GradientTransformation` whose state is ``tuple(member states)``.
 
+    Raises:
+      ValueError: a member computes a norm over a pipeline plan's tied weights
+        (``mesh_groups=plan`` with ``tied=``) and no :func:`gradtx.pp_reduce`
+        of that plan comes before it in this chain.
+
     Example:
       >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4))
     """
+    return _chain(txs)
+
+
+def _chain(txs: Sequence[GradientTransformation]) -> GradientTransformation:
     for i, tx in enumerate(txs):
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"chain: argument {i} is a {type(tx).__name__}, not a GradientTransformation")
@@ -129,8 +164,9 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
         updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
         return updates, out.join_states(new_states)
 
+    ties = tie_order(txs, name="chain")
     out = Chain(init_fn, update_fn, txs)
-    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
+    return kinds.declare_ties(kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs))), **ties)
 
 
 @factory
@@ -164,8 +200,9 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
         updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
         return updates, out.join_states(new_states)
 
+    ties = tie_order(txs, name="named_chain")
     out = Chain(init_fn, update_fn, txs, names)
-    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
+    return kinds.declare_ties(kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs))), **ties)
 
 
 # --- masked and partition -------------------------------------------------------------
@@ -314,7 +351,8 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
     # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
+    out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
+    return kinds.declare_ties(out, reads=kinds.ties_read(inner))  # the chain holding it checks them
 
 
 @factory
@@ -395,9 +433,11 @@ def partition(
             _take(out, routed, keep, new, name="partition")
         return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
-    return kinds.declare_fresh(
+    out = kinds.declare_fresh(
         GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
     )
+    reads = tuple(p for tx in transforms.values() for p in kinds.ties_read(tx))
+    return kinds.declare_ties(out, reads=reads)  # the chain holding it checks them
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:

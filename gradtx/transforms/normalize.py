@@ -57,10 +57,7 @@ def normalize_by_update_norm(
     name = "normalize_by_update_norm"
     scale_factor = check.number(scale_factor, arg="scale_factor", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    if mesh_groups is not None and not callable(getattr(mesh_groups, "global_norm", None)):
-        raise TypeError(
-            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
-        )
+    plan.check_plan(mesh_groups, name=name)
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -79,7 +76,7 @@ def normalize_by_update_norm(
         shift = eps.to(norm.device, norm.dtype) if isinstance(eps, torch.Tensor) else eps
         return sf / (norm + shift), state
 
-    return scalar_transformation(init_fn, factor_fn)
+    return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 def _check_local_units(x: torch.Tensor, path: str) -> None:

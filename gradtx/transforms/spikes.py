@@ -523,4 +523,5 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    tx = kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    return plans.reads_tied(tx, mesh_groups if metric == "grad_norm" else None)
