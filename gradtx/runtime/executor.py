@@ -31,7 +31,6 @@ since a member that is not scalar must see the true updates.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, TypeGuard
 
 import torch
@@ -98,7 +97,7 @@ def _join(tx: GradientTransformation, states: Any) -> OptState:
 class StepPlan:
     """The structure of a chain, read once: window, body, scalar tail, terminal kernel.
 
-    Build it with :meth:`of` (cached per transform). Transforms know nothing of
+    Build it with :meth:`of` (kept on the transform). Transforms know nothing of
     it; it relies only on the chain's structure (:class:`~gradtx.transforms.combine.Chain`) and on the
     kinds its members declare (:mod:`gradtx.core.kinds`).
 
@@ -133,8 +132,10 @@ class StepPlan:
 
     @staticmethod
     def of(tx: GradientTransformation) -> StepPlan:
-        """The plan of ``tx``, built once per transform object."""
-        return _plan_of(tx)
+        """The plan of ``tx``, built once per transform object and kept on it (it lives as long as ``tx``)."""
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"StepPlan: tx must be a GradientTransformation, got {type(tx).__name__}")
+        return tx.memo("step_plan", StepPlan)
 
     def __repr__(self) -> str:
         def name(m: GradientTransformation) -> str:
@@ -258,11 +259,6 @@ class StepPlan:
                 vetoed = member.verdict(states[i])  # type: ignore[attr-defined]
                 skip = vetoed if skip is None else skip | vetoed.to(skip.device)
         return StepResult(updates, _join(self.tx, iter(states)), pending, skip)
-
-
-@functools.lru_cache(maxsize=128)
-def _plan_of(tx: GradientTransformation) -> StepPlan:
-    return StepPlan(tx)
 
 
 def _scale_owned(updates: Updates, factor: torch.Tensor) -> Updates:
