@@ -222,3 +222,37 @@ def test_a_users_window_checkpointed_mid_window_resumes_as_the_uninterrupted_run
         a_params, a_state = gtx.update_and_apply(tx, g, a_state, a_params)
         b_params, b_state = gtx.update_and_apply(tx, g, b_state, b_params, donate=True)
     assert_trees_close(b_params, a_params, rtol=1e-6, atol=1e-7)
+
+
+class _HalveLoss(gtx.GradientTransformation):
+    """A user's transform that hands the members after it half the step's loss (gradtx.core.kinds.DownstreamExtra)."""
+
+    def __new__(cls) -> Self:
+        return super().__new__(cls, lambda params: (), lambda updates, state, params=None, **extra: (updates, state))
+
+    def downstream_extra(self, state, extra):
+        return {**extra, "loss": extra["loss"] / 2}
+
+
+def _scale_by_loss():
+    """Multiply the updates by the ``loss`` it is given (reads the extra the member before it handed on)."""
+
+    def update(updates, state, params=None, *, loss, **extra):
+        return tu.tree_map(lambda u: u * loss, updates), state
+
+    return gtx.GradientTransformation(lambda params: (), update)
+
+
+def test_a_users_transform_declares_the_extras_the_members_after_it_see():
+    assert isinstance(_HalveLoss(), kinds.DownstreamExtra)
+    tx = gtx.chain(_HalveLoss(), _scale_by_loss(), gtx.sgd(0.5))
+    params = {"w": torch.tensor([1.0, -2.0])}
+    grads = {"w": torch.tensor([4.0, 8.0])}
+    expected = {"w": params["w"] - 0.5 * grads["w"] * (6.0 / 2)}  # the loss 6, halved, scales the grads
+    pure, _ = gtx.update_and_apply(tx, grads, tx.init(params), params, loss=torch.tensor(6.0))
+    assert_trees_close(pure, expected)
+    donated_params = {"w": params["w"].clone()}
+    donated, _ = gtx.update_and_apply(
+        tx, {"w": grads["w"].clone()}, tx.init(params), donated_params, donate=True, loss=torch.tensor(6.0)
+    )
+    assert_trees_close(donated, expected)

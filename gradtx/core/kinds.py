@@ -26,6 +26,9 @@ Each is optional; a transform that declares none is run as it is, correctly.
   ``.grad`` be the running sum and count only.
 * **A fusable optimizer** (:class:`FusableOptimizer`): a trailing optimizer whose
   whole step a donated step may run as one fused torch kernel.
+* **Extras for what follows** (:class:`DownstreamExtra`): the transform changes
+  the extras (``loss=``, ...) the members after it see, as a window hands on the
+  loss of the whole window once it emits.
 * **Tied weights** (:func:`declare_ties`): the transform reads a norm over a
   pipeline plan's tied weights, which an earlier member must have summed, or it
   is that member (:func:`gradtx.pp_reduce`). A chain checks the order when it
@@ -44,6 +47,7 @@ import torch
 from gradtx.core import tree as tu
 
 __all__ = [
+    "DownstreamExtra",
     "FusableOptimizer",
     "ScalarFactor",
     "Verdict",
@@ -257,6 +261,21 @@ class Windowed(Protocol):
     ) -> tuple[Any, torch.Tensor | None, Any]: ...
 
     def rank_local(self) -> Any: ...
+
+
+@runtime_checkable
+class DownstreamExtra(Protocol):
+    """A transform that changes the extras the members after it in a chain see.
+
+    ``downstream_extra(state, extra) -> extra``: given the transform's new
+    state, after an ``update`` that returned updates, and the step's extras,
+    the extras the next members get. :func:`gradtx.accumulate` declares it: a
+    ``loss`` given on the micro-steps becomes the window's loss, reduced as its
+    grads were, so a loss-based guard after the window judges the whole window.
+    A chain reads it when it is built, and the step plan when it is made.
+    """
+
+    def downstream_extra(self, state: Any, extra: dict[str, Any]) -> dict[str, Any]: ...
 
 
 _WINDOW_FIELDS = "_gradtx_window_fields"

@@ -129,6 +129,7 @@ class StepPlan:
         self.body_start, self.tail_start, self.body_end = start, tail, end
         self.fresh = [kinds.returns_fresh(m) for m in self.members]
         self.guard = [isinstance(m, kinds.Verdict) for m in self.members]
+        self.hands_on = [isinstance(m, kinds.DownstreamExtra) for m in self.members]
 
     @staticmethod
     def of(tx: GradientTransformation) -> StepPlan:
@@ -234,9 +235,8 @@ class StepPlan:
                     factor = None  # applied in fp32, before rounding to the grads' dtype
             if factor is not None:
                 pending = factor if pending is None else pending * factor.to(pending.device)
-            downstream = getattr(window, "downstream_extra", None)
-            if downstream is not None:  # a window that emitted hands its reduced loss to what follows
-                extra = downstream(states[0], extra)
+            if self.hands_on[0]:  # a window that emitted hands its reduced loss to what follows
+                extra = window.downstream_extra(states[0], extra)
 
         skip: torch.Tensor | None = None
         end = self.body_end if not run_terminal or self.terminal is None else len(self.members)
@@ -245,6 +245,8 @@ class StepPlan:
             if self.scalar[i] and self.tail_start <= i < self.body_end:
                 f, states[i] = member.factor(updates, states[i], params, scale=pending, **extra)  # type: ignore[attr-defined]
                 pending = f if pending is None else pending * f.to(pending.device)
+                if self.hands_on[i]:
+                    extra = member.downstream_extra(states[i], extra)  # type: ignore[attr-defined]
                 continue
             if pending is not None:
                 updates = _scale_owned(updates, pending)
@@ -258,6 +260,8 @@ class StepPlan:
             if self.guard[i]:
                 vetoed = member.verdict(states[i])  # type: ignore[attr-defined]
                 skip = vetoed if skip is None else skip | vetoed.to(skip.device)
+            if self.hands_on[i]:  # what the members after it see
+                extra = member.downstream_extra(states[i], extra)  # type: ignore[attr-defined]
         return StepResult(updates, _join(self.tx, iter(states)), pending, skip)
 
 

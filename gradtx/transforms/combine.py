@@ -69,6 +69,7 @@ def _run(
     states: Sequence[OptState],
     params: Params | None,
     extra: dict[str, Any],
+    hands_on: Sequence[bool],
 ) -> tuple[Updates | None, list[OptState]]:
     # A scalar member's product is computed here, into new buffers (or the donated ones): from then
     # on the chain owns its updates, so later members may write into them (``inplace=True``), with
@@ -95,9 +96,8 @@ def _run(
             break
         if owned and not kinds.returns_fresh(tx):
             updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
-        downstream = getattr(tx, "downstream_extra", None)
-        if downstream is not None:  # a window that emitted hands its reduced loss to what follows
-            extra = downstream(new_states[i], extra)
+        if hands_on[i]:  # a window that emitted hands its reduced loss to what follows
+            extra = tx.downstream_extra(new_states[i], extra)  # type: ignore[attr-defined]
     return updates, new_states
 
 
@@ -149,23 +149,25 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     Example:
       >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4))
     """
-    return _chain(txs)
-
-
-def _chain(txs: Sequence[GradientTransformation]) -> GradientTransformation:
     for i, tx in enumerate(txs):
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"chain: argument {i} is a {type(tx).__name__}, not a GradientTransformation")
+    return _chain(txs)
 
-    def init_fn(params: Params) -> tuple[OptState, ...]:
-        return tuple(tx.init(params) for tx in txs)
+
+def _chain(txs: Sequence[GradientTransformation], names: Sequence[str] | None = None) -> GradientTransformation:
+    """A :class:`Chain` of ``txs`` (with ``names``, a :func:`named_chain`), planned: read once what its members declare."""
+    hands_on = [isinstance(tx, kinds.DownstreamExtra) for tx in txs]  # read once, not every step
+    ties = tie_order(txs, name="chain" if names is None else "named_chain")
+
+    def init_fn(params: Params) -> OptState:
+        return out.join_states([tx.init(params) for tx in txs])
 
     def update_fn(updates, state, params=None, **extra):
-        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
+        updates, new_states = _run(txs, updates, out.member_states(state), params, extra, hands_on)
         return updates, out.join_states(new_states)
 
-    ties = tie_order(txs, name="chain")
-    out = Chain(init_fn, update_fn, txs)
+    out = Chain(init_fn, update_fn, txs, names)
     return kinds.declare_ties(kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs))), **ties)
 
 
@@ -191,18 +193,7 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
     names = [name for name, _ in named_txs]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
-    txs = [tx for _, tx in named_txs]
-
-    def init_fn(params: Params) -> dict[str, OptState]:
-        return {name: tx.init(params) for name, tx in named_txs}
-
-    def update_fn(updates, state, params=None, **extra):
-        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
-        return updates, out.join_states(new_states)
-
-    ties = tie_order(txs, name="named_chain")
-    out = Chain(init_fn, update_fn, txs, names)
-    return kinds.declare_ties(kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs))), **ties)
+    return _chain([tx for _, tx in named_txs], names)
 
 
 # --- masked and partition -------------------------------------------------------------
