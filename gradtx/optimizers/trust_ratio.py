@@ -18,7 +18,7 @@ from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory
-from gradtx.distributed import plan
+from gradtx.distributed import inferred, plan
 from gradtx.optimizers.standard import (
     ScaleByAdamState,
     add_decayed_weights,
@@ -96,12 +96,12 @@ def scale_by_trust_ratio(
             # A declared plan covers every leaf: a param with no update joins the collectives with zeros.
             full = tu.scatter(len(all_params), index, leaves)
             full = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
-            u_all, p_all = plan.tree_unitwise_norms(
+            u_all, p_all = inferred.tree_unitwise_norms(
                 full, all_params, unitwise=False, mesh_groups=mesh_groups, tree=params
             )
             u_norms, p_norms = [u_all[i] for i in index], [p_all[i] for i in index]
         else:
-            u_norms, p_norms = plan.tree_unitwise_norms(
+            u_norms, p_norms = inferred.tree_unitwise_norms(
                 leaves, [all_params[i] for i in index], unitwise=False, mesh_groups=mesh_groups, tree=updates
             )
         out = []

@@ -20,7 +20,7 @@ from gradtx.core.base import (
     scalar_transformation,
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
-from gradtx.distributed import plan
+from gradtx.distributed import inferred, plan
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -134,7 +134,7 @@ def clip_by_global_norm(
             all_params = tu.flatten(params)[0]
             full = tu.scatter(len(all_params), index, leaves)
             leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
-        norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
+        norm = inferred.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
@@ -223,12 +223,12 @@ def adaptive_clip(
             # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
             full = tu.scatter(len(all_weights), index, leaves)
             full = [torch.zeros_like(w) if g is None else g for g, w in zip(full, all_weights)]
-            g_all, w_all = plan.tree_unitwise_norms(
+            g_all, w_all = inferred.tree_unitwise_norms(
                 full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=params
             )
             g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
         else:
-            g_norms, w_norms = plan.tree_unitwise_norms(
+            g_norms, w_norms = inferred.tree_unitwise_norms(
                 leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates
             )
         out = []

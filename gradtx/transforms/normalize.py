@@ -16,7 +16,7 @@ from gradtx.core.base import (
     factory,
     scalar_transformation,
 )
-from gradtx.distributed import plan
+from gradtx.distributed import inferred, plan
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -69,7 +69,7 @@ def normalize_by_update_norm(
             tu.require_state(state, EmptyState, name=name)
         leaves, _ = tu.flatten(updates)
         tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
-        norm = plan.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
+        norm = inferred.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         sf = scale_factor.to(norm.device, norm.dtype) if isinstance(scale_factor, torch.Tensor) else scale_factor
