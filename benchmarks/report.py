@@ -164,7 +164,7 @@ API_NOTES = """\
   Otherwise the updates are computed in the donated grads and added in place. With
   `donate=False` it is exactly `tx.update` then `apply_updates`, and pure. The protocol is
   unchanged: `update` still returns updates and `apply_updates` still returns new params.
-  Tests (`tests/test_fast_paths.py`) check that the donated, in-place and pure paths give the same
+  Tests (`tests/test_fast_paths_match_pure.py`) check that the donated, in-place and pure paths give the same
   numbers.
 * **The compiled functional step**: `torch.compile(step, fullgraph=True)` of
   `update_and_apply(chain(clip_by_global_norm, adamw), grads, state, params)` traces with no

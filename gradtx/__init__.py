@@ -19,8 +19,9 @@ from gradtx.core.base import (
 )
 from gradtx.distributed.audit import AuditRow, NormAudit, norm_audit
 from gradtx.distributed.context_parallel import cp_reduce
+from gradtx.distributed.inferred import global_norm
 from gradtx.distributed.pipeline import pp_reduce
-from gradtx.distributed.plan import MeshGroups, Sharded, global_norm, mesh_groups
+from gradtx.distributed.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.optimizers.lion import ScaleByLionState, lion, scale_by_lion
 from gradtx.optimizers.lookahead import LookaheadParams, LookaheadState, lookahead
 from gradtx.optimizers.muon import (

@@ -1,5 +1,6 @@
 """accumulate: exactness against a full-batch step, gating, token weighting, flush, and errors."""
 
+import optree
 import pytest
 import torch
 import torch.nn.functional as F
@@ -140,15 +141,50 @@ def test_low_precision_grads_accumulate_in_fp32_and_emit_their_dtype():
     assert_trees_equal(out["w"], (sum(inputs) / k).to(torch.bfloat16))
 
 
-def test_accumulator_is_empty_between_windows():
+def test_accumulator_holds_no_memory_between_windows_and_keeps_its_structure():
     tx = gtx.accumulate(2)
     params = {"w": torch.zeros(1000)}
     state = tx.init(params)
-    assert state.acc is None  # no buffer, not even a placeholder, while no window is open
+    structure = optree.tree_structure(state)
+    assert state.acc["w"].numel() == 0  # a placeholder: no buffer while no window is open
     _, state = tx.update({"w": torch.ones(1000)}, state)
     assert state.acc["w"].numel() == 1000 and state.acc["w"].dtype == torch.float32
-    _, state = tx.update({"w": torch.ones(1000)}, state)
-    assert state.acc is None
+    assert optree.tree_structure(state) == structure
+    out, state = tx.update({"w": torch.ones(1000)}, state)
+    assert out is not None and state.acc["w"].numel() == 0
+    assert optree.tree_structure(state) == structure
+
+
+def test_chain_state_structure_is_the_same_at_init_mid_window_and_after_emit():
+    # A param with no gradient (None) in the window: the structure still holds, and the window emits None there.
+    tx = gtx.chain(gtx.accumulate(3), gtx.clip_by_global_norm(1.0), gtx.adamw(1e-2))
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    state = tx.init(params)
+    structure = optree.tree_structure(state)
+    outs = []
+    for i in range(7):
+        out, state = tx.update({"a": torch.full((3,), float(i + 1)), "b": None}, state, params)
+        assert optree.tree_structure(state) == structure, f"step {i}"
+        outs.append(out)
+    emitted = [o for o in outs if o is not None]
+    assert len(emitted) == 2 and all(o["b"] is None for o in emitted)
+    # Against the hand-written loop: the mean of each window, clipped, then AdamW.
+    ref = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-2))
+    ref_state = ref.init(params)
+    for window in ([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]):
+        expected, ref_state = ref.update({"a": torch.full((3,), sum(window) / 3), "b": None}, ref_state, params)
+    assert_trees_close(emitted[-1]["a"], expected["a"], rtol=1e-6, atol=1e-7)
+
+
+def test_a_window_keeps_its_none_pattern_to_its_end():
+    tx = gtx.accumulate(3)
+    params = {"a": torch.ones(3), "b": torch.ones(2)}
+    state = tx.init(params)
+    _, state = tx.update({"a": torch.ones(3), "b": None}, state, params)
+    with pytest.raises(ValueError, match=r"\['b'\]: unexpected"):
+        tx.update({"a": torch.ones(3), "b": torch.ones(2)}, state, params)
+    with pytest.raises(ValueError, match=r"\['a'\]: missing"):
+        tx.update({"a": None, "b": None}, state, params)
 
 
 @pytest.mark.parametrize("k", [0, -1])

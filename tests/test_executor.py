@@ -121,3 +121,26 @@ def test_structural_transforms_survive_copy_and_deepcopy(make):
         out, _ = clone.update(grads, clone.init(params), params, tokens=1, flush=True)
         expected, _ = tx.update(grads, tx.init(params), params, tokens=1, flush=True)
         assert_trees_close(out, expected)
+
+
+def test_a_step_plan_lives_on_its_transform_and_does_not_keep_a_dropped_chain_alive():
+    import gc
+    import pickle
+    import weakref
+
+    from gradtx.runtime.executor import StepPlan
+
+    comm = gtx.comm.LocalComm()  # what a transform holds (a process group's comm, say)
+    tx = gtx.chain(gtx.accumulate(2, token_weighted=True, comm=comm), gtx.clip_by_global_norm(1.0), gtx.sgd(0.1))
+    params = {"w": torch.ones(3)}
+    params, _ = gtx.update_and_apply(tx, {"w": torch.ones(3)}, tx.init(params), params, donate=True, tokens=2)
+    plan = StepPlan.of(tx)
+    assert StepPlan.of(tx) is plan and plan.tx is tx  # built once per transform object
+    copied = copy.copy(tx)
+    assert StepPlan.of(copied) is not plan and StepPlan.of(copied).tx is copied  # a copy plans itself
+    again = pickle.loads(pickle.dumps(tx))
+    assert StepPlan.of(again).tx is again
+    held = weakref.ref(comm)
+    del tx, copied, plan, comm
+    gc.collect()
+    assert held() is None  # nothing module-level kept the chain (and what it holds) alive

@@ -26,11 +26,11 @@ class SumWindow(gtx.GradientTransformation):
         window = gtx.Window(k)
 
         def init(params):
-            return window.init()
+            return window.init(params)  # its running sum: empty placeholders shaped like the params
 
         def sum_window(updates, state, params=None, *, tokens=None, flush=False):
             leaves, spec = tu.flatten(updates)
-            acc = leaves if state.acc is None else [a + g for a, g in zip(tu.flatten(state.acc)[0], leaves)]
+            acc = leaves if kinds.is_empty_sum(state.acc) else [a + g for a, g in zip(tu.flatten(state.acc)[0], leaves)]
             acc = [a.to(torch.promote_types(a.dtype, torch.float32)) for a in acc]  # the declared sum dtype
             stepped = window.step(state, tokens=tokens, flush=flush)
             if stepped.factor is None:
@@ -215,10 +215,44 @@ def test_a_users_window_checkpointed_mid_window_resumes_as_the_uninterrupted_run
         params, state = gtx.update_and_apply(tx, g, state, params)
     saved = copy.deepcopy(gtx.checkpoint.state_dict(state, params, tx=tx))
     resumed = gtx.checkpoint.load_state_dict(saved, tx.init(params), params, tx=tx)
-    assert kinds.window_fields(resumed[0]) is not None and resumed[0].acc is not None
+    assert kinds.window_fields(resumed[0]) is not None and not kinds.is_empty_sum(resumed[0].acc)
     a_params, a_state = params, state
     b_params, b_state = params, resumed
     for g in grads[cut:]:
         a_params, a_state = gtx.update_and_apply(tx, g, a_state, a_params)
         b_params, b_state = gtx.update_and_apply(tx, g, b_state, b_params, donate=True)
     assert_trees_close(b_params, a_params, rtol=1e-6, atol=1e-7)
+
+
+class _HalveLoss(gtx.GradientTransformation):
+    """A user's transform that hands the members after it half the step's loss (gradtx.core.kinds.DownstreamExtra)."""
+
+    def __new__(cls) -> Self:
+        return super().__new__(cls, lambda params: (), lambda updates, state, params=None, **extra: (updates, state))
+
+    def downstream_extra(self, state, extra):
+        return {**extra, "loss": extra["loss"] / 2}
+
+
+def _scale_by_loss():
+    """Multiply the updates by the ``loss`` it is given (reads the extra the member before it handed on)."""
+
+    def update(updates, state, params=None, *, loss, **extra):
+        return tu.tree_map(lambda u: u * loss, updates), state
+
+    return gtx.GradientTransformation(lambda params: (), update)
+
+
+def test_a_users_transform_declares_the_extras_the_members_after_it_see():
+    assert isinstance(_HalveLoss(), kinds.DownstreamExtra)
+    tx = gtx.chain(_HalveLoss(), _scale_by_loss(), gtx.sgd(0.5))
+    params = {"w": torch.tensor([1.0, -2.0])}
+    grads = {"w": torch.tensor([4.0, 8.0])}
+    expected = {"w": params["w"] - 0.5 * grads["w"] * (6.0 / 2)}  # the loss 6, halved, scales the grads
+    pure, _ = gtx.update_and_apply(tx, grads, tx.init(params), params, loss=torch.tensor(6.0))
+    assert_trees_close(pure, expected)
+    donated_params = {"w": params["w"].clone()}
+    donated, _ = gtx.update_and_apply(
+        tx, {"w": grads["w"].clone()}, tx.init(params), donated_params, donate=True, loss=torch.tensor(6.0)
+    )
+    assert_trees_close(donated, expected)

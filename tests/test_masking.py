@@ -435,7 +435,7 @@ def test_accumulate_with_none_grads():
         tx.update({"a": torch.ones(3), "n": torch.ones(2)}, tx.update(g1, state, params)[1], params)
 
 
-# --- issue 11: structure checks, construction checks, other transforms' states --------------------
+# --- structure checks, construction checks, other transforms' states --------------------
 
 
 def test_masked_and_partition_check_updates_against_the_params():

@@ -129,12 +129,7 @@ def test_pp_stages_add_and_tied_weight_counts_once():
     emb = torch.tensor([3.0, 4.0])
     block = torch.tensor([1.0])
     plan = mesh_groups({"emb": emb, "block": block}, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
-    with pytest.raises(ValueError, match=r"tied weights \(emb\).*pp_reduce\(plan\)"):
-        plan.global_norm([block, emb], 2.0)  # the tied copies' grads would not be summed
-    tie = gtx.pp_reduce(plan)
-    with pytest.raises(ValueError, match=r"no gradtx.pp_reduce\(plan\) ran"):
-        plan.global_norm([block, emb], 2.0)  # built but never run: still refused
-    tie.update({"emb": emb, "block": block}, tie.init({"emb": emb, "block": block}))
+    # The grads given are the tied copies' sum already (what pp_reduce leaves), so the plan's norm is the model's.
     # Two stages: each holds a copy of emb (counted once overall) and its own block (counted per stage).
     torch.testing.assert_close(plan.global_norm([block, emb], 2.0), torch.tensor(math.sqrt(25 + 2 * 1)))
     torch.testing.assert_close(plan.global_norm([block, emb], math.inf), torch.tensor(4.0))
@@ -276,6 +271,47 @@ def test_pp_reduce_in_place_writes_into_the_donated_buffers():
     emb = grads["emb"]
     out, _ = pp_reduce(plan).update(grads, None, inplace=True)
     assert out["emb"] is emb and torch.equal(emb, torch.tensor([3.0, 6.0]))
+
+
+def _tied_plan():
+    grads = {"emb": torch.tensor([3.0, 4.0]), "block": torch.tensor([1.0])}
+    return grads, mesh_groups(grads, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
+
+
+def test_a_chain_with_pp_reduce_before_the_clip_is_planned_and_matches_the_hand_computed_norm():
+    grads, plan = _tied_plan()
+    tx = gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan))
+    out, state = tx.update(grads, tx.init(grads))
+    # Two stages: the summed emb copy (6, 8) counted once, each stage's block once: sqrt(100 + 2).
+    norm = math.sqrt(100.0 + 2.0)
+    torch.testing.assert_close(state[1].grad_norm, torch.tensor(norm))
+    torch.testing.assert_close(out["emb"], torch.tensor([6.0, 8.0]) / (norm + 1e-6))
+    gtx.update_and_apply(tx, grads, tx.init(grads), {k: v.clone() for k, v in grads.items()}, donate=True)
+
+
+@pytest.mark.parametrize(
+    "reader",
+    [
+        lambda plan: gtx.clip_by_global_norm(1.0, mesh_groups=plan),
+        lambda plan: gtx.adaptive_clip(0.1, mesh_groups=plan),
+        lambda plan: gtx.masked(gtx.clip_by_global_norm(1.0, mesh_groups=plan), {"emb": True, "block": False}),
+    ],
+)
+def test_a_chain_reading_tied_weights_without_pp_reduce_before_it_is_refused_when_built(reader):
+    grads, plan = _tied_plan()
+    unused = pp_reduce(plan)  # built, and left out of the chain: it silences nothing
+    with pytest.raises(ValueError, match=r"chain: member 0 .*tied weights \(emb\).*no gradtx.pp_reduce\(plan\) comes"):
+        gtx.chain(reader(plan), gtx.sgd(0.1))
+    with pytest.raises(ValueError, match=r"member 1 .*comes only after it"):
+        gtx.chain(gtx.scale(1.0), reader(plan), pp_reduce(plan))
+    other = mesh_groups(grads, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
+    with pytest.raises(ValueError, match="member 1"):  # a pp_reduce of another plan does not count
+        gtx.chain(pp_reduce(other), reader(plan))
+    with pytest.raises(ValueError, match="member 0"):  # the wrapper plans its chain when built
+        gtx.TransformedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), reader(plan))
+    with pytest.raises(ValueError, match="StepPlan: member 0"):  # a lone reader, stepped through the executor
+        gtx.update_and_apply(reader(plan), grads, reader(plan).init(grads), grads)
+    gtx.chain(unused, reader(plan))  # the same pp_reduce, in the chain before it: planned
 
 
 def test_pp_reduce_without_tied_weights_issues_nothing():

@@ -18,11 +18,13 @@ from it, and raises naming the first difference.
 
 Accumulation windows need care, and get it here:
 
-* ``AccumulateState.acc`` is ``None`` between windows and an fp32 (fp64) tree while
-  one is open. The saved dict always carries the running sum (zeros at a
-  boundary), so its keys do not depend on where the window stands, which is
-  what DCP's load needs: the dict it loads into is made before the checkpoint
-  is read.
+* ``AccumulateState.acc`` is a tree like the params from ``init`` on: an fp32
+  (fp64) sum per param while a window is open, a 0-element placeholder
+  (:func:`gradtx.core.kinds.empty_sum`) where it holds nothing (``None`` in a
+  0.1.0 state). The saved dict always carries the running sum (zeros where it
+  holds nothing), so its keys and shapes do not depend on where the window
+  stands, which is what DCP's load needs: the dict it loads into is made
+  before the checkpoint is read.
 * State that differs between data-parallel ranks is reduced on save: the
   window's token count (``token_weighted`` with a ``comm``) and the running
   sum of a functional data-parallel step (``reduce_grads=True``) are summed
@@ -147,7 +149,7 @@ def _walk(
         for name, child in zip(node._fields, node):
             if name == declared["running_sum"]:
                 key = _key((*path, name))
-                layout.per_param[key] = child  # None between windows
+                layout.per_param[key] = child  # placeholders (or None, from 0.1.0) where it holds nothing
                 fields.append(rebuild("acc", child, key) if rebuild else child)
             else:
                 fields.append(_walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
@@ -349,11 +351,11 @@ def _export(
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
     """Per-parameter leaves (key -> one tensor per param) and global leaves of ``layout``, per-rank parts reduced."""
     per_param: dict[str, list[torch.Tensor]] = {}
-    for key, subtree in layout.per_param.items():
-        if subtree is None:  # a closed window: its running sum is zeros
-            per_param[key] = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
-        else:
-            per_param[key] = [t.detach() for t in tu.flatten(subtree)[0]]
+    for key in layout.per_param:
+        per_param[key] = [
+            torch.zeros_like(p, dtype=acc_dtype(p.dtype)) if t is None else t.detach()
+            for p, t in zip(p_leaves, _per_param_leaves(layout, key, len(p_leaves)))
+        ]
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
     for w, acc in zip(layout.windows, _windows_with_comm(layout, tx, what=what)):
         tokens_per_rank, sums_per_rank = _per_rank(acc)
@@ -369,6 +371,26 @@ def _export(
             sums = comm.all_reduce([tu.local(t) for t in per_param[key]], ReduceOp.SUM, group)
             per_param[key] = [tu.like(t, s) for t, s in zip(per_param[key], sums)]
     return per_param, globals_
+
+
+def _per_param_leaves(layout: _Layout, key: str, n: int) -> list[Any]:
+    """The ``n`` leaves of ``layout``'s per-parameter subtree ``key``; a window's running sum through :func:`_sum_leaves`."""
+    subtree = layout.per_param[key]
+    if any(w.key("running_sum") == key for w in layout.windows) or subtree is None:
+        return _sum_leaves(subtree, n)
+    return tu.flatten(subtree)[0]
+
+
+def _sum_leaves(subtree: Any, n: int) -> list[Any]:
+    """A per-parameter subtree's ``n`` leaves, with ``None`` for each that holds nothing (a window's placeholder).
+
+    A window's running sum holds nothing where :func:`gradtx.core.kinds.empty_sum` put a
+    0-element placeholder (all of it at a boundary; ``None`` in a state from 0.1.0).
+    """
+    if subtree is None:
+        return [None] * n
+    leaves = tu.flatten(subtree)[0]
+    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in leaves]
 
 
 def _child(prefix: str, name: str) -> str:
@@ -402,8 +424,9 @@ def load_state_dict(
       tx: the transform (needed for per-rank window state).
 
     Returns:
-      The loaded state: same structure as ``state``, except an accumulation
-      window's ``acc``, which is a tree (open window) or ``None`` (boundary) as saved.
+      The loaded state, of the structure of ``state`` (an accumulation
+      window's ``acc`` holds the saved sums while the saved window is open,
+      placeholders at a boundary).
 
     Example:
       >>> state = gtx.checkpoint.load_state_dict(sd["tx"], tx.init(params), params, tx=tx)
@@ -445,12 +468,11 @@ def _import(
     for key, template in layout.globals_.items():
         if isinstance(template, torch.Tensor):
             _check_tensor(globals_[key], template, what=f"{what}: global state {key!r}")
-    for key, subtree in layout.per_param.items():
-        templates = (
-            [torch.empty(p.shape, dtype=acc_dtype(p.dtype), device="meta") for p in p_leaves]
-            if subtree is None
-            else tu.flatten(subtree)[0]
-        )
+    for key in layout.per_param:
+        templates = [
+            torch.empty(p.shape, dtype=acc_dtype(p.dtype), device="meta") if t is None else t
+            for p, t in zip(p_leaves, _per_param_leaves(layout, key, len(p_leaves)))
+        ]
         for name, value, template in zip(names, per_param[key], templates):
             _check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     accs = _windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
@@ -486,7 +508,7 @@ def _import(
         if kind == "acc":
             prefix = _parent(key)[0]
             if not opened[prefix]:
-                return None
+                return kinds.empty_sum(params) if old is not None else None
             _, sums_per_rank, on_first = first_rank[prefix]
             templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
             values = [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
@@ -542,17 +564,30 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def _take_acc(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:
-    """``state`` with every window's ``acc`` set to ``None``, and the ``acc`` trees taken out, in order."""
+    """``state`` with every window's running sum emptied (:func:`gradtx.core.kinds.emptied`), and the sums taken out, in order."""
     p_leaves, p_spec = tu.flatten(params)
     taken: list[PyTree | None] = []
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "acc":
             taken.append(old)
-            return None
+            return kinds.emptied(old)
         return old
 
     return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild), taken
+
+
+def with_empty_sums(state: OptState, params: Params) -> OptState:
+    """``state`` with every window's running sum that is ``None`` (a state from 0.1.0) as empty placeholders.
+
+    From then on the state keeps one structure (:func:`gradtx.core.kinds.empty_sum`).
+    """
+    p_leaves, p_spec = tu.flatten(params)
+
+    def rebuild(kind: str, old: Any, key: str) -> Any:
+        return kinds.empty_sum(params) if kind == "acc" and old is None else old
+
+    return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild)
 
 
 class TransformState:

@@ -90,23 +90,42 @@ class GradientTransformation(_TransformationFields):
     def __reduce_ex__(self, protocol: Any) -> Any:
         recipe = self.__dict__.get(_RECIPE)
         if recipe is None:
-            return super().__reduce_ex__(protocol)
+            reduced = super().__reduce_ex__(protocol)
+            if isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict):
+                kept = {k: v for k, v in reduced[2].items() if k != _MEMO}  # a memo is rebuilt, never stored
+                reduced = (*reduced[:2], kept, *reduced[3:])
+            return reduced
         return (_rebuild, recipe)
 
     def __copy__(self) -> Self:
         new = tuple.__new__(type(self), self)
-        new.__dict__.update(self.__dict__)
+        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != _MEMO})
         return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         new = tuple.__new__(type(self), [copy.deepcopy(f, memo) for f in self])  # functions copy as themselves
         memo[id(self)] = new
         # The recipe is for pickling: it is shared, since its arguments may not copy (a process group).
-        new.__dict__.update({k: v if k == _RECIPE else copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        new.__dict__.update(
+            {k: v if k == _RECIPE else copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != _MEMO}
+        )
         return new
+
+    def memo(self, key: str, make: Callable[[Self], _M]) -> _M:
+        """``make(self)``, computed once per transform object and kept on it (a step plan, say).
+
+        The value lives as long as the transform does (no module-level cache keeps
+        either alive), and is never pickled or copied: a copy makes its own.
+        """
+        store = self.__dict__.setdefault(_MEMO, {})
+        if key not in store:
+            store[key] = make(self)
+        return store[key]
 
 
 _RECIPE = "_gradtx_recipe"
+_MEMO = "_gradtx_memo"
+_M = TypeVar("_M")
 _SERIAL = "_gradtx_serial"
 _Factory = TypeVar("_Factory", bound=Callable[..., Any])
 

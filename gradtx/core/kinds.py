@@ -26,6 +26,13 @@ Each is optional; a transform that declares none is run as it is, correctly.
   ``.grad`` be the running sum and count only.
 * **A fusable optimizer** (:class:`FusableOptimizer`): a trailing optimizer whose
   whole step a donated step may run as one fused torch kernel.
+* **Extras for what follows** (:class:`DownstreamExtra`): the transform changes
+  the extras (``loss=``, ...) the members after it see, as a window hands on the
+  loss of the whole window once it emits.
+* **Tied weights** (:func:`declare_ties`): the transform reads a norm over a
+  pipeline plan's tied weights, which an earlier member must have summed, or it
+  is that member (:func:`gradtx.pp_reduce`). A chain checks the order when it
+  is built.
 
 See ``docs/transforms.md`` for how to declare them on your own transforms.
 """
@@ -40,15 +47,22 @@ import torch
 from gradtx.core import tree as tu
 
 __all__ = [
+    "DownstreamExtra",
     "FusableOptimizer",
     "ScalarFactor",
     "Verdict",
     "Windowed",
     "declare_fresh",
+    "declare_ties",
+    "emptied",
+    "empty_sum",
     "held_storages",
+    "is_empty_sum",
     "owned_updates",
     "returns_fresh",
     "storages",
+    "ties_read",
+    "ties_reduced",
     "window_fields",
     "window_state",
 ]
@@ -79,6 +93,39 @@ def declare_fresh(tx: _T, fresh: bool = True) -> _T:
         raise TypeError(f"declare_fresh: fresh must be a bool, got {type(fresh).__name__}")
     vars(tx)[_FRESH] = fresh
     return tx
+
+
+_TIES_READ = "tied_plans_read"
+_TIES_REDUCED = "tied_plans_reduced"
+
+
+def declare_ties(tx: _T, *, reads: tuple[Any, ...] = (), reduces: tuple[Any, ...] = ()) -> _T:
+    """Declare the pipeline plans whose tied weights ``tx`` reads a norm over, or sums the grads of; returns ``tx``.
+
+    ``reads``: plans (:func:`gradtx.mesh_groups` with ``tied=``) whose tied
+    copies' grads must be summed before ``tx`` runs, as a norm over unsummed
+    copies is wrong. ``reduces``: plans whose tied grads ``tx`` sums
+    (:func:`gradtx.pp_reduce`). :func:`gradtx.chain` checks, when it is built,
+    that every plan a member reads is reduced by an earlier member, and raises
+    a ``ValueError`` otherwise; a chain declares what its members reduce, and
+    what they read that none of them reduced.
+
+    Example:
+      >>> tx = declare_ties(GradientTransformation(init_fn, update_fn), reads=(plan,))
+    """
+    vars(tx)[_TIES_READ] = tuple(reads)
+    vars(tx)[_TIES_REDUCED] = tuple(reduces)
+    return tx
+
+
+def ties_read(tx: Any) -> tuple[Any, ...]:
+    """The plans whose tied weights ``tx`` reads a norm over, unsummed by ``tx`` itself (see :func:`declare_ties`)."""
+    return tuple(getattr(tx, "__dict__", {}).get(_TIES_READ, ()))
+
+
+def ties_reduced(tx: Any) -> tuple[Any, ...]:
+    """The plans whose tied weights' grads ``tx`` sums (see :func:`declare_ties`)."""
+    return tuple(getattr(tx, "__dict__", {}).get(_TIES_REDUCED, ()))
 
 
 def returns_fresh(tx: Any) -> bool:
@@ -216,16 +263,78 @@ class Windowed(Protocol):
     def rank_local(self) -> Any: ...
 
 
+@runtime_checkable
+class DownstreamExtra(Protocol):
+    """A transform that changes the extras the members after it in a chain see.
+
+    ``downstream_extra(state, extra) -> extra``: given the transform's new
+    state, after an ``update`` that returned updates, and the step's extras,
+    the extras the next members get. :func:`gradtx.accumulate` declares it: a
+    ``loss`` given on the micro-steps becomes the window's loss, reduced as its
+    grads were, so a loss-based guard after the window judges the whole window.
+    A chain reads it when it is built, and the step plan when it is made.
+    """
+
+    def downstream_extra(self, state: Any, extra: dict[str, Any]) -> dict[str, Any]: ...
+
+
 _WINDOW_FIELDS = "_gradtx_window_fields"
 _S = TypeVar("_S", bound=type)
+
+
+def empty_sum(params: Any) -> Any:
+    """The running sum of a window that holds nothing: a tree like ``params``, every leaf a 0-element tensor.
+
+    A window's state keeps its running sum from ``init`` on, so the state's
+    structure never changes between steps; outside a window (and where a
+    param got no gradient in the open one) a leaf is this 0-element
+    placeholder, in the sum's dtype (``torch.promote_types(param.dtype, torch.float32)``)
+    on the param's (local) device, and costs no memory. ``None`` gives ``None``.
+
+    Example:
+      >>> empty_sum({"w": torch.zeros(3)})["w"].shape
+      torch.Size([0])
+    """
+    if params is None:
+        return None
+    return tu.tree_map(
+        lambda p: (
+            torch.empty(0, dtype=torch.promote_types(p.dtype, torch.float32), device=tu.local(p).device)
+            if isinstance(p, torch.Tensor)
+            else p
+        ),
+        params,
+    )
+
+
+def is_empty_sum(tree: Any) -> bool:
+    """Whether a window's running sum holds nothing (``None``, or every tensor leaf a 0-element placeholder)."""
+    return all(not isinstance(t, torch.Tensor) or t.numel() == 0 for t in tu.flatten(tree)[0])
+
+
+def emptied(tree: Any) -> Any:
+    """``tree`` with every tensor leaf replaced by the placeholder of :func:`empty_sum` (kept where it is one)."""
+    return tu.tree_map(
+        lambda t: (
+            t
+            if not isinstance(t, torch.Tensor) or t.numel() == 0 and t.dim() == 1 and not _is_dtensor(t)
+            else torch.empty(0, dtype=t.dtype, device=tu.local(t).device)
+        ),
+        tree,
+    )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return tu.DTensor is not None and isinstance(t, tu.DTensor)
 
 
 def window_state(*, running_sum: str, micro_step: str, tokens: str, k: str) -> Any:
     """Class decorator: declare which fields of a window's state NamedTuple hold what, for the checkpoint.
 
-    The checkpoint keeps ``running_sum`` (a tree like the params while the
-    window is open, each leaf in ``torch.promote_types(param.dtype, torch.float32)``,
-    else ``None``) by parameter, refuses a load under another
+    The checkpoint keeps ``running_sum`` (a tree like the params, each leaf in
+    ``torch.promote_types(param.dtype, torch.float32)``: the sum while the
+    window is open, the 0-element placeholder of :func:`empty_sum` where it
+    holds nothing, which is saved as zeros) by parameter, refuses a load under another
     ``k``, and sums ``tokens`` and ``running_sum`` over the data-parallel ranks
     where the window's ``rank_local()`` says they are per rank.
     :class:`gradtx.AccumulateState` is declared with it.

@@ -23,6 +23,7 @@ from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
+from gradtx.distributed import inferred
 from gradtx.distributed import plan as plans
 
 try:
@@ -205,7 +206,7 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     tu.check_tensors(leaves, paths, what="norm_audit: grads")
     source = "declared" if plan is not None else "placements"
     if plan is None:
-        plan = plans.infer_plan(leaves, what="norm_audit", tree=grads)
+        plan = inferred.infer_plan(leaves, what="norm_audit", tree=grads)
     notes: list[str] = []
     inf = math.isinf(norm_type)
     local_norms = norms.tensor_norms(leaves, norm_type)

@@ -1,7 +1,7 @@
 """The global norm: local sums of p-th powers, reduced over a plan's groups with the reductions overlapped.
 
 Every transform that reads a norm (the clip, AGC, the spike guards) comes
-here, through :func:`gradtx.distributed.plan.tree_norm`: a declared ``mesh_groups`` plan,
+here, through :func:`gradtx.distributed.inferred.tree_norm`: a declared ``mesh_groups`` plan,
 else the plan the DTensor placements define, else the local norm. Every
 statistic those transforms keep, and every skip or clip decision they make,
 derives from it, so it is the single-device norm of the whole model on every rank.
@@ -26,7 +26,7 @@ from gradtx.comm.base import ReduceOp, start_all_reduce
 from gradtx.comm.groups import levels
 from gradtx.core import norms
 from gradtx.core import tree as tu
-from gradtx.distributed import plan as plans
+from gradtx.distributed import inferred
 from gradtx.distributed.plan import check_plan
 
 __all__ = ["check_plan", "global_norm_of", "leaf_norms_of", "plan_norm", "rounds"]
@@ -47,7 +47,7 @@ def global_norm_of(
     With ``scale`` (a factor the leaves still carry, see :class:`gradtx.ScalarTransformation`),
     the norm of the true updates ``leaves * scale``; with ``device``, as fp32 there.
     """
-    norm = plans.tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree)
+    norm = inferred.tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree)
     if device is not None:
         norm = norm.to(device=device, dtype=torch.float32)
     if scale is not None:
@@ -59,7 +59,7 @@ def leaf_norms_of(
     leaves: Sequence[torch.Tensor], *, mesh_groups: Any = None, what: str, tree: Any = None
 ) -> list[torch.Tensor]:
     """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank."""
-    plan = mesh_groups if mesh_groups is not None else plans.infer_plan(leaves, what=what, tree=tree)
+    plan = mesh_groups if mesh_groups is not None else inferred.infer_plan(leaves, what=what, tree=tree)
     if plan is None:
         return norms.tensor_norms(leaves, 2.0)
     (out,) = plan.unitwise_norms([list(leaves)], unitwise=False)

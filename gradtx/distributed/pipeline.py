@@ -33,11 +33,13 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     mesh shape), because their local shards are summed elementwise, and a
     stage holding several tied weights pairs them in flatten order.
 
-    Running it marks the plan: a plan that declares tied weights refuses to
-    compute a norm (``clip_by_global_norm``, ``adaptive_clip``,
-    ``global_norm``) until ``pp_reduce(plan)`` has summed the tied grads, so a
-    chain that forgets it, or puts it after the clip, fails on its first step
-    instead of letting the copies drift apart.
+    A transform that computes a norm over a plan with tied weights
+    (``clip_by_global_norm``, ``adaptive_clip``, ... with ``mesh_groups=plan``)
+    declares so, and :func:`gradtx.chain` refuses, when it is built, a chain
+    where no ``pp_reduce(plan)`` comes before it: a chain that forgets it, or
+    puts it after the clip, fails before its first step instead of letting the
+    copies drift apart. A ``pp_reduce`` built and left out of the chain changes
+    nothing.
 
     Args:
       mesh_groups: the plan from :func:`gradtx.mesh_groups` with ``pp_group``
@@ -67,9 +69,6 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
         del params
         leaves, spec = tu.flatten(updates)
         mesh_groups.check(leaves, what="pp_reduce")
-        # Marked when it runs, not when it is built: a pp_reduce built and never run in the chain
-        # leaves the plan's norms refusing, and one placed after the clip fails the first step.
-        mesh_groups.tie_reduced = True
         inplace = bool(extra.get("inplace", False))
         out = list(leaves)
         for group, idx in mesh_groups.tied.items():
@@ -78,4 +77,5 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
                 out[i] = s
         return tu.unflatten(spec, out), state
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    tx = kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return kinds.declare_ties(tx, reduces=(mesh_groups,))

@@ -3,10 +3,11 @@
 On DTensors the placements *are* the plan: a grad's local p-th power is
 summed over each mesh dim where it is ``Shard``/``_StridedShard``, never over
 a ``Replicate`` dim, with the process groups of the DTensor's own mesh.
-:func:`tree_norm` (what :func:`gradtx.clip_by_global_norm`,
+:func:`gradtx.distributed.inferred.tree_norm` (what :func:`gradtx.clip_by_global_norm`,
 :func:`gradtx.global_norm` and :func:`gradtx.adaptive_clip` call) infers that
 plan from the leaves, builds it once and reuses it, keyed by the leaves'
-placements, meshes and shapes. What placements cannot say (plain tensors
+placements, meshes and shapes (:mod:`gradtx.distributed.inferred`, whose names
+this module still answers to). What placements cannot say (plain tensors
 sharded by hand, the pipeline group, weights tied across stages) is declared
 with :func:`mesh_groups`. The argument is in ``docs/distributed.md``.
 
@@ -18,15 +19,15 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeGuard, cast
+from typing import Any, NamedTuple, TypeGuard, TypeVar, cast
 
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm, check_comm
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
 from gradtx.comm.groups import reduce_over_groups
 from gradtx.comm.local import LocalComm
-from gradtx.core import norms
+from gradtx.core import kinds, norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
@@ -168,22 +169,11 @@ class MeshGroups:
             if leaf.tie_group is not None:
                 tied.setdefault(leaf.tie_group, []).append(i)
         self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
-        # Set when gradtx.pp_reduce(plan) runs: the tied copies' grads are summed before a norm reads them.
-        self.tie_reduced = False
 
-    def require_tie_reduce(self, *, what: str) -> None:
-        """Raise unless :func:`gradtx.pp_reduce` has run for this plan, when it declares tied weights.
-
-        Unsummed tied copies give each stage a different grad: the norm is
-        wrong and the copies drift apart. This check costs nothing per step.
-        """
-        if self.tied and not self.tie_reduced:
-            paths = [self._leaves[i].path for idx in self.tied.values() for i in idx]
-            raise ValueError(
-                f"{what}: the mesh_groups plan declares tied weights ({', '.join(paths)}), but no "
-                "gradtx.pp_reduce(plan) ran before this norm, so the tied copies' grads are not summed; put it "
-                "first in the chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., mesh_groups=plan), ...)"
-            )
+    @property
+    def tied_paths(self) -> list[str]:
+        """The dotted paths of the tied leaves (``tied=``), in flatten order."""
+        return [self._leaves[i].path for idx in self.tied.values() for i in idx]
 
     def __len__(self) -> int:
         return len(self._leaves)
@@ -269,7 +259,6 @@ class MeshGroups:
         """
         self.check(leaves, what="mesh_groups.global_norm")
         norm_type = check.norm_type(norm_type, name="mesh_groups.global_norm")
-        self.require_tie_reduce(what="mesh_groups.global_norm")
         from gradtx.distributed.global_norm import plan_norm  # the norm sits above the plan
 
         return plan_norm(self, leaves, norm_type)
@@ -316,7 +305,6 @@ class MeshGroups:
         groups: list[tuple[GroupKey, ...]] = []
         where: list[tuple[int, int]] = []
         out: list[list[torch.Tensor]] = []
-        self.require_tie_reduce(what="adaptive_clip")
         for t, leaves in enumerate(trees):
             self.check(leaves, what="adaptive_clip")
             row: list[torch.Tensor] = []
@@ -554,117 +542,20 @@ def _build(
     return MeshGroups(comm, infos, pp, torch.device(device))
 
 
-# --- the zero-configuration path: the plan read from the placements ----------------------------
-#
-# A step's cost on a cache hit is one read of each leaf's DTensor spec (shape, placements, mesh)
-# and a tuple compare: no collective and no host sync beyond what the plan itself issues.
+_T = TypeVar("_T")
 
 
-class PlanCache:
-    """The plans inferred from placements, and the groups a finite check agrees over, built once and reused.
+def reads_tied(tx: _T, mesh_groups: MeshGroups | None) -> _T:
+    """``tx``, declared as reading a norm over ``mesh_groups``' tied weights when the plan has some; returns ``tx``.
 
-    Keyed by each leaf's DTensor spec (mesh, placements, shape, stride, dtype) and bounded (a model re-sharded,
-    or a second model, gets a new entry; the oldest goes). Its entries belong to the process-group world they
-    were built in: once the default process group is destroyed and another one started (a test's simulated
-    mesh ending, an in-process restart), the first lookup drops them all, so no plan reduces over a dead group
-    and no dead group is kept alive by a plan. gradtx's norms use :data:`DEFAULT_CACHE`; code that wants
-    a shorter lifetime builds its own and passes ``cache=`` to :func:`infer_plan` and :func:`agree_finite`.
-
-    Args:
-      size: how many plans (and as many agreements) to keep.
+    What every transform that takes ``mesh_groups=`` and computes a norm
+    returns: :func:`gradtx.chain` then refuses it, when built, unless a
+    :func:`gradtx.pp_reduce` of the same plan comes before it
+    (:func:`gradtx.core.kinds.declare_ties`).
     """
-
-    def __init__(self, size: int = 16) -> None:
-        self.size = size
-        self._world: Any = None
-        self.plans: dict[tuple[Any, ...], MeshGroups] = {}
-        self.agreements: dict[tuple[Any, ...], tuple[Comm, tuple[GroupKey, ...]]] = {}
-
-    def current(self) -> PlanCache:
-        """This cache, emptied first if the process-group world changed since its entries were built."""
-        dist = torch.distributed
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        if world is not self._world:
-            self.clear()
-            self._world = world
-        return self
-
-    def clear(self) -> None:
-        """Drop every entry."""
-        self.plans.clear()
-        self.agreements.clear()
-        self._world = None
-
-    def remember(self, table: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
-        """Store ``value`` under ``key`` in ``table`` (one of this cache's), evicting the oldest entry when full."""
-        if len(table) >= self.size:
-            table.pop(next(iter(table)))
-        table[key] = value
-        return value
-
-    def __len__(self) -> int:
-        return len(self.plans) + len(self.agreements)
-
-
-DEFAULT_CACHE = PlanCache()
-
-
-def _signature(leaves: Sequence[Any]) -> tuple[Any, ...] | None:
-    """What an inferred plan depends on: each DTensor's spec (mesh, placements, shape, stride, dtype); None without DTensors."""
-    if DTensor is None:
-        return None
-    key = tuple(t._spec if isinstance(t, DTensor) else None for t in leaves)
-    return key if any(k is not None for k in key) else None
-
-
-def _leaf_paths(n: int, tree: PyTree | None) -> list[str]:
-    if tree is not None:
-        paths = [tu.dotted(p) for p in optree.tree_paths(tree)]
-        if len(paths) == n:
-            return paths
-    return [f"<leaf {i}>" for i in range(n)]
-
-
-def infer_plan(
-    leaves: Sequence[Any], *, what: str, tree: PyTree | None = None, cache: PlanCache | None = None
-) -> MeshGroups | None:
-    """The plan the placements of ``leaves`` define, built once per placements and meshes; ``None`` without DTensors.
-
-    Plain tensors in the tree are taken as replicated (as DDP leaves them).
-    A tree on a mesh with a pipeline dim (``"pp"``) is refused: the other
-    stages' norms cannot be read from placements, so that plan is declared
-    with :func:`mesh_groups`.
-
-    Args:
-      leaves: the grads (DTensors and plain tensors), in flatten order.
-      what: the caller's name, for error messages.
-      tree: the tree ``leaves`` came from, only to name paths in errors.
-      cache: where the plan is kept; default :data:`DEFAULT_CACHE`.
-
-    Returns:
-      A cached :class:`MeshGroups` over the DTensors' own process groups, or ``None``.
-    """
-    key = _signature(leaves)
-    if key is None:
-        return None
-    cache = (cache if cache is not None else DEFAULT_CACHE).current()
-    plan = cache.plans.get(key)
-    if plan is None:
-        plan = cache.remember(
-            cache.plans,
-            key,
-            _build(
-                _leaf_paths(len(leaves), tree),
-                list(leaves),
-                default_comm(leaves),
-                sharded=None,
-                pp_group=None,
-                tied=None,
-                device=None,
-                what=what,
-            ),
-        )
-    return plan
+    if mesh_groups is not None and mesh_groups.tied:
+        kinds.declare_ties(tx, reads=(mesh_groups,))
+    return tx
 
 
 def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
@@ -678,162 +569,18 @@ def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
         )
 
 
-def tree_norm(
-    leaves: Sequence[torch.Tensor],
-    norm_type: float,
-    mesh_groups: MeshGroups | None = None,
-    *,
-    what: str = "global_norm",
-    tree: PyTree | None = None,
-    powsums: Sequence[torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """The ``norm_type``-norm of the whole model's grads, as one device would compute it; the one norm every transform uses.
-
-    * With ``mesh_groups``: that declared plan (pipeline stages, tied weights,
-      hand-sharded plain tensors).
-    * Else, with DTensor leaves: the plan their placements define (see
-      :func:`infer_plan`), built once and cached by placements and meshes:
-      one collective per sharded mesh dim, exactly what the explicit plan issues.
-    * Else: the local norm (unsharded, or replicated as under DDP): no collective.
-
-    Every rank holding part of the model must call it (it may communicate).
-
-    Args:
-      leaves: the grads, in flatten order.
-      norm_type: any ``p > 0`` or ``inf``.
-      mesh_groups: a plan from :func:`mesh_groups`, or ``None`` to read the placements.
-      what: the caller's name, for error messages.
-      tree: the tree the leaves came from, only to name paths in errors.
-      powsums: each leaf's local contribution (:func:`gradtx.core.norms.tensor_powsums`), already
-        measured (by the hooks of a :class:`gradtx.BackwardNorm`): only the reductions remain.
-
-    Returns:
-      A 0-d fp32 tensor, equal on every rank; no host sync.
-    """
-    if mesh_groups is not None:
-        check_plan(mesh_groups, name=what)
-        return mesh_groups.global_norm(leaves, norm_type)
-    plan = infer_plan(leaves, what=what, tree=tree)
-    if plan is None:
-        if powsums is not None:
-            total = norms.total(list(powsums), norm_type)
-            return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
-        return norms.local_norm(leaves, norm_type)
-    from gradtx.distributed.global_norm import plan_norm
-
-    return plan_norm(plan, leaves, norm_type, powsums=powsums)
+# The plan read from placements and the norms that run on a plan live in gradtx.distributed.inferred;
+# their old names here still resolve (and gradtx.plan, the flat path of this module, with them).
+_MOVED = ("DEFAULT_CACHE", "PlanCache", "agree_finite", "global_norm", "infer_plan", "tree_norm", "tree_unitwise_norms")
 
 
-def tree_unitwise_norms(
-    grads: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    *,
-    unitwise: bool,
-    mesh_groups: MeshGroups | None = None,
-    tree: PyTree | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-unit fp32 L2 norms of grads and weights (AGC), reduced where a unit spans ranks.
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        from gradtx.distributed import inferred
 
-    The plan is ``mesh_groups``, else the one the grads' placements define, else none
-    (every unit is local). Units follow PyTorch layouts: see :func:`gradtx.unitwise_norm`.
-
-    Returns:
-      ``(grad_norms, weight_norms)``, each broadcastable to its leaf's local shard.
-    """
-    plan = mesh_groups
-    if plan is not None:
-        check_plan(plan, name="adaptive_clip")
-    else:
-        plan = infer_plan(grads, what="adaptive_clip", tree=tree)
-    if plan is None:
-        return (
-            [norms.unitwise_norm(g, unitwise=unitwise) for g in grads],
-            [norms.unitwise_norm(w, unitwise=unitwise) for w in weights],
-        )
-    g_norms, w_norms = plan.unitwise_norms([grads, weights], unitwise=unitwise)
-    return g_norms, w_norms
+        return getattr(inferred, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def agree_finite(
-    finite: torch.Tensor,
-    leaves: Sequence[Any],
-    *,
-    comm: Comm | None = None,
-    group: GroupKey = "world",
-    cache: PlanCache | None = None,
-) -> torch.Tensor:
-    """Agree on a finite-check verdict over every rank that holds part of the model (MAX of the not-finite flag).
-
-    With ``comm``: over ``group``. Else, with DTensor leaves: over the whole
-    root mesh of their meshes (one scalar collective over the default group
-    when the mesh spans it, else one per mesh dim), because a NaN that lands
-    in one rank's shard must stop every rank. Else (plain tensors, replicated
-    as under DDP, or one process): the local verdict.
-
-    Returns:
-      A 0-d bool tensor, equal on every rank that agreed; no host sync.
-    """
-    if comm is not None:
-        check_comm(comm, name="apply_if_finite")
-        plan: tuple[Comm, tuple[GroupKey, ...]] | None = (comm, (group,))
-    else:
-        key = _signature(leaves)
-        table = (cache if cache is not None else DEFAULT_CACHE).current()
-        plan = None if key is None else table.agreements.get(key)
-        if key is not None and plan is None:
-            plan = table.remember(table.agreements, key, _agreement_groups(leaves))
-    if plan is None:
-        return finite
-    agree_comm, groups = plan
-    notfinite = (~finite).to(torch.float32)
-    for g in groups:
-        (notfinite,) = agree_comm.all_reduce([notfinite], ReduceOp.MAX, g)
-    return notfinite == 0
-
-
-def _agreement_groups(leaves: Sequence[Any]) -> tuple[Comm, tuple[GroupKey, ...]]:
-    from gradtx.comm.torch_dist import mesh_comm, world_size
-
-    roots: list[Any] = []
-    for t in leaves:
-        if isinstance(t, DTensor):
-            root = t.device_mesh._get_root_mesh()
-            if all(root is not r for r in roots):
-                roots.append(root)
-    comm = mesh_comm(roots)
-    if all(root.size() == world_size() for root in roots):
-        return comm, ("world",)
-    groups: list[Any] = []
-    for root in roots:
-        for dim in range(root.ndim):
-            pg = root.get_group(dim)
-            if root.size(dim) > 1 and all(pg is not g for g in groups):
-                groups.append(pg)
-    return comm, tuple(groups)
-
-
-def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups | None = None) -> torch.Tensor:
-    """The ``norm_type``-norm of all leaves of ``tree`` taken together, as a 0-d fp32 tensor (fp64 if a leaf is fp64).
-
-    Matches ``torch.nn.utils.get_total_norm`` on fp32 tensors, and accumulates
-    in fp32 for low-precision ones. On DTensor leaves it is the norm of the
-    whole sharded model, as one device would compute it, read from the
-    placements (see :func:`tree_norm`); every rank must call it. Pipeline
-    stages and hand-sharded plain tensors need ``mesh_groups``.
-
-    Args:
-      tree: a pytree of tensors (DTensors included).
-      norm_type: any ``p > 0`` or ``inf``.
-      mesh_groups: a declared plan from :func:`mesh_groups`, or ``None``.
-
-    Returns:
-      A 0-d fp32 tensor.
-
-    Example:
-      >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
-      tensor(5.)
-    """
-    norm_type = check.norm_type(norm_type, name="global_norm")
-    leaves, _ = tu.flatten(tree)
-    tu.check_tensors(leaves, tu.paths(tree), what="global_norm: tree")
-    return tree_norm(leaves, norm_type, mesh_groups, what="global_norm", tree=tree)
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MOVED])

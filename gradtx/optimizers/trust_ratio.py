@@ -18,7 +18,7 @@ from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory
-from gradtx.distributed import plan
+from gradtx.distributed import inferred, plan
 from gradtx.optimizers.standard import (
     ScaleByAdamState,
     add_decayed_weights,
@@ -77,10 +77,7 @@ def scale_by_trust_ratio(
     min_norm = check.non_negative(min_norm, arg="min_norm", name=name, tensor=True)
     trust_coefficient = check.non_negative(trust_coefficient, arg="trust_coefficient", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    if mesh_groups is not None and not callable(getattr(mesh_groups, "unitwise_norms", None)):
-        raise TypeError(
-            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
-        )
+    plan.check_plan(mesh_groups, name=name)
     floor, coef, shift = _hyper(min_norm), _hyper(trust_coefficient), _hyper(eps)
 
     def init_fn(params: Params) -> EmptyState:
@@ -99,12 +96,12 @@ def scale_by_trust_ratio(
             # A declared plan covers every leaf: a param with no update joins the collectives with zeros.
             full = tu.scatter(len(all_params), index, leaves)
             full = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
-            u_all, p_all = plan.tree_unitwise_norms(
+            u_all, p_all = inferred.tree_unitwise_norms(
                 full, all_params, unitwise=False, mesh_groups=mesh_groups, tree=params
             )
             u_norms, p_norms = [u_all[i] for i in index], [p_all[i] for i in index]
         else:
-            u_norms, p_norms = plan.tree_unitwise_norms(
+            u_norms, p_norms = inferred.tree_unitwise_norms(
                 leaves, [all_params[i] for i in index], unitwise=False, mesh_groups=mesh_groups, tree=updates
             )
         out = []
@@ -117,7 +114,7 @@ def scale_by_trust_ratio(
             out.append(tu.like(u, (local * ratio.to(local.device)).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return plan.reads_tied(GradientTransformation(init_fn, update_fn), mesh_groups)
 
 
 def _scale_by_adam_eps_root(b1: Any, b2: Any, eps: Any, eps_root: Any) -> GradientTransformation:

@@ -31,7 +31,6 @@ since a member that is not scalar must see the true updates.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple, TypeGuard
 
 import torch
@@ -40,7 +39,7 @@ from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, Updates
-from gradtx.transforms.combine import Chain, apply_updates
+from gradtx.transforms.combine import Chain, apply_updates, tie_order
 
 __all__ = ["StepPlan", "StepResult", "update_and_apply"]
 
@@ -98,7 +97,7 @@ def _join(tx: GradientTransformation, states: Any) -> OptState:
 class StepPlan:
     """The structure of a chain, read once: window, body, scalar tail, terminal kernel.
 
-    Build it with :meth:`of` (cached per transform). Transforms know nothing of
+    Build it with :meth:`of` (kept on the transform). Transforms know nothing of
     it; it relies only on the chain's structure (:class:`~gradtx.transforms.combine.Chain`) and on the
     kinds its members declare (:mod:`gradtx.core.kinds`).
 
@@ -113,6 +112,7 @@ class StepPlan:
     def __init__(self, tx: GradientTransformation) -> None:
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"StepPlan: tx must be a GradientTransformation, got {type(tx).__name__}")
+        tie_order([tx], name="StepPlan")  # a lone transform reading tied weights no pp_reduce summed
         self.tx = tx
         self.members = _leaf_members(tx)
         first = self.members[0] if self.members else None
@@ -129,11 +129,14 @@ class StepPlan:
         self.body_start, self.tail_start, self.body_end = start, tail, end
         self.fresh = [kinds.returns_fresh(m) for m in self.members]
         self.guard = [isinstance(m, kinds.Verdict) for m in self.members]
+        self.hands_on = [isinstance(m, kinds.DownstreamExtra) for m in self.members]
 
     @staticmethod
     def of(tx: GradientTransformation) -> StepPlan:
-        """The plan of ``tx``, built once per transform object."""
-        return _plan_of(tx)
+        """The plan of ``tx``, built once per transform object and kept on it (it lives as long as ``tx``)."""
+        if not isinstance(tx, GradientTransformation):
+            raise TypeError(f"StepPlan: tx must be a GradientTransformation, got {type(tx).__name__}")
+        return tx.memo("step_plan", StepPlan)
 
     def __repr__(self) -> str:
         def name(m: GradientTransformation) -> str:
@@ -232,9 +235,8 @@ class StepPlan:
                     factor = None  # applied in fp32, before rounding to the grads' dtype
             if factor is not None:
                 pending = factor if pending is None else pending * factor.to(pending.device)
-            downstream = getattr(window, "downstream_extra", None)
-            if downstream is not None:  # a window that emitted hands its reduced loss to what follows
-                extra = downstream(states[0], extra)
+            if self.hands_on[0]:  # a window that emitted hands its reduced loss to what follows
+                extra = window.downstream_extra(states[0], extra)
 
         skip: torch.Tensor | None = None
         end = self.body_end if not run_terminal or self.terminal is None else len(self.members)
@@ -243,6 +245,8 @@ class StepPlan:
             if self.scalar[i] and self.tail_start <= i < self.body_end:
                 f, states[i] = member.factor(updates, states[i], params, scale=pending, **extra)  # type: ignore[attr-defined]
                 pending = f if pending is None else pending * f.to(pending.device)
+                if self.hands_on[i]:
+                    extra = member.downstream_extra(states[i], extra)  # type: ignore[attr-defined]
                 continue
             if pending is not None:
                 updates = _scale_owned(updates, pending)
@@ -256,12 +260,9 @@ class StepPlan:
             if self.guard[i]:
                 vetoed = member.verdict(states[i])  # type: ignore[attr-defined]
                 skip = vetoed if skip is None else skip | vetoed.to(skip.device)
+            if self.hands_on[i]:  # what the members after it see
+                extra = member.downstream_extra(states[i], extra)  # type: ignore[attr-defined]
         return StepResult(updates, _join(self.tx, iter(states)), pending, skip)
-
-
-@functools.lru_cache(maxsize=128)
-def _plan_of(tx: GradientTransformation) -> StepPlan:
-    return StepPlan(tx)
 
 
 def _scale_owned(updates: Updates, factor: torch.Tensor) -> Updates:
@@ -405,6 +406,8 @@ def update_and_apply(
     if not isinstance(tx, GradientTransformation):
         raise TypeError(f"update_and_apply: tx must be a GradientTransformation, got {type(tx).__name__}")
     donate = check.flag(donate, arg="donate", name="update_and_apply")
+    if not torch.compiler.is_compiling():
+        plan = StepPlan.of(tx)  # planned once per transform: a chain that cannot run right raises here
     if not donate:
         updates, new_state = tx.update(grads, state, params, **extra)
         return apply_updates(params, updates), new_state
@@ -419,7 +422,6 @@ def update_and_apply(
         with torch.no_grad():
             return _store_into((params, state), (apply_updates(params, updates), new_state))
 
-    plan = StepPlan.of(tx)
     # A donated step writes its inputs, so it is not differentiable; no_grad also lets it write
     # params that are leaves requiring grad (nn.Parameters), as an optimizer step does.
     with torch.no_grad():

@@ -52,9 +52,12 @@ class AccumulateState(NamedTuple):
         over all ranks (int64).
       k: the window length this state was made for (int64), checked on every
         update so a state cannot be resumed under another ``k`` by mistake.
-      acc: the fp32 running sum, a tree like the updates, while a window is
-        open in :func:`accumulate`; ``None`` otherwise (and always when
-        autograd is the buffer).
+      acc: the fp32 running sum, a tree like the params, from ``init`` on (so the
+        state's structure never changes): a leaf is the sum of its grads while a
+        window is open in :func:`accumulate`, else a 0-element placeholder
+        (:func:`gradtx.core.kinds.empty_sum`; no memory), and always the
+        placeholder when autograd is the buffer. A state from 0.1.0 holds
+        ``None`` here, read as empty.
       loss_sum: the sum of the losses given (``update(..., loss=...)``) in the
         open window (fp32, 0-d, on the loss's device).
       loss_weight: what ``loss_sum`` is divided by when the window closes: the
@@ -123,6 +126,11 @@ def _multi_process() -> int:
     return world if world > 1 else 0
 
 
+def _placeholder(leaf: Any) -> bool:
+    """Whether a leaf of a window's running sum holds nothing (:func:`gradtx.core.kinds.empty_sum`'s placeholder)."""
+    return not isinstance(leaf, torch.Tensor) or leaf.numel() == 0
+
+
 class WindowStep(NamedTuple):
     """What one micro-step did to the window.
 
@@ -130,7 +138,8 @@ class WindowStep(NamedTuple):
       emit: the window closed with an update.
       factor: ``1 / denominator`` (0-d fp64 on the host; each use narrows it to the grads' precision) when
         ``emit``; else ``None``.
-      state: the new :class:`AccumulateState` (``acc`` untouched: the buffer is the caller's business).
+      state: the new :class:`AccumulateState` (``acc`` untouched while the window holds: the buffer is the
+        caller's business; emptied when it closes).
     """
 
     emit: bool
@@ -164,7 +173,8 @@ class Window:
             raise ValueError(f"accumulate: every_k_schedule({int(state.windows)}) must be an integer >= 1, got {value!r}")
         return int(k)
 
-    def init(self) -> AccumulateState:
+    def init(self, params: Params | None = None) -> AccumulateState:
+        """A fresh window; its running sum is :func:`gradtx.core.kinds.empty_sum` of ``params`` (``None`` without)."""
         zero = torch.zeros((), dtype=torch.int64)
         return AccumulateState(
             micro_step=zero,
@@ -173,7 +183,7 @@ class Window:
             last_tokens=zero.clone(),
             empty_windows=zero.clone(),
             k=torch.tensor(self.k, dtype=torch.int64),
-            acc=None,
+            acc=kinds.empty_sum(params),
             loss_sum=torch.zeros((), dtype=torch.float32),
             loss_weight=zero.clone(),
             last_loss=torch.zeros((), dtype=torch.float32),
@@ -263,7 +273,7 @@ class Window:
         closed = state._replace(
             micro_step=torch.zeros((), dtype=torch.int64),
             tokens=torch.zeros((), dtype=torch.int64),
-            acc=None,
+            acc=kinds.emptied(state.acc),
             loss_sum=torch.zeros((), dtype=torch.float32),
             loss_weight=torch.zeros((), dtype=torch.int64),
             last_loss=loss_sum / loss_weight if loss_weight > 0 else state.last_loss,
@@ -514,8 +524,7 @@ def accumulate(
         window.window_k(window.init())  # a bad schedule fails here, not on the first micro-step
 
     def init_fn(params: Params) -> AccumulateState:
-        del params
-        return window.init()
+        return window.init(params)
 
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
         total, factor, new_state = sum_window(
@@ -531,56 +540,55 @@ def accumulate(
         """The window's fp32 sum (``None`` while it holds) and its normaliser: ``update`` is their product."""
         window.check(state)
         leaves, spec = tu.flatten(updates)
-        leaf_paths = tu.paths(updates)
-        tu.check_tensors(leaves, leaf_paths, what="accumulate: updates")
+        tu.check_tensors(leaves, tu.paths(updates), what="accumulate: updates")
         window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
         _loss_value(loss)
-        if state.acc is not None:
-            expected = state.acc
-            against = "the open window's running sum"
-        else:
-            expected, against = params, "params"
-        if expected is not None and state.acc is None:
-            # A None grad (a param with no gradient) is allowed; the window keeps that pattern to its end.
-            index, _, _ = tu.align(  # structure only: shapes are compared on local shards below
-                tu.tree_map(lambda _: 0, params), tu.tree_map(lambda _: 0, updates),
-                what="accumulate: updates", against=against, tensors=False,
-            )  # fmt: skip
-            expected = [tu.flatten(params)[0][i] for i in index]
-            for path, e, g in zip(leaf_paths, expected, leaves):
-                if isinstance(e, torch.Tensor) and tu.local(g).shape != tu.local(e).shape:
-                    raise ValueError(
-                        f"accumulate: updates at {tu.path_str(path)} have shape {tuple(tu.local(g).shape)}, "
-                        f"expected {tuple(tu.local(e).shape)} ({against})"
-                    )
-        elif expected is not None:
-            tu.check_structure(
-                tu.tree_map(lambda _: 0, expected), tu.tree_map(lambda _: 0, updates),
-                what="accumulate: updates", against=against,
-            )  # fmt: skip
-            for path, e, g in zip(leaf_paths, tu.flatten(expected)[0], leaves):
-                # Local shapes on both sides: a DTensor's grad and its param (or sum) shard alike.
-                if isinstance(e, torch.Tensor) and tu.local(g).shape != tu.local(e).shape:
-                    raise ValueError(
-                        f"accumulate: updates at {tu.path_str(path)} have shape {tuple(tu.local(g).shape)}, "
-                        f"expected {tuple(tu.local(e).shape)} ({against})"
-                    )
-        if state.acc is None:
-            # fp32 at least: bf16/fp16 sum in fp32, fp64 in fp64, complex keeps its imaginary part.
-            acc = [tu.like(g, tu.local(g).to(torch.promote_types(g.dtype, torch.float32), copy=True)) for g in leaves]
-        else:
-            acc_leaves = tu.flatten(state.acc)[0]
-            tu.check_devices(acc_leaves, leaves, updates, what="accumulate: updates", against="the open window's sum")
-            acc = [tu.like(g, tu.local(a) + tu.local(g)) for a, g in zip(acc_leaves, leaves)]
+        held = state.acc
+        if held is None:  # a state from 0.1.0 (or a Window made without params): nothing summed yet
+            held = kinds.empty_sum(params if params is not None else updates)
+        sums, sum_spec = tu.flatten(held)
+        opened = window.is_open(state)
+        against = "the open window's running sum" if opened else "params"
+        # A None grad (a param with no gradient) is allowed; the window keeps that pattern to its end.
+        index, _, _ = tu.align(  # structure only: shapes are compared on local shards below
+            tu.tree_map(lambda _: 0, held), tu.tree_map(lambda _: 0, updates),
+            what="accumulate: updates", against=against, tensors=False,
+        )  # fmt: skip
+        p_leaves = tu.flatten(params)[0] if params is not None else []
+        summed = [not _placeholder(a) for a in sums]
+        sum_paths = tu.paths(held)
+        for j, i in enumerate(index):
+            e = sums[i] if summed[i] else p_leaves[i] if len(p_leaves) == len(sums) else None
+            g = leaves[j]
+            if isinstance(e, torch.Tensor) and tu.local(g).shape != tu.local(e).shape:
+                raise ValueError(
+                    f"accumulate: updates at {tu.path_str(sum_paths[i])} have shape {tuple(tu.local(g).shape)}, "
+                    f"expected {tuple(tu.local(e).shape)} ({against})"
+                )
+        if opened:
+            given = {i: j for j, i in enumerate(index)}
+            for i, path in enumerate(sum_paths):
+                if summed[i] != (i in given) and (summed[i] or tu.local(leaves[given[i]]).numel() > 0):
+                    where = "missing" if summed[i] else "unexpected"
+                    raise ValueError(f"accumulate: updates does not match {against} at {tu.path_str(path)}: {where}")
+            tu.check_devices(
+                [sums[i] for i in index], leaves, updates, what="accumulate: updates", against="the open window's sum"
+            )
+        new = list(sums)
+        for j, i in enumerate(index):
+            g = leaves[j]
+            if summed[i]:
+                new[i] = tu.like(g, tu.local(sums[i]) + tu.local(g))
+            else:  # fp32 at least: bf16/fp16 sum in fp32, fp64 in fp64, complex keeps its imaginary part
+                new[i] = tu.like(g, tu.local(g).to(torch.promote_types(g.dtype, torch.float32), copy=True))
         device = tu.local(leaves[0]).device if leaves else None
-        stepped = window.step(state, tokens=tokens, flush=flush, device=device, loss=loss)
+        stepped = window.step(state._replace(acc=held), tokens=tokens, flush=flush, device=device, loss=loss)
         if stepped.factor is None:
-            closed = stepped.state if int(stepped.state.micro_step) == 0 else None
-            if closed is not None:  # an empty window: dropped, nothing emitted
-                return None, None, closed
-            return None, None, stepped.state._replace(acc=tu.unflatten(spec, acc))
-        acc = window.reduce(acc, inplace=True)  # acc is ours
-        return tu.unflatten(spec, acc), stepped.factor, stepped.state
+            if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted
+                return None, None, stepped.state
+            return None, None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
+        total = window.reduce([new[i] for i in index], inplace=True)  # the sums are ours
+        return tu.unflatten(spec, total), stepped.factor, stepped.state
 
     # Whether the window emits is decided on the host: traced, that is a graph break inside the window's
     # bookkeeping, and dynamo (torch 2.13) then hands optree specs built by its polyfill to eager code,

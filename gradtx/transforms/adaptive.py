@@ -33,6 +33,7 @@ from gradtx.core.base import (
     scalar_transformation,
 )
 from gradtx.distributed.global_norm import check_plan, global_norm_of, leaf_norms_of
+from gradtx.distributed.plan import reads_tied
 
 __all__ = [
     "AUTOCLIP_DEFAULT_HISTORY",
@@ -237,7 +238,7 @@ def zclip(
         )
         return coef, new_state
 
-    return scalar_transformation(init_fn, factor_fn)
+    return reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 # --- AutoClip ------------------------------------------------------------------------------
@@ -346,7 +347,7 @@ def autoclip(
         )
         return coef, new_state
 
-    return scalar_transformation(init_fn, factor_fn)
+    return reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 # --- clip_by_block_rms ---------------------------------------------------------------------
@@ -396,7 +397,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
             out.append(tu.like(u, (local / denom).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return reads_tied(kinds.declare_fresh(GradientTransformation(init_fn, update_fn)), mesh_groups)
 
 
 # --- norms by layer ------------------------------------------------------------------------
@@ -483,4 +484,4 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         full = {n: norms[n] if n in norms else torch.zeros_like(v) for n, v in state.norms.items()}
         return updates, TrackNormsState(norms=full)
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return reads_tied(kinds.declare_fresh(GradientTransformation(init_fn, update_fn)), mesh_groups)

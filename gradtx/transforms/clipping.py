@@ -21,7 +21,7 @@ from gradtx.core.base import (
     scalar_transformation,
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
-from gradtx.distributed import plan
+from gradtx.distributed import inferred, plan
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -166,7 +166,7 @@ def clip_by_global_norm(
         if norm is None:
             # FSDP2: each sharded grad's local part, measured in the backward; the plan's reductions remain
             powsums = measured.take_leafwise(leaves) if measured is not None and not measured.is_ddp else None
-            norm = plan.tree_norm(
+            norm = inferred.tree_norm(
                 leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, powsums=powsums
             )
         if scale is not None:
@@ -176,7 +176,7 @@ def clip_by_global_norm(
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 
-    return scalar_transformation(init_fn, factor_fn)
+    return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------
@@ -256,12 +256,12 @@ def adaptive_clip(
             # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
             full = tu.scatter(len(all_weights), index, leaves)
             full = [torch.zeros_like(w) if g is None else g for g, w in zip(full, all_weights)]
-            g_all, w_all = plan.tree_unitwise_norms(
+            g_all, w_all = inferred.tree_unitwise_norms(
                 full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=params
             )
             g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
         else:
-            g_norms, w_norms = plan.tree_unitwise_norms(
+            g_norms, w_norms = inferred.tree_unitwise_norms(
                 leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates
             )
         out = []
@@ -272,4 +272,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor, inplace=bool(extra.get("inplace", False))))
         return tu.unflatten(spec, out), state
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return plan.reads_tied(kinds.declare_fresh(GradientTransformation(init_fn, update_fn)), mesh_groups)

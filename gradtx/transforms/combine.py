@@ -69,6 +69,7 @@ def _run(
     states: Sequence[OptState],
     params: Params | None,
     extra: dict[str, Any],
+    hands_on: Sequence[bool],
 ) -> tuple[Updates | None, list[OptState]]:
     # A scalar member's product is computed here, into new buffers (or the donated ones): from then
     # on the chain owns its updates, so later members may write into them (``inplace=True``), with
@@ -95,10 +96,35 @@ def _run(
             break
         if owned and not kinds.returns_fresh(tx):
             updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
-        downstream = getattr(tx, "downstream_extra", None)
-        if downstream is not None:  # a window that emitted hands its reduced loss to what follows
-            extra = downstream(new_states[i], extra)
+        if hands_on[i]:  # a window that emitted hands its reduced loss to what follows
+            extra = tx.downstream_extra(new_states[i], extra)  # type: ignore[attr-defined]
     return updates, new_states
+
+
+def tie_order(txs: Sequence[GradientTransformation], *, name: str) -> dict[str, tuple[Any, ...]]:
+    """What a chain of ``txs`` declares about tied weights (:func:`gradtx.core.kinds.declare_ties`), checked.
+
+    A member that reads a norm over a pipeline plan's tied weights needs a
+    :func:`gradtx.pp_reduce` of that plan before it, in the same chain: else
+    this raises, when the chain is built.
+    """
+    reduced: list[Any] = []
+    unmet: list[tuple[int, Any]] = []
+    for i, tx in enumerate(txs):
+        for p in kinds.ties_read(tx):
+            if not any(p is r for r in reduced) and not any(p is u for _, u in unmet):
+                unmet.append((i, p))
+        reduced += [p for p in kinds.ties_reduced(tx) if not any(p is r for r in reduced)]
+    if unmet:
+        i, p = unmet[0]
+        where = "comes only after it" if any(p is r for r in reduced) else "comes before it"
+        raise ValueError(
+            f"{name}: member {i} computes a norm over the tied weights ({', '.join(p.tied_paths)}) of a "
+            f"mesh_groups plan, but no gradtx.pp_reduce(plan) {where}, so the tied copies' grads are not summed; "
+            "put it first in the same chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., "
+            "mesh_groups=plan), ...) (see docs/distributed.md)"
+        )
+    return {"reduces": tuple(reduced)}
 
 
 @factory
@@ -115,22 +141,34 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
     Returns:
       A :class:`GradientTransformation` whose state is ``tuple(member states)``.
 
+    Raises:
+      ValueError: a member computes a norm over a pipeline plan's tied weights
+        (``mesh_groups=plan`` with ``tied=``) and no :func:`gradtx.pp_reduce`
+        of that plan comes before it in this chain.
+
     Example:
       >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4))
     """
     for i, tx in enumerate(txs):
         if not isinstance(tx, GradientTransformation):
             raise TypeError(f"chain: argument {i} is a {type(tx).__name__}, not a GradientTransformation")
+    return _chain(txs)
 
-    def init_fn(params: Params) -> tuple[OptState, ...]:
-        return tuple(tx.init(params) for tx in txs)
+
+def _chain(txs: Sequence[GradientTransformation], names: Sequence[str] | None = None) -> GradientTransformation:
+    """A :class:`Chain` of ``txs`` (with ``names``, a :func:`named_chain`), planned: read once what its members declare."""
+    hands_on = [isinstance(tx, kinds.DownstreamExtra) for tx in txs]  # read once, not every step
+    ties = tie_order(txs, name="chain" if names is None else "named_chain")
+
+    def init_fn(params: Params) -> OptState:
+        return out.join_states([tx.init(params) for tx in txs])
 
     def update_fn(updates, state, params=None, **extra):
-        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
+        updates, new_states = _run(txs, updates, out.member_states(state), params, extra, hands_on)
         return updates, out.join_states(new_states)
 
-    out = Chain(init_fn, update_fn, txs)
-    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
+    out = Chain(init_fn, update_fn, txs, names)
+    return kinds.declare_ties(kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs))), **ties)
 
 
 @factory
@@ -155,17 +193,7 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
     names = [name for name, _ in named_txs]
     if len(set(names)) != len(names):
         raise ValueError(f"named_chain: names must be unique, got {names}")
-    txs = [tx for _, tx in named_txs]
-
-    def init_fn(params: Params) -> dict[str, OptState]:
-        return {name: tx.init(params) for name, tx in named_txs}
-
-    def update_fn(updates, state, params=None, **extra):
-        updates, new_states = _run(txs, updates, out.member_states(state), params, extra)
-        return updates, out.join_states(new_states)
-
-    out = Chain(init_fn, update_fn, txs, names)
-    return kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs)))
+    return _chain([tx for _, tx in named_txs], names)
 
 
 # --- masked and partition -------------------------------------------------------------
@@ -314,7 +342,8 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
     # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
+    out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
+    return kinds.declare_ties(out, reads=kinds.ties_read(inner))  # the chain holding it checks them
 
 
 @factory
@@ -395,9 +424,11 @@ def partition(
             _take(out, routed, keep, new, name="partition")
         return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
-    return kinds.declare_fresh(
+    out = kinds.declare_fresh(
         GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
     )
+    reads = tuple(p for tx in transforms.values() for p in kinds.ties_read(tx))
+    return kinds.declare_ties(out, reads=reads)  # the chain holding it checks them
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:

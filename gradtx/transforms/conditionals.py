@@ -11,7 +11,7 @@ from gradtx.core import kinds, norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, export_metrics, factory
-from gradtx.distributed import plan
+from gradtx.distributed import inferred
 
 
 @export_metrics(("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
@@ -111,7 +111,7 @@ def apply_if_finite(
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
         leaves, _ = tu.flatten(updates)
         tu.check_tensors(leaves, tu.paths(updates), what="apply_if_finite: updates")
-        finite = plan.agree_finite(all_finite(leaves), leaves, comm=comm, group=group)
+        finite = inferred.agree_finite(all_finite(leaves), leaves, comm=comm, group=group)
         device = state.notfinite_count.device
         finite = finite.to(device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)

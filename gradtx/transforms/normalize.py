@@ -16,7 +16,7 @@ from gradtx.core.base import (
     factory,
     scalar_transformation,
 )
-from gradtx.distributed import plan
+from gradtx.distributed import inferred, plan
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -57,10 +57,7 @@ def normalize_by_update_norm(
     name = "normalize_by_update_norm"
     scale_factor = check.number(scale_factor, arg="scale_factor", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    if mesh_groups is not None and not callable(getattr(mesh_groups, "global_norm", None)):
-        raise TypeError(
-            f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
-        )
+    plan.check_plan(mesh_groups, name=name)
 
     def init_fn(params: Params) -> EmptyState:
         del params
@@ -72,14 +69,14 @@ def normalize_by_update_norm(
             tu.require_state(state, EmptyState, name=name)
         leaves, _ = tu.flatten(updates)
         tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
-        norm = plan.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
+        norm = inferred.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         sf = scale_factor.to(norm.device, norm.dtype) if isinstance(scale_factor, torch.Tensor) else scale_factor
         shift = eps.to(norm.device, norm.dtype) if isinstance(eps, torch.Tensor) else eps
         return sf / (norm + shift), state
 
-    return scalar_transformation(init_fn, factor_fn)
+    return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 def _check_local_units(x: torch.Tensor, path: str) -> None:

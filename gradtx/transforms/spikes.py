@@ -27,6 +27,7 @@ from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
+from gradtx.distributed import inferred
 from gradtx.distributed import plan as plans
 from gradtx.distributed.global_norm import check_plan, global_norm_of
 
@@ -208,7 +209,7 @@ def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: Group
     their meshes (as ``apply_if_finite`` agrees); else the local flag.
     """
     leaves = [t for t in tu.flatten(updates)[0] if isinstance(t, torch.Tensor)]
-    return ~plans.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
+    return ~inferred.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
 
 
 def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState, old_inner: OptState):
@@ -523,4 +524,5 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    tx = kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    return plans.reads_tied(tx, mesh_groups if metric == "grad_norm" else None)

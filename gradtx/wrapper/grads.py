@@ -102,6 +102,11 @@ def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Ten
     return replaced
 
 
+def scale(params: ParamTree, factor: torch.Tensor) -> None:
+    """Multiply every existing ``.grad`` by ``factor`` (a 0-d tensor), in place."""
+    tu.scale_leaves([p.grad for group in params for p in group if p.grad is not None], factor, inplace=True)
+
+
 def undo(replaced: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for p, g in replaced:
         p.grad = g

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from gradtx.core import tree as tu
+from gradtx.checkpoint import functional as _ckpt
 from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.optimizers.standard import OptimizerChain
 from gradtx.runtime.executor import StepPlan
@@ -277,6 +277,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             self._live.synced = synced
         if window is not None:
             grads.put_window_grads(self._tree, window)
+        # A wrapper pickled by 0.1.0 holds no running-sum placeholders: give it the structure it keeps now.
+        self._live.tx_state = _ckpt.with_empty_sums(self._live.tx_state, self.param_tree())
         self._mirror = _sd.Mirror()
         self._install()
 
@@ -494,9 +496,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                     factor = keep if factor is None else factor * keep.to(factor.device)
                 grads.write(params, updates)
                 if factor is not None:
-                    tu.scale_leaves(
-                        [p.grad for group in params for p in group if p.grad is not None], factor, inplace=True
-                    )
+                    grads.scale(params, factor)
                 self._commit(new_state, False, emitted=True)
             return loss
 
@@ -540,30 +540,14 @@ class TransformedOptimizer(torch.optim.Optimizer):
         factor: torch.Tensor | None,
         skip: torch.Tensor | None,
     ) -> None:
-        replaced: list[tuple[torch.Tensor, torch.Tensor]] = []
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        compiling = torch.compiler.is_compiling()
-        for group_params, group_updates in zip(params, updates):
-            for p, u in zip(group_params, group_updates):
-                if p.grad is not None and u is not p.grad:
-                    if compiling:
-                        # Rebinding p.grad is a pending mutation of the param, which makes dynamo break the
-                        # graph before the inner optimizer's _init_group; a copy into .grad is not.
-                        copies.append((p.grad, u))
-                    else:
-                        replaced.append((p, p.grad))
-                        p.grad = u
-        if copies:
-            torch._foreach_copy_([g for g, _ in copies], [u for _, u in copies])
+        replaced = grads.write(params, updates)
         try:
             # Under torch.compile, dynamo drops writes to an optimizer's attributes, so grad_scale/found_inf
             # cannot reach the fused kernel there: the factor is applied to the grads instead (inductor fuses it).
             if self._fused and not torch.compiler.is_compiling():
                 if factor is not None and self._fp64:
                     # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
-                    tu.scale_leaves(
-                        [p.grad for group in params for p in group if p.grad is not None], factor, inplace=True
-                    )
+                    grads.scale(params, factor)
                     factor = None
                 grad_scale = None if factor is None else (1.0 / factor).to(torch.float32)
                 self.optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
@@ -577,12 +561,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
             if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
                 return
             if factor is not None:
-                grads = [p.grad for group in params for p in group if p.grad is not None]
-                tu.scale_leaves(grads, factor, inplace=True)
+                grads.scale(params, factor)
             self._inner_step()
         except BaseException:
-            for p, g in replaced:
-                p.grad = g
+            grads.undo(replaced)
             raise
 
     def _inner_step(self, closure: Callable[[], Any] | None = None) -> Any:

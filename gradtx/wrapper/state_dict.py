@@ -34,6 +34,7 @@ import torch
 from gradtx.checkpoint import functional as _ckpt
 from gradtx.core import tree as tu
 from gradtx.core.base import OptState
+from gradtx.core.kinds import is_empty_sum
 from gradtx.wrapper import amp, grads, kinds
 from gradtx.wrapper.inner import GTX
 from gradtx.wrapper.inner import started as inner_started
@@ -58,6 +59,9 @@ def _same_dtype(dtype: torch.dtype) -> torch.dtype:
 # --- the live mirror in optimizer.state[p]["gradtx"] ---------------------------------------------
 
 
+_MISSING: Any = object()
+
+
 class Mirror:
     """Keeps each param's ``"gradtx"`` entry pointing at the live transform state's tensors.
 
@@ -68,7 +72,7 @@ class Mirror:
 
     def __init__(self) -> None:
         self.spec: Any = None
-        self.targets: list[tuple[dict[str, Any], str]] | None = None
+        self.targets: list[tuple[dict[str, Any], str] | None] | None = None
 
     def reset(self) -> None:
         self.spec, self.targets = None, None
@@ -78,8 +82,10 @@ class Mirror:
         if self.targets is None or spec != self.spec:
             self._build(entries, state, params, leaves, spec)
             return
-        for (entry, key), leaf in zip(self.targets, leaves):
-            entry[key] = leaf
+        for target, leaf in zip(self.targets, leaves):
+            if target is not None:  # None: a placeholder of the window's running sum (the wrapper's is .grad)
+                entry, key = target
+                entry[key] = leaf
 
     def _build(
         self,
@@ -97,9 +103,10 @@ class Mirror:
             entry: dict[str, Any] = {}
             by_param[p] = entry
             entries.append(entry)
-        where: dict[int, tuple[dict[str, Any], str]] = {}
+        where: dict[int, tuple[dict[str, Any], str] | None] = {}
         for key, subtree in layout.per_param.items():
-            if subtree is None:  # a window's running sum between windows (the wrapper's is .grad)
+            if is_empty_sum(subtree):  # a window's placeholders (the wrapper's running sum is .grad)
+                where.update((id(leaf), None) for leaf in tu.flatten(subtree)[0])
                 continue
             for entry, leaf in zip(entries, tu.flatten(subtree)[0]):
                 entry[key] = leaf
@@ -110,9 +117,9 @@ class Mirror:
             for key, leaf in layout.globals_.items():
                 glob[key] = leaf
                 where[id(leaf)] = (glob, key)
-        targets = [where.get(id(leaf)) for leaf in leaves]
+        targets = [where.get(id(leaf), _MISSING) for leaf in leaves]
         unique = len({id(leaf) for leaf in leaves}) == len(leaves)
-        if unique and all(t is not None for t in targets):
+        if unique and all(t is not _MISSING for t in targets):
             self.spec, self.targets = spec, targets  # type: ignore[assignment]
         else:  # shared or non-tensor leaves: walk again next time
             self.reset()

@@ -91,7 +91,7 @@ def _body(rank: int, world: int) -> bytes:
     # A tied plan used without pp_reduce, and no plan at all on plain stage tensors.
     plan = mesh_groups(params, comm=comm, pp_group="pp", tied=tied)
     try:
-        tx = gtx.clip_by_global_norm(MAX_NORM, mesh_groups=plan)
+        tx = gtx.chain(gtx.clip_by_global_norm(MAX_NORM, mesh_groups=plan))  # refused when built
         tx.update(grads, tx.init(params))
         out["no_pp_reduce_error"] = None
     except ValueError as err:

@@ -443,12 +443,13 @@ def _pp_fsdp(rank: int) -> dict[str, Any]:
             for bad in (
                 gtx.clip_by_global_norm(1.0),  # no plan: the pipeline dim is refused
                 None,  # global_norm, likewise
-                gtx.clip_by_global_norm(1.0, mesh_groups=tied_plan),  # tied, but no pp_reduce(tied_plan)
+                lambda plan=tied_plan: gtx.chain(gtx.clip_by_global_norm(1.0, mesh_groups=plan)),  # no pp_reduce
             ):
                 try:
                     if bad is None:
                         gtx.global_norm(zeros)
                     else:
+                        bad = bad() if not isinstance(bad, gtx.GradientTransformation) else bad
                         bad.update(zeros, bad.init(zeros))
                     errors.append(None)
                 except ValueError as err:

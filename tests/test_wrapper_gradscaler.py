@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import gradtx as gtx
 from gradtx.testing import assert_trees_close, assert_trees_equal
-from tests.test_optim import batches, make_model
+from tests.test_wrapper_vs_torch_optim import batches, make_model
 
 INIT_SCALE = 1024.0
 MAX_NORM = 0.5
