@@ -30,6 +30,7 @@ The cost is stated in ``docs/muon.md``; :func:`exchange_plan` computes it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple, cast
@@ -609,6 +610,25 @@ def _exchange(
     return out
 
 
+def _simulated() -> bool:
+    """Whether torch's ``LocalTensorMode`` (a simulated mesh: every rank in this process) is on."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:  # pragma: no cover
+        return False
+    return enabled_local_tensor_mode() is not None
+
+
+def _gathered(leaf: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` of the whole of DTensor ``leaf``, on every rank, returned with ``leaf``'s placements (simulated meshes)."""
+    from torch.distributed.tensor import Replicate
+
+    mesh = leaf.device_mesh
+    result = fn(leaf.full_tensor())
+    whole = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, leaf.placements)
+
+
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
@@ -695,7 +715,13 @@ def _make_orthogonalizer(
                 if adaptive:
                     o = (loc * o).sum() * o
                 out[j] = tu.like(x, o)
-        if mesh_plans:
+        if mesh_plans and _simulated():
+            # A simulated mesh runs every rank at once, so the owner exchange (whose sends depend on the rank)
+            # cannot run there; every rank gathers the whole leaf instead and keeps its shard of the same result.
+            for plan in mesh_plans:
+                for it in plan.items:
+                    out[it.leaf] = _gathered(leaves[it.leaf], functools.partial(whole, it.leaf))
+        elif mesh_plans:
             c = comm if comm is not None else _default_comm(leaves)
             check_exchange_comm(c, name=name)
             locals_ = [tu.local(x) for x in leaves]
