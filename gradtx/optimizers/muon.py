@@ -619,16 +619,6 @@ def _simulated() -> bool:
     return enabled_local_tensor_mode() is not None
 
 
-def _gathered(leaf: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``fn`` of the whole of DTensor ``leaf``, on every rank, returned with ``leaf``'s placements (simulated meshes)."""
-    from torch.distributed.tensor import Replicate
-
-    mesh = leaf.device_mesh
-    result = fn(leaf.full_tensor())
-    whole = DTensor.from_local(result, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, leaf.placements)
-
-
 def _cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     if not parts:
         return torch.empty(0, dtype=dtype, device=device)
@@ -716,11 +706,13 @@ def _make_orthogonalizer(
                     o = (loc * o).sum() * o
                 out[j] = tu.like(x, o)
         if mesh_plans and _simulated():
+            from gradtx.comm.torch_dist import on_whole
+
             # A simulated mesh runs every rank at once, so the owner exchange (whose sends depend on the rank)
             # cannot run there; every rank gathers the whole leaf instead and keeps its shard of the same result.
             for plan in mesh_plans:
                 for it in plan.items:
-                    out[it.leaf] = _gathered(leaves[it.leaf], functools.partial(whole, it.leaf))
+                    out[it.leaf] = on_whole(leaves[it.leaf], functools.partial(whole, it.leaf))
         elif mesh_plans:
             c = comm if comm is not None else _default_comm(leaves)
             check_exchange_comm(c, name=name)
