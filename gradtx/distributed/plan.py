@@ -395,7 +395,7 @@ def mesh_groups(
       checks once, with one small all-reduce when it is built, that the
       plain leaves hold the same values on every rank (DDP leaves its
       replicas bitwise equal), and raises ``ValueError`` on every rank where
-      they differ.
+      they differ. That check is a collective: every rank builds the plan.
     * ``pp_group`` adds the stages' contributions (MAX for ``inf``).
     * A leaf in ``tied`` is a copy of a weight held by every rank of its tie
       group (e.g. the embedding on the first stage and the LM head on the
