@@ -12,7 +12,9 @@ Writes ``docs/benchmarks_muon.md`` (``--out``), a page of its own because
   decay and learning rate. ``torch.optim.Muon.step()`` against
   ``gtx.muon(..., bias_correction=False, ns_dtype=torch.bfloat16)`` through
   ``update_and_apply``; round-robin rounds in one process, medians, the ratio
-  per round. Target: gradtx / torch <= 1.1.
+  per round. Target: gradtx / torch <= 1.1. Also the torch ops each step
+  dispatches, views left out (what launches kernels on a GPU: a step there is
+  bound by launches at these sizes), counted with ``torch.profiler``.
 * **Exchange**, 4 gloo ranks, FSDP2 ``Shard(0)`` DTensor grads: the bytes
   each rank sends and receives per step (measured by ``RecordingComm`` on the
   real all-to-alls, and from :func:`gradtx.exchange_plan` for the full model)
@@ -50,6 +52,36 @@ def matrix_shapes(quick: bool, n_layer: int = 12, n_embd: int = 768) -> dict[str
     return {k: tuple(reversed(s)) for k, s in gpt2_shapes(**cfg).items() if len(s) == 2 and k.startswith("h.")}
 
 
+# Ops that make no kernel: views, and dtype casts to the same dtype (counted only when they copy).
+_VIEWS = {
+    "aten::reshape", "aten::view", "aten::permute", "aten::mT", "aten::t", "aten::numpy_T", "aten::transpose",
+    "aten::unsqueeze", "aten::squeeze", "aten::select", "aten::unbind", "aten::as_strided", "aten::expand",
+    "aten::detach", "aten::alias", "aten::slice", "aten::split", "aten::chunk", "aten::lift_fresh",
+}  # fmt: skip
+
+
+def ops_per_step(step: Any) -> int:
+    """The torch ops one call of ``step`` dispatches at its top level (inside ``Optimizer.step``), views left out."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    n = 0
+    for e in prof.events():
+        parent = e.cpu_parent
+        top = parent is None or parent.name.startswith("Optimizer.step#")
+        if not top or not e.name.startswith("aten::") or e.name in _VIEWS:
+            continue
+        if e.name == "aten::to" and not e.cpu_children:  # the same dtype: returns the tensor itself
+            continue
+        n += 1
+    return n
+
+
+def _load() -> float | None:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 def step_time(device: torch.device, quick: bool, reps: int, n_layer: int, n_embd: int) -> dict[str, Any]:
     shapes = matrix_shapes(quick, n_layer, n_embd)
     gen = torch.Generator().manual_seed(0)
@@ -70,11 +102,14 @@ def step_time(device: torch.device, quick: bool, reps: int, n_layer: int, n_embd
         opt.step()
 
     torch_name, gtx_name = "torch.optim.Muon.step()", "gtx.muon: update_and_apply (pure)"
+    load_before = _load()
     timings, contention = measure(
         [Contender(torch_name, torch_step), Contender(gtx_name, gtx_step)],
         reps=reps, warmup=2, device=device, log=lambda s: None,
     )  # fmt: skip
+    load_after = _load()
     t = {x.name: x for x in timings}
+    ops = {"torch": ops_per_step(torch_step), "gtx": ops_per_step(gtx_step)}  # one more step each: still in step
     # Same numbers: after the same steps both hold the same params (the runs above took the same count).
     err = max(float((a - b.detach()).abs().max()) for a, b in zip(box["params"], ref))
     per_round = [a / b for a, b in zip(t[gtx_name].seconds, t[torch_name].seconds)]
@@ -85,6 +120,9 @@ def step_time(device: torch.device, quick: bool, reps: int, n_layer: int, n_embd
         "ratio": statistics.median(per_round),
         "max_abs_diff": err,
         "contention": contention,
+        "load": (load_before, load_after),
+        "ops": ops,
+        "threads": torch.get_num_threads(),
         "reps": reps,
         "layers": n_layer if not quick else 2,
         "width": n_embd if not quick else 64,
@@ -149,7 +187,17 @@ def report(single: dict[str, Any] | None, ranks: list[dict[str, Any]] | None, de
             f"{single['gtx_ms']:.2f} |"), "",
             (f"**gradtx / torch = {single['ratio']:.3f}** (median of per-round ratios; target <= 1.1: {ok}). "
             f"Largest difference between the two runs' params after all rounds: {single['max_abs_diff']:.2e}."), "",
+            (f"Ops dispatched per step, views left out (a GPU launches a kernel for each): torch "
+            f"{single['ops']['torch']}, gradtx {single['ops']['gtx']}."), "",
         ]  # fmt: skip
+        lb, la = single["load"]
+        if lb is not None:
+            share = single["contention"]
+            lines += [
+                (f"{single['threads']} torch thread(s); 1-min load average {lb:.2f} before and {la:.2f} after, "
+                f"on {os.cpu_count()} cores" + (f"; other processes used {share:.0%} of the CPUs while it ran"
+                if share is not None else "") + "."), "",
+            ]  # fmt: skip
     if ranks is not None:
         m = ranks[0]["measured"]
         lines += [
@@ -192,11 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--layers", type=int, default=12, help="GPT-2 blocks in the step-time case (12: GPT-2 small)")
     ap.add_argument("--width", type=int, default=768, help="n_embd in the step-time case (768: GPT-2 small)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--skip-single", action="store_true")
     ap.add_argument("--skip-exchange", action="store_true")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "docs" / "benchmarks_muon.md"))
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     reps = args.reps or (3 if args.quick else 15)
     single = None if args.skip_single else step_time(device, args.quick, reps, args.layers, args.width)
     ranks = None if args.skip_exchange else exchange(args.quick)

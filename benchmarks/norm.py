@@ -4,7 +4,9 @@ Usage::
 
     python benchmarks/norm.py                 # the local pass on CUDA if present, else CPU (+ the step on CUDA)
     python benchmarks/norm.py --cuda-only     # the GPU table only; exits 2 without CUDA (about 1 minute on an H100)
-    python benchmarks/norm.py --dist          # also 4 gloo ranks on CPU, TP x FSDP layout: overlapped vs sequential
+    python benchmarks/norm.py --dist          # also 4 gloo ranks on CPU, TP x FSDP layout: overlapped vs sequential,
+                                              # and 2 gloo ranks under DDP: the norm measured in the backward
+    python benchmarks/norm.py --ddp           # the DDP case alone
     python benchmarks/norm.py --quick         # tiny shapes, a smoke run
 
 It needs torch, optree and this repository only (no torchopt, no JAX), and
@@ -222,20 +224,28 @@ def _dist_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out
         sequential = gtx.mesh_groups(grads, comm=BlockingComm(TorchComm(mesh)))
         a, b = overlapped.global_norm(leaves, 2.0), sequential.global_norm(leaves, 2.0)
         assert torch.equal(a, b), (a, b)
-        times: dict[str, list[float]] = {"overlapped": [], "sequential": []}
-        plans = {"overlapped": overlapped, "sequential": sequential}
+        from gradtx.core import norms
+
+        shards = [t._local_tensor for t in leaves]
+        times: dict[str, list[float]] = {"overlapped": [], "sequential": [], "local": []}
+        runs = {
+            "overlapped": lambda: overlapped.global_norm(leaves, 2.0),
+            "sequential": lambda: sequential.global_norm(leaves, 2.0),
+            # the floor: the local pass alone, no collective (what no reordering can hide)
+            "local": lambda: norms.local_norm(shards, 2.0),
+        }
         for r in range(rounds + 2):
-            for k in sorted(plans, reverse=r % 2 == 1):  # the same order on every rank
+            for k in sorted(runs, reverse=r % 2 == 1):  # the same order on every rank
                 dist.barrier()
                 t0 = time.perf_counter()
-                plans[k].global_norm(leaves, 2.0)
+                runs[k]()
                 if r >= 2:
                     times[k].append(time.perf_counter() - t0)
         if rank == 0:
             med = {k: statistics.median(v) for k, v in times.items()}
             local = sum(t._local_tensor.numel() for t in leaves)
             with open(out, "w") as f:
-                f.write(f"{med['overlapped']}\n{med['sequential']}\n{local}\n{overlapped.group_order}\n")
+                f.write(f"{med['overlapped']}\n{med['sequential']}\n{local}\n{med['local']}\n")
     finally:
         dist.destroy_process_group()
 
@@ -248,7 +258,7 @@ def dist_overlap(quick: bool, rounds: int) -> list[tuple[str, str]]:
     out = os.path.join(tempfile.mkdtemp(), "dist.txt")
     port = 29500 + random.Random(os.getpid()).randrange(2000)
     mp.spawn(_dist_worker, args=(4, port, quick, rounds, out), nprocs=4, join=True)
-    ov, seq, local, _order = Path(out).read_text().splitlines()
+    ov, seq, local, alone = Path(out).read_text().splitlines()
     return [
         (
             f"4 gloo ranks, mesh (dp=2, tp=2), {int(local):,} local fp32 grads per rank: norm, sequential",
@@ -259,6 +269,101 @@ def dist_overlap(quick: bool, rounds: int) -> list[tuple[str, str]]:
             f"{float(ov) * 1e3:.2f} ms",
         ),
         ("end of backward to end of norm, overlapped / sequential", f"**{float(ov) / float(seq):.3f}**"),
+        (
+            "the local pass alone (no collective): the floor no ordering can go below, / sequential",
+            f"{float(alone) * 1e3:.2f} ms = {float(alone) / float(seq):.3f}",
+        ),
+    ]
+
+
+# --- 2 gloo ranks, DDP: the norm measured in the backward ---------------------------------------
+
+
+def _ddp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out: str) -> None:
+    import copy
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        d, layers = (64, 2) if quick else (768, 6)
+        torch.manual_seed(0)
+        blocks = []
+        for _ in range(layers):  # GPT-2-small's MLP blocks: 4.7M params each
+            blocks += [torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)]
+        base = torch.nn.Sequential(*blocks)
+        plain = DDP(copy.deepcopy(base))  # item 2: the norm at step(), one pass, no collective (replicated grads)
+        hooked = DDP(copy.deepcopy(base))
+        bn = gtx.norm_in_backward(hooked, 2.0)
+        x = torch.randn(32 if quick else 64, d, generator=torch.Generator().manual_seed(rank))
+        models = {"at step": plain, "in backward": hooked}
+
+        def norm_at_step(k: str) -> torch.Tensor:
+            grads = [p.grad for p in models[k].parameters()]
+            if k == "in backward":
+                value = bn.norm(grads)
+                assert value is not None, "the clip would not use the value measured in the backward"
+                return value
+            return gtx.global_norm(grads)
+
+        times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "norm": []} for k in models}
+        norms_seen = {}
+        for r in range(rounds + 2):
+            for k in sorted(models, reverse=r % 2 == 1):  # the same order on every rank
+                model = models[k]
+                model.zero_grad(set_to_none=False)
+                dist.barrier()
+                t0 = time.perf_counter()
+                model(x).square().mean().backward()
+                t1 = time.perf_counter()
+                norms_seen[k] = norm_at_step(k)
+                t2 = time.perf_counter()
+                if r >= 2:
+                    times[k]["backward"].append(t1 - t0)
+                    times[k]["norm"].append(t2 - t1)
+        torch.testing.assert_close(norms_seen["at step"], norms_seen["in backward"], rtol=2e-6, atol=0)
+        if rank == 0:
+            med = {k: {w: statistics.median(v) for w, v in t.items()} for k, t in times.items()}
+            n = sum(p.numel() for p in base.parameters())
+            buckets = bn.buckets
+            with open(out, "w") as f:
+                f.write(repr((med, n, buckets)))
+    finally:
+        dist.destroy_process_group()
+
+
+def ddp_backward_norm(quick: bool, rounds: int) -> list[tuple[str, str]]:
+    import ast
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    out = os.path.join(tempfile.mkdtemp(), "ddp.txt")
+    port = 29500 + random.Random(os.getpid() + 1).randrange(2000)
+    mp.spawn(_ddp_worker, args=(2, port, quick, rounds, out), nprocs=2, join=True)
+    med, n, buckets = ast.literal_eval(Path(out).read_text())
+    at, inb = med["at step"], med["in backward"]
+    return [
+        (
+            f"2 gloo ranks, DDP, {n:,} fp32 params ({buckets} buckets): the norm at step(), one pass (no collective)",
+            f"{at['norm'] * 1e3:.2f} ms",
+        ),
+        (
+            "the same, measured in the backward (gtx.norm_in_backward): what is left at step()",
+            f"{inb['norm'] * 1e3:.3f} ms",
+        ),
+        ("exposed norm time at step(), in the backward / at step()", f"**{inb['norm'] / at['norm']:.3f}**"),
+        (
+            "backward (forward included), with the hook / without: the cost moved into the backward",
+            f"{(inb['backward']) * 1e3:.1f} / {at['backward'] * 1e3:.1f} ms = {inb['backward'] / at['backward']:.3f}",
+        ),
+        (
+            "backward + norm, in the backward / at step()",
+            f"**{(inb['backward'] + inb['norm']) / (at['backward'] + at['norm']):.3f}**",
+        ),
     ]
 
 
@@ -266,6 +371,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda-only", action="store_true", help="the GPU table only; exit 2 when CUDA is absent")
     ap.add_argument("--dist", action="store_true", help="also 4 gloo ranks on CPU (TP x FSDP layout)")
+    ap.add_argument("--ddp", action="store_true", help="only 2 gloo ranks under DDP: the norm in the backward")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, a smoke run")
     ap.add_argument(
         "--rounds", type=int, default=None, help="timed rounds per contender (default 30 on CUDA, 9 on CPU)"
@@ -285,13 +391,19 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     load_start = load()
     t0 = time.perf_counter()
-    rows = local_pass(device, args.quick, rounds, sync)
-    if cuda:
+    if args.ddp:
+        rows = ddp_backward_norm(args.quick, max(5, rounds))
+    else:
+        rows = local_pass(device, args.quick, rounds, sync)
+    if args.ddp:
+        pass
+    elif cuda:
         rows += fused_step(device, args.quick, rounds, sync)
     else:
         rows.append(("fused wrapper step's bandwidth vs peak (CUDA only)", "not run: no CUDA device"))
     if args.dist and not args.cuda_only:
         rows += dist_overlap(args.quick, max(3, rounds))
+        rows += ddp_backward_norm(args.quick, max(5, rounds))
     command = "python benchmarks/norm.py " + " ".join(sys.argv[1:])
     lines = [
         "# The global norm: benchmarks",

@@ -5,6 +5,7 @@ from typing import Any
 import torch
 
 from gradtx import checkpoint, comm, schedules, testing
+from gradtx.comm.backward_norm import BackwardNorm
 from gradtx.core import kinds
 from gradtx.core.base import (
     EmptyState,
@@ -132,7 +133,7 @@ from gradtx.transforms.spikes import (
     skip_spikes,
     zero_nans,
 )
-from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
+from gradtx.wrapper import TransformedOptimizer, no_sync, norm_in_backward, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 _STATES: list[Any] = (
@@ -182,6 +183,7 @@ __all__ = [
     "ApplyIfFiniteState",
     "AuditRow",
     "AutoClipState",
+    "BackwardNorm",
     "Chain",
     "ClipByGlobalNormState",
     "ConditionallyMaskState",
@@ -274,6 +276,7 @@ __all__ = [
     "newton_schulz",
     "no_sync",
     "norm_audit",
+    "norm_in_backward",
     "normalize_by_update_norm",
     "orthogonalize",
     "partition",

@@ -66,7 +66,9 @@ def leaf_norms_of(
     return [n.reshape(()) for n in out]
 
 
-def plan_norm(plan: Any, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+def plan_norm(
+    plan: Any, leaves: Sequence[torch.Tensor], norm_type: float, *, powsums: Sequence[torch.Tensor] | None = None
+) -> torch.Tensor:
     """The ``norm_type``-norm of the whole model under ``plan`` (a :class:`gradtx.MeshGroups`), checks done.
 
     One contribution (a sum of p-th powers, or a max for ``inf``) per bucket
@@ -76,7 +78,8 @@ def plan_norm(plan: Any, leaves: Sequence[torch.Tensor], norm_type: float) -> to
     they are in flight, then one wait. Buckets left with the same groups are
     added before the next round, so every group still costs one collective of
     one value per bucket set. The reduction over ``pp_group`` comes last: it
-    needs the stage's total.
+    needs the stage's total. With ``powsums`` (each leaf's local contribution, measured in the
+    backward) the local pass is skipped and only the reductions run.
     """
     inf = math.isinf(norm_type)
     op = ReduceOp.MAX if inf else ReduceOp.SUM
@@ -89,7 +92,7 @@ def plan_norm(plan: Any, leaves: Sequence[torch.Tensor], norm_type: float) -> to
     for r, groups in enumerate(schedule):
         now = [b for b in todo if any(g in b.groups for g in groups)]
         todo = [b for b in todo if b not in now]
-        values += [(s, frozenset(b.groups)) for b, s in zip(now, _bucket_sums(now, leaves, norm_type, device))]
+        values += [(s, frozenset(b.groups)) for b, s in zip(now, _bucket_sums(now, leaves, norm_type, device, powsums))]
         values = _merge(values, norm_type, device)
         started = []
         for g in groups:
@@ -100,12 +103,12 @@ def plan_norm(plan: Any, leaves: Sequence[torch.Tensor], norm_type: float) -> to
         else:
             nxt = [b for b in todo if not b.groups]
         todo = [b for b in todo if b not in nxt]
-        ahead = list(zip(nxt, _bucket_sums(nxt, leaves, norm_type, device)))
+        ahead = list(zip(nxt, _bucket_sums(nxt, leaves, norm_type, device, powsums)))
         for g, idx, pending in started:
             for i, reduced in zip(idx, pending.wait()):
                 values[i] = (reduced, values[i][1] - {g})
         values += [(s, frozenset(b.groups)) for b, s in ahead]
-    values += [(s, frozenset()) for s in _bucket_sums(todo, leaves, norm_type, device)]
+    values += [(s, frozenset()) for s in _bucket_sums(todo, leaves, norm_type, device, powsums)]
     total = norms.total([v for v, _ in values], norm_type, device).to(norms.partial_dtype(device))
     if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
         (total,) = plan.comm.all_reduce([total], op, plan.pp_group)
@@ -139,13 +142,20 @@ def _merge(values: list[tuple[torch.Tensor, frozenset]], norm_type: float, devic
 
 
 def _bucket_sums(
-    buckets: Sequence[Any], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
+    buckets: Sequence[Any],
+    leaves: Sequence[torch.Tensor],
+    norm_type: float,
+    device: torch.device,
+    powsums: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), all in one dtype."""
     if not buckets:
         return []
     index = [i for b in buckets for i in b.leaves]
-    per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
+    if powsums is not None:  # measured in the backward
+        per_leaf = {i: powsums[i] for i in index}
+    else:
+        per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
     out = []
     for b in buckets:
         s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))

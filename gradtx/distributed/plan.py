@@ -828,6 +828,7 @@ def tree_norm(
     *,
     what: str = "global_norm",
     tree: PyTree | None = None,
+    powsums: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The ``norm_type``-norm of the whole model's grads, as one device would compute it; the one norm every transform uses.
 
@@ -846,6 +847,8 @@ def tree_norm(
       mesh_groups: a plan from :func:`mesh_groups`, or ``None`` to read the placements.
       what: the caller's name, for error messages.
       tree: the tree the leaves came from, only to name paths in errors.
+      powsums: each leaf's local contribution (:func:`gradtx.core.norms.tensor_powsums`), already
+        measured (by the hooks of a :class:`gradtx.BackwardNorm`): only the reductions remain.
 
     Returns:
       A 0-d fp32 tensor, equal on every rank; no host sync.
@@ -855,10 +858,13 @@ def tree_norm(
         return mesh_groups.global_norm(leaves, norm_type)
     plan = infer_plan(leaves, what=what, tree=tree)
     if plan is None:
+        if powsums is not None:
+            total = norms.total(list(powsums), norm_type)
+            return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
         return norms.local_norm(leaves, norm_type)
     from gradtx.distributed.global_norm import plan_norm
 
-    return plan_norm(plan, leaves, norm_type)
+    return plan_norm(plan, leaves, norm_type, powsums=powsums)
 
 
 def tree_unitwise_norms(

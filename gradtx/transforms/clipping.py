@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from gradtx.comm.backward_norm import BackwardNorm
 from gradtx.core import foreach as fe
 from gradtx.core import kinds
 from gradtx.core import tree as tu
@@ -81,7 +82,11 @@ class ClipByGlobalNormState(NamedTuple):
 
 @factory
 def clip_by_global_norm(
-    max_norm: float | torch.Tensor, *, norm_type: float = 2.0, mesh_groups: Any | None = None
+    max_norm: float | torch.Tensor,
+    *,
+    norm_type: float = 2.0,
+    mesh_groups: Any | None = None,
+    precomputed: BackwardNorm | None = None,
 ) -> ScalarTransformation:
     """Scale all updates together so that their global norm is at most ``max_norm``.
 
@@ -100,6 +105,12 @@ def clip_by_global_norm(
         reads the plan from DTensor placements (TP, FSDP2, HSDP, EP, and any
         mix), so the norm is the single-device one on every rank; plain
         tensors are taken as unsharded or replicated (DDP).
+      precomputed: a :class:`gradtx.BackwardNorm` whose hooks measured the
+        grads during the backward (see :func:`gradtx.norm_in_backward`): under
+        DDP the clip then only adds one value per bucket, under FSDP2 it runs
+        only the reductions. It is used when the clip is given the very grads
+        the last sync measured, once; otherwise the clip computes the norm as
+        without it. Its ``norm_type`` must be this one's; not with ``mesh_groups``.
 
     Returns:
       A :class:`GradientTransformation` with state :class:`ClipByGlobalNormState`.
@@ -115,6 +126,21 @@ def clip_by_global_norm(
     max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
     plan.check_plan(mesh_groups, name="clip_by_global_norm")
+    if precomputed is not None:
+        if not isinstance(precomputed, BackwardNorm):
+            raise TypeError(
+                f"clip_by_global_norm: precomputed must be a gradtx.BackwardNorm, got {type(precomputed).__name__}"
+            )
+        if precomputed.norm_type != norm_type:
+            raise ValueError(
+                f"clip_by_global_norm: precomputed measures the {precomputed.norm_type:g}-norm, "
+                f"but norm_type is {norm_type:g}; make them the same"
+            )
+        if mesh_groups is not None:
+            raise ValueError(
+                "clip_by_global_norm: precomputed and mesh_groups cannot be given together (the hooks measure "
+                "the grads whose placements define the plan)"
+            )
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
@@ -134,7 +160,15 @@ def clip_by_global_norm(
             all_params = tu.flatten(params)[0]
             full = tu.scatter(len(all_params), index, leaves)
             leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
-        norm = plan.tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree)
+        # A traced step computes the norm: the hand-over is host-side bookkeeping under a lock.
+        measured = precomputed if precomputed is not None and not torch.compiler.is_compiling() else None
+        norm = measured.norm(leaves) if measured is not None and measured.is_ddp else None
+        if norm is None:
+            # FSDP2: each sharded grad's local part, measured in the backward; the plan's reductions remain
+            powsums = measured.take_leafwise(leaves) if measured is not None and not measured.is_ddp else None
+            norm = plan.tree_norm(
+                leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, powsums=powsums
+            )
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
@@ -161,7 +195,6 @@ def _apply_factor(g: torch.Tensor, factor: torch.Tensor, *, inplace: bool) -> to
         g_local.mul_(factor)
         return g
     return tu.like(g, g_local * factor)
-
 
 
 @factory

@@ -2,6 +2,8 @@
 
 * ``examples/train_nd_parallel.py`` on 4 ranks: TP x FSDP2 and a 2-stage pipeline x FSDP2 end
   within fp32 rounding of a single-device run of the same model.
+* ``examples/ddp_backward_norm.py`` on 2 ranks: the norm measured in DDP's backward clips as
+  ``torch.nn.utils.clip_grad_norm_`` does.
 * every ``python`` block of ``docs/distributed.md``, each a complete program that starts its own
   process group, on the number of ranks its first line names (``# torchrun --nproc-per-node 4``;
   2 if it names none): it exits 0 and reports three optimizer steps on rank 0. The programs assert
@@ -37,6 +39,11 @@ def test_train_nd_parallel_matches_one_device():
     diffs = [float(d) for d in re.findall(r"max \|param - single-device param\| after \d+ steps.*?: (\S+)", out)]
     assert len(diffs) == 2, out  # TP x FSDP2, and the pipeline
     assert all(d < 1e-5 for d in diffs), out
+
+
+def test_ddp_backward_norm_example_matches_clip_grad_norm():
+    out = _torchrun(EXAMPLES / "ddp_backward_norm.py", nproc=2)  # asserts each step against clip_grad_norm_
+    assert out.count("step:") == 3, out
 
 
 PROGRAMS = PYTHON_BLOCK.findall((DOCS / "distributed.md").read_text(encoding="utf-8"))

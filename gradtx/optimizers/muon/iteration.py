@@ -1,0 +1,400 @@
+"""Muon's matrices: the dimension numbers, the layout of each leaf, and the Newton–Schulz iteration.
+
+Everything here works on local (whole) tensors; the sharded exchange is in
+``exchange`` and the transforms in
+``transforms``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, NamedTuple
+
+import optree
+import torch
+
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import PyTree
+
+Scalar = float | torch.Tensor
+Preconditioning = Literal["frobenius", "spectral", "aol", "schatten"]
+_PRECONDITIONINGS = ("frobenius", "spectral", "aol", "schatten")
+_DEFAULT_NS_COEFFS = (3.4445, -4.7750, 2.0315)
+_NS_COEFFS_PRESETS: dict[str, Any] = {
+    "standard": _DEFAULT_NS_COEFFS,
+    "dion": (
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ),
+}
+
+
+class MuonDimensionNumbers(NamedTuple):
+    """Which axes of a leaf form the matrix Muon orthogonalizes; every other axis is a batch axis.
+
+    The defaults read a PyTorch ``(out, in)`` weight: the matrix multiplies
+    along axis 1 (``reduction_axis``) and produces axis 0 (``output_axis``).
+    Optax's defaults are the transpose, for JAX's ``(in, out)`` weights. Each
+    may be one axis or a sequence of axes (flattened together, in order);
+    negative axes count from the end.
+
+    Two fields optax does not have cut a fused axis into equal pieces, each
+    orthogonalized on its own: ``output_split=3`` treats a fused QKV weight
+    ``(3 d, d)`` as three ``(d, d)`` matrices, ``output_split=n_heads`` a
+    projection ``(n_heads d_head, d)`` as one matrix per head, and
+    ``reduction_split=n_heads`` the attention output ``(d, n_heads d_head)``.
+    A split axis must be a single axis whose size the split divides.
+
+    Example:
+      >>> MuonDimensionNumbers()                                   # a Linear weight (out, in)
+      >>> MuonDimensionNumbers(reduction_axis=2, output_axis=1)    # stacked experts (E, out, in)
+      >>> MuonDimensionNumbers(output_split=3)                     # fused QKV (3 d, d): Q, K, V apart
+    """
+
+    reduction_axis: Sequence[int] | int = 1
+    output_axis: Sequence[int] | int = 0
+    reduction_split: int = 1
+    output_split: int = 1
+
+
+def _is_dn(x: Any) -> bool:
+    return isinstance(x, MuonDimensionNumbers)
+
+
+def _axes(ndim: int, dn: MuonDimensionNumbers, *, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The reduction and output axes of an ``ndim``-d leaf, as non-negative ints; checks they are valid."""
+    if ndim < 2:
+        raise ValueError(f"muon: the leaf at {where} has {ndim} dims; a Muon leaf needs at least 2 (give it None)")
+    out: list[tuple[int, ...]] = []
+    for name in ("reduction_axis", "output_axis"):
+        value = getattr(dn, name)
+        items = (value,) if isinstance(value, int) else tuple(value)
+        for ax in items:
+            if isinstance(ax, bool) or not isinstance(ax, int) or not -ndim <= ax < ndim:
+                raise ValueError(f"muon: {name}={value!r} at {where} is not an axis of a {ndim}-d leaf")
+        out.append(tuple(ax % ndim for ax in items))
+    red, outp = out
+    if not red or not outp or set(red) & set(outp) or len(set(red)) < len(red) or len(set(outp)) < len(outp):
+        raise ValueError(f"muon: the reduction and output axes at {where} must be non-empty and disjoint, got {dn}")
+    return red, outp
+
+
+class _Layout(NamedTuple):
+    split: tuple[int, ...]  # the shape with split axes cut
+    perm: tuple[int, ...]  # batch + reduction + output axes
+    inv: tuple[int, ...]
+    flat: tuple[int, int, int]  # (batch, rows = reduction, cols = output)
+    unflat: tuple[int, ...]
+    batch_axes: frozenset[int]  # in the leaf's own axes (a split axis is not one)
+    fan_in: int
+    fan_out: int
+
+
+def _split(
+    shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str
+) -> tuple[tuple[int, ...], MuonDimensionNumbers]:
+    """``shape`` with each split axis cut into ``(pieces, size / pieces)``, and the dimension numbers on that shape.
+
+    The pieces become a batch axis just before the axis they cut.
+    """
+    red, outp = _axes(len(shape), dn, where=where)
+    cuts: dict[int, int] = {}
+    for axes, k, name in ((red, dn.reduction_split, "reduction"), (outp, dn.output_split, "output")):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"muon: {name}_split at {where} must be an int >= 1, got {k!r}")
+        if k > 1:
+            if len(axes) != 1 or shape[axes[0]] % k:
+                raise ValueError(
+                    f"muon: {name}_split={k} at {where} needs one {name} axis whose size it divides, "
+                    f"got axes {axes} of shape {tuple(shape)}"
+                )
+            cuts[axes[0]] = k
+    if not cuts:
+        return tuple(shape), dn
+    new_shape: list[int] = []
+    where_is: dict[int, int] = {}
+    for ax, n in enumerate(shape):
+        if ax in cuts:
+            new_shape.append(cuts[ax])
+            n //= cuts[ax]
+        where_is[ax] = len(new_shape)
+        new_shape.append(n)
+    return tuple(new_shape), MuonDimensionNumbers(tuple(where_is[a] for a in red), tuple(where_is[a] for a in outp))
+
+
+def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _Layout:
+    red0, out0 = _axes(len(shape), dn, where=where)
+    own_batch = frozenset(ax for ax in range(len(shape)) if ax not in red0 and ax not in out0)
+    shape, dn = _split(shape, dn, where=where)
+    red, outp = _axes(len(shape), dn, where=where)
+    batch = tuple(ax for ax in range(len(shape)) if ax not in red and ax not in outp)
+    perm = batch + red + outp
+    inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
+    size = lambda axes: math.prod(shape[ax] for ax in axes)
+    return _Layout(
+        shape, perm, inv, (size(batch), size(red), size(outp)), tuple(shape[ax] for ax in perm), own_batch,
+        size(red), size(outp),
+    )  # fmt: skip
+
+
+# --- the Newton–Schulz iteration on local tensors ------------------------------------------------
+
+
+def _coeff_rows(ns_coeffs: Any, ns_steps: int, *, name: str) -> tuple[tuple[float, float, float], ...]:
+    """One ``(a, b, c)`` row per iteration, as optax reads ``ns_coeffs`` and ``ns_steps``."""
+    if isinstance(ns_coeffs, str):
+        if ns_coeffs not in _NS_COEFFS_PRESETS:
+            raise ValueError(f"{name}: unknown ns_coeffs preset {ns_coeffs!r}; known: {sorted(_NS_COEFFS_PRESETS)}")
+        ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
+    try:
+        rows = torch.as_tensor(ns_coeffs, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{name}: ns_coeffs must be three numbers or a sequence of triples, got {ns_coeffs!r}"
+        ) from None
+    if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
+        raise ValueError(f"{name}: ns_coeffs must have shape (3,) or (n, 3), got {tuple(rows.shape)}")
+    if rows.ndim == 1:
+        return (tuple(float(v) for v in rows),) * ns_steps  # type: ignore[return-value]
+    if rows.shape[0] > ns_steps:
+        raise ValueError(f"{name}: {rows.shape[0]} rows of ns_coeffs need ns_steps >= {rows.shape[0]}, got {ns_steps}")
+    return tuple(tuple(float(v) for v in row) for row in rows)  # type: ignore[misc]
+
+
+def newton_schulz(
+    x: torch.Tensor,
+    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    *,
+    preconditioning: Preconditioning = "frobenius",
+    eps: Scalar = 1e-8,
+    dimension_numbers: MuonDimensionNumbers | None = None,
+    ns_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Orthogonalize the matrices of a (local, whole) tensor with the quintic Newton–Schulz iteration.
+
+    Each matrix ``X`` (rows: the reduction axes, columns: the output axes) is
+    normalised, then iterated ``X <- a X + (b A + c A A) X`` with ``A = X Xᵀ``,
+    on its wide orientation (transposed when it has at least as many rows as
+    columns, which is where ``torch.optim.Muon`` iterates a square matrix).
+    The result is close to ``U Vᵀ`` for ``X = U S Vᵀ``.
+
+    Args:
+      x: a dense tensor holding whole matrices (a DTensor's full value, not a shard).
+      ns_coeffs: ``(a, b, c)``, a sequence of such rows (one per iteration), or
+        a preset name (``"standard"``, ``"dion"``).
+      ns_steps: the number of iterations (ignored for a sequence of rows).
+      preconditioning: ``"frobenius"`` (divide by the Frobenius norm plus
+        ``eps``), ``"spectral"``, ``"aol"`` or ``"schatten"``, as optax.
+      eps: added to the normalising norm.
+      dimension_numbers: the matrix axes; ``None`` means the default
+        :class:`MuonDimensionNumbers` (a 2-d ``(out, in)`` weight).
+      ns_dtype: the dtype to iterate in (``torch.bfloat16`` as
+        ``torch.optim.Muon``); ``None`` iterates in ``x``'s dtype.
+
+    Returns:
+      A tensor of ``x``'s shape and dtype.
+
+    References:
+      Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024;
+      Bernstein & Newhouse, "Old Optimizer, New Norm: An Anthology", 2024.
+
+    Example:
+      >>> o = newton_schulz(torch.randn(64, 32))
+      >>> torch.linalg.svdvals(o)  # all close to 1 (within the iteration's 0.7..1.2 band)
+    """
+    rows = _coeff_rows(ns_coeffs, check.integer(ns_steps, arg="ns_steps", name="newton_schulz", minimum=0),
+                       name="newton_schulz")  # fmt: skip
+    if preconditioning not in _PRECONDITIONINGS:
+        raise ValueError(f"newton_schulz: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
+    dn = dimension_numbers if dimension_numbers is not None else MuonDimensionNumbers()
+    return _orthogonalize_full(x, rows, preconditioning, eps, _layout(x.shape, dn, where="<x>"), ns_dtype)
+
+
+def _orthogonalize_full(
+    x: torch.Tensor,
+    rows: Sequence[tuple[float, float, float]],
+    preconditioning: str,
+    eps: Scalar,
+    lay: _Layout,
+    ns_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    m, transposed = _matrices(x, lay, preconditioning, ns_dtype)
+    if lay.flat[0] == 1:  # one matrix: the 2-d ops torch.optim.Muon uses, so bf16 results agree bit for bit
+        y = _ns_2d(m[0], rows, preconditioning, eps).unsqueeze(0)
+    else:
+        y = _ns_batched(m, rows, preconditioning, eps)
+    return _unmatrices(y.to(x.dtype), lay, transposed, x.shape)
+
+
+def _transposed(lay: _Layout, preconditioning: str) -> bool:
+    """Whether the iteration runs on the transpose: on the wide side.
+
+    A square matrix is transposed too (back to a torch ``(out, in)`` weight, where
+    torch.optim.Muon iterates it, so bf16 agrees bit for bit), except under AOL,
+    whose row scaling depends on the side: there optax's side.
+    """
+    return lay.flat[1] > lay.flat[2] or (lay.flat[1] == lay.flat[2] and preconditioning != "aol")
+
+
+def _matrices(
+    x: torch.Tensor, lay: _Layout, preconditioning: str, ns_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, bool]:
+    """``x`` as a ``(batch, rows, cols)`` stack on its wide side, in ``ns_dtype``; and whether it was transposed."""
+    if x.is_complex():
+        raise TypeError("muon: complex leaves are not supported (torch.optim.Muon refuses them too)")
+    dtype = ns_dtype if ns_dtype is not None else x.dtype
+    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat).to(dtype)
+    transposed = _transposed(lay, preconditioning)
+    return (m.mT if transposed else m), transposed
+
+
+def _unmatrices(y: torch.Tensor, lay: _Layout, transposed: bool, shape: Sequence[int]) -> torch.Tensor:
+    """The inverse of :func:`_matrices` (but the dtype): the leaf's shape and axis order again."""
+    if transposed:
+        y = y.mT
+    return y.reshape(lay.unflat).permute(lay.inv).reshape(shape)
+
+
+def _oriented(x: torch.Tensor, lay: _Layout, tr: bool) -> torch.Tensor:
+    """A single-matrix leaf as the ``(rows, cols)`` view the iteration runs on (its wide side)."""
+    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat[1:])
+    return m.mT if tr else m
+
+
+def _column_major(v: torch.Tensor) -> bool:
+    return not v.is_contiguous() and v.mT.is_contiguous()
+
+
+def _stack_key(x: torch.Tensor, lay: _Layout, preconditioning: str) -> tuple[Any, ...] | None:
+    """What single-matrix leaves must share to be stacked into one batched iteration; ``None``: never stacked.
+
+    Leaves stack with the memory layout of their wide view (a tall ``(out, in)``
+    weight is a transposed view), so each matrix is multiplied in the layout
+    ``torch.optim.Muon`` multiplies it in: CPU kernels differ in speed by layout.
+    """
+    if lay.flat[0] != 1 or x.is_complex():
+        return None
+    tr = _transposed(lay, preconditioning)
+    v = _oriented(x, lay, tr)
+    return tuple(v.shape), _column_major(v), x.dtype, x.device
+
+
+def _orthogonalize_stacked(
+    xs: Sequence[torch.Tensor],
+    rows: Sequence[tuple[float, float, float]],
+    preconditioning: str,
+    eps: Scalar,
+    lays: Sequence[_Layout],
+    ns_dtype: torch.dtype | None,
+) -> list[torch.Tensor]:
+    """:func:`_orthogonalize_full` of single-matrix leaves of one :func:`_stack_key`, as one batched iteration.
+
+    The same operations on every matrix, as ``bmm`` over the stack: a few
+    kernels for the group instead of a few per matrix. Costs a transient copy
+    of the group in its own dtype (the stack, before the cast to ``ns_dtype``),
+    and the iteration's working set for the whole group at once; the results
+    are views of one buffer.
+    """
+    dtype = ns_dtype if ns_dtype is not None else xs[0].dtype
+    trs = [_transposed(lay, preconditioning) for lay in lays]
+    views = [_oriented(x, lay, tr) for x, lay, tr in zip(xs, lays, trs)]
+    if _column_major(views[0]):  # stack the transposes, so every matrix keeps its layout
+        stack = torch.stack([v.mT for v in views]).mT
+    else:
+        stack = torch.stack(views)
+    stack = stack.to(dtype)  # rebound: a copy in the leaves' own dtype is freed before the iteration
+    y = _ns_batched(stack, rows, preconditioning, eps).to(xs[0].dtype)
+    return [_unmatrices(yi, lay, tr, x.shape) for yi, x, lay, tr in zip(y.unbind(0), xs, lays, trs)]
+
+
+def _eps_like(eps: Scalar, like: torch.Tensor) -> Scalar:
+    return eps.to(like.device, like.dtype) if isinstance(eps, torch.Tensor) else eps
+
+
+def _ns_2d(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, eps: Scalar) -> torch.Tensor:
+    e = _eps_like(eps, x)
+    if pre == "frobenius":
+        x = x / (x.norm() + e)
+    elif pre == "spectral":
+        x = x / (torch.linalg.matrix_norm(x.float(), ord=2).to(x.dtype) + e)
+    for i, (a, b, c) in enumerate(rows):
+        gram = x @ x.T
+        if i == 0 and pre in ("aol", "schatten"):
+            if pre == "aol":
+                s = torch.rsqrt(torch.clamp(gram.abs().sum(dim=-1), min=e)).unsqueeze(-1)
+                x, gram = x * s, gram * s * s.T
+            else:
+                s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(gram), min=e))
+                x, gram = x * s, gram * s**2
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    return x
+
+
+def _ns_batched(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, eps: Scalar) -> torch.Tensor:
+    e = _eps_like(eps, x)
+    if pre == "frobenius":
+        x = x / (torch.linalg.matrix_norm(x, keepdim=True) + e)
+    elif pre == "spectral":
+        x = x / (torch.linalg.matrix_norm(x.float(), ord=2, keepdim=True).to(x.dtype) + e)
+    for i, (a, b, c) in enumerate(rows):
+        gram = x @ x.mT
+        if i == 0 and pre in ("aol", "schatten"):
+            if pre == "aol":
+                s = torch.rsqrt(torch.clamp(gram.abs().sum(dim=-1), min=e)).unsqueeze(-1)
+                x, gram = x * s, gram * s * s.mT
+            else:
+                s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(gram, keepdim=True), min=e))
+                x, gram = x * s, gram * s**2
+        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, update, x, beta=a)
+    return x
+
+
+def _ns_flops(lay: _Layout, steps: int) -> int:
+    """Multiply-adds ×2 of the iteration on one leaf: per step ``X Xᵀ``, ``A A`` and ``B X`` on the wide side."""
+    b, r, c = lay.flat
+    m, n = min(r, c), max(r, c)
+    return b * steps * (4 * m * m * n + 2 * m * m * m)
+
+
+# --- which leaves are Muon's, and with which dimension numbers ------------------------------------
+
+
+class _Dn:
+    """A leaf wrapper, so optree treats a MuonDimensionNumbers (a NamedTuple) or None as one leaf."""
+
+    __slots__ = ("dn",)
+
+    def __init__(self, dn: MuonDimensionNumbers | None) -> None:
+        self.dn = dn
+
+
+def _resolve_dims(dims: Any, updates: PyTree, *, name: str) -> list[MuonDimensionNumbers | None]:
+    """One dimension-numbers entry per (non-None) leaf of ``updates``; ``None`` where a leaf is not Muon's."""
+    if dims is None:  # the default 2-d rule: every matrix is an (out, in) weight, the rest pass through
+        return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(updates)[0]]
+    if callable(dims) and not _is_dn(dims):
+        dims = dims(updates)
+    wrapped = optree.tree_map(_Dn, dims, is_leaf=lambda x: x is None or _is_dn(x), none_is_leaf=True)
+    full = optree.tree_map(lambda x: x, updates, none_is_leaf=True)
+    try:
+        spread = optree.tree_broadcast_prefix(wrapped, full, none_is_leaf=True)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{name}: the dimension numbers are not a prefix of the updates tree: {e!s:.300}") from None
+    leaves = optree.tree_leaves(full, none_is_leaf=True)
+    per_leaf = optree.tree_leaves(spread, none_is_leaf=True, is_leaf=lambda x: isinstance(x, _Dn))
+    out = []
+    for leaf, d in zip(leaves, per_leaf):
+        if leaf is None:
+            continue
+        if not isinstance(d, _Dn) or not (d.dn is None or _is_dn(d.dn)):
+            raise TypeError(f"{name}: dimension numbers must be MuonDimensionNumbers or None, got {d!r:.100}")
+        out.append(d.dn)
+    return out

@@ -1,0 +1,227 @@
+"""``muon``: Muon for the matrices, AdamW (optax's, with Nesterov) for the other leaves."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gradtx.comm.base import ExchangeComm
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import GradientTransformation, Params, PyTree, factory
+from gradtx.optimizers.muon.iteration import (
+    _DEFAULT_NS_COEFFS,
+    _NS_COEFFS_PRESETS,
+    MuonDimensionNumbers,
+    Preconditioning,
+    Scalar,
+    _coeff_rows,
+    _is_dn,
+    _resolve_dims,
+)
+from gradtx.optimizers.muon.transforms import scale_by_muon, scale_by_shape
+from gradtx.optimizers.standard import (
+    OptimizerChain,
+    OptimizerSpec,
+    ScaleByAdamState,
+    _bias_correction,
+    _moment_dtype,
+    add_decayed_weights,
+    scale_by_learning_rate,
+)
+from gradtx.transforms.combine import chain, partition
+
+
+def _scale_by_adam_nesterov(
+    b1: Scalar, b2: Scalar, eps: Scalar, eps_root: Scalar, mu_dtype: torch.dtype | None, nesterov: bool
+) -> GradientTransformation:
+    """optax's ``scale_by_adam`` with ``eps_root`` and ``nesterov``: Muon's fallback for the other leaves."""
+
+    def init_fn(params: Params) -> ScaleByAdamState:
+        leaves, spec = tu.flatten(params)
+        zeros = lambda: [
+            torch.zeros_like(p, dtype=mu_dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves
+        ]
+        device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
+        count = torch.zeros((), dtype=torch.int64, device=device)
+        return ScaleByAdamState(count=count, mu=tu.unflatten(spec, zeros()), nu=tu.unflatten(spec, zeros()))
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, ScaleByAdamState, name="muon (adam)")
+        index, leaves, spec = tu.align(state.mu, updates, what="muon (adam): updates", against="the state's moments")
+        mu_leaves, mu_spec = tu.flatten(state.mu)
+        nu_leaves, nu_spec = tu.flatten(state.nu)
+        count = state.count + 1
+        new_mu, new_nu, out = list(mu_leaves), list(nu_leaves), list(leaves)
+        for j, (g, i) in enumerate(zip(leaves, index)):
+            m0, v0 = tu.local(mu_leaves[i]), tu.local(nu_leaves[i])
+            gl = tu.local(g).to(m0.dtype)
+            dev, dt = m0.device, m0.dtype
+
+            def c(v: Scalar, dev: torch.device = dev, dt: torch.dtype = dt) -> Scalar:
+                return v.to(dev, dt) if isinstance(v, torch.Tensor) else v
+
+            m = m0.lerp(gl, 1 - c(b1))
+            v = v0 * c(b2) + (1 - c(b2)) * gl * gl
+            t = count.to(dev, tu.acc_dtype(dt))
+            if nesterov:
+                m_hat = m * (c(b1) / _bias_correction(b1, t + 1)).to(dt) + gl * (
+                    (1 - c(b1)) / _bias_correction(b1, t)
+                ).to(dt)
+            else:
+                m_hat = m / _bias_correction(b1, t).to(dt)
+            v_hat = v / _bias_correction(b2, t).to(dt)
+            u = m_hat / (torch.sqrt(v_hat + c(eps_root)) + c(eps))
+            new_mu[i], new_nu[i] = tu.like(mu_leaves[i], m), tu.like(nu_leaves[i], v)
+            out[j] = tu.like(g, u.to(g.dtype))
+        return tu.unflatten(spec, out), ScaleByAdamState(
+            count, tu.unflatten(mu_spec, new_mu), tu.unflatten(nu_spec, new_nu)
+        )
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+@factory
+def muon(
+    learning_rate: Any,
+    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: Scalar = 0.95,
+    eps: Scalar = 1e-8,
+    weight_decay: Scalar = 0.0,
+    weight_decay_mask: PyTree | Callable[[Params], PyTree] | None = None,
+    mu_dtype: torch.dtype | None = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: Preconditioning = "frobenius",
+    adam_b1: Scalar = 0.9,
+    adam_b2: Scalar = 0.999,
+    adam_eps_root: Scalar = 0.0,
+    adam_weight_decay: Scalar = 0.0,
+    adam_learning_rate: Any = None,
+    muon_weight_dimension_numbers: Any = None,
+    consistent_rms: Scalar | None = None,
+    bias_correction: bool = True,
+    ns_dtype: torch.dtype | None = None,
+    comm: ExchangeComm | None = None,
+    ns_batch: int = 16,
+) -> GradientTransformation:
+    """Muon for the matrices, AdamW for the rest: optax's ``contrib.muon``, on PyTorch layouts and DTensors.
+
+    The Muon leaves run ``chain(scale_by_muon(...), scale_by_shape(...),
+    add_decayed_weights(weight_decay, weight_decay_mask),
+    scale_by_learning_rate(learning_rate))``; the others run AdamW (Nesterov
+    when ``nesterov``, as optax) with ``adam_*`` and ``eps``. Which leaves are
+    Muon's: ``muon_weight_dimension_numbers`` (``None`` entries go to Adam),
+    or, when it is ``None``, every 2-d leaf, read as an ``(out, in)`` weight.
+
+    With ``beta=momentum, eps=1e-7, weight_decay=wd, bias_correction=False,
+    ns_dtype=torch.bfloat16`` (and ``consistent_rms=0.2`` for
+    ``adjust_lr_fn="match_rms_adamw"``) it is ``torch.optim.Muon(lr=lr,
+    momentum=momentum, weight_decay=wd)`` on 2-d params.
+
+    Args:
+      learning_rate: a number ``>= 0``, a 0-d tensor or a schedule.
+      ns_coeffs: as for :func:`scale_by_muon`, or a preset (``"standard"``, ``"dion"``).
+      ns_steps: Newton–Schulz iterations.
+      beta: the momentum decay.
+      eps: added to the normalising norm, and Adam's denominator.
+      mu_dtype: the moments' dtype (both members).
+      nesterov: Nesterov momentum (both members, as optax).
+      adaptive: as for :func:`scale_by_muon`.
+      preconditioning: as for :func:`scale_by_muon`.
+      bias_correction: as for :func:`scale_by_muon` (the Muon leaves only).
+      ns_dtype: as for :func:`scale_by_muon`.
+      comm: as for :func:`scale_by_muon`.
+      ns_batch: as for :func:`scale_by_muon`.
+      weight_decay: decoupled decay of the Muon leaves, scaled by the learning rate.
+      weight_decay_mask: which Muon leaves decay (a tree of bools, a prefix, or a function).
+      adam_b1: the fallback AdamW's first-moment decay.
+      adam_b2: its second-moment decay.
+      adam_eps_root: added inside its square root.
+      adam_weight_decay: its decoupled decay.
+      adam_learning_rate: the fallback's learning rate; ``None``: ``learning_rate``.
+      muon_weight_dimension_numbers: a tree of :class:`MuonDimensionNumbers`
+        (``None`` for Adam leaves), a prefix of the params, or a function of
+        the params returning one.
+      consistent_rms: ``None`` for width scaling, else the target RMS (see :func:`scale_by_shape`).
+
+    Returns:
+      An :class:`~gradtx.OptimizerChain` of one :func:`gradtx.partition` (labels ``"muon"`` and ``"adam"``);
+      its state is ``(PartitionState,)``. Its output is an update, so
+      :class:`gradtx.TransformedOptimizer` refuses it; in front of a torch
+      optimizer chain :func:`scale_by_muon` and :func:`scale_by_shape` instead
+      (``docs/muon.md``).
+
+    References:
+      Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024;
+      Liu et al., "Muon is Scalable for LLM Training", 2025.
+
+    Example:
+      >>> tx = muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4)
+      >>> updates, state = tx.update(grads, tx.init(params), params)
+    """
+    learning_rate = check.learning_rate(learning_rate, name="muon")
+    adam_lr = learning_rate if adam_learning_rate is None else check.learning_rate(adam_learning_rate, name="muon")
+    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="muon", tensor=True)
+    adam_b1 = check.beta(adam_b1, arg="adam_b1", name="muon", tensor=True)
+    adam_b2 = check.beta(adam_b2, arg="adam_b2", name="muon", tensor=True)
+    adam_eps_root = check.non_negative(adam_eps_root, arg="adam_eps_root", name="muon", tensor=True)
+    adam_weight_decay = check.non_negative(adam_weight_decay, arg="adam_weight_decay", name="muon", tensor=True)
+    dims_arg = muon_weight_dimension_numbers
+    if isinstance(ns_coeffs, str):
+        _coeff_rows(ns_coeffs, ns_steps if isinstance(ns_steps, int) else 5, name="muon")
+        ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
+
+    def per_leaf(tree: PyTree) -> list[MuonDimensionNumbers | None]:
+        if dims_arg is None:
+            return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(tree)[0]]
+        return _resolve_dims(dims_arg, tree, name="muon")
+
+    def labels(params: PyTree) -> PyTree:
+        _, spec = tu.flatten(params)
+        return tu.unflatten(spec, ["muon" if d is not None else "adam" for d in per_leaf(params)])
+
+    def inner_dims(updates: PyTree) -> PyTree:
+        # The Muon member sees None at the Adam leaves; what remains are Muon leaves.
+        if dims_arg is None:
+            return MuonDimensionNumbers()
+        return dims_arg(updates) if callable(dims_arg) and not _is_dn(dims_arg) else dims_arg
+
+    muon_tx = scale_by_muon(
+        ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov, adaptive=adaptive,
+        preconditioning=preconditioning, weight_dimension_numbers=inner_dims, bias_correction=bias_correction,
+        ns_dtype=ns_dtype, comm=comm, ns_batch=ns_batch,
+    )  # fmt: skip
+    members = [muon_tx, scale_by_shape(inner_dims, consistent_rms)]
+    if isinstance(weight_decay, torch.Tensor) or weight_decay != 0.0:
+        members.append(add_decayed_weights(weight_decay, weight_decay_mask))
+    members.append(scale_by_learning_rate(learning_rate))
+    adam_members = [_scale_by_adam_nesterov(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, nesterov)]
+    if isinstance(adam_weight_decay, torch.Tensor) or adam_weight_decay != 0.0:
+        adam_members.append(add_decayed_weights(adam_weight_decay))
+    adam_members.append(scale_by_learning_rate(adam_lr))
+    inner = partition({"muon": chain(*members), "adam": chain(*adam_members)}, labels)
+    # An OptimizerChain: its output is an update (-learning_rate times a direction), so the wrapper refuses
+    # it in front of a torch optimizer, and no fused kernel claims it.
+    spec = OptimizerSpec("muon", learning_rate, weight_decay, b1=adam_b1, b2=adam_b2, eps=eps, fusable=False)
+    return OptimizerChain(*_as_chain(inner), [inner], spec)
+
+
+def _as_chain(inner: GradientTransformation) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``init`` and ``update`` of ``chain(inner)``: the state is a 1-tuple, as every chain's."""
+
+    def init_fn(params: Params) -> tuple[Any]:
+        return (inner.init(params),)
+
+    def update_fn(updates, state, params=None, **extra):
+        if not isinstance(state, tuple) or len(state) != 1:
+            raise TypeError(f"muon: expected the state that init() returned (a 1-tuple), got {type(state).__name__}")
+        updates, inner_state = inner.update(updates, state[0], params, **extra)
+        return updates, (inner_state,)
+
+    return init_fn, update_fn

@@ -1,0 +1,379 @@
+"""Muon's transforms: :func:`orthogonalize`, :func:`scale_by_muon` and :func:`scale_by_shape`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+from gradtx.comm.base import ExchangeComm, check_exchange_comm
+from gradtx.core import tree as tu
+from gradtx.core import validate as check
+from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory
+from gradtx.optimizers.muon.exchange import _make_orthogonalizer
+from gradtx.optimizers.muon.iteration import (
+    _DEFAULT_NS_COEFFS,
+    _PRECONDITIONINGS,
+    Preconditioning,
+    Scalar,
+    _coeff_rows,
+    _layout,
+    _resolve_dims,
+)
+from gradtx.optimizers.standard import (
+    _bias_correction,
+    _moment_dtype,
+)
+
+# --- the transforms ------------------------------------------------------------------------------
+
+
+def _check_common(
+    ns_coeffs: Any, ns_steps: Any, eps: Any, preconditioning: Any, ns_dtype: Any, comm: Any, *, name: str
+):
+    if isinstance(ns_steps, torch.Tensor):
+        raise TypeError(
+            f"{name}: ns_steps must be an int, got a tensor (under inject_hyperparams pass static_args=('ns_steps',))"
+        )
+    ns_steps = check.integer(ns_steps, arg="ns_steps", name=name, minimum=0)
+    rows = _coeff_rows(ns_coeffs, ns_steps, name=name)
+    eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
+    if preconditioning not in _PRECONDITIONINGS:
+        raise ValueError(f"{name}: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
+    if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
+        raise TypeError(f"{name}: ns_dtype must be a floating torch.dtype or None, got {ns_dtype!r}")
+    if comm is not None:
+        check_exchange_comm(comm, name=name)
+    return rows, eps
+
+
+def _dims_resolver(dims_arg: Any, *, name: str) -> Callable[..., tuple[list[Any], Callable[[], list[str]]]]:
+    """``resolve(updates, leaves, spec)``: each leaf's dimension numbers (None: not Muon's), and its paths lazily.
+
+    The answer depends on the tree's structure and shapes alone (a function
+    given as the dimension numbers is called once per structure and shapes, as
+    optax's is once per trace), so it is cached: a step does not rebuild it.
+    """
+    cache: dict[Any, list[Any]] = {}
+
+    def resolve(updates: PyTree, leaves: list[Any], spec: Any) -> tuple[list[Any], Callable[[], list[str]]]:
+        paths = lambda: [tu.path_str(p) for p in tu.paths(updates)]
+        key = (spec, tuple(x.shape for x in leaves))
+        dims = cache.get(key)
+        if dims is None:
+            dims = _resolve_dims(dims_arg, updates, name=name)
+            if len(cache) > 8:
+                cache.clear()
+            cache[key] = dims
+        return dims, paths
+
+    return resolve
+
+
+def _muon_leaves(updates: PyTree, resolve: Callable[..., Any], *, name: str):
+    """The updates' leaves with their dimension numbers; a leaf whose entry is None passes through."""
+    leaves, spec = tu.flatten(updates)
+    if not all(isinstance(x, torch.Tensor) for x in leaves):
+        tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
+    dims, paths = resolve(updates, leaves, spec)
+    return leaves, spec, dims, paths
+
+
+def _momentum(
+    m0s: list[torch.Tensor],
+    gls: list[torch.Tensor],
+    beta: Any,
+    count: torch.Tensor,
+    *,
+    nesterov: bool,
+    bias_correction: bool,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The new momentum and the direction of every (local) leaf: foreach ops per device and dtype.
+
+    ``m = mu.lerp(g, 1 - beta)`` is ``(1 - beta) g + beta mu``, as torch.optim.Muon's buffer.
+    """
+    ms: list[Any] = [None] * len(m0s)
+    ds: list[Any] = [None] * len(m0s)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for k, m0 in enumerate(m0s):
+        groups.setdefault((m0.device, m0.dtype), []).append(k)
+    for (dev, dt), ks in groups.items():
+        mu, g = [m0s[k] for k in ks], [gls[k] for k in ks]
+        # A tensor beta (inject_hyperparams) stays on the device: foreach's scalar weight would read it on the host.
+        b = beta.to(dev, dt) if isinstance(beta, torch.Tensor) else beta
+        if isinstance(b, torch.Tensor):
+            m = [x.lerp(y, 1 - b) for x, y in zip(mu, g)]
+        else:
+            m = list(torch._foreach_lerp(mu, g, 1 - b))
+        if not bias_correction:
+            if not nesterov:
+                d = m
+            elif isinstance(b, torch.Tensor):
+                d = [y.lerp(x, b) for x, y in zip(m, g)]
+            else:
+                d = list(torch._foreach_lerp(g, m, b))
+        else:
+            t = count.to(dev, tu.acc_dtype(dt))
+            if nesterov:
+                c1 = (b / _bias_correction(beta, t + 1)).to(dt)
+                c2 = ((1 - b) / _bias_correction(beta, t)).to(dt)
+                d = list(torch._foreach_add(torch._foreach_mul(m, c1), torch._foreach_mul(g, c2)))
+            else:
+                d = list(torch._foreach_div(m, _bias_correction(beta, t).to(dt)))
+        for k, mk, dk in zip(ks, m, d):
+            ms[k], ds[k] = mk, dk
+    return ms, ds
+
+
+@factory
+def orthogonalize(
+    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    eps: Scalar = 1e-8,
+    *,
+    preconditioning: Preconditioning = "frobenius",
+    weight_dimension_numbers: Any = None,
+    ns_dtype: torch.dtype | None = None,
+    comm: ExchangeComm | None = None,
+    ns_batch: int = 16,
+) -> GradientTransformation:
+    """Replace each matrix update by its Newton–Schulz orthogonalization (Muon's step without the momentum).
+
+    Chain it after a momentum of your own (``chain(trace(0.9), orthogonalize(), ...)``).
+    Sharded DTensor updates are orthogonalized whole, each on one owner rank
+    (see the module docstring), so the result equals the single-device one.
+
+    Args:
+      ns_coeffs: ``(a, b, c)``, one triple per iteration, or a preset (``"standard"``, ``"dion"``).
+      ns_steps: Newton–Schulz iterations.
+      eps: added to the normalising norm; ``>= 0``, or a 0-d tensor.
+      preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or ``"schatten"``.
+      weight_dimension_numbers: a :class:`MuonDimensionNumbers` for every
+        leaf, a tree of them (``None`` leaves pass through unchanged), or a
+        function of the updates returning such a tree. ``None``: every 2-d leaf is an
+        ``(out, in)`` matrix, and the other leaves pass through.
+      ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the update's.
+      comm: the :class:`~gradtx.comm.ExchangeComm` for sharded leaves; ``None``
+        derives one from the DTensors' meshes.
+      ns_batch: at most this many local matrices of one shape and dtype are
+        stacked into one batched iteration (``bmm``: a few kernels for the
+        group, not a few per matrix; the same operations on every matrix); it
+        costs one copy of each stack. ``1`` iterates them one at a time.
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    References:
+      Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
+
+    Example:
+      >>> tx = chain(trace(0.95), orthogonalize(), scale_by_learning_rate(0.02))
+      >>> updates, state = tx.update(grads, tx.init(params))
+    """
+    rows, eps = _check_common(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, name="orthogonalize")
+    ns_batch = check.integer(ns_batch, arg="ns_batch", name="orthogonalize", minimum=1)
+    run = _make_orthogonalizer(rows, preconditioning, eps, ns_dtype, comm, name="orthogonalize", ns_batch=ns_batch)
+    resolve = _dims_resolver(weight_dimension_numbers, name="orthogonalize")
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, EmptyState, name="orthogonalize")
+        leaves, spec, dims, paths = _muon_leaves(updates, resolve, name="orthogonalize")
+        idx = [j for j, d in enumerate(dims) if d is not None]
+        out = list(leaves)
+        sub_paths = lambda: [paths()[j] for j in idx]
+        for j, o in zip(idx, run([leaves[j] for j in idx], [dims[j] for j in idx], sub_paths, False)):
+            out[j] = o
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+class MuonState(NamedTuple):
+    """Muon's step count (0-d int64) and momentum (a tree mirroring the params)."""
+
+    count: torch.Tensor  # type: ignore[assignment]  # shadows tuple.count(), as in optax
+    mu: PyTree
+
+
+@factory
+def scale_by_muon(
+    ns_coeffs: Any = _DEFAULT_NS_COEFFS,
+    ns_steps: int = 5,
+    beta: Scalar = 0.95,
+    eps: Scalar = 1e-8,
+    mu_dtype: torch.dtype | None = None,
+    *,
+    nesterov: bool = True,
+    adaptive: bool = False,
+    preconditioning: Preconditioning = "frobenius",
+    weight_dimension_numbers: Any = None,
+    bias_correction: bool = True,
+    ns_dtype: torch.dtype | None = None,
+    comm: ExchangeComm | None = None,
+    ns_batch: int = 16,
+) -> GradientTransformation:
+    """Orthogonalize the momentum of each matrix: optax's ``scale_by_muon`` on PyTorch layouts and DTensors.
+
+    With ``t`` the step, ``mu = beta * mu + (1 - beta) * g``; the direction is
+    ``mu / (1 - beta**t)`` or, with ``nesterov``,
+    ``beta * mu / (1 - beta**(t+1)) + (1 - beta) * g / (1 - beta**t)``
+    (``bias_correction=False`` drops the denominators, as ``torch.optim.Muon``);
+    the update is its Newton–Schulz orthogonalization (see :func:`newton_schulz`),
+    times ``<direction, update>`` with ``adaptive``.
+
+    Args:
+      ns_coeffs: ``(a, b, c)``, one triple per iteration, or a preset (``"standard"``, ``"dion"``).
+      ns_steps: Newton–Schulz iterations.
+      beta: the momentum decay; in ``[0, 1)``, or a 0-d tensor.
+      eps: added to the normalising norm; ``>= 0``, or a 0-d tensor.
+      mu_dtype: the momentum's dtype; ``None``: fp32 for fp16/bf16 params, the param's otherwise.
+      nesterov: use Nesterov momentum.
+      adaptive: scale each leaf's update by the dual norm of its direction (Bernstein & Newhouse).
+      preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or ``"schatten"``.
+      weight_dimension_numbers: a :class:`MuonDimensionNumbers` for every
+        leaf, a tree of them (a ``None`` leaf passes through untouched, and its
+        momentum is not kept), or a function of the updates returning one.
+        ``None``: every 2-d leaf is an ``(out, in)`` matrix, and the other leaves pass through.
+      bias_correction: divide the momentum by ``1 - beta**t`` (optax); False as ``torch.optim.Muon``.
+      ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the update's.
+      comm: the :class:`~gradtx.comm.ExchangeComm` for sharded leaves; ``None``
+        derives one from the DTensors' meshes.
+      ns_batch: at most this many local matrices of one shape and dtype are
+        stacked into one batched iteration (``bmm``: a few kernels for the
+        group, not a few per matrix; the same operations on every matrix); it
+        costs one copy of each stack. ``1`` iterates them one at a time.
+
+    Returns:
+      A :class:`GradientTransformation` with state :class:`MuonState`.
+
+    References:
+      Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024;
+      Bernstein & Newhouse, "Old Optimizer, New Norm: An Anthology", 2024;
+      Liu et al., "Muon is Scalable for LLM Training", 2025.
+
+    Example:
+      >>> tx = chain(scale_by_muon(), scale_by_learning_rate(0.02))
+      >>> updates, state = tx.update(grads, tx.init(params))
+    """
+    name = "scale_by_muon"
+    rows, eps = _check_common(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, name=name)
+    beta = check.beta(beta, arg="beta", name=name, tensor=True)
+    nesterov = check.flag(nesterov, arg="nesterov", name=name)
+    adaptive = check.flag(adaptive, arg="adaptive", name=name)
+    bias_correction = check.flag(bias_correction, arg="bias_correction", name=name)
+    if mu_dtype is not None and not (isinstance(mu_dtype, torch.dtype) and mu_dtype.is_floating_point):
+        raise TypeError(f"{name}: mu_dtype must be a floating torch.dtype or None, got {mu_dtype!r}")
+    ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
+    run = _make_orthogonalizer(rows, preconditioning, eps, ns_dtype, comm, name=name, ns_batch=ns_batch)
+    resolve = _dims_resolver(weight_dimension_numbers, name=name)
+
+    def init_fn(params: Params) -> MuonState:
+        leaves, spec = tu.flatten(params)
+        tu.check_tensors(leaves, tu.paths(params), what=f"{name}: params")
+        mu = [torch.zeros_like(p, dtype=mu_dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+        device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
+        return MuonState(count=torch.zeros((), dtype=torch.int64, device=device), mu=tu.unflatten(spec, mu))
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, MuonState, name=name)
+        index, leaves, spec = tu.align(state.mu, updates, what=f"{name}: updates", against="the state's momentum")
+        mu_leaves, mu_spec = tu.flatten(state.mu)
+        tu.check_devices(
+            [mu_leaves[i] for i in index], leaves, updates, what=f"{name}: updates", against="its momentum"
+        )
+        dims, paths = resolve(updates, leaves, spec)
+        count = state.count + 1
+        idx = [j for j, d in enumerate(dims) if d is not None]
+        new_mu = list(mu_leaves)
+        out: list[torch.Tensor] = list(leaves)
+        if idx:
+            m0s = [tu.local(mu_leaves[index[j]]) for j in idx]
+            gls = [_cast(tu.local(leaves[j]), m0.dtype) for j, m0 in zip(idx, m0s)]
+            ms, ds = _momentum(m0s, gls, beta, count, nesterov=nesterov, bias_correction=bias_correction)
+            for j, m in zip(idx, ms):
+                new_mu[index[j]] = tu.like(mu_leaves[index[j]], m)
+            directions = [tu.like(leaves[j], d) for j, d in zip(idx, ds)]
+            sub_paths = lambda: [paths()[j] for j in idx]
+            for j, o in zip(idx, run(directions, [dims[j] for j in idx], sub_paths, adaptive)):
+                out[j] = tu.like(leaves[j], _cast(tu.local(o), leaves[j].dtype))
+        return tu.unflatten(spec, out), MuonState(count=count, mu=tu.unflatten(mu_spec, new_mu))
+
+    return GradientTransformation(init_fn, update_fn)
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+@factory
+def scale_by_shape(
+    weight_dimension_numbers: Any = None, consistent_rms: Scalar | None = None
+) -> GradientTransformation:
+    """Scale each matrix update by a factor of its shape: Muon's width scaling, or consistent RMS.
+
+    ``sqrt(max(1, fan_out / fan_in))`` (Keller Jordan's, ``torch.optim.Muon``'s
+    ``adjust_lr_fn="original"``), or ``consistent_rms * sqrt(max(fan_in, fan_out))``
+    (Moonshot's; ``0.2`` is ``adjust_lr_fn="match_rms_adamw"``). ``fan_in`` is
+    the size of the reduction axes and ``fan_out`` of the output axes, from
+    the global (unsharded) shape. Elementwise, so DTensors scale through their shards.
+
+    Args:
+      weight_dimension_numbers: as for :func:`scale_by_muon`.
+      consistent_rms: ``None`` for width scaling, else the target RMS (a number or a 0-d tensor).
+
+    Returns:
+      A stateless :class:`GradientTransformation`.
+
+    References:
+      Liu et al., "Muon is Scalable for LLM Training", 2025.
+
+    Example:
+      >>> tx = scale_by_shape(consistent_rms=0.2)
+    """
+    if consistent_rms is not None:
+        consistent_rms = check.non_negative(consistent_rms, arg="consistent_rms", name="scale_by_shape", tensor=True)
+
+    def init_fn(params: Params) -> EmptyState:
+        del params
+        return EmptyState()
+
+    resolve = _dims_resolver(weight_dimension_numbers, name="scale_by_shape")
+    factors_cache: dict[Any, list[float]] = {}
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, EmptyState, name="scale_by_shape")
+        leaves, spec, dims, paths = _muon_leaves(updates, resolve, name="scale_by_shape")
+        idx = [j for j, dn in enumerate(dims) if dn is not None]
+        key = (spec, tuple(x.shape for x in leaves))
+        sizes = factors_cache.get(key)
+        if sizes is None:  # the width factors depend on the shapes alone
+            where = paths()
+            lays = [_layout(tuple(leaves[j].shape), dims[j], where=where[j]) for j in idx]
+            if consistent_rms is None:
+                sizes = [math.sqrt(max(1.0, lay.fan_out / lay.fan_in)) for lay in lays]
+            else:
+                sizes = [math.sqrt(max(lay.fan_in, lay.fan_out)) for lay in lays]
+            if len(factors_cache) > 8:
+                factors_cache.clear()
+            factors_cache[key] = sizes
+        out = list(leaves)
+        locs = [tu.local(leaves[j]) for j in idx]
+        if isinstance(consistent_rms, torch.Tensor):
+            scaled = [x * (consistent_rms.to(x.device, x.dtype) * f) for x, f in zip(locs, sizes)]
+        else:
+            rms = 1.0 if consistent_rms is None else consistent_rms
+            scaled = list(torch._foreach_mul(locs, [f * rms for f in sizes])) if locs else []
+        for j, y in zip(idx, scaled):
+            out[j] = tu.like(leaves[j], y)
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_fn, update_fn)
