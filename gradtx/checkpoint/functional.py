@@ -207,9 +207,24 @@ def _multi_process() -> bool:
     return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
-def _group_rank(comm: Any, group: Any) -> int:
+def _on_first_rank(comm: Any, group: Any) -> bool | torch.Tensor:
+    """Whether this rank is rank 0 of ``group``: a bool, or on a simulated mesh a per-rank 0-d bool tensor."""
     # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
-    return int(as_comm(comm, name="gradtx.checkpoint.functional").rank(group))
+    rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
+    if isinstance(rank, int):
+        return rank == 0
+    # A simulated mesh (torch's LocalTensorMode): one rank per simulated rank, so one answer each.
+    from torch.distributed._local_tensor import rank_map
+
+    ranks = rank.node._local_ints
+    return rank_map(lambda r: torch.tensor(ranks[r] == 0))
+
+
+def _first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tensor:
+    """``value`` on the group's rank 0, zeros on the others (per simulated rank where ``on_first`` is a tensor)."""
+    if isinstance(on_first, bool):
+        return value if on_first else torch.zeros_like(value)
+    return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
 
 
 def _windows_with_comm(layout: _Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
@@ -489,10 +504,10 @@ def _import(
     first_rank = {}
     for w, acc in zip(layout.windows, accs):
         tokens_per_rank, sums_per_rank = _per_rank(acc)
-        on_first = True
+        on_first: bool | torch.Tensor = True
         if tokens_per_rank or sums_per_rank:
             local = acc.rank_local()
-            on_first = _group_rank(local.comm, local.group) == 0
+            on_first = _on_first_rank(local.comm, local.group)
         first_rank[w.prefix] = (tokens_per_rank, sums_per_rank, on_first)
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
@@ -502,9 +517,10 @@ def _import(
                 return value
             prefix, fieldname = _parent(key)
             tokens_per_rank, _, on_first = first_rank.get(prefix, (False, False, True))
-            if fieldname == tokens_field.get(prefix) and tokens_per_rank and not on_first:
-                return torch.zeros_like(old)
-            return _onto(value, old, what=f"{what}: global state {key!r}")
+            restored = _onto(value, old, what=f"{what}: global state {key!r}")
+            if fieldname == tokens_field.get(prefix) and tokens_per_rank:
+                return _first_only(restored, on_first)
+            return restored
         if kind == "acc":
             prefix = _parent(key)[0]
             if not opened[prefix]:
@@ -512,8 +528,8 @@ def _import(
             _, sums_per_rank, on_first = first_rank[prefix]
             templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
             values = [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
-            if sums_per_rank and not on_first:
-                values = [torch.zeros_like(v) for v in values]
+            if sums_per_rank:
+                values = [_first_only(v, on_first) for v in values]
             return tu.unflatten(p_spec, values)
         leaves, spec = tu.flatten(old)
         return tu.unflatten(spec, [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])

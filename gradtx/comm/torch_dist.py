@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -126,9 +126,12 @@ class TorchComm:
         for i, t in enumerate(tensors):
             by_dtype[t.dtype].append(i)
         works, flats = [], []
+        simulated = _simulation()
         for idx in by_dtype.values():
             # One flat buffer per dtype: a single collective, and the inputs are never aliased.
             flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            if simulated is not None:
+                flat = _per_simulated_rank(flat, simulated)
             works.append(dist.all_reduce(flat, op=reduce_op, group=pg, async_op=True))
             flats.append((flat, idx))
         return _Pending(works, flats, [tuple(t.shape) for t in tensors])
@@ -182,8 +185,20 @@ class TorchComm:
         return ("ranks", tuple(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)))
 
     def rank(self, group: GroupKey) -> int:
-        """This process's rank within ``group``."""
-        return dist.get_rank(self.resolve(group))
+        """This process's rank within ``group``.
+
+        On a simulated mesh (torch's ``LocalTensorMode``, see :func:`gradtx.testing.simulated_mesh`) this
+        process is every rank at once, so the answer is one rank per simulated rank: a ``SymInt`` over
+        torch's ``LocalIntNode``, as ``DeviceMesh.get_rank()`` gives there (a plain ``int`` where every
+        simulated rank has the same one). It compares and computes per rank; code that needs a Python
+        ``int`` from it (a list index) must run once per rank, e.g. through torch's
+        ``maybe_run_for_local_tensor``.
+        """
+        pg = self.resolve(group)
+        mode = _simulation()
+        if mode is None:
+            return dist.get_rank(pg)
+        return _simulated_ranks(pg, mode)
 
     def __repr__(self) -> str:
         return f"TorchComm(mesh={self.mesh!r}, groups={sorted(self.groups)})"
@@ -267,6 +282,68 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
 def world_size() -> int:
     """The number of processes in the default group, or 1 when ``torch.distributed`` is not initialised."""
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _simulation() -> object | None:
+    """The enabled ``LocalTensorMode`` (a simulated mesh), or ``None`` in a real run."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:  # pragma: no cover - a build without local tensors simulates nothing
+        return None
+    return enabled_local_tensor_mode()
+
+
+def _simulated_ranks(pg: dist.ProcessGroup | None, mode: object) -> int:
+    """Each simulated rank's rank in its own copy of ``pg`` (as torch's local collectives lay groups out), as one SymInt.
+
+    Under ``LocalTensorMode`` a mesh dim's ``ProcessGroup`` is rank 0's; every other simulated rank's group is
+    a translate of it (torch's ``_prepare_collective_groups``), which is how its collectives pair the ranks up.
+    """
+    from torch.distributed._local_tensor import _combine_int_rank_results
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+
+    group = pg if pg is not None else dist.group.WORLD
+    assert group is not None  # initialised: a simulated mesh started the default group
+    ranks, offsets, _ = _prepare_collective_groups(group)
+    within = {offset + r: i for offset in offsets for i, r in enumerate(ranks)}
+    return _combine_int_rank_results({r: within[r] for r in sorted(mode.ranks)})  # type: ignore[attr-defined,return-value]
+
+
+def _per_simulated_rank(flat: torch.Tensor, mode: object) -> torch.Tensor:
+    """``flat`` as one copy per simulated rank, when it is a plain tensor that every simulated rank shares.
+
+    torch's local collectives reduce over a ``LocalTensor``'s per-rank values and leave a plain tensor as it
+    is, so a SUM of a value every rank holds (a token count kept as a plain tensor) would come back as one
+    rank's value instead of their total.
+    """
+    from torch.distributed._local_tensor import LocalTensor
+
+    if isinstance(flat, LocalTensor):
+        return flat
+    return mode.rank_map(lambda r: flat.clone())  # type: ignore[attr-defined]
+
+
+def on_whole(leaf: DTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
+    """``fn`` of the whole of ``leaf`` (gathered on every rank), returned with ``leaf``'s mesh and placements.
+
+    Every rank of ``leaf``'s mesh runs ``fn`` on the same whole tensor and keeps its own shard of the
+    result: an all-gather (one per sharded mesh dim) and a local split. This is the simple, costly way
+    to run a whole-tensor function on a sharded leaf, for where a cheaper exchange cannot run (a
+    simulated mesh, where each rank's sends differ).
+    """
+    from torch.distributed.tensor import Replicate
+
+    mesh = leaf.device_mesh
+    whole = DTensor.from_local(fn(leaf.full_tensor()), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, leaf.placements)
+
+
+def fingerprint_device() -> torch.device:
+    """Where a small tensor for a collective over the default group lives when no tensor says: CUDA under NCCL, else CPU."""
+    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else ""
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class DDPSumState:

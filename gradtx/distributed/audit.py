@@ -44,7 +44,11 @@ class AuditRow(NamedTuple):
 
     Attributes:
       path: the dotted path of the leaf.
-      placements: the DTensor's placements with their mesh dim names, or ``"plain"``.
+      placements: the DTensor's placements with their mesh dim names; for a plain tensor ``"plain"``, followed
+        in a run of several processes or under a plan by what it is taken for: ``"plain (pipeline stage)"``,
+        ``"plain (replicated)"`` or ``"plain (local)"`` (declared), ``"plain (sharded)"`` (``sharded=``),
+        ``"plain (replicas)"`` (undeclared, found equal on every rank) or ``"plain (undeclared)"`` (differs across
+        ranks: a zero-config norm raises).
       local_numel: the elements this rank holds (per simulated rank, as a tuple, where they differ).
       global_numel: the elements of the whole (unsharded) tensor.
       summed: the groups (mesh dim names, or declared group keys) its p-th power is summed over.
@@ -205,19 +209,29 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     dotted = [tu.dotted(p) for p in paths]
     tu.check_tensors(leaves, paths, what="norm_audit: grads")
     source = "declared" if plan is not None else "placements"
-    if plan is None:
-        plan = inferred.infer_plan(leaves, what="norm_audit", tree=grads)
     notes: list[str] = []
+    plain_as = "plain"
+    if plan is None and inferred._signature(leaves) is None:
+        # Plain tensors only: what the zero-config norm would check (and refuse), shown rather than raised.
+        if plans.multi_process():
+            agree, ranks = plans.plain_replicas_agree(leaves, leaves)
+            if agree:
+                plain_as = "plain (replicas)"
+                notes.append(f"plain tensors equal on all {ranks} ranks: read as replicas (DDP's layout), counted once")
+            else:
+                plain_as = "plain (undeclared)"
+                notes.append(
+                    f"plain tensors that differ across the {ranks} ranks and no plan: a zero-config norm raises here; "
+                    "declare a pipeline stage with mesh_groups(params, pp_group=...), or plain='replicated' / "
+                    "plain='local'"
+                )
+    elif plan is None:
+        plan = inferred.infer_plan(leaves, what="norm_audit", tree=grads)
     inf = math.isinf(norm_type)
     local_norms = norms.tensor_norms(leaves, norm_type)
     powers = [n if inf else n.pow(norm_type) for n in local_norms]
     if plan is None:
         source = "none (local norm)"
-        if _multi_process():
-            notes.append(
-                "plain tensors in a multi-process run, read as replicated (as DDP leaves them); a pipeline stage "
-                "needs mesh_groups(params, pp_group=...), a hand-sharded tensor mesh_groups(params, sharded={...})"
-            )
         comm: Any = None
         stage = powers
         rows_info: list[tuple[tuple[str, ...], str | None, str | None]]
@@ -251,6 +265,8 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     for i, leaf in enumerate(leaves):
         summed, tied, pp = rows_info[i]
         shown, skipped = _placements(leaf)
+        if shown == "plain":
+            shown = plain_as if plan is None else _plain_as(plan, i)
         share = stage[i] / total.clamp_min(torch.finfo(total.dtype).tiny)
         rows.append(
             AuditRow(dotted[i], shown, _numel(leaf), int(leaf.numel()), summed, skipped, tied, pp, _values(share))
@@ -261,13 +277,23 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     return NormAudit(tuple(rows), _values(norm), norm_type, source, collectives, tuple(notes))
 
 
+_PLAIN_AS = {
+    "pipeline": "plain (pipeline stage)",
+    "replicated": "plain (replicated)",
+    "local": "plain (local)",
+    "replicas": "plain (replicas)",
+}
+
+
+def _plain_as(plan: plans.MeshGroups, index: int) -> str:
+    """What the plan takes plain leaf ``index`` for: sharded by hand, a stage, replicated, local, checked replicas."""
+    if plan.leaf(index).shards:
+        return "plain (sharded)"
+    return _PLAIN_AS.get(plan.plain or "", "plain")
+
+
 def _total(values: list[torch.Tensor], inf: bool, *, device: torch.device | None) -> torch.Tensor:
     if not values:
         return torch.zeros((), dtype=torch.float32, device=device)
     stacked = torch.stack([v.to(values[0].device, values[0].dtype) for v in values])
     return stacked.max() if inf else stacked.sum()
-
-
-def _multi_process() -> bool:
-    dist = torch.distributed
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)

@@ -21,7 +21,16 @@ from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
-from gradtx.distributed.plan import DTensor, MeshGroups, _build, check_plan, default_comm
+from gradtx.distributed.plan import (
+    DTensor,
+    MeshGroups,
+    _build,
+    agreement_groups,
+    check_plain_replicas,
+    check_plan,
+    default_comm,
+    multi_process,
+)
 
 __all__ = [
     "DEFAULT_CACHE",
@@ -58,6 +67,8 @@ class PlanCache:
         self._world: Any = None
         self.plans: dict[tuple[Any, ...], MeshGroups] = {}
         self.agreements: dict[tuple[Any, ...], tuple[Comm, tuple[GroupKey, ...]]] = {}
+        # Trees of plain tensors found to be replicas on every rank (keyed by shapes and dtypes): checked once.
+        self.replicas: dict[tuple[Any, ...], bool] = {}
 
     def current(self) -> PlanCache:
         """This cache, emptied first if the process-group world changed since its entries were built."""
@@ -72,6 +83,7 @@ class PlanCache:
         """Drop every entry."""
         self.plans.clear()
         self.agreements.clear()
+        self.replicas.clear()
         self._world = None
 
     def remember(self, table: dict[tuple[Any, ...], Any], key: tuple[Any, ...], value: Any) -> Any:
@@ -82,7 +94,7 @@ class PlanCache:
         return value
 
     def __len__(self) -> int:
-        return len(self.plans) + len(self.agreements)
+        return len(self.plans) + len(self.agreements) + len(self.replicas)
 
 
 DEFAULT_CACHE = PlanCache()
@@ -109,8 +121,11 @@ def infer_plan(
 ) -> MeshGroups | None:
     """The plan the placements of ``leaves`` define, built once per placements and meshes; ``None`` without DTensors.
 
-    Plain tensors in the tree are taken as replicated (as DDP leaves them).
-    A tree on a mesh with a pipeline dim (``"pp"``) is refused: the other
+    Plain tensors in the tree are counted once, as replicas (DDP's layout).
+    In a run of several processes that is checked once per tree layout, with
+    one small all-reduce when the plan is first needed: plain tensors that
+    differ across the ranks (a pipeline stage, unsynced grads) raise
+    ``ValueError`` on every rank, naming what to declare. A tree on a mesh with a pipeline dim (``"pp"``) is refused: the other
     stages' norms cannot be read from placements, so that plan is declared
     with :func:`mesh_groups`.
 
@@ -125,6 +140,8 @@ def infer_plan(
     """
     key = _signature(leaves)
     if key is None:
+        if multi_process():
+            _check_plain_tree(leaves, what=what, cache=cache)
         return None
     cache = (cache if cache is not None else DEFAULT_CACHE).current()
     plan = cache.plans.get(key)
@@ -145,6 +162,16 @@ def infer_plan(
         )
     return plan
 
+
+
+def _check_plain_tree(leaves: Sequence[Any], *, what: str, cache: PlanCache | None) -> None:
+    """A tree of plain tensors only, in a multi-process run: raise unless they are replicas (checked once per layout)."""
+    table = (cache if cache is not None else DEFAULT_CACHE).current()
+    key = tuple((t.shape, t.dtype) for t in leaves)
+    if key in table.replicas:
+        return
+    check_plain_replicas(list(leaves), leaves, what=what, leaf_kind="grads")
+    table.remember(table.replicas, key, True)
 
 
 def tree_norm(
@@ -250,7 +277,7 @@ def agree_finite(
         table = (cache if cache is not None else DEFAULT_CACHE).current()
         plan = None if key is None else table.agreements.get(key)
         if key is not None and plan is None:
-            plan = table.remember(table.agreements, key, _agreement_groups(leaves))
+            plan = table.remember(table.agreements, key, agreement_groups(leaves))
     if plan is None:
         return finite
     agree_comm, groups = plan
@@ -258,27 +285,6 @@ def agree_finite(
     for g in groups:
         (notfinite,) = agree_comm.all_reduce([notfinite], ReduceOp.MAX, g)
     return notfinite == 0
-
-
-def _agreement_groups(leaves: Sequence[Any]) -> tuple[Comm, tuple[GroupKey, ...]]:
-    from gradtx.comm.torch_dist import mesh_comm, world_size
-
-    roots: list[Any] = []
-    for t in leaves:
-        if isinstance(t, DTensor):
-            root = t.device_mesh._get_root_mesh()
-            if all(root is not r for r in roots):
-                roots.append(root)
-    comm = mesh_comm(roots)
-    if all(root.size() == world_size() for root in roots):
-        return comm, ("world",)
-    groups: list[Any] = []
-    for root in roots:
-        for dim in range(root.ndim):
-            pg = root.get_group(dim)
-            if root.size(dim) > 1 and all(pg is not g for g in groups):
-                groups.append(pg)
-    return comm, tuple(groups)
 
 
 def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups | None = None) -> torch.Tensor:

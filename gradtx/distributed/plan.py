@@ -45,6 +45,11 @@ except ImportError:  # pragma: no cover
 # the other stages is wrong, and placements cannot say so. Such a mesh needs a declared plan.
 PIPELINE_DIM_NAMES = ("pp", "pipeline", "pipe")
 
+# What plain-tensor grads are, when a multi-process run says so (mesh_groups(..., plain=...)): "replicated"
+# (copies, e.g. synced by hand: counted once) or "local" (each rank's norm is its own: no reduction).
+# A pipeline stage is declared with pp_group; a hand-cut tensor with sharded.
+PLAIN_KINDS = ("replicated", "local")
+
 
 # --- the mesh_groups plan: which process groups each grad's norm is reduced over -------------
 #
@@ -138,11 +143,16 @@ class MeshGroups:
         leaves: list[_Leaf],
         pp_group: GroupKey | None,
         device: torch.device,
+        plain: str | None = None,
     ) -> None:
         self.comm = comm
         self.pp_group = pp_group
         self.device = device
         self._leaves = leaves
+        # What the plain leaves no `sharded` entry names are: "pipeline" (a stage, with pp_group),
+        # "replicated" or "local" (declared), "replicas" (found equal on every rank when the plan was
+        # built), "one process", or None when there are none.
+        self.plain = plain
 
         order: list[GroupKey] = []
         for leaf in leaves:
@@ -204,7 +214,8 @@ class MeshGroups:
         buckets = ", ".join(
             f"{list(b.groups)}x{len(b.leaves)}" + (f"/w={b.weight:g}" if b.weight != 1 else "") for b in self._buckets
         )
-        return f"MeshGroups({len(self)} leaves, buckets=[{buckets}], pp_group={self.pp_group!r})"
+        plain = f", plain={self.plain!r}" if self.plain is not None else ""
+        return f"MeshGroups({len(self)} leaves, buckets=[{buckets}], pp_group={self.pp_group!r}{plain})"
 
     # --- checks -------------------------------------------------------------------------
 
@@ -350,6 +361,7 @@ def mesh_groups(
     sharded: Mapping[Matcher, ShardDecl] | None = None,
     pp_group: GroupKey | None = None,
     tied: Mapping[Matcher, GroupKey] | None = None,
+    plain: str | None = None,
     device: torch.device | str | None = None,
 ) -> MeshGroups:
     """Plan, once, which process groups each grad's norm is reduced over, so the global norm is the single-device one.
@@ -362,8 +374,16 @@ def mesh_groups(
       dims are skipped.
     * A ``Partial`` placement is an error: the norm of a pending sum is not
       the sum of the parts' norms, so reduce such a grad first.
-    * A plain tensor is taken as replicated (as DDP leaves it), unless
-      ``sharded`` declares the groups it is split over.
+    * A plain tensor is counted once, on each rank, unless ``sharded``
+      declares the groups it is split over. In a run of several processes
+      that is right for replicas (DDP's layout) and wrong for a pipeline
+      stage, which a plain tensor cannot tell apart: declare ``pp_group``
+      (a stage), ``plain="replicated"`` (copies you keep in sync) or
+      ``plain="local"`` (each rank's norm is its own). Undeclared, the plan
+      checks once, with one small all-reduce when it is built, that the
+      plain leaves hold the same values on every rank (DDP leaves its
+      replicas bitwise equal), and raises ``ValueError`` on every rank where
+      they differ. That check is a collective: every rank builds the plan.
     * ``pp_group`` adds the stages' contributions (MAX for ``inf``).
     * A leaf in ``tied`` is a copy of a weight held by every rank of its tie
       group (e.g. the embedding on the first stage and the LM head on the
@@ -386,6 +406,11 @@ def mesh_groups(
       pp_group: the pipeline-parallel group, or ``None`` without pipelining.
       tied: ``{path_or_glob_or_predicate: tie_group}`` for leaves that are copies of
         one weight across stages.
+      plain: what the plain-tensor leaves that ``sharded`` does not name are:
+        ``"replicated"`` (the same on every rank: counted once) or ``"local"``
+        (a norm per rank: nothing is reduced for them); ``None`` (default)
+        checks that they are replicas, in a run of several processes. A
+        pipeline stage is ``pp_group``, not ``plain``.
       device: where the norm lives on a rank with no params (an empty stage);
         default: the params' device, else CPU.
 
@@ -401,6 +426,7 @@ def mesh_groups(
       >>> params = dict(model.named_parameters())  # TP + FSDP2 DTensors
       >>> plan = gtx.mesh_groups(params)  # the same plan clip_by_global_norm(1.0) infers by itself
       >>> stage_plan = gtx.mesh_groups(stage_params, pp_group="pp", tied={"emb.weight": "pp"})
+      >>> own_plan = gtx.mesh_groups(params, plain="local")  # each rank clips by its own norm, on purpose
     """
     flat_paths, flat_leaves, _ = optree.tree_flatten_with_path(params)
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
@@ -414,6 +440,7 @@ def mesh_groups(
         tied=tied,
         device=device,
         what="mesh_groups",
+        plain=plain,
     )
 
 
@@ -454,7 +481,16 @@ def _build(
     tied: Mapping[Matcher, GroupKey] | None,
     device: torch.device | str | None,
     what: str,
+    plain: str | None = None,
 ) -> MeshGroups:
+    if plain is not None and (not isinstance(plain, str) or plain not in PLAIN_KINDS):
+        raise ValueError(
+            f"{what}: plain must be 'replicated' or 'local' (a pipeline stage is pp_group=...), got {plain!r}"
+        )
+    if plain == "local" and pp_group is not None:
+        raise ValueError(
+            f"{what}: plain='local' keeps each rank's norm its own, pp_group adds the stages' norms; pass one of them"
+        )
     if pp_group is None:
         pipeline = _pipeline_dims(flat_leaves)
         if pipeline:
@@ -539,7 +575,118 @@ def _build(
     pp = canonical(pp_group) if pp_group is not None else None
     if pp is None and any(info.tie_group is not None for info in infos):
         raise ValueError(f"{what}: tied weights need pp_group, the group over which the stages' norms add up")
-    return MeshGroups(comm, infos, pp, torch.device(device))
+    undeclared = [leaf for leaf, info in zip(flat_leaves, infos) if info.placements is None and not info.shards]
+    kind: str | None = None
+    if undeclared:
+        kind = "pipeline" if pp is not None else plain
+        if kind is None:
+            kind = "one process"
+            if not isinstance(comm, LocalComm) and multi_process():
+                given = "params" if what == "mesh_groups" else "grads"
+                check_plain_replicas(undeclared, flat_leaves, what=what, leaf_kind=given)
+                kind = "replicas"
+    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind)
+
+
+# --- plain tensors in a run of several processes --------------------------------------------------
+#
+# A plain tensor carries no placement: on each rank it may be a replica (DDP, or synced by hand), a
+# pipeline stage's own weight, or an unsynced partial grad, and nothing in the tensor tells them apart.
+# What DDP makes observable is that its replicas are bitwise equal on every rank, so an undeclared plan
+# checks that, once, when it is built: one MAX all-reduce of a fingerprint and its negation (max == -max(-x)
+# means every rank holds the same), read to the host once. Equal: replicas, counted once. Different: the
+# caller must say what they are, so every rank raises (the reduced fingerprint is the same everywhere).
+
+
+def multi_process() -> bool:
+    """Whether ``torch.distributed`` is initialised with more than one rank (simulated ranks included)."""
+    dist = torch.distributed
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def plain_replicas_agree(plain: Sequence[torch.Tensor], leaves: Sequence[Any]) -> tuple[bool, int]:
+    """Whether the plain tensors ``plain`` hold the same values on every rank of the run, and over how many ranks.
+
+    One all-reduce (MAX, one per mesh dim when the DTensors' root mesh does not span the world) of a
+    fingerprint: the leaf count, the element count, and the sums of the leaves' L1 and L2 norms. Every rank must call it
+    at the same point (it is a collective), whatever it holds; the answer is the same on every rank. Not for a
+    hot path: it reads the result to the host.
+
+    Args:
+      plain: this rank's plain tensors (possibly none).
+      leaves: the whole tree's leaves: its DTensors' root meshes are the ranks checked; without any, the world.
+
+    Returns:
+      ``(agree, ranks)``.
+    """
+    from gradtx.comm.torch_dist import TorchComm, fingerprint_device, world_size
+
+    roots = {id(m): m for m in (t.device_mesh._get_root_mesh() for t in leaves if isinstance(t, DTensor))}
+    if roots:  # the ranks that hold this model: its DTensors' root meshes
+        comm, groups = agreement_groups(leaves)
+        ranks = max(root.size() for root in roots.values())
+    else:
+        comm, groups, ranks = TorchComm(), ("world",), world_size()
+    device = tu.local(plain[0]).device if plain else fingerprint_device()
+    count = torch.tensor([float(len(plain)), float(sum(t.numel() for t in plain))], dtype=torch.float64, device=device)
+    stats = [count]
+    for p in (1.0, 2.0):  # per-leaf fp32 norms (no copy of a grad): replicas compute them bitwise alike
+        per_leaf = norms.tensor_norms([tu.local(t).detach() for t in plain], p) if plain else []
+        zero = torch.zeros(1, dtype=torch.float64, device=device)
+        stats.append(sum((n.to(device, torch.float64).reshape(1) for n in per_leaf), zero))
+    # NaN compares unequal to itself and infinities overflow the negation's meaning: map both to numbers.
+    fingerprint = torch.nan_to_num(torch.cat(stats), nan=-1.0, posinf=1e300, neginf=-1e300)
+    both = torch.cat([fingerprint, -fingerprint])
+    for group in groups:
+        (both,) = comm.all_reduce([both], ReduceOp.MAX, group)
+    n = fingerprint.numel()
+    return _all_true(both[:n] == -both[n:]), ranks
+
+
+def agreement_groups(leaves: Sequence[Any]) -> tuple[Comm, tuple[GroupKey, ...]]:
+    """The comm and groups that span every rank holding ``leaves``: the world, or each dim of their DTensors' root meshes."""
+    from gradtx.comm.torch_dist import mesh_comm, world_size
+
+    roots: list[Any] = []
+    for t in leaves:
+        if isinstance(t, DTensor):
+            root = t.device_mesh._get_root_mesh()
+            if all(root is not r for r in roots):
+                roots.append(root)
+    comm = mesh_comm(roots)
+    if all(root.size() == world_size() for root in roots):
+        return comm, ("world",)
+    groups: list[Any] = []
+    for root in roots:
+        for dim in range(root.ndim):
+            pg = root.get_group(dim)
+            if root.size(dim) > 1 and all(pg is not g for g in groups):
+                groups.append(pg)
+    return comm, tuple(groups)
+
+
+def _all_true(flags: torch.Tensor) -> bool:
+    # On a simulated mesh the flags are a LocalTensor; after the all-reduce every rank holds the same ones.
+    try:
+        from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
+    except ImportError:  # pragma: no cover
+        return bool(flags.all())
+    with maybe_disable_local_tensor_mode():
+        if isinstance(flags, LocalTensor):
+            return all(bool(t.all()) for t in flags._local_tensors.values())
+        return bool(flags.all())
+
+
+def check_plain_replicas(plain: Sequence[torch.Tensor], leaves: Sequence[Any], *, what: str, leaf_kind: str) -> None:
+    """Raise ``ValueError`` on every rank unless the plain tensors ``plain`` are replicas (see :func:`plain_replicas_agree`)."""
+    agree, ranks = plain_replicas_agree(plain, leaves)
+    if not agree:
+        raise ValueError(
+            f"{what}: the {leaf_kind} are plain tensors that differ across the {ranks} ranks, and no plan says what "
+            "they are (a pipeline stage, replicas, or each rank's own); declare it with "
+            "mesh_groups=gtx.mesh_groups(params, pp_group=...) for a pipeline stage, plain='replicated' for "
+            "replicas you sync yourself, or plain='local' for a norm per rank (see docs/distributed.md)"
+        )
 
 
 _T = TypeVar("_T")

@@ -7,6 +7,7 @@ goes through the :class:`~gradtx.comm.ExchangeComm` it is given.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -407,7 +408,15 @@ def _make_orthogonalizer(
             if adaptive:
                 o = (loc * o).sum() * o
             out[j] = tu.like(x, o)
-        if prep.mesh_plans:
+        if prep.mesh_plans and _simulated():
+            # A simulated mesh runs every rank at once, so the owner exchange (whose sends depend on the rank)
+            # cannot run there; every rank gathers the whole leaf instead and keeps its shard of the same result.
+            from gradtx.comm.torch_dist import on_whole
+
+            for plan in prep.mesh_plans:
+                for it in plan.items:
+                    out[it.leaf] = on_whole(leaves[it.leaf], functools.partial(whole, it.leaf))
+        elif prep.mesh_plans:
             c = comm if comm is not None else _default_comm(leaves)
             check_exchange_comm(c, name=name)
             locals_ = [tu.local(x) for x in leaves]
@@ -417,6 +426,15 @@ def _make_orthogonalizer(
         return out
 
     return run
+
+
+def _simulated() -> bool:
+    """Whether torch's ``LocalTensorMode`` (a simulated mesh: every rank in this process) is on."""
+    try:
+        from torch.distributed._local_tensor import enabled_local_tensor_mode
+    except ImportError:  # pragma: no cover
+        return False
+    return enabled_local_tensor_mode() is not None
 
 
 def exchange_plan(

@@ -1,0 +1,124 @@
+"""Plain-tensor grads in a real 2-rank gloo run: replicas pass, anything else must be declared.
+
+One spawned program checks, on each rank:
+
+* a 2-stage pipeline of plain tensors (each rank holds one Linear of a 2-layer model): the
+  zero-config clip and ``mesh_groups(params)`` raise on every rank, naming the three declarations;
+* the same stages with ``pp_group`` declared: the clipped grads and the norm are the single-device ones;
+* ``plain="local"``: each rank clips by its own norm (``torch.nn.utils.clip_grad_norm_`` on that rank);
+* DDP grads taken under ``no_sync`` (each rank's own, unsynced) reaching a zero-config clip raise;
+* synced DDP grads with the zero-config clip match ``torch.nn.utils.clip_grad_norm_`` on the same grads.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradtx as gtx
+from gradtx.distributed.plan import DEFAULT_CACHE
+from tests.distributed.harness import part_results, share_spawn
+
+MAX_NORM = 0.5
+
+
+def _raises(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _clip(grads: dict[str, torch.Tensor], **kw) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    tx = gtx.clip_by_global_norm(MAX_NORM, **kw)
+    out, state = tx.update(grads, tx.init(grads))
+    return out, state.grad_norm
+
+
+def _body(rank: int) -> dict:
+    # This part shares its 2 processes with other modules' parts: the replica checks they cached (keyed by
+    # shapes) must not answer for the trees here, nor these for theirs.
+    DEFAULT_CACHE.clear()
+    try:
+        return _cases(rank)
+    finally:
+        DEFAULT_CACHE.clear()
+
+
+def _cases(rank: int) -> dict:
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 3), nn.Linear(3, 2)]  # the same whole model on every rank
+    x = torch.randn(5, 4)
+    whole = nn.Sequential(*copy.deepcopy(layers))
+    whole(x).square().sum().backward()
+    expected_norm = torch.nn.utils.clip_grad_norm_(whole.parameters(), MAX_NORM)  # one device: the reference
+    expected = {f"{i}.{n}": p.grad for i, m in enumerate(whole) for n, p in m.named_parameters()}
+
+    # The pipeline: rank r holds layer r; the activations travel by send/recv, the grads stay on their stage.
+    stage = copy.deepcopy(layers[rank])
+    if rank == 0:
+        h = stage(x)
+        dist.send(h.detach(), dst=1)
+        dh = torch.empty_like(h)
+        dist.recv(dh, src=1)
+        h.backward(dh)
+    else:
+        h = torch.empty(5, 3)
+        dist.recv(h, src=0)
+        h.requires_grad_(True)
+        stage(h).square().sum().backward()
+        dist.send(h.grad, dst=0)
+    grads = {f"{rank}.{n}": p.grad for n, p in stage.named_parameters()}
+    out: dict = {"rank": rank}
+    out["pipeline_zero_config"] = _raises(lambda: _clip(grads))
+    out["pipeline_mesh_groups"] = _raises(lambda: gtx.mesh_groups(grads))
+    plan = gtx.mesh_groups(grads, pp_group="world")
+    clipped, norm = _clip(grads, mesh_groups=plan)
+    out["pipeline_declared"] = (clipped, norm, {k: expected[k] for k in grads}, expected_norm)
+
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+    for p, g in zip(params, grads.values()):
+        p.grad = g.clone()
+    local_norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+    clipped, norm = _clip(grads, mesh_groups=gtx.mesh_groups(grads, plain="local"))
+    out["local"] = (clipped, norm, dict(zip(grads, (p.grad for p in params))), local_norm)
+
+    # DDP: each rank's own batch; under no_sync the grads are still each rank's own.
+    torch.manual_seed(1)
+    ddp = DDP(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)))
+    batch = torch.randn(6, 4) + rank
+    with ddp.no_sync():
+        ddp(batch).square().sum().backward()
+    unsynced = {n: p.grad.clone() for n, p in ddp.named_parameters()}
+    out["ddp_no_sync"] = _raises(lambda: _clip(unsynced))
+    ddp.zero_grad()
+    ddp(batch).square().sum().backward()
+    synced = {n: p.grad.clone() for n, p in ddp.named_parameters()}
+    clipped, norm = _clip(synced)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ddp.parameters(), MAX_NORM)
+    out["ddp"] = (clipped, norm, {n: p.grad for n, p in ddp.named_parameters()}, ref_norm)
+    return out
+
+
+_SHARED = share_spawn({"body": _body}, 2, prefix="plain_ambiguity")
+
+
+def test_plain_tensor_grads_are_replicas_or_declared():
+    results = part_results(_SHARED(), "body")
+    for r in results:
+        for case in ("pipeline_zero_config", "pipeline_mesh_groups", "ddp_no_sync"):
+            message = r[case]
+            assert "plain tensors that differ across the 2 ranks" in message, (r["rank"], case, message)
+            for declaration in ("pp_group=", "plain='replicated'", "plain='local'", "docs/distributed.md"):
+                assert declaration in message, (r["rank"], case, message)
+        for case in ("pipeline_declared", "local", "ddp"):
+            clipped, norm, expected, expected_norm = r[case]
+            torch.testing.assert_close(norm, expected_norm.to(norm.dtype), rtol=1e-6, atol=0)
+            torch.testing.assert_close(clipped, expected, rtol=1e-6, atol=1e-7)
+    # plain="local" is each rank's own norm: the two stages' differ.
+    assert not torch.equal(results[0]["local"][1], results[1]["local"][1])
