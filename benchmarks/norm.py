@@ -5,8 +5,11 @@ Usage::
     python benchmarks/norm.py                 # the local pass on CUDA if present, else CPU (+ the step on CUDA)
     python benchmarks/norm.py --cuda-only     # the GPU table only; exits 2 without CUDA (about 1 minute on an H100)
     python benchmarks/norm.py --dist          # also 4 gloo ranks on CPU, TP x FSDP layout: overlapped vs sequential,
-                                              # and 2 gloo ranks under DDP: the norm measured in the backward
+                                              # 2 gloo ranks under DDP: the norm measured in the backward,
+                                              # and the TP x FSDP2 model below
     python benchmarks/norm.py --ddp           # the DDP case alone
+    python benchmarks/norm.py --tp-fsdp-model # 4 gloo ranks, a TP x FSDP2 transformer: the norm sequential,
+                                              # overlapped, and measured in the backward (also run by --dist)
     python benchmarks/norm.py --quick         # tiny shapes, a smoke run
 
 It needs torch, optree and this repository only (no torchopt, no JAX), and
@@ -367,11 +370,155 @@ def ddp_backward_norm(quick: bool, rounds: int) -> list[tuple[str, str]]:
     ]
 
 
+
+# --- 4 gloo ranks, a TP x FSDP2 model: the norm after the backward, overlapped, and in the backward ------
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block: attention (heads split over tp) and an MLP, Megatron-style TP."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.hd = d // heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.q, self.k, self.v = (torch.nn.Linear(d, d) for _ in range(3))
+        self.proj = torch.nn.Linear(d, d)
+        self.fc, self.out = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # colwise q/k/v: each tp rank holds whole heads, so attention needs no collective
+        q, k, v = (m(h).view(b, t, -1, self.hd).transpose(1, 2) for m in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))  # rowwise: the all-reduce over tp
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+def _tp_fsdp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out: str) -> None:
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from gradtx.comm.torch_dist import TorchComm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        d, heads, layers, seq = (32, 4, 2, 8) if quick else (256, 8, 6, 64)
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(*(_Block(d, heads) for _ in range(layers)))
+        plan = {
+            **{m: ColwiseParallel() for m in ("q", "k", "v", "fc")},
+            **{m: RowwiseParallel() for m in ("proj", "out")},
+        }
+
+        def shard(model: torch.nn.Module) -> torch.nn.Module:
+            for block in model:
+                parallelize_module(block, mesh["tp"], plan)
+                fully_shard(block, mesh=mesh["dp"])
+            return fully_shard(model, mesh=mesh["dp"])
+
+        plain = shard(copy.deepcopy(base))  # (a) and (b): no hooks
+        hooked = shard(copy.deepcopy(base))  # (c): the sharded params' post-accumulate-grad hooks
+        bn = gtx.norm_in_backward(hooked, 2.0)
+        # one batch per dp rank, the same on both tp ranks of it
+        x = torch.randn(4, seq, d, generator=torch.Generator().manual_seed(mesh.get_local_rank("dp")))
+
+        def backward(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            return {k: p.grad for k, p in model.named_parameters()}
+
+        grads = backward(plain)
+        clips = {
+            # the previous path: one reduction after another, each waited on before the next line
+            "sequential": gtx.clip_by_global_norm(
+                1.0, mesh_groups=gtx.mesh_groups(grads, comm=BlockingComm(TorchComm(mesh)))
+            ),
+            "overlapped": gtx.clip_by_global_norm(1.0),  # zero-config: placements, async reductions
+            "in backward": gtx.clip_by_global_norm(1.0, precomputed=bn),
+        }
+        states = {k: tx.init(grads) for k, tx in clips.items()}
+        models = {"sequential": plain, "overlapped": plain, "in backward": hooked}
+        times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "norm": []} for k in clips}
+        used = bn.used
+        for r in range(rounds + 2):
+            seen = {}
+            for k in sorted(clips, reverse=r % 2 == 1):  # the same order on every rank
+                dist.barrier()
+                t0 = time.perf_counter()
+                g = backward(models[k])
+                t1 = time.perf_counter()
+                _, st = clips[k].factor(g, states[k])  # the clip's norm (and its coefficient), no scaling
+                t2 = time.perf_counter()
+                seen[k] = st.grad_norm
+                if r >= 2:
+                    times[k]["backward"].append(t1 - t0)
+                    times[k]["norm"].append(t2 - t1)
+            # the same norm on every path: the measured parts are the step-time ones, to fp32 rounding
+            torch.testing.assert_close(seen["in backward"], seen["overlapped"], rtol=2e-6, atol=0)
+            torch.testing.assert_close(seen["sequential"], seen["overlapped"], rtol=2e-6, atol=0)
+        assert bn.used - used == rounds + 2 and bn.fallbacks == 0, (bn.used, bn.fallbacks)
+        if rank == 0:
+            med = {k: {w: statistics.median(v) for w, v in t.items()} for k, t in times.items()}
+            n = sum(p.numel() for p in base.parameters())
+            local = sum(g.to_local().numel() for g in grads.values())
+            with open(out, "w") as f:
+                f.write(repr((med, n, local, len(grads))))
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_fsdp_model(quick: bool, rounds: int) -> list[tuple[str, str]]:
+    import ast
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    out = os.path.join(tempfile.mkdtemp(), "tp_fsdp.txt")
+    port = 29500 + random.Random(os.getpid() + 2).randrange(2000)
+    mp.spawn(_tp_fsdp_worker, args=(4, port, quick, rounds, out), nprocs=4, join=True)
+    med, n, local, leaves = ast.literal_eval(Path(out).read_text())
+    seq, ov, inb = med["sequential"], med["overlapped"], med["in backward"]
+    return [
+        (
+            f"4 gloo ranks, a TP x FSDP2 transformer (mesh dp=2 x tp=2), {n:,} fp32 params in {leaves} DTensors "
+            f"({local:,} per rank): end of backward to end of the clip's norm, (a) sequential",
+            f"{seq['norm'] * 1e3:.2f} ms",
+        ),
+        ("(b) the same, overlapped (zero-config clip)", f"{ov['norm'] * 1e3:.2f} ms"),
+        ("(c) the same, measured in the backward (gtx.norm_in_backward): what is left at step()",
+         f"{inb['norm'] * 1e3:.2f} ms"),
+        ("(b) / (a): overlapped / sequential", f"**{ov['norm'] / seq['norm']:.3f}**"),
+        ("(c) / (b): exposed norm time at step(), in the backward / overlapped", f"**{inb['norm'] / ov['norm']:.3f}**"),
+        ("(c) / (a): in the backward / sequential", f"**{inb['norm'] / seq['norm']:.3f}**"),
+        (
+            "backward (forward included), with the hooks / without",
+            f"{inb['backward'] * 1e3:.1f} / {ov['backward'] * 1e3:.1f} ms = {inb['backward'] / ov['backward']:.3f}",
+        ),
+        (
+            "backward + norm, (c) / (b)",
+            f"**{(inb['backward'] + inb['norm']) / (ov['backward'] + ov['norm']):.3f}**",
+        ),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda-only", action="store_true", help="the GPU table only; exit 2 when CUDA is absent")
     ap.add_argument("--dist", action="store_true", help="also 4 gloo ranks on CPU (TP x FSDP layout)")
     ap.add_argument("--ddp", action="store_true", help="only 2 gloo ranks under DDP: the norm in the backward")
+    ap.add_argument(
+        "--tp-fsdp-model",
+        action="store_true",
+        help="only 4 gloo ranks, a TP x FSDP2 model: sequential, overlapped and in-the-backward norms",
+    )
     ap.add_argument("--quick", action="store_true", help="tiny shapes, a smoke run")
     ap.add_argument(
         "--rounds", type=int, default=None, help="timed rounds per contender (default 30 on CUDA, 9 on CPU)"
@@ -391,11 +538,13 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if cuda else "CPU"
     load_start = load()
     t0 = time.perf_counter()
-    if args.ddp:
+    if args.tp_fsdp_model:
+        rows = tp_fsdp_model(args.quick, max(5, rounds))
+    elif args.ddp:
         rows = ddp_backward_norm(args.quick, max(5, rounds))
     else:
         rows = local_pass(device, args.quick, rounds, sync)
-    if args.ddp:
+    if args.ddp or args.tp_fsdp_model:
         pass
     elif cuda:
         rows += fused_step(device, args.quick, rounds, sync)
@@ -404,6 +553,7 @@ def main() -> None:
     if args.dist and not args.cuda_only:
         rows += dist_overlap(args.quick, max(3, rounds))
         rows += ddp_backward_norm(args.quick, max(5, rounds))
+        rows += tp_fsdp_model(args.quick, max(5, rounds))
     command = "python benchmarks/norm.py " + " ".join(sys.argv[1:])
     lines = [
         "# The global norm: benchmarks",
