@@ -550,7 +550,7 @@ def main() -> None:
     load_start = load()
     t0 = time.perf_counter()
     if args.tp_fsdp_model:
-        rows = tp_fsdp_model(args.quick, max(5, rounds))
+        rows = tp_fsdp_model(args.quick, max(5, rounds) if args.quick else max(15, rounds))
     elif args.ddp:
         rows = ddp_backward_norm(args.quick, max(5, rounds))
     else:
@@ -564,7 +564,8 @@ def main() -> None:
     if args.dist and not args.cuda_only:
         rows += dist_overlap(args.quick, max(3, rounds))
         rows += ddp_backward_norm(args.quick, max(5, rounds))
-        rows += tp_fsdp_model(args.quick, max(5, rounds))
+        # 4 ranks on a few shared cores: ms-scale medians need more rounds than the 2-rank cases
+        rows += tp_fsdp_model(args.quick, max(5, rounds) if args.quick else max(15, rounds))
     command = "python benchmarks/norm.py " + " ".join(sys.argv[1:])
     lines = [
         "# The global norm: benchmarks",
