@@ -23,7 +23,7 @@ from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
-from gradtx.distributed import inferred
+from gradtx.distributed import inferred, replicas
 from gradtx.distributed import plan as plans
 
 try:
@@ -213,8 +213,8 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     plain_as = "plain"
     if plan is None and inferred._signature(leaves) is None:
         # Plain tensors only: what the zero-config norm would check (and refuse), shown rather than raised.
-        if plans.multi_process():
-            agree, ranks = plans.plain_replicas_agree(leaves, leaves)
+        if replicas.multi_process():
+            agree, ranks = replicas.plain_replicas_agree(leaves, leaves)
             if agree:
                 plain_as = "plain (replicas)"
                 notes.append(f"plain tensors equal on all {ranks} ranks: read as replicas (DDP's layout), counted once")

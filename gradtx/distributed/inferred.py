@@ -25,12 +25,10 @@ from gradtx.distributed.plan import (
     DTensor,
     MeshGroups,
     _build,
-    agreement_groups,
-    check_plain_replicas,
     check_plan,
     default_comm,
-    multi_process,
 )
+from gradtx.distributed.replicas import agreement_groups, check_plain_replicas, multi_process
 
 __all__ = [
     "DEFAULT_CACHE",

@@ -226,9 +226,9 @@ def _orthogonalize_full(
 ) -> torch.Tensor:
     m, transposed = _matrices(x, lay, preconditioning, ns_dtype)
     if lay.flat[0] == 1:  # one matrix: the 2-d ops torch.optim.Muon uses, so bf16 results agree bit for bit
-        y = _ns_2d(m[0], rows, preconditioning, eps).unsqueeze(0)
+        y = _ns(m[0], rows, preconditioning, eps).unsqueeze(0)
     else:
-        y = _ns_batched(m, rows, preconditioning, eps)
+        y = _ns(m, rows, preconditioning, eps)
     return _unmatrices(y.to(x.dtype), lay, transposed, x.shape)
 
 
@@ -309,7 +309,7 @@ def _orthogonalize_stacked(
     else:
         stack = torch.stack(views)
     stack = stack.to(dtype)  # rebound: a copy in the leaves' own dtype is freed before the iteration
-    y = _ns_batched(stack, rows, preconditioning, eps).to(xs[0].dtype)
+    y = _ns(stack, rows, preconditioning, eps).to(xs[0].dtype)
     return [_unmatrices(yi, lay, tr, x.shape) for yi, x, lay, tr in zip(y.unbind(0), xs, lays, trs)]
 
 
@@ -317,28 +317,10 @@ def _eps_like(eps: Scalar, like: torch.Tensor) -> Scalar:
     return eps.to(like.device, like.dtype) if isinstance(eps, torch.Tensor) else eps
 
 
-def _ns_2d(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, eps: Scalar) -> torch.Tensor:
+def _ns(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, eps: Scalar) -> torch.Tensor:
+    """The iteration on one matrix ``(r, c)`` or a stack ``(b, r, c)``: ``addmm`` for one, as torch.optim.Muon, ``baddbmm`` for a stack."""
     e = _eps_like(eps, x)
-    if pre == "frobenius":
-        x = x / (x.norm() + e)
-    elif pre == "spectral":
-        x = x / (torch.linalg.matrix_norm(x.float(), ord=2).to(x.dtype) + e)
-    for i, (a, b, c) in enumerate(rows):
-        gram = x @ x.T
-        if i == 0 and pre in ("aol", "schatten"):
-            if pre == "aol":
-                s = torch.rsqrt(torch.clamp(gram.abs().sum(dim=-1), min=e)).unsqueeze(-1)
-                x, gram = x * s, gram * s * s.T
-            else:
-                s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(gram), min=e))
-                x, gram = x * s, gram * s**2
-        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, update, x, beta=a)
-    return x
-
-
-def _ns_batched(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, eps: Scalar) -> torch.Tensor:
-    e = _eps_like(eps, x)
+    addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     if pre == "frobenius":
         x = x / (torch.linalg.matrix_norm(x, keepdim=True) + e)
     elif pre == "spectral":
@@ -352,8 +334,8 @@ def _ns_batched(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre
             else:
                 s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(gram, keepdim=True), min=e))
                 x, gram = x * s, gram * s**2
-        update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, update, x, beta=a)
+        update = addmm(gram, gram, gram, beta=b, alpha=c)
+        x = addmm(x, update, x, beta=a)
     return x
 
 
