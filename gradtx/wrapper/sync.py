@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from gradtx.comm.backward_norm import BackwardNorm
+
 try:  # a CPU-only or old build may lack torch.distributed
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -178,7 +180,9 @@ def _sum_ddp(module: Any, backward_norm: Any = None) -> Any:
     return state
 
 
-def norm_in_backward(model: torch.nn.Module, norm_type: float = 2.0, *, sum_reduction: bool = False) -> Any:
+def norm_in_backward(
+    model: torch.nn.Module, norm_type: float = 2.0, *, sum_reduction: bool = False
+) -> BackwardNorm:
     """Measure the global grad norm of a DDP or FSDP2 model during its backward; returns the :class:`gradtx.BackwardNorm`.
 
     Registers :func:`gradtx.comm.torch_dist.backward_norm_hook` on the DDP
@@ -217,7 +221,6 @@ def norm_in_backward(model: torch.nn.Module, norm_type: float = 2.0, *, sum_redu
       >>> bn = gtx.norm_in_backward(ddp_model, 2.0)
       >>> opt = gtx.TransformedOptimizer(ddp_model.parameters(), gtx.chain(gtx.clip_by_global_norm(1.0, precomputed=bn), gtx.adamw(3e-4)))
     """
-    from gradtx.comm.backward_norm import BackwardNorm
     from gradtx.comm.torch_dist import backward_norm_hook
 
     if not isinstance(model, torch.nn.Module):
