@@ -291,7 +291,7 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
     def update_fn(updates, state, params=None, **extra):
         f, new_state = factor(updates, state, params, **extra)
         leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tu.paths(updates), what="updates")
+        tu.check_tensors(leaves, tree=updates, what="updates")
         return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=bool(extra.get("inplace", False)))), new_state
 
     return kinds.declare_fresh(ScalarTransformation(init, update_fn, factor))

@@ -19,7 +19,7 @@ from gradtx.core.base import PyTree
 def tensor_leaves(tree: PyTree, *, name: str, what: str) -> tuple[list[torch.Tensor], Any]:
     """The leaves of ``tree`` and its spec, after checking that every leaf is a float or complex tensor."""
     leaves, spec = tu.flatten(tree)
-    tu.check_tensors(leaves, tu.paths(tree), what=f"{name}: {what}")
+    tu.check_tensors(leaves, tree=tree, what=f"{name}: {what}")
     return leaves, spec
 
 

@@ -64,27 +64,37 @@ def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[
     groups: list[tuple[list[int], torch.Tensor]] = []
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
         sum_dtype = partial_dtype(device)
-        # An empty shard (FSDP2 gives one to a rank whenever a param has fewer rows than ranks)
-        # contributes 0 for every p; _foreach_norm refuses the inf-norm of an empty tensor.
-        empty = [i for i in idx if locals_[i].numel() == 0]
+        acc = tu.acc_dtype(dtype)
+        # One pass over the group sorts its tensors: empty shards (FSDP2 gives one to a rank whenever a
+        # param has fewer rows than ranks) contribute 0 for every p, and _foreach_norm refuses the
+        # inf-norm of an empty tensor; big CPU tensors are summed by rows; the rest go to one foreach call.
+        by_rows = device.type == "cpu" and not inf and not dtype.is_complex
+        empty: list[int] = []
+        rows: list[int] = []
+        small: list[int] = []
+        for i in idx:
+            t = locals_[i]
+            n = t.numel()
+            if n == 0:
+                empty.append(i)
+            elif by_rows and n >= _MIN_ROWS and t.is_contiguous():
+                rows.append(i)
+            else:
+                small.append(i)
         if empty:
             groups.append((empty, torch.zeros(len(empty), dtype=sum_dtype, device=device)))
-            idx = [i for i in idx if locals_[i].numel() != 0]
-        if not idx:
+        if rows:
+            groups.append((rows, torch.stack([_rows_powsum(locals_[i], norm_type, acc, sum_dtype) for i in rows])))
+        if not small:
             continue
-        acc = tu.acc_dtype(dtype)
+        tensors = [locals_[i] for i in small]
         if inf or dtype.is_complex:  # max|x| is exact in any dtype; complex magnitudes take the norm kernel
             kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
-            norms = torch._foreach_norm([locals_[i] for i in idx], norm_type, **kwargs)
+            norms = torch._foreach_norm(tensors, norm_type, **kwargs)
             sums: Sequence[torch.Tensor] = norms if inf else torch._foreach_pow(norms, norm_type)
         else:
-            rows = [i for i in idx if _by_rows(locals_[i])]
-            if rows:
-                groups.append((rows, torch.stack([_rows_powsum(locals_[i], norm_type, acc, sum_dtype) for i in rows])))
-                idx = [i for i in idx if not _by_rows(locals_[i])]
-            sums = _foreach_powsum([locals_[i] for i in idx], norm_type, acc) if idx else []
-        if idx:
-            groups.append((idx, torch.stack(list(sums)).to(sum_dtype)))
+            sums = _foreach_powsum(tensors, norm_type, acc)
+        groups.append((small, torch.stack(list(sums)).to(sum_dtype)))
     return groups
 
 
@@ -132,7 +142,10 @@ def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device |
 
 def norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     """The dtype a norm of ``tensors`` is returned in: fp64 if any of them is fp64/complex128, else fp32."""
-    return torch.float64 if any(tu.acc_dtype(t.dtype) == torch.float64 for t in tensors) else torch.float32
+    return torch.float32 if _FP64.isdisjoint({t.dtype for t in tensors}) else torch.float64
+
+
+_FP64 = frozenset({torch.float64, torch.complex128})
 
 
 def norm_to_power(norm: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -155,12 +168,11 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
     """
     locals_ = [tu.local(t) for t in leaves]
     device = locals_[0].device if locals_ else None
-    if norm_dtype(leaves) == torch.float64 and not _is_batched(
-        locals_[0]
-    ):  # fp64 leaves: norms, combined by the scaling norm kernel too
+    dtype = norm_dtype(locals_)
+    if dtype == torch.float64 and not _is_batched(locals_[0]):  # fp64 leaves: norms, combined by the scaling norm kernel too
         norms = _fp64_norms(locals_, norm_type)
         return torch.linalg.vector_norm(torch.stack([n.to(device, torch.float64) for n in norms]), norm_type)
-    return power_to_norm(_local_total(locals_, norm_type, device), norm_type).to(norm_dtype(leaves))
+    return power_to_norm(_local_total(locals_, norm_type, device), norm_type).to(dtype)
 
 
 @maybe_run_for_local_tensor  # per simulated rank, as _local_powsums
@@ -194,12 +206,19 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 
 # --- the local pass, by device and feature -------------------------------------------------------
 
-# Rows of 64K elements: fp32 running sums that short stay within about 2e-7, and the fp64 sum of
-# the row partials costs nothing (about 600 values for GPT-2's 38M-element embedding). The rows
-# go to one foreach call per big tensor; a bf16/fp16 row is upcast into a small scratch first. On a GPU the foreach kernel already reduces in blocks
-# and adds the block partials by a tree, so there big tensors go to it whole, in one launch.
-_ROW = 1 << 16
-_LOWP_ROWS = 16
+# Big CPU tensors are viewed as rows of 4K elements and summed by one row-wise reduction each:
+# fp32 running sums that short stay within about 1e-8 of fp64 (1e-6 on upcast bf16 values, whose
+# coarse grid makes rounding one-sided; 16K-element rows left 6e-6 there), and the fp64 sum of the
+# row partials costs nothing (about 9,400 values for GPT-2's 38M-element embedding). The row-wise
+# kernel splits the rows over torch's threads with one join at the end, so it reads memory from
+# every core: on 2 cores it takes 0.63 of torch's single-threaded norm kernel quiet, and 0.6-0.77 with
+# another torch process or two busy loops beside it (measured on that embedding; see
+# docs/benchmarks.md). A bf16/fp16 tensor is upcast 1M elements at a time into a 4 MiB scratch that
+# stays in cache. On a GPU the foreach kernel already reduces in blocks and adds the block partials
+# by a tree, so there big tensors go to it whole, in one launch.
+_ROW = 1 << 12
+_MIN_ROWS = 2 * _ROW
+_BLOCK = 1 << 20
 _HAS_POWSUM = hasattr(torch, "_foreach_powsum") and hasattr(torch.linalg, "_powsum")
 
 
@@ -222,10 +241,6 @@ def _plain_powsum(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     return norm_to_power(n, norm_type).to(partial_dtype(t.device))
 
 
-def _by_rows(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.numel() >= 2 * _ROW and t.is_contiguous()
-
-
 def _use_powsum() -> bool:
     # dynamo cannot trace the powsum kernels yet (torch 2.13); inside a compiled step inductor
     # generates its own reduction from the norm ops instead.
@@ -241,20 +256,19 @@ def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float, acc: torch.dt
 
 
 def _rows_powsum(t: torch.Tensor, norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype) -> torch.Tensor:
-    """``sum(|t|**p)`` of a big contiguous CPU tensor: fp32 sums of 64K-element rows, added in fp64."""
+    """``sum(|t|**p)`` of a big contiguous CPU tensor: fp32 sums of 4K-element rows, added in fp64."""
     flat = t.view(-1)
     n = flat.numel() // _ROW * _ROW
-    head = flat[:n].view(-1, _ROW)
     if t.dtype == acc:
-        parts = _row_sums(head, norm_type, acc)
-    else:  # bf16/fp16: upcast a block of rows at a time into a 4 MiB scratch that stays in cache
-        scratch = torch.empty(_LOWP_ROWS, _ROW, dtype=acc)
+        parts = _row_sums(flat[:n].view(-1, _ROW), norm_type)
+    else:  # bf16/fp16: never a whole upcast copy
+        scratch = torch.empty(min(n, _BLOCK), dtype=acc)
         blocks = []
-        for start in range(0, head.shape[0], _LOWP_ROWS):
-            block = head[start : start + _LOWP_ROWS]
-            buf = scratch[: block.shape[0]]
+        for start in range(0, n, _BLOCK):
+            block = flat[start : min(start + _BLOCK, n)]
+            buf = scratch[: block.numel()]
             buf.copy_(block)
-            blocks.append(_row_sums(buf, norm_type, acc))
+            blocks.append(_row_sums(buf.view(-1, _ROW), norm_type))
         parts = torch.cat(blocks)
     s = parts.sum(dtype=sum_dtype)
     if n < flat.numel():
@@ -263,8 +277,8 @@ def _rows_powsum(t: torch.Tensor, norm_type: float, acc: torch.dtype, sum_dtype:
     return s
 
 
-def _row_sums(rows: torch.Tensor, norm_type: float, acc: torch.dtype) -> torch.Tensor:
-    # One foreach call over the rows as separate tensors, not a row-wise reduction (dim=1): the same
-    # arithmetic, but the row-wise kernel waits on its thread team, which on a shared machine costs
-    # 5-8x the time of torch's norm (measured at load 5-9 on 2 cores); the foreach loop stays at 1.2x.
-    return torch.stack(list(_foreach_powsum(list(rows.unbind(0)), norm_type, acc)))
+def _row_sums(rows: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``sum(|row|**p)`` of each row, in fp32, by one row-wise reduction."""
+    if _use_powsum():
+        return torch.linalg._powsum(rows, norm_type, dim=1)
+    return torch.linalg.vector_norm(rows, norm_type, dim=1).pow(norm_type)  # older torch, and traced by dynamo

@@ -49,7 +49,7 @@ def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[Any]) -> PyTree:
 def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[torch.Tensor], Any]:
     """``tree``'s leaves and structure, after :func:`check_tensors` (``what`` names the tree in the error)."""
     leaves, spec = flatten(tree)
-    check_tensors(leaves, paths(tree), what=what)
+    check_tensors(leaves, tree=tree, what=what)
     return leaves, spec
 
 
@@ -123,26 +123,37 @@ def require_state(state: Any, state_type: type, *, name: str) -> None:
         )
 
 
-def check_tensors(leaves: Sequence[Any], leaf_paths: Sequence[Path], *, what: str) -> None:
+def check_tensors(
+    leaves: Sequence[Any], leaf_paths: Sequence[Path] | None = None, *, tree: PyTree = None, what: str
+) -> None:
     """Raise ``TypeError`` naming the first leaf that is not a dense floating-point or complex tensor.
 
     Integer and bool tensors have no gradient to transform (a clip or a moment
     would truncate them silently), and sparse tensors are refused as
-    ``torch.nn.utils.clip_grad_norm_`` refuses them.
+    ``torch.nn.utils.clip_grad_norm_`` refuses them. The leaves' paths, for the
+    message, are ``leaf_paths``, or read from ``tree`` only when a leaf fails.
     """
-    for path, leaf in zip(leaf_paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            raise TypeError(f"{what} leaf at {path_str(path)} is a {type(leaf).__name__}, not a torch.Tensor")
-        if leaf.layout != torch.strided:
-            raise TypeError(
-                f"{what} leaf at {path_str(path)} is a {leaf.layout} tensor; gradtx transforms dense tensors only "
-                "(torch.nn.utils.clip_grad_norm_ refuses sparse grads too): pass leaf.to_dense()"
-            )
-        if not (leaf.is_floating_point() or leaf.is_complex()):
-            raise TypeError(
-                f"{what} leaf at {path_str(path)} has dtype {leaf.dtype}; gradients and params must be "
-                "floating point or complex"
-            )
+    for i, leaf in enumerate(leaves):
+        if not (
+            isinstance(leaf, torch.Tensor)
+            and leaf.layout == torch.strided
+            and (leaf.is_floating_point() or leaf.is_complex())
+        ):
+            path = path_str(leaf_paths[i] if leaf_paths is not None else paths(tree)[i])
+            _refuse_leaf(leaf, path, what=what)
+
+
+def _refuse_leaf(leaf: Any, path: str, *, what: str) -> None:
+    if not isinstance(leaf, torch.Tensor):
+        raise TypeError(f"{what} leaf at {path} is a {type(leaf).__name__}, not a torch.Tensor")
+    if leaf.layout != torch.strided:
+        raise TypeError(
+            f"{what} leaf at {path} is a {leaf.layout} tensor; gradtx transforms dense tensors only "
+            "(torch.nn.utils.clip_grad_norm_ refuses sparse grads too): pass leaf.to_dense()"
+        )
+    raise TypeError(
+        f"{what} leaf at {path} has dtype {leaf.dtype}; gradients and params must be floating point or complex"
+    )
 
 
 def check_devices(expected: Sequence[Any], got: Sequence[Any], tree: PyTree, *, what: str, against: str) -> None:
@@ -283,13 +294,8 @@ def align(
     """
     ref_leaves, ref_spec = optree.tree_flatten(reference)
     leaves, spec = optree.tree_flatten(updates)
-    if tensors and not all(
-        isinstance(leaf, torch.Tensor)
-        and leaf.layout == torch.strided
-        and (leaf.is_floating_point() or leaf.is_complex())
-        for leaf in leaves
-    ):
-        check_tensors(leaves, paths(updates), what=what)
+    if tensors:
+        check_tensors(leaves, tree=updates, what=what)
     if spec == ref_spec:
         if not _same_shapes(ref_leaves, leaves):
             check_structure(reference, updates, what=what, against=against)

@@ -86,7 +86,7 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     def update_fn(updates, state, params=None, **extra):
         del params
         leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tu.paths(updates), what="cp_reduce: updates")
+        tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
         summed = tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key, inplace=bool(extra.get("inplace", False)))
         return tu.unflatten(spec, summed), state
 

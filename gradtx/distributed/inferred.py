@@ -308,5 +308,5 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
     """
     norm_type = check.norm_type(norm_type, name="global_norm")
     leaves, _ = tu.flatten(tree)
-    tu.check_tensors(leaves, tu.paths(tree), what="global_norm: tree")
+    tu.check_tensors(leaves, tree=tree, what="global_norm: tree")
     return tree_norm(leaves, norm_type, mesh_groups, what="global_norm", tree=tree)

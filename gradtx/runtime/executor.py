@@ -267,7 +267,7 @@ class StepPlan:
 
 def _scale_owned(updates: Updates, factor: torch.Tensor) -> Updates:
     leaves, spec = tu.flatten(updates)
-    tu.check_tensors(leaves, tu.paths(updates), what="updates")
+    tu.check_tensors(leaves, tree=updates, what="updates")
     return tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=True))
 
 

@@ -540,7 +540,7 @@ def accumulate(
         """The window's fp32 sum (``None`` while it holds) and its normaliser: ``update`` is their product."""
         window.check(state)
         leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tu.paths(updates), what="accumulate: updates")
+        tu.check_tensors(leaves, tree=updates, what="accumulate: updates")
         window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
         _loss_value(loss)
         held = state.acc

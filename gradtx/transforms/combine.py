@@ -84,7 +84,7 @@ def _run(
         if isinstance(tx, ScalarTransformation):
             factor, new_states[i] = tx.factor(updates, states[i], params, **extra)
             leaves, spec = tu.flatten(updates)
-            tu.check_tensors(leaves, tu.paths(updates), what="updates")
+            tu.check_tensors(leaves, tree=updates, what="updates")
             updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
             owned = donate
             continue

@@ -110,7 +110,7 @@ def apply_if_finite(
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
         leaves, _ = tu.flatten(updates)
-        tu.check_tensors(leaves, tu.paths(updates), what="apply_if_finite: updates")
+        tu.check_tensors(leaves, tree=updates, what="apply_if_finite: updates")
         finite = inferred.agree_finite(all_finite(leaves), leaves, comm=comm, group=group)
         device = state.notfinite_count.device
         finite = finite.to(device)

@@ -68,7 +68,7 @@ def normalize_by_update_norm(
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
         leaves, _ = tu.flatten(updates)
-        tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
+        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
         norm = inferred.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale

@@ -76,7 +76,7 @@ def _muon_leaves(updates: PyTree, resolve: Callable[..., Any], *, name: str):
     """The updates' leaves with their dimension numbers; a leaf whose entry is None passes through."""
     leaves, spec = tu.flatten(updates)
     if not all(isinstance(x, torch.Tensor) for x in leaves):
-        tu.check_tensors(leaves, tu.paths(updates), what=f"{name}: updates")
+        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
     dims, paths = resolve(updates, leaves, spec)
     return leaves, spec, dims, paths
 
@@ -276,7 +276,7 @@ def scale_by_muon(
 
     def init_fn(params: Params) -> MuonState:
         leaves, spec = tu.flatten(params)
-        tu.check_tensors(leaves, tu.paths(params), what=f"{name}: params")
+        tu.check_tensors(leaves, tree=params, what=f"{name}: params")
         mu = [torch.zeros_like(p, dtype=mu_dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
         device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
         return MuonState(count=torch.zeros((), dtype=torch.int64, device=device), mu=tu.unflatten(spec, mu))
