@@ -145,6 +145,7 @@ class MeshGroups:
         pp_group: GroupKey | None,
         device: torch.device,
         plain: str | None = None,
+        flat: GroupKey | None = None,
     ) -> None:
         self.comm = comm
         self.pp_group = pp_group
@@ -174,6 +175,20 @@ class MeshGroups:
             weight = 1.0 / sizes[leaf.tie_group] if leaf.tie_group is not None else 1.0
             buckets.setdefault((groups, weight), []).append(i)
         self._buckets = [_Bucket(groups, weight, tuple(idx)) for (groups, weight), idx in buckets.items()]
+        # One reduction for the whole norm, when every sharded leaf lives on one mesh over all the ranks of
+        # ``flat``: each bucket's part is divided by the number of ranks holding the same shard (its
+        # replicas over the mesh dims it is not sharded on), so one sum over ``flat`` counts it once.
+        self.flat: tuple[GroupKey, tuple[int, ...]] | None = None
+        if flat is not None and pp_group is None and not any(leaf.tie_group is not None for leaf in leaves):
+            ranks = comm.size(flat)
+            replicas = []
+            for b in self._buckets:
+                shards = 1
+                for g in b.groups:
+                    shards *= comm.size(g)
+                replicas.append(ranks // shards if ranks % shards == 0 else 0)
+            if all(replicas):
+                self.flat = (flat, tuple(replicas))
 
         tied: dict[GroupKey, list[int]] = {}
         for i, leaf in enumerate(leaves):
@@ -483,6 +498,7 @@ def _build(
     device: torch.device | str | None,
     what: str,
     plain: str | None = None,
+    flat: bool = False,
 ) -> MeshGroups:
     if plain is not None and (not isinstance(plain, str) or plain not in PLAIN_KINDS):
         raise ValueError(
@@ -586,7 +602,31 @@ def _build(
                 given = "params" if what == "mesh_groups" else "grads"
                 check_plain_replicas(undeclared, flat_leaves, what=what, leaf_kind=given)
                 kind = "replicas"
-    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind)
+    flat_group = _one_mesh_group(flat_leaves, comm) if flat and not sharded and pp is None else None
+    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind, flat=flat_group)
+
+
+def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
+    """``"world"`` when every DTensor of ``leaves`` lives on one whole mesh that spans the world, else ``None``.
+
+    Then a norm's parts can be reduced in one collective: a leaf on the whole
+    mesh is sharded over some of its dims and replicated over the rest, so its
+    replication count is known. A leaf on a sub-mesh (replicated over the
+    other dims only by convention) or a second root mesh keeps the
+    per-dim reductions.
+    """
+    root = None
+    for t in leaves:
+        if DTensor is None or not isinstance(t, DTensor):
+            continue
+        mesh = t.device_mesh
+        r = mesh._get_root_mesh()
+        if (root is not None and r is not root) or mesh.ndim != r.ndim:
+            return None
+        root = r
+    if root is None or not multi_process() or root.size() != comm.size("world"):
+        return None
+    return "world"
 
 
 _T = TypeVar("_T")
