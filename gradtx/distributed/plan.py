@@ -179,7 +179,8 @@ class MeshGroups:
         # ``flat``: each bucket's part is divided by the number of ranks holding the same shard (its
         # replicas over the mesh dims it is not sharded on), so one sum over ``flat`` counts it once.
         self.flat: tuple[GroupKey, tuple[int, ...]] | None = None
-        if flat is not None and pp_group is None and not any(leaf.tie_group is not None for leaf in leaves):
+        flat_ok = len(self.group_order) > 1 and pp_group is None  # one group is one collective either way
+        if flat is not None and flat_ok and not any(leaf.tie_group is not None for leaf in leaves):
             ranks = comm.size(flat)
             replicas = []
             for b in self._buckets:
@@ -223,8 +224,11 @@ class MeshGroups:
         return tuple(g for g, _ in self._leaves[index].shards)
 
     def num_collectives(self) -> int:
-        """How many collectives :meth:`global_norm` issues per call: one per group, plus one for ``pp_group``."""
-        return len(self.group_order) + (self.pp_group is not None)
+        """How many collectives :meth:`global_norm` issues per call: one per group, plus one for ``pp_group``.
+
+        One in all for a plan inferred from DTensors on one mesh over the world (see :func:`gradtx.global_norm`).
+        """
+        return 1 if self.flat is not None else len(self.group_order) + (self.pp_group is not None)
 
     def __repr__(self) -> str:
         buckets = ", ".join(
@@ -607,21 +611,22 @@ def _build(
 
 
 def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
-    """``"world"`` when every DTensor of ``leaves`` lives on one whole mesh that spans the world, else ``None``.
+    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
 
-    Then a norm's parts can be reduced in one collective: a leaf on the whole
-    mesh is sharded over some of its dims and replicated over the rest, so its
-    replication count is known. A leaf on a sub-mesh (replicated over the
-    other dims only by convention) or a second root mesh keeps the
-    per-dim reductions.
+    Then a norm's parts can be reduced in one collective. A leaf is sharded
+    over some dims of the root and held alike by the ranks that differ only in
+    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
+    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
+    which the per-dim reductions assume too), so its replica count is known.
+    Two root meshes, or a root smaller than the world, keep the per-dim
+    reductions.
     """
     root = None
     for t in leaves:
         if DTensor is None or not isinstance(t, DTensor):
             continue
-        mesh = t.device_mesh
-        r = mesh._get_root_mesh()
-        if (root is not None and r is not root) or mesh.ndim != r.ndim:
+        r = t.device_mesh._get_root_mesh()
+        if root is not None and r is not root:
             return None
         root = r
     if root is None or not multi_process() or root.size() != comm.size("world"):
