@@ -191,9 +191,7 @@ def test_one_collective_on_a_3d_mesh_is_the_single_device_norm_on_every_rank(cal
 def test_fp64_and_bf16_leaves(calls, dtype):
     full = {"w": _randn(21, (6, 5), dtype), "ln": _randn(22, (5,), dtype), "r": _randn(23, (3,), dtype)}
     with testing.simulated_mesh((2, 2, 2), ("dp", "tp", "ep")) as mesh:
-        grads = testing.distribute(
-            {"w": full["w"], "r": full["r"]}, mesh, {"w": [Shard(0), Shard(1), Replicate()]}
-        )
+        grads = testing.distribute({"w": full["w"], "r": full["r"]}, mesh, {"w": [Shard(0), Shard(1), Replicate()]})
         grads["ln"] = _on(full["ln"], mesh, ["dp"], [Shard(0)])
         for p in P:
             calls.clear()
@@ -209,11 +207,17 @@ def test_transforms_that_read_the_norm_match_one_device_through_the_one_reductio
     # every transform on 3-D and 4-D meshes; here the 3-D mesh holds a _StridedShard and p = 3).
     def layout(path, leaf):
         if leaf.ndim >= 2:
-            return [_StridedShard(0, split_factor=1), Shard(0), Replicate()] if path == "w" else [Shard(1), Shard(0), Replicate()]
+            return (
+                [_StridedShard(0, split_factor=1), Shard(0), Replicate()]
+                if path == "w"
+                else [Shard(1), Shard(0), Replicate()]
+            )
         return [Shard(0), Replicate(), Replicate()] if leaf.ndim else [Replicate()] * 3
 
     params = {"w": _randn(31, (6, 4)), "v": _randn(32, (3, 5)), "b": _randn(33, (3,)), "s": _randn(34, ())}
-    grads_seq = [{k: _randn(40 + i * 10 + j, t.shape) * (1 + 3 * i) for j, (k, t) in enumerate(params.items())} for i in range(2)]
+    grads_seq = [
+        {k: _randn(40 + i * 10 + j, t.shape) * (1 + 3 * i) for j, (k, t) in enumerate(params.items())} for i in range(2)
+    ]
     txs = [
         gtx.clip_by_global_norm(0.7, norm_type=3.0),
         gtx.skip_spikes(gtx.sgd(0.1), warmup_steps=1, z_thresh=0.5),
