@@ -279,7 +279,9 @@ class MeshGroups:
         Local fp32 foreach norms of each leaf's local shard, combined into one
         p-th-power partial per bucket (leaves that share the same groups),
         then one all-reduce per group over the partials of every bucket that
-        needs it (SUM, or MAX for ``inf``), then one over ``pp_group``.
+        needs it (SUM, or MAX for ``inf``), then one over ``pp_group``; or,
+        for a plan inferred on one mesh over the world (:attr:`flat`), one
+        all-reduce in all (see :meth:`num_collectives`).
 
         Args:
           leaves: the grads, in the plan's leaf order (DTensors or plain tensors).
