@@ -309,3 +309,25 @@ def test_a_plan_with_one_reduction_pickles_copies_and_reprs():
     # a world whose size the shards do not divide cannot count replicas: the per-dim rounds stay
     odd = MeshGroups(_SizedComm({"world": 6, "dp": 2, "tp": 2}), flat._leaves, None, plan.device, flat="world")
     assert odd.flat is None and odd.num_collectives() == 2
+
+
+def test_grads_on_two_equal_root_meshes_are_one_mesh(calls):
+    # An op's output DTensor takes its spec from torch's sharding-propagation cache, which may hold an
+    # earlier mesh equal to the one the input lives on (the same grid built twice): the grads of one
+    # model then name two root objects for one grid. Equal roots are one mesh: still one reduction.
+    full = {"w": _randn(71, (4, 6)), "ln": _randn(72, (6,))}
+    with testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        earlier = testing.distribute({"w": full["w"]}, mesh, {"w": [Shard(0), Shard(1)]})["w"] * 1.0
+        again = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        assert again == mesh and again is not mesh
+        w = testing.distribute({"w": full["w"] / 2}, again, {"w": [Shard(0), Shard(1)]})["w"] * 2.0
+        grads = {"w": w, "ln": _on(full["ln"], again, ["dp"], [Shard(0)])}
+        roots = {id(t.device_mesh._get_root_mesh()) for t in grads.values()}
+        assert len(roots) == 2  # w's spec came from the cache entry of `earlier`, on `mesh`
+        del earlier
+        plan = infer_plan(optree.tree_leaves(grads), what="test")
+        assert plan.flat is not None and plan.num_collectives() == 1, plan
+        for p in P:
+            calls.clear()
+            _check(gtx.global_norm(grads, p), full, p, rtol=1e-6, what=f"p={p}")
+            assert calls == [("world", 1)], (p, calls)

@@ -628,7 +628,11 @@ def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
         if DTensor is None or not isinstance(t, DTensor):
             continue
         r = t.device_mesh._get_root_mesh()
-        if root is not None and r is not root:
+        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
+        # an earlier, equal mesh (one built again, or in an earlier part of the program), so one model's grads
+        # may name two root objects for one grid. Equal roots are the same ranks, dims and names, and the plan
+        # cache keys plans by mesh equality too, so the choice must not depend on which object a grad holds.
+        if root is not None and r != root:
             return None
         root = r
     if root is None or not multi_process() or root.size() != comm.size("world"):
