@@ -206,19 +206,19 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 
 # --- the local pass, by device and feature -------------------------------------------------------
 
-# Big CPU tensors are viewed as rows of 4K elements and summed by one row-wise reduction each:
-# fp32 running sums that short stay within about 1e-8 of fp64 (1e-6 on upcast bf16 values, whose
-# coarse grid makes rounding one-sided; 16K-element rows left 6e-6 there), and the fp64 sum of the
-# row partials costs nothing (about 9,400 values for GPT-2's 38M-element embedding). The row-wise
-# kernel splits the rows over torch's threads with one join at the end, so it reads memory from
-# every core: on 2 cores it takes 0.63 of torch's single-threaded norm kernel quiet, and 0.6-0.77 with
-# another torch process or two busy loops beside it (measured on that embedding; see
-# docs/benchmarks.md). A bf16/fp16 tensor is upcast 1M elements at a time into a 4 MiB scratch that
-# stays in cache. On a GPU the foreach kernel already reduces in blocks and adds the block partials
-# by a tree, so there big tensors go to it whole, in one launch.
-_ROW = 1 << 12
-_MIN_ROWS = 1 << 16  # shorter tensors go to the foreach call, one launch for all: torch's own kernel, as accurate there
-_BLOCK = 1 << 20
+# Big CPU tensors are viewed as rows of 64K elements whose fp32 sums are added in fp64: running
+# sums that short stay within about 2e-7 of fp64, and the fp64 sum of the row partials costs
+# nothing (about 600 values for GPT-2's 38M-element embedding). The rows go to one foreach call
+# per big tensor, a loop on one thread; a bf16/fp16 block of rows is upcast into a 4 MiB scratch
+# that stays in cache first. A row-wise reduction (``dim=1``) does the same arithmetic spread over
+# torch's threads: on 2 quiet cores it takes 0.71 of torch's time on GPT-2-small, but each tensor
+# is a parallel region whose threads wait for one another, and with one other busy process on the
+# machine it took 7x (bf16: 55x), where the foreach loop stays near 1.3x. On a GPU the foreach
+# kernel already reduces in blocks and adds the block partials by a tree, so there big tensors go
+# to it whole, in one launch.
+_ROW = 1 << 16
+_MIN_ROWS = 2 * _ROW  # shorter tensors go to the group's one foreach call
+_LOWP_ROWS = 16
 _HAS_POWSUM = hasattr(torch, "_foreach_powsum") and hasattr(torch.linalg, "_powsum")
 
 
@@ -256,27 +256,28 @@ def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float, acc: torch.dt
 
 
 def _rows_powsum(t: torch.Tensor, norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype) -> torch.Tensor:
-    """``sum(|t|**p)`` of a big contiguous CPU tensor: fp32 sums of 4K-element rows, added in fp64."""
+    """``sum(|t|**p)`` of a big contiguous CPU tensor: fp32 sums of 64K-element rows, added in fp64."""
     flat = t.view(-1)
     n = flat.numel() // _ROW * _ROW
+    head = flat[:n].view(-1, _ROW)
     if t.dtype == acc:
-        parts = _row_sums(flat[:n].view(-1, _ROW), norm_type)
+        parts = _row_sums(head, norm_type, acc)
     else:  # bf16/fp16: never a whole upcast copy
-        scratch = torch.empty(min(n, _BLOCK), dtype=acc)
+        scratch = torch.empty(_LOWP_ROWS, _ROW, dtype=acc)
         blocks = []
-        for start in range(0, n, _BLOCK):
-            block = flat[start : min(start + _BLOCK, n)]
-            buf = scratch[: block.numel()]
+        for start in range(0, head.shape[0], _LOWP_ROWS):
+            block = head[start : start + _LOWP_ROWS]
+            buf = scratch[: block.shape[0]]
             buf.copy_(block)
-            blocks.append(_row_sums(buf.view(-1, _ROW), norm_type))
+            blocks.append(_row_sums(buf, norm_type, acc))
         parts = torch.cat(blocks)
-    if n < flat.numel():  # the tail shorter than a row is one more partial
-        parts = torch.cat([parts, _row_sums(flat[n:].to(acc).view(1, -1), norm_type)])
-    return parts.sum(dtype=sum_dtype)
+    s = parts.sum(dtype=sum_dtype)
+    if n < flat.numel():  # the tail shorter than a row
+        (rest,) = _foreach_powsum([flat[n:]], norm_type, acc)
+        s = s + rest.to(sum_dtype)
+    return s
 
 
-def _row_sums(rows: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``sum(|row|**p)`` of each row, in fp32, by one row-wise reduction."""
-    if _use_powsum():
-        return torch.linalg._powsum(rows, norm_type, dim=1)
-    return torch.linalg.vector_norm(rows, norm_type, dim=1).pow(norm_type)  # older torch, and traced by dynamo
+def _row_sums(rows: torch.Tensor, norm_type: float, acc: torch.dtype) -> torch.Tensor:
+    """``sum(|row|**p)`` of each row, in fp32: one foreach call over the rows, on one thread (see ``_ROW``)."""
+    return torch.stack(list(_foreach_powsum(list(rows.unbind(0)), norm_type, acc)))
