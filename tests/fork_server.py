@@ -7,26 +7,26 @@ interpreter sets them, stdout and stderr to the files named, the working directo
 environment the server was started with) and reports its exit code. The child is a fresh process:
 nothing one script does is seen by the next.
 
-Protocol, one JSON object per line: the client writes ``{"argv": [script, *args], "stdout": path,
-"stderr": path}`` on stdin; the server answers ``{"pid": pid}`` when the child starts and
-``{"code": exit_code}`` when it ends. EOF on stdin stops the server.
+Tests call :func:`run_script`; the server starts on the first call. Protocol, one JSON object per
+line: the client writes ``{"argv": [script, *args], "stdout": path, "stderr": path}`` on stdin;
+the server answers ``{"pid": pid}`` when the child starts and ``{"code": exit_code}`` when it
+ends. EOF on stdin stops the server.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import runpy
+import select
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 import traceback
-
-# Three examples set this before they import torch (OpenMP reads it when it loads); here torch is
-# imported for them, so it is set first.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import torch  # noqa: F401 - the point of the server: imported once, before the forks
-
-import gradtx  # noqa: F401
+from pathlib import Path
 
 
 def _child(argv: list[str], stdout: str, stderr: str) -> int:
@@ -56,6 +56,13 @@ def _child(argv: list[str], stdout: str, stderr: str) -> int:
 
 
 def main() -> None:
+    # Three examples set this before they import torch (OpenMP reads it when it loads); here torch is
+    # imported for them, so it is set first.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch  # noqa: F401 - the point of the server: imported once, before the forks
+
+    import gradtx  # noqa: F401
+
     reply = sys.stdout
     for line in sys.stdin:
         request = json.loads(line)
@@ -69,6 +76,79 @@ def main() -> None:
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         reply.write(json.dumps({"code": code}) + "\n")
         reply.flush()
+
+
+# --- the client, in the test process ----------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Client:
+    """The server, started on first use, as a subprocess of the test process."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[str] | None = None
+
+    def start(self) -> subprocess.Popen[str]:
+        if self.proc is None or self.proc.poll() is not None:
+            env = dict(os.environ)
+            # The package may not be installed into the interpreter (a plain checkout): import it from the repo.
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve())],
+                cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+            )  # fmt: skip
+            atexit.register(self.stop)
+        return self.proc
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()  # EOF: the server exits
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+    def _reply(self, proc: subprocess.Popen[str], deadline: float) -> dict:
+        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
+            raise TimeoutError
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"tests/fork_server.py ended (exit code {proc.wait()})")
+        return json.loads(line)
+
+    def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
+        proc = self.start()
+        deadline = time.monotonic() + timeout
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            proc.stdin.write(json.dumps({"argv": argv, "stdout": str(out), "stderr": str(err)}) + "\n")
+            proc.stdin.flush()
+            try:
+                pid = self._reply(proc, deadline)["pid"]
+                try:
+                    code = self._reply(proc, deadline)["code"]
+                except TimeoutError:
+                    os.killpg(pid, signal.SIGKILL)  # the script and what it started
+                    raise AssertionError(
+                        f"{argv[0]} ran past {timeout:.0f} s:\n{out.read_text()}\n{err.read_text()}"
+                    ) from None
+            except BaseException:
+                self.stop()  # out of step with the server: the next run starts a new one
+                raise
+            return code, out.read_text(), err.read_text()
+
+
+_CLIENT = _Client()
+
+
+def run_script(argv: list[str], timeout: float) -> tuple[int, str, str]:
+    """Run ``python argv[0] argv[1:]`` from the repo root (repo on PYTHONPATH); return exit code, stdout, stderr.
+
+    Fails the caller if the script runs past ``timeout`` seconds (it is killed, with what it started).
+    """
+    return _CLIENT.run(argv, timeout)
 
 
 if __name__ == "__main__":

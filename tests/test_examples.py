@@ -2,85 +2,20 @@
 
 from __future__ import annotations
 
-import atexit
 import itertools
-import json
-import os
 import re
-import select
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
+
+from tests.fork_server import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 # The examples' last line: "initial_loss=1.534783 final_loss=0.377835".
 LOSSES = re.compile(r"^initial_loss=(\S+) final_loss=(\S+)$", re.MULTILINE)
-
-
-class _ForkServer:
-    """tests/fork_server.py, started on first use: each script runs in a child forked from one torch import."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> subprocess.Popen[str]:
-        if self.proc is None or self.proc.poll() is not None:
-            env = dict(os.environ)
-            # The package may not be installed into the interpreter (a plain checkout): import it from the repo.
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-            self.proc = subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "fork_server.py")],
-                cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
-            )  # fmt: skip
-            atexit.register(self.stop)
-        return self.proc
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.stdin.close()  # EOF: the server exits
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc = None
-
-    def _reply(self, proc: subprocess.Popen[str], deadline: float) -> dict:
-        if not select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0))[0]:
-            raise TimeoutError
-        line = proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"tests/fork_server.py ended (exit code {proc.wait()})")
-        return json.loads(line)
-
-    def run(self, argv: list[str], timeout: float) -> tuple[int, str, str]:
-        proc = self.start()
-        deadline = time.monotonic() + timeout
-        with tempfile.TemporaryDirectory() as tmp:
-            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            proc.stdin.write(json.dumps({"argv": argv, "stdout": str(out), "stderr": str(err)}) + "\n")
-            proc.stdin.flush()
-            try:
-                pid = self._reply(proc, deadline)["pid"]
-                try:
-                    code = self._reply(proc, deadline)["code"]
-                except TimeoutError:
-                    os.killpg(pid, signal.SIGKILL)  # the script and what it started
-                    raise AssertionError(
-                        f"{argv[0]} ran past {timeout:.0f} s:\n{out.read_text()}\n{err.read_text()}"
-                    ) from None
-            except BaseException:
-                self.stop()  # out of step with the server: the next run starts a new one
-                raise
-            return code, out.read_text(), err.read_text()
-
-
-_FORK_SERVER = _ForkServer()
 
 
 def run_example(script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -89,7 +24,7 @@ def run_example(script: Path, *args: str, timeout: float = 300) -> subprocess.Co
     The script runs in a process forked from tests/fork_server.py, which imported torch and gradtx
     once for all the examples (an import costs seconds, an example's run about as much).
     """
-    code, stdout, stderr = _FORK_SERVER.run([str(script), *args], timeout)
+    code, stdout, stderr = run_script([str(script), *args], timeout)
     assert code == 0, f"{script.name} exited {code}:\n{stdout}\n{stderr}"
     return subprocess.CompletedProcess([sys.executable, str(script), *args], code, stdout, stderr)
 
