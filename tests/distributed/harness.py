@@ -104,7 +104,8 @@ def run_parts(parts: dict[str, Callable[[int], Any]], world_size: int) -> list[d
     Each part is a module-level ``fn(rank)``. A part that raises is recorded,
     not fatal: :func:`part_results` fails the test that reads it.
     """
-    return run_distributed(_run_parts, world_size, args=(parts,))
+    # One answer per rank after all the parts: the suite's shared spawns run a minute or two of parts.
+    return run_distributed(_run_parts, world_size, args=(parts,), timeout=600.0)
 
 
 def part_results(ranks: list[dict[str, Any]], name: str) -> list[Any]:
