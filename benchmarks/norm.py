@@ -446,11 +446,13 @@ def _tp_fsdp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, 
         }
         states = {k: tx.init(grads) for k, tx in clips.items()}
         models = {"sequential": plain, "overlapped": plain, "in backward": hooked}
-        times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "norm": []} for k in [*clips, "local"]}
+        extra = ["local", "two scalars", "one scalar"]
+        times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "norm": []} for k in [*clips, *extra]}
+        tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
         used = bn.used
         for r in range(rounds + 2):
             seen = {}
-            for k in sorted([*clips, "local"], reverse=r % 2 == 1):  # the same order on every rank
+            for k in sorted([*clips, *extra], reverse=r % 2 == 1):  # the same order on every rank
                 dist.barrier()
                 t0 = time.perf_counter()
                 g = backward(models.get(k, plain))
@@ -461,7 +463,13 @@ def _tp_fsdp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, 
                 dist.barrier()
                 t1b = time.perf_counter()
                 if k == "local":  # the local pass alone, no collective: all that the backward can take over
-                    norms.local_norm([t.to_local() for t in g.values()], 2.0)
+                    norms.local_norm(list(g.values()), 2.0)
+                elif k == "two scalars":  # what a reduction per mesh dim costs: one scalar over tp, then one over dp
+                    v = torch.zeros((), dtype=torch.float64)
+                    dist.all_reduce(v, group=tp_group)
+                    dist.all_reduce(v, group=dp_group)
+                elif k == "one scalar":  # the floor of what (c) leaves: one scalar over the whole mesh
+                    dist.all_reduce(torch.zeros((), dtype=torch.float64))
                 else:
                     _, st = clips[k].factor(g, states[k])  # the clip's norm (and its coefficient), no scaling
                     seen[k] = st.grad_norm
@@ -494,6 +502,7 @@ def tp_fsdp_model(quick: bool, rounds: int) -> list[tuple[str, str]]:
     mp.spawn(_tp_fsdp_worker, args=(4, port, quick, rounds, out), nprocs=4, join=True)
     med, n, local, leaves = ast.literal_eval(Path(out).read_text())
     seq, ov, inb, alone = med["sequential"], med["overlapped"], med["in backward"], med["local"]
+    per_dim, floor = med["two scalars"], med["one scalar"]
     return [
         (
             (
@@ -512,6 +521,11 @@ def tp_fsdp_model(quick: bool, rounds: int) -> list[tuple[str, str]]:
             "the local pass alone (no collective): all the backward can take off the step, / (b)",
             f"{alone['norm'] * 1e3:.2f} ms = {alone['norm'] / ov['norm']:.3f}",
         ),
+        (
+            "one scalar all-reduce over the mesh alone (gloo's latency): the floor of (b) and (c), / (b)",
+            f"{floor['norm'] * 1e3:.2f} ms = {floor['norm'] / ov['norm']:.3f}",
+        ),
+        ("two scalar all-reduces, over tp then dp (one per mesh dim, as in (a))", f"{per_dim['norm'] * 1e3:.2f} ms"),
         ("(b) / (a): overlapped / sequential", f"**{ov['norm'] / seq['norm']:.3f}**"),
         ("(c) / (b): exposed norm time at step(), in the backward / overlapped", f"**{inb['norm'] / ov['norm']:.3f}**"),
         ("(c) / (a): in the backward / sequential", f"**{inb['norm'] / seq['norm']:.3f}**"),

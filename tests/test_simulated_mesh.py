@@ -210,3 +210,41 @@ def test_empty_shards_under_every_norm_type():
         testing.assert_matches_single_device(
             gtx.clip_by_global_norm(0.5, norm_type=p), [grads], grads, mesh_shape=4, layout="fsdp"
         )
+
+
+# --- one reduction per mesh ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["tp_fsdp", "hsdp", "ep_fsdp", "fsdp"])
+def test_a_zero_config_norm_on_one_mesh_is_one_collective(monkeypatch, layout):
+    # Every leaf on the one mesh that spans the world: each bucket's part over its replica count, one
+    # sum (or max) over the world (or over the one sharded dim), equal to the single-device norm.
+    from gradtx.comm.torch_dist import TorchComm
+
+    calls: list[tuple[object, int]] = []
+    start = TorchComm.all_reduce_async
+
+    def spy(self, tensors, op, group):
+        calls.append((group, len(tensors)))
+        return start(self, tensors, op, group)
+
+    monkeypatch.setattr(TorchComm, "all_reduce_async", spy)
+    full = _tree(3, w=(8, 6), expert_w=(4, 6, 2), norm=(6,), b=(3,))
+    shape, names = ((4,), ("dp",)) if layout == "fsdp" else ((2, 2), ("dp", "tp"))
+    with testing.simulated_mesh(shape, names) as mesh:
+        grads = testing.distribute(full, mesh, layout)
+        for p in (1.0, 2.0, math.inf):
+            calls.clear()
+            norm = gtx.global_norm(grads, p)
+            assert len(calls) == 1 and calls[0][1] == 1, (p, calls)  # one collective of one value
+            if layout in ("tp_fsdp", "ep_fsdp"):  # sharded over two dims: over the world, not one per dim
+                assert calls[0][0] == "world", calls
+            expected = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in full.values()]), p)
+            for rank, value in _values(norm).items():
+                torch.testing.assert_close(value, expected, rtol=1e-6, atol=0, msg=f"rank {rank}, p={p}")
+
+
+def _values(norm: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each simulated rank's value of a 0-d result."""
+    local = norm.to_local() if isinstance(norm, DTensor) else norm
+    return dict(local._local_tensors) if isinstance(local, LocalTensor) else {0: local}

@@ -217,7 +217,7 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 # stays in cache. On a GPU the foreach kernel already reduces in blocks and adds the block partials
 # by a tree, so there big tensors go to it whole, in one launch.
 _ROW = 1 << 12
-_MIN_ROWS = 2 * _ROW
+_MIN_ROWS = 1 << 16  # shorter tensors go to the foreach call, one launch for all: torch's own kernel, as accurate there
 _BLOCK = 1 << 20
 _HAS_POWSUM = hasattr(torch, "_foreach_powsum") and hasattr(torch.linalg, "_powsum")
 
@@ -270,11 +270,9 @@ def _rows_powsum(t: torch.Tensor, norm_type: float, acc: torch.dtype, sum_dtype:
             buf.copy_(block)
             blocks.append(_row_sums(buf.view(-1, _ROW), norm_type))
         parts = torch.cat(blocks)
-    s = parts.sum(dtype=sum_dtype)
-    if n < flat.numel():
-        (rest,) = _foreach_powsum([flat[n:]], norm_type, acc)
-        s = s + rest.to(sum_dtype)
-    return s
+    if n < flat.numel():  # the tail shorter than a row is one more partial
+        parts = torch.cat([parts, _row_sums(flat[n:].to(acc).view(1, -1), norm_type)])
+    return parts.sum(dtype=sum_dtype)
 
 
 def _row_sums(rows: torch.Tensor, norm_type: float) -> torch.Tensor:

@@ -85,6 +85,8 @@ def plan_norm(
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
     buckets = plan._buckets
+    if plan.flat is not None:
+        return _flat_norm(plan, leaves, norm_type, device, powsums)
     schedule = rounds([b.groups for b in buckets], plan.group_order)
     # (value, groups still to reduce over); a bucket's local pass runs just before its first round.
     values: list[tuple[torch.Tensor, frozenset]] = []
@@ -112,6 +114,36 @@ def plan_norm(
     total = norms.total([v for v, _ in values], norm_type, device).to(norms.partial_dtype(device))
     if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
         (total,) = plan.comm.all_reduce([total], op, plan.pp_group)
+    return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
+
+
+def _flat_norm(
+    plan: Any,
+    leaves: Sequence[torch.Tensor],
+    norm_type: float,
+    device: torch.device,
+    powsums: Sequence[torch.Tensor] | None,
+) -> torch.Tensor:
+    """:func:`plan_norm` in one collective: every sharded bucket's part over its replica count, summed over the mesh.
+
+    A bucket sharded over some of the mesh's dims is held alike by the ranks
+    that differ only in the other dims; divided by their number, its part
+    counts once in a sum over the whole mesh (a max needs no division). The
+    one reduction is started first, and the local pass of the leaves that
+    every rank holds whole runs while it is in flight.
+    """
+    inf = math.isinf(norm_type)
+    group, replicas = plan.flat
+    sharded = [(b, r) for b, r in zip(plan._buckets, replicas) if b.groups]
+    whole = [b for b in plan._buckets if not b.groups]
+    parts = _bucket_sums([b for b, _ in sharded], leaves, norm_type, device, powsums)
+    if not inf:
+        parts = [p if r == 1 else p / r for p, (_, r) in zip(parts, sharded)]
+    mine = norms.total(parts, norm_type, device).to(norms.partial_dtype(device))
+    pending = start_all_reduce(plan.comm, [mine], ReduceOp.MAX if inf else ReduceOp.SUM, group)
+    rest = _bucket_sums(whole, leaves, norm_type, device, powsums)
+    (reduced,) = pending.wait()
+    total = norms.total([reduced, *rest], norm_type, device)
     return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
 
 

@@ -156,6 +156,7 @@ def infer_plan(
                 tied=None,
                 device=None,
                 what=what,
+                flat=True,
             ),
         )
     return plan

@@ -145,6 +145,7 @@ class MeshGroups:
         pp_group: GroupKey | None,
         device: torch.device,
         plain: str | None = None,
+        flat: GroupKey | None = None,
     ) -> None:
         self.comm = comm
         self.pp_group = pp_group
@@ -174,6 +175,21 @@ class MeshGroups:
             weight = 1.0 / sizes[leaf.tie_group] if leaf.tie_group is not None else 1.0
             buckets.setdefault((groups, weight), []).append(i)
         self._buckets = [_Bucket(groups, weight, tuple(idx)) for (groups, weight), idx in buckets.items()]
+        # One reduction for the whole norm, when every sharded leaf lives on one mesh over all the ranks of
+        # ``flat``: each bucket's part is divided by the number of ranks holding the same shard (its
+        # replicas over the mesh dims it is not sharded on), so one sum over ``flat`` counts it once.
+        self.flat: tuple[GroupKey, tuple[int, ...]] | None = None
+        flat_ok = len(self.group_order) > 1 and pp_group is None  # one group is one collective either way
+        if flat is not None and flat_ok and not any(leaf.tie_group is not None for leaf in leaves):
+            ranks = comm.size(flat)
+            replicas = []
+            for b in self._buckets:
+                shards = 1
+                for g in b.groups:
+                    shards *= comm.size(g)
+                replicas.append(ranks // shards if ranks % shards == 0 else 0)
+            if all(replicas):
+                self.flat = (flat, tuple(replicas))
 
         tied: dict[GroupKey, list[int]] = {}
         for i, leaf in enumerate(leaves):
@@ -208,8 +224,11 @@ class MeshGroups:
         return tuple(g for g, _ in self._leaves[index].shards)
 
     def num_collectives(self) -> int:
-        """How many collectives :meth:`global_norm` issues per call: one per group, plus one for ``pp_group``."""
-        return len(self.group_order) + (self.pp_group is not None)
+        """How many collectives :meth:`global_norm` issues per call: one per group, plus one for ``pp_group``.
+
+        One in all for a plan inferred from DTensors on one mesh over the world (see :func:`gradtx.global_norm`).
+        """
+        return 1 if self.flat is not None else len(self.group_order) + (self.pp_group is not None)
 
     def __repr__(self) -> str:
         buckets = ", ".join(
@@ -483,6 +502,7 @@ def _build(
     device: torch.device | str | None,
     what: str,
     plain: str | None = None,
+    flat: bool = False,
 ) -> MeshGroups:
     if plain is not None and (not isinstance(plain, str) or plain not in PLAIN_KINDS):
         raise ValueError(
@@ -586,7 +606,32 @@ def _build(
                 given = "params" if what == "mesh_groups" else "grads"
                 check_plain_replicas(undeclared, flat_leaves, what=what, leaf_kind=given)
                 kind = "replicas"
-    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind)
+    flat_group = _one_mesh_group(flat_leaves, comm) if flat and not sharded and pp is None else None
+    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind, flat=flat_group)
+
+
+def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
+    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
+
+    Then a norm's parts can be reduced in one collective. A leaf is sharded
+    over some dims of the root and held alike by the ranks that differ only in
+    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
+    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
+    which the per-dim reductions assume too), so its replica count is known.
+    Two root meshes, or a root smaller than the world, keep the per-dim
+    reductions.
+    """
+    root = None
+    for t in leaves:
+        if DTensor is None or not isinstance(t, DTensor):
+            continue
+        r = t.device_mesh._get_root_mesh()
+        if root is not None and r is not root:
+            return None
+        root = r
+    if root is None or not multi_process() or root.size() != comm.size("world"):
+        return None
+    return "world"
 
 
 _T = TypeVar("_T")
