@@ -39,8 +39,12 @@ def test_tp_fsdp_rows_name_the_dims_summed_and_skipped_and_match_one_device():
     full = _tree(w=(5, 3), v=(3, 4), b=(3,), s=())
     total = sum(_sq(t) for t in full.values())
     with testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
-        audit = gtx.norm_audit(testing.distribute(full, mesh, "tp_fsdp"))
-    assert audit.plan == "placements" and audit.collectives == 2 and audit.notes == ()
+        grads = testing.distribute(full, mesh, "tp_fsdp")
+        audit = gtx.norm_audit(grads)
+        declared = gtx.norm_audit(grads, gtx.mesh_groups(grads))
+    # the zero-config norm on one mesh over the world: one all-reduce; the declared plan: one per sharded dim
+    assert audit.plan == "placements" and audit.collectives == 1 and audit.notes == ()
+    assert declared.collectives == 2 and declared.norm == pytest.approx(audit.norm, rel=1e-12)
     assert audit.norm == pytest.approx(math.sqrt(total), rel=1e-6)
     w, v, b, s = (audit.row(k) for k in ("w", "v", "b", "s"))
     assert w.summed == ("dp", "tp") and w.skipped == () and w.local_numel == (6, 3, 4, 2)  # uneven, per rank

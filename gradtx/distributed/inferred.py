@@ -188,7 +188,8 @@ def tree_norm(
       hand-sharded plain tensors).
     * Else, with DTensor leaves: the plan their placements define (see
       :func:`infer_plan`), built once and cached by placements and meshes:
-      one collective per sharded mesh dim, exactly what the explicit plan issues.
+      one collective per sharded mesh dim, as the explicit plan issues, or one in all when every
+      DTensor lives on one root mesh over the world (see ``MeshGroups.num_collectives``).
     * Else: the local norm (unsharded, or replicated as under DDP): no collective.
 
     Every rank holding part of the model must call it (it may communicate).

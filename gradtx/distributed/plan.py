@@ -279,7 +279,9 @@ class MeshGroups:
         Local fp32 foreach norms of each leaf's local shard, combined into one
         p-th-power partial per bucket (leaves that share the same groups),
         then one all-reduce per group over the partials of every bucket that
-        needs it (SUM, or MAX for ``inf``), then one over ``pp_group``.
+        needs it (SUM, or MAX for ``inf``), then one over ``pp_group``; or,
+        for a plan inferred on one mesh over the world (:attr:`flat`), one
+        all-reduce in all (see :meth:`num_collectives`).
 
         Args:
           leaves: the grads, in the plan's leaf order (DTensors or plain tensors).
@@ -626,7 +628,11 @@ def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
         if DTensor is None or not isinstance(t, DTensor):
             continue
         r = t.device_mesh._get_root_mesh()
-        if root is not None and r is not root:
+        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
+        # an earlier, equal mesh (one built again, or in an earlier part of the program), so one model's grads
+        # may name two root objects for one grid. Equal roots are the same ranks, dims and names, and the plan
+        # cache keys plans by mesh equality too, so the choice must not depend on which object a grad holds.
+        if root is not None and r != root:
             return None
         root = r
     if root is None or not multi_process() or root.size() != comm.size("world"):

@@ -204,7 +204,7 @@ def norm_in_backward(
     On a model holding FSDP2 (``fully_shard``) modules and no DDP, a
     post-accumulate-grad hook on every (sharded) param measures its local shard
     once FSDP2 has reduce-scattered and assigned it (final for this sync); the
-    clip then runs only the plan's reductions, one scalar per sharded mesh dim
+    clip then runs only the plan's reductions, one scalar per sharded mesh dim or per mesh
     (see ``docs/distributed.md``). ``sum_reduction`` is DDP's only: FSDP2 sums
     with :func:`sum_grad_reduction`, which composes with this.
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
@@ -761,6 +761,23 @@ def _accumulate_layouts(rank: int) -> dict[str, Any]:
     return out
 
 
+def _flat_empty(rank: int) -> dict[str, Any]:
+    """One reduction per mesh where most ranks hold only empty shards: every rank issues the same one."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = {"w": torch.tensor([[-3.0]]), "ln": torch.tensor([2.0]), "r": torch.tensor([0.5, -1.0])}
+    grads = {
+        "w": distribute_tensor(full["w"], mesh, [Shard(0), Shard(1)]),  # rank 0 alone holds an element
+        "ln": distribute_tensor(full["ln"], mesh["dp"], [Shard(0)]),  # on the dp sub-mesh: ranks 0 and 1
+        "r": distribute_tensor(full["r"], mesh, [Replicate(), Replicate()]),
+    }
+    out: dict[str, Any] = {"numel": {k: _local(t).numel() for k, t in grads.items()}}
+    for p in (1.0, 2.0, 3.0, math.inf):
+        norm, calls = _count_all_reduces(lambda p=p: gtx.global_norm(grads, p))
+        ref = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in full.values()]), p)
+        out[p] = {"norm": norm, "ref": ref, "calls": calls}
+    return out
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "ddp": _ddp,
     "fsdp_empty": _fsdp_empty,
@@ -775,6 +792,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "ddp_sum_unused": _ddp_sum_unused,
     "every_transform": _every_transform,
     "accumulate": _accumulate_layouts,
+    "flat_empty": _flat_empty,
 }
 
 
@@ -844,6 +862,22 @@ def test_zero_config_adaptive_clip_matches_single_device(ranks, layout):
     for r in part_results(ranks, layout):
         for name, ref in r["agc_ref"].items():
             _close(r["agc"][name], ref, msg=name)
+
+
+def test_one_reduction_per_mesh_where_ranks_hold_only_empty_shards(ranks):
+    results = part_results(ranks, "flat_empty")
+    assert [r["numel"] for r in results] == [
+        {"w": 1, "ln": 1, "r": 2},
+        {"w": 0, "ln": 1, "r": 2},
+        {"w": 0, "ln": 0, "r": 2},
+        {"w": 0, "ln": 0, "r": 2},
+    ]
+    for p in (1.0, 2.0, 3.0, math.inf):
+        for rank, r in enumerate(results):
+            got = r[p]
+            assert got["calls"] == 1, (rank, p, got)  # the same one collective on every rank: no hang
+            assert torch.equal(got["norm"], results[0][p]["norm"])  # bitwise alike on every rank
+            _close(got["norm"], got["ref"], msg=f"rank {rank} p={p}")
 
 
 def test_layouts_really_are_sharded(ranks):
