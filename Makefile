@@ -57,12 +57,18 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install -c constraints.txt --no-deps torchtitan==0.3.0
 	touch $@
 
+# The dev and docs extras go on top of $(STAMP) as their own requirements, read from pyproject.toml: pip
+# neither rebuilds the editable install nor re-resolves the test extra's stack (jax, lightning, ...) each time.
+PIP_EXTRA = $(PY) -c 'import subprocess, sys, tomllib; \
+	reqs = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"][sys.argv[1]]; \
+	sys.exit(subprocess.call([sys.executable, "-m", "pip", "install", "-c", "constraints.txt", *reqs]))'
+
 $(DEV_STAMP): $(STAMP)
-	$(PY) -m pip install -c constraints.txt -e ".[test,examples,dev]"
+	$(PIP_EXTRA) dev
 	touch $@
 
 $(DOCS_STAMP): $(STAMP)
-	$(PY) -m pip install -c constraints.txt -e ".[test,examples,docs]"
+	$(PIP_EXTRA) docs
 	touch $@
 
 clean:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from gradtx.comm import Comm, LocalComm, ReduceOp, TorchComm
 from gradtx.testing import RecordingComm
 from tests.distributed import models
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, share_spawn
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "gradtx"
 
@@ -166,43 +167,48 @@ def _torch_comm_body(rank: int, world: int) -> bytes:
         return real(tensor, *args, **kwargs)
 
     dist.all_reduce = counting
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-    comm = TorchComm(mesh, groups={"pair": dist.new_group([0, 1])})
-    a = torch.full((2, 3), float(rank + 1))
-    b = torch.tensor(float(10 * (rank + 1)))
-    c = torch.arange(3, dtype=torch.int64) * (rank + 1)
-    a_before = a.clone()
-    out: dict = {}
-    calls.clear()
-    out["sum"] = comm.all_reduce([a, b], ReduceOp.SUM, "dp")
-    out["sum_calls"] = list(calls)
-    calls.clear()
-    out["max"] = comm.all_reduce([a, b], ReduceOp.MAX, mesh.get_group("dp"))
-    out["max_calls"] = list(calls)
-    calls.clear()
-    out["mixed"] = comm.all_reduce([a, c, b], ReduceOp.SUM, "world")
-    out["mixed_calls"] = list(calls)
-    out["pair"] = comm.all_reduce([b], "sum", "pair")
-    out["unmodified"] = torch.equal(a, a_before)
-    out["size"] = (comm.size("dp"), comm.size("world"), comm.size("pair"))
-    out["rank"] = comm.rank("dp")
-    try:
-        comm.all_reduce([DTensor.from_local(a, mesh, [Replicate()])], ReduceOp.SUM, "dp")
-        out["dtensor_error"] = None
-    except TypeError as err:
-        out["dtensor_error"] = str(err)
-    try:
-        comm.resolve("tp")
-        out["unknown_error"] = None
-    except ValueError as err:
-        out["unknown_error"] = str(err)
-    dist.all_reduce = real
+    try:  # this process runs other checks after this one: put the real collective back whatever happens
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+        comm = TorchComm(mesh, groups={"pair": dist.new_group([0, 1])})
+        a = torch.full((2, 3), float(rank + 1))
+        b = torch.tensor(float(10 * (rank + 1)))
+        c = torch.arange(3, dtype=torch.int64) * (rank + 1)
+        a_before = a.clone()
+        out: dict = {}
+        calls.clear()
+        out["sum"] = comm.all_reduce([a, b], ReduceOp.SUM, "dp")
+        out["sum_calls"] = list(calls)
+        calls.clear()
+        out["max"] = comm.all_reduce([a, b], ReduceOp.MAX, mesh.get_group("dp"))
+        out["max_calls"] = list(calls)
+        calls.clear()
+        out["mixed"] = comm.all_reduce([a, c, b], ReduceOp.SUM, "world")
+        out["mixed_calls"] = list(calls)
+        out["pair"] = comm.all_reduce([b], "sum", "pair")
+        out["unmodified"] = torch.equal(a, a_before)
+        out["size"] = (comm.size("dp"), comm.size("world"), comm.size("pair"))
+        out["rank"] = comm.rank("dp")
+        try:
+            comm.all_reduce([DTensor.from_local(a, mesh, [Replicate()])], ReduceOp.SUM, "dp")
+            out["dtensor_error"] = None
+        except TypeError as err:
+            out["dtensor_error"] = str(err)
+        try:
+            comm.resolve("tp")
+            out["unknown_error"] = None
+        except ValueError as err:
+            out["unknown_error"] = str(err)
+    finally:
+        dist.all_reduce = real
     return models.pack(out)
+
+
+_SHARED = share_spawn({"body": functools.partial(_torch_comm_body, world=2)}, 2, prefix="comm")
 
 
 @pytest.fixture(scope="module")
 def torch_comm_results() -> list[dict]:
-    return [models.unpack(r) for r in run_distributed(_torch_comm_body, world_size=2)]
+    return [models.unpack(r) for r in part_results(_SHARED(), "body")]
 
 
 def test_torch_comm_reduces_a_list_in_one_collective(torch_comm_results):

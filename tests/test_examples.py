@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.fork_server import run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -18,20 +19,14 @@ LOSSES = re.compile(r"^initial_loss=(\S+) final_loss=(\S+)$", re.MULTILINE)
 
 
 def run_example(script: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ)
-    # The package may not be installed into the interpreter (a plain checkout): import it from the repo.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    result = subprocess.run(
-        [sys.executable, str(script), *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert result.returncode == 0, f"{script.name} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
-    return result
+    """``python SCRIPT ARGS`` from the repo root; it must exit 0.
+
+    The script runs in a process forked from tests/fork_server.py, which imported torch and gradtx
+    once for all the examples (an import costs seconds, an example's run about as much).
+    """
+    code, stdout, stderr = run_script([str(script), *args], timeout)
+    assert code == 0, f"{script.name} exited {code}:\n{stdout}\n{stderr}"
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], code, stdout, stderr)
 
 
 @pytest.mark.parametrize("name", ["functional_step.py", "wrap_torch_optimizer.py", "lookahead_and_ema.py", "dp_sgd.py"])

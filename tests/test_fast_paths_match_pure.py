@@ -7,8 +7,6 @@ Every fast path is compared with an independent reference: the pure path,
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import optree
@@ -20,6 +18,7 @@ from gradtx.core import tree as tu
 from gradtx.optimizers import fused as fused_kernels
 from gradtx.runtime import executor
 from gradtx.testing import assert_donated_matches_pure, assert_trees_close
+from tests.fork_server import run_script
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -488,13 +487,14 @@ def test_big_tensor_norms_are_fp32_accurate(dtype):
 
 
 def test_bench_quick_runs(tmp_path):
+    # As `python benchmarks/run.py ...` from the repo root (forked from a process that imported torch once).
     # One thread: a smoke run checks the script, not timings, and one thread is steady on a busy machine.
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "run.py"), "--quick", "--no-peers", "--cases", "abcd",
+    code, _, stderr = run_script(
+        [str(REPO / "benchmarks" / "run.py"), "--quick", "--no-peers", "--cases", "abcd",
          "--threads", "1", "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
+        timeout=120,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert code == 0, stderr[-3000:]
     md = (tmp_path / "benchmarks.md").read_text()
     assert "| target | goal | measured | verdict |" in md
     assert "torch clip + AdamW(fused)" in md and "gradtx TransformedOptimizer" in md
@@ -504,11 +504,10 @@ def test_bench_quick_runs(tmp_path):
 
 def test_norm_bench_quick_runs(tmp_path):
     out = tmp_path / "norm.md"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "norm.py"), "--quick", "--rounds", "1", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=REPO, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    code, _, stderr = run_script(
+        [str(REPO / "benchmarks" / "norm.py"), "--quick", "--rounds", "1", "--out", str(out)], timeout=120
+    )
+    assert code == 0, stderr[-3000:]
     md = out.read_text()
     assert "float32: time, gtx / torch" in md and "rel. error on wte" in md
     if not torch.cuda.is_available():  # the GPU rows say they were not run

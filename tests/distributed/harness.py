@@ -83,8 +83,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
 
 
 def _run_parts(rank: int, world_size: int, parts: dict[str, Callable[[int], Any]]) -> dict[str, Any]:
+    from gradtx.distributed.inferred import DEFAULT_CACHE
+
     out: dict[str, Any] = {}
     for name, part in parts.items():
+        # Each part starts from gradtx's process-wide state as a process of its own would: the plans and replica
+        # checks that parts of other modules cached in this process are dropped (a part may count collectives).
+        DEFAULT_CACHE.clear()
         try:
             out[name] = part(rank)
         except Exception:  # noqa: BLE001 - reported per part, so one failure does not hide the others
@@ -99,7 +104,8 @@ def run_parts(parts: dict[str, Callable[[int], Any]], world_size: int) -> list[d
     Each part is a module-level ``fn(rank)``. A part that raises is recorded,
     not fatal: :func:`part_results` fails the test that reads it.
     """
-    return run_distributed(_run_parts, world_size, args=(parts,))
+    # One answer per rank after all the parts: the suite's shared spawns run a minute or two of parts.
+    return run_distributed(_run_parts, world_size, args=(parts,), timeout=600.0)
 
 
 def part_results(ranks: list[dict[str, Any]], name: str) -> list[Any]:
@@ -117,10 +123,24 @@ def part_results(ranks: list[dict[str, Any]], name: str) -> list[Any]:
 
 _registered: dict[int, dict[str, Callable[[int], Any]]] = {}
 _results: dict[int, list[dict[str, Any]]] = {}
+_after: dict[int, set[int]] = {}
+
+
+def _run_pending(world_size: int) -> list[dict[str, Any]]:
+    """Run the parts of ``world_size`` not run yet (after the spawns they wait for); return all its results."""
+    for first in sorted(_after.get(world_size, ())):
+        _run_pending(first)
+    registry = _registered.get(world_size, {})
+    done = _results.setdefault(world_size, [{} for _ in range(world_size)])
+    missing = {k: v for k, v in registry.items() if k not in done[0]}
+    if missing:
+        for rank, res in enumerate(run_parts(missing, world_size)):
+            done[rank].update(res)
+    return done
 
 
 def share_spawn(
-    parts: dict[str, Callable[[int], Any]], world_size: int, *, prefix: str
+    parts: dict[str, Callable[[int], Any]], world_size: int, *, prefix: str, after: int | None = None
 ) -> Callable[[], list[dict[str, Any]]]:
     """Register ``parts`` for the suite's one spawn of ``world_size`` processes; returns ``ranks()`` for a fixture.
 
@@ -128,17 +148,21 @@ def share_spawn(
     module's parts are known, and all of them run in a single spawn (a spawn of 4
     processes costs seconds of CPU). ``ranks()`` gives this module's results, by rank,
     keyed by the names in ``parts``, as :func:`run_parts` does; read them with :func:`part_results`.
+    Parts run in the order they were registered. ``after=4`` makes the spawn of
+    ``world_size`` wait for the spawn of 4 processes (parts that read what parts on
+    4 ranks wrote, such as a checkpoint saved on 4 ranks and loaded on 2).
     """
     registry = _registered.setdefault(world_size, {})
     for name, part in parts.items():
         registry[f"{prefix}:{name}"] = part
+    if after is not None:
+        if after == world_size:
+            raise ValueError(f"after={after} is the spawn's own world size")
+        _after.setdefault(world_size, set()).add(after)
+        _registered.setdefault(after, {})
 
     def ranks() -> list[dict[str, Any]]:
-        done = _results.setdefault(world_size, [{} for _ in range(world_size)])
-        missing = {k: v for k, v in registry.items() if k not in done[0]}
-        if missing:
-            for rank, res in enumerate(run_parts(missing, world_size)):
-                done[rank].update(res)
+        done = _run_pending(world_size)
         return [{k.split(":", 1)[1]: v for k, v in r.items() if k.startswith(prefix + ":")} for r in done]
 
     return ranks

@@ -12,13 +12,14 @@ computing the norm, with the same result.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, share_spawn
 
 WORLD = 2
 MAX_NORM = 0.05  # below every norm here, so the clip scales
@@ -170,9 +171,12 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
     return out
 
 
+_SHARED = share_spawn({"body": functools.partial(_body, world_size=WORLD)}, WORLD, prefix="backward_norm")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_distributed(_body, world_size=WORLD)
+    return part_results(_SHARED(), "body")
 
 
 def _ids(case: tuple[bool, float]) -> str:

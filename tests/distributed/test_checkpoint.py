@@ -9,20 +9,24 @@ the remaining micro-steps. Its final params must equal the single-device run,
 written in plain torch (``clip_grad_norm_`` and ``torch.optim.AdamW`` on the
 mean of each window's grads, or on the token mean for token-weighted windows).
 
-Two spawns: one of 4 processes (the saving runs, the 4-rank loads, the refusals,
-a full-state-dict round trip), then one of 2 (the 2-rank loads).
+The parts join the suite's shared spawns (``harness.share_spawn``): the one of 4 processes
+(the saving runs, the 4-rank loads, the refusals, a full-state-dict round trip), then the
+one of 2 (the 2-rank loads), which waits for the first.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
+import tempfile
 from typing import Any
 
 import pytest
 import torch
 
 from tests.distributed import models
-from tests.distributed.harness import part_results, run_parts
+from tests.distributed.harness import part_results, share_spawn
 
 K, TOTAL, BOUND, MID = 3, 12, 6, 7
 ROWS = 8  # a global micro-batch; divides over 4 and over 2 ranks
@@ -351,32 +355,38 @@ def _name(kind: str, layout: str, mode: str, tokens: bool, at: int | None = None
     return f"{kind}:{layout}:{mode}:{'tokens' if tokens else 'mean'}" + ("" if at is None else f":{at}")
 
 
+# The checkpoints go under one directory for the session: the parts are registered at import, for the
+# suite's shared spawns, before any fixture could hand out a tmp_path.
+_ROOT = tempfile.mkdtemp(prefix="gradtx-dcp-")
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+PARTS_4: dict[str, Any] = {}
+for _layout, _mode, _tokens, _flat in SAVES:
+    PARTS_4[_name("save", _layout, _mode, _tokens)] = functools.partial(
+        save_run, layout=_layout, mode=_mode, tokens=_tokens, root=_ROOT, flat=_flat
+    )
+for _layout, _mode, _tokens, _at, _flat in LOADS_4:
+    PARTS_4[_name("load4", _layout, _mode, _tokens, _at)] = functools.partial(
+        load_run, layout=_layout, mode=_mode, tokens=_tokens, root=_ROOT, at=_at, flat=_flat
+    )
+PARTS_4["refuse"] = refuse_hidden_partial_sums
+PARTS_4["full_state_dict"] = full_state_dict_roundtrip
+PARTS_4["fsdp2_views"] = torch_save_with_fsdp2_views
+PARTS_2: dict[str, Any] = {
+    _name("load2", _layout, _mode, _tokens, _at): functools.partial(
+        load_run, layout=_layout, mode=_mode, tokens=_tokens, root=_ROOT, at=_at, flat=_flat
+    )
+    for _layout, _mode, _tokens, _at, _flat in LOADS_2
+}
+PARTS_2["ddp"] = ddp_partial_sums
+PARTS_2["migrate"] = functools.partial(migrate_plain_dcp_checkpoint, root=_ROOT)
+_SHARED_4 = share_spawn(PARTS_4, 4, prefix="checkpoint")
+_SHARED_2 = share_spawn(PARTS_2, 2, prefix="checkpoint", after=4)  # the 2-rank loads read the 4-rank saves
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, Any]:
-    root = str(tmp_path_factory.mktemp("dcp"))
-    parts4: dict[str, Any] = {}
-    for layout, mode, tokens, flat in SAVES:
-        parts4[_name("save", layout, mode, tokens)] = functools.partial(
-            save_run, layout=layout, mode=mode, tokens=tokens, root=root, flat=flat
-        )
-    for layout, mode, tokens, at, flat in LOADS_4:
-        parts4[_name("load4", layout, mode, tokens, at)] = functools.partial(
-            load_run, layout=layout, mode=mode, tokens=tokens, root=root, at=at, flat=flat
-        )
-    parts4["refuse"] = refuse_hidden_partial_sums
-    parts4["full_state_dict"] = full_state_dict_roundtrip
-    parts4["fsdp2_views"] = torch_save_with_fsdp2_views
-    ranks4 = run_parts(parts4, world_size=4)
-    parts2 = {
-        _name("load2", layout, mode, tokens, at): functools.partial(
-            load_run, layout=layout, mode=mode, tokens=tokens, root=root, at=at, flat=flat
-        )
-        for layout, mode, tokens, at, flat in LOADS_2
-    }
-    parts2["ddp"] = ddp_partial_sums
-    parts2["migrate"] = functools.partial(migrate_plain_dcp_checkpoint, root=root)
-    ranks2 = run_parts(parts2, world_size=2)
-    return {"4": ranks4, "2": ranks2, "ref": {tok: reference(tok) for tok in (False, True)}}
+def results() -> dict[str, Any]:
+    return {"4": _SHARED_4(), "2": _SHARED_2(), "ref": {tok: reference(tok) for tok in (False, True)}}
 
 
 def _assert_params(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

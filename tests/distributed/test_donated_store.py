@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, share_spawn
 
 
 def _body(rank: int, world_size: int) -> dict[str, bool]:
@@ -26,6 +28,9 @@ def _body(rank: int, world_size: int) -> dict[str, bool]:
     }
 
 
+_SHARED = share_spawn({"body": functools.partial(_body, world_size=2)}, 2, prefix="donated_store")
+
+
 def test_store_into_respects_dtensor_placements():
-    for result in run_distributed(_body, world_size=2):
+    for result in part_results(_SHARED(), "body"):
         assert all(result.values()), result

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed import models
-from tests.distributed.harness import run_distributed
+from tests.distributed.harness import part_results, share_spawn
 
 STEPS, SPIKE_STEP, SPIKE = 10, 7, 100.0
 
@@ -113,9 +113,12 @@ def _body(rank: int, world_size: int) -> dict[str, Any]:
     }
 
 
+_SHARED = share_spawn({"body": functools.partial(_body, world_size=4)}, 4, prefix="spikes")
+
+
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_distributed(_body, world_size=4)
+    return part_results(_SHARED(), "body")
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
