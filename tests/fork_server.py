@@ -35,12 +35,23 @@ def _child(argv: list[str], stdout: str, stderr: str) -> int:
         target = os.open(path, flags | (os.O_CREAT | os.O_TRUNC if fd else 0), 0o644)
         os.dup2(target, fd)
         os.close(target)
-    script = os.path.abspath(argv[0])
-    sys.argv = [argv[0], *argv[1:]]
-    sys.path[0] = os.path.dirname(script)  # as `python SCRIPT` sets it
+    return run_as_main(argv[0], argv[1:])
+
+
+def run_as_main(script: str, args: list[str], *, where: str = "") -> int:
+    """Run ``script`` in this process as ``python SCRIPT ARGS...`` runs it; return its exit code.
+
+    ``sys.argv`` and ``sys.path[0]`` are set as the interpreter sets them. An uncaught exception is
+    printed to stderr (after ``where``, when given, e.g. which rank) and gives exit code 1, as the
+    interpreter does; output is flushed before returning. Meant for a forked child: the script's
+    module state stays in this process.
+    """
+    path = os.path.abspath(script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(path)
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        runpy.run_path(path, run_name="__main__")
     except SystemExit as stop:
         if isinstance(stop.code, int) or stop.code is None:
             code = stop.code or 0
@@ -48,6 +59,8 @@ def _child(argv: list[str], stdout: str, stderr: str) -> int:
             print(stop.code, file=sys.stderr)
             code = 1
     except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+        if where:
+            print(f"{path} raised {where}:", file=sys.stderr)
         traceback.print_exc()
         code = 1
     sys.stdout.flush()

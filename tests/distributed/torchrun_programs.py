@@ -20,41 +20,22 @@ from __future__ import annotations
 
 import datetime
 import os
-import runpy
 import socket
 import sys
-import traceback
+from pathlib import Path
 
 import torch.distributed as dist
 
 import gradtx  # noqa: F401 - imported once here, before the fork, like torch
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))  # the repository root, for tests.fork_server
+from tests.fork_server import run_as_main
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _run_program(path: str, rank: int) -> int:
-    """In the forked child: run ``path`` as ``python path`` runs it; return its exit code."""
-    sys.argv = [path]
-    sys.path.insert(0, os.path.dirname(path))
-    code = 0
-    try:
-        runpy.run_path(path, run_name="__main__")
-    except SystemExit as stop:
-        if isinstance(stop.code, int) or stop.code is None:
-            code = stop.code or 0
-        else:
-            print(stop.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - the traceback goes to stderr, as the interpreter would print it
-        print(f"{path} raised on rank {rank}:\n{traceback.format_exc()}", file=sys.stderr)
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return code
 
 
 def main(scripts: list[str]) -> None:
@@ -74,7 +55,7 @@ def main(scripts: list[str]) -> None:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            os._exit(_run_program(os.path.abspath(script), rank))
+            os._exit(run_as_main(script, [], where=f"on rank {rank}"))
         code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         if code != 0:
             print(f"{script} exited {code} on rank {rank}", file=sys.stderr, flush=True)
