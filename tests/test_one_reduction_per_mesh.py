@@ -331,3 +331,22 @@ def test_grads_on_two_equal_root_meshes_are_one_mesh(calls):
             calls.clear()
             _check(gtx.global_norm(grads, p), full, p, rtol=1e-6, what=f"p={p}")
             assert calls == [("world", 1)], (p, calls)
+
+
+@pytest.mark.parametrize("layout", ["tp_fsdp", "hsdp", "ep_fsdp", "fsdp"])
+def test_a_zero_config_norm_on_one_mesh_is_one_collective(calls, layout):
+    # Every leaf on the one mesh that spans the world: each bucket's part over its replica count, one
+    # sum (or max) over the world (or over the one sharded dim), equal to the single-device norm.
+    full = {k: _randn(3 + i, s) for i, (k, s) in enumerate({'w': (8, 6), 'expert_w': (4, 6, 2), 'norm': (6,), 'b': (3,)}.items())}
+    shape, names = ((4,), ("dp",)) if layout == "fsdp" else ((2, 2), ("dp", "tp"))
+    with testing.simulated_mesh(shape, names) as mesh:
+        grads = testing.distribute(full, mesh, layout)
+        for p in (1.0, 2.0, math.inf):
+            calls.clear()
+            norm = gtx.global_norm(grads, p)
+            assert len(calls) == 1 and calls[0][1] == 1, (p, calls)  # one collective of one value
+            if layout in ("tp_fsdp", "ep_fsdp"):  # sharded over two dims: over the world, not one per dim
+                assert calls[0][0] == "world", calls
+            expected = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in full.values()]), p)
+            for rank, value in _values(norm).items():
+                torch.testing.assert_close(value, expected, rtol=1e-6, atol=0, msg=f"rank {rank}, p={p}")
