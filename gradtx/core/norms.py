@@ -8,12 +8,18 @@ plan in :mod:`gradtx.distributed.plan`; see ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
 from gradtx.core import tree as tu
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 try:  # torch's simulated ranks (gtx.testing.simulated_mesh): the shard-size branch below must run per rank
     from torch.distributed._local_tensor import maybe_run_for_local_tensor
@@ -32,10 +38,13 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     tensor, with no root-then-power round trip: ``torch._foreach_powsum``
     where the installed torch has it, else ``_foreach_norm`` raised to the
     ``p``. Big CPU tensors are summed in rows of a fixed length whose fp32
-    partial sums are added in fp64, so a 38M-element tensor is within about
+    partial sums are added in fp64, so a 38M-element tensor is within a few
     1e-7 of an fp64 reference, where one long fp32 running sum drifts 3e-3;
-    bf16/fp16 rows are upcast one row at a time, never as a whole copy. On a
-    GPU the foreach kernel's own block-wise reduction does the same.
+    bf16/fp16 rows are upcast one row at a time, never as a whole copy. The
+    rows are shared by ``torch.get_num_threads()`` threads, each taking the
+    next chunk as it finishes one, so a core held up by other work slows
+    only its own share. On a GPU the foreach kernel's own block-wise
+    reduction does the same in one launch.
 
     The results are fp64 (fp32 on a device without fp64), whatever the input
     dtype; an empty shard contributes 0. Complex tensors are measured by
@@ -58,7 +67,7 @@ def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[
     """:func:`tensor_powsums` as ``(indices, 1-d tensor of their contributions)`` per (device, dtype) group."""
     if not locals_:
         return []
-    if _is_batched(locals_[0]):
+    if _plain_ops_only(locals_):
         return [([i], _plain_powsum(t, norm_type).reshape(1)) for i, t in enumerate(locals_)]
     inf = math.isinf(norm_type)
     groups: list[tuple[list[int], torch.Tensor]] = []
@@ -84,7 +93,7 @@ def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[
         if empty:
             groups.append((empty, torch.zeros(len(empty), dtype=sum_dtype, device=device)))
         if rows:
-            groups.append((rows, torch.stack([_rows_powsum(locals_[i], norm_type, acc, sum_dtype) for i in rows])))
+            groups.append((rows, _rows_powsums([locals_[i] for i in rows], norm_type, acc, sum_dtype)))
         if not small:
             continue
         tensors = [locals_[i] for i in small]
@@ -206,19 +215,24 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 
 # --- the local pass, by device and feature -------------------------------------------------------
 
-# Big CPU tensors are viewed as rows of 64K elements whose fp32 sums are added in fp64: running
-# sums that short stay within about 2e-7 of fp64, and the fp64 sum of the row partials costs
-# nothing (about 600 values for GPT-2's 38M-element embedding). The rows go to one foreach call
-# per big tensor, a loop on one thread; a bf16/fp16 block of rows is upcast into a 4 MiB scratch
-# that stays in cache first. A row-wise reduction (``dim=1``) does the same arithmetic spread over
-# torch's threads: on 2 quiet cores it takes 0.71 of torch's time on GPT-2-small, but each tensor
-# is a parallel region whose threads wait for one another, and with one other busy process on the
-# machine it took 7x (bf16: 55x), where the foreach loop stays near 1.3x. On a GPU the foreach
-# kernel already reduces in blocks and adds the block partials by a tree, so there big tensors go
-# to it whole, in one launch.
+# Big CPU tensors are viewed as rows whose fp32 sums are added in fp64: running sums that short
+# stay within about 3e-7 of fp64 (one long fp32 sum drifts 3e-3 on GPT-2's 38M-element embedding),
+# and the fp64 sum of the row partials costs nothing. Each row is one op of torch's own norm or
+# powsum kernel, which runs on the calling thread: fp32 rows are 64K elements; bf16/fp16 rows are
+# 32K, so that the op's upcast of one row stays under torch's parallel grain (32K elements) and on
+# that thread too, never a whole upcast copy. The rows are cut into chunks of 2M elements that
+# ``torch.get_num_threads()`` threads take in turn from one shared counter: a thread that the
+# machine's other work holds up takes fewer chunks and none waits for it, where torch's intra-op
+# parallel regions split every tensor evenly up front and wait for their slowest thread. (A
+# row-wise ``dim=1`` reduction over those regions took 0.71 of torch's time on 2 quiet cores but
+# 7x beside one busy process.) Kernels release the GIL; each chunk's result has its own slot, so
+# the sum is the same whichever thread took it. On a GPU the foreach kernel already reduces in
+# blocks and adds the block partials by a tree, so there big tensors go to it whole, in one launch.
 _ROW = 1 << 16
+_LOWP_ROW = 1 << 15
 _MIN_ROWS = 2 * _ROW  # shorter tensors go to the group's one foreach call
-_LOWP_ROWS = 16
+_CHUNK = 1 << 21  # elements per chunk a thread takes
+_MIN_THREADED = 1 << 22  # fewer elements than this stay on the calling thread
 _HAS_POWSUM = hasattr(torch, "_foreach_powsum") and hasattr(torch.linalg, "_powsum")
 
 
@@ -233,6 +247,17 @@ def _is_batched(t: torch.Tensor) -> bool:
         return False
     is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
     return bool(is_batched(t)) if is_batched is not None else False
+
+
+def _plain_ops_only(locals_: list[torch.Tensor]) -> bool:
+    """Under ``torch.func.vmap``, or while autograd records through a leaf (a gradient through the clip).
+
+    ``_foreach_powsum`` has neither a batching rule nor a derivative (torch 2.13);
+    ``vector_norm`` and ``pow`` have both.
+    """
+    if _is_batched(locals_[0]):
+        return True
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(t.requires_grad for t in locals_)
 
 
 def _plain_powsum(t: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -255,29 +280,83 @@ def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float, acc: torch.dt
     return torch._foreach_pow(torch._foreach_norm(tensors, norm_type, dtype=acc), norm_type)  # older torch
 
 
-def _rows_powsum(t: torch.Tensor, norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype) -> torch.Tensor:
-    """``sum(|t|**p)`` of a big contiguous CPU tensor: fp32 sums of 64K-element rows, added in fp64."""
+def _rows_powsums(
+    tensors: list[torch.Tensor], norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype
+) -> torch.Tensor:
+    """``sum(|t|**p)`` of each big contiguous CPU tensor (1-d, ``sum_dtype``): fp32 row sums added in fp64."""
+    row = _ROW if tensors[0].dtype == acc else _LOWP_ROW
+    per_chunk = _CHUNK // row
+    chunks: list[tuple[torch.Tensor, int, int]] = []  # (tensor, first row, end row); a tensor's last takes its tail
+    owner: list[int] = []
+    for i, t in enumerate(tensors):
+        n_rows = t.numel() // row
+        starts = range(0, n_rows, per_chunk)
+        chunks += [(t, first, min(first + per_chunk, n_rows)) for first in starts]
+        owner += [i] * len(starts)
+    threads = torch.get_num_threads() if sum(t.numel() for t in tensors) >= _MIN_THREADED else 1
+    if threads > 1 and not _threads_see_the_same(tensors):
+        threads = 1
+    parts = _shared_map(lambda chunk: _chunk_powsum(*chunk, row, norm_type, acc, sum_dtype), chunks, threads)
+    out = torch.zeros(len(tensors), dtype=sum_dtype)
+    return out.index_add_(0, torch.tensor(owner), torch.stack(parts))
+
+
+def _chunk_powsum(
+    t: torch.Tensor, first: int, end: int, row: int, norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype
+) -> torch.Tensor:
+    """``sum(|x|**p)`` of rows ``first:end`` of ``t`` (and of its tail past the last whole row, if ``end`` is the last)."""
     flat = t.view(-1)
-    n = flat.numel() // _ROW * _ROW
-    head = flat[:n].view(-1, _ROW)
-    if t.dtype == acc:
-        parts = _row_sums(head, norm_type, acc)
-    else:  # bf16/fp16: never a whole upcast copy
-        scratch = torch.empty(_LOWP_ROWS, _ROW, dtype=acc)
-        blocks = []
-        for start in range(0, head.shape[0], _LOWP_ROWS):
-            block = head[start : start + _LOWP_ROWS]
-            buf = scratch[: block.shape[0]]
-            buf.copy_(block)
-            blocks.append(_row_sums(buf, norm_type, acc))
-        parts = torch.cat(blocks)
-    s = parts.sum(dtype=sum_dtype)
-    if n < flat.numel():  # the tail shorter than a row
-        (rest,) = _foreach_powsum([flat[n:]], norm_type, acc)
-        s = s + rest.to(sum_dtype)
-    return s
+    rows = list(flat[first * row : end * row].view(-1, row).unbind(0))
+    if end == flat.numel() // row and end * row < flat.numel():
+        rows.append(flat[end * row :])  # the tail shorter than a row is one more, short row
+    if rows[0].dtype == acc and _use_powsum():
+        return torch.stack(torch._foreach_powsum(rows, norm_type, dtype=acc)).sum(dtype=sum_dtype)
+    # bf16/fp16 (powsum's upcasting dtype= takes a slow path on CPU) and older torch: the norm kernel,
+    # raised to the p-th power in fp64, which rounds one fp32 result per row.
+    norms = torch.stack(torch._foreach_norm(rows, norm_type, dtype=acc)).to(sum_dtype)
+    return (norms if norm_type == 1 else norms.pow(norm_type)).sum()
 
 
-def _row_sums(rows: torch.Tensor, norm_type: float, acc: torch.dtype) -> torch.Tensor:
-    """``sum(|row|**p)`` of each row, in fp32: one foreach call over the rows, on one thread (see ``_ROW``)."""
-    return torch.stack(list(_foreach_powsum(list(rows.unbind(0)), norm_type, acc)))
+def _threads_see_the_same(tensors: list[torch.Tensor]) -> bool:
+    """True where a helper thread computes what this one would: it inherits none of this thread's state."""
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_function_stack()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._functorch.peek_interpreter_stack() is not None
+        or torch._C._is_any_autocast_enabled()
+        or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        or any(type(t) is not torch.Tensor for t in tensors)
+    )
+
+
+def _shared_map(fn: Callable[[_T], _R], items: list[_T], threads: int) -> list[_R]:
+    """``[fn(x) for x in items]``, by up to ``threads`` threads (this one included) taking items in turn."""
+    threads = min(threads, len(items))
+    if threads <= 1:
+        return [fn(x) for x in items]
+    out: list[_R] = [None] * len(items)  # type: ignore[list-item]
+    claim = itertools.count()
+    lock = threading.Lock()
+    failed: list[BaseException] = []
+
+    def drain() -> None:
+        try:
+            while not failed:
+                with lock:
+                    i = next(claim)
+                if i >= len(items):
+                    return
+                out[i] = fn(items[i])
+        except BaseException as e:  # noqa: BLE001 - any failure, KeyboardInterrupt included, is re-raised by the caller
+            failed.append(e)
+
+    helpers = [threading.Thread(target=drain, name="gradtx-norm", daemon=True) for _ in range(threads - 1)]
+    for h in helpers:
+        h.start()
+    drain()
+    for h in helpers:
+        h.join()
+    if failed:
+        raise failed[0]
+    return out
