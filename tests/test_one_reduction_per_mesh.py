@@ -337,7 +337,10 @@ def test_grads_on_two_equal_root_meshes_are_one_mesh(calls):
 def test_a_zero_config_norm_on_one_mesh_is_one_collective(calls, layout):
     # Every leaf on the one mesh that spans the world: each bucket's part over its replica count, one
     # sum (or max) over the world (or over the one sharded dim), equal to the single-device norm.
-    full = {k: _randn(3 + i, s) for i, (k, s) in enumerate({'w': (8, 6), 'expert_w': (4, 6, 2), 'norm': (6,), 'b': (3,)}.items())}
+    full = {
+        k: _randn(3 + i, s)
+        for i, (k, s) in enumerate({"w": (8, 6), "expert_w": (4, 6, 2), "norm": (6,), "b": (3,)}.items())
+    }
     shape, names = ((4,), ("dp",)) if layout == "fsdp" else ((2, 2), ("dp", "tp"))
     with testing.simulated_mesh(shape, names) as mesh:
         grads = testing.distribute(full, mesh, layout)
@@ -350,3 +353,53 @@ def test_a_zero_config_norm_on_one_mesh_is_one_collective(calls, layout):
             expected = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in full.values()]), p)
             for rank, value in _values(norm).items():
                 torch.testing.assert_close(value, expected, rtol=1e-6, atol=0, msg=f"rank {rank}, p={p}")
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_the_last_hook_starts_the_one_reduction_and_the_step_only_waits(calls, p):
+    # gtx.norm_in_backward on FSDP2 calls param_done from each sharded param's post-accumulate-grad
+    # hook; here the hooks are called by hand, in the order a backward would, on the 3-D mesh.
+    from types import SimpleNamespace
+
+    with testing.simulated_mesh((2, 2, 2), ("dp", "tp", "ep")) as mesh:
+        full, grads = _dp_tp_ep(mesh)
+        gtx.global_norm(grads)  # builds the plan (and checks the plain replica: one collective, once)
+        holders = {k: SimpleNamespace(grad=None) for k in grads}
+        bn = gtx.BackwardNorm(p, engine="fsdp2")
+        clip = gtx.clip_by_global_norm(1.0, norm_type=p, precomputed=bn)
+        state = clip.init(grads)
+        scale = dict.fromkeys(grads, 0.0)
+
+        def backward(factor: float, only: Sequence[str] = ()) -> list[int]:
+            """The hooks of one backward: new grads, or (``only``) those grads doubled in place."""
+            started = []
+            calls.clear()
+            for k in only or grads:
+                if only:
+                    holders[k].grad.mul_(2.0)
+                    scale[k] *= 2.0
+                else:
+                    holders[k].grad, scale[k] = grads[k] * factor, factor
+                bn.param_done(holders[k])
+                started.append(len(calls))
+            return started
+
+        def step() -> list[tuple[object, int]]:
+            calls.clear()
+            _, st = clip.factor({k: h.grad for k, h in holders.items()}, state)
+            _check(st.grad_norm, {k: v * scale[k] for k, v in full.items()}, p, rtol=1e-6, what=f"p={p}")
+            return list(calls)
+
+        assert backward(1.0) == [0] * len(grads)  # nothing armed yet
+        assert step() == [("world", 1)] and bn.early == 0  # the step reduces, and arms the hooks
+        started = backward(2.0)  # the hook of the last sharded grad starts the one reduction ("scale" and
+        assert max(started) == 1 and started.index(1) == list(grads).index("tiny")  # "gate" are whole)
+        assert step() == [] and bn.early == 1  # the step only waits on it
+        backward(3.0)
+        backward(4.0)  # gradient accumulation: the second backward's reduction is the one taken
+        assert step() == [] and bn.early == 2
+        backward(5.0)
+        assert backward(0.0, only=["wq", "ln"]) == [0, 0]  # a backward that measured only some grads ...
+        assert step() == [("world", 1)] and bn.early == 2  # ... makes the one in flight stale: reduced anew
+        backward(6.0)
+        assert step() == [] and bn.early == 3 and bn.fallbacks == 0

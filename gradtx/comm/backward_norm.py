@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from gradtx.comm.base import PendingReduce, ReduceOp, start_all_reduce
 from gradtx.core import norms
 from gradtx.core import tree as tu
 
@@ -55,6 +56,8 @@ class BackwardNorm:
       buckets: how many DDP buckets the last measured sync had.
       used: how many times a clip took a measured value.
       fallbacks: how many times a clip found no value for its grads and computed the norm itself.
+      early: how many steps took the all-reduce the last hook started (FSDP2 under a flat plan:
+        one reduction over the whole mesh), leaving only a wait at ``step()``.
 
     Example:
       >>> bn = gtx.BackwardNorm(2.0)
@@ -77,6 +80,7 @@ class BackwardNorm:
         self.used = 0
         self.fallbacks = 0
         self.buckets = 0
+        self.early = 0
         self._lock = threading.Lock()  # gloo and NCCL run completion callbacks on their own threads
         self._reset()
 
@@ -94,7 +98,14 @@ class BackwardNorm:
         self._ready: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None
         # FSDP2: each sharded param's local contribution, from its post-accumulate-grad hook, keyed by
         # the grad's (storage address, size): the latest sync's value of the grad the param now holds.
-        self._by_grad: dict[tuple[int, int], torch.Tensor] = {}
+        self._by_grad: dict[tuple[Any, int], torch.Tensor] = {}
+        self._param_of: dict[tuple[Any, int], torch.Tensor] = {}  # the same keys: whose grad it is
+        self._taken: list[torch.Tensor | None] = []  # the params of the leaves the last take_leafwise matched
+        # FSDP2 under a flat plan (one all-reduce over the mesh): see arm_flat
+        self._recipe: _FlatRecipe | None = None
+        self._partial: dict[int, torch.Tensor] = {}  # this backward's weighted parts so far, by id(param)
+        self._issued: list[PendingReduce] = []  # reductions the last hook started since the last take
+        self._early: PendingReduce | None = None  # the one the current step may take (take_flat)
 
     # --- the hook's side -------------------------------------------------------------------
 
@@ -127,10 +138,28 @@ class BackwardNorm:
         grad = param.grad
         if grad is None:
             return
-        local = tu.local(grad)
         (part,) = norms.tensor_powsums([grad], self.norm_type)
+        key = _grad_key(grad)
+        start: list[torch.Tensor] | None = None
         with self._lock:
-            self._by_grad[(local.data_ptr(), local.numel())] = part
+            self._by_grad[key] = part
+            self._param_of[key] = param
+            recipe = self._recipe
+            weight = recipe.weights.get(id(param)) if recipe is not None else None
+            if recipe is not None and weight is not None:
+                if id(param) in self._partial:  # a backward that measured only some params: start again
+                    self._partial = {}
+                self._partial[id(param)] = part if weight == 1.0 else part * weight
+                if len(self._partial) == len(recipe.weights):  # the last sharded grad of this backward
+                    start, self._partial = list(self._partial.values()), {}
+        if recipe is not None and start is not None:
+            # Every rank's last hook starts the same reduction, in the same place among the engine's
+            # own collectives; the step then only waits on it (take_flat).
+            mine = norms.total(start, self.norm_type).to(norms.partial_dtype(part.device))
+            op = ReduceOp.MAX if math.isinf(self.norm_type) else ReduceOp.SUM
+            pending = start_all_reduce(recipe.comm, [mine], op, recipe.group)
+            with self._lock:
+                self._issued.append(pending)
 
     # --- the clip's side -------------------------------------------------------------------
 
@@ -171,23 +200,88 @@ class BackwardNorm:
         """
         with self._lock:
             measured, self._by_grad = self._by_grad, {}
+            param_of, self._param_of = self._param_of, {}
+            issued, self._issued = self._issued, []
+            complete = not self._partial  # no backward measured only part of the recipe's params since
+            self._partial = {}
+        left = [self._early] if self._early is not None else []  # the last step's, if its norm did not take it
+        self._settle(left + issued[:-1])  # and those of earlier backwards (gradient accumulation): out of date
+        self._early = issued[-1] if issued and complete else None
+        self._settle(issued[-1:] if self._early is None else [])
         out: list[torch.Tensor] | None = [] if measured and not torch.compiler.is_compiling() else None
+        taken: list[torch.Tensor | None] = []
         for t in leaves:
             if out is None:
                 break
             local = tu.local(t)
-            part = measured.get((local.data_ptr(), local.numel()))
-            if part is None and local.numel() == 0:  # an empty shard (FSDP2, fewer rows than ranks) adds 0
+            key = _grad_key(t)
+            part = measured.get(key)
+            empty = key[1] == 0
+            if part is None and empty:  # an empty shard (FSDP2, fewer rows than ranks) adds 0
                 part = torch.zeros((), dtype=norms.partial_dtype(local.device), device=local.device)
             if part is None:
                 out = None
             else:
                 out.append(part)
+                taken.append(None if empty else param_of.get(key))  # an empty shard adds 0 anywhere
+        self._taken = taken if out is not None else []
         if out is None:
+            self._settle([self._early] if self._early is not None else [])
+            self._early = None
             self.fallbacks += 1
         else:
             self.used += 1
         return out
+
+    # --- FSDP2 under a flat plan: the one reduction started by the last hook -------------------
+
+    def arm_flat(self, comm: Any, group: Any, weights: Sequence[float | None]) -> None:
+        """From now on, the last hook of each backward starts the flat plan's one all-reduce itself.
+
+        Called by the norm after a step whose leaves :meth:`take_leafwise`
+        matched: ``weights[i]`` is what leaf ``i``'s part is multiplied by in
+        the sum over the mesh (``1 / replicas``), or ``None`` for a leaf every
+        rank holds whole, which is added after the reduction. An empty local
+        shard adds 0 and is left out. The hooks then
+        add the weighted parts as the grads arrive and, at the last, start
+        ``comm``'s all-reduce over ``group``: what is left at ``step()`` is a
+        wait. Every rank arms the same recipe at the same step, and every rank
+        starts its reduction at the same point of its backward.
+        """
+        recipe = self._recipe_for(comm, group, weights)
+        if recipe is not None and (self._recipe is None or self._recipe.key != recipe.key):
+            with self._lock:
+                self._recipe = recipe
+
+    def take_flat(self, comm: Any, group: Any, weights: Sequence[float | None]) -> PendingReduce | None:
+        """The all-reduce the last hook started for this step's leaves, or ``None``: then the caller starts it.
+
+        Used only when the recipe armed before is the one the step needs now
+        (the same comm, group, params and weights); else the reduction in
+        flight, which every rank started, is waited for and dropped.
+        """
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        want = self._recipe_for(comm, group, weights)
+        if want is not None and self._recipe is not None and self._recipe.key == want.key:
+            self.early += 1
+            return early
+        self._settle([early])
+        return None
+
+    def _recipe_for(self, comm: Any, group: Any, weights: Sequence[float | None]) -> _FlatRecipe | None:
+        """The recipe for the leaves the last take matched (their params), or ``None`` if it matched none."""
+        params = self._taken
+        if len(params) != len(weights):
+            return None
+        reduced = {id(p): w for p, w in zip(params, weights) if w is not None and p is not None}
+        return _FlatRecipe(comm, group, reduced, params)
+
+    @staticmethod
+    def _settle(pending: Sequence[PendingReduce]) -> None:
+        for p in pending:  # every rank started it: wait for it, so no rank leaves a collective behind
+            p.wait()
 
     def norm(self, leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """:meth:`take`, as the norm itself (fp32, or fp64 for fp64 grads), or ``None``."""
@@ -209,3 +303,32 @@ class BackwardNorm:
         return (
             f"BackwardNorm(norm_type={p}, generation={self.generation}, used={self.used}, fallbacks={self.fallbacks})"
         )
+
+
+def _grad_key(grad: torch.Tensor) -> tuple[Any, int]:
+    """A grad's identity whatever tensor object holds it: its local shard's storage address and size.
+
+    Under :func:`gradtx.testing.simulated_mesh` the local shard is torch's
+    ``LocalTensor``, one tensor per simulated rank: the addresses of all of
+    them, and their total size.
+    """
+    return _address(tu.local(grad))
+
+
+def _address(t: torch.Tensor) -> tuple[Any, int]:
+    per_rank = getattr(t, "_local_tensors", None)
+    if per_rank is None:
+        return t.data_ptr(), t.numel()
+    shards = [(r, _address(x)) for r, x in sorted(per_rank.items())]
+    return tuple((r, a) for r, (a, _) in shards), sum(n for _, (_, n) in shards)
+
+
+class _FlatRecipe:
+    """What the hooks of :class:`BackwardNorm` sum and reduce for a flat plan (see :meth:`BackwardNorm.arm_flat`)."""
+
+    def __init__(self, comm: Any, group: Any, weights: dict[int, float], params: Sequence[torch.Tensor | None]) -> None:
+        self.comm = comm
+        self.group = group
+        self.weights = weights  # id(param) -> the weight of its part, for the params whose parts are reduced
+        self.params = list(params)  # held, so that no id above is reused while the recipe lives
+        self.key = (id(comm), group, tuple(weights.items()))

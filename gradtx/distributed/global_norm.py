@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from gradtx.comm.backward_norm import BackwardNorm
 from gradtx.comm.base import ReduceOp, start_all_reduce
 from gradtx.comm.groups import levels
 from gradtx.core import norms
@@ -67,7 +68,12 @@ def leaf_norms_of(
 
 
 def plan_norm(
-    plan: Any, leaves: Sequence[torch.Tensor], norm_type: float, *, powsums: Sequence[torch.Tensor] | None = None
+    plan: Any,
+    leaves: Sequence[torch.Tensor],
+    norm_type: float,
+    *,
+    powsums: Sequence[torch.Tensor] | None = None,
+    backward: BackwardNorm | None = None,
 ) -> torch.Tensor:
     """The ``norm_type``-norm of the whole model under ``plan`` (a :class:`gradtx.MeshGroups`), checks done.
 
@@ -79,14 +85,15 @@ def plan_norm(
     added before the next round, so every group still costs one collective of
     one value per bucket set. The reduction over ``pp_group`` comes last: it
     needs the stage's total. With ``powsums`` (each leaf's local contribution, measured in the
-    backward) the local pass is skipped and only the reductions run.
+    backward) the local pass is skipped and only the reductions run; under a flat plan, ``backward``
+    (the :class:`gradtx.BackwardNorm` that measured them) may have started the one reduction too.
     """
     inf = math.isinf(norm_type)
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
     buckets = plan._buckets
     if plan.flat is not None:
-        return _flat_norm(plan, leaves, norm_type, device, powsums)
+        return _flat_norm(plan, leaves, norm_type, device, powsums, backward)
     schedule = rounds([b.groups for b in buckets], plan.group_order)
     # (value, groups still to reduce over); a bucket's local pass runs just before its first round.
     values: list[tuple[torch.Tensor, frozenset]] = []
@@ -123,6 +130,7 @@ def _flat_norm(
     norm_type: float,
     device: torch.device,
     powsums: Sequence[torch.Tensor] | None,
+    backward: BackwardNorm | None = None,
 ) -> torch.Tensor:
     """:func:`plan_norm` in one collective: every sharded bucket's part over its replica count, summed over the mesh.
 
@@ -131,18 +139,30 @@ def _flat_norm(
     counts once in a sum over the whole mesh (a max needs no division). The
     one reduction is started first, and the local pass of the leaves that
     every rank holds whole runs while it is in flight.
+
+    With ``backward``, whose hooks measured ``powsums``, the sum is what its
+    last hook reduced, started in the backward (see
+    :meth:`gradtx.BackwardNorm.arm_flat`): only the wait is left here.
     """
     inf = math.isinf(norm_type)
     group, replicas = plan.flat
     sharded = [(b, r) for b, r in zip(plan._buckets, replicas) if b.groups]
     whole = [b for b in plan._buckets if not b.groups]
-    parts = _bucket_sums([b for b, _ in sharded], leaves, norm_type, device, powsums)
-    if not inf:
-        parts = [p if r == 1 else p / r for p, (_, r) in zip(parts, sharded)]
-    mine = norms.total(parts, norm_type, device).to(norms.partial_dtype(device))
-    pending = start_all_reduce(plan.comm, [mine], ReduceOp.MAX if inf else ReduceOp.SUM, group)
+    weights: list[float | None] = [None] * len(leaves)  # each leaf's weight in the sum over the mesh
+    for b, r in sharded:
+        for i in b.leaves:
+            weights[i] = 1.0 if inf else b.weight / r
+    pending = backward.take_flat(plan.comm, group, weights) if backward is not None else None
+    if pending is None:
+        parts = _bucket_sums([b for b, _ in sharded], leaves, norm_type, device, powsums)
+        if not inf:
+            parts = [p if r == 1 else p / r for p, (_, r) in zip(parts, sharded)]
+        mine = norms.total(parts, norm_type, device).to(norms.partial_dtype(device))
+        pending = start_all_reduce(plan.comm, [mine], ReduceOp.MAX if inf else ReduceOp.SUM, group)
     rest = _bucket_sums(whole, leaves, norm_type, device, powsums)
     (reduced,) = pending.wait()
+    if backward is not None:  # the next backward's last hook starts this reduction
+        backward.arm_flat(plan.comm, group, weights)
     total = norms.total([reduced, *rest], norm_type, device)
     return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
 

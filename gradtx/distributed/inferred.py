@@ -16,6 +16,7 @@ from typing import Any
 import optree
 import torch
 
+from gradtx.comm.backward_norm import BackwardNorm
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.core import norms
 from gradtx.core import tree as tu
@@ -162,7 +163,6 @@ def infer_plan(
     return plan
 
 
-
 def _check_plain_tree(leaves: Sequence[Any], *, what: str, cache: PlanCache | None) -> None:
     """A tree of plain tensors only, in a multi-process run: raise unless they are replicas (checked once per layout)."""
     table = (cache if cache is not None else DEFAULT_CACHE).current()
@@ -181,6 +181,7 @@ def tree_norm(
     what: str = "global_norm",
     tree: PyTree | None = None,
     powsums: Sequence[torch.Tensor] | None = None,
+    backward: BackwardNorm | None = None,
 ) -> torch.Tensor:
     """The ``norm_type``-norm of the whole model's grads, as one device would compute it; the one norm every transform uses.
 
@@ -202,6 +203,8 @@ def tree_norm(
       tree: the tree the leaves came from, only to name paths in errors.
       powsums: each leaf's local contribution (:func:`gradtx.core.norms.tensor_powsums`), already
         measured (by the hooks of a :class:`gradtx.BackwardNorm`): only the reductions remain.
+      backward: that :class:`gradtx.BackwardNorm`, which under a plan of one reduction over the
+        mesh starts that reduction in the backward from the next step on.
 
     Returns:
       A 0-d fp32 tensor, equal on every rank; no host sync.
@@ -217,7 +220,7 @@ def tree_norm(
         return norms.local_norm(leaves, norm_type)
     from gradtx.distributed.global_norm import plan_norm
 
-    return plan_norm(plan, leaves, norm_type, powsums=powsums)
+    return plan_norm(plan, leaves, norm_type, powsums=powsums, backward=backward)
 
 
 def tree_unitwise_norms(

@@ -167,7 +167,13 @@ def clip_by_global_norm(
             # FSDP2: each sharded grad's local part, measured in the backward; the plan's reductions remain
             powsums = measured.take_leafwise(leaves) if measured is not None and not measured.is_ddp else None
             norm = inferred.tree_norm(
-                leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, powsums=powsums
+                leaves,
+                norm_type,
+                mesh_groups,
+                what="clip_by_global_norm",
+                tree=tree,
+                powsums=powsums,
+                backward=measured if powsums is not None else None,
             )
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale

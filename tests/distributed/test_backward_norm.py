@@ -153,7 +153,7 @@ def _fsdp2(rank: int, norm_type: float) -> dict[str, Any]:
         out["plain_norms"].append(plain_state.grad_norm.clone())
         out["ref_norms"].append(torch.nn.utils.get_total_norm(full, norm_type))
         model.zero_grad()
-    out["used"] = bn.used
+    out["used"], out["early"] = bn.used, bn.early
     _, state = tx.update({n: p.grad for n, p in params.items()}, state, params)  # no backward since: computed
     out["stale"] = (bn.used, bn.fallbacks)
     return out
@@ -226,6 +226,7 @@ def test_fsdp2_sharded_grads_measured_in_the_backward(ranks: list[dict[str, Any]
     for out in ranks:
         got = out["fsdp2"][norm_type]
         assert got["used"] == 2  # both steps took the per-param parts measured after the reduce-scatter
+        assert got["early"] == 0  # one mesh dim: the plan's reduction is over dp, at the step
         for norm, ref, plain in zip(got["norms"], got["ref_norms"], got["plain_norms"]):
             torch.testing.assert_close(norm, ref, rtol=2e-6, atol=0)
             torch.testing.assert_close(norm, plain, rtol=1e-6, atol=0)
