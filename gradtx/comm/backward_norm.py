@@ -96,15 +96,15 @@ class BackwardNorm:
         self._inflight = 0
         self._last_issued = False
         self._ready: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None
-        # FSDP2: each sharded param's local contribution, from its post-accumulate-grad hook, keyed by
-        # the grad's (storage address, size): the latest sync's value of the grad the param now holds.
-        self._by_grad: dict[tuple[Any, int], torch.Tensor] = {}
-        self._param_of: dict[tuple[Any, int], torch.Tensor] = {}  # the same keys: whose grad it is
-        self._taken: list[torch.Tensor | None] = []  # the params of the leaves the last take_leafwise matched
+        # FSDP2: each sharded param's latest local contribution, from its post-accumulate-grad hook:
+        # id(param) -> (the grad's key, see _grad_key; the part; the param). One entry per param.
+        self._measured: dict[int, tuple[tuple[Any, int], torch.Tensor, torch.Tensor]] = {}
+        self._taken: list[torch.Tensor | None] = []  # the params of the leaves the last take matched
+        self._taken_all: list[torch.Tensor] = []  # every param the hooks measured for that take
         # FSDP2 under a flat plan (one all-reduce over the mesh): see arm_flat
         self._recipe: _FlatRecipe | None = None
-        self._partial: dict[int, torch.Tensor] = {}  # this backward's weighted parts so far, by id(param)
-        self._issued: list[PendingReduce] = []  # reductions the last hook started since the last take
+        self._partial: dict[int, torch.Tensor | None] = {}  # this backward's weighted parts so far
+        self._issued: PendingReduce | None = None  # the reduction the last hook started, not yet taken
         self._early: PendingReduce | None = None  # the one the current step may take (take_flat)
 
     # --- the hook's side -------------------------------------------------------------------
@@ -142,24 +142,26 @@ class BackwardNorm:
         key = _grad_key(grad)
         start: list[torch.Tensor] | None = None
         with self._lock:
-            self._by_grad[key] = part
-            self._param_of[key] = param
+            self._measured[id(param)] = (key, part, param)
             recipe = self._recipe
-            weight = recipe.weights.get(id(param)) if recipe is not None else None
-            if recipe is not None and weight is not None:
+            if recipe is not None and id(param) in recipe.weights:
                 if id(param) in self._partial:  # a backward that measured only some params: start again
                     self._partial = {}
-                self._partial[id(param)] = part if weight == 1.0 else part * weight
-                if len(self._partial) == len(recipe.weights):  # the last sharded grad of this backward
-                    start, self._partial = list(self._partial.values()), {}
+                weight = recipe.weights[id(param)]
+                self._partial[id(param)] = None if weight is None else part if weight == 1.0 else part * weight
+                if len(self._partial) == len(recipe.weights):  # the last hook of this backward
+                    start = [v for v in self._partial.values() if v is not None]
+                    self._partial = {}
         if recipe is not None and start is not None:
-            # Every rank's last hook starts the same reduction, in the same place among the engine's
-            # own collectives; the step then only waits on it (take_flat).
+            # Every rank's recipe names the same params, whose hooks run in the same order on every
+            # rank (empty shards included): each rank starts this reduction at the same point.
             mine = norms.total(start, self.norm_type).to(norms.partial_dtype(part.device))
             op = ReduceOp.MAX if math.isinf(self.norm_type) else ReduceOp.SUM
             pending = start_all_reduce(recipe.comm, [mine], op, recipe.group)
             with self._lock:
-                self._issued.append(pending)
+                stale, self._issued = self._issued, pending
+            if stale is not None:  # an earlier backward's, never taken (accumulation, or no step): drop it
+                stale.wait()
 
     # --- the clip's side -------------------------------------------------------------------
 
@@ -199,35 +201,40 @@ class BackwardNorm:
         over the mesh as the plan says.
         """
         with self._lock:
-            measured, self._by_grad = self._by_grad, {}
-            param_of, self._param_of = self._param_of, {}
-            issued, self._issued = self._issued, []
-            complete = not self._partial  # no backward measured only part of the recipe's params since
+            measured, self._measured = self._measured, {}
+            issued, self._issued = self._issued, None
+            complete = not self._partial  # no backward measured only some of the recipe's params since
             self._partial = {}
-        left = [self._early] if self._early is not None else []  # the last step's, if its norm did not take it
-        self._settle(left + issued[:-1])  # and those of earlier backwards (gradient accumulation): out of date
-        self._early = issued[-1] if issued and complete else None
-        self._settle(issued[-1:] if self._early is None else [])
+        if self._early is not None:  # the last step's, if its norm did not take it
+            self._early.wait()
+        self._early = issued if complete else None
+        if issued is not None and not complete:
+            issued.wait()
+        by_key = {key: (part, param) for key, part, param in measured.values()}
         out: list[torch.Tensor] | None = [] if measured and not torch.compiler.is_compiling() else None
         taken: list[torch.Tensor | None] = []
         for t in leaves:
             if out is None:
                 break
-            local = tu.local(t)
             key = _grad_key(t)
-            part = measured.get(key)
             empty = key[1] == 0
-            if part is None and empty:  # an empty shard (FSDP2, fewer rows than ranks) adds 0
-                part = torch.zeros((), dtype=norms.partial_dtype(local.device), device=local.device)
+            part, param = by_key.get(key, (None, None))
+            if empty:  # an empty shard (FSDP2, fewer rows than ranks) adds 0; empty grads share addresses
+                local = tu.local(t)
+                part, param = torch.zeros((), dtype=norms.partial_dtype(local.device), device=local.device), None
             if part is None:
                 out = None
             else:
                 out.append(part)
-                taken.append(None if empty else param_of.get(key))  # an empty shard adds 0 anywhere
+                taken.append(param)
         self._taken = taken if out is not None else []
+        self._taken_all = [param for _, _, param in measured.values()] if out is not None else []
         if out is None:
-            self._settle([self._early] if self._early is not None else [])
+            if self._early is not None:
+                self._early.wait()
             self._early = None
+            with self._lock:
+                self._recipe = None  # the hooks stop reducing until a step takes their values again
             self.fallbacks += 1
         else:
             self.used += 1
@@ -241,12 +248,13 @@ class BackwardNorm:
         Called by the norm after a step whose leaves :meth:`take_leafwise`
         matched: ``weights[i]`` is what leaf ``i``'s part is multiplied by in
         the sum over the mesh (``1 / replicas``), or ``None`` for a leaf every
-        rank holds whole, which is added after the reduction. An empty local
-        shard adds 0 and is left out. The hooks then
-        add the weighted parts as the grads arrive and, at the last, start
-        ``comm``'s all-reduce over ``group``: what is left at ``step()`` is a
-        wait. Every rank arms the same recipe at the same step, and every rank
-        starts its reduction at the same point of its backward.
+        rank holds whole, which is added after the reduction. The recipe names
+        every param the hooks measured, empty local shards included (FSDP2 runs
+        their hooks too, with a 0-element grad), so it is the same on every
+        rank; it is armed only if those params are exactly the leaves' params.
+        The hooks then add the weighted parts as the grads arrive and, at the
+        last, start ``comm``'s all-reduce over ``group``: what is left at
+        ``step()`` is a wait.
         """
         recipe = self._recipe_for(comm, group, weights)
         if recipe is not None and (self._recipe is None or self._recipe.key != recipe.key):
@@ -267,21 +275,25 @@ class BackwardNorm:
         if want is not None and self._recipe is not None and self._recipe.key == want.key:
             self.early += 1
             return early
-        self._settle([early])
+        early.wait()
         return None
 
     def _recipe_for(self, comm: Any, group: Any, weights: Sequence[float | None]) -> _FlatRecipe | None:
-        """The recipe for the leaves the last take matched (their params), or ``None`` if it matched none."""
-        params = self._taken
-        if len(params) != len(weights):
+        """The recipe for the leaves the last take matched, or ``None`` unless they are every measured param's grad."""
+        params, measured = self._taken, self._taken_all
+        if len(params) != len(weights) or len(measured) != len(weights):
             return None
-        reduced = {id(p): w for p, w in zip(params, weights) if w is not None and p is not None}
-        return _FlatRecipe(comm, group, reduced, params)
-
-    @staticmethod
-    def _settle(pending: Sequence[PendingReduce]) -> None:
-        for p in pending:  # every rank started it: wait for it, so no rank leaves a collective behind
-            p.wait()
+        members: dict[int, float | None] = {}
+        for p, w in zip(params, weights):
+            if p is not None:
+                if id(p) in members:  # one grad given twice: the plan counts it twice, a recipe cannot
+                    return None
+                members[id(p)] = w
+        for p in measured:  # the params of the empty shards, whose grads cannot be told apart: they add 0
+            members.setdefault(id(p), 0.0)
+        if len(members) != len(weights):
+            return None
+        return _FlatRecipe(comm, group, members, measured)
 
     def norm(self, leaves: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """:meth:`take`, as the norm itself (fp32, or fp64 for fp64 grads), or ``None``."""
@@ -326,9 +338,9 @@ def _address(t: torch.Tensor) -> tuple[Any, int]:
 class _FlatRecipe:
     """What the hooks of :class:`BackwardNorm` sum and reduce for a flat plan (see :meth:`BackwardNorm.arm_flat`)."""
 
-    def __init__(self, comm: Any, group: Any, weights: dict[int, float], params: Sequence[torch.Tensor | None]) -> None:
+    def __init__(self, comm: Any, group: Any, weights: dict[int, float | None], params: Sequence[torch.Tensor]) -> None:
         self.comm = comm
         self.group = group
-        self.weights = weights  # id(param) -> the weight of its part, for the params whose parts are reduced
+        self.weights = weights  # id(param) -> its part's weight in the sum, or None: added after the reduction
         self.params = list(params)  # held, so that no id above is reused while the recipe lives
-        self.key = (id(comm), group, tuple(weights.items()))
+        self.key = (id(comm), group, tuple(sorted(weights.items(), key=lambda kv: kv[0])))
