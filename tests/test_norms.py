@@ -450,6 +450,13 @@ def test_rows_stay_on_the_calling_thread_where_a_helper_would_miss_its_state(mon
     torch.testing.assert_close(w.grad, 8.0 * w.detach())
 
 
+def test_a_compiled_norm_of_big_tensors_traces_in_one_graph():
+    # Rows big enough to be shared by threads in eager mode stay on one thread under dynamo.
+    grads = _big_grads()
+    compiled = torch.compile(gtx.global_norm, fullgraph=True)
+    torch.testing.assert_close(compiled(grads), gtx.global_norm(grads), rtol=1e-6, atol=0)
+
+
 def test_a_failure_on_a_helper_thread_is_raised_by_the_caller(monkeypatch):
     from gradtx.core import norms
 

@@ -293,9 +293,9 @@ def _rows_powsums(
         starts = range(0, n_rows, per_chunk)
         chunks += [(t, first, min(first + per_chunk, n_rows)) for first in starts]
         owner += [i] * len(starts)
-    threads = torch.get_num_threads() if sum(t.numel() for t in tensors) >= _MIN_THREADED else 1
-    if threads > 1 and not _threads_see_the_same(tensors):
-        threads = 1
+    threads = 1
+    if sum(t.numel() for t in tensors) >= _MIN_THREADED and _threads_see_the_same(tensors):
+        threads = torch.get_num_threads()  # (never while dynamo traces: _threads_see_the_same says so first)
     parts = _shared_map(lambda chunk: _chunk_powsum(*chunk, row, norm_type, acc, sum_dtype), chunks, threads)
     out = torch.zeros(len(tensors), dtype=sum_dtype)
     return out.index_add_(0, torch.tensor(owner), torch.stack(parts))

@@ -209,19 +209,21 @@ def _ddp(rank: int) -> dict[str, Any]:
 
 
 class Narrow(nn.Module):
-    """An MLP whose last layer has 2 rows: under FSDP2 on 4 ranks, ranks 2 and 3 hold empty shards."""
+    """An MLP whose last layer has ``rows`` rows: under FSDP2 over more ranks than that, some hold empty shards
+    (2 rows on 4 ranks: ranks 2 and 3)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rows: int = 2) -> None:
         super().__init__()
         self.body = models.toy_net(seed=2)
-        self.out = nn.Linear(models.OUT, 2)
+        self.out = nn.Linear(models.OUT, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out(torch.tanh(self.body(x)))
 
 
 def _narrow_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(model(x), y[:, :2])
+    out = model(x)
+    return F.mse_loss(out, y[:, : out.shape[-1]])
 
 
 def _fsdp_empty(rank: int) -> dict[str, Any]:
@@ -303,30 +305,17 @@ def _tp_fsdp(rank: int) -> dict[str, Any]:
     return out
 
 
-class _OneRowGate(nn.Module):
-    """ToyNet's output scaled by a one-row gate: FSDP2 over dp=2 gives one dp rank an empty shard of it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = models.toy_net(seed=0)
-        self.gate = nn.Linear(models.OUT, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.net(x)
-        return y * (1 + self.gate(y))
-
-
 def _tp_fsdp_backward(rank: int) -> dict[str, Any]:
     """The norm measured in the backward of TP x FSDP2: from the second step on, the last hook starts the one
     reduction over the mesh and the clip only waits on it; every step against the single-device clip."""
     del rank
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ref = _OneRowGate()
+    ref = Narrow(rows=1)  # its last layer has one row: an empty shard on dp rank 1
     model = copy.deepcopy(ref)
-    for block in model.net.blocks:
+    for block in model.body.blocks:
         parallelize_module(block, mesh["tp"], models.tp_plan())
         fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model.gate, mesh=mesh["dp"])
+    fully_shard(model.out, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     bn = gtx.norm_in_backward(model, 2.0)
     tx = gtx.clip_by_global_norm(MAX_NORM, precomputed=bn)
@@ -337,11 +326,11 @@ def _tp_fsdp_backward(rank: int) -> dict[str, Any]:
         micro = 2 if step == 2 else 1  # step 2 accumulates two backwards: the second one's reduction is taken
         model.zero_grad(set_to_none=True)
         for _ in range(micro):
-            (models.mse(model, *batch(step)) / micro).backward()
+            (_narrow_loss(model, *batch(step)) / micro).backward()
         grads = {k: p.grad for k, p in model.named_parameters()}
         state = tx.init(grads) if state is None else state
         (_, state), issued = _count_all_reduces(lambda g=grads, s=state: tx.update(g, s))
-        ref_loss = models.mse(ref, *models.batch(seed=100 + step))
+        ref_loss = _narrow_loss(ref, *models.batch(seed=100 + step))
         ref_norm, _ = models.reference_clip(models.reference_grads(ref, ref_loss), MAX_NORM, 2.0)
         out["steps"].append((state.grad_norm, ref_norm, issued))
     out["counts"] = (bn.used, bn.early, bn.fallbacks)
@@ -1028,6 +1017,6 @@ def test_tp_fsdp_norm_measured_in_the_backward_leaves_only_a_wait(ranks):
         issued = [n for *_, n in r["steps"]]
         assert issued == [1, 0, 0, 0], (rank, issued)  # the first step reduces and arms the hooks; then none
         assert r["counts"] == (4, 3, 0), (rank, r["counts"])
-        assert r["empty"] == (2 if rank // 2 == 1 else 0)  # the gate's two params, empty on dp rank 1
+        assert r["empty"] == (2 if rank // 2 == 1 else 0)  # the last layer's two params, empty on dp rank 1
         for norm, ref_norm, _ in r["steps"]:
             _close(norm, ref_norm, msg=f"rank {rank}")
