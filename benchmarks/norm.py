@@ -544,8 +544,10 @@ def tp_fsdp_model(quick: bool, rounds: int) -> list[tuple[str, str]]:
         ),
         ("(b) the same, overlapped (zero-config clip)", f"{ov['norm'] * 1e3:.2f} ms"),
         (
-            "(c) the same, measured in the backward (gtx.norm_in_backward), the one reduction started by the "
-            "last hook: what is left at step()",
+            (
+                "(c) the same, measured in the backward (gtx.norm_in_backward), the one reduction started by the "
+                "last hook: what is left at step()"
+            ),
             f"{inb['norm'] * 1e3:.2f} ms",
         ),
         (

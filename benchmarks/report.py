@@ -49,16 +49,18 @@ class Target:
 # targets table only for a target that missed in the run.
 MISSED_NOTES = {
     "a": (
-        "The clip is a norm (one read of the grads) and a scale (a read and a write); gradtx's norm "
-        "uses BLAS dot for big fp32 tensors, at the memory floor. A miss here means the run was "
-        "noisy (the two rows do the same passes otherwise); rerun on a quiet machine."
+        "The clip is a norm (one read of the grads) and a scale (a read and a write). gradtx's norm "
+        "sums big CPU tensors in 64K-element rows whose fp32 sums are added in fp64 (an op per row, "
+        "shared by torch's threads), for an error near 1e-7 where torch's one long fp32 sum drifts 3e-3; "
+        "the kernels table of case b times it against torch's norm. Where torch's norm kernel runs at "
+        "the memory floor on one thread, the rows' per-op cost is what the ratio above 1 is made of."
     ),
     "b-wrapper": (
         "The table of the kernels inside the step shows where the time goes. torch's CPU fused AdamW "
         "kernel, when it is given `grad_scale`, also stores the unscaled grads back to `.grad`: one more "
         "write pass (the ratio of fused_adamw_ with and without grad_scale). Folding the clip into the "
-        "kernel therefore saves torch's scale pass (a read and a write) and gradtx's norm is cheaper "
-        "(BLAS dot, at the one-read floor), but the fold adds that write: 9 passes over 0.5 GB against "
+        "kernel therefore saves torch's scale pass (a read and a write), but the fold adds that write "
+        "and gradtx's accurate norm is no cheaper than torch's (see the kernels table): 9 passes over 0.5 GB against "
         "torch's 10, not the 8 the issue's 0.7 floor assumes. What would close it: a fused kernel that "
         "applies `grad_scale` without storing the grads (a small ATen change), or a wrapper that steps the "
         "inner AdamW's state through its own compiled kernel instead of torch's (which would mean "

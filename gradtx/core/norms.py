@@ -285,20 +285,21 @@ def _rows_powsums(
 ) -> torch.Tensor:
     """``sum(|t|**p)`` of each big contiguous CPU tensor (1-d, ``sum_dtype``): fp32 row sums added in fp64."""
     row = _ROW if tensors[0].dtype == acc else _LOWP_ROW
-    per_chunk = _CHUNK // row
+    threads = 1
+    if sum(t.numel() for t in tensors) >= _MIN_THREADED and _threads_see_the_same(tensors):
+        threads = torch.get_num_threads()  # (never while dynamo traces: _threads_see_the_same says so first)
     chunks: list[tuple[torch.Tensor, int, int]] = []  # (tensor, first row, end row); a tensor's last takes its tail
     owner: list[int] = []
     for i, t in enumerate(tensors):
         n_rows = t.numel() // row
-        starts = range(0, n_rows, per_chunk)
-        chunks += [(t, first, min(first + per_chunk, n_rows)) for first in starts]
+        # 2M-element chunks where threads share them; else (one thread, a traced graph) one per tensor
+        starts = range(0, n_rows, _CHUNK // row if threads > 1 else n_rows)
+        chunks += [(t, first, min(first + starts.step, n_rows)) for first in starts]
         owner += [i] * len(starts)
-    threads = 1
-    if sum(t.numel() for t in tensors) >= _MIN_THREADED and _threads_see_the_same(tensors):
-        threads = torch.get_num_threads()  # (never while dynamo traces: _threads_see_the_same says so first)
-    parts = _shared_map(lambda chunk: _chunk_powsum(*chunk, row, norm_type, acc, sum_dtype), chunks, threads)
-    out = torch.zeros(len(tensors), dtype=sum_dtype)
-    return out.index_add_(0, torch.tensor(owner), torch.stack(parts))
+    parts = torch.stack(_shared_map(lambda c: _chunk_powsum(*c, row, norm_type, acc, sum_dtype), chunks, threads))
+    if len(chunks) == len(tensors):
+        return parts
+    return torch.zeros(len(tensors), dtype=sum_dtype).index_add_(0, torch.tensor(owner), parts)
 
 
 def _chunk_powsum(
