@@ -225,8 +225,9 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 # machine's other work holds up takes fewer chunks and none waits for it, where torch's intra-op
 # parallel regions split every tensor evenly up front and wait for their slowest thread. (A
 # row-wise ``dim=1`` reduction over those regions took 0.71 of torch's time on 2 quiet cores but
-# 7x beside one busy process.) Kernels release the GIL; each chunk's result has its own slot, so
-# the sum is the same whichever thread took it. On a GPU the foreach kernel already reduces in
+# 2x to 11x beside two other torch processes.) Kernels release the GIL; each chunk's result has its
+# own slot, so the sum is the same whichever thread took it. One thread, or a traced graph, takes
+# one chunk per tensor. On a GPU the foreach kernel already reduces in
 # blocks and adds the block partials by a tree, so there big tensors go to it whole, in one launch.
 _ROW = 1 << 16
 _LOWP_ROW = 1 << 15
