@@ -101,7 +101,7 @@ class BackwardNorm:
         self._measured: dict[int, tuple[tuple[Any, int], torch.Tensor, torch.Tensor]] = {}
         self._taken: list[torch.Tensor | None] = []  # the params of the leaves the last take matched
         self._taken_all: list[torch.Tensor] = []  # every param the hooks measured for that take
-        # FSDP2 under a flat plan (one all-reduce over the mesh): see arm_flat
+        # FSDP2 under a flat plan (one all-reduce over the mesh): see take_flat
         self._recipe: _FlatRecipe | None = None
         self._partial: dict[int, torch.Tensor | None] = {}  # this backward's weighted parts so far
         self._issued: PendingReduce | None = None  # the reduction the last hook started, not yet taken
@@ -242,37 +242,33 @@ class BackwardNorm:
 
     # --- FSDP2 under a flat plan: the one reduction started by the last hook -------------------
 
-    def arm_flat(self, comm: Any, group: Any, weights: Sequence[float | None]) -> None:
-        """From now on, the last hook of each backward starts the flat plan's one all-reduce itself.
-
-        Called by the norm after a step whose leaves :meth:`take_leafwise`
-        matched: ``weights[i]`` is what leaf ``i``'s part is multiplied by in
-        the sum over the mesh (``1 / replicas``), or ``None`` for a leaf every
-        rank holds whole, which is added after the reduction. The recipe names
-        every param the hooks measured, empty local shards included (FSDP2 runs
-        their hooks too, with a 0-element grad), so it is the same on every
-        rank; it is armed only if those params are exactly the leaves' params.
-        The hooks then add the weighted parts as the grads arrive and, at the
-        last, start ``comm``'s all-reduce over ``group``: what is left at
-        ``step()`` is a wait.
-        """
-        recipe = self._recipe_for(comm, group, weights)
-        if recipe is not None and (self._recipe is None or self._recipe.key != recipe.key):
-            with self._lock:
-                self._recipe = recipe
-
     def take_flat(self, comm: Any, group: Any, weights: Sequence[float | None]) -> PendingReduce | None:
-        """The all-reduce the last hook started for this step's leaves, or ``None``: then the caller starts it.
+        """The flat plan's all-reduce the last hook started for this step's leaves, or ``None``; and arms the next.
 
-        Used only when the recipe armed before is the one the step needs now
-        (the same comm, group, params and weights); else the reduction in
-        flight, which every rank started, is waited for and dropped.
+        Called by the norm after :meth:`take_leafwise` matched the leaves:
+        ``weights[i]`` is what leaf ``i``'s part is multiplied by in the sum
+        over the mesh (``1 / replicas``), or ``None`` for a leaf every rank
+        holds whole, which is added after the reduction. The recipe names every
+        param the hooks measured, empty local shards included (FSDP2 runs their
+        hooks too, with a 0-element grad), so it is the same on every rank; it
+        is made only if those params are exactly the leaves' params.
+
+        The reduction in flight is returned only if the recipe armed before is
+        this one (the same comm, group, params and weights); else it is waited
+        for and dropped, and the caller starts the reduction itself (``None``).
+        Either way the recipe is armed: from the next backward on, the hooks add
+        the weighted parts as the grads arrive and the last one starts
+        ``comm``'s all-reduce over ``group``, so what is left at ``step()`` is a wait.
         """
+        want = self._recipe_for(comm, group, weights)
         early, self._early = self._early, None
+        armed = self._recipe
+        if want is not None and (armed is None or armed.key != want.key):
+            with self._lock:
+                self._recipe = want
         if early is None:
             return None
-        want = self._recipe_for(comm, group, weights)
-        if want is not None and self._recipe is not None and self._recipe.key == want.key:
+        if want is not None and armed is not None and armed.key == want.key:
             self.early += 1
             return early
         early.wait()
@@ -336,7 +332,7 @@ def _address(t: torch.Tensor) -> tuple[Any, int]:
 
 
 class _FlatRecipe:
-    """What the hooks of :class:`BackwardNorm` sum and reduce for a flat plan (see :meth:`BackwardNorm.arm_flat`)."""
+    """What the hooks of :class:`BackwardNorm` sum and reduce for a flat plan (see :meth:`BackwardNorm.take_flat`)."""
 
     def __init__(self, comm: Any, group: Any, weights: dict[int, float | None], params: Sequence[torch.Tensor]) -> None:
         self.comm = comm

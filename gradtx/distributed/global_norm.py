@@ -142,7 +142,7 @@ def _flat_norm(
 
     With ``backward``, whose hooks measured ``powsums``, the sum is what its
     last hook reduced, started in the backward (see
-    :meth:`gradtx.BackwardNorm.arm_flat`): only the wait is left here.
+    :meth:`gradtx.BackwardNorm.take_flat`, which also arms the next backward): only the wait is left here.
     """
     inf = math.isinf(norm_type)
     group, replicas = plan.flat
@@ -161,8 +161,6 @@ def _flat_norm(
         pending = start_all_reduce(plan.comm, [mine], ReduceOp.MAX if inf else ReduceOp.SUM, group)
     rest = _bucket_sums(whole, leaves, norm_type, device, powsums)
     (reduced,) = pending.wait()
-    if backward is not None:  # the next backward's last hook starts this reduction
-        backward.arm_flat(plan.comm, group, weights)
     total = norms.total([reduced, *rest], norm_type, device)
     return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
 
