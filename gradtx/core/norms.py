@@ -8,11 +8,13 @@ plan in :mod:`gradtx.distributed.plan`; see ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -64,47 +66,48 @@ def _local_powsums(locals_: list[torch.Tensor], norm_type: float) -> list[torch.
 
 
 def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[list[int], torch.Tensor]]:
-    """:func:`tensor_powsums` as ``(indices, 1-d tensor of their contributions)`` per (device, dtype) group."""
+    """:func:`tensor_powsums` as ``(indices, 1-d tensor of their contributions)`` pairs, a few per (device, dtype)."""
     if not locals_:
         return []
     if _plain_ops_only(locals_):
         return [([i], _plain_powsum(t, norm_type).reshape(1)) for i, t in enumerate(locals_)]
     inf = math.isinf(norm_type)
     groups: list[tuple[list[int], torch.Tensor]] = []
+    small: list[list[int]] = []  # per (device, dtype): the tensors its one foreach call takes
+    rows: list[int] = []  # big CPU tensors of every dtype: summed by rows
+    # One pass sorts the tensors: empty shards (FSDP2 gives one to a rank whenever a param has fewer
+    # rows than ranks) contribute 0 for every p, and _foreach_norm refuses the inf-norm of an empty
+    # tensor; big CPU tensors are summed by rows; the rest go to one foreach call per (device, dtype).
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
-        sum_dtype = partial_dtype(device)
-        acc = tu.acc_dtype(dtype)
-        # One pass over the group sorts its tensors: empty shards (FSDP2 gives one to a rank whenever a
-        # param has fewer rows than ranks) contribute 0 for every p, and _foreach_norm refuses the
-        # inf-norm of an empty tensor; big CPU tensors are summed by rows; the rest go to one foreach call.
         by_rows = device.type == "cpu" and not inf and not dtype.is_complex
-        empty: list[int] = []
-        rows: list[int] = []
-        small: list[int] = []
-        for i in idx:
-            t = locals_[i]
-            n = t.numel()
-            if n == 0:
-                empty.append(i)
-            elif by_rows and n >= _MIN_ROWS and t.is_contiguous():
-                rows.append(i)
-            else:
-                small.append(i)
+        empty = [i for i in idx if locals_[i].numel() == 0]
         if empty:
-            groups.append((empty, torch.zeros(len(empty), dtype=sum_dtype, device=device)))
-        if rows:
-            groups.append((rows, _rows_powsums([locals_[i] for i in rows], norm_type, acc, sum_dtype)))
-        if not small:
-            continue
-        tensors = [locals_[i] for i in small]
-        if inf or dtype.is_complex:  # max|x| is exact in any dtype; complex magnitudes take the norm kernel
-            kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
-            norms = torch._foreach_norm(tensors, norm_type, **kwargs)
-            sums: Sequence[torch.Tensor] = norms if inf else torch._foreach_pow(norms, norm_type)
-        else:
-            sums = _foreach_powsum(tensors, norm_type, acc)
-        groups.append((small, torch.stack(list(sums)).to(sum_dtype)))
+            groups.append((empty, torch.zeros(len(empty), dtype=partial_dtype(device), device=device)))
+        big = [i for i in idx if by_rows and locals_[i].numel() >= _MIN_ROWS and locals_[i].is_contiguous()]
+        rows += big
+        rest = [i for i in idx if locals_[i].numel() != 0 and i not in set(big)]
+        if rest:
+            small.append(rest)
+    # The rows are started first: helper threads sum them while this thread makes the foreach calls.
+    rows_sums = _rows_powsums([locals_[i] for i in rows], norm_type) if rows else None
+    for idx in small:
+        groups.append((idx, _small_powsums([locals_[i] for i in idx], norm_type)))
+    if rows_sums is not None:
+        groups.append((rows, rows_sums()))
     return groups
+
+
+def _small_powsums(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The contributions of tensors of one device and dtype, in one foreach call (1-d, fp64 where it exists)."""
+    device, dtype = tensors[0].device, tensors[0].dtype
+    acc = tu.acc_dtype(dtype)
+    if math.isinf(norm_type) or dtype.is_complex:  # max|x| is exact in any dtype; complex magnitudes: the norm kernel
+        kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
+        norms = torch._foreach_norm(tensors, norm_type, **kwargs)
+        sums: Sequence[torch.Tensor] = norms if math.isinf(norm_type) else torch._foreach_pow(norms, norm_type)
+    else:
+        sums = _foreach_powsum(tensors, norm_type, acc)
+    return torch.stack(list(sums)).to(partial_dtype(device))
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
@@ -216,23 +219,27 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 # --- the local pass, by device and feature -------------------------------------------------------
 
 # Big CPU tensors are viewed as rows whose fp32 sums are added in fp64: running sums that short
-# stay within about 3e-7 of fp64 (one long fp32 sum drifts 3e-3 on GPT-2's 38M-element embedding),
-# and the fp64 sum of the row partials costs nothing. Each row is one op of torch's own norm or
-# powsum kernel, which runs on the calling thread: fp32 rows are 64K elements; bf16/fp16 rows are
-# 32K, so that the op's upcast of one row stays under torch's parallel grain (32K elements) and on
-# that thread too, never a whole upcast copy. The rows are cut into chunks of 2M elements that
-# ``torch.get_num_threads()`` threads take in turn from one shared counter: a thread that the
-# machine's other work holds up takes fewer chunks and none waits for it, where torch's intra-op
-# parallel regions split every tensor evenly up front and wait for their slowest thread. (A
-# row-wise ``dim=1`` reduction over those regions took 0.71 of torch's time on 2 quiet cores but
-# 2x to 11x beside two other torch processes.) Kernels release the GIL; each chunk's result has its
-# own slot, so the sum is the same whichever thread took it. One thread, or a traced graph, takes
-# one chunk per tensor. On a GPU the foreach kernel already reduces in
-# blocks and adds the block partials by a tree, so there big tensors go to it whole, in one launch.
-_ROW = 1 << 16
-_LOWP_ROW = 1 << 15
-_MIN_ROWS = 2 * _ROW  # shorter tensors go to the group's one foreach call
-_CHUNK = 1 << 21  # elements per chunk a thread takes
+# stay within about 1e-7 of fp64 (one long fp32 running sum drifts 3e-3 on GPT-2's 38M-element
+# embedding), and the fp64 sum of the row partials costs nothing. An fp32 chunk of rows is one
+# ``dim=1`` op of torch's powsum (or norm) kernel, which takes each row in one fp32 running sum, so
+# the row length sets the accuracy but not the number of ops. bf16/fp16 rows are upcast inside
+# ``_foreach_norm``, one op per row (the ``dim=1`` kernels copy a whole low-precision chunk to fp32
+# first, 10x slower); they are as long as torch's parallel grain, so one row never opens a
+# parallel region. The rows are cut into chunks of 4M elements that ``torch.get_num_threads()``
+# helper threads take in turn from one shared counter, each with its own OpenMP thread count set to
+# 1: a thread that the machine's other work holds up takes fewer chunks and none waits for it,
+# where torch's intra-op parallel regions split every tensor evenly up front and wait for their
+# slowest thread (a ``dim=1`` reduction over those regions took 0.71 of torch's time on 2 quiet
+# cores but 2x to 11x beside two other torch processes). Kernels release the GIL; each chunk's
+# result has its own slot, and a row's sum does not depend on the thread that took it, so the
+# total is the same bit for bit. Where helpers cannot be made serial (torch without OpenMP), or one
+# would miss the caller's state, the calling thread takes one chunk per tensor, torch's kernels
+# parallel as usual. On a GPU the foreach kernel already reduces in blocks and adds the block
+# partials by a tree, so there big tensors go to it whole, in one launch.
+_ROW = 1 << 15
+_MIN_ROWS = _ROW  # shorter tensors go to the group's one foreach call, each under torch's parallel grain
+_CHUNK = 1 << 22  # elements per chunk a thread takes
+_PIECE = 1 << 19  # elements of a low-precision chunk copied to fp32 at a time (2 MB)
 _MIN_THREADED = 1 << 22  # fewer elements than this stay on the calling thread
 _HAS_POWSUM = hasattr(torch, "_foreach_powsum") and hasattr(torch.linalg, "_powsum")
 
@@ -281,42 +288,70 @@ def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float, acc: torch.dt
     return torch._foreach_pow(torch._foreach_norm(tensors, norm_type, dtype=acc), norm_type)  # older torch
 
 
-def _rows_powsums(
-    tensors: list[torch.Tensor], norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype
-) -> torch.Tensor:
-    """``sum(|t|**p)`` of each big contiguous CPU tensor (1-d, ``sum_dtype``): fp32 row sums added in fp64."""
-    row = _ROW if tensors[0].dtype == acc else _LOWP_ROW
+def _rows_powsums(tensors: list[torch.Tensor], norm_type: float) -> Callable[[], torch.Tensor]:
+    """Start summing ``|t|**p`` of big contiguous CPU tensors by rows; the call returned waits for the result.
+
+    The result is 1-d fp64, a tensor's fp32 row sums added in fp64. With one
+    thread everything is done before this returns.
+    """
     threads = 1
     if sum(t.numel() for t in tensors) >= _MIN_THREADED and _threads_see_the_same(tensors):
-        threads = torch.get_num_threads()  # (never while dynamo traces: _threads_see_the_same says so first)
+        threads = torch.get_num_threads() if _helpers_run_serially() else 1  # (never under dynamo: checked first)
     chunks: list[tuple[torch.Tensor, int, int]] = []  # (tensor, first row, end row); a tensor's last takes its tail
-    owner: list[int] = []
-    for i, t in enumerate(tensors):
-        n_rows = t.numel() // row
-        # 2M-element chunks where threads share them; else (one thread, a traced graph) one per tensor
-        starts = range(0, n_rows, _CHUNK // row if threads > 1 else n_rows)
+    counts: list[int] = []  # each tensor's rows, its tail counted as one
+    for t in tensors:
+        n_rows = t.numel() // _ROW
+        # 4M-element chunks where threads share them; else (one thread, a traced graph) one per tensor
+        starts = range(0, n_rows, _CHUNK // _ROW if threads > 1 else n_rows)
         chunks += [(t, first, min(first + starts.step, n_rows)) for first in starts]
-        owner += [i] * len(starts)
-    parts = torch.stack(_shared_map(lambda c: _chunk_powsum(*c, row, norm_type, acc, sum_dtype), chunks, threads))
-    if len(chunks) == len(tensors):
-        return parts
-    return torch.zeros(len(tensors), dtype=sum_dtype).index_add_(0, torch.tensor(owner), parts)
+        counts.append(n_rows + (t.numel() % _ROW > 0))
+    powsum = _use_powsum()
+    parts = _start_shared_map(lambda c, scratch: _chunk_row_sums(*c, norm_type, powsum, scratch), chunks, threads)
+
+    def finish() -> torch.Tensor:
+        # Each chunk ran one op per piece (a whole fp32 chunk is one); the rest is a few ops here, for all rows.
+        rows = torch.cat([r for part in parts() for r in part]).to(torch.float64)
+        rows = rows if powsum else norm_to_power(rows, norm_type)
+        if len(tensors) == 1:
+            return rows.sum().reshape(1)
+        owner = torch.repeat_interleave(torch.tensor(counts))  # the tensor each row belongs to
+        return torch.zeros(len(tensors), dtype=torch.float64).index_add_(0, owner, rows)
+
+    return finish
 
 
-def _chunk_powsum(
-    t: torch.Tensor, first: int, end: int, row: int, norm_type: float, acc: torch.dtype, sum_dtype: torch.dtype
-) -> torch.Tensor:
-    """``sum(|x|**p)`` of rows ``first:end`` of ``t`` (and of its tail past the last whole row, if ``end`` is the last)."""
+def _chunk_row_sums(
+    t: torch.Tensor, first: int, end: int, norm_type: float, powsum: bool, scratch: dict[str, torch.Tensor]
+) -> list[torch.Tensor]:
+    """The fp32 ``sum(|row|**p)`` (``powsum``) or norm of rows ``first:end`` of ``t``, one tensor per op.
+
+    A tensor's last chunk also takes its tail past the last whole row, as one
+    more, short row. Low-precision rows are copied to fp32 a piece at a time
+    into a buffer this thread keeps in ``scratch``: an upcasting kernel would
+    allocate a copy per op, and allocations on two threads at once cost more
+    than the sum.
+    """
     flat = t.view(-1)
-    rows = list(flat[first * row : end * row].view(-1, row).unbind(0))
-    if end == flat.numel() // row and end * row < flat.numel():
-        rows.append(flat[end * row :])  # the tail shorter than a row is one more, short row
-    if rows[0].dtype == acc and _use_powsum():
-        return torch.stack(torch._foreach_powsum(rows, norm_type, dtype=acc)).sum(dtype=sum_dtype)
-    # bf16/fp16 (powsum's upcasting dtype= takes a slow path on CPU) and older torch: the norm kernel,
-    # raised to the p-th power in fp64, which rounds one fp32 result per row.
-    norms = torch.stack(torch._foreach_norm(rows, norm_type, dtype=acc)).to(sum_dtype)
-    return (norms if norm_type == 1 else norms.pow(norm_type)).sum()
+    stop = flat.numel() if end == flat.numel() // _ROW else end * _ROW
+    acc = tu.acc_dtype(t.dtype)
+    lowp = t.dtype != acc
+    step = _PIECE if lowp else stop
+    out: list[torch.Tensor] = []
+    for start in range(first * _ROW, stop, step):
+        x = flat[start : min(start + step, stop)]
+        if lowp:
+            if "buf" not in scratch:  # (low precision: acc is fp32)
+                scratch["buf"] = torch.empty(_PIECE, dtype=acc)
+            x = scratch["buf"][: x.numel()].copy_(x)
+        whole = x.numel() // _ROW * _ROW
+        rows = [x[:whole].view(-1, _ROW)] if whole else []
+        if whole < x.numel():
+            rows.append(x[whole:].view(1, -1))
+        # One fp32 running sum per row. Older torch, and dynamo (which cannot trace the powsum kernels),
+        # take the norm kernel, raised to the p-th power in fp64 by the caller.
+        reduce = torch.linalg._powsum if powsum else torch.linalg.vector_norm
+        out += [reduce(r, norm_type, dim=1) for r in rows]
+    return out
 
 
 def _threads_see_the_same(tensors: list[torch.Tensor]) -> bool:
@@ -332,11 +367,62 @@ def _threads_see_the_same(tensors: list[torch.Tensor]) -> bool:
     )
 
 
-def _shared_map(fn: Callable[[_T], _R], items: list[_T], threads: int) -> list[_R]:
-    """``[fn(x) for x in items]``, by up to ``threads`` threads (this one included) taking items in turn."""
+def _serial_thread() -> None:
+    """Make torch's ops on this thread (a helper of ours) run on it alone: its own OpenMP thread count, 1.
+
+    torch asks OpenMP for the thread count before each parallel region, and
+    OpenMP keeps that count per thread, so no other thread is touched. The
+    first query on a new thread sets its count from torch's setting; after it,
+    the count set here stays.
+    """
+    torch.get_num_threads()
+    if _OMP_SET_NUM_THREADS is not None:
+        _OMP_SET_NUM_THREADS(1)
+
+
+@functools.cache
+def _helpers_run_serially() -> bool:
+    """True where :func:`_serial_thread` works (torch's OpenMP backend); asked once, of a thread of its own."""
+    seen: list[int] = []
+
+    def ask() -> None:
+        _serial_thread()
+        seen.append(torch.get_num_threads())
+
+    probe = threading.Thread(target=ask)
+    probe.start()
+    probe.join()
+    return seen == [1]
+
+
+def _openmp_set_num_threads() -> Callable[[int], object] | None:
+    try:  # torch loads its OpenMP runtime with global symbols; a build without one has no such symbol
+        return ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows has no CDLL(None)
+        return None
+
+
+_OMP_SET_NUM_THREADS = _openmp_set_num_threads()
+
+
+def _start_shared_map(
+    fn: Callable[[_T, dict[str, Any]], _R], items: list[_T], threads: int
+) -> Callable[[], list[_R]]:
+    """Start ``[fn(x, scratch) for x in items]`` on up to ``threads`` serial helper threads taking items in turn.
+
+    Each thread passes ``fn`` a dict of its own, ``scratch``, for what it
+    keeps from one item to the next (a buffer).
+
+    Returns the call that waits for them and gives the list (raising the first
+    failure of any helper). With one thread (or one item) the calling thread
+    maps them all before this returns; otherwise it is free until it waits,
+    and no op of the map opens a parallel region.
+    """
     threads = min(threads, len(items))
     if threads <= 1:
-        return [fn(x) for x in items]
+        scratch: dict[str, Any] = {}
+        done = [fn(x, scratch) for x in items]
+        return lambda: done
     out: list[_R] = [None] * len(items)  # type: ignore[list-item]
     claim = itertools.count()
     lock = threading.Lock()
@@ -344,21 +430,26 @@ def _shared_map(fn: Callable[[_T], _R], items: list[_T], threads: int) -> list[_
 
     def drain() -> None:
         try:
+            _serial_thread()
+            scratch: dict[str, Any] = {}
             while not failed:
                 with lock:
                     i = next(claim)
                 if i >= len(items):
                     return
-                out[i] = fn(items[i])
+                out[i] = fn(items[i], scratch)
         except BaseException as e:  # noqa: BLE001 - any failure, KeyboardInterrupt included, is re-raised by the caller
             failed.append(e)
 
-    helpers = [threading.Thread(target=drain, name="gradtx-norm", daemon=True) for _ in range(threads - 1)]
+    helpers = [threading.Thread(target=drain, name="gradtx-norm", daemon=True) for _ in range(threads)]
     for h in helpers:
         h.start()
-    drain()
-    for h in helpers:
-        h.join()
-    if failed:
-        raise failed[0]
-    return out
+
+    def join() -> list[_R]:
+        for h in helpers:
+            h.join()
+        if failed:
+            raise failed[0]
+        return out
+
+    return join
