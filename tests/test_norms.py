@@ -375,7 +375,7 @@ def test_low_precision_long_tensor_accumulates_in_fp32(dtype):
     assert _rel(got, expected) * 20 < _rel(torch.linalg.vector_norm(x).float(), expected)
 
 
-def test_rows_of_every_dtype_are_summed_in_one_pass_beside_the_small_tensors():
+def test_rows_of_every_dtype_are_summed_in_one_pass():
     gen = torch.Generator().manual_seed(6)
     leaves = [
         torch.randn(1 << 21, generator=gen),
@@ -410,14 +410,14 @@ def test_threads_sharing_the_rows_give_the_one_thread_result_bit_for_bit(monkeyp
     monkeypatch.setattr(norms, "_CHUNK", 1 << 18)  # and in many chunks, so both threads take some
     taken: list[tuple[int, int]] = []  # (thread, its torch thread count) per chunk
     chunk_row_sums = norms._chunk_row_sums
-    first_took_one = threading.Event()
+    another_took_one = threading.Event()  # (stays set for the one-thread run below)
 
     def spy(*args):
         taken.append((threading.get_ident(), torch.get_num_threads()))
-        if len({who for who, _ in taken}) == 1 and len(taken) > 1:  # the first helper waits until another takes one
-            first_took_one.wait(timeout=10)
-        else:
-            first_took_one.set()
+        if len({who for who, _ in taken}) > 1:
+            another_took_one.set()
+        elif len(taken) > 1:  # the first thread waits, at its second chunk, until another has taken one
+            another_took_one.wait(timeout=10)
         return chunk_row_sums(*args)
 
     monkeypatch.setattr(norms, "_chunk_row_sums", spy)
@@ -496,10 +496,9 @@ def test_a_failure_on_a_helper_thread_is_raised_by_the_caller(monkeypatch):
             raise ValueError("chunk 5")
         return x
 
-    wait = norms._start_shared_map(boom, list(range(40)), 2)
     with pytest.raises(ValueError, match="chunk 5"):
-        wait()
-    assert norms._start_shared_map(lambda x, _: x * x, list(range(40)), 3)() == [x * x for x in range(40)]
+        norms._shared_map(boom, list(range(40)), 2)
+    assert norms._shared_map(lambda x, _: x * x, list(range(40)), 3) == [x * x for x in range(40)]
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0])

@@ -88,12 +88,10 @@ def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[
         rest = [i for i in idx if locals_[i].numel() != 0 and i not in set(big)]
         if rest:
             small.append(rest)
-    # The rows are started first: helper threads sum them while this thread makes the foreach calls.
-    rows_sums = _rows_powsums([locals_[i] for i in rows], norm_type) if rows else None
     for idx in small:
         groups.append((idx, _small_powsums([locals_[i] for i in idx], norm_type)))
-    if rows_sums is not None:
-        groups.append((rows, rows_sums()))
+    if rows:
+        groups.append((rows, _rows_powsums([locals_[i] for i in rows], norm_type)))
     return groups
 
 
@@ -288,12 +286,8 @@ def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float, acc: torch.dt
     return torch._foreach_pow(torch._foreach_norm(tensors, norm_type, dtype=acc), norm_type)  # older torch
 
 
-def _rows_powsums(tensors: list[torch.Tensor], norm_type: float) -> Callable[[], torch.Tensor]:
-    """Start summing ``|t|**p`` of big contiguous CPU tensors by rows; the call returned waits for the result.
-
-    The result is 1-d fp64, a tensor's fp32 row sums added in fp64. With one
-    thread everything is done before this returns.
-    """
+def _rows_powsums(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """``sum(|t|**p)`` of each big contiguous CPU tensor (1-d, fp64): its fp32 row sums added in fp64."""
     threads = 1
     if sum(t.numel() for t in tensors) >= _MIN_THREADED and _threads_see_the_same(tensors):
         threads = torch.get_num_threads() if _helpers_run_serially() else 1  # (never under dynamo: checked first)
@@ -306,18 +300,14 @@ def _rows_powsums(tensors: list[torch.Tensor], norm_type: float) -> Callable[[],
         chunks += [(t, first, min(first + starts.step, n_rows)) for first in starts]
         counts.append(n_rows + (t.numel() % _ROW > 0))
     powsum = _use_powsum()
-    parts = _start_shared_map(lambda c, scratch: _chunk_row_sums(*c, norm_type, powsum, scratch), chunks, threads)
-
-    def finish() -> torch.Tensor:
-        # Each chunk ran one op per piece (a whole fp32 chunk is one); the rest is a few ops here, for all rows.
-        rows = torch.cat([r for part in parts() for r in part]).to(torch.float64)
-        rows = rows if powsum else norm_to_power(rows, norm_type)
-        if len(tensors) == 1:
-            return rows.sum().reshape(1)
-        owner = torch.repeat_interleave(torch.tensor(counts))  # the tensor each row belongs to
-        return torch.zeros(len(tensors), dtype=torch.float64).index_add_(0, owner, rows)
-
-    return finish
+    parts = _shared_map(lambda c, scratch: _chunk_row_sums(*c, norm_type, powsum, scratch), chunks, threads)
+    # Each chunk ran one op per piece (a whole fp32 chunk is one); the rest is a few ops here, for all rows.
+    rows = torch.cat([r for part in parts for r in part]).to(torch.float64)
+    rows = rows if powsum else norm_to_power(rows, norm_type)
+    if len(tensors) == 1:
+        return rows.sum().reshape(1)
+    owner = torch.repeat_interleave(torch.tensor(counts))  # the tensor each row belongs to
+    return torch.zeros(len(tensors), dtype=torch.float64).index_add_(0, owner, rows)
 
 
 def _chunk_row_sums(
@@ -329,29 +319,33 @@ def _chunk_row_sums(
     more, short row. Low-precision rows are copied to fp32 a piece at a time
     into a buffer this thread keeps in ``scratch``: an upcasting kernel would
     allocate a copy per op, and allocations on two threads at once cost more
-    than the sum.
+    than the sum. One fp32 running sum per row; older torch, and dynamo (which
+    cannot trace the powsum kernels), take the norm kernel, raised to the p-th
+    power in fp64 by the caller.
     """
-    flat = t.view(-1)
-    stop = flat.numel() if end == flat.numel() // _ROW else end * _ROW
+    reduce = torch.linalg._powsum if powsum else torch.linalg.vector_norm
+    start, stop = first * _ROW, (t.numel() if end == t.numel() // _ROW else end * _ROW)
     acc = tu.acc_dtype(t.dtype)
-    lowp = t.dtype != acc
-    step = _PIECE if lowp else stop
+    if t.dtype == acc:
+        return [reduce(rows, norm_type, dim=1) for rows in _as_rows(t.view(-1)[start:stop])]
+    if "buf" not in scratch:
+        scratch["buf"] = torch.empty(_PIECE, dtype=acc)
+    buf = scratch["buf"]
     out: list[torch.Tensor] = []
-    for start in range(first * _ROW, stop, step):
-        x = flat[start : min(start + step, stop)]
-        if lowp:
-            if "buf" not in scratch:  # (low precision: acc is fp32)
-                scratch["buf"] = torch.empty(_PIECE, dtype=acc)
-            x = scratch["buf"][: x.numel()].copy_(x)
-        whole = x.numel() // _ROW * _ROW
-        rows = [x[:whole].view(-1, _ROW)] if whole else []
-        if whole < x.numel():
-            rows.append(x[whole:].view(1, -1))
-        # One fp32 running sum per row. Older torch, and dynamo (which cannot trace the powsum kernels),
-        # take the norm kernel, raised to the p-th power in fp64 by the caller.
-        reduce = torch.linalg._powsum if powsum else torch.linalg.vector_norm
-        out += [reduce(r, norm_type, dim=1) for r in rows]
+    for piece in range(start, stop, _PIECE):
+        n = min(_PIECE, stop - piece)
+        x = buf[:n].copy_(t.view(-1)[piece : piece + n])
+        out += [reduce(rows, norm_type, dim=1) for rows in _as_rows(x)]
     return out
+
+
+def _as_rows(x: torch.Tensor) -> list[torch.Tensor]:
+    """A 1-d tensor as 2-d views: its whole rows, then the rest as one short row."""
+    whole = x.numel() // _ROW * _ROW
+    rows = [x[:whole].view(-1, _ROW)] if whole else []
+    if whole < x.numel():
+        rows.append(x[whole:].view(1, -1))
+    return rows
 
 
 def _threads_see_the_same(tensors: list[torch.Tensor]) -> bool:
@@ -405,24 +399,19 @@ def _openmp_set_num_threads() -> Callable[[int], object] | None:
 _OMP_SET_NUM_THREADS = _openmp_set_num_threads()
 
 
-def _start_shared_map(
-    fn: Callable[[_T, dict[str, Any]], _R], items: list[_T], threads: int
-) -> Callable[[], list[_R]]:
-    """Start ``[fn(x, scratch) for x in items]`` on up to ``threads`` serial helper threads taking items in turn.
+def _shared_map(fn: Callable[[_T, dict[str, Any]], _R], items: list[_T], threads: int) -> list[_R]:
+    """``[fn(x, scratch) for x in items]``, by up to ``threads`` serial helper threads taking items in turn.
 
     Each thread passes ``fn`` a dict of its own, ``scratch``, for what it
-    keeps from one item to the next (a buffer).
-
-    Returns the call that waits for them and gives the list (raising the first
-    failure of any helper). With one thread (or one item) the calling thread
-    maps them all before this returns; otherwise it is free until it waits,
-    and no op of the map opens a parallel region.
+    keeps from one item to the next (a buffer). With one thread (or one item)
+    the calling thread maps them all; otherwise it only waits (and raises the
+    first failure of any helper), so that no op of the map opens a parallel
+    region.
     """
     threads = min(threads, len(items))
     if threads <= 1:
         scratch: dict[str, Any] = {}
-        done = [fn(x, scratch) for x in items]
-        return lambda: done
+        return [fn(x, scratch) for x in items]
     out: list[_R] = [None] * len(items)  # type: ignore[list-item]
     claim = itertools.count()
     lock = threading.Lock()
@@ -444,12 +433,8 @@ def _start_shared_map(
     helpers = [threading.Thread(target=drain, name="gradtx-norm", daemon=True) for _ in range(threads)]
     for h in helpers:
         h.start()
-
-    def join() -> list[_R]:
-        for h in helpers:
-            h.join()
-        if failed:
-            raise failed[0]
-        return out
-
-    return join
+    for h in helpers:
+        h.join()
+    if failed:
+        raise failed[0]
+    return out
