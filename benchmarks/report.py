@@ -50,10 +50,10 @@ class Target:
 MISSED_NOTES = {
     "a": (
         "The clip is a norm (one read of the grads) and a scale (a read and a write). gradtx's norm "
-        "sums big CPU tensors in 64K-element rows whose fp32 sums are added in fp64 (an op per row, "
-        "shared by torch's threads), for an error near 1e-7 where torch's one long fp32 sum drifts 3e-3; "
-        "the kernels table of case b times it against torch's norm. Where torch's norm kernel runs at "
-        "the memory floor on one thread, the rows' per-op cost is what the ratio above 1 is made of."
+        "sums big CPU tensors in 32K-element rows whose fp32 sums are added in fp64 (a dim=1 op per "
+        "4M-element chunk, shared by helper threads), for an error near 1e-7 where torch's one long fp32 "
+        "sum drifts 3e-3; the kernels table of case b times it against torch's norm. The scale is a pass "
+        "torch makes too, so the ratio is the norm's gain spread over three passes."
     ),
     "b-wrapper": (
         "The table of the kernels inside the step shows where the time goes. torch's CPU fused AdamW "

@@ -40,13 +40,14 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     tensor, with no root-then-power round trip: ``torch._foreach_powsum``
     where the installed torch has it, else ``_foreach_norm`` raised to the
     ``p``. Big CPU tensors are summed in rows of a fixed length whose fp32
-    partial sums are added in fp64, so a 38M-element tensor is within a few
+    partial sums are added in fp64, so a 38M-element tensor is within about
     1e-7 of an fp64 reference, where one long fp32 running sum drifts 3e-3;
-    bf16/fp16 rows are upcast one row at a time, never as a whole copy. The
-    rows are shared by ``torch.get_num_threads()`` threads, each taking the
-    next chunk as it finishes one, so a core held up by other work slows
-    only its own share. On a GPU the foreach kernel's own block-wise
-    reduction does the same in one launch.
+    bf16/fp16 rows are upcast a piece at a time, never as a whole copy. The
+    rows go in chunks, one op each, to ``torch.get_num_threads()`` helper
+    threads that take the next chunk as they finish one, each running torch's
+    kernels on itself alone, so a core held up by other work slows only its
+    own share. On a GPU the foreach kernel's own block-wise reduction does
+    the same in one launch.
 
     The results are fp64 (fp32 on a device without fp64), whatever the input
     dtype; an empty shard contributes 0. Complex tensors are measured by
@@ -216,24 +217,25 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 
 # --- the local pass, by device and feature -------------------------------------------------------
 
-# Big CPU tensors are viewed as rows whose fp32 sums are added in fp64: running sums that short
-# stay within about 1e-7 of fp64 (one long fp32 running sum drifts 3e-3 on GPT-2's 38M-element
-# embedding), and the fp64 sum of the row partials costs nothing. An fp32 chunk of rows is one
-# ``dim=1`` op of torch's powsum (or norm) kernel, which takes each row in one fp32 running sum, so
-# the row length sets the accuracy but not the number of ops. bf16/fp16 rows are upcast inside
-# ``_foreach_norm``, one op per row (the ``dim=1`` kernels copy a whole low-precision chunk to fp32
-# first, 10x slower); they are as long as torch's parallel grain, so one row never opens a
-# parallel region. The rows are cut into chunks of 4M elements that ``torch.get_num_threads()``
-# helper threads take in turn from one shared counter, each with its own OpenMP thread count set to
-# 1: a thread that the machine's other work holds up takes fewer chunks and none waits for it,
-# where torch's intra-op parallel regions split every tensor evenly up front and wait for their
-# slowest thread (a ``dim=1`` reduction over those regions took 0.71 of torch's time on 2 quiet
-# cores but 2x to 11x beside two other torch processes). Kernels release the GIL; each chunk's
-# result has its own slot, and a row's sum does not depend on the thread that took it, so the
-# total is the same bit for bit. Where helpers cannot be made serial (torch without OpenMP), or one
-# would miss the caller's state, the calling thread takes one chunk per tensor, torch's kernels
-# parallel as usual. On a GPU the foreach kernel already reduces in blocks and adds the block
-# partials by a tree, so there big tensors go to it whole, in one launch.
+# Big CPU tensors are viewed as rows of 32K elements whose fp32 sums are added in fp64: running
+# sums that short stay within about 1e-7 of fp64 (one long fp32 running sum drifts 3e-3 on GPT-2's
+# 38M-element embedding), and the fp64 sum of the row partials costs nothing. A chunk of rows is
+# one ``dim=1`` op of torch's powsum (or norm) kernel, which takes each row in one fp32 running
+# sum: the row length sets the accuracy, not the number of ops (an op per row cost about 5 us, as
+# much as the memory traffic saved). bf16/fp16 chunks are copied to fp32 a piece at a time into a
+# buffer the thread keeps (the kernels' own upcast allocates a copy per op, and allocations on two
+# threads at once cost more than the sum). The chunks, of 4M elements, are taken in turn from one
+# shared counter by ``torch.get_num_threads()`` helper threads, each of which sets its own OpenMP
+# thread count to 1 (OpenMP keeps that count per thread: the caller's, and torch's setting, are
+# untouched), so no op opens a parallel region. A thread that the machine's other work holds up
+# takes fewer chunks, and none waits for it, where torch's parallel regions split every tensor
+# evenly up front and wait for their slowest thread (the same ``dim=1`` ops spread over those
+# regions took 0.71 of torch's time on 2 quiet cores but 2x to 11x beside two other torch
+# processes). Kernels release the GIL; a row's sum does not depend on the thread that took it, so
+# the total is the same bit for bit. Where helpers cannot be made serial (a torch whose parallel
+# backend is not OpenMP), or one would miss the caller's state, the calling thread takes one chunk
+# per tensor, with torch's kernels parallel as usual. On a GPU the foreach kernel already reduces
+# in blocks and adds the block partials by a tree, so there big tensors go to it whole, in one launch.
 _ROW = 1 << 15
 _MIN_ROWS = _ROW  # shorter tensors go to the group's one foreach call, each under torch's parallel grain
 _CHUNK = 1 << 22  # elements per chunk a thread takes
