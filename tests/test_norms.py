@@ -344,9 +344,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return abs(float(a.double()) / float(b) - 1.0)
 
 
+@pytest.fixture
+def two_threads():
+    """torch's thread count 2 (the suite pins 1), so that helper threads share the rows where they can."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("powsum", [True, False], ids=["foreach_powsum", "older_torch"])
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
-def test_long_tensor_norm_is_within_1e6_of_fp64(monkeypatch, powsum, norm_type):
+def test_long_tensor_norm_is_within_1e6_of_fp64(monkeypatch, two_threads, powsum, norm_type):
     # All-positive values make one long fp32 running sum drift (torch's CPU norm is ~1e-4 off here).
     from gradtx.core import norms
 
@@ -354,9 +363,9 @@ def test_long_tensor_norm_is_within_1e6_of_fp64(monkeypatch, powsum, norm_type):
         monkeypatch.setattr(norms, "_HAS_POWSUM", False)
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(1 << 22, generator=gen) + 1.0
-    one_row = torch.rand(40_000, generator=gen) + 1.0  # one row and a tail, summed with the rows
+    few_rows = torch.rand(150_000, generator=gen) + 1.0  # four rows and a tail, summed with the rows
     small = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
-    leaves = {"x": x, "one_row": one_row, "small": small}
+    leaves = {"x": x, "few_rows": few_rows, "small": small}
     expected = torch.linalg.vector_norm(torch.cat([v.double().reshape(-1) for v in leaves.values()]), norm_type)
     got = gtx.global_norm(leaves, norm_type)
     assert got.dtype == torch.float32
@@ -364,7 +373,7 @@ def test_long_tensor_norm_is_within_1e6_of_fp64(monkeypatch, powsum, norm_type):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_long_tensor_accumulates_in_fp32(dtype):
+def test_low_precision_long_tensor_accumulates_in_fp32(two_threads, dtype):
     # 80 rows of 32K elements and a tail shorter than a row, copied to fp32 in 512K-element pieces.
     x = (torch.rand((5 << 19) + 3, generator=torch.Generator().manual_seed(2)) + 1.0).to(dtype)
     expected = torch.linalg.vector_norm(x.double())
@@ -375,7 +384,7 @@ def test_low_precision_long_tensor_accumulates_in_fp32(dtype):
     assert _rel(got, expected) * 20 < _rel(torch.linalg.vector_norm(x).float(), expected)
 
 
-def test_rows_of_every_dtype_are_summed_in_one_pass():
+def test_rows_of_every_dtype_are_summed_in_one_pass(two_threads):
     gen = torch.Generator().manual_seed(6)
     leaves = [
         torch.randn(1 << 21, generator=gen),
@@ -441,7 +450,7 @@ def test_threads_sharing_the_rows_give_the_one_thread_result_bit_for_bit(monkeyp
     assert _rel(shared, expected) <= (1e-6 if dtype == torch.float32 else 2e-5)
 
 
-def test_rows_stay_on_the_calling_thread_where_a_helper_would_miss_its_state(monkeypatch):
+def test_rows_stay_on_the_calling_thread_where_a_helper_would_miss_its_state(monkeypatch, two_threads):
     # A helper thread inherits none of the caller's thread-local state: dispatch modes, autograd,
     # functorch transforms. Under one, every op must run here, where the mode sees it.
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -475,10 +484,74 @@ def test_rows_stay_on_the_calling_thread_where_a_helper_would_miss_its_state(mon
     assert len(seen) == 3 + 1 + 1
     taken.clear()
     torch.testing.assert_close(got, gtx.global_norm(grads), rtol=0, atol=0)
-    w = torch.randn(1 << 19, requires_grad=True)
-    (gtx.global_norm([w * 2.0]) ** 2).backward()  # a norm autograd records: on this thread, with its graph
-    assert taken and set(taken) == {threading.current_thread().name}
+    if norms._helpers_run_serially():
+        assert taken and set(taken) == {"gradtx-norm"}  # outside the mode, helpers take the chunks
+    taken.clear()
+    w = torch.randn(1 << 23, requires_grad=True)
+    (gtx.global_norm([w * 2.0]) ** 2).backward()  # a norm autograd records: plain ops, on this thread
+    assert not taken
     torch.testing.assert_close(w.grad, 8.0 * w.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_every_row_and_tail_is_counted_once(monkeypatch, two_threads, dtype):
+    # Tensors of 2.0 have exact row sums (n * 2**p) in every dtype used here, so a row or tail dropped
+    # or counted twice is off by at least 1 element in 4 rows (8e-6), past the 1e-6 allowed for
+    # the small low-precision tensors' norms raised to the p. Small chunks and pieces put chunk and
+    # piece boundaries inside tensors and next to their tails.
+    from gradtx.core import norms
+
+    monkeypatch.setattr(norms, "_MIN_THREADED", 1)
+    monkeypatch.setattr(norms, "_CHUNK", 3 * norms._ROW)
+    monkeypatch.setattr(norms, "_PIECE", 2 * norms._ROW)
+    row = norms._ROW
+    sizes = [row - 1, row, row + 1, 4 * row - 1, 4 * row, 4 * row + 1, 7 * row + 3, 9 * row, 16 * row + 5]
+    leaves = [torch.full((n,), 2.0, dtype=dtype) for n in sizes]
+    for p in (1.0, 2.0, 3.0):
+        sums = norms.tensor_powsums(leaves, p)
+        for n, got in zip(sizes, sums):
+            assert _rel(got, torch.tensor(n * 2.0**p)) <= 1e-6, (n, p)
+        expected = (sum(sizes) * 2.0**p) ** (1 / p)
+        assert _rel(gtx.global_norm(leaves, p), torch.tensor(expected, dtype=torch.float64)) <= 1e-7
+
+
+def test_helpers_are_not_used_where_their_thread_count_cannot_be_set(monkeypatch):
+    from gradtx.core import norms
+
+    monkeypatch.setattr(norms, "_OMP_SET_NUM_THREADS", None)
+    assert norms._helpers_run_serially.__wrapped__() is False  # asked afresh, past the cache
+    monkeypatch.setattr(norms, "_helpers_run_serially", lambda: False)
+    monkeypatch.setattr(norms, "_MIN_THREADED", 1)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert norms._helper_threads() == 1
+        taken: list[str] = []
+        chunk_row_sums = norms._chunk_row_sums
+
+        def spy(*args):
+            taken.append(threading.current_thread().name)
+            return chunk_row_sums(*args)
+
+        monkeypatch.setattr(norms, "_chunk_row_sums", spy)
+        grads = _big_grads()
+        got = gtx.global_norm(grads)
+    finally:
+        torch.set_num_threads(prev)
+    assert taken and set(taken) == {threading.current_thread().name}
+    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in grads]))
+    assert _rel(got, expected) <= 1e-6
+
+
+def test_the_pass_ignores_the_default_device(two_threads):
+    # Buffers and results of the CPU pass are made on the tensors' device, not torch's default one.
+    x = torch.randn((1 << 21) + 3, generator=torch.Generator().manual_seed(7))
+    leaves = [x, x.bfloat16(), torch.randn(1 << 18)]
+    expected = gtx.global_norm(leaves)
+    with torch.device("meta"):
+        got = gtx.global_norm(leaves)
+    assert got.device.type == "cpu"
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_a_compiled_norm_of_big_tensors_traces_in_one_graph():

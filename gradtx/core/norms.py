@@ -12,6 +12,7 @@ import ctypes
 import functools
 import itertools
 import math
+import os
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -43,10 +44,10 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     partial sums are added in fp64, so a 38M-element tensor is within about
     1e-7 of an fp64 reference, where one long fp32 running sum drifts 3e-3;
     bf16/fp16 rows are upcast a piece at a time, never as a whole copy. The
-    rows go in chunks, one op each, to ``torch.get_num_threads()`` helper
-    threads that take the next chunk as they finish one, each running torch's
-    kernels on itself alone, so a core held up by other work slows only its
-    own share. On a GPU the foreach kernel's own block-wise reduction does
+    rows go in chunks (an fp32 chunk is one op) to ``torch.get_num_threads()``
+    helper threads that take the next chunk as they finish one, each running
+    torch's kernels on itself alone, so a core held up by other work slows
+    only its own share. On a GPU the foreach kernel's own block-wise reduction does
     the same in one launch.
 
     The results are fp64 (fp32 on a device without fp64), whatever the input
@@ -76,7 +77,7 @@ def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[
     groups: list[tuple[list[int], torch.Tensor]] = []
     small: list[list[int]] = []  # per (device, dtype): the tensors its one foreach call takes
     rows: list[int] = []  # big CPU tensors of every dtype: summed by rows
-    # One pass sorts the tensors: empty shards (FSDP2 gives one to a rank whenever a param has fewer
+    # The tensors are sorted: empty shards (FSDP2 gives one to a rank whenever a param has fewer
     # rows than ranks) contribute 0 for every p, and _foreach_norm refuses the inf-norm of an empty
     # tensor; big CPU tensors are summed by rows; the rest go to one foreach call per (device, dtype).
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
@@ -84,9 +85,9 @@ def _powsum_groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[
         empty = [i for i in idx if locals_[i].numel() == 0]
         if empty:
             groups.append((empty, torch.zeros(len(empty), dtype=partial_dtype(device), device=device)))
-        big = [i for i in idx if by_rows and locals_[i].numel() >= _MIN_ROWS and locals_[i].is_contiguous()]
-        rows += big
-        rest = [i for i in idx if locals_[i].numel() != 0 and i not in set(big)]
+        big = {i for i in idx if by_rows and locals_[i].numel() >= _MIN_ROWS and locals_[i].is_contiguous()}
+        rows += [i for i in idx if i in big]
+        rest = [i for i in idx if locals_[i].numel() != 0 and i not in big]
         if rest:
             small.append(rest)
     for idx in small:
@@ -217,27 +218,29 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
 
 # --- the local pass, by device and feature -------------------------------------------------------
 
-# Big CPU tensors are viewed as rows of 32K elements whose fp32 sums are added in fp64: running
-# sums that short stay within about 1e-7 of fp64 (one long fp32 running sum drifts 3e-3 on GPT-2's
-# 38M-element embedding), and the fp64 sum of the row partials costs nothing. A chunk of rows is
-# one ``dim=1`` op of torch's powsum (or norm) kernel, which takes each row in one fp32 running
-# sum: the row length sets the accuracy, not the number of ops (an op per row cost about 5 us, as
-# much as the memory traffic saved). bf16/fp16 chunks are copied to fp32 a piece at a time into a
-# buffer the thread keeps (the kernels' own upcast allocates a copy per op, and allocations on two
-# threads at once cost more than the sum). The chunks, of 4M elements, are taken in turn from one
-# shared counter by ``torch.get_num_threads()`` helper threads, each of which sets its own OpenMP
-# thread count to 1 (OpenMP keeps that count per thread: the caller's, and torch's setting, are
-# untouched), so no op opens a parallel region. A thread that the machine's other work holds up
-# takes fewer chunks, and none waits for it, where torch's parallel regions split every tensor
-# evenly up front and wait for their slowest thread (the same ``dim=1`` ops spread over those
-# regions took 0.71 of torch's time on 2 quiet cores but 2x to 11x beside two other torch
-# processes). Kernels release the GIL; a row's sum does not depend on the thread that took it, so
-# the total is the same bit for bit. Where helpers cannot be made serial (a torch whose parallel
-# backend is not OpenMP), or one would miss the caller's state, the calling thread takes one chunk
-# per tensor, with torch's kernels parallel as usual. On a GPU the foreach kernel already reduces
-# in blocks and adds the block partials by a tree, so there big tensors go to it whole, in one launch.
+# CPU tensors of 128K elements or more are viewed as rows of 32K elements whose fp32 sums are
+# added in fp64: for p = 2, running sums that short stay within about 1e-7 of fp64 (one long fp32
+# running sum drifts 3e-3 on GPT-2's 38M-element embedding), and the fp64 sum of the row partials
+# costs nothing. A chunk of rows is one ``dim=1`` op of torch's powsum (or norm) kernel, which sums
+# each row on its own (in vector lanes for p = 2, one running sum otherwise): the row length sets
+# the accuracy, not the number of ops (an op per row cost about 5 us, as much as the memory traffic
+# saved). bf16/fp16 chunks are copied to fp32 a piece at a time into a buffer the thread keeps
+# (the kernels' own upcast allocates a copy per op, and allocations on two threads at once cost
+# more than the sum). The chunks, of 4M elements, are taken in turn from one shared counter by
+# ``torch.get_num_threads()`` helper threads (no more than the cores the caller may run on), each
+# of which sets its own OpenMP thread count to 1 (OpenMP keeps that count per thread: the
+# caller's, and torch's setting, are untouched), so no op opens a parallel region. A thread that
+# the machine's other work holds up takes fewer chunks, and none waits for it, where torch's
+# parallel regions split every tensor evenly up front and wait for their slowest thread (the same
+# ``dim=1`` ops spread over those regions took 0.71 of torch's time on 2 quiet cores but 2x to 11x
+# beside two other torch processes). Kernels release the GIL; a row's sum does not depend on the
+# thread that took it, and the rows are added in one order, so the total is the same bit for bit.
+# Where helpers cannot be made serial (a torch whose parallel backend is not OpenMP), or one would
+# miss the caller's state, the calling thread takes one chunk per tensor, with torch's kernels
+# parallel as usual. On a GPU the foreach kernel already reduces in blocks and adds the block
+# partials by a tree, so there big tensors go to it whole, in one launch.
 _ROW = 1 << 15
-_MIN_ROWS = _ROW  # shorter tensors go to the group's one foreach call, each under torch's parallel grain
+_MIN_ROWS = 4 * _ROW  # shorter tensors go to the group's one foreach call (at least a row: see _rows_powsums)
 _CHUNK = 1 << 22  # elements per chunk a thread takes
 _PIECE = 1 << 19  # elements of a low-precision chunk copied to fp32 at a time (2 MB)
 _MIN_THREADED = 1 << 22  # fewer elements than this stay on the calling thread
@@ -289,27 +292,26 @@ def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float, acc: torch.dt
 
 
 def _rows_powsums(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """``sum(|t|**p)`` of each big contiguous CPU tensor (1-d, fp64): its fp32 row sums added in fp64."""
+    """``sum(|t|**p)`` of each big contiguous CPU tensor (1-d, fp64): its row sums (fp32, or fp64) added in fp64."""
     threads = 1
     if sum(t.numel() for t in tensors) >= _MIN_THREADED and _threads_see_the_same(tensors):
-        threads = torch.get_num_threads() if _helpers_run_serially() else 1  # (never under dynamo: checked first)
+        threads = _helper_threads()  # (never under dynamo: checked first)
     chunks: list[tuple[torch.Tensor, int, int]] = []  # (tensor, first row, end row); a tensor's last takes its tail
     counts: list[int] = []  # each tensor's rows, its tail counted as one
     for t in tensors:
-        n_rows = t.numel() // _ROW
+        n_rows = t.numel() // _ROW  # (at least 4: _MIN_ROWS)
         # 4M-element chunks where threads share them; else (one thread, a traced graph) one per tensor
         starts = range(0, n_rows, _CHUNK // _ROW if threads > 1 else n_rows)
         chunks += [(t, first, min(first + starts.step, n_rows)) for first in starts]
         counts.append(n_rows + (t.numel() % _ROW > 0))
     powsum = _use_powsum()
     parts = _shared_map(lambda c, scratch: _chunk_row_sums(*c, norm_type, powsum, scratch), chunks, threads)
-    # Each chunk ran one op per piece (a whole fp32 chunk is one); the rest is a few ops here, for all rows.
+    # The rows are added here, in one order whichever thread took them: a sum per tensor (an index of
+    # each row's tensor, for one index_add, is a slow torch.tensor of a long list or a
+    # repeat_interleave, which opens a parallel region).
     rows = torch.cat([r for part in parts for r in part]).to(torch.float64)
     rows = rows if powsum else norm_to_power(rows, norm_type)
-    if len(tensors) == 1:
-        return rows.sum().reshape(1)
-    owner = torch.repeat_interleave(torch.tensor(counts))  # the tensor each row belongs to
-    return torch.zeros(len(tensors), dtype=torch.float64).index_add_(0, owner, rows)
+    return torch.stack([sums.sum() for sums in rows.split(counts)])
 
 
 def _chunk_row_sums(
@@ -321,17 +323,18 @@ def _chunk_row_sums(
     more, short row. Low-precision rows are copied to fp32 a piece at a time
     into a buffer this thread keeps in ``scratch``: an upcasting kernel would
     allocate a copy per op, and allocations on two threads at once cost more
-    than the sum. One fp32 running sum per row; older torch, and dynamo (which
-    cannot trace the powsum kernels), take the norm kernel, raised to the p-th
-    power in fp64 by the caller.
+    than the sum; under dynamo, inductor fuses the upcast into its reduction
+    instead. Older torch, and dynamo (which cannot trace the powsum kernels),
+    take the norm kernel, raised to the p-th power in fp64 by the caller.
     """
     reduce = torch.linalg._powsum if powsum else torch.linalg.vector_norm
     start, stop = first * _ROW, (t.numel() if end == t.numel() // _ROW else end * _ROW)
     acc = tu.acc_dtype(t.dtype)
-    if t.dtype == acc:
-        return [reduce(rows, norm_type, dim=1) for rows in _as_rows(t.view(-1)[start:stop])]
+    if t.dtype == acc or torch.compiler.is_compiling():
+        kwargs = {} if t.dtype == acc else {"dtype": acc}
+        return [reduce(rows, norm_type, dim=1, **kwargs) for rows in _as_rows(t.view(-1)[start:stop])]
     if "buf" not in scratch:
-        scratch["buf"] = torch.empty(_PIECE, dtype=acc)
+        scratch["buf"] = torch.empty(_PIECE, dtype=acc, device=t.device)
     buf = scratch["buf"]
     out: list[torch.Tensor] = []
     for piece in range(start, stop, _PIECE):
@@ -363,6 +366,18 @@ def _threads_see_the_same(tensors: list[torch.Tensor]) -> bool:
     )
 
 
+def _helper_threads() -> int:
+    """How many helper threads share the rows: torch's thread count, at most the cores this thread may run on.
+
+    1 where helpers cannot run torch's kernels on themselves alone; then the
+    calling thread takes every chunk.
+    """
+    if not _helpers_run_serially():
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else torch.get_num_threads()
+    return min(torch.get_num_threads(), cores)  # (OMP_PROC_BIND pins the caller, and its helpers, to one core)
+
+
 def _serial_thread() -> None:
     """Make torch's ops on this thread (a helper of ours) run on it alone: its own OpenMP thread count, 1.
 
@@ -378,17 +393,30 @@ def _serial_thread() -> None:
 
 @functools.cache
 def _helpers_run_serially() -> bool:
-    """True where :func:`_serial_thread` works (torch's OpenMP backend); asked once, of a thread of its own."""
-    seen: list[int] = []
+    """True where :func:`_serial_thread` works (torch's OpenMP backend); asked once, of a thread of its own.
+
+    The probe sets the thread's count to 2 and then to 1 and reads torch's
+    count after each, so the answer does not depend on torch's own setting.
+    It also checks that the thread is a thread of its own (not the caller's,
+    as under a library that patches threads).
+    """
+    set_threads = _OMP_SET_NUM_THREADS
+    if set_threads is None:
+        return False
+    seen: list[object] = []
 
     def ask() -> None:
-        _serial_thread()
+        torch.get_num_threads()  # torch's first query sets a new thread's count (see _serial_thread)
+        set_threads(2)
         seen.append(torch.get_num_threads())
+        set_threads(1)
+        seen.append(torch.get_num_threads())
+        seen.append(threading.get_native_id())
 
     probe = threading.Thread(target=ask)
     probe.start()
     probe.join()
-    return seen == [1]
+    return seen[:2] == [2, 1] and seen[2] != threading.get_native_id()
 
 
 def _openmp_set_num_threads() -> Callable[[int], object] | None:
@@ -423,12 +451,13 @@ def _shared_map(fn: Callable[[_T, dict[str, Any]], _R], items: list[_T], threads
         try:
             _serial_thread()
             scratch: dict[str, Any] = {}
-            while not failed:
-                with lock:
-                    i = next(claim)
-                if i >= len(items):
-                    return
-                out[i] = fn(items[i], scratch)
+            with torch.no_grad():  # (the caller's mode, or no tensor requires grad: see _threads_see_the_same)
+                while not failed:
+                    with lock:
+                        i = next(claim)
+                    if i >= len(items):
+                        return
+                    out[i] = fn(items[i], scratch)
         except BaseException as e:  # noqa: BLE001 - any failure, KeyboardInterrupt included, is re-raised by the caller
             failed.append(e)
 
