@@ -460,10 +460,12 @@ def test_rows_stay_on_the_calling_thread_where_a_helper_would_miss_its_state(mon
     monkeypatch.setattr(norms, "_MIN_THREADED", 1)
     monkeypatch.setattr(norms, "_CHUNK", 1 << 18)
     taken: list[str] = []
+    counts: set[int] = set()  # torch's thread count where each chunk ran
     chunk_row_sums = norms._chunk_row_sums
 
     def spy(*args):
         taken.append(threading.current_thread().name)
+        counts.add(torch.get_num_threads())
         return chunk_row_sums(*args)
 
     monkeypatch.setattr(norms, "_chunk_row_sums", spy)
@@ -479,6 +481,8 @@ def test_rows_stay_on_the_calling_thread_where_a_helper_would_miss_its_state(mon
     with Count():
         got = gtx.global_norm(grads)
     assert len(taken) == 3 and set(taken) == {threading.current_thread().name}  # one chunk per big tensor
+    if norms._helpers_run_serially():  # this thread alone for the rows, as a helper would be, and restored
+        assert counts == {1} and torch.get_num_threads() == 2
     # Every op went through the mode: one per big tensor's rows, one for the 5-element tail past the
     # rows of 2**20 + 5, and the small tensor's foreach call.
     assert len(seen) == 3 + 1 + 1

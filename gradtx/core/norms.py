@@ -434,14 +434,24 @@ def _shared_map(fn: Callable[[_T, dict[str, Any]], _R], items: list[_T], threads
 
     Each thread passes ``fn`` a dict of its own, ``scratch``, for what it
     keeps from one item to the next (a buffer). With one thread (or one item)
-    the calling thread maps them all; otherwise it only waits (and raises the
-    first failure of any helper), so that no op of the map opens a parallel
-    region.
+    the calling thread maps them all, its OpenMP thread count set to 1 for the
+    map and restored after; otherwise it only waits (and raises the first
+    failure of any helper). Either way no op of the map opens a parallel region.
     """
     threads = min(threads, len(items))
     if threads <= 1:
         scratch: dict[str, Any] = {}
-        return [fn(x, scratch) for x in items]
+        set_threads = _OMP_SET_NUM_THREADS
+        if torch.compiler.is_compiling() or set_threads is None or not _helpers_run_serially():
+            return [fn(x, scratch) for x in items]
+        # This thread alone, as a helper runs them: the ops' parallel regions would oversubscribe the
+        # cores where several ranks share a machine (and torch's own norm runs on one thread).
+        prev = torch.get_num_threads()
+        set_threads(1)
+        try:
+            return [fn(x, scratch) for x in items]
+        finally:
+            set_threads(prev)
     out: list[_R] = [None] * len(items)  # type: ignore[list-item]
     claim = itertools.count()
     lock = threading.Lock()
