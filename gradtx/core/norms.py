@@ -317,7 +317,7 @@ def _rows_powsums(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor
 def _chunk_row_sums(
     t: torch.Tensor, first: int, end: int, norm_type: float, powsum: bool, scratch: dict[str, torch.Tensor]
 ) -> list[torch.Tensor]:
-    """The fp32 ``sum(|row|**p)`` (``powsum``) or norm of rows ``first:end`` of ``t``, one tensor per op.
+    """The ``sum(|row|**p)`` (``powsum``) or norm of rows ``first:end`` of ``t`` (fp32; fp64 for fp64), one tensor per op.
 
     A tensor's last chunk also takes its tail past the last whole row, as one
     more, short row. Low-precision rows are copied to fp32 a piece at a time
