@@ -8,13 +8,14 @@ plan in :mod:`gradtx.distributed.plan`; see ``docs/distributed.md``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
 import math
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -378,22 +379,29 @@ def _helper_threads() -> int:
     return min(torch.get_num_threads(), cores)  # (OMP_PROC_BIND pins the caller, and its helpers, to one core)
 
 
-def _serial_thread() -> None:
-    """Make torch's ops on this thread (a helper of ours) run on it alone: its own OpenMP thread count, 1.
+@contextlib.contextmanager
+def _alone_on_this_thread() -> Iterator[None]:
+    """Run the block's torch ops on this thread alone: its own OpenMP thread count 1, restored after.
 
     torch asks OpenMP for the thread count before each parallel region, and
-    OpenMP keeps that count per thread, so no other thread is touched. The
-    first query on a new thread sets its count from torch's setting; after it,
-    the count set here stays.
+    OpenMP keeps that count per thread, so no other thread is touched. torch's
+    first query on a new thread sets its count from torch's setting; the one
+    here comes first, so the count set after it stays.
     """
-    torch.get_num_threads()
-    if _OMP_SET_NUM_THREADS is not None:
-        _OMP_SET_NUM_THREADS(1)
+    set_threads = _OMP_SET_NUM_THREADS
+    prev = torch.get_num_threads()
+    if set_threads is not None:
+        set_threads(1)
+    try:
+        yield
+    finally:
+        if set_threads is not None:
+            set_threads(prev)
 
 
 @functools.cache
 def _helpers_run_serially() -> bool:
-    """True where :func:`_serial_thread` works (torch's OpenMP backend); asked once, of a thread of its own.
+    """True where :func:`_alone_on_this_thread` works (torch's OpenMP backend); asked once, of a thread of its own.
 
     The probe sets the thread's count to 2 and then to 1 and reads torch's
     count after each, so the answer does not depend on torch's own setting.
@@ -406,7 +414,7 @@ def _helpers_run_serially() -> bool:
     seen: list[object] = []
 
     def ask() -> None:
-        torch.get_num_threads()  # torch's first query sets a new thread's count (see _serial_thread)
+        torch.get_num_threads()  # torch's first query sets a new thread's count (see _alone_on_this_thread)
         set_threads(2)
         seen.append(torch.get_num_threads())
         set_threads(1)
@@ -441,17 +449,12 @@ def _shared_map(fn: Callable[[_T, dict[str, Any]], _R], items: list[_T], threads
     threads = min(threads, len(items))
     if threads <= 1:
         scratch: dict[str, Any] = {}
-        set_threads = _OMP_SET_NUM_THREADS
-        if torch.compiler.is_compiling() or set_threads is None or not _helpers_run_serially():
+        if torch.compiler.is_compiling() or not _helpers_run_serially():
             return [fn(x, scratch) for x in items]
         # This thread alone, as a helper runs them: the ops' parallel regions would oversubscribe the
         # cores where several ranks share a machine (and torch's own norm runs on one thread).
-        prev = torch.get_num_threads()
-        set_threads(1)
-        try:
+        with _alone_on_this_thread():
             return [fn(x, scratch) for x in items]
-        finally:
-            set_threads(prev)
     out: list[_R] = [None] * len(items)  # type: ignore[list-item]
     claim = itertools.count()
     lock = threading.Lock()
@@ -459,9 +462,9 @@ def _shared_map(fn: Callable[[_T, dict[str, Any]], _R], items: list[_T], threads
 
     def drain() -> None:
         try:
-            _serial_thread()
             scratch: dict[str, Any] = {}
-            with torch.no_grad():  # (the caller's mode, or no tensor requires grad: see _threads_see_the_same)
+            # no_grad: the caller's mode, or no tensor requires grad (see _threads_see_the_same)
+            with _alone_on_this_thread(), torch.no_grad():
                 while not failed:
                     with lock:
                         i = next(claim)
