@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torchtitan.components.optimizer import OptimizersContainer, default_adamw
 from torchtitan.config import Configurable, OverrideConfig, apply_overrides, derive, override
 from torchtitan.distributed.utils import clip_grad_norm_
