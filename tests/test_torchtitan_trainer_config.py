@@ -32,18 +32,18 @@ from gradtx.testing import assert_trees_close, assert_trees_equal
 pytest.importorskip("torchtitan")
 pytest.importorskip("tyro")
 
-from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw  # noqa: E402
-from torchtitan.config import (  # noqa: E402
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer, default_adamw
+from torchtitan.config import (
     ConfigManager,
     Configurable,
     OverrideConfig,
     TrainingConfig,
     apply_overrides,
 )
-from torchtitan.distributed.utils import clip_grad_norm_  # noqa: E402
+from torchtitan.distributed.utils import clip_grad_norm_
 
-from examples.torchtitan_trainer import GradtxOptimizersContainer  # noqa: E402
+from examples.torchtitan_trainer import GradtxOptimizersContainer
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = "examples.torchtitan_trainer.gradtx_optimizer"
@@ -195,7 +195,9 @@ def test_the_gradtx_container_steps_as_the_plain_one_clipping(implementation):
         torch.testing.assert_close(opt.metrics["grad_norm"], plain_norm, rtol=1e-6, atol=0)
         clipped += int(plain_norm > 0.5)
     assert clipped >= STEPS // 2, "the clip should fire in this recipe"
-    assert_trees_close(dict(gradtx_model.named_parameters()), dict(plain_model.named_parameters()), rtol=1e-5, atol=1e-6)
+    assert_trees_close(
+        dict(gradtx_model.named_parameters()), dict(plain_model.named_parameters()), rtol=1e-5, atol=1e-6
+    )
     assert_trees_close(inner_state(opts), inner_state(plain), rtol=1e-5, atol=1e-7)
 
 
