@@ -46,6 +46,15 @@ def test_torchtitan_example_resumes_exactly():
     assert "max |resumed - uninterrupted| = 0" in out, out
 
 
+def test_torchtitan_trainer_example_builds_through_the_override_and_trains():
+    pytest.importorskip("torchtitan")
+    out = run_example(EXAMPLES / "torchtitan_trainer.py").stdout
+    norms = re.findall(r"torchtitan grad_norm (\S+) gradtx grad_norm (\S+)$", out, re.MULTILINE)
+    assert norms and all(titan == ours for titan, ours in norms), out  # torchtitan's clip at inf: the same norm
+    initial, final = (float(v) for v in LOSSES.findall(out)[-1])
+    assert final < initial, out
+
+
 def test_norm_audit_example_matches_one_device_and_shows_the_double_count():
     out = run_example(EXAMPLES / "norm_audit.py").stdout
     assert "norm_audit: ok" in out and "tp: replicated" in out, out
@@ -138,7 +147,9 @@ def test_doc_code_blocks_run(page):
     assert blocks, f"docs/{page} has no python code block"
     namespace: dict = {"__name__": f"docs_{path.stem}"}
     for i, block in enumerate(blocks):
-        exec(compile(block, f"docs/{page} (python block {i + 1})", "exec"), namespace)  # noqa: S102 (our own docs)
+        # dont_inherit: the block runs as a user runs it, without this file's `from __future__ import annotations`
+        code = compile(block, f"docs/{page} (python block {i + 1})", "exec", dont_inherit=True)
+        exec(code, namespace)  # noqa: S102 (our own docs)
     # A page may define pytest-style tests (testing.md does): run them too.
     for name, fn in list(namespace.items()):
         if name.startswith("test_") and callable(fn):
