@@ -6,6 +6,10 @@ factory that wraps torch's AdamW in a :class:`gradtx.TransformedOptimizer`.
 Everything else is torchtitan's own: its ``step``/``zero_grad``, its flattened
 FQN-keyed optimizer state dict, its DCP ``CheckpointManager``.
 
+The chain accumulates, so that the checkpoint is taken with a window open. In torchtitan's
+Trainer, accumulate with torchtitan instead and keep gradtx's clip; examples/torchtitan_trainer.py
+is how the Trainer builds this container (docs/torchtitan.md says why).
+
 Run (one process, CPU, gloo):  python examples/torchtitan_gradtx.py
 """
 
@@ -27,7 +31,7 @@ import gradtx as gtx
 
 
 def gradtx_chain() -> gtx.GradientTransformation:
-    """What gradtx adds in front of AdamW: a spike guard's state, a clip of the global norm, a momentum trace."""
+    """What gradtx adds in front of AdamW: a window of 2 micro-steps, a clip of the global norm, a momentum trace."""
     return gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0), gtx.trace(0.5))
 
 
@@ -58,9 +62,7 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def build(folder: str) -> tuple[torch.nn.Module, OptimizersContainer, CheckpointManager]:
     model = make_model()
-    # "for-loop": torch's fused AdamW needs CUDA on torchtitan's default; any implementation works with gradtx.
-    config = default_adamw(lr=1e-2, weight_decay=0.0)
-    config.implementation = "for-loop"
+    config = default_adamw(lr=1e-2, weight_decay=0.0)  # torchtitan's default implementation: fused, on CPU too
     optimizers = GradtxOptimizersContainer(config, model_parts=[model])
     manager = CheckpointManager(
         CheckpointManager.Config(enable=True, folder="ckpt", interval=1, last_save_model_only=False),
@@ -100,12 +102,7 @@ def main() -> None:
         resumed_manager.close()
 
     reference = make_model()  # the same recipe, uninterrupted
-    ref_opts = GradtxOptimizersContainer(
-        OptimizersContainer.Config(
-            param_groups=default_adamw(lr=1e-2, weight_decay=0.0).param_groups, implementation="for-loop"
-        ),
-        model_parts=[reference],
-    )
+    ref_opts = GradtxOptimizersContainer(default_adamw(lr=1e-2, weight_decay=0.0), model_parts=[reference])
     train(reference, ref_opts, data)
     diff = max((a - b).abs().max().item() for a, b in zip(resumed_model.parameters(), reference.parameters()))
     print(f"max |resumed - uninterrupted| = {diff:.3g}")
