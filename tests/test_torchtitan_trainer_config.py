@@ -139,7 +139,10 @@ def test_the_trainer_does_what_these_tests_do():
 def test_the_command_line_turns_on_the_override_and_builds_the_gradtx_container():
     config = parse(*gradtx_flags(0.25))
     assert config.training.max_norm == math.inf
-    opts = build(config, make_model())
+    # the line torchtitan logs (docs/torchtitan.md: without it, the plain container was built)
+    logged = f"[Override] {TARGET}: optimizer OptimizersContainer.Config -> GradtxOptimizersContainer.Config"
+    assert apply_overrides(config.override, config) == [f"{logged} with max_norm=0.25"]
+    opts = config.optimizer.build(model_parts=[make_model()])
     assert type(opts) is GradtxOptimizersContainer
     assert isinstance(config.optimizer, GradtxOptimizersContainer.Config) and config.optimizer.max_norm == 0.25
     (opt,) = opts.optimizers
