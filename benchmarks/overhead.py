@@ -321,13 +321,13 @@ def markdown(rows: list[Row], calls: list[tuple[int, str, int, int, int, int]], 
 
 def write_section(path: Path, section: str) -> None:
     """Put ``section`` between this script's markers in ``path``, replacing what was there; the rest stays."""
-    block = f"{BEGIN}\n{section}{END}\n"
+    block = f"{BEGIN}\n{section}{END}"
     text = path.read_text() if path.exists() else ""
     start, end = text.find(BEGIN), text.find(END)
     if start >= 0 and end > start:
-        text = text[:start] + block + text[end + len(END) :].lstrip("\n")
+        text = text[:start] + block + text[end + len(END) :]
     else:
-        text = (text.rstrip("\n") + "\n\n" if text else "") + block
+        text = (text.rstrip("\n") + "\n\n" if text else "") + block + "\n"
     path.write_text(text)
 
 
