@@ -255,16 +255,32 @@ def time_pair(pair: Pair, *, n: int, device: torch.device, rounds: int, warmup: 
     )
 
 
-def count_calls(step: Callable[[], object]) -> tuple[int, int]:
-    """(all calls, calls of Python functions) that cProfile sees in one call of ``step``, C builtins included in the first."""
+@dataclass
+class Calls:
+    """What cProfile saw in one call of a step."""
+
+    total: int  # every call, C builtins included
+    python: int  # calls of Python functions only
+    gtx_functions: int  # distinct named functions of gradtx's package entered (comprehensions left out)
+    gtx_modules: int  # distinct gradtx modules those live in
+
+
+def count_calls(step: Callable[[], object]) -> Calls:
+    """Profile one call of ``step`` and count what it called."""
     prof = cProfile.Profile()
     prof.enable()
     step()
     prof.disable()
-    stats = pstats.Stats(prof)
-    python = sum(nc for (file, _, _), (_, nc, *_) in stats.stats.items() if file != "~")  # type: ignore[attr-defined]
-    # The profiler's own disable() call is recorded too; leave it out.
-    return stats.total_calls - 1, python  # type: ignore[attr-defined]
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    package = str(Path(gtx.__file__).resolve().parent)
+    ours = {(file, line, name) for file, line, name in stats if str(Path(file).resolve()).startswith(package)}
+    return Calls(
+        # The profiler's own disable() call is recorded too; leave it out.
+        total=sum(nc for _, nc, *_ in stats.values()) - 1,
+        python=sum(nc for (file, _, _), (_, nc, *_) in stats.items() if file != "~"),
+        gtx_functions=sum(not name.startswith("<") for _, _, name in ours),
+        gtx_modules=len({file for file, _, _ in ours}),
+    )
 
 
 # --- report --------------------------------------------------------------------------------------
@@ -274,7 +290,7 @@ def _verdict(value: float, limit: float) -> str:
     return "met" if value <= limit else "not met"
 
 
-def markdown(rows: list[Row], calls: list[tuple[int, str, int, int, int, int]], meta: dict[str, str]) -> str:
+def markdown(rows: list[Row], calls: list[tuple[int, str, Calls, Calls]], meta: dict[str, str]) -> str:
     lines = [
         f"## {SECTION}",
         "",
@@ -305,16 +321,19 @@ def markdown(rows: list[Row], calls: list[tuple[int, str, int, int, int, int]], 
             "",
             (
                 "d. Python calls in one step after warm-up, counted with `cProfile` (all calls, C builtins "
-                "included; in brackets, calls of Python functions only). Target: the wrapper's below torch's."
+                "included; in brackets, calls of Python functions only). Target: the wrapper's below torch's. "
+                "The last column counts the distinct gradtx functions (comprehensions left out) and modules "
+                "the wrapper step entered."
             ),
             "",
-            "| tensors | device | torch clip + AdamW(fused) | gradtx wrapper | ratio | verdict |",
-            "|---:|---|---:|---:|---:|---|",
+            "| tensors | device | torch clip + AdamW(fused) | gradtx wrapper | ratio | verdict | gradtx functions / modules |",
+            "|---:|---|---:|---:|---:|---|---:|",
         ]
-        for n, dev, t_all, t_py, g_all, g_py in calls:
-            verdict = "met" if g_all < t_all else "not met"
+        for n, dev, t, g in calls:
+            verdict = "met" if g.total < t.total else "not met"
             lines.append(
-                f"| {n:,} | {dev} | {t_all:,} ({t_py:,}) | {g_all:,} ({g_py:,}) | {g_all / t_all:.2f} | {verdict} |"
+                f"| {n:,} | {dev} | {t.total:,} ({t.python:,}) | {g.total:,} ({g.python:,}) | "
+                f"{g.total / t.total:.2f} | {verdict} | {g.gtx_functions} / {g.gtx_modules} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -377,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python benchmarks/overhead.py", *(sys.argv[1:] if argv is None else argv)]),
     }
     rows: list[Row] = []
-    calls: list[tuple[int, str, int, int, int, int]] = []
+    calls: list[tuple[int, str, Calls, Calls]] = []
     for device in devices:
         for n in sizes:
             pairs: list[Pair] = []
@@ -402,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(3):  # warm-up: lazy state, caches keyed on the structure
                     t_step()
                     g_step()
-                calls.append((n, device.type, *count_calls(t_step), *count_calls(g_step)))
+                calls.append((n, device.type, count_calls(t_step), count_calls(g_step)))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     meta["load_after"] = _load()
