@@ -98,9 +98,9 @@ class Row:
 # --- the models ----------------------------------------------------------------------------------
 
 
-def _tensors(n: int, device: torch.device, seed: int, scale: float = 1.0) -> list[torch.Tensor]:
+def _tensors(n: int, device: torch.device, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(NUMEL, generator=g) * scale).to(device) for _ in range(n)]
+    return [torch.randn(NUMEL, generator=g).to(device) for _ in range(n)]
 
 
 def _grads(n: int, device: torch.device) -> list[torch.Tensor]:
@@ -165,7 +165,7 @@ def functional_pair(n: int, device: torch.device) -> Pair:
         torch.nn.utils.clip_grad_norm_(tp, MAX_NORM)
         topt.step()
 
-    # The same start as torch's; gtx.adamw's weight decay is set to torch's default so the check compares like with like.
+    # The same start as torch's, and torch's default weight decay, so the check compares like with like.
     tx = gtx.chain(gtx.clip_by_global_norm(MAX_NORM), gtx.adamw(LR, weight_decay=0.01))
     box: dict[str, object] = {"params": {f"p{i}": t for i, t in enumerate(_tensors(n, device, seed=0))}}
     grads = {f"p{i}": g for i, g in enumerate(_grads(n, device))}
