@@ -303,7 +303,8 @@ def markdown(rows: list[Row], calls: list[tuple[int, str, Calls, Calls]], meta: 
         (
             f"Models of {meta['sizes']} fp32 tensors of {NUMEL} elements, grads set once. Each row times the two "
             "contenders side by side in one process, in alternating blocks of steps; µs are medians per step over "
-            "the rounds, *ratio* is gradtx's median over torch's, *paired* the median of the per-round ratios."
+            "the rounds, *ratio* is gradtx's median over torch's, *paired* the median of the per-round ratios; "
+            "a target is met when both are within it."
         ),
         "",
         "| case | tensors | device | torch | torch µs/step | gradtx | gradtx µs/step | ratio | paired | target | verdict |",
@@ -314,7 +315,7 @@ def markdown(rows: list[Row], calls: list[tuple[int, str, Calls, Calls]], meta: 
         lines.append(
             f"| {r.case}. {r.what} | {r.n:,} | {r.device} | `{r.torch_name}` | {r.torch_us:,.1f} | `{r.gtx_name}` | "
             f"{r.gtx_us:,.1f} | "
-            f"{r.ratio:.2f} | {r.paired:.2f} | <= {limit:.1f} | {_verdict(r.ratio, limit)} |"
+            f"{r.ratio:.2f} | {r.paired:.2f} | <= {limit:.1f} | {_verdict(max(r.ratio, r.paired), limit)} |"
         )
     if calls:
         lines += [
