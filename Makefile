@@ -23,6 +23,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -c constraints.txt -e ".[bench]"
 	$(PY) benchmarks/run.py --wait-quiet 180
+	$(PY) benchmarks/overhead.py --out docs/benchmarks.md  # after run.py, which rewrites that file
 	$(PY) benchmarks/norm.py --dist --out docs/benchmarks-norm.md  # on CUDA when present
 
 lint: $(DEV_STAMP)
