@@ -109,10 +109,10 @@ def test_one_collective_per_group_however_many_tensors(n_layers):
         pp_group="pp",
     )
     plan.global_norm(leaves(grads), 2.0)
-    # Innermost first: tp (the {dp, tp} bucket only), then dp once, over that sum added to the {dp} bucket's;
-    # pp is always last. Never one collective per tensor, and never more than one value per collective here.
-    assert [c.group for c in comm.calls] == ["tp", "dp", "pp"]
-    assert [c.num_tensors for c in comm.calls] == [1, 1, 1]
+    # One collective per group, in the plan's order (dp, then tp for the bucket that needs both); pp is
+    # always last, over the stage's total. Never one collective per tensor: one value per bucket.
+    assert [c.group for c in comm.calls] == ["dp", "tp", "pp"]
+    assert [c.num_tensors for c in comm.calls] == [2, 1, 1]
     assert plan.num_collectives() == 3 and plan.group_order == ("dp", "tp")
 
 

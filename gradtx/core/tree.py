@@ -148,8 +148,9 @@ def _refuse_leaf(leaf: Any, path: str, *, what: str) -> None:
         raise TypeError(f"{what} leaf at {path} is a {type(leaf).__name__}, not a torch.Tensor")
     if leaf.layout != torch.strided:
         raise TypeError(
-            f"{what} leaf at {path} is a {leaf.layout} tensor; gradtx transforms dense tensors only "
-            "(torch.nn.utils.clip_grad_norm_ refuses sparse grads too): pass leaf.to_dense()"
+            f"{what} leaf at {path} is a {leaf.layout} tensor (a sparse grad, e.g. from nn.Embedding(sparse=True)); "
+            "gradtx transforms dense tensors only, as torch.nn.utils.clip_grad_norm_ refuses sparse grads: build "
+            "that embedding with sparse=False, or give its param a chain with no norm (no clip, no global norm)"
         )
     raise TypeError(
         f"{what} leaf at {path} has dtype {leaf.dtype}; gradients and params must be floating point or complex"
@@ -176,9 +177,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def local(x: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, or the tensor itself; no communication."""
+    """The local shard of a DTensor (the shard itself, not a view autograd records), or the tensor itself."""
     if DTensor is not None and isinstance(x, DTensor):
-        return x._local_tensor
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return x.to_local()
+        return x.to_local()
     return x
 
 
@@ -196,7 +200,9 @@ def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:
     return local_result
 
 
-def all_reduce_leaves(comm: Any, leaves: Sequence[torch.Tensor], op: Any, group: Any, *, inplace: bool) -> list[Any]:
+def all_reduce_leaves(
+    comm: Any, leaves: Sequence[torch.Tensor], op: Any, group: Any, *, inplace: bool = False
+) -> list[Any]:
     """Reduce ``leaves`` over ``group`` through ``comm``, one coalesced collective on their local shards.
 
     With ``inplace`` the results are written back into the leaves (the same
@@ -236,7 +242,7 @@ def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.d
     return dict(groups)
 
 
-def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplace: bool) -> list[torch.Tensor]:
+def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
     """Multiply every leaf by the 0-d tensor ``factor``, through local shards, keeping dtypes.
 
     With ``inplace`` the leaves' storage is overwritten and the same objects

@@ -1,37 +1,35 @@
-"""The sharding plan: which process groups each grad's norm is reduced over.
+"""The norm plan: which process groups each grad's norm is reduced over, and the norm that runs on it.
 
-On DTensors the placements *are* the plan: a grad's local p-th power is
-summed over each mesh dim where it is ``Shard``/``_StridedShard``, never over
-a ``Replicate`` dim, with the process groups of the DTensor's own mesh.
-:func:`gradtx.distributed.inferred.tree_norm` (what :func:`gradtx.clip_by_global_norm`,
-:func:`gradtx.global_norm` and :func:`gradtx.adaptive_clip` call) infers that
-plan from the leaves, builds it once and reuses it, keyed by the leaves'
-placements, meshes and shapes (:mod:`gradtx.distributed.inferred`, whose names
-this module still answers to). What placements cannot say (plain tensors
-sharded by hand, the pipeline group, weights tied across stages) is declared
-with :func:`mesh_groups`. The argument is in ``docs/distributed.md``.
+On DTensors the placements *are* the plan: a grad's local p-th power is summed
+over each mesh dim where it is ``Shard``/``_StridedShard``, never over a
+``Replicate`` dim, with the process groups of the DTensor's own mesh
+(:func:`from_placements`). What placements cannot say (plain tensors sharded by
+hand, the pipeline group, weights tied across stages) is declared with
+:func:`mesh_groups`, as torchtitan's clip is passed ``pp_mesh``. A plain tensor
+nobody declared is each rank's own: torch's semantics, with no collective.
 
-Every collective goes through a :class:`~gradtx.comm.Comm`; the one for an
-inferred plan comes from :func:`gradtx.comm.torch_dist.mesh_comm`.
+A plan belongs to whoever holds it: the user's :class:`MeshGroups`, or a
+transform's :class:`PlanSlot`, which rebuilds it when the leaves' meshes,
+placements or shapes change. Every collective goes through the plan's
+:class:`~gradtx.comm.Comm`. The argument is in ``docs/distributed.md``.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeGuard, TypeVar, cast
+from typing import Any, NamedTuple, TypeGuard
 
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
-from gradtx.comm.groups import reduce_over_groups
+from gradtx.comm.base import AsyncComm, Comm, Done, GroupKey, ReduceOp, as_comm
+from gradtx.comm.groups import start_reduce_over_groups
 from gradtx.comm.local import LocalComm
-from gradtx.core import kinds, norms
+from gradtx.core import norms, validate
 from gradtx.core import tree as tu
-from gradtx.core import validate as check
 from gradtx.core.base import PyTree
-from gradtx.distributed.replicas import check_plain_replicas, multi_process
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor, Shard
@@ -42,22 +40,10 @@ try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (p
 except ImportError:  # pragma: no cover
     _StridedShard = None  # type: ignore[assignment,misc]
 
-# Mesh dim names read as a pipeline dim: stages hold different weights, so a norm that ignores
-# the other stages is wrong, and placements cannot say so. Such a mesh needs a declared plan.
-PIPELINE_DIM_NAMES = ("pp", "pipeline", "pipe")
-
-# What plain-tensor grads are, when a multi-process run says so (mesh_groups(..., plain=...)): "replicated"
-# (copies, e.g. synced by hand: counted once) or "local" (each rank's norm is its own: no reduction).
-# A pipeline stage is declared with pp_group; a hand-cut tensor with sharded.
+# Labels for plain-tensor leaves that ``sharded`` does not name (mesh_groups(..., plain=...)): "replicated"
+# (copies kept in sync) or "local" (each rank's own). Both are counted once on each rank with no reduction,
+# which is also what an undeclared plain tensor gets; the label is what norm_audit shows.
 PLAIN_KINDS = ("replicated", "local")
-
-
-# --- the mesh_groups plan: which process groups each grad's norm is reduced over -------------
-#
-# Everything the plan decides is decided once, in mesh_groups(), from the params'
-# placements and the user's declarations. A step only checks cheap metadata
-# (count, shapes, placements), does local foreach math, and issues one
-# all-reduce per process group that some bucket needs, always in the same order.
 
 
 class Sharded(NamedTuple):
@@ -80,12 +66,13 @@ ShardDecl = GroupKey | Sharded | Sequence[GroupKey | Sharded]
 
 
 class _Leaf(NamedTuple):
-    path: str  # dotted, for error messages and matching: "layers.0.attn.wq.weight"
+    path: str  # dotted, for matching and the audit: "layers.0.attn.wq.weight"
     shape: torch.Size  # global (logical) shape
     ndim: int
     placements: tuple[Any, ...] | None  # None for a plain tensor
     shards: tuple[tuple[GroupKey, int | None], ...]  # (group, tensor dim split over it), no duplicates
     tie_group: GroupKey | None
+    where: str = ""  # the path as errors write it: "['layers'][0]['wq']"
 
 
 class _Bucket(NamedTuple):
@@ -152,45 +139,30 @@ class MeshGroups:
         self.device = device
         self._leaves = leaves
         # What the plain leaves no `sharded` entry names are: "pipeline" (a stage, with pp_group),
-        # "replicated" or "local" (declared), "replicas" (found equal on every rank when the plan was
-        # built), "one process", or None when there are none.
+        # "replicated" or "local" (declared), "local" (undeclared), or None when there are none.
         self.plain = plain
-
         order: list[GroupKey] = []
         for leaf in leaves:
-            for group, _ in leaf.shards:
-                if group not in order:
-                    order.append(group)
-        # The one order every rank reduces in: first appearance in the params, which is the
-        # same on every member of a group because its members hold the same part of the model.
+            order += [g for g, _ in leaf.shards if g not in order]
+        # The one order every rank reduces in: first appearance in the params, the same on every member
+        # of a group because its members hold the same part of the model.
         self.group_order: tuple[GroupKey, ...] = tuple(order)
-
-        sizes = {}
-        for leaf in leaves:
-            if leaf.tie_group is not None and leaf.tie_group not in sizes:
-                sizes[leaf.tie_group] = comm.size(leaf.tie_group)
+        sizes = {leaf.tie_group: comm.size(leaf.tie_group) for leaf in leaves if leaf.tie_group is not None}
         buckets: dict[tuple[tuple[GroupKey, ...], float], list[int]] = {}
         for i, leaf in enumerate(leaves):
             groups = tuple(g for g in self.group_order if any(g == s for s, _ in leaf.shards))
             weight = 1.0 / sizes[leaf.tie_group] if leaf.tie_group is not None else 1.0
             buckets.setdefault((groups, weight), []).append(i)
         self._buckets = [_Bucket(groups, weight, tuple(idx)) for (groups, weight), idx in buckets.items()]
-        # One reduction for the whole norm, when every sharded leaf lives on one mesh over all the ranks of
-        # ``flat``: each bucket's part is divided by the number of ranks holding the same shard (its
-        # replicas over the mesh dims it is not sharded on), so one sum over ``flat`` counts it once.
+        # One reduction for the whole norm (one per mesh, not per mesh dim), when every sharded leaf lives on
+        # one mesh over all the ranks of ``flat``: each bucket's part is divided by the number of ranks holding
+        # the same shard (its replicas over the dims it is not sharded on), so one sum over ``flat`` counts it once.
         self.flat: tuple[GroupKey, tuple[int, ...]] | None = None
-        flat_ok = len(self.group_order) > 1 and pp_group is None  # one group is one collective either way
-        if flat is not None and flat_ok and not any(leaf.tie_group is not None for leaf in leaves):
+        if flat is not None and len(self.group_order) > 1 and pp_group is None and not sizes:
             ranks = comm.size(flat)
-            replicas = []
-            for b in self._buckets:
-                shards = 1
-                for g in b.groups:
-                    shards *= comm.size(g)
-                replicas.append(ranks // shards if ranks % shards == 0 else 0)
-            if all(replicas):
+            replicas = [ranks // math.prod(comm.size(g) for g in b.groups) for b in self._buckets]
+            if all(r * math.prod(comm.size(g) for g in b.groups) == ranks for r, b in zip(replicas, self._buckets)):
                 self.flat = (flat, tuple(replicas))
-
         tied: dict[GroupKey, list[int]] = {}
         for i, leaf in enumerate(leaves):
             if leaf.tie_group is not None:
@@ -248,55 +220,45 @@ class MeshGroups:
             )
         for leaf, info in zip(leaves, self._leaves):
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{what}: leaf at {info.path} is a {type(leaf).__name__}, not a torch.Tensor")
+                raise TypeError(
+                    f"{what}: leaf at {info.where or info.path} is a {type(leaf).__name__}, not a torch.Tensor"
+                )
             if leaf.shape != info.shape:
                 raise ValueError(
-                    f"{what}: leaf at {info.path} has shape {tuple(leaf.shape)}, the mesh_groups plan has "
+                    f"{what}: leaf at {info.where or info.path} has shape {tuple(leaf.shape)}, the mesh_groups plan has "
                     f"{tuple(info.shape)}; build the plan from the same params tree the transform sees"
                 )
             is_dtensor = DTensor is not None and isinstance(leaf, DTensor)
             if is_dtensor != (info.placements is not None):
                 kind = "a DTensor" if is_dtensor else "a plain tensor"
-                raise ValueError(f"{what}: leaf at {info.path} is {kind}, but the mesh_groups plan says otherwise")
-            if is_dtensor and cast(DTensor, leaf)._spec.placements != info.placements:
-                placements = cast(DTensor, leaf)._spec.placements
+                raise ValueError(
+                    f"{what}: leaf at {info.where or info.path} is {kind}, but the mesh_groups plan says otherwise"
+                )
+            if is_dtensor and leaf.placements != info.placements:
+                placements = leaf.placements
                 if any(p.is_partial() for p in placements):
                     raise ValueError(
-                        f"{what}: leaf at {info.path} has Partial placements {placements}; a norm of a pending "
+                        f"{what}: leaf at {info.where or info.path} has Partial placements {placements}; a norm of a pending "
                         "sum is not the sum of norms, so reduce it first (e.g. grad.redistribute(placements="
                         f"{info.placements})) or let the parallelism wrapper reduce it"
                     )
                 raise ValueError(
-                    f"{what}: leaf at {info.path} has placements {placements}, the mesh_groups plan was built "
+                    f"{what}: leaf at {info.where or info.path} has placements {placements}, the mesh_groups plan was built "
                     f"for {info.placements}; rebuild the plan after re-sharding"
                 )
 
-    # --- the global norm ----------------------------------------------------------------
-
     def global_norm(self, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
         """The ``norm_type``-norm of the whole (unsharded, un-pipelined) model's grads, as every rank sees it.
-
-        Local fp32 foreach norms of each leaf's local shard, combined into one
-        p-th-power partial per bucket (leaves that share the same groups),
-        then one all-reduce per group over the partials of every bucket that
-        needs it (SUM, or MAX for ``inf``), then one over ``pp_group``; or,
-        for a plan inferred on one mesh over the world (:attr:`flat`), one
-        all-reduce in all (see :meth:`num_collectives`).
 
         Args:
           leaves: the grads, in the plan's leaf order (DTensors or plain tensors).
           norm_type: any ``p > 0`` or ``inf``.
 
         Returns:
-          A 0-d fp32 tensor, equal on every rank; no host sync.
+          A 0-d fp32 tensor (fp64 if a leaf is fp64), equal on every rank; no host sync.
         """
         self.check(leaves, what="mesh_groups.global_norm")
-        norm_type = check.norm_type(norm_type, name="mesh_groups.global_norm")
-        from gradtx.distributed.global_norm import plan_norm  # the norm sits above the plan
-
-        return plan_norm(self, leaves, norm_type)
-
-    # --- unit-wise norms (AGC) ----------------------------------------------------------
+        return plan_norm(self, leaves, check_norm_type(norm_type, name="mesh_groups.global_norm"))
 
     def unit_groups(self, index: int, *, unitwise: bool) -> tuple[GroupKey, ...]:
         """The groups a unit of leaf ``index`` spans: where a dim other than dim 0 (the output unit) is split.
@@ -311,56 +273,12 @@ class MeshGroups:
         for group, dim in leaf.shards:
             if dim is None:
                 raise ValueError(
-                    f"adaptive_clip: leaf at {leaf.path} is declared sharded over {group!r} with no dim; "
+                    f"adaptive_clip: leaf at {leaf.where or leaf.path} is declared sharded over {group!r} with no dim; "
                     "declare it as gradtx.Sharded(group, dim=...) so AGC knows whether its units are local"
                 )
             if dim % leaf.ndim != 0:
                 out.append(group)
         return tuple(out)
-
-    def unitwise_norms(self, trees: Sequence[Sequence[torch.Tensor]], *, unitwise: bool) -> list[list[torch.Tensor]]:
-        """The fp32 L2 norm of each output unit of every leaf, for several aligned leaf lists at once.
-
-        Units follow PyTorch layouts (dim 0 is the output unit; see
-        :func:`gradtx.unitwise_norm`). Where a unit spans ranks (a weight
-        split along dim 1, or a 1-d leaf split at all), the partial sums of
-        squares are summed over those groups: one all-reduce per group for
-        every leaf of every list, e.g. the grads and the weights of AGC together.
-
-        Args:
-          trees: lists of leaves in the plan's leaf order (e.g. ``[grads, params]``).
-          unitwise: per output unit (True) or per whole tensor (False).
-
-        Returns:
-          For each list, the per-leaf norms, broadcastable to the leaf's local shard.
-        """
-        items: list[torch.Tensor] = []
-        groups: list[tuple[GroupKey, ...]] = []
-        where: list[tuple[int, int]] = []
-        out: list[list[torch.Tensor]] = []
-        for t, leaves in enumerate(trees):
-            self.check(leaves, what="adaptive_clip")
-            row: list[torch.Tensor] = []
-            for i, leaf in enumerate(leaves):
-                spans = self.unit_groups(i, unitwise=unitwise)
-                x = norms.magnitudes(tu.local(leaf))
-                one_unit = x.ndim <= 1 or not unitwise
-                if not spans:  # the units are all local: the plain single-device formula
-                    dims = None if one_unit else tuple(range(1, x.ndim))
-                    row.append(torch.linalg.vector_norm(x, dim=dims, keepdim=not one_unit))
-                    continue
-                sq = x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True)
-                row.append(sq)
-                items.append(sq)
-                groups.append(spans)
-                where.append((t, i))
-            out.append(row)
-        if any(t.dtype == torch.float64 for t in items):  # one dtype: one collective per group
-            items = [t.to(torch.float64) for t in items]
-        reduced = reduce_over_groups(self.comm, items, groups, self.group_order, ReduceOp.SUM)
-        for (t, i), sq in zip(where, reduced):
-            out[t][i] = sq.sqrt()
-        return out
 
 
 def _mesh_dim_key(mesh: Any, mesh_dim: int, comm: Comm) -> GroupKey:
@@ -397,15 +315,12 @@ def mesh_groups(
     * A ``Partial`` placement is an error: the norm of a pending sum is not
       the sum of the parts' norms, so reduce such a grad first.
     * A plain tensor is counted once, on each rank, unless ``sharded``
-      declares the groups it is split over. In a run of several processes
-      that is right for replicas (DDP's layout) and wrong for a pipeline
-      stage, which a plain tensor cannot tell apart: declare ``pp_group``
-      (a stage), ``plain="replicated"`` (copies you keep in sync) or
-      ``plain="local"`` (each rank's norm is its own). Undeclared, the plan
-      checks once, with one small all-reduce when it is built, that the
-      plain leaves hold the same values on every rank (DDP leaves its
-      replicas bitwise equal), and raises ``ValueError`` on every rank where
-      they differ. That check is a collective: every rank builds the plan.
+      declares the groups it is split over: torch's semantics, right for
+      DDP's replicas and for a rank that trains a model of its own, with no
+      collective. It is wrong for a pipeline stage, which a plain tensor
+      cannot tell apart: declare ``pp_group``. :func:`gradtx.norm_audit` with
+      ``check_replicas=True`` checks, with one collective you ask for, that
+      plain tensors are replicas.
     * ``pp_group`` adds the stages' contributions (MAX for ``inf``).
     * A leaf in ``tied`` is a copy of a weight held by every rank of its tie
       group (e.g. the embedding on the first stage and the LM head on the
@@ -419,8 +334,8 @@ def mesh_groups(
         ``TorchComm(mesh)``. Default: the process groups of the DTensors' own
         meshes (:func:`gradtx.comm.torch_dist.mesh_comm`), whose dim names
         are valid keys for ``sharded``, ``pp_group`` and ``tied``; without
-        DTensors, the default group (``"world"``) or, in one process, a
-        :class:`~gradtx.comm.LocalComm`.
+        DTensors, the default group (``"world"``) when ``torch.distributed``
+        is initialised, else a :class:`~gradtx.comm.LocalComm`.
       sharded: manual shards of plain tensors: ``{path_or_glob_or_predicate:
         group}``, where the value is a group key, a :class:`Sharded`, or a
         list of them. Paths are dotted (``"layers.0.wq"``; ``"0.3"`` in a list);
@@ -428,11 +343,11 @@ def mesh_groups(
       pp_group: the pipeline-parallel group, or ``None`` without pipelining.
       tied: ``{path_or_glob_or_predicate: tie_group}`` for leaves that are copies of
         one weight across stages.
-      plain: what the plain-tensor leaves that ``sharded`` does not name are:
-        ``"replicated"`` (the same on every rank: counted once) or ``"local"``
-        (a norm per rank: nothing is reduced for them); ``None`` (default)
-        checks that they are replicas, in a run of several processes. A
-        pipeline stage is ``pp_group``, not ``plain``.
+      plain: a label for the plain-tensor leaves that ``sharded`` does not
+        name, shown by :func:`gradtx.norm_audit`: ``"replicated"`` (copies you
+        keep in sync) or ``"local"`` (each rank's own). Either way, as
+        undeclared, each is counted once on each rank. A pipeline stage is
+        ``pp_group``, not ``plain``.
       device: where the norm lives on a rank with no params (an empty stage);
         default: the params' device, else CPU.
 
@@ -454,7 +369,7 @@ def mesh_groups(
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
     comm = default_comm(flat_leaves) if comm is None else as_comm(comm, name="mesh_groups")
     return _build(
-        [tu.dotted(p) for p in flat_paths],
+        list(flat_paths),
         flat_leaves,
         comm,
         sharded=sharded,
@@ -466,35 +381,8 @@ def mesh_groups(
     )
 
 
-def default_comm(leaves: Sequence[Any]) -> Comm:
-    """The comm of the zero-configuration path: the DTensors' own meshes, else the world, else one process."""
-    meshes = [t.device_mesh for t in leaves if DTensor is not None and isinstance(t, DTensor)]
-    if meshes:
-        from gradtx.comm.torch_dist import mesh_comm
-
-        return mesh_comm(meshes)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from gradtx.comm.torch_dist import TorchComm
-
-        return TorchComm()
-    return LocalComm()
-
-
-def _pipeline_dims(leaves: Sequence[Any]) -> list[str]:
-    """Pipeline-looking dims (size > 1) of the root meshes of ``leaves``' DTensors."""
-    found: list[str] = []
-    for t in leaves:
-        if DTensor is None or not isinstance(t, DTensor):
-            continue
-        root = t.device_mesh._get_root_mesh()
-        for dim, name in enumerate(root.mesh_dim_names or ()):
-            if name in PIPELINE_DIM_NAMES and root.size(dim) > 1 and name not in found:
-                found.append(name)
-    return found
-
-
 def _build(
-    dotted: list[str],
+    paths: list[tuple[Any, ...]],
     flat_leaves: list[Any],
     comm: Comm,
     *,
@@ -514,15 +402,6 @@ def _build(
         raise ValueError(
             f"{what}: plain='local' keeps each rank's norm its own, pp_group adds the stages' norms; pass one of them"
         )
-    if pp_group is None:
-        pipeline = _pipeline_dims(flat_leaves)
-        if pipeline:
-            raise ValueError(
-                f"{what}: these DTensors live on a mesh with a pipeline dim {pipeline[0]!r}; a stage's norm "
-                "must add the other stages', which placements cannot say. Declare it once: "
-                f"plan = gtx.mesh_groups(params, pp_group={pipeline[0]!r}, tied={{...}}), then pass "
-                "mesh_groups=plan (and gtx.pp_reduce(plan) for tied weights)"
-            )
     leaf_kind = "params" if what == "mesh_groups" else "updates"
     sharded = dict(sharded or {})
     tied = dict(tied or {})
@@ -531,6 +410,7 @@ def _build(
     for key in tied:
         _check_matcher(key, arg="tied")
 
+    dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
 
     def canonical(group: GroupKey) -> GroupKey:
@@ -542,7 +422,7 @@ def _build(
     used: set[int] = set()
     checked: set[GroupKey] = set()
     infos: list[_Leaf] = []
-    for path, leaf in zip(dotted, flat_leaves):
+    for path, where, leaf in zip(dotted, map(tu.path_str, paths), flat_leaves):
         shards: list[tuple[GroupKey, int | None]] = []
         placements = None
         if DTensor is not None and isinstance(leaf, DTensor):
@@ -551,7 +431,7 @@ def _build(
             for mesh_dim, placement in enumerate(placements):
                 if placement.is_partial():
                     raise ValueError(
-                        f"{what}: {leaf_kind} leaf at {path} is Partial on mesh dim {mesh_dim}; a norm of a "
+                        f"{what}: {leaf_kind} leaf at {where} is Partial on mesh dim {mesh_dim}; a norm of a "
                         "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
@@ -559,7 +439,7 @@ def _build(
                     if group_key not in checked:  # a LocalComm here would silently drop the other shards
                         if comm.size(group_key) != mesh.size(mesh_dim):
                             raise ValueError(
-                                f"{what}: leaf at {path} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
+                                f"{what}: leaf at {where} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
                                 f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
                                 "same process groups, e.g. TorchComm(mesh)"
                             )
@@ -568,22 +448,22 @@ def _build(
         for n, (key, decl) in enumerate(sharded.items()):
             if _match(key, path, leaf):
                 used.add(n)
-                for group, dim in _shard_decls(decl, where=f"sharded[{key!r}] (leaf {path})"):
+                for group, dim in _shard_decls(decl, where=f"sharded[{key!r}] (leaf {where})"):
                     if dim is not None and not -max(leaf.ndim, 1) <= dim < max(leaf.ndim, 1):
                         raise ValueError(
-                            f"{what}: sharded[{key!r}]: dim {dim} is out of range for leaf {path} of shape {tuple(leaf.shape)}"
+                            f"{what}: sharded[{key!r}]: dim {dim} is out of range for leaf {where} of shape {tuple(leaf.shape)}"
                         )
                     shards.append((canonical(group), dim))
         deduped: list[tuple[GroupKey, int | None]] = []
         for group, dim in shards:
             if any(group == g for g, _ in deduped):
-                raise ValueError(f"{what}: leaf at {path} is sharded over group {group!r} twice")
+                raise ValueError(f"{what}: leaf at {where} is sharded over group {group!r} twice")
             deduped.append((group, dim))
         tie_keys = [key for key in tied if _match(key, path, leaf)]
         if len(tie_keys) > 1:
-            raise ValueError(f"{what}: leaf at {path} matches several tied keys: {tie_keys}")
+            raise ValueError(f"{what}: leaf at {where} matches several tied keys: {tie_keys}")
         tie_group = canonical(tied[tie_keys[0]]) if tie_keys else None
-        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(deduped), tie_group))
+        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(deduped), tie_group, where))
 
     unused = [key for n, key in enumerate(sharded) if n not in used and isinstance(key, str)]
     unused += [
@@ -598,16 +478,8 @@ def _build(
     pp = canonical(pp_group) if pp_group is not None else None
     if pp is None and any(info.tie_group is not None for info in infos):
         raise ValueError(f"{what}: tied weights need pp_group, the group over which the stages' norms add up")
-    undeclared = [leaf for leaf, info in zip(flat_leaves, infos) if info.placements is None and not info.shards]
-    kind: str | None = None
-    if undeclared:
-        kind = "pipeline" if pp is not None else plain
-        if kind is None:
-            kind = "one process"
-            if not isinstance(comm, LocalComm) and multi_process():
-                given = "params" if what == "mesh_groups" else "grads"
-                check_plain_replicas(undeclared, flat_leaves, what=what, leaf_kind=given)
-                kind = "replicas"
+    undeclared = any(info.placements is None and not info.shards for info in infos)
+    kind = ("pipeline" if pp is not None else plain or "local") if undeclared else None
     flat_group = _one_mesh_group(flat_leaves, comm) if flat and not sharded and pp is None else None
     return MeshGroups(comm, infos, pp, torch.device(device), plain=kind, flat=flat_group)
 
@@ -629,56 +501,159 @@ def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
             continue
         r = t.device_mesh._get_root_mesh()
         # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
-        # an earlier, equal mesh (one built again, or in an earlier part of the program), so one model's grads
-        # may name two root objects for one grid. Equal roots are the same ranks, dims and names, and the plan
-        # cache keys plans by mesh equality too, so the choice must not depend on which object a grad holds.
+        # an earlier, equal mesh, so one model's grads may name two root objects for one grid.
         if root is not None and r != root:
             return None
         root = r
-    if root is None or not multi_process() or root.size() != comm.size("world"):
+    if root is None or root.size() == 1 or root.size() != comm.size("world"):
         return None
     return "world"
 
 
-_T = TypeVar("_T")
+def default_comm(leaves: Sequence[Any]) -> Comm:
+    """The comm a plan with no ``comm=`` reduces with: the DTensors' own meshes, else the world, else one process."""
+    meshes = [t.device_mesh for t in leaves if DTensor is not None and isinstance(t, DTensor)]
+    if meshes:
+        from gradtx.comm.torch_dist import mesh_comm
+
+        return mesh_comm(meshes)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from gradtx.comm.torch_dist import TorchComm
+
+        return TorchComm()
+    return LocalComm()
 
 
-def reads_tied(tx: _T, mesh_groups: MeshGroups | None) -> _T:
-    """``tx``, declared as reading a norm over ``mesh_groups``' tied weights when the plan has some; returns ``tx``.
+def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
+    """The plan the placements of ``leaves`` define, over the DTensors' own process groups; ``None`` without DTensors.
 
-    What every transform that takes ``mesh_groups=`` and computes a norm
-    returns: :func:`gradtx.chain` then refuses it, when built, unless a
-    :func:`gradtx.pp_reduce` of the same plan comes before it
-    (:func:`gradtx.core.kinds.declare_ties`).
+    Plain tensors among them are each rank's own (counted once, no collective).
+    Every DTensor on one root mesh over the whole world: one reduction in all
+    (see :attr:`MeshGroups.flat`); else one per sharded mesh dim.
     """
-    if mesh_groups is not None and mesh_groups.tied:
-        kinds.declare_ties(tx, reads=(mesh_groups,))
+    if DTensor is None or not any(isinstance(t, DTensor) for t in leaves):
+        return None
+    paths = tu.paths(tree) if tree is not None else None
+    if paths is None or len(paths) != len(leaves):
+        paths = [(i,) for i in range(len(leaves))]
+    comm = default_comm(leaves)
+    return _build(paths, list(leaves), comm, sharded=None, pp_group=None, tied=None, device=None, what=what, flat=True)
+
+
+class PlanSlot:
+    """The plan a transform reads from its grads' placements, rebuilt only when their meshes, placements or shapes change.
+
+    Each transform that takes ``mesh_groups=None`` holds one (nothing is
+    shared between transforms or kept process-wide). Its key is public
+    DTensor metadata, read each step: a tuple compare, no collective.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.plan: MeshGroups | None = None
+
+    def get(self, leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
+        """The plan for ``leaves`` (``None`` without DTensors)."""
+        if DTensor is None:
+            return None
+        key = tuple((t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else None for t in leaves)
+        if key != self.key:
+            self.plan = from_placements(leaves, what=what, tree=tree)
+            self.key = key
+        return self.plan
+
+    def __getstate__(self) -> dict[str, Any]:  # a plan holds process groups: rebuilt after a copy or a load
+        return {"key": None, "plan": None}
+
+
+NO_PLAN = object()  # what plan_read_by says of a transform that computes no norm
+
+
+def reads_plan(tx: Any, mesh_groups: MeshGroups | None) -> Any:
+    """``tx``, marked as computing a norm over ``mesh_groups`` (``None``: its grads' placements); returns ``tx``.
+
+    What :func:`gradtx.distributed.pipeline.check_chain` reads when a chain is
+    built; a wrapper transform passes on what its inner one reads with
+    ``reads_plan(outer, plan_read_by(inner))``.
+    """
+    if mesh_groups is not NO_PLAN and hasattr(tx, "__dict__"):
+        vars(tx)["norm_plan"] = mesh_groups
     return tx
 
 
-def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
-    """Raise ``TypeError`` unless ``mesh_groups`` is a plan from :func:`gradtx.mesh_groups` (or ``None``, unless ``required``).
+def reads_tied(tx: Any, mesh_groups: MeshGroups | None) -> Any:
+    """``tx``, marked as computing a norm over ``mesh_groups`` when it is a plan (what transforms called before)."""
+    return reads_plan(tx, NO_PLAN if mesh_groups is None else mesh_groups)
 
-    The one check of a ``mesh_groups=`` argument, for every transform that takes one.
-    """
+
+def plan_read_by(tx: Any) -> Any:
+    """The plan ``tx`` computes a norm over (see :func:`reads_plan`): a plan, ``None``, or :data:`NO_PLAN`."""
+    return getattr(tx, "__dict__", {}).get("norm_plan", NO_PLAN)
+
+
+def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
+    """Raise ``TypeError`` unless ``mesh_groups`` is a plan from :func:`gradtx.mesh_groups` (or ``None``, unless ``required``)."""
     if (mesh_groups is not None or required) and not isinstance(mesh_groups, MeshGroups):
         raise TypeError(
             f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
 
 
-# The plan read from placements and the norms that run on a plan live in gradtx.distributed.inferred;
-# their old names here still resolve (and gradtx.plan, the flat path of this module, with them).
-_MOVED = ("DEFAULT_CACHE", "PlanCache", "agree_finite", "global_norm", "infer_plan", "tree_norm", "tree_unitwise_norms")
+def check_norm_type(norm_type: Any, *, name: str) -> float:
+    """``norm_type`` as a float, or ``ValueError`` naming ``name``: any ``p > 0`` or ``inf``."""
+    return validate.norm_type(norm_type, name=name)
 
 
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from gradtx.distributed import inferred
+# --- the norm on a plan -------------------------------------------------------------------------
+#
+# Local fp32 foreach norms of each leaf's shard, one p-th-power partial per bucket (leaves that share
+# the same groups), then the reductions: one all-reduce over the whole mesh for a flat plan, else one
+# per group (in levels, see gradtx.comm.groups), then one over pp_group. The local pass of the buckets
+# no group needs (leaves every rank holds whole) runs while the reductions are in flight.
 
-        return getattr(inferred, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole model under ``plan``, checks done: 0-d, the same on every rank, no host sync."""
+    inf = math.isinf(norm_type)
+    op = ReduceOp.MAX if inf else ReduceOp.SUM
+    device = tu.local(leaves[0]).device if leaves else plan.device
+    sharded = [b for b in plan._buckets if b.groups]
+    whole = [b for b in plan._buckets if not b.groups]
+    parts = _bucket_sums(sharded, leaves, norm_type, device)
+    if plan.flat is not None:
+        group, replicas = plan.flat
+        if not inf:  # divided by its replica count, a part counts once in a sum over the whole mesh
+            parts = [
+                p if r == 1 else p / r for p, r in zip(parts, (r for b, r in zip(plan._buckets, replicas) if b.groups))
+            ]
+        pending = _start(plan.comm, [norms.total(parts, norm_type, device).to(norms.partial_dtype(device))], op, group)
+    else:
+        pending = start_reduce_over_groups(plan.comm, parts, [b.groups for b in sharded], plan.group_order, op)
+    rest = _bucket_sums(whole, leaves, norm_type, device)
+    stage = norms.total([*pending.wait(), *rest], norm_type, device).to(norms.partial_dtype(device))
+    if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
+        (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
+    return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
 
 
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_MOVED])
+def _start(comm: Comm, tensors: list[torch.Tensor], op: ReduceOp, group: GroupKey) -> Any:
+    return (
+        comm.all_reduce_async(tensors, op, group)
+        if isinstance(comm, AsyncComm)
+        else Done(comm.all_reduce(tensors, op, group))
+    )
+
+
+def _bucket_sums(
+    buckets: Sequence[_Bucket], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
+) -> list[torch.Tensor]:
+    """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), in one dtype."""
+    if not buckets:
+        return []
+    index = [i for b in buckets for i in b.leaves]
+    per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
+    out = []
+    for b in buckets:
+        s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))
+        out.append(s if b.weight == 1.0 or math.isinf(norm_type) else s * b.weight)
+    return out
