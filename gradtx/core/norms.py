@@ -161,7 +161,7 @@ def _groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[list[in
     out = []
     for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
         part = partial_dtype(device)
-        rows = device.type == "cpu" and not inf and not dtype.is_complex and not torch.compiler.is_compiling()
+        rows = device.type == "cpu" and not inf and not dtype.is_complex
         if rows or inf:  # big CPU tensors by rows; no inf-norm of an empty tensor (it has no identity)
             sizes = [locals_[i].numel() for i in idx]
             big = [i for i, n in zip(idx, sizes) if rows and n >= _MIN_ROWS]
@@ -200,9 +200,10 @@ def _rows_powsum(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     blocks = [flat[s : min(s + _BLOCK, whole)].view(-1, _ROW) for s in range(0, whole, _BLOCK)]
     if whole < flat.numel():
         blocks.append(flat[whole:].view(1, -1))  # the tail: one short row
-    if _HAS_POWSUM and t.dtype == acc:
-        parts = [torch.linalg._powsum(rows, norm_type, dim=1) for rows in blocks]
-    else:  # a low-precision block is upcast whole (a bounded copy): the upcasting powsum is slow on CPU
+    if _HAS_POWSUM and not torch.compiler.is_compiling():
+        # a low-precision block is upcast first (a bounded copy): the upcasting powsum is slow on CPU
+        parts = [torch.linalg._powsum(rows.to(acc), norm_type, dim=1) for rows in blocks]
+    else:  # dynamo cannot trace powsum; inductor fuses the norm's rows as well
         parts = [torch.linalg.vector_norm(rows.to(acc), norm_type, dim=1).double().pow(norm_type) for rows in blocks]
     return torch.cat(parts).sum(dtype=torch.float64)
 

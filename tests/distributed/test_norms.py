@@ -264,8 +264,8 @@ def test_tp_x_fsdp2_torch_clip_grad_norm_fails_on_this_layout(results):
 def test_partial_placements_raise_clear_errors(results):
     errors = results[0]["tp_fsdp"]["partial_errors"]
     assert len(errors) == 2
-    assert "Partial" in errors[0] and "params leaf at p" in errors[0]
-    assert "Partial" in errors[1] and "leaf at p" in errors[1] and "reduce it first" in errors[1]
+    assert "Partial" in errors[0] and "params leaf at ['p']" in errors[0]
+    assert "Partial" in errors[1] and "leaf at ['p']" in errors[1] and "reduce it first" in errors[1]
 
 
 def test_a_comm_that_cannot_reach_the_shards_is_refused(results):
