@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -264,6 +264,19 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     if tuple(dist.get_process_group_ranks(pg)) != tuple(sorted(ranks)):  # pragma: no cover - torch's own rule
         raise ValueError("TorchComm: a mesh's process group must rank its members by global rank")
     return pg
+
+
+def on_whole(leaf: DTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
+    """``fn`` of the whole of ``leaf`` (gathered on every rank), returned with ``leaf``'s mesh and placements.
+
+    An all-gather (one per sharded mesh dim) and a local split: the simple, costly way to run a
+    whole-tensor function on a sharded leaf.
+    """
+    from torch.distributed.tensor import Replicate
+
+    mesh = leaf.device_mesh
+    whole = DTensor.from_local(fn(leaf.full_tensor()), mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return whole.redistribute(mesh, leaf.placements)
 
 
 class DDPSumState:
