@@ -31,8 +31,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from gradtx.comm.torch_dist import TorchComm
-from gradtx.distributed.plan import from_placements
-from gradtx.distributed.plan import MeshGroups
+from gradtx.distributed.plan import MeshGroups, from_placements
 from gradtx.testing.simulated import _coords, _local_shard
 
 P = (1.0, 2.0, 3.0, math.inf)

@@ -148,7 +148,8 @@ def _refuse_leaf(leaf: Any, path: str, *, what: str) -> None:
         raise TypeError(f"{what} leaf at {path} is a {type(leaf).__name__}, not a torch.Tensor")
     if leaf.layout != torch.strided:
         raise TypeError(
-            f"{what} leaf at {path} is a {leaf.layout} tensor (a sparse grad, e.g. from nn.Embedding(sparse=True)); "
+            f"{what} leaf at {path} is a {leaf.layout} tensor of shape {tuple(leaf.shape)} (a sparse grad, e.g. of "
+            "nn.Embedding(sparse=True)); "
             "gradtx transforms dense tensors only, as torch.nn.utils.clip_grad_norm_ refuses sparse grads: build "
             "that embedding with sparse=False, or give its param a chain with no norm (no clip, no global norm)"
         )
