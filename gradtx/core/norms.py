@@ -96,7 +96,7 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
     use :func:`gradtx.global_norm`, which reduces it over the mesh dims where
     each leaf is sharded.
     """
-    locals_ = [tu.local(t) for t in leaves]
+    locals_ = [tu.local(t) for t in leaves] if any(type(t) is not torch.Tensor for t in leaves) else list(leaves)
     dtype = norm_dtype(locals_)
     if dtype == torch.float64 and not _plain_ops_only(locals_):
         # fp64 norms by torch's norm kernel, which scales: a finite fp64 norm past 1e154 has no finite square
@@ -181,7 +181,7 @@ def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float) -> list[torch
     """``sum(|x|**p)`` (``max|x|`` for inf) of each tensor of one device and dtype, in one foreach call."""
     dtype = tensors[0].dtype
     acc = tu.acc_dtype(dtype)
-    kwargs = {} if dtype.is_complex else {"dtype": acc}  # foreach takes no real dtype= for complex
+    kwargs = {} if dtype.is_complex or dtype == acc else {"dtype": acc}  # no real dtype= for complex; none needed
     if math.isinf(norm_type):
         return list(torch._foreach_norm(tensors, norm_type, **kwargs))
     # On CPU, _foreach_powsum with an upcasting dtype= takes a slow path (150x _foreach_norm's on bf16,

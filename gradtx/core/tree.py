@@ -7,7 +7,6 @@ which names the first pytree path that differs.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -133,14 +132,23 @@ def check_tensors(
     ``torch.nn.utils.clip_grad_norm_`` refuses them. The leaves' paths, for the
     message, are ``leaf_paths``, or read from ``tree`` only when a leaf fails.
     """
+    strided = torch.strided
     for i, leaf in enumerate(leaves):
-        if not (
-            isinstance(leaf, torch.Tensor)
-            and leaf.layout == torch.strided
-            and (leaf.is_floating_point() or leaf.is_complex())
-        ):
+        # (one dtype check per distinct dtype: the loop runs on every step, over every leaf)
+        if not isinstance(leaf, torch.Tensor) or leaf.layout is not strided or leaf.dtype not in _GRAD_DTYPES:
+            if (
+                isinstance(leaf, torch.Tensor)
+                and leaf.layout is strided
+                and (leaf.is_floating_point() or leaf.is_complex())
+            ):
+                continue  # a floating or complex dtype the table does not list
             path = path_str(leaf_paths[i] if leaf_paths is not None else paths(tree)[i])
             _refuse_leaf(leaf, path, what=what)
+
+
+_GRAD_DTYPES = frozenset(
+    {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64, torch.complex128}
+)
 
 
 def _refuse_leaf(leaf: Any, path: str, *, what: str) -> None:
@@ -237,10 +245,15 @@ def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.d
     """
     # Not cached: a cache key needs the same per-leaf reads as the grouping itself (measured:
     # no faster at 2000 leaves), and a lock around a shared cache would break torch.compile.
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        groups[(t.device, t.dtype)].append(i)
-    return dict(groups)
+        key = (t.device, t.dtype)
+        group = groups.get(key)
+        if group is None:
+            groups[key] = [i]
+        else:
+            group.append(i)
+    return groups
 
 
 def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
