@@ -31,7 +31,8 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from gradtx.comm.torch_dist import TorchComm
-from gradtx.distributed.plan import MeshGroups, from_placements
+from gradtx.distributed.global_norm import from_placements
+from gradtx.distributed.plan import MeshGroups
 from gradtx.testing.simulated import _coords, _local_shard
 
 P = (1.0, 2.0, 3.0, math.inf)
@@ -174,7 +175,9 @@ def test_one_collective_on_a_3d_mesh_is_the_single_device_norm_on_every_rank(cal
             assert calls == [("world", 1)], (p, calls)  # one collective of one value
             if p in (2.0, math.inf):  # (each simulated norm costs ~0.5 s: the other paths on two orders)
                 calls.clear()
-                per_dim = _check(declared.global_norm(leaves, p), full, p, rtol=1e-6, what=f"declared p={p}")
+                per_dim = _check(
+                    gtx.global_norm(leaves, p, mesh_groups=declared), full, p, rtol=1e-6, what=f"declared p={p}"
+                )
                 assert len(calls) == declared.num_collectives(), (p, calls)
                 torch.testing.assert_close(flat, per_dim, rtol=1e-12, atol=0)
 

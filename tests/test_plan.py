@@ -13,8 +13,7 @@ import torch
 
 import gradtx as gtx
 from gradtx.comm import LocalComm
-from gradtx.distributed import plan as gplan
-from gradtx.distributed.global_norm import tree_norm
+from gradtx.distributed.global_norm import from_placements, tree_norm
 from gradtx.testing import RecordingComm, assert_pure
 
 NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
@@ -63,7 +62,7 @@ def test_clip_agc_and_finite_check_on_an_empty_shard(p):
 
 def test_plain_tensors_need_no_plan_and_no_collective():
     tree = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
-    assert gplan.from_placements(list(tree.values()), what="test") is None
+    assert from_placements(list(tree.values()), what="test") is None
     torch.testing.assert_close(tree_norm(list(tree.values()), 2.0), torch.tensor(5.0))
 
 

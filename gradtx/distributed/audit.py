@@ -25,7 +25,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
 from gradtx.distributed import plan as plans
-from gradtx.distributed.global_norm import _agreement
+from gradtx.distributed.global_norm import _agreement, from_placements
 from gradtx.distributed.plan import DTensor
 
 Number = float | tuple[float, ...]
@@ -263,7 +263,7 @@ def norm_audit(
     source = "declared" if plan is not None else "placements"
     notes: list[str] = []
     if plan is None:
-        plan = plans.from_placements(leaves, what="norm_audit", tree=grads)
+        plan = from_placements(leaves, what="norm_audit", tree=grads)
     plain_as = "plain" if plan is None else ""
     same: bool | None = None
     if check_replicas:

@@ -14,24 +14,26 @@ meshes, or the declared plan's comm.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
+from gradtx.comm.base import AsyncComm, Comm, Done, GroupKey, ReduceOp, check_comm
+from gradtx.comm.groups import reduce_over_groups
 from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
 from gradtx.distributed.plan import (
     DTensor,
     MeshGroups,
-    PlanSlot,
+    _Bucket,
+    _build,
     check_norm_type,
     check_plan,
-    from_placements,
-    plan_norm,
+    default_comm,
 )
 
 __all__ = [
@@ -44,6 +46,75 @@ __all__ = [
     "tree_unitwise_norms",
     "unitwise_norms",
 ]
+
+
+def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
+    """The plan the placements of ``leaves`` define, over the DTensors' own process groups; ``None`` without DTensors.
+
+    Plain tensors among them are each rank's own (counted once, no collective).
+    Every DTensor on one root mesh over the whole world: one reduction in all
+    (see :attr:`MeshGroups.flat`); else one per sharded mesh dim.
+    """
+    if DTensor is None or not any(isinstance(t, DTensor) for t in leaves):
+        return None
+    paths = tu.paths(tree) if tree is not None else None
+    if paths is None or len(paths) != len(leaves):
+        paths = [(i,) for i in range(len(leaves))]
+    comm = default_comm(leaves)
+    flat = _one_mesh_group(leaves, comm)
+    return _build(paths, list(leaves), comm, sharded=None, pp_group=None, tied=None, device=None, what=what, flat=flat)
+
+
+class PlanSlot:
+    """The plan a transform reads from its grads' placements, rebuilt only when their meshes, placements or shapes change.
+
+    Each transform that takes ``mesh_groups=None`` holds one (nothing is
+    shared between transforms or kept process-wide). Its key is public
+    DTensor metadata, read each step: a tuple compare, no collective.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.plan: MeshGroups | None = None
+
+    def get(self, leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
+        """The plan for ``leaves`` (``None`` without DTensors)."""
+        if DTensor is None:
+            return None
+        key = tuple((t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else None for t in leaves)
+        if key != self.key:
+            self.plan = from_placements(leaves, what=what, tree=tree)
+            self.key = key
+        return self.plan
+
+    def __getstate__(self) -> dict[str, Any]:  # a plan holds process groups: rebuilt after a copy or a load
+        return {"key": None, "plan": None}
+
+
+def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
+    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
+
+    Then a norm's parts can be reduced in one collective. A leaf is sharded
+    over some dims of the root and held alike by the ranks that differ only in
+    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
+    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
+    which the per-dim reductions assume too), so its replica count is known.
+    Two root meshes, or a root smaller than the world, keep the per-dim
+    reductions.
+    """
+    root = None
+    for t in leaves:
+        if DTensor is None or not isinstance(t, DTensor):
+            continue
+        r = t.device_mesh._get_root_mesh()
+        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
+        # an earlier, equal mesh, so one model's grads may name two root objects for one grid.
+        if root is not None and r != root:
+            return None
+        root = r
+    if root is None or root.size() == 1 or root.size() != comm.size("world"):
+        return None
+    return "world"
 
 
 def _plan(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: str, tree: PyTree) -> Any:
@@ -158,8 +229,6 @@ def unitwise_norms(
     Returns:
       For each list, the per-leaf norms, broadcastable to the leaf's local shard.
     """
-    from gradtx.comm.groups import reduce_over_groups
-
     items: list[torch.Tensor] = []
     groups: list[tuple[GroupKey, ...]] = []
     where: list[tuple[int, int]] = []
@@ -274,3 +343,58 @@ def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None
             if root.size(dim) > 1 and all(pg is not g for g in groups):
                 groups.append(pg)
     return mesh_comm(roots), tuple(groups)
+
+
+# --- the norm on a plan -------------------------------------------------------------------------
+#
+# Local fp32 foreach norms of each leaf's shard, one p-th-power partial per bucket (leaves that share
+# the same groups), then the reductions: one all-reduce over the whole mesh for a flat plan, else one
+# per group, then one over pp_group. Under a flat plan the local pass of the buckets no group needs
+# (leaves every rank holds whole) runs while the one reduction is in flight.
+
+
+def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole model under ``plan``, checks done: 0-d, the same on every rank, no host sync."""
+    inf = math.isinf(norm_type)
+    op = ReduceOp.MAX if inf else ReduceOp.SUM
+    device = tu.local(leaves[0]).device if leaves else plan.device
+    sharded = [b for b in plan._buckets if b.groups]
+    whole = [b for b in plan._buckets if not b.groups]
+    parts = _bucket_sums(sharded, leaves, norm_type, device)
+    if plan.flat is not None:
+        group, replicas = plan.flat
+        if not inf:  # divided by its replica count, a part counts once in a sum over the whole mesh
+            parts = [
+                p if r == 1 else p / r for p, r in zip(parts, (r for b, r in zip(plan._buckets, replicas) if b.groups))
+            ]
+        pending = _start(plan.comm, [norms.total(parts, norm_type, device).to(norms.partial_dtype(device))], op, group)
+    else:
+        pending = Done(reduce_over_groups(plan.comm, parts, [b.groups for b in sharded], plan.group_order, op))
+    rest = _bucket_sums(whole, leaves, norm_type, device)
+    stage = norms.total([*pending.wait(), *rest], norm_type, device).to(norms.partial_dtype(device))
+    if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
+        (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
+    return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
+
+
+def _start(comm: Comm, tensors: list[torch.Tensor], op: ReduceOp, group: GroupKey) -> Any:
+    return (
+        comm.all_reduce_async(tensors, op, group)
+        if isinstance(comm, AsyncComm)
+        else Done(comm.all_reduce(tensors, op, group))
+    )
+
+
+def _bucket_sums(
+    buckets: Sequence[_Bucket], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
+) -> list[torch.Tensor]:
+    """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), in one dtype."""
+    if not buckets:
+        return []
+    index = [i for b in buckets for i in b.leaves]
+    per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
+    out = []
+    for b in buckets:
+        s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))
+        out.append(s if b.weight == 1.0 or math.isinf(norm_type) else s * b.weight)
+    return out

@@ -3,13 +3,13 @@
 On DTensors the placements *are* the plan: a grad's local p-th power is summed
 over each mesh dim where it is ``Shard``/``_StridedShard``, never over a
 ``Replicate`` dim, with the process groups of the DTensor's own mesh
-(:func:`from_placements`). What placements cannot say (plain tensors sharded by
+(:func:`gradtx.distributed.global_norm.from_placements`). What placements cannot say (plain tensors sharded by
 hand, the pipeline group, weights tied across stages) is declared with
 :func:`mesh_groups`, as torchtitan's clip is passed ``pp_mesh``. A plain tensor
 nobody declared is each rank's own: torch's semantics, with no collective.
 
 A plan belongs to whoever holds it: the user's :class:`MeshGroups`, or a
-transform's :class:`PlanSlot`, which rebuilds it when the leaves' meshes,
+transform's :class:`~gradtx.distributed.global_norm.PlanSlot`, which rebuilds it when the leaves' meshes,
 placements or shapes change. Every collective goes through the plan's
 :class:`~gradtx.comm.Comm`. The argument is in ``docs/distributed.md``.
 """
@@ -24,11 +24,10 @@ from typing import Any, NamedTuple, TypeGuard
 import optree
 import torch
 
-from gradtx.comm.base import AsyncComm, Comm, Done, GroupKey, ReduceOp, as_comm
-from gradtx.comm.groups import start_reduce_over_groups
+from gradtx.comm.base import Comm, GroupKey, as_comm
 from gradtx.comm.local import LocalComm
-from gradtx.core import norms, validate
 from gradtx.core import tree as tu
+from gradtx.core import validate
 from gradtx.core.base import PyTree
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
@@ -247,19 +246,6 @@ class MeshGroups:
                     f"for {info.placements}; rebuild the plan after re-sharding"
                 )
 
-    def global_norm(self, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """The ``norm_type``-norm of the whole (unsharded, un-pipelined) model's grads, as every rank sees it.
-
-        Args:
-          leaves: the grads, in the plan's leaf order (DTensors or plain tensors).
-          norm_type: any ``p > 0`` or ``inf``.
-
-        Returns:
-          A 0-d fp32 tensor (fp64 if a leaf is fp64), equal on every rank; no host sync.
-        """
-        self.check(leaves, what="mesh_groups.global_norm")
-        return plan_norm(self, leaves, check_norm_type(norm_type, name="mesh_groups.global_norm"))
-
     def unit_groups(self, index: int, *, unitwise: bool) -> tuple[GroupKey, ...]:
         """The groups a unit of leaf ``index`` spans: where a dim other than dim 0 (the output unit) is split.
 
@@ -392,7 +378,7 @@ def _build(
     device: torch.device | str | None,
     what: str,
     plain: str | None = None,
-    flat: bool = False,
+    flat: GroupKey | None = None,
 ) -> MeshGroups:
     if plain is not None and (not isinstance(plain, str) or plain not in PLAIN_KINDS):
         raise ValueError(
@@ -480,34 +466,7 @@ def _build(
         raise ValueError(f"{what}: tied weights need pp_group, the group over which the stages' norms add up")
     undeclared = any(info.placements is None and not info.shards for info in infos)
     kind = ("pipeline" if pp is not None else plain or "local") if undeclared else None
-    flat_group = _one_mesh_group(flat_leaves, comm) if flat and not sharded and pp is None else None
-    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind, flat=flat_group)
-
-
-def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
-    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
-
-    Then a norm's parts can be reduced in one collective. A leaf is sharded
-    over some dims of the root and held alike by the ranks that differ only in
-    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
-    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
-    which the per-dim reductions assume too), so its replica count is known.
-    Two root meshes, or a root smaller than the world, keep the per-dim
-    reductions.
-    """
-    root = None
-    for t in leaves:
-        if DTensor is None or not isinstance(t, DTensor):
-            continue
-        r = t.device_mesh._get_root_mesh()
-        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
-        # an earlier, equal mesh, so one model's grads may name two root objects for one grid.
-        if root is not None and r != root:
-            return None
-        root = r
-    if root is None or root.size() == 1 or root.size() != comm.size("world"):
-        return None
-    return "world"
+    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind, flat=flat)
 
 
 def default_comm(leaves: Sequence[Any]) -> Comm:
@@ -522,48 +481,6 @@ def default_comm(leaves: Sequence[Any]) -> Comm:
 
         return TorchComm()
     return LocalComm()
-
-
-def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
-    """The plan the placements of ``leaves`` define, over the DTensors' own process groups; ``None`` without DTensors.
-
-    Plain tensors among them are each rank's own (counted once, no collective).
-    Every DTensor on one root mesh over the whole world: one reduction in all
-    (see :attr:`MeshGroups.flat`); else one per sharded mesh dim.
-    """
-    if DTensor is None or not any(isinstance(t, DTensor) for t in leaves):
-        return None
-    paths = tu.paths(tree) if tree is not None else None
-    if paths is None or len(paths) != len(leaves):
-        paths = [(i,) for i in range(len(leaves))]
-    comm = default_comm(leaves)
-    return _build(paths, list(leaves), comm, sharded=None, pp_group=None, tied=None, device=None, what=what, flat=True)
-
-
-class PlanSlot:
-    """The plan a transform reads from its grads' placements, rebuilt only when their meshes, placements or shapes change.
-
-    Each transform that takes ``mesh_groups=None`` holds one (nothing is
-    shared between transforms or kept process-wide). Its key is public
-    DTensor metadata, read each step: a tuple compare, no collective.
-    """
-
-    def __init__(self) -> None:
-        self.key: tuple[Any, ...] | None = None
-        self.plan: MeshGroups | None = None
-
-    def get(self, leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
-        """The plan for ``leaves`` (``None`` without DTensors)."""
-        if DTensor is None:
-            return None
-        key = tuple((t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else None for t in leaves)
-        if key != self.key:
-            self.plan = from_placements(leaves, what=what, tree=tree)
-            self.key = key
-        return self.plan
-
-    def __getstate__(self) -> dict[str, Any]:  # a plan holds process groups: rebuilt after a copy or a load
-        return {"key": None, "plan": None}
 
 
 NO_PLAN = object()  # what plan_read_by says of a transform that computes no norm
@@ -602,58 +519,3 @@ def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
 def check_norm_type(norm_type: Any, *, name: str) -> float:
     """``norm_type`` as a float, or ``ValueError`` naming ``name``: any ``p > 0`` or ``inf``."""
     return validate.norm_type(norm_type, name=name)
-
-
-# --- the norm on a plan -------------------------------------------------------------------------
-#
-# Local fp32 foreach norms of each leaf's shard, one p-th-power partial per bucket (leaves that share
-# the same groups), then the reductions: one all-reduce over the whole mesh for a flat plan, else one
-# per group (in levels, see gradtx.comm.groups), then one over pp_group. The local pass of the buckets
-# no group needs (leaves every rank holds whole) runs while the reductions are in flight.
-
-
-def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The ``norm_type``-norm of the whole model under ``plan``, checks done: 0-d, the same on every rank, no host sync."""
-    inf = math.isinf(norm_type)
-    op = ReduceOp.MAX if inf else ReduceOp.SUM
-    device = tu.local(leaves[0]).device if leaves else plan.device
-    sharded = [b for b in plan._buckets if b.groups]
-    whole = [b for b in plan._buckets if not b.groups]
-    parts = _bucket_sums(sharded, leaves, norm_type, device)
-    if plan.flat is not None:
-        group, replicas = plan.flat
-        if not inf:  # divided by its replica count, a part counts once in a sum over the whole mesh
-            parts = [
-                p if r == 1 else p / r for p, r in zip(parts, (r for b, r in zip(plan._buckets, replicas) if b.groups))
-            ]
-        pending = _start(plan.comm, [norms.total(parts, norm_type, device).to(norms.partial_dtype(device))], op, group)
-    else:
-        pending = start_reduce_over_groups(plan.comm, parts, [b.groups for b in sharded], plan.group_order, op)
-    rest = _bucket_sums(whole, leaves, norm_type, device)
-    stage = norms.total([*pending.wait(), *rest], norm_type, device).to(norms.partial_dtype(device))
-    if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
-        (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
-    return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
-
-
-def _start(comm: Comm, tensors: list[torch.Tensor], op: ReduceOp, group: GroupKey) -> Any:
-    return (
-        comm.all_reduce_async(tensors, op, group)
-        if isinstance(comm, AsyncComm)
-        else Done(comm.all_reduce(tensors, op, group))
-    )
-
-
-def _bucket_sums(
-    buckets: Sequence[_Bucket], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
-) -> list[torch.Tensor]:
-    """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), in one dtype."""
-    if not buckets:
-        return []
-    index = [i for b in buckets for i in b.leaves]
-    per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
-    out = []
-    for b in buckets:
-        s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))
-        out.append(s if b.weight == 1.0 or math.isinf(norm_type) else s * b.weight)
-    return out

@@ -20,7 +20,7 @@ from gradtx.core.base import (
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 from gradtx.distributed import plan
-from gradtx.distributed.global_norm import tree_norm, tree_unitwise_norms
+from gradtx.distributed.global_norm import PlanSlot, tree_norm, tree_unitwise_norms
 from gradtx.distributed.plan import reads_plan
 
 # --- clip by value ---------------------------------------------------------------------
@@ -114,7 +114,7 @@ def clip_by_global_norm(
     max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
     plan.check_plan(mesh_groups, name="clip_by_global_norm")
-    slot = plan.PlanSlot()  # the plan read from the grads' placements, this transform's own
+    slot = PlanSlot()  # the plan read from the grads' placements, this transform's own
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
@@ -198,7 +198,7 @@ def adaptive_clip(
     if isinstance(mesh_groups, plan.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
             mesh_groups.unit_groups(i, unitwise=unitwise)
-    slot = plan.PlanSlot()
+    slot = PlanSlot()
 
     def init_fn(params: Params) -> EmptyState:
         del params
