@@ -506,3 +506,33 @@ def test_a_grad_sharded_over_two_groups_is_reduced_over_each_once():
     torch.testing.assert_close(
         gtx.global_norm(leaves(grads), 2.0, mesh_groups=mirrored), torch.tensor(math.sqrt(4 * 8 + 2 * 2.0))
     )
+
+
+def test_a_pipeline_chain_whose_clip_has_no_plan_is_refused_when_built():
+    grads, plan = _tied_plan()
+    with pytest.raises(
+        ValueError, match=r"chain: member 1 computes a norm with no plan.*member 0 is a gradtx.pp_reduce"
+    ):
+        gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(1.0))
+    gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan))  # the same plan: built
+
+
+def test_import_gradtx_leaves_the_test_harness_out():
+    import subprocess
+    import sys
+
+    code = "import sys, gradtx; assert 'gradtx.testing' not in sys.modules; gradtx.testing.RecordingComm"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from pathlib import Path
+
+    root = Path(gtx.__file__).parent
+    named = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.parts[len(root.parts)] != "testing"
+        and p.name != "local_ranks.py"
+        and any(w in p.read_text() for w in ("LocalTensor", "_local_tensor"))
+    ]
+    # only gradtx/testing/ and the one adapter, gradtx/comm/local_ranks.py. The two left are the Muon exchange's
+    # and the checkpoint's simulated branches, which their own streams take out: empty this set when they land.
+    assert set(named) <= {"optimizers/muon/exchange.py", "checkpoint/functional.py"}, named
