@@ -509,7 +509,7 @@ def test_a_grad_sharded_over_two_groups_is_reduced_over_each_once():
 
 
 def test_a_pipeline_chain_whose_clip_has_no_plan_is_refused_when_built():
-    grads, plan = _tied_plan()
+    _, plan = _tied_plan()
     with pytest.raises(
         ValueError, match=r"chain: member 1 computes a norm with no plan.*member 0 is a gradtx.pp_reduce"
     ):

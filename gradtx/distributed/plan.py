@@ -49,11 +49,8 @@ class Sharded(NamedTuple):
     """A manual shard declaration for :func:`mesh_groups`: a plain tensor split over ``group``.
 
     Attributes:
-      group: the group key (a mesh dim name, a ``ProcessGroup``, ...) whose ranks
-        each hold a disjoint piece of the tensor.
-      dim: the tensor dim that is split. Only :func:`gradtx.adaptive_clip`
-        needs it, to tell whether its units (dim 0) are local; ``None`` is
-        fine for the global norm.
+      group: the group key (a mesh dim name, a ``ProcessGroup``, ...) whose ranks each hold a piece.
+      dim: the tensor dim that is split; :func:`gradtx.adaptive_clip` needs it, the global norm does not.
     """
 
     group: GroupKey
@@ -300,18 +297,13 @@ def mesh_groups(
       dims are skipped.
     * A ``Partial`` placement is an error: the norm of a pending sum is not
       the sum of the parts' norms, so reduce such a grad first.
-    * A plain tensor is counted once, on each rank, unless ``sharded``
-      declares the groups it is split over: torch's semantics, right for
-      DDP's replicas and for a rank that trains a model of its own, with no
-      collective. It is wrong for a pipeline stage, which a plain tensor
-      cannot tell apart: declare ``pp_group``. :func:`gradtx.norm_audit` with
-      ``check_replicas=True`` checks, with one collective you ask for, that
-      plain tensors are replicas.
+    * A plain tensor is counted once on each rank, with no collective, unless
+      ``sharded`` declares its groups: torch's semantics, right for DDP's
+      replicas, wrong for a pipeline stage (declare ``pp_group``);
+      ``gtx.norm_audit(grads, check_replicas=True)`` checks which.
     * ``pp_group`` adds the stages' contributions (MAX for ``inf``).
-    * A leaf in ``tied`` is a copy of a weight held by every rank of its tie
-      group (e.g. the embedding on the first stage and the LM head on the
-      last); :func:`gradtx.pp_reduce` sums its grads over that group, and the
-      norm counts it once.
+    * A leaf in ``tied`` is a copy of a weight held by every rank of its tie group
+      (embedding and LM head); :func:`gradtx.pp_reduce` sums it, the norm counts it once.
 
     Args:
       params: the params tree the transforms will see (its leaf order and
@@ -345,11 +337,7 @@ def mesh_groups(
       d9d, "Gradient Norm & Clipping" (the no-double-counting argument), 2025.
 
     Example:
-      >>> mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
-      >>> params = dict(model.named_parameters())  # TP + FSDP2 DTensors
-      >>> plan = gtx.mesh_groups(params)  # the same plan clip_by_global_norm(1.0) infers by itself
-      >>> stage_plan = gtx.mesh_groups(stage_params, pp_group="pp", tied={"emb.weight": "pp"})
-      >>> own_plan = gtx.mesh_groups(params, plain="local")  # each rank clips by its own norm, on purpose
+      >>> plan = gtx.mesh_groups(stage_params, pp_group="pp", tied={"emb.weight": "pp"})
     """
     flat_paths, flat_leaves, _ = optree.tree_flatten_with_path(params)
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
