@@ -1,17 +1,11 @@
-"""The norm plan: which process groups each grad's norm is reduced over, and the norm that runs on it.
+"""The norm plan: which process groups each grad's norm is reduced over (see ``docs/distributed.md``).
 
-On DTensors the placements *are* the plan: a grad's local p-th power is summed
-over each mesh dim where it is ``Shard``/``_StridedShard``, never over a
-``Replicate`` dim, with the process groups of the DTensor's own mesh
-(:func:`gradtx.distributed.global_norm.from_placements`). What placements cannot say (plain tensors sharded by
-hand, the pipeline group, weights tied across stages) is declared with
-:func:`mesh_groups`, as torchtitan's clip is passed ``pp_mesh``. A plain tensor
-nobody declared is each rank's own: torch's semantics, with no collective.
-
-A plan belongs to whoever holds it: the user's :class:`MeshGroups`, or a
-transform's :class:`~gradtx.distributed.global_norm.PlanSlot`, which rebuilds it when the leaves' meshes,
-placements or shapes change. Every collective goes through the plan's
-:class:`~gradtx.comm.Comm`. The argument is in ``docs/distributed.md``.
+On DTensors the placements *are* the plan: a grad's p-th power is summed over each mesh dim where it
+is ``Shard``/``_StridedShard``, never over a ``Replicate`` dim. What placements cannot say (plain
+tensors sharded by hand, the pipeline group, tied weights) is declared with :func:`mesh_groups`, as
+torchtitan's clip is passed ``pp_mesh``. An undeclared plain tensor is each rank's own (torch's
+semantics, no collective). A plan belongs to whoever holds it: the user, or a transform's
+:class:`~gradtx.distributed.global_norm.PlanSlot`.
 """
 
 from __future__ import annotations
@@ -39,9 +33,7 @@ try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (p
 except ImportError:  # pragma: no cover
     _StridedShard = None  # type: ignore[assignment,misc]
 
-# Labels for plain-tensor leaves that ``sharded`` does not name (mesh_groups(..., plain=...)): "replicated"
-# (copies kept in sync) or "local" (each rank's own). Both are counted once on each rank with no reduction,
-# which is also what an undeclared plain tensor gets; the label is what norm_audit shows.
+# Labels for undeclared plain leaves (mesh_groups(..., plain=...)), shown by norm_audit; counted alike.
 PLAIN_KINDS = ("replicated", "local")
 
 
@@ -179,8 +171,7 @@ class MeshGroups:
         return [leaf.path for leaf in self._leaves]
 
     def leaf(self, index: int) -> _Leaf:
-        """What the plan knows of leaf ``index``: path, global shape, placements, the groups it is summed over
-        (with the tensor dim each splits), and its tie group."""
+        """What the plan knows of leaf ``index``: path, global shape, placements, groups (and dims), tie group."""
         return self._leaves[index]
 
     def weight_of(self, index: int) -> float:
@@ -192,10 +183,7 @@ class MeshGroups:
         return tuple(g for g, _ in self._leaves[index].shards)
 
     def num_collectives(self) -> int:
-        """How many collectives :meth:`global_norm` issues per call: one per group, plus one for ``pp_group``.
-
-        One in all for a plan inferred from DTensors on one mesh over the world (see :func:`gradtx.global_norm`).
-        """
+        """The collectives a norm on this plan issues: one per group and one for ``pp_group``, or one under :attr:`flat`."""
         return 1 if self.flat is not None else len(self.group_order) + (self.pp_group is not None)
 
     def __repr__(self) -> str:
