@@ -4,8 +4,7 @@ from typing import Any
 
 import torch
 
-from gradtx import checkpoint, comm, schedules, testing
-from gradtx.comm.backward_norm import BackwardNorm
+from gradtx import checkpoint, comm, schedules
 from gradtx.core import kinds
 from gradtx.core.base import (
     EmptyState,
@@ -19,7 +18,7 @@ from gradtx.core.base import (
 )
 from gradtx.distributed.audit import AuditRow, NormAudit, norm_audit
 from gradtx.distributed.context_parallel import cp_reduce
-from gradtx.distributed.inferred import global_norm
+from gradtx.distributed.global_norm import global_norm
 from gradtx.distributed.pipeline import pp_reduce
 from gradtx.distributed.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.optimizers.lion import ScaleByLionState, lion, scale_by_lion
@@ -134,7 +133,7 @@ from gradtx.transforms.spikes import (
     skip_spikes,
     zero_nans,
 )
-from gradtx.wrapper import TransformedOptimizer, no_sync, norm_in_backward, sum_grad_reduction
+from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
 _STATES: list[Any] = (
@@ -184,7 +183,6 @@ __all__ = [
     "ApplyIfFiniteState",
     "AuditRow",
     "AutoClipState",
-    "BackwardNorm",
     "Chain",
     "ClipByGlobalNormState",
     "ConditionallyMaskState",
@@ -277,7 +275,6 @@ __all__ = [
     "newton_schulz",
     "no_sync",
     "norm_audit",
-    "norm_in_backward",
     "normalize_by_update_norm",
     "orthogonalize",
     "partition",
@@ -314,7 +311,6 @@ __all__ = [
     "skip_spikes",
     "snapshot",
     "sum_grad_reduction",
-    "testing",
     "trace",
     "track_norms",
     "unitwise_norm",
@@ -346,3 +342,12 @@ _FLAT_PATHS = {
 torch.serialization.add_safe_globals(
     [(cls, f"{_FLAT_PATHS[cls.__module__]}.{cls.__qualname__}") for cls in _STATES if cls.__module__ in _FLAT_PATHS]
 )
+
+
+def __getattr__(name: str) -> Any:
+    # gradtx.testing (simulated meshes, recording comms) is imported on first use, never by `import gradtx`.
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module("gradtx.testing")
+    raise AttributeError(f"module 'gradtx' has no attribute {name!r}")

@@ -253,3 +253,17 @@ def test_stateless_clips_refuse_a_missing_or_foreign_state_as_every_transform_do
         tx.update(grads, None, params)
     with pytest.raises(TypeError, match=r"expected state of type EmptyState, got ScaleByAdamState"):
         tx.update(grads, gtx.scale_by_adam().init(grads), params)
+
+
+def test_a_sparse_embedding_grad_through_the_wrapper_says_what_to_use():
+    emb, head = torch.nn.Embedding(10, 3, sparse=True), torch.nn.Linear(3, 2)
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1), gtx.clip_by_global_norm(1.0)
+    )
+    head(emb(torch.tensor([1, 2]))).sum().backward()
+    with pytest.raises(
+        TypeError,
+        match=r"leaf at \[0\]\[0\] is a torch.sparse_coo tensor of shape \(10, 3\).*"
+        r"nn.Embedding\(sparse=True\).*sparse=False.*a chain with no norm",
+    ):
+        opt.step()

@@ -9,7 +9,6 @@ MAX is the identity. The same plan on real layouts is tested in
 from __future__ import annotations
 
 import math
-import threading
 
 import optree
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
+from gradtx.distributed.global_norm import unitwise_norms
 from gradtx.distributed.pipeline import pp_reduce
 from gradtx.distributed.plan import MeshGroups, Sharded, mesh_groups
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close
@@ -75,7 +75,7 @@ def test_plan_on_plain_tensors_is_the_single_process_norm_with_no_collective(nor
     grads = tree()
     comm = RecordingComm()
     plan = mesh_groups(grads, comm=comm)
-    got = plan.global_norm(leaves(grads), norm_type)
+    got = gtx.global_norm(leaves(grads), norm_type, mesh_groups=plan)
     torch.testing.assert_close(got, gtx.global_norm(grads, norm_type), rtol=1e-6, atol=0)
     assert got.dtype == torch.float32 and got.ndim == 0
     assert comm.calls == []
@@ -108,11 +108,11 @@ def test_one_collective_per_group_however_many_tensors(n_layers):
         sharded={"*.colwise": ["dp", Sharded("tp", dim=0)], "*.rowwise": ["dp", Sharded("tp", dim=1)], "*.norm": "dp"},
         pp_group="pp",
     )
-    plan.global_norm(leaves(grads), 2.0)
-    # Innermost first: tp (the {dp, tp} bucket only), then dp once, over that sum added to the {dp} bucket's;
-    # pp is always last. Never one collective per tensor, and never more than one value per collective here.
-    assert [c.group for c in comm.calls] == ["tp", "dp", "pp"]
-    assert [c.num_tensors for c in comm.calls] == [1, 1, 1]
+    gtx.global_norm(leaves(grads), 2.0, mesh_groups=plan)
+    # One collective per group, in the plan's order (dp, then tp for the bucket that needs both); pp is
+    # always last, over the stage's total. Never one collective per tensor: one value per bucket.
+    assert [c.group for c in comm.calls] == ["dp", "tp", "pp"]
+    assert [c.num_tensors for c in comm.calls] == [2, 1, 1]
     assert plan.num_collectives() == 3 and plan.group_order == ("dp", "tp")
 
 
@@ -121,9 +121,9 @@ def test_reduction_over_a_group_sums_shards_and_max_for_inf():
     r = torch.tensor([1.0, 2.0])
     plan = mesh_groups({"x": x, "r": r}, comm=MirrorComm(4), sharded={"x": "tp"})
     # Four ranks with identical shards of x: |x|^2 counted four times; r replicated: once.
-    torch.testing.assert_close(plan.global_norm([r, x], 2.0), torch.tensor(math.sqrt(4 * 25 + 5)))
-    torch.testing.assert_close(plan.global_norm([r, x], math.inf), torch.tensor(4.0))
-    torch.testing.assert_close(plan.global_norm([r, x], 1.0), torch.tensor(4 * 7 + 3.0))
+    torch.testing.assert_close(gtx.global_norm([r, x], 2.0, mesh_groups=plan), torch.tensor(math.sqrt(4 * 25 + 5)))
+    torch.testing.assert_close(gtx.global_norm([r, x], math.inf, mesh_groups=plan), torch.tensor(4.0))
+    torch.testing.assert_close(gtx.global_norm([r, x], 1.0, mesh_groups=plan), torch.tensor(4 * 7 + 3.0))
 
 
 def test_pp_stages_add_and_tied_weight_counts_once():
@@ -132,14 +132,16 @@ def test_pp_stages_add_and_tied_weight_counts_once():
     plan = mesh_groups({"emb": emb, "block": block}, comm=MirrorComm(2), pp_group="pp", tied={"emb": "pp"})
     # The grads given are the tied copies' sum already (what pp_reduce leaves), so the plan's norm is the model's.
     # Two stages: each holds a copy of emb (counted once overall) and its own block (counted per stage).
-    torch.testing.assert_close(plan.global_norm([block, emb], 2.0), torch.tensor(math.sqrt(25 + 2 * 1)))
-    torch.testing.assert_close(plan.global_norm([block, emb], math.inf), torch.tensor(4.0))
+    torch.testing.assert_close(
+        gtx.global_norm([block, emb], 2.0, mesh_groups=plan), torch.tensor(math.sqrt(25 + 2 * 1))
+    )
+    torch.testing.assert_close(gtx.global_norm([block, emb], math.inf, mesh_groups=plan), torch.tensor(4.0))
 
 
 def test_empty_rank_still_joins_the_pp_reduction():
     comm = RecordingComm()
     plan = mesh_groups({}, comm=comm, pp_group="pp")
-    norm = plan.global_norm([], 2.0)
+    norm = gtx.global_norm([], 2.0, mesh_groups=plan)
     assert float(norm) == 0.0 and [c.group for c in comm.calls] == ["pp"]
 
 
@@ -151,7 +153,7 @@ def test_mesh_dim_keys_dedupe_through_the_comm_group_id():
     comm = Resolving()
     t = {"a": torch.ones(2), "b": torch.ones(2)}
     plan = mesh_groups(t, comm=comm, sharded={"a": "tp", "b": "tensor"})  # two names, one process group
-    plan.global_norm(leaves(t), 2.0)
+    gtx.global_norm(leaves(t), 2.0, mesh_groups=plan)
     assert [c.group for c in comm.calls] == ["tp"]
 
 
@@ -174,9 +176,9 @@ def test_plan_errors_name_the_argument_or_path():
         mesh_groups(t, comm=LocalComm(), sharded={"l9.w": "tp"})
     with pytest.raises(TypeError, match="sharded keys must be a dotted path"):
         mesh_groups(t, comm=LocalComm(), sharded={3: "tp"})
-    with pytest.raises(ValueError, match="dim 2 is out of range for leaf l0.w"):
+    with pytest.raises(ValueError, match=r"dim 2 is out of range for leaf \['l0.w'\]"):
         mesh_groups(t, comm=LocalComm(), sharded={"l0.w": Sharded("tp", dim=2)})
-    with pytest.raises(ValueError, match="leaf at emb is sharded over group 'tp' twice"):
+    with pytest.raises(ValueError, match=r"leaf at \['emb'\] is sharded over group 'tp' twice"):
         mesh_groups(t, comm=LocalComm(), sharded={"emb": "tp", "e*": "tp"})
     with pytest.raises(ValueError, match="tied weights need pp_group"):
         mesh_groups(t, comm=LocalComm(), tied={"emb": "pp"})
@@ -191,13 +193,13 @@ def test_step_checks_name_the_path_that_differs():
     plan = mesh_groups(t, comm=LocalComm())
     flat = leaves(t)
     with pytest.raises(ValueError, match="built for 6 leaves, got 5"):
-        plan.global_norm(flat[:5], 2.0)
+        gtx.global_norm(flat[:5], 2.0, mesh_groups=plan)
     bad = list(flat)
     bad[1] = torch.ones(7)  # flatten order: emb, l0.b, l0.w, ...
-    with pytest.raises(ValueError, match=r"leaf at l0.b has shape \(7,\), the mesh_groups plan has \(5,\)"):
-        plan.global_norm(bad, 2.0)
+    with pytest.raises(ValueError, match=r"leaf at \['l0.b'\] has shape \(7,\), the mesh_groups plan has \(5,\)"):
+        gtx.global_norm(bad, 2.0, mesh_groups=plan)
     tx = gtx.clip_by_global_norm(1.0, mesh_groups=plan)
-    with pytest.raises(ValueError, match="clip_by_global_norm|mesh_groups.global_norm"):
+    with pytest.raises(ValueError, match="clip_by_global_norm|global_norm"):
         tx.update({"only": torch.ones(1)}, tx.init(None))
 
 
@@ -241,14 +243,16 @@ def test_adaptive_clip_units_span_ranks_only_when_split_along_dim_1(dim):
 def test_adaptive_clip_one_unit_tensors_span_every_group():
     b = torch.tensor([3.0, 4.0])
     plan = mesh_groups({"b": b}, comm=MirrorComm(2), sharded={"b": Sharded("tp", dim=0)})
-    (g_norm,), (w_norm,) = plan.unitwise_norms([[b], [b * 2]], unitwise=True)
+    (g_norm,), (w_norm,) = unitwise_norms(plan, [[b], [b * 2]], unitwise=True)
     torch.testing.assert_close(g_norm, torch.tensor(5.0 * math.sqrt(2)))
     torch.testing.assert_close(w_norm, torch.tensor(10.0 * math.sqrt(2)))
 
 
 def test_adaptive_clip_needs_the_dim_of_a_manual_shard():
     plan = mesh_groups({"w": torch.ones(2, 2)}, comm=LocalComm(), sharded={"w": "tp"})
-    with pytest.raises(ValueError, match=r"leaf at w is declared sharded over 'tp' with no dim.*Sharded\(group, dim"):
+    with pytest.raises(
+        ValueError, match=r"leaf at \['w'\] is declared sharded over 'tp' with no dim.*Sharded\(group, dim"
+    ):
         gtx.adaptive_clip(0.1, mesh_groups=plan)
     gtx.adaptive_clip(0.1, unitwise=False, mesh_groups=plan)  # one unit per tensor: the dim does not matter
 
@@ -264,14 +268,6 @@ def test_pp_reduce_sums_tied_grads_only_and_is_pure():
     out, _ = assert_pure(tx, grads, grads)
     assert torch.equal(out["emb"], torch.tensor([2.0, 4.0])) and torch.equal(out["block"], grads["block"])
     assert {(c.group, c.num_tensors) for c in comm.calls} == {("pp", 1)}
-
-
-def test_pp_reduce_in_place_writes_into_the_donated_buffers():
-    grads = {"emb": torch.tensor([1.0, 2.0]), "block": torch.tensor([5.0])}
-    plan = mesh_groups(grads, comm=MirrorComm(3), pp_group="pp", tied={"emb": "pp"})
-    emb = grads["emb"]
-    out, _ = pp_reduce(plan).update(grads, None, inplace=True)
-    assert out["emb"] is emb and torch.equal(emb, torch.tensor([3.0, 6.0]))
 
 
 def _tied_plan():
@@ -408,106 +404,15 @@ def _big_grads(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     return [(torch.randn(n, generator=gen) * 1e-3).to(dtype) for n in (3 << 20, (1 << 20) + 5, 1 << 18, 7)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_threads_sharing_the_rows_give_the_one_thread_result_bit_for_bit(monkeypatch, dtype):
-    from gradtx.core import norms
-
-    if not norms._helpers_run_serially():
-        pytest.skip("torch without OpenMP: the calling thread takes every chunk")
-    grads = _big_grads(dtype)
-    monkeypatch.setattr(norms, "_MIN_THREADED", 1)  # every group of rows is shared, even the small ones
-    monkeypatch.setattr(norms, "_CHUNK", 1 << 18)  # and in many chunks, so both threads take some
-    taken: list[tuple[int, int]] = []  # (thread, its torch thread count) per chunk
-    chunk_row_sums = norms._chunk_row_sums
-    another_took_one = threading.Event()  # (stays set for the one-thread run below)
-
-    def spy(*args):
-        taken.append((threading.get_ident(), torch.get_num_threads()))
-        if len({who for who, _ in taken}) > 1:
-            another_took_one.set()
-        elif len(taken) > 1:  # the first thread waits, at its second chunk, until another has taken one
-            another_took_one.wait(timeout=10)
-        return chunk_row_sums(*args)
-
-    monkeypatch.setattr(norms, "_chunk_row_sums", spy)
-    prev = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        shared = gtx.global_norm(grads)
-        helpers = {who for who, _ in taken}
-        threads_seen = {n for _, n in taken}
-        assert torch.get_num_threads() == 2  # the caller's setting is untouched
-        torch.set_num_threads(1)
-        taken.clear()
-        alone = gtx.global_norm(grads)
-    finally:
-        torch.set_num_threads(prev)
-    assert len(helpers) == 2 and threading.get_ident() not in helpers  # two helpers took chunks ...
-    assert threads_seen == {1}  # ... each running torch's ops on itself alone
-    assert {who for who, _ in taken} == {threading.get_ident()}  # one thread: the caller takes every chunk
-    assert torch.equal(shared, alone)  # and the sum is the same, whichever thread took which chunk
-    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in grads]))
-    assert _rel(shared, expected) <= (1e-6 if dtype == torch.float32 else 2e-5)
-
-
-def test_rows_stay_on_the_calling_thread_where_a_helper_would_miss_its_state(monkeypatch, two_threads):
-    # A helper thread inherits none of the caller's thread-local state: dispatch modes, autograd,
-    # functorch transforms. Under one, every op must run here, where the mode sees it.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from gradtx.core import norms
-
-    monkeypatch.setattr(norms, "_MIN_THREADED", 1)
-    monkeypatch.setattr(norms, "_CHUNK", 1 << 18)
-    taken: list[str] = []
-    counts: set[int] = set()  # torch's thread count where each chunk ran
-    chunk_row_sums = norms._chunk_row_sums
-
-    def spy(*args):
-        taken.append(threading.current_thread().name)
-        counts.add(torch.get_num_threads())
-        return chunk_row_sums(*args)
-
-    monkeypatch.setattr(norms, "_chunk_row_sums", spy)
-    seen: list[object] = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "powsum" in str(func) or "norm" in str(func):
-                seen.append(func)
-            return func(*args, **(kwargs or {}))
-
-    grads = _big_grads()
-    with Count():
-        got = gtx.global_norm(grads)
-    assert len(taken) == 3 and set(taken) == {threading.current_thread().name}  # one chunk per big tensor
-    if norms._helpers_run_serially():  # this thread alone for the rows, as a helper would be, and restored
-        assert counts == {1} and torch.get_num_threads() == 2
-    # Every op went through the mode: one per big tensor's rows, one for the 5-element tail past the
-    # rows of 2**20 + 5, and the small tensor's foreach call.
-    assert len(seen) == 3 + 1 + 1
-    taken.clear()
-    torch.testing.assert_close(got, gtx.global_norm(grads), rtol=0, atol=0)
-    if norms._helpers_run_serially():
-        assert taken and set(taken) == {"gradtx-norm"}  # outside the mode, helpers take the chunks
-    taken.clear()
-    w = torch.randn(1 << 23, requires_grad=True)
-    (gtx.global_norm([w * 2.0]) ** 2).backward()  # a norm autograd records: plain ops, on this thread
-    assert not taken
-    torch.testing.assert_close(w.grad, 8.0 * w.detach())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_every_row_and_tail_is_counted_once(monkeypatch, two_threads, dtype):
     # Tensors of 2.0 have exact row sums (n * 2**p) in every dtype used here, so a row or tail dropped
     # or counted twice is off by at least 1 element in 4 rows (8e-6), past the 1e-6 allowed for
-    # the small low-precision tensors' norms raised to the p. Small chunks and pieces put chunk and
-    # piece boundaries inside tensors and next to their tails.
+    # the small low-precision tensors' norms raised to the p. Small blocks put block boundaries
+    # inside tensors and next to their tails.
     from gradtx.core import norms
 
-    monkeypatch.setattr(norms, "_MIN_THREADED", 1)
-    monkeypatch.setattr(norms, "_CHUNK", 3 * norms._ROW)
-    monkeypatch.setattr(norms, "_PIECE", 2 * norms._ROW)
+    monkeypatch.setattr(norms, "_BLOCK", 3 * norms._ROW)
     row = norms._ROW
     sizes = [row - 1, row, row + 1, 4 * row - 1, 4 * row, 4 * row + 1, 7 * row + 3, 9 * row, 16 * row + 5]
     leaves = [torch.full((n,), 2.0, dtype=dtype) for n in sizes]
@@ -517,34 +422,6 @@ def test_every_row_and_tail_is_counted_once(monkeypatch, two_threads, dtype):
             assert _rel(got, torch.tensor(n * 2.0**p)) <= 1e-6, (n, p)
         expected = (sum(sizes) * 2.0**p) ** (1 / p)
         assert _rel(gtx.global_norm(leaves, p), torch.tensor(expected, dtype=torch.float64)) <= 1e-7
-
-
-def test_helpers_are_not_used_where_their_thread_count_cannot_be_set(monkeypatch):
-    from gradtx.core import norms
-
-    monkeypatch.setattr(norms, "_OMP_SET_NUM_THREADS", None)
-    assert norms._helpers_run_serially.__wrapped__() is False  # asked afresh, past the cache
-    monkeypatch.setattr(norms, "_helpers_run_serially", lambda: False)
-    monkeypatch.setattr(norms, "_MIN_THREADED", 1)
-    prev = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert norms._helper_threads() == 1
-        taken: list[str] = []
-        chunk_row_sums = norms._chunk_row_sums
-
-        def spy(*args):
-            taken.append(threading.current_thread().name)
-            return chunk_row_sums(*args)
-
-        monkeypatch.setattr(norms, "_chunk_row_sums", spy)
-        grads = _big_grads()
-        got = gtx.global_norm(grads)
-    finally:
-        torch.set_num_threads(prev)
-    assert taken and set(taken) == {threading.current_thread().name}
-    expected = torch.linalg.vector_norm(torch.cat([g.double() for g in grads]))
-    assert _rel(got, expected) <= 1e-6
 
 
 def test_the_pass_ignores_the_default_device(two_threads):
@@ -559,23 +436,10 @@ def test_the_pass_ignores_the_default_device(two_threads):
 
 
 def test_a_compiled_norm_of_big_tensors_traces_in_one_graph():
-    # Rows big enough to be shared by threads in eager mode stay on one thread under dynamo.
+    # Big tensors are summed by rows under dynamo too (by the norm kernel: it cannot trace powsum).
     grads = _big_grads()
     compiled = torch.compile(gtx.global_norm, fullgraph=True)
     torch.testing.assert_close(compiled(grads), gtx.global_norm(grads), rtol=1e-6, atol=0)
-
-
-def test_a_failure_on_a_helper_thread_is_raised_by_the_caller(monkeypatch):
-    from gradtx.core import norms
-
-    def boom(x: int, scratch: dict) -> int:
-        if x == 5:
-            raise ValueError("chunk 5")
-        return x
-
-    with pytest.raises(ValueError, match="chunk 5"):
-        norms._shared_map(boom, list(range(40)), 2)
-    assert norms._shared_map(lambda x, _: x * x, list(range(40)), 3) == [x * x for x in range(40)]
 
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0])
@@ -619,37 +483,56 @@ def test_global_norm_under_vmap_uses_plain_ops():
         torch.testing.assert_close(got, torch.linalg.vector_norm(x, p, dim=1), rtol=1e-6, atol=0)
 
 
-# --- overlap: every reduction started before the first wait -----------------------------------
+# --- the reductions: one per group ---------------------------------------------------------------
 
 
-def test_every_reduction_is_started_before_the_first_wait():
+def test_one_reduction_per_group_in_the_plans_order():
     grads = {"colwise": torch.ones(4, 2), "experts": torch.ones(3), "norm": torch.ones(2), "rowwise": torch.ones(2, 4)}
     comm = RecordingComm()
     plan = mesh_groups(grads, comm=comm, sharded={"colwise": "tp", "rowwise": "tp", "experts": "ep"})
-    norm = plan.global_norm(leaves(grads), 2.0)
+    norm = gtx.global_norm(leaves(grads), 2.0, mesh_groups=plan)
     torch.testing.assert_close(norm, gtx.global_norm(grads))
     assert [c.group for c in comm.calls] == ["tp", "ep"]  # the plan's order: first appearance
-    assert comm.events == [("start", 0), ("start", 1), ("wait", 0), ("wait", 1)]
 
 
-def test_a_grad_sharded_over_two_groups_waits_once_per_level():
+def test_a_grad_sharded_over_two_groups_is_reduced_over_each_once():
     grads = {"w": torch.ones(4, 2), "b": torch.ones(2)}
     comm = RecordingComm()
     plan = mesh_groups(grads, comm=comm, sharded={"w": ["dp", "tp"], "b": "dp"})
-    plan.global_norm(leaves(grads), 2.0)
-    # w over tp first (b's local pass runs while it is in flight), then w's sum plus b's over dp, once.
-    assert [(c.group, c.num_tensors) for c in comm.calls] == [("tp", 1), ("dp", 1)]
-    assert comm.events == [("start", 0), ("wait", 0), ("start", 1), ("wait", 1)]
+    gtx.global_norm(leaves(grads), 2.0, mesh_groups=plan)
+    # w and b over dp first, then w over tp: one collective per group, in levels (w needs both).
+    assert [(c.group, c.num_tensors) for c in comm.calls] == [("dp", 2), ("tp", 1)]
     mirrored = mesh_groups(grads, comm=MirrorComm(2), sharded={"w": ["dp", "tp"], "b": "dp"})
-    torch.testing.assert_close(mirrored.global_norm(leaves(grads), 2.0), torch.tensor(math.sqrt(4 * 8 + 2 * 2.0)))
+    torch.testing.assert_close(
+        gtx.global_norm(leaves(grads), 2.0, mesh_groups=mirrored), torch.tensor(math.sqrt(4 * 8 + 2 * 2.0))
+    )
 
 
-def test_levels_put_groups_a_value_needs_together_apart():
-    from gradtx.comm.groups import levels
-    from gradtx.distributed.global_norm import rounds
+def test_a_pipeline_chain_whose_clip_has_no_plan_is_refused_when_built():
+    _, plan = _tied_plan()
+    with pytest.raises(
+        ValueError, match=r"chain: member 1 computes a norm with no plan.*member 0 is a gradtx.pp_reduce"
+    ):
+        gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(1.0))
+    gtx.chain(pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan))  # the same plan: built
 
-    assert levels([("dp",), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "tp", "ep"]]
-    assert levels([("dp", "tp"), ("tp",), ("ep",)], ["dp", "tp", "ep"]) == [["dp", "ep"], ["tp"]]
-    assert rounds([("dp", "tp"), ("dp",)], ["dp", "tp"]) == [["tp"], ["dp"]]
-    assert rounds([("dp", "tp"), ("dp", "tp")], ["dp", "tp"]) == [["dp"], ["tp"]]
-    assert rounds([("tp",), ("ep",), ()], ["tp", "ep"]) == [["tp", "ep"]]
+
+def test_import_gradtx_leaves_the_test_harness_out():
+    import subprocess
+    import sys
+
+    code = "import sys, gradtx; assert 'gradtx.testing' not in sys.modules; gradtx.testing.RecordingComm"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    from pathlib import Path
+
+    root = Path(gtx.__file__).parent
+    named = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if p.parts[len(root.parts)] != "testing"
+        and p.name != "local_ranks.py"
+        and any(w in p.read_text() for w in ("LocalTensor", "_local_tensor"))
+    ]
+    # only gradtx/testing/ and the one adapter, gradtx/comm/local_ranks.py. The two left are the Muon exchange's
+    # and the checkpoint's simulated branches, which their own streams take out: empty this set when they land.
+    assert set(named) <= {"optimizers/muon/exchange.py", "checkpoint/functional.py"}, named

@@ -31,8 +31,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from gradtx.comm.torch_dist import TorchComm
-from gradtx.core import norms
-from gradtx.distributed.inferred import infer_plan, tree_norm
+from gradtx.distributed.global_norm import from_placements
 from gradtx.distributed.plan import MeshGroups
 from gradtx.testing.simulated import _coords, _local_shard
 
@@ -165,8 +164,7 @@ def test_one_collective_on_a_3d_mesh_is_the_single_device_norm_on_every_rank(cal
     with testing.simulated_mesh((2, 2, 2), names) as mesh:
         full, grads = build(mesh)
         leaves = optree.tree_leaves(grads)
-        gtx.global_norm(grads)  # builds the plan (and checks the plain replica: one collective, once)
-        plan = infer_plan(leaves, what="test")
+        plan = from_placements(leaves, what="test")
         assert plan is not None and plan.flat is not None and plan.flat[0] == "world", plan
         assert plan.num_collectives() == 1
         declared = gtx.mesh_groups(grads)  # the same placements, reduced one mesh dim at a time
@@ -177,14 +175,11 @@ def test_one_collective_on_a_3d_mesh_is_the_single_device_norm_on_every_rank(cal
             assert calls == [("world", 1)], (p, calls)  # one collective of one value
             if p in (2.0, math.inf):  # (each simulated norm costs ~0.5 s: the other paths on two orders)
                 calls.clear()
-                per_dim = _check(declared.global_norm(leaves, p), full, p, rtol=1e-6, what=f"declared p={p}")
+                per_dim = _check(
+                    gtx.global_norm(leaves, p, mesh_groups=declared), full, p, rtol=1e-6, what=f"declared p={p}"
+                )
                 assert len(calls) == declared.num_collectives(), (p, calls)
                 torch.testing.assert_close(flat, per_dim, rtol=1e-12, atol=0)
-                # the norm measured in the backward (each leaf's local part given): only the one reduction
-                calls.clear()
-                pre = tree_norm(leaves, p, powsums=norms.tensor_powsums(leaves, p))
-                assert calls == [("world", 1)], (p, calls)
-                assert torch.equal(_values(pre)[0], flat)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -257,7 +252,7 @@ def test_what_keeps_one_collective_per_dim(calls):
     # one sharded group: one collective either way, over that group
     with testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
         grads = testing.distribute(full, mesh, {"w": [Shard(0), Replicate()], "x": [Shard(1), Replicate()]})
-        plan = infer_plan(optree.tree_leaves(grads), what="test")
+        plan = from_placements(optree.tree_leaves(grads), what="test")
         assert plan.flat is None and plan.num_collectives() == 1
         calls.clear()
         _check(gtx.global_norm(grads, 2.0), full, 2.0, rtol=1e-6, what="one group")
@@ -269,7 +264,7 @@ def test_what_keeps_one_collective_per_dim(calls):
             "w": testing.distribute({"w": full["w"]}, mesh, {"w": [Shard(0), Shard(1)]})["w"],
             "x": testing.distribute({"x": full["x"]}, other, {"x": [Replicate(), Shard(0)]})["x"],
         }
-        plan = infer_plan(optree.tree_leaves(grads), what="test")
+        plan = from_placements(optree.tree_leaves(grads), what="test")
         assert plan.flat is None
         for p in P:
             calls.clear()
@@ -325,7 +320,7 @@ def test_grads_on_two_equal_root_meshes_are_one_mesh(calls):
         roots = {id(t.device_mesh._get_root_mesh()) for t in grads.values()}
         assert len(roots) == 2  # w's spec came from the cache entry of `earlier`, on `mesh`
         del earlier
-        plan = infer_plan(optree.tree_leaves(grads), what="test")
+        plan = from_placements(optree.tree_leaves(grads), what="test")
         assert plan.flat is not None and plan.num_collectives() == 1, plan
         for p in P:
             calls.clear()
@@ -353,60 +348,3 @@ def test_a_zero_config_norm_on_one_mesh_is_one_collective(calls, layout):
             expected = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in full.values()]), p)
             for rank, value in _values(norm).items():
                 torch.testing.assert_close(value, expected, rtol=1e-6, atol=0, msg=f"rank {rank}, p={p}")
-
-
-@pytest.mark.parametrize("p", [2.0, math.inf])
-def test_the_last_hook_starts_the_one_reduction_and_the_step_only_waits(calls, p):
-    # gtx.norm_in_backward on FSDP2 calls param_done from each sharded param's post-accumulate-grad
-    # hook; here the hooks are called by hand, in the order a backward would, on the 3-D mesh.
-    from types import SimpleNamespace
-
-    with testing.simulated_mesh((2, 2, 2), ("dp", "tp", "ep")) as mesh:
-        full, grads = _dp_tp_ep(mesh)
-        gtx.global_norm(grads)  # builds the plan (and checks the plain replica: one collective, once)
-        holders = {k: SimpleNamespace(grad=None) for k in grads}
-        bn = gtx.BackwardNorm(p, engine="fsdp2")
-        clip = gtx.clip_by_global_norm(1.0, norm_type=p, precomputed=bn)
-        state = clip.init(grads)
-        scale = dict.fromkeys(grads, 0.0)
-
-        def backward(factor: float, only: Sequence[str] = ()) -> list[int]:
-            """The hooks of one backward: new grads, or (``only``) those grads doubled in place."""
-            started = []
-            calls.clear()
-            for k in only or grads:
-                if only:
-                    holders[k].grad.mul_(2.0)
-                    scale[k] *= 2.0
-                else:
-                    holders[k].grad, scale[k] = grads[k] * factor, factor
-                bn.param_done(holders[k])
-                started.append(len(calls))
-            return started
-
-        def step() -> list[tuple[object, int]]:
-            calls.clear()
-            _, st = clip.factor({k: h.grad for k, h in holders.items()}, state)
-            _check(st.grad_norm, {k: v * scale[k] for k, v in full.items()}, p, rtol=1e-6, what=f"p={p}")
-            return list(calls)
-
-        assert backward(1.0) == [0] * len(grads)  # nothing armed yet
-        assert step() == [("world", 1)] and bn.early == 0  # the step reduces, and arms the hooks
-        assert backward(2.0) == [0] * (len(grads) - 1) + [1]  # the last hook starts the one reduction
-        assert step() == [] and bn.early == 1  # the step only waits on it
-        backward(3.0)
-        backward(4.0)  # gradient accumulation: the second backward's reduction is the one taken
-        assert step() == [] and bn.early == 2
-        backward(5.0)
-        assert backward(0.0, only=["wq", "ln"]) == [0, 0]  # a backward that measured only some grads ...
-        assert step() == [("world", 1)] and bn.early == 2  # ... makes the one in flight stale: reduced anew
-        backward(6.0)
-        assert step() == [] and bn.early == 3 and bn.fallbacks == 0
-        backward(7.0)  # a step given other tensors than the measured grads computes the norm ...
-        calls.clear()
-        clip.factor({k: h.grad * 1.0 for k, h in holders.items()}, state)
-        assert calls == [("world", 1)] and bn.fallbacks == 1
-        assert backward(8.0) == [0] * len(grads)  # ... and disarms the hooks
-        assert step() == [("world", 1)] and bn.early == 3  # until a step takes their values again
-        assert backward(9.0)[-1] == 1
-        assert step() == [] and bn.early == 4

@@ -1,7 +1,7 @@
-"""Plain-tensor grads on several ranks: replicas pass, a stage or each rank's own must be declared.
+"""Plain-tensor grads on several ranks: torch's semantics (each rank's local norm, no collective), and the replica check you ask for.
 
 On simulated meshes (every rank in this process); ``tests/distributed/test_plain_ambiguity.py`` runs
-the same rule on 2 real gloo ranks. Also here: ``TorchComm.rank`` per simulated rank, and the code
+the same rule on real gloo ranks. Also here: ``TorchComm.rank`` per simulated rank, and the code
 that depends on it (Muon's sharded exchange, a checkpoint of an open token-weighted window).
 """
 
@@ -19,8 +19,6 @@ from gradtx.checkpoint import functional as ckpt
 pytest.importorskip("torch.distributed._local_tensor")
 from torch.distributed._local_tensor import LocalTensor, rank_map
 
-DECLARATIONS = ("pp_group=", "plain='replicated'", "plain='local'", "docs/distributed.md")
-
 
 def _tree(seed: int = 0, **shapes: tuple[int, ...]) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -37,23 +35,25 @@ def _own(trees: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: rank_map(lambda r, k=k: trees[r][k].clone()) for k in trees[0]}
 
 
-def test_plain_grads_that_differ_across_ranks_raise_naming_the_declarations():
+def test_plain_grads_that_differ_across_ranks_get_each_ranks_local_norm_with_no_collective():
     stages = [_tree(r, w=(3, 4), b=(3,)) for r in range(2)]
+    own = [torch.nn.utils.get_total_norm(list(s.values())) for s in stages]  # torch's clip, on each rank
     clip, agc = gtx.clip_by_global_norm(1.0), gtx.adaptive_clip(0.1)
     with testing.simulated_mesh(2, ("pp",)):
         grads = _own(stages)
-        calls = {
-            "clip_by_global_norm": lambda: gtx.clip_by_global_norm(1.0).update(grads, clip.init(grads)),
-            "global_norm": lambda: gtx.global_norm(grads),
-            "adaptive_clip": lambda: agc.update(grads, agc.init(grads), params=grads),
-            "mesh_groups": lambda: gtx.mesh_groups(grads),
-        }
-        for name, call in calls.items():
-            with pytest.raises(
-                ValueError, match=rf"^{name}: the (grads|params) are plain tensors that differ across the 2 ranks"
-            ) as err:
-                call()
-            assert all(d in str(err.value) for d in DECLARATIONS), str(err.value)
+        comm = testing.RecordingComm()
+        _, state = clip.update(grads, clip.init(grads))
+        norm = gtx.global_norm(grads)
+        agc.update(grads, agc.init(grads), params=grads)
+        plan = gtx.mesh_groups(grads, comm=comm)
+        gtx.global_norm(grads, mesh_groups=plan)
+        audit = gtx.norm_audit(grads, check_replicas=True)
+    for got in (state.grad_norm, norm):
+        assert [float(v) for v in _per_rank(got).values()] == pytest.approx([float(n) for n in own], rel=1e-6)
+    assert comm.calls == [] and plan.plain == "local"
+    # The replica check, asked for: these are not replicas (a pipeline stage, or unsynced grads).
+    assert audit.replicas is False and audit.row("w").placements == "plain (differs across ranks)"
+    assert any("pp_group=" in n for n in audit.notes)
 
 
 def test_declared_plain_grads_give_each_declaration_its_norm():
@@ -72,6 +72,7 @@ def test_declared_plain_grads_give_each_declaration_its_norm():
             "replicated": gtx.norm_audit(grads, gtx.mesh_groups(grads, plain="replicated")),
             "pipeline": gtx.norm_audit(grads, stage_plan),
             "undeclared": gtx.norm_audit(grads),
+            "checked": gtx.norm_audit(grads, check_replicas=True),
         }
     for decl in ("local", "replicated"):  # counted once on each rank, nothing reduced: each rank's own norm
         assert [float(v) for v in _per_rank(norms[decl]).values()] == pytest.approx(own, rel=1e-6)
@@ -79,8 +80,8 @@ def test_declared_plain_grads_give_each_declaration_its_norm():
     assert audits["local"].row("w").placements == "plain (local)"
     assert audits["replicated"].row("b").placements == "plain (replicated)"
     assert audits["pipeline"].row("w").placements == "plain (pipeline stage)"
-    assert audits["undeclared"].row("w").placements == "plain (undeclared)"
-    assert any("a zero-config norm raises here" in n for n in audits["undeclared"].notes)
+    assert audits["undeclared"].row("w").placements == "plain" and audits["undeclared"].replicas is None
+    assert audits["checked"].row("w").placements == "plain (differs across ranks)"
 
 
 def test_replicas_pass_once_and_match_one_device():
@@ -93,17 +94,13 @@ def test_replicas_pass_once_and_match_one_device():
     with testing.simulated_mesh(4, ("dp",)) as mesh:
         replicas = testing.distribute(g, mesh, "ddp")  # DDP's layout: every rank its own equal copy
         out, state = tx.update(replicas, tx.init(replicas))
-        audit = gtx.norm_audit(replicas)
-        # Checked once per tree layout, when the plan is first needed, never per step: a later step with
-        # the same shapes is not checked again (so this one, whose ranks differ, is not caught).
-        later = _own([{k: v * (r + 1) for k, v in g.items()} for r in range(4)])
-        tx.update(later, state)
+        audit = gtx.norm_audit(replicas, check_replicas=True, comm=gtx.comm.TorchComm(mesh), group="dp")
     for (k, t), p in zip(out.items(), params):
         for v in _per_rank(t).values():
             torch.testing.assert_close(v, p.grad)
     for v in _per_rank(state.grad_norm).values():
         torch.testing.assert_close(v, ref_norm)
-    assert audit.row("w").placements == "plain (replicas)"
+    assert audit.row("w").placements == "plain (replicas)" and audit.replicas is True
 
 
 def test_plain_declaration_is_checked():
@@ -112,8 +109,8 @@ def test_plain_declaration_is_checked():
         gtx.mesh_groups(g, plain="pipeline")
     with pytest.raises(ValueError, match="plain='local' keeps each rank's norm its own"):
         gtx.mesh_groups(g, plain="local", pp_group="world")
-    # One process: nothing to check, and the plan says so.
-    assert gtx.mesh_groups(g).plain == "one process"
+    # Undeclared plain tensors are each rank's own: torch's semantics.
+    assert gtx.mesh_groups(g).plain == "local"
     assert gtx.mesh_groups(g, pp_group="world").plain == "pipeline"
 
 

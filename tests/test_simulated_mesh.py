@@ -166,7 +166,7 @@ def test_a_rank_inconsistent_transform_fails_naming_the_path_and_the_ranks():
     grads = [_tree(1, w=(6, 4), b=(4,))]
     testing.assert_matches_single_device(_local_norm_clip(1.0), grads, params, mesh_shape=1, layout="fsdp")
     with pytest.raises(
-        AssertionError, match=r"step 0: updates at b: the ranks disagree \(ranks \[0\] hold .*; ranks \[1\]"
+        AssertionError, match=r"step 0: updates at \['b'\]: the ranks disagree \(ranks \[0\] hold .*; ranks \[1\]"
     ):
         testing.assert_matches_single_device(
             _local_norm_clip(1.0), grads, params, mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp"
@@ -180,7 +180,9 @@ def test_a_consistent_but_wrong_transform_fails_against_one_device():
         return optree.tree_map(lambda x: x * 2.0 if isinstance(x, DTensor) else x, u), state
 
     tx = gtx.GradientTransformation(lambda p: gtx.EmptyState(), double_count)
-    with pytest.raises(AssertionError, match=r"step 0: updates at w: ranks \[0, 1, 2, 3\] differ from one device"):
+    with pytest.raises(
+        AssertionError, match=r"step 0: updates at \['w'\]: ranks \[0, 1, 2, 3\] differ from one device"
+    ):
         testing.assert_matches_single_device(tx, [_tree(1, w=(4, 4))], _tree(w=(4, 4)), mesh_shape=4, layout="fsdp")
 
 
@@ -199,7 +201,7 @@ def test_the_state_is_checked_every_step():
     testing.assert_matches_single_device(tx, [_tree(1, w=(4, 2))], _tree(w=(4, 2)), mesh_shape=4, layout="fsdp")
     with pytest.raises(
         AssertionError,
-        match=r"step 0: state at count: the ranks disagree \(ranks \[0, 1\] hold \[1\]; ranks \[2, 3\] hold \[0\]",
+        match=r"step 0: state at \['count'\]: the ranks disagree \(ranks \[0, 1\] hold \[1\]; ranks \[2, 3\] hold \[0\]",
     ):
         testing.assert_matches_single_device(tx, [_tree(1, w=(2, 2))], _tree(w=(2, 2)), mesh_shape=4, layout="fsdp")
 
@@ -210,3 +212,24 @@ def test_empty_shards_under_every_norm_type():
         testing.assert_matches_single_device(
             gtx.clip_by_global_norm(0.5, norm_type=p), [grads], grads, mesh_shape=4, layout="fsdp"
         )
+
+
+def test_a_transform_that_changes_a_placement_is_reported_as_such():
+    # A to_local/from_local that forgets the placements (here: Partial) is not "the ranks disagree".
+    from torch.distributed.tensor import Partial
+
+    def update(updates, state, params=None, **extra):
+        def lose(u):
+            if not isinstance(u, DTensor):
+                return u
+            return DTensor.from_local(
+                u.to_local(), u.device_mesh, [Partial("avg")], run_check=False, shape=u.shape, stride=u.stride()
+            )
+
+        return optree.tree_map(lose, updates), state
+
+    tx = gtx.GradientTransformation(lambda params: gtx.EmptyState(), update)
+    with pytest.raises(
+        AssertionError, match=r"step 0: updates at \['w'\]: the placement changed, Shard\(0\) -> Partial\(avg\)"
+    ):
+        testing.assert_matches_single_device(tx, [_tree(1, w=(4, 2))], _tree(w=(4, 2)), mesh_shape=2, layout="fsdp")

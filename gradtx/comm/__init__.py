@@ -11,7 +11,7 @@ from gradtx.comm.base import (
     as_comm,
     start_all_reduce,
 )
-from gradtx.comm.groups import reduce_over_groups, start_reduce_over_groups
+from gradtx.comm.groups import reduce_over_groups
 from gradtx.comm.local import LocalComm
 
 try:  # a torch build without distributed support still has LocalComm
@@ -32,5 +32,4 @@ __all__ = [
     "as_comm",
     "reduce_over_groups",
     "start_all_reduce",
-    "start_reduce_over_groups",
 ]

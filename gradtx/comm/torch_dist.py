@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from gradtx.comm.base import GroupKey, ReduceOp
+from gradtx.comm.local_ranks import group_rank, shared_to_ranks
 
 _OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
 
@@ -126,12 +127,9 @@ class TorchComm:
         for i, t in enumerate(tensors):
             by_dtype[t.dtype].append(i)
         works, flats = [], []
-        simulated = _simulation()
         for idx in by_dtype.values():
             # One flat buffer per dtype: a single collective, and the inputs are never aliased.
-            flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-            if simulated is not None:
-                flat = _per_simulated_rank(flat, simulated)
+            flat = shared_to_ranks(torch.cat([tensors[i].detach().reshape(-1) for i in idx]))
             works.append(dist.all_reduce(flat, op=reduce_op, group=pg, async_op=True))
             flats.append((flat, idx))
         return _Pending(works, flats, [tuple(t.shape) for t in tensors])
@@ -185,20 +183,9 @@ class TorchComm:
         return ("ranks", tuple(dist.get_process_group_ranks(pg if pg is not None else dist.group.WORLD)))
 
     def rank(self, group: GroupKey) -> int:
-        """This process's rank within ``group``.
-
-        On a simulated mesh (torch's ``LocalTensorMode``, see :func:`gradtx.testing.simulated_mesh`) this
-        process is every rank at once, so the answer is one rank per simulated rank: a ``SymInt`` over
-        torch's ``LocalIntNode``, as ``DeviceMesh.get_rank()`` gives there (a plain ``int`` where every
-        simulated rank has the same one). It compares and computes per rank; code that needs a Python
-        ``int`` from it (a list index) must run once per rank, e.g. through torch's
-        ``maybe_run_for_local_tensor``.
-        """
-        pg = self.resolve(group)
-        mode = _simulation()
-        if mode is None:
-            return dist.get_rank(pg)
-        return _simulated_ranks(pg, mode)
+        """This process's rank within ``group`` (on a simulated mesh, one per simulated rank: see
+        :func:`gradtx.comm.local_ranks.group_rank`)."""
+        return group_rank(self.resolve(group), dist.get_rank)
 
     def __repr__(self) -> str:
         return f"TorchComm(mesh={self.mesh!r}, groups={sorted(self.groups)})"
@@ -279,71 +266,17 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return pg
 
 
-def world_size() -> int:
-    """The number of processes in the default group, or 1 when ``torch.distributed`` is not initialised."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _simulation() -> object | None:
-    """The enabled ``LocalTensorMode`` (a simulated mesh), or ``None`` in a real run."""
-    try:
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-    except ImportError:  # pragma: no cover - a build without local tensors simulates nothing
-        return None
-    return enabled_local_tensor_mode()
-
-
-def _simulated_ranks(pg: dist.ProcessGroup | None, mode: object) -> int:
-    """Each simulated rank's rank in its own copy of ``pg`` (as torch's local collectives lay groups out), as one SymInt.
-
-    Under ``LocalTensorMode`` a mesh dim's ``ProcessGroup`` is rank 0's; every other simulated rank's group is
-    a translate of it (torch's ``_prepare_collective_groups``), which is how its collectives pair the ranks up.
-    """
-    from torch.distributed._local_tensor import _combine_int_rank_results
-    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
-
-    group = pg if pg is not None else dist.group.WORLD
-    assert group is not None  # initialised: a simulated mesh started the default group
-    ranks, offsets, _ = _prepare_collective_groups(group)
-    within = {offset + r: i for offset in offsets for i, r in enumerate(ranks)}
-    return _combine_int_rank_results({r: within[r] for r in sorted(mode.ranks)})  # type: ignore[attr-defined,return-value]
-
-
-def _per_simulated_rank(flat: torch.Tensor, mode: object) -> torch.Tensor:
-    """``flat`` as one copy per simulated rank, when it is a plain tensor that every simulated rank shares.
-
-    torch's local collectives reduce over a ``LocalTensor``'s per-rank values and leave a plain tensor as it
-    is, so a SUM of a value every rank holds (a token count kept as a plain tensor) would come back as one
-    rank's value instead of their total.
-    """
-    from torch.distributed._local_tensor import LocalTensor
-
-    if isinstance(flat, LocalTensor):
-        return flat
-    return mode.rank_map(lambda r: flat.clone())  # type: ignore[attr-defined]
-
-
 def on_whole(leaf: DTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
     """``fn`` of the whole of ``leaf`` (gathered on every rank), returned with ``leaf``'s mesh and placements.
 
-    Every rank of ``leaf``'s mesh runs ``fn`` on the same whole tensor and keeps its own shard of the
-    result: an all-gather (one per sharded mesh dim) and a local split. This is the simple, costly way
-    to run a whole-tensor function on a sharded leaf, for where a cheaper exchange cannot run (a
-    simulated mesh, where each rank's sends differ).
+    An all-gather (one per sharded mesh dim) and a local split: the simple, costly way to run a
+    whole-tensor function on a sharded leaf.
     """
     from torch.distributed.tensor import Replicate
 
     mesh = leaf.device_mesh
     whole = DTensor.from_local(fn(leaf.full_tensor()), mesh, [Replicate()] * mesh.ndim, run_check=False)
     return whole.redistribute(mesh, leaf.placements)
-
-
-def fingerprint_device() -> torch.device:
-    """Where a small tensor for a collective over the default group lives when no tensor says: CUDA under NCCL, else CPU."""
-    backend = str(dist.get_backend()) if dist.is_available() and dist.is_initialized() else ""
-    if "nccl" in backend and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class DDPSumState:
@@ -409,47 +342,3 @@ def ddp_sum_hook(state, bucket):  # unannotated: DDP compares hook annotations b
         return fut.value()[0]
 
     return future.then(done)
-
-
-def backward_norm_hook(state, bucket):  # unannotated, as ddp_sum_hook
-    """A DDP comm hook that reduces each bucket, then measures its part of the global norm: see :class:`BackwardNorm`.
-
-    The reduction is DDP's mean over ``state.process_group`` (divided before
-    the sum, as DDP's own hook does), or :func:`ddp_sum_hook`'s sum when
-    ``state.sum_state`` is set. When a bucket's all-reduce completes, its
-    reduced flat buffer (every grad of the bucket, replicated on every rank)
-    is measured param by param in one pass (:func:`gradtx.core.norms.tensor_powsums`),
-    while autograd goes on with the earlier layers. DDP waits for the
-    returned future before the backward ends, so after ``loss.backward()``
-    only adding one value per bucket remains for the clip. No collective is
-    added: the grads are replicated.
-
-    Example:
-      >>> bn = gtx.BackwardNorm(2.0)
-      >>> ddp_model.register_comm_hook(bn, backward_norm_hook)
-    """
-    from gradtx.comm.backward_norm import BackwardNorm
-
-    if not isinstance(state, BackwardNorm):
-        raise TypeError(f"backward_norm_hook: state must be a gradtx.BackwardNorm, got {type(state).__name__}")
-    state.bucket_started(bucket.index(), bucket.is_last(), list(bucket.parameters()))
-    if state.sum_state is not None:
-        future = ddp_sum_hook(state.sum_state, bucket)
-    else:
-        group = state.process_group if state.process_group is not None else dist.group.WORLD
-        buffer = bucket.buffer()
-        buffer.div_(dist.get_world_size(group))  # before the sum, as DDP's mean: no overflow in fp16
-        future = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
-
-    # Per-param views of the flat buffer, which both reductions above write in place: measured param by
-    # param, every sum covers values of one scale (a sum over a flat bucket that mixes a layer's tiny grads
-    # into a row of large ones drops them: 2e-5 low on GPT-2's MLP buckets).
-    grads = list(bucket.gradients())
-
-    def measure(fut):
-        value = fut.value()
-        reduced = value[0] if isinstance(value, list) else value
-        state.bucket_done(grads, reduced.numel())
-        return reduced
-
-    return future.then(measure)

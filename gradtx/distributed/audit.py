@@ -10,7 +10,6 @@ so a double count or a missing group can be read off a table. See
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -18,23 +17,16 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from gradtx.comm.base import GroupKey, ReduceOp
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
+from gradtx.comm.groups import reduce_over_groups
+from gradtx.comm.local_ranks import per_rank, rank_values
 from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
-from gradtx.distributed import inferred, replicas
 from gradtx.distributed import plan as plans
-
-try:
-    from torch.distributed._local_tensor import LocalTensor, maybe_disable_local_tensor_mode
-    from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover
-    LocalTensor = DTensor = None  # type: ignore[assignment,misc]
-
-    def maybe_disable_local_tensor_mode() -> contextlib.AbstractContextManager:  # type: ignore[misc]
-        return contextlib.nullcontext()
-
+from gradtx.distributed.global_norm import _agreement, from_placements
+from gradtx.distributed.plan import DTensor
 
 Number = float | tuple[float, ...]
 
@@ -45,10 +37,10 @@ class AuditRow(NamedTuple):
     Attributes:
       path: the dotted path of the leaf.
       placements: the DTensor's placements with their mesh dim names; for a plain tensor ``"plain"``, followed
-        in a run of several processes or under a plan by what it is taken for: ``"plain (pipeline stage)"``,
-        ``"plain (replicated)"`` or ``"plain (local)"`` (declared), ``"plain (sharded)"`` (``sharded=``),
-        ``"plain (replicas)"`` (undeclared, found equal on every rank) or ``"plain (undeclared)"`` (differs across
-        ranks: a zero-config norm raises).
+        under a plan or with ``check_replicas`` by what it is taken for: ``"plain (pipeline stage)"``,
+        ``"plain (replicated)"`` or ``"plain (local)"`` (declared, or undeclared: each rank's own),
+        ``"plain (sharded)"`` (``sharded=``), and with ``check_replicas`` ``"plain (replicas)"`` (equal on every
+        rank) or ``"plain (differs across ranks)"`` (a pipeline stage that needs ``pp_group=``, or unsynced grads).
       local_numel: the elements this rank holds (per simulated rank, as a tuple, where they differ).
       global_numel: the elements of the whole (unsharded) tensor.
       summed: the groups (mesh dim names, or declared group keys) its p-th power is summed over.
@@ -78,7 +70,8 @@ class NormAudit(NamedTuple):
       norm_type: the norm's order.
       plan: where the plan came from: ``"declared"``, ``"placements"``, or ``"none"`` (local norm).
       collectives: the all-reduces one norm of this plan issues.
-      notes: what the plan cannot know and assumed (e.g. plain tensors read as replicated in a multi-process run).
+      notes: what the plan cannot know and assumed, and what ``check_replicas`` found.
+      replicas: with ``check_replicas``, whether the undeclared plain tensors are equal on every rank; else ``None``.
     """
 
     rows: tuple[AuditRow, ...]
@@ -87,6 +80,7 @@ class NormAudit(NamedTuple):
     plan: str
     collectives: int
     notes: tuple[str, ...]
+    replicas: bool | None = None
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         return iter(self.rows)
@@ -135,19 +129,58 @@ def _fmt(value: Number | int, spec: str) -> str:
 
 def _values(t: torch.Tensor) -> Number:
     """A 0-d tensor as a float, or one float per simulated rank where they differ (a diagnostic: reads to the host)."""
-    with maybe_disable_local_tensor_mode():
-        if LocalTensor is not None and isinstance(t, LocalTensor):
-            vals = tuple(float(x) for _, x in sorted(t._local_tensors.items()))
-            return vals[0] if all(v == vals[0] or (math.isnan(v) and math.isnan(vals[0])) for v in vals) else vals
-        return float(t)
+    vals = tuple(rank_values(t))
+    return vals[0] if all(v == vals[0] or (math.isnan(v) and math.isnan(vals[0])) for v in vals) else vals
+
+
+@per_rank  # simulated ranks hold shards of different sizes
+def _local_numel(local: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(float(local.numel()))
 
 
 def _numel(x: torch.Tensor) -> int | tuple[int, ...]:
-    local = tu.local(x)
-    if LocalTensor is not None and isinstance(local, LocalTensor):
-        counts = tuple(t.numel() for _, t in sorted(local._local_tensors.items()))
-        return counts[0] if len(set(counts)) == 1 else counts
-    return int(local.numel())
+    counts = _values(_local_numel(tu.local(x)))
+    return tuple(int(c) for c in counts) if isinstance(counts, tuple) else int(counts)
+
+
+def _replicas_agree(plain: list[torch.Tensor], leaves: list[Any], comm: Comm | None, group: GroupKey) -> bool:
+    """Whether the plain tensors ``plain`` hold the same values on every rank: one MAX all-reduce of a fingerprint.
+
+    The fingerprint is the leaf count, the element count and the sums of the
+    leaves' L1 and L2 norms, with its negation (``max == -max(-x)`` means every
+    rank holds the same). Over ``comm``'s ``group``, else the DTensors' root
+    meshes, else the world; read to the host. Every rank must call it.
+    """
+    if comm is not None:
+        reduce_over: Any = (as_comm(comm, name="norm_audit"), (group,))
+    else:
+        reduce_over = _agreement(leaves)
+        if reduce_over is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            from gradtx.comm.torch_dist import TorchComm
+
+            reduce_over = (TorchComm(), ("world",))
+    if reduce_over is None:  # one process: nothing to compare with
+        return True
+    device = tu.local(plain[0]).device if plain else torch.device("cpu")
+    stats = [
+        torch.tensor([float(len(plain)), float(sum(t.numel() for t in plain))], dtype=torch.float64, device=device)
+    ]
+    for p in (1.0, 2.0):  # per-leaf fp32 norms (no copy of a grad): replicas compute them bitwise alike
+        per_leaf = norms.tensor_norms([t.detach() for t in plain], p)
+        stats.append(
+            sum(
+                (n.to(device, torch.float64).reshape(1) for n in per_leaf),
+                torch.zeros(1, dtype=torch.float64, device=device),
+            )
+        )
+    # NaN compares unequal to itself and infinities overflow the negation's meaning: map both to numbers.
+    fingerprint = torch.nan_to_num(torch.cat(stats), nan=-1.0, posinf=1e300, neginf=-1e300)
+    both = torch.cat([fingerprint, -fingerprint])
+    red_comm, groups = reduce_over
+    for g in groups:
+        (both,) = red_comm.all_reduce([both], ReduceOp.MAX, g)
+    n = fingerprint.numel()
+    return all(v == 1.0 for v in rank_values((both[:n] == -both[n:]).all().to(torch.float32)))
 
 
 def _group_name(group: GroupKey, leaf: Any, comm: Any) -> str:
@@ -178,7 +211,15 @@ def _placements(leaf: Any) -> tuple[str, tuple[str, ...]]:
     return "(" + ", ".join(shown) + ")", tuple(skipped)
 
 
-def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type: float = 2.0) -> NormAudit:
+def norm_audit(
+    grads: PyTree,
+    plan: plans.MeshGroups | None = None,
+    *,
+    norm_type: float = 2.0,
+    check_replicas: bool = False,
+    comm: Comm | None = None,
+    group: GroupKey = "world",
+) -> NormAudit:
     """How the global norm of ``grads`` is put together: per leaf, the groups summed and skipped, and its share.
 
     The plan is ``plan`` (a :func:`gradtx.mesh_groups` plan), else the one the DTensor placements define (what
@@ -187,10 +228,21 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     per-leaf shares), or on a simulated mesh (:func:`gradtx.testing.simulated_mesh`), where a value the ranks
     disagree on shows one entry per rank.
 
+    A plain tensor carries no placement: on each rank it may be a replica (DDP), a pipeline stage's own
+    weight, or a grad nobody synced, and gradtx's norms take each rank's own, as torch does. The pipeline
+    trap is the second: a stage's clip that ignores the other stages (declare ``pp_group``). With
+    ``check_replicas=True`` the audit asks, with one collective you name here, whether the undeclared plain
+    tensors are equal on every rank (DDP leaves its replicas bitwise equal), and says so in ``replicas``.
+
     Args:
       grads: the grads tree (DTensors and plain tensors).
       plan: a declared plan, or ``None`` to read the placements.
       norm_type: any ``p > 0`` or ``inf``.
+      check_replicas: compare the undeclared plain tensors across ranks (one MAX all-reduce of a fingerprint,
+        read to the host; every rank must call it).
+      comm: the :class:`~gradtx.comm.Comm` that compares them, over ``group``; default the DTensors' root
+        meshes, else the world.
+      group: the group of ``comm`` to compare over.
 
     Returns:
       A :class:`NormAudit`; ``print(audit)`` shows the table.
@@ -210,23 +262,23 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     tu.check_tensors(leaves, paths, what="norm_audit: grads")
     source = "declared" if plan is not None else "placements"
     notes: list[str] = []
-    plain_as = "plain"
-    if plan is None and inferred._signature(leaves) is None:
-        # Plain tensors only: what the zero-config norm would check (and refuse), shown rather than raised.
-        if replicas.multi_process():
-            agree, ranks = replicas.plain_replicas_agree(leaves, leaves)
-            if agree:
-                plain_as = "plain (replicas)"
-                notes.append(f"plain tensors equal on all {ranks} ranks: read as replicas (DDP's layout), counted once")
-            else:
-                plain_as = "plain (undeclared)"
-                notes.append(
-                    f"plain tensors that differ across the {ranks} ranks and no plan: a zero-config norm raises here; "
-                    "declare a pipeline stage with mesh_groups(params, pp_group=...), or plain='replicated' / "
-                    "plain='local'"
-                )
-    elif plan is None:
-        plan = inferred.infer_plan(leaves, what="norm_audit", tree=grads)
+    if plan is None:
+        plan = from_placements(leaves, what="norm_audit", tree=grads)
+    plain_as = "plain" if plan is None else ""
+    same: bool | None = None
+    if check_replicas:
+        undeclared = [
+            i for i, x in enumerate(leaves) if not isinstance(x, DTensor) and (plan is None or not plan.leaf(i).shards)
+        ]
+        same = _replicas_agree([leaves[i] for i in undeclared], leaves, comm, group)
+        plain_as = "plain (replicas)" if same else "plain (differs across ranks)"
+        if same:
+            notes.append("plain tensors equal on every rank: replicas (DDP's layout), each rank's norm is the model's")
+        else:
+            notes.append(
+                "plain tensors that differ across ranks: each rank's norm is its own. A pipeline stage needs "
+                "mesh_groups(params, pp_group=...); unsynced data-parallel grads need their all-reduce first"
+            )
     inf = math.isinf(norm_type)
     local_norms = norms.tensor_norms(leaves, norm_type)
     powers = [n if inf else n.pow(norm_type) for n in local_norms]
@@ -246,7 +298,7 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
         values = [p.to(device, acc) for p in powers]
         groups = [plan.groups_of(i) for i in range(len(leaves))]
         op = ReduceOp.MAX if inf else ReduceOp.SUM
-        reduced = plans.reduce_over_groups(comm, values, groups, plan.group_order, op)
+        reduced = reduce_over_groups(comm, values, groups, plan.group_order, op)
         stage = [r if inf else r * plan.weight_of(i) for i, r in enumerate(reduced)]
         total = _total(stage, inf, device=device)
         if plan.pp_group is not None:
@@ -266,7 +318,7 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
         summed, tied, pp = rows_info[i]
         shown, skipped = _placements(leaf)
         if shown == "plain":
-            shown = plain_as if plan is None else _plain_as(plan, i)
+            shown = _plain_as(plan, i) if plan is not None and (plan.leaf(i).shards or not plain_as) else plain_as
         share = stage[i] / total.clamp_min(torch.finfo(total.dtype).tiny)
         rows.append(
             AuditRow(dotted[i], shown, _numel(leaf), int(leaf.numel()), summed, skipped, tied, pp, _values(share))
@@ -274,15 +326,10 @@ def norm_audit(grads: PyTree, plan: plans.MeshGroups | None = None, *, norm_type
     norm = total if inf else total.pow(1.0 / norm_type)
     if any(isinstance(r.share, tuple) for r in rows) or isinstance(_values(norm), tuple):
         notes.append("the ranks disagree on some values (shown per rank): this norm is not the same on every rank")
-    return NormAudit(tuple(rows), _values(norm), norm_type, source, collectives, tuple(notes))
+    return NormAudit(tuple(rows), _values(norm), norm_type, source, collectives, tuple(notes), same)
 
 
-_PLAIN_AS = {
-    "pipeline": "plain (pipeline stage)",
-    "replicated": "plain (replicated)",
-    "local": "plain (local)",
-    "replicas": "plain (replicas)",
-}
+_PLAIN_AS = {"pipeline": "plain (pipeline stage)", "replicated": "plain (replicated)", "local": "plain (local)"}
 
 
 def _plain_as(plan: plans.MeshGroups, index: int) -> str:

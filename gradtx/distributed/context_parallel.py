@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core.base import EmptyState, GradientTransformation, Params, factory
 
@@ -84,10 +83,9 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
-        del params
+        del params, extra
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
-        summed = tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key, inplace=bool(extra.get("inplace", False)))
-        return tu.unflatten(spec, summed), state
+        return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key)), state
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return GradientTransformation(init_fn, update_fn)

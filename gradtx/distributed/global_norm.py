@@ -1,17 +1,15 @@
-"""The global norm: local sums of p-th powers, reduced over a plan's groups with the reductions overlapped.
+"""The global norm every transform reads: a declared plan, else the placements' plan, else the local norm.
 
-Every transform that reads a norm (the clip, AGC, the spike guards) comes
-here, through :func:`gradtx.distributed.inferred.tree_norm`: a declared ``mesh_groups`` plan,
-else the plan the DTensor placements define, else the local norm. Every
-statistic those transforms keep, and every skip or clip decision they make,
-derives from it, so it is the single-device norm of the whole model on every rank.
+:func:`tree_norm` is the one entry point (what :func:`gradtx.clip_by_global_norm`,
+:func:`gradtx.global_norm`, the spike guards and AGC call):
 
-The order of a step (:func:`plan_norm`): the local contributions of the
-buckets that some group must reduce are computed first and their
-reductions started, all of them, group by group in the plan's order; the
-local work of the replicated buckets runs while they are in flight; the step
-waits once, at the end (once per level where a grad is sharded over several
-mesh dims, see :mod:`gradtx.comm.groups`).
+* with ``mesh_groups`` (a plan the user holds): that plan's reductions;
+* else with DTensor leaves: the plan their placements define, held by the
+  caller's :class:`~gradtx.distributed.plan.PlanSlot` (or built for the call);
+* else: the local norm, torch's semantics, with no collective.
+
+Every collective it issues is named by its arguments: the DTensors' own
+meshes, or the declared plan's comm.
 """
 
 from __future__ import annotations
@@ -20,17 +18,170 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
-from gradtx.comm.backward_norm import BackwardNorm
-from gradtx.comm.base import ReduceOp, start_all_reduce
-from gradtx.comm.groups import levels
+from gradtx.comm.base import AsyncComm, Comm, Done, GroupKey, ReduceOp, check_comm
+from gradtx.comm.groups import reduce_over_groups
 from gradtx.core import norms
 from gradtx.core import tree as tu
-from gradtx.distributed import inferred
-from gradtx.distributed.plan import check_plan
+from gradtx.core.base import PyTree
+from gradtx.distributed.plan import (
+    DTensor,
+    MeshGroups,
+    _Bucket,
+    _build,
+    check_norm_type,
+    check_plan,
+    default_comm,
+)
 
-__all__ = ["check_plan", "global_norm_of", "leaf_norms_of", "plan_norm", "rounds"]
+__all__ = [
+    "agree_finite",
+    "check_plan",
+    "global_norm",
+    "global_norm_of",
+    "leaf_norms_of",
+    "tree_norm",
+    "tree_unitwise_norms",
+    "unitwise_norms",
+]
+
+
+def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
+    """The plan the placements of ``leaves`` define, over the DTensors' own process groups; ``None`` without DTensors.
+
+    Plain tensors among them are each rank's own (counted once, no collective).
+    Every DTensor on one root mesh over the whole world: one reduction in all
+    (see :attr:`MeshGroups.flat`); else one per sharded mesh dim.
+    """
+    if DTensor is None or not any(isinstance(t, DTensor) for t in leaves):
+        return None
+    paths = tu.paths(tree) if tree is not None else None
+    if paths is None or len(paths) != len(leaves):
+        paths = [(i,) for i in range(len(leaves))]
+    comm = default_comm(leaves)
+    flat = _one_mesh_group(leaves, comm)
+    return _build(paths, list(leaves), comm, sharded=None, pp_group=None, tied=None, device=None, what=what, flat=flat)
+
+
+class PlanSlot:
+    """The plan a transform reads from its grads' placements, rebuilt only when their meshes, placements or shapes change.
+
+    Each transform that takes ``mesh_groups=None`` holds one (nothing is
+    shared between transforms or kept process-wide). Its key is public
+    DTensor metadata, read each step: a tuple compare, no collective.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.plan: MeshGroups | None = None
+
+    def get(self, leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
+        """The plan for ``leaves`` (``None`` without DTensors)."""
+        if DTensor is None:
+            return None
+        key = tuple((t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else None for t in leaves)
+        if key != self.key:
+            self.plan = from_placements(leaves, what=what, tree=tree)
+            self.key = key
+        return self.plan
+
+    def __getstate__(self) -> dict[str, Any]:  # a plan holds process groups: rebuilt after a copy or a load
+        return {"key": None, "plan": None}
+
+
+def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
+    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
+
+    Then a norm's parts can be reduced in one collective. A leaf is sharded
+    over some dims of the root and held alike by the ranks that differ only in
+    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
+    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
+    which the per-dim reductions assume too), so its replica count is known.
+    Two root meshes, or a root smaller than the world, keep the per-dim
+    reductions.
+    """
+    root = None
+    for t in leaves:
+        if DTensor is None or not isinstance(t, DTensor):
+            continue
+        r = t.device_mesh._get_root_mesh()
+        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
+        # an earlier, equal mesh, so one model's grads may name two root objects for one grid.
+        if root is not None and r != root:
+            return None
+        root = r
+    if root is None or root.size() == 1 or root.size() != comm.size("world"):
+        return None
+    return "world"
+
+
+def _plan(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: str, tree: PyTree) -> Any:
+    if mesh_groups is not None:
+        check_plan(mesh_groups, name=what)
+        mesh_groups.check(leaves, what=what)
+        return mesh_groups
+    if slot is not None:
+        return slot.get(leaves, what=what, tree=tree)
+    return from_placements(leaves, what=what, tree=tree)
+
+
+def tree_norm(
+    leaves: Sequence[torch.Tensor],
+    norm_type: float,
+    mesh_groups: MeshGroups | None = None,
+    *,
+    what: str = "global_norm",
+    tree: PyTree | None = None,
+    slot: PlanSlot | None = None,
+) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole model's grads, as one device would compute it.
+
+    Args:
+      leaves: the grads, in flatten order.
+      norm_type: any ``p > 0`` or ``inf`` (checked by the caller).
+      mesh_groups: a plan from :func:`gradtx.mesh_groups`, or ``None`` to read the placements.
+      what: the caller's name, for error messages.
+      tree: the tree the leaves came from, only to name paths in errors.
+      slot: where the caller keeps the plan read from placements, from one call to the next.
+
+    Returns:
+      A 0-d fp32 tensor (fp64 if a leaf is fp64), equal on every rank that holds part of
+      the model; no host sync. Every such rank must call it when it communicates.
+    """
+    plan = _plan(leaves, mesh_groups, slot, what, tree)
+    if plan is None:
+        return norms.local_norm(leaves, norm_type)
+    return plan_norm(plan, leaves, norm_type)
+
+
+def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups | None = None) -> torch.Tensor:
+    """The ``norm_type``-norm of all leaves of ``tree`` taken together, as a 0-d fp32 tensor (fp64 if a leaf is fp64).
+
+    Matches ``torch.nn.utils.get_total_norm`` on plain fp32 tensors (each
+    rank's local norm, with no collective), and accumulates in fp32 for
+    low-precision ones. On DTensor leaves it is the norm of the whole sharded
+    model, as one device would compute it, read from the placements; every
+    rank of their meshes must call it. Pipeline stages and hand-sharded plain
+    tensors need ``mesh_groups``.
+
+    Args:
+      tree: a pytree of tensors (DTensors included).
+      norm_type: any ``p > 0`` or ``inf``.
+      mesh_groups: a declared plan from :func:`gradtx.mesh_groups`, or ``None``.
+
+    Returns:
+      A 0-d fp32 tensor.
+
+    Example:
+      >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
+      tensor(5.)
+    """
+    norm_type = check_norm_type(norm_type, name="global_norm")
+    leaves = optree.tree_leaves(tree)
+    tu.check_tensors(leaves, tree=tree, what="global_norm: tree")
+    return tree_norm(leaves, norm_type, mesh_groups, what="global_norm", tree=tree)
 
 
 def global_norm_of(
@@ -42,13 +193,10 @@ def global_norm_of(
     tree: Any = None,
     scale: torch.Tensor | None = None,
     device: torch.device | None = None,
+    slot: PlanSlot | None = None,
 ) -> torch.Tensor:
-    """The global ``norm_type``-norm of ``leaves`` (0-d, no host sync), the same on every rank.
-
-    With ``scale`` (a factor the leaves still carry, see :class:`gradtx.ScalarTransformation`),
-    the norm of the true updates ``leaves * scale``; with ``device``, as fp32 there.
-    """
-    norm = inferred.tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree)
+    """:func:`tree_norm`, of the true updates ``leaves * scale`` when ``scale`` is given; as fp32 on ``device`` if given."""
+    norm = tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree, slot=slot)
     if device is not None:
         norm = norm.to(device=device, dtype=torch.float32)
     if scale is not None:
@@ -60,152 +208,191 @@ def leaf_norms_of(
     leaves: Sequence[torch.Tensor], *, mesh_groups: Any = None, what: str, tree: Any = None
 ) -> list[torch.Tensor]:
     """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank."""
-    plan = mesh_groups if mesh_groups is not None else inferred.infer_plan(leaves, what=what, tree=tree)
+    plan = _plan(leaves, mesh_groups, None, what, tree)
     if plan is None:
         return norms.tensor_norms(leaves, 2.0)
-    (out,) = plan.unitwise_norms([list(leaves)], unitwise=False)
+    (out,) = unitwise_norms(plan, [list(leaves)], unitwise=False)
     return [n.reshape(()) for n in out]
 
 
-def plan_norm(
-    plan: Any,
-    leaves: Sequence[torch.Tensor],
-    norm_type: float,
-    *,
-    powsums: Sequence[torch.Tensor] | None = None,
-    backward: BackwardNorm | None = None,
-) -> torch.Tensor:
-    """The ``norm_type``-norm of the whole model under ``plan`` (a :class:`gradtx.MeshGroups`), checks done.
+def unitwise_norms(
+    plan: MeshGroups, trees: Sequence[Sequence[torch.Tensor]], *, unitwise: bool
+) -> list[list[torch.Tensor]]:
+    """The fp32 L2 norm of each output unit of every leaf under ``plan``, for several aligned leaf lists at once.
 
-    One contribution (a sum of p-th powers, or a max for ``inf``) per bucket
-    of leaves that share the same groups. The groups are reduced in rounds
-    (:func:`rounds`), innermost first: a round's collectives are all started,
-    then the local pass of the buckets that round does not need runs while
-    they are in flight, then one wait. Buckets left with the same groups are
-    added before the next round, so every group still costs one collective of
-    one value per bucket set. The reduction over ``pp_group`` comes last: it
-    needs the stage's total. With ``powsums`` (each leaf's local contribution, measured in the
-    backward) the local pass is skipped and only the reductions run; under a flat plan, ``backward``
-    (the :class:`gradtx.BackwardNorm` that measured them) may have started the one reduction too.
+    Units follow PyTorch layouts (dim 0 is the output unit; see
+    :func:`gradtx.unitwise_norm`). Where a unit spans ranks (a weight split
+    along dim 1, or a 1-d leaf split at all), its partial sums of squares are
+    summed over those groups: one all-reduce per group for every leaf of
+    every list, e.g. the grads and the weights of AGC together.
+
+    Returns:
+      For each list, the per-leaf norms, broadcastable to the leaf's local shard.
     """
-    inf = math.isinf(norm_type)
-    op = ReduceOp.MAX if inf else ReduceOp.SUM
-    device = tu.local(leaves[0]).device if leaves else plan.device
-    buckets = plan._buckets
-    if plan.flat is not None:
-        return _flat_norm(plan, leaves, norm_type, device, powsums, backward)
-    schedule = rounds([b.groups for b in buckets], plan.group_order)
-    # (value, groups still to reduce over); a bucket's local pass runs just before its first round.
-    values: list[tuple[torch.Tensor, frozenset]] = []
-    todo = list(buckets)
-    for r, groups in enumerate(schedule):
-        now = [b for b in todo if any(g in b.groups for g in groups)]
-        todo = [b for b in todo if b not in now]
-        values += [(s, frozenset(b.groups)) for b, s in zip(now, _bucket_sums(now, leaves, norm_type, device, powsums))]
-        values = _merge(values, norm_type, device)
-        started = []
-        for g in groups:
-            idx = [i for i, (_, gs) in enumerate(values) if g in gs]
-            started.append((g, idx, start_all_reduce(plan.comm, [values[i][0] for i in idx], op, g)))
-        if r + 1 < len(schedule):  # overlap: the next round's buckets, else the replicated ones
-            nxt = [b for b in todo if any(g in b.groups for g in schedule[r + 1])]
-        else:
-            nxt = [b for b in todo if not b.groups]
-        todo = [b for b in todo if b not in nxt]
-        ahead = list(zip(nxt, _bucket_sums(nxt, leaves, norm_type, device, powsums)))
-        for g, idx, pending in started:
-            for i, reduced in zip(idx, pending.wait()):
-                values[i] = (reduced, values[i][1] - {g})
-        values += [(s, frozenset(b.groups)) for b, s in ahead]
-    values += [(s, frozenset()) for s in _bucket_sums(todo, leaves, norm_type, device, powsums)]
-    total = norms.total([v for v, _ in values], norm_type, device).to(norms.partial_dtype(device))
-    if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
-        (total,) = plan.comm.all_reduce([total], op, plan.pp_group)
-    return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
-
-
-def _flat_norm(
-    plan: Any,
-    leaves: Sequence[torch.Tensor],
-    norm_type: float,
-    device: torch.device,
-    powsums: Sequence[torch.Tensor] | None,
-    backward: BackwardNorm | None = None,
-) -> torch.Tensor:
-    """:func:`plan_norm` in one collective: every sharded bucket's part over its replica count, summed over the mesh.
-
-    A bucket sharded over some of the mesh's dims is held alike by the ranks
-    that differ only in the other dims; divided by their number, its part
-    counts once in a sum over the whole mesh (a max needs no division). The
-    one reduction is started first, and the local pass of the leaves that
-    every rank holds whole runs while it is in flight.
-
-    With ``backward``, whose hooks measured ``powsums``, the sum is what its
-    last hook reduced, started in the backward (see
-    :meth:`gradtx.BackwardNorm.take_flat`, which also arms the next backward): only the wait is left here.
-    """
-    inf = math.isinf(norm_type)
-    group, replicas = plan.flat
-    sharded = [(b, r) for b, r in zip(plan._buckets, replicas) if b.groups]
-    whole = [b for b in plan._buckets if not b.groups]
-    weights: list[float | None] = [None] * len(leaves)  # each leaf's weight in the sum over the mesh
-    for b, r in sharded:
-        for i in b.leaves:
-            weights[i] = 1.0 if inf else b.weight / r
-    pending = backward.take_flat(plan.comm, group, weights) if backward is not None else None
-    if pending is None:
-        parts = _bucket_sums([b for b, _ in sharded], leaves, norm_type, device, powsums)
-        if not inf:
-            parts = [p if r == 1 else p / r for p, (_, r) in zip(parts, sharded)]
-        mine = norms.total(parts, norm_type, device).to(norms.partial_dtype(device))
-        pending = start_all_reduce(plan.comm, [mine], ReduceOp.MAX if inf else ReduceOp.SUM, group)
-    rest = _bucket_sums(whole, leaves, norm_type, device, powsums)
-    (reduced,) = pending.wait()
-    total = norms.total([reduced, *rest], norm_type, device)
-    return norms.power_to_norm(total, norm_type).to(norms.norm_dtype(leaves))
-
-
-def rounds(groups: Sequence[tuple[Any, ...]], order: Sequence[Any]) -> list[list[Any]]:
-    """The rounds a plan's groups are reduced in: innermost first (the groups fewest buckets need).
-
-    Groups that as many buckets need share a round unless one bucket needs
-    both (see :func:`gradtx.comm.groups.levels`); a bucket sharded over
-    ``(dp, tp)`` beside one sharded over ``dp`` gives ``[[tp], [dp]]``: the
-    first bucket's part is summed over ``tp``, added to the second's, and the
-    sum reduced over ``dp`` once. The order depends only on the plan, so every
-    rank starts the same collectives in the same order.
-    """
-    need = {g: sum(g in gs for gs in groups) for g in order}
-    out: list[list[Any]] = []
-    for count in sorted({n for n in need.values() if n}):
-        same = [g for g in order if need[g] == count]
-        out += levels([gs for gs in groups if any(g in gs for g in same)], same)
+    items: list[torch.Tensor] = []
+    groups: list[tuple[GroupKey, ...]] = []
+    where: list[tuple[int, int]] = []
+    out: list[list[torch.Tensor]] = []
+    for t, leaves in enumerate(trees):
+        plan.check(leaves, what="adaptive_clip")
+        row: list[torch.Tensor] = []
+        for i, leaf in enumerate(leaves):
+            spans = plan.unit_groups(i, unitwise=unitwise)
+            if not spans:  # the units are all local: the plain single-device formula
+                row.append(norms.unitwise_norm(leaf, unitwise=unitwise))
+                continue
+            x = norms.magnitudes(tu.local(leaf))
+            one_unit = x.ndim <= 1 or not unitwise
+            sq = x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True)
+            row.append(sq)
+            items.append(sq)
+            groups.append(spans)
+            where.append((t, i))
+        out.append(row)
+    if any(t.dtype == torch.float64 for t in items):  # one dtype: one collective per group
+        items = [t.to(torch.float64) for t in items]
+    for (t, i), sq in zip(where, reduce_over_groups(plan.comm, items, groups, plan.group_order, ReduceOp.SUM)):
+        out[t][i] = sq.sqrt()
     return out
 
 
-def _merge(values: list[tuple[torch.Tensor, frozenset]], norm_type: float, device: torch.device) -> list:
-    """Add up the values left with the same groups (max for ``inf``): one tensor per group set in a collective."""
-    by_groups: dict[frozenset, list[torch.Tensor]] = {}
-    for v, gs in values:
-        by_groups.setdefault(gs, []).append(v)
-    return [(vs[0] if len(vs) == 1 else norms.total(vs, norm_type, device), gs) for gs, vs in by_groups.items()]
+def tree_unitwise_norms(
+    grads: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor],
+    *,
+    unitwise: bool,
+    mesh_groups: MeshGroups | None = None,
+    tree: PyTree | None = None,
+    slot: PlanSlot | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-unit fp32 L2 norms of grads and weights (AGC), reduced where a unit spans ranks.
+
+    The plan is ``mesh_groups``, else the one the grads' placements define, else none
+    (every unit is local). Units follow PyTorch layouts: see :func:`gradtx.unitwise_norm`.
+
+    Returns:
+      ``(grad_norms, weight_norms)``, each broadcastable to its leaf's local shard.
+    """
+    if mesh_groups is not None:
+        check_plan(mesh_groups, name="adaptive_clip")
+        plan = mesh_groups
+    else:
+        plan = (
+            slot.get(grads, what="adaptive_clip", tree=tree)
+            if slot
+            else from_placements(grads, what="adaptive_clip", tree=tree)
+        )
+    if plan is None:
+        return (
+            [norms.unitwise_norm(g, unitwise=unitwise) for g in grads],
+            [norms.unitwise_norm(w, unitwise=unitwise) for w in weights],
+        )
+    g_norms, w_norms = unitwise_norms(plan, [grads, weights], unitwise=unitwise)
+    return g_norms, w_norms
+
+
+def agree_finite(
+    finite: torch.Tensor, leaves: Sequence[Any], *, comm: Comm | None = None, group: GroupKey = "world", **_: Any
+) -> torch.Tensor:
+    """Agree on a finite-check verdict over every rank that holds part of the model (MAX of the not-finite flag).
+
+    With ``comm``: over ``group``. Else, with DTensor leaves: over the root
+    meshes of their meshes (one scalar collective over the default group when
+    a root spans it, else one per mesh dim), because a NaN that lands in one
+    rank's shard must stop every rank. Else (plain tensors, as under DDP, or
+    one process): the local verdict, with no collective.
+
+    Returns:
+      A 0-d bool tensor, equal on every rank that agreed; no host sync.
+    """
+    if comm is not None:
+        check_comm(comm, name="apply_if_finite")
+        plan: tuple[Any, tuple[GroupKey, ...]] | None = (comm, (group,))
+    else:
+        plan = _agreement(leaves)
+    if plan is None:
+        return finite
+    agree_comm, groups = plan
+    notfinite = (~finite).to(torch.float32)
+    for g in groups:
+        (notfinite,) = agree_comm.all_reduce([notfinite], ReduceOp.MAX, g)
+    return notfinite == 0
+
+
+def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None:
+    """The comm and groups that span every rank holding ``leaves``' DTensors: the world, or each dim of their root meshes."""
+    if DTensor is None:
+        return None
+    meshes = {id(t.device_mesh): t.device_mesh for t in leaves if isinstance(t, DTensor)}
+    if not meshes:
+        return None
+    from gradtx.comm.torch_dist import mesh_comm
+
+    roots: list[Any] = []
+    for mesh in meshes.values():
+        root = mesh._get_root_mesh()
+        if all(root is not r for r in roots):
+            roots.append(root)
+    world = torch.distributed.get_world_size()
+    if all(root.size() == world for root in roots):
+        return mesh_comm(roots), ("world",)
+    groups: list[Any] = []
+    for root in roots:
+        for dim in range(root.ndim):
+            pg = root.get_group(dim)
+            if root.size(dim) > 1 and all(pg is not g for g in groups):
+                groups.append(pg)
+    return mesh_comm(roots), tuple(groups)
+
+
+# --- the norm on a plan -------------------------------------------------------------------------
+#
+# Local fp32 foreach norms of each leaf's shard, one p-th-power partial per bucket (leaves that share
+# the same groups), then the reductions: one all-reduce over the whole mesh for a flat plan, else one
+# per group, then one over pp_group. Under a flat plan the local pass of the buckets no group needs
+# (leaves every rank holds whole) runs while the one reduction is in flight.
+
+
+def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of the whole model under ``plan``, checks done: 0-d, the same on every rank, no host sync."""
+    inf = math.isinf(norm_type)
+    op = ReduceOp.MAX if inf else ReduceOp.SUM
+    device = tu.local(leaves[0]).device if leaves else plan.device
+    sharded = [b for b in plan._buckets if b.groups]
+    whole = [b for b in plan._buckets if not b.groups]
+    parts = _bucket_sums(sharded, leaves, norm_type, device)
+    if plan.flat is not None:
+        group, replicas = plan.flat
+        if not inf:  # divided by its replica count, a part counts once in a sum over the whole mesh
+            parts = [
+                p if r == 1 else p / r for p, r in zip(parts, (r for b, r in zip(plan._buckets, replicas) if b.groups))
+            ]
+        pending = _start(plan.comm, [norms.total(parts, norm_type, device).to(norms.partial_dtype(device))], op, group)
+    else:
+        pending = Done(reduce_over_groups(plan.comm, parts, [b.groups for b in sharded], plan.group_order, op))
+    rest = _bucket_sums(whole, leaves, norm_type, device)
+    stage = norms.total([*pending.wait(), *rest], norm_type, device).to(norms.partial_dtype(device))
+    if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
+        (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
+    return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
+
+
+def _start(comm: Comm, tensors: list[torch.Tensor], op: ReduceOp, group: GroupKey) -> Any:
+    return (
+        comm.all_reduce_async(tensors, op, group)
+        if isinstance(comm, AsyncComm)
+        else Done(comm.all_reduce(tensors, op, group))
+    )
 
 
 def _bucket_sums(
-    buckets: Sequence[Any],
-    leaves: Sequence[torch.Tensor],
-    norm_type: float,
-    device: torch.device,
-    powsums: Sequence[torch.Tensor] | None = None,
+    buckets: Sequence[_Bucket], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
 ) -> list[torch.Tensor]:
-    """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), all in one dtype."""
+    """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), in one dtype."""
     if not buckets:
         return []
     index = [i for b in buckets for i in b.leaves]
-    if powsums is not None:  # measured in the backward
-        per_leaf = {i: powsums[i] for i in index}
-    else:
-        per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
+    per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
     out = []
     for b in buckets:
         s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))

@@ -11,11 +11,68 @@ stages' contributions and count the tied weight once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, Self
+
 from gradtx.comm.base import ReduceOp
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core.base import EmptyState, GradientTransformation, Params, factory
-from gradtx.distributed.plan import MeshGroups, check_plan
+from gradtx.distributed.plan import NO_PLAN, MeshGroups, check_plan, plan_read_by
+
+
+class PPReduce(GradientTransformation):
+    """What :func:`pp_reduce` returns: a transform that sums tied grads over a pipeline plan, ``mesh_groups``."""
+
+    mesh_groups: MeshGroups
+
+    def __new__(cls, init: Any, update: Any, mesh_groups: MeshGroups) -> Self:
+        self = super().__new__(cls, init, update)
+        self.mesh_groups = mesh_groups
+        return self
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+        return (self.init, self.update, self.mesh_groups)
+
+
+def check_chain(txs: Sequence[Any], *, name: str) -> None:
+    """Refuse, when a chain is built, a norm that a pipeline chain computes over the wrong plan.
+
+    ``txs`` are the chain's members, in order. A :func:`pp_reduce` member
+    declares a pipeline plan: a member after it that computes a norm must use
+    that plan (``mesh_groups=plan``); one with no plan would take one stage's
+    norm for the model's. A member that computes a norm over a plan with tied
+    weights needs a ``pp_reduce`` of that plan before it, which sums the tied
+    copies' grads. Nested chains are checked as they are built.
+    """
+    reduced: list[tuple[int, MeshGroups]] = [
+        (i, tx.mesh_groups) for i, tx in enumerate(txs) if isinstance(tx, PPReduce)
+    ]
+    for i, tx in enumerate(txs):
+        plan = plan_read_by(tx)
+        if plan is NO_PLAN:
+            continue
+        before = [p for j, p in reduced if j < i]
+        if plan is None and before:
+            raise ValueError(
+                f"{name}: member {i} computes a norm with no plan, but member {reduced[0][0]} is a gradtx.pp_reduce "
+                "of a pipeline plan: a stage's norm must add the other stages'. Pass the same plan: "
+                "gtx.clip_by_global_norm(..., mesh_groups=plan) (see docs/distributed.md)"
+            )
+        if plan is None or not plan.tied or any(plan is p for p in before):
+            continue
+        where = "comes only after it" if any(plan is p for _, p in reduced) else "comes before it"
+        raise ValueError(
+            f"{name}: member {i} computes a norm over the tied weights ({', '.join(plan.tied_paths)}) of a "
+            f"mesh_groups plan, but no gradtx.pp_reduce(plan) {where}, so the tied copies' grads are not summed; "
+            "put it first in the same chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., "
+            "mesh_groups=plan), ...) (see docs/distributed.md)"
+        )
+
+
+def tie_order(txs: Sequence[Any], *, name: str) -> dict[str, tuple[Any, ...]]:
+    """:func:`check_chain` under the name ``gradtx.transforms.combine`` calls; returns what it used to declare."""
+    check_chain(txs, name=name)
+    return {"reduces": tuple(tx.mesh_groups for tx in txs if isinstance(tx, PPReduce))}
 
 
 @factory
@@ -33,20 +90,18 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     mesh shape), because their local shards are summed elementwise, and a
     stage holding several tied weights pairs them in flatten order.
 
-    A transform that computes a norm over a plan with tied weights
-    (``clip_by_global_norm``, ``adaptive_clip``, ... with ``mesh_groups=plan``)
-    declares so, and :func:`gradtx.chain` refuses, when it is built, a chain
-    where no ``pp_reduce(plan)`` comes before it: a chain that forgets it, or
-    puts it after the clip, fails before its first step instead of letting the
-    copies drift apart. A ``pp_reduce`` built and left out of the chain changes
-    nothing.
+    :func:`gradtx.chain` refuses, when it is built (see :func:`check_chain`),
+    a chain where a transform computes a norm over a plan with tied weights
+    and no ``pp_reduce(plan)`` comes before it, and a chain holding
+    ``pp_reduce(plan)`` whose clip has no plan: either fails before its first
+    step instead of letting the copies drift apart or clipping by one stage's norm.
 
     Args:
       mesh_groups: the plan from :func:`gradtx.mesh_groups` with ``pp_group``
         and ``tied`` set, built from this stage's params.
 
     Returns:
-      A stateless :class:`GradientTransformation`.
+      A stateless :class:`PPReduce` (a :class:`GradientTransformation`).
 
     References:
       Press & Wolf, "Using the Output Embedding to Improve Language Models", 2017;
@@ -66,16 +121,13 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
-        del params
+        del params, extra
         leaves, spec = tu.flatten(updates)
         mesh_groups.check(leaves, what="pp_reduce")
-        inplace = bool(extra.get("inplace", False))
         out = list(leaves)
         for group, idx in mesh_groups.tied.items():
-            summed = tu.all_reduce_leaves(comm, [leaves[i] for i in idx], ReduceOp.SUM, group, inplace=inplace)
-            for i, s in zip(idx, summed):
+            for i, s in zip(idx, tu.all_reduce_leaves(comm, [leaves[i] for i in idx], ReduceOp.SUM, group)):
                 out[i] = s
         return tu.unflatten(spec, out), state
 
-    tx = kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
-    return kinds.declare_ties(tx, reduces=(mesh_groups,))
+    return PPReduce(init_fn, update_fn, mesh_groups)

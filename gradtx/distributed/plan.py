@@ -1,37 +1,28 @@
-"""The sharding plan: which process groups each grad's norm is reduced over.
+"""The norm plan: which process groups each grad's norm is reduced over (see ``docs/distributed.md``).
 
-On DTensors the placements *are* the plan: a grad's local p-th power is
-summed over each mesh dim where it is ``Shard``/``_StridedShard``, never over
-a ``Replicate`` dim, with the process groups of the DTensor's own mesh.
-:func:`gradtx.distributed.inferred.tree_norm` (what :func:`gradtx.clip_by_global_norm`,
-:func:`gradtx.global_norm` and :func:`gradtx.adaptive_clip` call) infers that
-plan from the leaves, builds it once and reuses it, keyed by the leaves'
-placements, meshes and shapes (:mod:`gradtx.distributed.inferred`, whose names
-this module still answers to). What placements cannot say (plain tensors
-sharded by hand, the pipeline group, weights tied across stages) is declared
-with :func:`mesh_groups`. The argument is in ``docs/distributed.md``.
-
-Every collective goes through a :class:`~gradtx.comm.Comm`; the one for an
-inferred plan comes from :func:`gradtx.comm.torch_dist.mesh_comm`.
+On DTensors the placements *are* the plan: a grad's p-th power is summed over each mesh dim where it
+is ``Shard``/``_StridedShard``, never over a ``Replicate`` dim. What placements cannot say (plain
+tensors sharded by hand, the pipeline group, tied weights) is declared with :func:`mesh_groups`, as
+torchtitan's clip is passed ``pp_mesh``. An undeclared plain tensor is each rank's own (torch's
+semantics, no collective). A plan belongs to whoever holds it: the user, or a transform's
+:class:`~gradtx.distributed.global_norm.PlanSlot`.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeGuard, TypeVar, cast
+from typing import Any, NamedTuple, TypeGuard
 
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
-from gradtx.comm.groups import reduce_over_groups
+from gradtx.comm.base import Comm, GroupKey, as_comm
 from gradtx.comm.local import LocalComm
-from gradtx.core import kinds, norms
 from gradtx.core import tree as tu
-from gradtx.core import validate as check
+from gradtx.core import validate
 from gradtx.core.base import PyTree
-from gradtx.distributed.replicas import check_plain_replicas, multi_process
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor, Shard
@@ -42,33 +33,16 @@ try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (p
 except ImportError:  # pragma: no cover
     _StridedShard = None  # type: ignore[assignment,misc]
 
-# Mesh dim names read as a pipeline dim: stages hold different weights, so a norm that ignores
-# the other stages is wrong, and placements cannot say so. Such a mesh needs a declared plan.
-PIPELINE_DIM_NAMES = ("pp", "pipeline", "pipe")
-
-# What plain-tensor grads are, when a multi-process run says so (mesh_groups(..., plain=...)): "replicated"
-# (copies, e.g. synced by hand: counted once) or "local" (each rank's norm is its own: no reduction).
-# A pipeline stage is declared with pp_group; a hand-cut tensor with sharded.
+# Labels for undeclared plain leaves (mesh_groups(..., plain=...)), shown by norm_audit; counted alike.
 PLAIN_KINDS = ("replicated", "local")
-
-
-# --- the mesh_groups plan: which process groups each grad's norm is reduced over -------------
-#
-# Everything the plan decides is decided once, in mesh_groups(), from the params'
-# placements and the user's declarations. A step only checks cheap metadata
-# (count, shapes, placements), does local foreach math, and issues one
-# all-reduce per process group that some bucket needs, always in the same order.
 
 
 class Sharded(NamedTuple):
     """A manual shard declaration for :func:`mesh_groups`: a plain tensor split over ``group``.
 
     Attributes:
-      group: the group key (a mesh dim name, a ``ProcessGroup``, ...) whose ranks
-        each hold a disjoint piece of the tensor.
-      dim: the tensor dim that is split. Only :func:`gradtx.adaptive_clip`
-        needs it, to tell whether its units (dim 0) are local; ``None`` is
-        fine for the global norm.
+      group: the group key (a mesh dim name, a ``ProcessGroup``, ...) whose ranks each hold a piece.
+      dim: the tensor dim that is split; :func:`gradtx.adaptive_clip` needs it, the global norm does not.
     """
 
     group: GroupKey
@@ -80,12 +54,13 @@ ShardDecl = GroupKey | Sharded | Sequence[GroupKey | Sharded]
 
 
 class _Leaf(NamedTuple):
-    path: str  # dotted, for error messages and matching: "layers.0.attn.wq.weight"
+    path: str  # dotted, for matching and the audit: "layers.0.attn.wq.weight"
     shape: torch.Size  # global (logical) shape
     ndim: int
     placements: tuple[Any, ...] | None  # None for a plain tensor
     shards: tuple[tuple[GroupKey, int | None], ...]  # (group, tensor dim split over it), no duplicates
     tie_group: GroupKey | None
+    where: str = ""  # the path as errors write it: "['layers'][0]['wq']"
 
 
 class _Bucket(NamedTuple):
@@ -152,45 +127,30 @@ class MeshGroups:
         self.device = device
         self._leaves = leaves
         # What the plain leaves no `sharded` entry names are: "pipeline" (a stage, with pp_group),
-        # "replicated" or "local" (declared), "replicas" (found equal on every rank when the plan was
-        # built), "one process", or None when there are none.
+        # "replicated" or "local" (declared), "local" (undeclared), or None when there are none.
         self.plain = plain
-
         order: list[GroupKey] = []
         for leaf in leaves:
-            for group, _ in leaf.shards:
-                if group not in order:
-                    order.append(group)
-        # The one order every rank reduces in: first appearance in the params, which is the
-        # same on every member of a group because its members hold the same part of the model.
+            order += [g for g, _ in leaf.shards if g not in order]
+        # The one order every rank reduces in: first appearance in the params, the same on every member
+        # of a group because its members hold the same part of the model.
         self.group_order: tuple[GroupKey, ...] = tuple(order)
-
-        sizes = {}
-        for leaf in leaves:
-            if leaf.tie_group is not None and leaf.tie_group not in sizes:
-                sizes[leaf.tie_group] = comm.size(leaf.tie_group)
+        sizes = {leaf.tie_group: comm.size(leaf.tie_group) for leaf in leaves if leaf.tie_group is not None}
         buckets: dict[tuple[tuple[GroupKey, ...], float], list[int]] = {}
         for i, leaf in enumerate(leaves):
             groups = tuple(g for g in self.group_order if any(g == s for s, _ in leaf.shards))
             weight = 1.0 / sizes[leaf.tie_group] if leaf.tie_group is not None else 1.0
             buckets.setdefault((groups, weight), []).append(i)
         self._buckets = [_Bucket(groups, weight, tuple(idx)) for (groups, weight), idx in buckets.items()]
-        # One reduction for the whole norm, when every sharded leaf lives on one mesh over all the ranks of
-        # ``flat``: each bucket's part is divided by the number of ranks holding the same shard (its
-        # replicas over the mesh dims it is not sharded on), so one sum over ``flat`` counts it once.
+        # One reduction for the whole norm (one per mesh, not per mesh dim), when every sharded leaf lives on
+        # one mesh over all the ranks of ``flat``: each bucket's part is divided by the number of ranks holding
+        # the same shard (its replicas over the dims it is not sharded on), so one sum over ``flat`` counts it once.
         self.flat: tuple[GroupKey, tuple[int, ...]] | None = None
-        flat_ok = len(self.group_order) > 1 and pp_group is None  # one group is one collective either way
-        if flat is not None and flat_ok and not any(leaf.tie_group is not None for leaf in leaves):
+        if flat is not None and len(self.group_order) > 1 and pp_group is None and not sizes:
             ranks = comm.size(flat)
-            replicas = []
-            for b in self._buckets:
-                shards = 1
-                for g in b.groups:
-                    shards *= comm.size(g)
-                replicas.append(ranks // shards if ranks % shards == 0 else 0)
-            if all(replicas):
+            replicas = [ranks // math.prod(comm.size(g) for g in b.groups) for b in self._buckets]
+            if all(r * math.prod(comm.size(g) for g in b.groups) == ranks for r, b in zip(replicas, self._buckets)):
                 self.flat = (flat, tuple(replicas))
-
         tied: dict[GroupKey, list[int]] = {}
         for i, leaf in enumerate(leaves):
             if leaf.tie_group is not None:
@@ -211,8 +171,7 @@ class MeshGroups:
         return [leaf.path for leaf in self._leaves]
 
     def leaf(self, index: int) -> _Leaf:
-        """What the plan knows of leaf ``index``: path, global shape, placements, the groups it is summed over
-        (with the tensor dim each splits), and its tie group."""
+        """What the plan knows of leaf ``index``: path, global shape, placements, groups (and dims), tie group."""
         return self._leaves[index]
 
     def weight_of(self, index: int) -> float:
@@ -224,10 +183,7 @@ class MeshGroups:
         return tuple(g for g, _ in self._leaves[index].shards)
 
     def num_collectives(self) -> int:
-        """How many collectives :meth:`global_norm` issues per call: one per group, plus one for ``pp_group``.
-
-        One in all for a plan inferred from DTensors on one mesh over the world (see :func:`gradtx.global_norm`).
-        """
+        """The collectives a norm on this plan issues: one per group and one for ``pp_group``, or one under :attr:`flat`."""
         return 1 if self.flat is not None else len(self.group_order) + (self.pp_group is not None)
 
     def __repr__(self) -> str:
@@ -248,55 +204,32 @@ class MeshGroups:
             )
         for leaf, info in zip(leaves, self._leaves):
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(f"{what}: leaf at {info.path} is a {type(leaf).__name__}, not a torch.Tensor")
+                raise TypeError(
+                    f"{what}: leaf at {info.where or info.path} is a {type(leaf).__name__}, not a torch.Tensor"
+                )
             if leaf.shape != info.shape:
                 raise ValueError(
-                    f"{what}: leaf at {info.path} has shape {tuple(leaf.shape)}, the mesh_groups plan has "
+                    f"{what}: leaf at {info.where or info.path} has shape {tuple(leaf.shape)}, the mesh_groups plan has "
                     f"{tuple(info.shape)}; build the plan from the same params tree the transform sees"
                 )
             is_dtensor = DTensor is not None and isinstance(leaf, DTensor)
             if is_dtensor != (info.placements is not None):
                 kind = "a DTensor" if is_dtensor else "a plain tensor"
-                raise ValueError(f"{what}: leaf at {info.path} is {kind}, but the mesh_groups plan says otherwise")
-            if is_dtensor and cast(DTensor, leaf)._spec.placements != info.placements:
-                placements = cast(DTensor, leaf)._spec.placements
+                raise ValueError(
+                    f"{what}: leaf at {info.where or info.path} is {kind}, but the mesh_groups plan says otherwise"
+                )
+            if is_dtensor and leaf.placements != info.placements:
+                placements = leaf.placements
                 if any(p.is_partial() for p in placements):
                     raise ValueError(
-                        f"{what}: leaf at {info.path} has Partial placements {placements}; a norm of a pending "
+                        f"{what}: leaf at {info.where or info.path} has Partial placements {placements}; a norm of a pending "
                         "sum is not the sum of norms, so reduce it first (e.g. grad.redistribute(placements="
                         f"{info.placements})) or let the parallelism wrapper reduce it"
                     )
                 raise ValueError(
-                    f"{what}: leaf at {info.path} has placements {placements}, the mesh_groups plan was built "
+                    f"{what}: leaf at {info.where or info.path} has placements {placements}, the mesh_groups plan was built "
                     f"for {info.placements}; rebuild the plan after re-sharding"
                 )
-
-    # --- the global norm ----------------------------------------------------------------
-
-    def global_norm(self, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
-        """The ``norm_type``-norm of the whole (unsharded, un-pipelined) model's grads, as every rank sees it.
-
-        Local fp32 foreach norms of each leaf's local shard, combined into one
-        p-th-power partial per bucket (leaves that share the same groups),
-        then one all-reduce per group over the partials of every bucket that
-        needs it (SUM, or MAX for ``inf``), then one over ``pp_group``; or,
-        for a plan inferred on one mesh over the world (:attr:`flat`), one
-        all-reduce in all (see :meth:`num_collectives`).
-
-        Args:
-          leaves: the grads, in the plan's leaf order (DTensors or plain tensors).
-          norm_type: any ``p > 0`` or ``inf``.
-
-        Returns:
-          A 0-d fp32 tensor, equal on every rank; no host sync.
-        """
-        self.check(leaves, what="mesh_groups.global_norm")
-        norm_type = check.norm_type(norm_type, name="mesh_groups.global_norm")
-        from gradtx.distributed.global_norm import plan_norm  # the norm sits above the plan
-
-        return plan_norm(self, leaves, norm_type)
-
-    # --- unit-wise norms (AGC) ----------------------------------------------------------
 
     def unit_groups(self, index: int, *, unitwise: bool) -> tuple[GroupKey, ...]:
         """The groups a unit of leaf ``index`` spans: where a dim other than dim 0 (the output unit) is split.
@@ -311,56 +244,12 @@ class MeshGroups:
         for group, dim in leaf.shards:
             if dim is None:
                 raise ValueError(
-                    f"adaptive_clip: leaf at {leaf.path} is declared sharded over {group!r} with no dim; "
+                    f"adaptive_clip: leaf at {leaf.where or leaf.path} is declared sharded over {group!r} with no dim; "
                     "declare it as gradtx.Sharded(group, dim=...) so AGC knows whether its units are local"
                 )
             if dim % leaf.ndim != 0:
                 out.append(group)
         return tuple(out)
-
-    def unitwise_norms(self, trees: Sequence[Sequence[torch.Tensor]], *, unitwise: bool) -> list[list[torch.Tensor]]:
-        """The fp32 L2 norm of each output unit of every leaf, for several aligned leaf lists at once.
-
-        Units follow PyTorch layouts (dim 0 is the output unit; see
-        :func:`gradtx.unitwise_norm`). Where a unit spans ranks (a weight
-        split along dim 1, or a 1-d leaf split at all), the partial sums of
-        squares are summed over those groups: one all-reduce per group for
-        every leaf of every list, e.g. the grads and the weights of AGC together.
-
-        Args:
-          trees: lists of leaves in the plan's leaf order (e.g. ``[grads, params]``).
-          unitwise: per output unit (True) or per whole tensor (False).
-
-        Returns:
-          For each list, the per-leaf norms, broadcastable to the leaf's local shard.
-        """
-        items: list[torch.Tensor] = []
-        groups: list[tuple[GroupKey, ...]] = []
-        where: list[tuple[int, int]] = []
-        out: list[list[torch.Tensor]] = []
-        for t, leaves in enumerate(trees):
-            self.check(leaves, what="adaptive_clip")
-            row: list[torch.Tensor] = []
-            for i, leaf in enumerate(leaves):
-                spans = self.unit_groups(i, unitwise=unitwise)
-                x = norms.magnitudes(tu.local(leaf))
-                one_unit = x.ndim <= 1 or not unitwise
-                if not spans:  # the units are all local: the plain single-device formula
-                    dims = None if one_unit else tuple(range(1, x.ndim))
-                    row.append(torch.linalg.vector_norm(x, dim=dims, keepdim=not one_unit))
-                    continue
-                sq = x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True)
-                row.append(sq)
-                items.append(sq)
-                groups.append(spans)
-                where.append((t, i))
-            out.append(row)
-        if any(t.dtype == torch.float64 for t in items):  # one dtype: one collective per group
-            items = [t.to(torch.float64) for t in items]
-        reduced = reduce_over_groups(self.comm, items, groups, self.group_order, ReduceOp.SUM)
-        for (t, i), sq in zip(where, reduced):
-            out[t][i] = sq.sqrt()
-        return out
 
 
 def _mesh_dim_key(mesh: Any, mesh_dim: int, comm: Comm) -> GroupKey:
@@ -396,21 +285,13 @@ def mesh_groups(
       dims are skipped.
     * A ``Partial`` placement is an error: the norm of a pending sum is not
       the sum of the parts' norms, so reduce such a grad first.
-    * A plain tensor is counted once, on each rank, unless ``sharded``
-      declares the groups it is split over. In a run of several processes
-      that is right for replicas (DDP's layout) and wrong for a pipeline
-      stage, which a plain tensor cannot tell apart: declare ``pp_group``
-      (a stage), ``plain="replicated"`` (copies you keep in sync) or
-      ``plain="local"`` (each rank's norm is its own). Undeclared, the plan
-      checks once, with one small all-reduce when it is built, that the
-      plain leaves hold the same values on every rank (DDP leaves its
-      replicas bitwise equal), and raises ``ValueError`` on every rank where
-      they differ. That check is a collective: every rank builds the plan.
+    * A plain tensor is counted once on each rank, with no collective, unless
+      ``sharded`` declares its groups: torch's semantics, right for DDP's
+      replicas, wrong for a pipeline stage (declare ``pp_group``);
+      ``gtx.norm_audit(grads, check_replicas=True)`` checks which.
     * ``pp_group`` adds the stages' contributions (MAX for ``inf``).
-    * A leaf in ``tied`` is a copy of a weight held by every rank of its tie
-      group (e.g. the embedding on the first stage and the LM head on the
-      last); :func:`gradtx.pp_reduce` sums its grads over that group, and the
-      norm counts it once.
+    * A leaf in ``tied`` is a copy of a weight held by every rank of its tie group
+      (embedding and LM head); :func:`gradtx.pp_reduce` sums it, the norm counts it once.
 
     Args:
       params: the params tree the transforms will see (its leaf order and
@@ -419,8 +300,8 @@ def mesh_groups(
         ``TorchComm(mesh)``. Default: the process groups of the DTensors' own
         meshes (:func:`gradtx.comm.torch_dist.mesh_comm`), whose dim names
         are valid keys for ``sharded``, ``pp_group`` and ``tied``; without
-        DTensors, the default group (``"world"``) or, in one process, a
-        :class:`~gradtx.comm.LocalComm`.
+        DTensors, the default group (``"world"``) when ``torch.distributed``
+        is initialised, else a :class:`~gradtx.comm.LocalComm`.
       sharded: manual shards of plain tensors: ``{path_or_glob_or_predicate:
         group}``, where the value is a group key, a :class:`Sharded`, or a
         list of them. Paths are dotted (``"layers.0.wq"``; ``"0.3"`` in a list);
@@ -428,11 +309,11 @@ def mesh_groups(
       pp_group: the pipeline-parallel group, or ``None`` without pipelining.
       tied: ``{path_or_glob_or_predicate: tie_group}`` for leaves that are copies of
         one weight across stages.
-      plain: what the plain-tensor leaves that ``sharded`` does not name are:
-        ``"replicated"`` (the same on every rank: counted once) or ``"local"``
-        (a norm per rank: nothing is reduced for them); ``None`` (default)
-        checks that they are replicas, in a run of several processes. A
-        pipeline stage is ``pp_group``, not ``plain``.
+      plain: a label for the plain-tensor leaves that ``sharded`` does not
+        name, shown by :func:`gradtx.norm_audit`: ``"replicated"`` (copies you
+        keep in sync) or ``"local"`` (each rank's own). Either way, as
+        undeclared, each is counted once on each rank. A pipeline stage is
+        ``pp_group``, not ``plain``.
       device: where the norm lives on a rank with no params (an empty stage);
         default: the params' device, else CPU.
 
@@ -444,17 +325,13 @@ def mesh_groups(
       d9d, "Gradient Norm & Clipping" (the no-double-counting argument), 2025.
 
     Example:
-      >>> mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
-      >>> params = dict(model.named_parameters())  # TP + FSDP2 DTensors
-      >>> plan = gtx.mesh_groups(params)  # the same plan clip_by_global_norm(1.0) infers by itself
-      >>> stage_plan = gtx.mesh_groups(stage_params, pp_group="pp", tied={"emb.weight": "pp"})
-      >>> own_plan = gtx.mesh_groups(params, plain="local")  # each rank clips by its own norm, on purpose
+      >>> plan = gtx.mesh_groups(stage_params, pp_group="pp", tied={"emb.weight": "pp"})
     """
     flat_paths, flat_leaves, _ = optree.tree_flatten_with_path(params)
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
     comm = default_comm(flat_leaves) if comm is None else as_comm(comm, name="mesh_groups")
     return _build(
-        [tu.dotted(p) for p in flat_paths],
+        list(flat_paths),
         flat_leaves,
         comm,
         sharded=sharded,
@@ -466,35 +343,8 @@ def mesh_groups(
     )
 
 
-def default_comm(leaves: Sequence[Any]) -> Comm:
-    """The comm of the zero-configuration path: the DTensors' own meshes, else the world, else one process."""
-    meshes = [t.device_mesh for t in leaves if DTensor is not None and isinstance(t, DTensor)]
-    if meshes:
-        from gradtx.comm.torch_dist import mesh_comm
-
-        return mesh_comm(meshes)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from gradtx.comm.torch_dist import TorchComm
-
-        return TorchComm()
-    return LocalComm()
-
-
-def _pipeline_dims(leaves: Sequence[Any]) -> list[str]:
-    """Pipeline-looking dims (size > 1) of the root meshes of ``leaves``' DTensors."""
-    found: list[str] = []
-    for t in leaves:
-        if DTensor is None or not isinstance(t, DTensor):
-            continue
-        root = t.device_mesh._get_root_mesh()
-        for dim, name in enumerate(root.mesh_dim_names or ()):
-            if name in PIPELINE_DIM_NAMES and root.size(dim) > 1 and name not in found:
-                found.append(name)
-    return found
-
-
 def _build(
-    dotted: list[str],
+    paths: list[tuple[Any, ...]],
     flat_leaves: list[Any],
     comm: Comm,
     *,
@@ -504,7 +354,7 @@ def _build(
     device: torch.device | str | None,
     what: str,
     plain: str | None = None,
-    flat: bool = False,
+    flat: GroupKey | None = None,
 ) -> MeshGroups:
     if plain is not None and (not isinstance(plain, str) or plain not in PLAIN_KINDS):
         raise ValueError(
@@ -514,15 +364,6 @@ def _build(
         raise ValueError(
             f"{what}: plain='local' keeps each rank's norm its own, pp_group adds the stages' norms; pass one of them"
         )
-    if pp_group is None:
-        pipeline = _pipeline_dims(flat_leaves)
-        if pipeline:
-            raise ValueError(
-                f"{what}: these DTensors live on a mesh with a pipeline dim {pipeline[0]!r}; a stage's norm "
-                "must add the other stages', which placements cannot say. Declare it once: "
-                f"plan = gtx.mesh_groups(params, pp_group={pipeline[0]!r}, tied={{...}}), then pass "
-                "mesh_groups=plan (and gtx.pp_reduce(plan) for tied weights)"
-            )
     leaf_kind = "params" if what == "mesh_groups" else "updates"
     sharded = dict(sharded or {})
     tied = dict(tied or {})
@@ -531,6 +372,7 @@ def _build(
     for key in tied:
         _check_matcher(key, arg="tied")
 
+    dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
 
     def canonical(group: GroupKey) -> GroupKey:
@@ -542,7 +384,7 @@ def _build(
     used: set[int] = set()
     checked: set[GroupKey] = set()
     infos: list[_Leaf] = []
-    for path, leaf in zip(dotted, flat_leaves):
+    for path, where, leaf in zip(dotted, map(tu.path_str, paths), flat_leaves):
         shards: list[tuple[GroupKey, int | None]] = []
         placements = None
         if DTensor is not None and isinstance(leaf, DTensor):
@@ -551,7 +393,7 @@ def _build(
             for mesh_dim, placement in enumerate(placements):
                 if placement.is_partial():
                     raise ValueError(
-                        f"{what}: {leaf_kind} leaf at {path} is Partial on mesh dim {mesh_dim}; a norm of a "
+                        f"{what}: {leaf_kind} leaf at {where} is Partial on mesh dim {mesh_dim}; a norm of a "
                         "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
@@ -559,7 +401,7 @@ def _build(
                     if group_key not in checked:  # a LocalComm here would silently drop the other shards
                         if comm.size(group_key) != mesh.size(mesh_dim):
                             raise ValueError(
-                                f"{what}: leaf at {path} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
+                                f"{what}: leaf at {where} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
                                 f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
                                 "same process groups, e.g. TorchComm(mesh)"
                             )
@@ -568,22 +410,22 @@ def _build(
         for n, (key, decl) in enumerate(sharded.items()):
             if _match(key, path, leaf):
                 used.add(n)
-                for group, dim in _shard_decls(decl, where=f"sharded[{key!r}] (leaf {path})"):
+                for group, dim in _shard_decls(decl, where=f"sharded[{key!r}] (leaf {where})"):
                     if dim is not None and not -max(leaf.ndim, 1) <= dim < max(leaf.ndim, 1):
                         raise ValueError(
-                            f"{what}: sharded[{key!r}]: dim {dim} is out of range for leaf {path} of shape {tuple(leaf.shape)}"
+                            f"{what}: sharded[{key!r}]: dim {dim} is out of range for leaf {where} of shape {tuple(leaf.shape)}"
                         )
                     shards.append((canonical(group), dim))
         deduped: list[tuple[GroupKey, int | None]] = []
         for group, dim in shards:
             if any(group == g for g, _ in deduped):
-                raise ValueError(f"{what}: leaf at {path} is sharded over group {group!r} twice")
+                raise ValueError(f"{what}: leaf at {where} is sharded over group {group!r} twice")
             deduped.append((group, dim))
         tie_keys = [key for key in tied if _match(key, path, leaf)]
         if len(tie_keys) > 1:
-            raise ValueError(f"{what}: leaf at {path} matches several tied keys: {tie_keys}")
+            raise ValueError(f"{what}: leaf at {where} matches several tied keys: {tie_keys}")
         tie_group = canonical(tied[tie_keys[0]]) if tie_keys else None
-        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(deduped), tie_group))
+        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(deduped), tie_group, where))
 
     unused = [key for n, key in enumerate(sharded) if n not in used and isinstance(key, str)]
     unused += [
@@ -598,87 +440,58 @@ def _build(
     pp = canonical(pp_group) if pp_group is not None else None
     if pp is None and any(info.tie_group is not None for info in infos):
         raise ValueError(f"{what}: tied weights need pp_group, the group over which the stages' norms add up")
-    undeclared = [leaf for leaf, info in zip(flat_leaves, infos) if info.placements is None and not info.shards]
-    kind: str | None = None
-    if undeclared:
-        kind = "pipeline" if pp is not None else plain
-        if kind is None:
-            kind = "one process"
-            if not isinstance(comm, LocalComm) and multi_process():
-                given = "params" if what == "mesh_groups" else "grads"
-                check_plain_replicas(undeclared, flat_leaves, what=what, leaf_kind=given)
-                kind = "replicas"
-    flat_group = _one_mesh_group(flat_leaves, comm) if flat and not sharded and pp is None else None
-    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind, flat=flat_group)
+    undeclared = any(info.placements is None and not info.shards for info in infos)
+    kind = ("pipeline" if pp is not None else plain or "local") if undeclared else None
+    return MeshGroups(comm, infos, pp, torch.device(device), plain=kind, flat=flat)
 
 
-def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
-    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
+def default_comm(leaves: Sequence[Any]) -> Comm:
+    """The comm a plan with no ``comm=`` reduces with: the DTensors' own meshes, else the world, else one process."""
+    meshes = [t.device_mesh for t in leaves if DTensor is not None and isinstance(t, DTensor)]
+    if meshes:
+        from gradtx.comm.torch_dist import mesh_comm
 
-    Then a norm's parts can be reduced in one collective. A leaf is sharded
-    over some dims of the root and held alike by the ranks that differ only in
-    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
-    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
-    which the per-dim reductions assume too), so its replica count is known.
-    Two root meshes, or a root smaller than the world, keep the per-dim
-    reductions.
+        return mesh_comm(meshes)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from gradtx.comm.torch_dist import TorchComm
+
+        return TorchComm()
+    return LocalComm()
+
+
+NO_PLAN = object()  # what plan_read_by says of a transform that computes no norm
+
+
+def reads_plan(tx: Any, mesh_groups: MeshGroups | None) -> Any:
+    """``tx``, marked as computing a norm over ``mesh_groups`` (``None``: its grads' placements); returns ``tx``.
+
+    What :func:`gradtx.distributed.pipeline.check_chain` reads when a chain is
+    built; a wrapper transform passes on what its inner one reads with
+    ``reads_plan(outer, plan_read_by(inner))``.
     """
-    root = None
-    for t in leaves:
-        if DTensor is None or not isinstance(t, DTensor):
-            continue
-        r = t.device_mesh._get_root_mesh()
-        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
-        # an earlier, equal mesh (one built again, or in an earlier part of the program), so one model's grads
-        # may name two root objects for one grid. Equal roots are the same ranks, dims and names, and the plan
-        # cache keys plans by mesh equality too, so the choice must not depend on which object a grad holds.
-        if root is not None and r != root:
-            return None
-        root = r
-    if root is None or not multi_process() or root.size() != comm.size("world"):
-        return None
-    return "world"
-
-
-_T = TypeVar("_T")
-
-
-def reads_tied(tx: _T, mesh_groups: MeshGroups | None) -> _T:
-    """``tx``, declared as reading a norm over ``mesh_groups``' tied weights when the plan has some; returns ``tx``.
-
-    What every transform that takes ``mesh_groups=`` and computes a norm
-    returns: :func:`gradtx.chain` then refuses it, when built, unless a
-    :func:`gradtx.pp_reduce` of the same plan comes before it
-    (:func:`gradtx.core.kinds.declare_ties`).
-    """
-    if mesh_groups is not None and mesh_groups.tied:
-        kinds.declare_ties(tx, reads=(mesh_groups,))
+    if mesh_groups is not NO_PLAN and hasattr(tx, "__dict__"):
+        vars(tx)["norm_plan"] = mesh_groups
     return tx
 
 
-def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
-    """Raise ``TypeError`` unless ``mesh_groups`` is a plan from :func:`gradtx.mesh_groups` (or ``None``, unless ``required``).
+def reads_tied(tx: Any, mesh_groups: MeshGroups | None) -> Any:
+    """``tx``, marked as computing a norm over ``mesh_groups`` when it is a plan (what transforms called before)."""
+    return reads_plan(tx, NO_PLAN if mesh_groups is None else mesh_groups)
 
-    The one check of a ``mesh_groups=`` argument, for every transform that takes one.
-    """
+
+def plan_read_by(tx: Any) -> Any:
+    """The plan ``tx`` computes a norm over (see :func:`reads_plan`): a plan, ``None``, or :data:`NO_PLAN`."""
+    return getattr(tx, "__dict__", {}).get("norm_plan", NO_PLAN)
+
+
+def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
+    """Raise ``TypeError`` unless ``mesh_groups`` is a plan from :func:`gradtx.mesh_groups` (or ``None``, unless ``required``)."""
     if (mesh_groups is not None or required) and not isinstance(mesh_groups, MeshGroups):
         raise TypeError(
             f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
 
 
-# The plan read from placements and the norms that run on a plan live in gradtx.distributed.inferred;
-# their old names here still resolve (and gradtx.plan, the flat path of this module, with them).
-_MOVED = ("DEFAULT_CACHE", "PlanCache", "agree_finite", "global_norm", "infer_plan", "tree_norm", "tree_unitwise_norms")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from gradtx.distributed import inferred
-
-        return getattr(inferred, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_MOVED])
+def check_norm_type(norm_type: Any, *, name: str) -> float:
+    """``norm_type`` as a float, or ``ValueError`` naming ``name``: any ``p > 0`` or ``inf``."""
+    return validate.norm_type(norm_type, name=name)

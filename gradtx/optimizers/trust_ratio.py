@@ -18,7 +18,8 @@ from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory
-from gradtx.distributed import inferred, plan
+from gradtx.distributed import global_norm as inferred
+from gradtx.distributed import plan
 from gradtx.optimizers.standard import (
     ScaleByAdamState,
     add_decayed_weights,

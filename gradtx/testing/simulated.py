@@ -349,7 +349,7 @@ def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: floa
     e_paths, e_leaves, _ = optree.tree_flatten_with_path(expected, none_is_leaf=True)
     _, g_leaves, _ = optree.tree_flatten_with_path(got, none_is_leaf=True)
     for path, e, g in zip(e_paths, e_leaves, g_leaves):
-        name = f"{what} at {'.'.join(str(k) for k in path) or '<root>'}"
+        name = f"{what} at {tu.path_str(path)}"
         if not isinstance(e, torch.Tensor):
             if isinstance(g, torch.Tensor) or e != g:
                 raise AssertionError(f"{name}: one device has {e!r}, the mesh {g!r}")
@@ -358,6 +358,30 @@ def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: floa
             raise AssertionError(f"{name}: one device has a tensor, the mesh {type(g).__name__}")  # noqa: TRY004
         with _mode_off():  # plain per-rank tensors from here on: no per-op dispatch through the mode
             _check_ranks(name, _per_rank(g, tu.local(e).detach(), world), rtol=rtol, atol=atol)
+
+
+def _placements(x: DTensor) -> str:
+    def one(p: Any) -> str:
+        if isinstance(p, Shard):
+            return f"Shard({p.dim})"
+        if p.is_partial():
+            return f"Partial({getattr(p, 'reduce_op', 'sum')})"
+        return "Replicate()" if p.is_replicate() else str(p)
+
+    return ", ".join(map(one, x.placements))
+
+
+def _check_placements(what: str, got: PyTree, given: PyTree) -> None:
+    """Fail, naming the leaf, where ``tx`` returned a DTensor placed otherwise than the grad it was given."""
+    paths, out, _ = optree.tree_flatten_with_path(got, none_is_leaf=True)
+    inputs = optree.tree_leaves(given, none_is_leaf=True)
+    for path, g, x in zip(paths, out, inputs if len(inputs) == len(out) else []):
+        if isinstance(g, DTensor) and isinstance(x, DTensor) and tuple(g.placements) != tuple(x.placements):
+            raise AssertionError(
+                f"{what} at {tu.path_str(path)}: the placement changed, {_placements(x)} -> {_placements(g)}: the "
+                "transform returned a DTensor placed otherwise than its grad (a to_local/from_local that lost the "
+                "placements, or a forgotten redistribute), so its ranks' values are not the grad's shards"
+            )
 
 
 def _check_ranks(name: str, ranks: dict[int, tuple[torch.Tensor, torch.Tensor]], *, rtol: float, atol: float) -> None:
@@ -484,6 +508,7 @@ def assert_matches_single_device(
         for i in range(steps):
             grads = put(grads_seq[i % len(grads_seq)], on, layout)
             u, d_state = tx.update(grads, d_state, d_params, **extra)
+            _check_placements(f"step {i}: updates", u, grads)
             d_params = apply_updates(d_params, u)
             e_u, e_params, e_state, e_metrics = expected[i]
             for what, got, exp in (

@@ -6,9 +6,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx.comm.backward_norm import BackwardNorm
 from gradtx.core import foreach as fe
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
@@ -21,7 +19,9 @@ from gradtx.core.base import (
     scalar_transformation,
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
-from gradtx.distributed import inferred, plan
+from gradtx.distributed import plan
+from gradtx.distributed.global_norm import PlanSlot, tree_norm, tree_unitwise_norms
+from gradtx.distributed.plan import reads_plan
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -56,17 +56,11 @@ def clip(max_delta: float) -> GradientTransformation:
         locals_ = [tu.local(t) for t in leaves]
         out = list(leaves)
         for idx in tu.group_by_device_dtype(locals_).values():
-            group = [locals_[i] for i in idx]
-            if extra.get("inplace", False):
-                torch._foreach_clamp_min_(group, -max_delta)
-                torch._foreach_clamp_max_(group, max_delta)
-            else:
-                clipped = fe.clamp(group, -max_delta, max_delta)
-                for i, c in zip(idx, clipped):
-                    out[i] = tu.like(leaves[i], c)
+            for i, c in zip(idx, fe.clamp([locals_[i] for i in idx], -max_delta, max_delta)):
+                out[i] = tu.like(leaves[i], c)
         return tu.unflatten(spec, out), state
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return GradientTransformation(init_fn, update_fn)
 
 
 # --- clip by global norm -----------------------------------------------------------------
@@ -86,7 +80,6 @@ def clip_by_global_norm(
     *,
     norm_type: float = 2.0,
     mesh_groups: Any | None = None,
-    precomputed: BackwardNorm | None = None,
 ) -> ScalarTransformation:
     """Scale all updates together so that their global norm is at most ``max_norm``.
 
@@ -104,13 +97,8 @@ def clip_by_global_norm(
         across stages, plain tensors sharded by hand. ``None`` (the default)
         reads the plan from DTensor placements (TP, FSDP2, HSDP, EP, and any
         mix), so the norm is the single-device one on every rank; plain
-        tensors are taken as unsharded or replicated (DDP).
-      precomputed: a :class:`gradtx.BackwardNorm` whose hooks measured the
-        grads during the backward (see :func:`gradtx.norm_in_backward`): under
-        DDP the clip then only adds one value per bucket, under FSDP2 it runs
-        only the reductions. It is used when the clip is given the very grads
-        the last sync measured, once; otherwise the clip computes the norm as
-        without it. Its ``norm_type`` must be this one's; not with ``mesh_groups``.
+        tensors get torch's semantics: each rank's local norm, no collective
+        (right for DDP's replicas; a pipeline stage declares ``pp_group``).
 
     Returns:
       A :class:`GradientTransformation` with state :class:`ClipByGlobalNormState`.
@@ -126,21 +114,7 @@ def clip_by_global_norm(
     max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
     norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
     plan.check_plan(mesh_groups, name="clip_by_global_norm")
-    if precomputed is not None:
-        if not isinstance(precomputed, BackwardNorm):
-            raise TypeError(
-                f"clip_by_global_norm: precomputed must be a gradtx.BackwardNorm, got {type(precomputed).__name__}"
-            )
-        if precomputed.norm_type != norm_type:
-            raise ValueError(
-                f"clip_by_global_norm: precomputed measures the {precomputed.norm_type:g}-norm, "
-                f"but norm_type is {norm_type:g}; make them the same"
-            )
-        if mesh_groups is not None:
-            raise ValueError(
-                "clip_by_global_norm: precomputed and mesh_groups cannot be given together (the hooks measure "
-                "the grads whose placements define the plan)"
-            )
+    slot = PlanSlot()  # the plan read from the grads' placements, this transform's own
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
@@ -160,21 +134,7 @@ def clip_by_global_norm(
             all_params = tu.flatten(params)[0]
             full = tu.scatter(len(all_params), index, leaves)
             leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
-        # A traced step computes the norm: the hand-over is host-side bookkeeping under a lock.
-        measured = precomputed if precomputed is not None and not torch.compiler.is_compiling() else None
-        norm = measured.norm(leaves) if measured is not None and measured.is_ddp else None
-        if norm is None:
-            # FSDP2: each sharded grad's local part, measured in the backward; the plan's reductions remain
-            powsums = measured.take_leafwise(leaves) if measured is not None and not measured.is_ddp else None
-            norm = inferred.tree_norm(
-                leaves,
-                norm_type,
-                mesh_groups,
-                what="clip_by_global_norm",
-                tree=tree,
-                powsums=powsums,
-                backward=measured if powsums is not None else None,
-            )
+        norm = tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, slot=slot)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
         limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
@@ -182,24 +142,17 @@ def clip_by_global_norm(
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 
-    return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
+    return reads_plan(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------
 
 
-def _apply_factor(g: torch.Tensor, factor: torch.Tensor, *, inplace: bool) -> torch.Tensor:
+def _apply_factor(g: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """``g * factor`` on the local shard, computed in at least fp32 so a tiny factor does not round away in fp16."""
     g_local = tu.local(g)
     if g_local.dtype.itemsize < 4 and not g_local.is_complex():
-        scaled = (g_local.float() * factor).to(g_local.dtype)
-        if inplace:
-            g_local.copy_(scaled)
-            return g
-        return tu.like(g, scaled)
-    if inplace:
-        g_local.mul_(factor)
-        return g
+        return tu.like(g, (g_local.float() * factor).to(g_local.dtype))
     return tu.like(g, g_local * factor)
 
 
@@ -245,12 +198,14 @@ def adaptive_clip(
     if isinstance(mesh_groups, plan.MeshGroups):
         for i in range(len(mesh_groups)):  # fail now, not mid-training, on a manual shard with no dim
             mesh_groups.unit_groups(i, unitwise=unitwise)
+    slot = PlanSlot()
 
     def init_fn(params: Params) -> EmptyState:
         del params
         return EmptyState()
 
     def update_fn(updates, state, params=None, **extra):
+        del extra
         tu.require_state(state, EmptyState, name="adaptive_clip")
         if params is None:
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
@@ -262,20 +217,20 @@ def adaptive_clip(
             # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
             full = tu.scatter(len(all_weights), index, leaves)
             full = [torch.zeros_like(w) if g is None else g for g, w in zip(full, all_weights)]
-            g_all, w_all = inferred.tree_unitwise_norms(
+            g_all, w_all = tree_unitwise_norms(
                 full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=params
             )
             g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
         else:
-            g_norms, w_norms = inferred.tree_unitwise_norms(
-                leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates
+            g_norms, w_norms = tree_unitwise_norms(
+                leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates, slot=slot
             )
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
             limit = clipping.to(w_norm.device, torch.float32) if isinstance(clipping, torch.Tensor) else clipping
             max_norm = limit * torch.clamp(w_norm, min=eps)
             factor = torch.where(g_norm > max_norm, max_norm / torch.clamp(g_norm, min=1e-6), 1.0)
-            out.append(_apply_factor(g, factor, inplace=bool(extra.get("inplace", False))))
+            out.append(_apply_factor(g, factor))
         return tu.unflatten(spec, out), state
 
-    return plan.reads_tied(kinds.declare_fresh(GradientTransformation(init_fn, update_fn)), mesh_groups)
+    return reads_plan(GradientTransformation(init_fn, update_fn), mesh_groups)

@@ -13,6 +13,8 @@ from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
+from gradtx.distributed.pipeline import tie_order
+from gradtx.distributed.plan import NO_PLAN, plan_read_by, reads_plan
 
 
 class Chain(GradientTransformation):
@@ -99,32 +101,6 @@ def _run(
         if hands_on[i]:  # a window that emitted hands its reduced loss to what follows
             extra = tx.downstream_extra(new_states[i], extra)  # type: ignore[attr-defined]
     return updates, new_states
-
-
-def tie_order(txs: Sequence[GradientTransformation], *, name: str) -> dict[str, tuple[Any, ...]]:
-    """What a chain of ``txs`` declares about tied weights (:func:`gradtx.core.kinds.declare_ties`), checked.
-
-    A member that reads a norm over a pipeline plan's tied weights needs a
-    :func:`gradtx.pp_reduce` of that plan before it, in the same chain: else
-    this raises, when the chain is built.
-    """
-    reduced: list[Any] = []
-    unmet: list[tuple[int, Any]] = []
-    for i, tx in enumerate(txs):
-        for p in kinds.ties_read(tx):
-            if not any(p is r for r in reduced) and not any(p is u for _, u in unmet):
-                unmet.append((i, p))
-        reduced += [p for p in kinds.ties_reduced(tx) if not any(p is r for r in reduced)]
-    if unmet:
-        i, p = unmet[0]
-        where = "comes only after it" if any(p is r for r in reduced) else "comes before it"
-        raise ValueError(
-            f"{name}: member {i} computes a norm over the tied weights ({', '.join(p.tied_paths)}) of a "
-            f"mesh_groups plan, but no gradtx.pp_reduce(plan) {where}, so the tied copies' grads are not summed; "
-            "put it first in the same chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., "
-            "mesh_groups=plan), ...) (see docs/distributed.md)"
-        )
-    return {"reduces": tuple(reduced)}
 
 
 @factory
@@ -343,7 +319,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
 
     # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
     out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
-    return kinds.declare_ties(out, reads=kinds.ties_read(inner))  # the chain holding it checks them
+    return reads_plan(out, plan_read_by(inner))  # the chain holding it checks it
 
 
 @factory
@@ -427,8 +403,7 @@ def partition(
     out = kinds.declare_fresh(
         GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
     )
-    reads = tuple(p for tx in transforms.values() for p in kinds.ties_read(tx))
-    return kinds.declare_ties(out, reads=reads)  # the chain holding it checks them
+    return reads_plan(out, next((p for p in map(plan_read_by, transforms.values()) if p is not NO_PLAN), NO_PLAN))
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:

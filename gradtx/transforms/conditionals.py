@@ -11,7 +11,7 @@ from gradtx.core import kinds, norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, export_metrics, factory
-from gradtx.distributed import inferred
+from gradtx.distributed import global_norm as inferred
 
 
 @export_metrics(("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))

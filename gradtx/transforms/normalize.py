@@ -16,7 +16,8 @@ from gradtx.core.base import (
     factory,
     scalar_transformation,
 )
-from gradtx.distributed import inferred, plan
+from gradtx.distributed import global_norm as inferred
+from gradtx.distributed import plan
 
 try:
     from torch.distributed.tensor import DTensor, Replicate, Shard

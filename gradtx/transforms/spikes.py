@@ -27,7 +27,7 @@ from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
-from gradtx.distributed import inferred
+from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
 from gradtx.distributed.global_norm import check_plan, global_norm_of
 

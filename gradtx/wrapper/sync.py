@@ -14,15 +14,13 @@ from typing import Any, TypeVar
 
 import torch
 
-from gradtx.comm.backward_norm import BackwardNorm
-
 try:  # a CPU-only or old build may lack torch.distributed
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 except ImportError:  # pragma: no cover
     FSDPModule = DistributedDataParallel = None  # type: ignore[assignment,misc]
 
-__all__ = ["data_parallel_modules", "no_sync", "norm_in_backward", "sum_grad_reduction"]
+__all__ = ["data_parallel_modules", "no_sync", "sum_grad_reduction"]
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
 
@@ -154,16 +152,12 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
     return model
 
 
-def _sum_ddp(module: Any, backward_norm: Any = None) -> Any:
-    """Register the summing hook on one DDP module (measuring the norm too, given a BackwardNorm); returns its state."""
-    from gradtx.comm.torch_dist import DDPSumState, backward_norm_hook, ddp_sum_hook  # the comm layer communicates
+def _sum_ddp(module: Any) -> Any:
+    """Register the summing hook on one DDP module; returns its state."""
+    from gradtx.comm.torch_dist import DDPSumState, ddp_sum_hook  # the comm layer communicates
 
     state = DDPSumState(module.process_group)
-    if backward_norm is None:
-        module.register_comm_hook(state, ddp_sum_hook)
-    else:
-        backward_norm.sum_state = state
-        module.register_comm_hook(backward_norm, backward_norm_hook)
+    module.register_comm_hook(state, ddp_sum_hook)
 
     def hook_for(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         def hook(grad: torch.Tensor) -> torch.Tensor:
@@ -177,75 +171,4 @@ def _sum_ddp(module: Any, backward_norm: Any = None) -> Any:
             # A leaf's tensor hook runs before autograd adds the new grad into .grad: the moment to
             # turn a synced sum back into its 1/W share.
             param.register_hook(hook_for(param))
-    return state
-
-
-def norm_in_backward(
-    model: torch.nn.Module, norm_type: float = 2.0, *, sum_reduction: bool = False
-) -> BackwardNorm:
-    """Measure the global grad norm of a DDP or FSDP2 model during its backward; returns the :class:`gradtx.BackwardNorm`.
-
-    Registers :func:`gradtx.comm.torch_dist.backward_norm_hook` on the DDP
-    module: each bucket is measured on its reduced buffer as soon as its
-    all-reduce completes, overlapped with the rest of the backward, so a clip
-    given the returned object (``gtx.clip_by_global_norm(max_norm,
-    precomputed=bn)``) only adds one value per bucket at ``step()``. DDP
-    grads are replicated, so the measured norm is the global one, and no
-    collective is added. The clip checks that it is given the very grads the
-    last sync measured and computes the norm itself otherwise (see
-    :class:`gradtx.BackwardNorm`), so the result is always the one it would
-    compute.
-
-    DDP takes one comm hook: with ``sum_reduction=True`` the hook also sums
-    the grads across ranks, as :func:`sum_grad_reduction` does for DDP (its
-    grad hooks included), so call this instead of :func:`sum_grad_reduction`,
-    not after it.
-
-    On a model holding FSDP2 (``fully_shard``) modules and no DDP, a
-    post-accumulate-grad hook on every (sharded) param measures its local shard
-    once FSDP2 has reduce-scattered and assigned it (final for this sync); the
-    clip then runs only the plan's reductions, one scalar per sharded mesh dim or per mesh
-    (see ``docs/distributed.md``). ``sum_reduction`` is DDP's only: FSDP2 sums
-    with :func:`sum_grad_reduction`, which composes with this.
-
-    Args:
-      model: a ``DistributedDataParallel`` module or a module holding exactly one, or a
-        module holding ``fully_shard`` modules.
-      norm_type: the order of the norm the clip will use: any ``p > 0`` or ``inf``.
-      sum_reduction: sum the grads across ranks instead of DDP's mean.
-
-    Returns:
-      The :class:`gradtx.BackwardNorm` to give to the clip.
-
-    Example:
-      >>> bn = gtx.norm_in_backward(ddp_model, 2.0)
-      >>> opt = gtx.TransformedOptimizer(ddp_model.parameters(), gtx.chain(gtx.clip_by_global_norm(1.0, precomputed=bn), gtx.adamw(3e-4)))
-    """
-    from gradtx.comm.torch_dist import backward_norm_hook
-
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"norm_in_backward: model must be a torch.nn.Module, got {type(model).__name__}")
-    ddp = [m for m in model.modules() if DistributedDataParallel is not None and isinstance(m, DistributedDataParallel)]
-    fsdp = [m for m in model.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
-    if fsdp and not ddp:
-        if sum_reduction:
-            raise ValueError("norm_in_backward: sum_reduction is for DDP; for FSDP2 call gtx.sum_grad_reduction(model)")
-        state = BackwardNorm(norm_type, engine="fsdp2")
-        for param in model.parameters():
-            if param.requires_grad:
-                # FSDP2 runs a sharded param's post-accumulate-grad hooks once its reduce-scattered
-                # (and HSDP all-reduced, post-divided) grad is assigned or accumulated: final for this sync.
-                param.register_post_accumulate_grad_hook(state.param_done)
-        return state
-    if len(ddp) != 1:
-        raise TypeError(
-            "norm_in_backward: model must be or hold exactly one DistributedDataParallel module, or hold "
-            f"fully_shard (FSDP2) modules; found {len(ddp)} DDP and {len(fsdp)} FSDP2 modules"
-        )
-    (module,) = ddp
-    state = BackwardNorm(norm_type, process_group=module.process_group)
-    if sum_reduction:
-        _sum_ddp(module, state)
-    else:
-        module.register_comm_hook(state, backward_norm_hook)
     return state

@@ -83,13 +83,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, args: tuple = (), t
 
 
 def _run_parts(rank: int, world_size: int, parts: dict[str, Callable[[int], Any]]) -> dict[str, Any]:
-    from gradtx.distributed.inferred import DEFAULT_CACHE
-
     out: dict[str, Any] = {}
     for name, part in parts.items():
-        # Each part starts from gradtx's process-wide state as a process of its own would: the plans and replica
-        # checks that parts of other modules cached in this process are dropped (a part may count collectives).
-        DEFAULT_CACHE.clear()
         try:
             out[name] = part(rank)
         except Exception:  # noqa: BLE001 - reported per part, so one failure does not hide the others

@@ -248,11 +248,11 @@ def test_tp_x_fsdp2_norm_and_clipped_grads_match_single_device(results):
     assert "Replicate" in placements["blocks.0.w2.bias"]
     # dp and tp: two collectives per step, however many tensors.
     _assert_matches_single_device(per_rank, expected_calls=2)
-    # One collective per mesh dim, innermost first: tp carries the dp+tp bucket's part (the dp-only
-    # bucket's local pass runs meanwhile), then dp carries one value, the two buckets' sum.
+    # One collective per mesh dim, in the plan's order: dp carries both buckets' parts, then tp the
+    # dp+tp bucket's.
     for norm_type in NORM_TYPES:
-        assert per_rank[0][norm_type]["call_groups"] == ["tp", "dp"]
-        assert [n for _, n in per_rank[0][norm_type]["calls"]] == [1, 1]
+        assert per_rank[0][norm_type]["call_groups"] == ["dp", "tp"]
+        assert [n for _, n in per_rank[0][norm_type]["calls"]] == [2, 1]
 
 
 def test_tp_x_fsdp2_torch_clip_grad_norm_fails_on_this_layout(results):
@@ -264,8 +264,8 @@ def test_tp_x_fsdp2_torch_clip_grad_norm_fails_on_this_layout(results):
 def test_partial_placements_raise_clear_errors(results):
     errors = results[0]["tp_fsdp"]["partial_errors"]
     assert len(errors) == 2
-    assert "Partial" in errors[0] and "params leaf at p" in errors[0]
-    assert "Partial" in errors[1] and "leaf at p" in errors[1] and "reduce it first" in errors[1]
+    assert "Partial" in errors[0] and "params leaf at ['p']" in errors[0]
+    assert "Partial" in errors[1] and "leaf at ['p']" in errors[1] and "reduce it first" in errors[1]
 
 
 def test_a_comm_that_cannot_reach_the_shards_is_refused(results):

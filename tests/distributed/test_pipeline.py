@@ -69,7 +69,8 @@ def _body(rank: int, world: int) -> bytes:
     x = torch.tensor([3.0, -4.0])
     empty = {} if rank == 1 else {"x": x}
     out["empty"] = [
-        mesh_groups(empty, comm=comm, pp_group="pp").global_norm(list(empty.values()), p) for p in NORM_TYPES
+        gtx.global_norm(list(empty.values()), p, mesh_groups=mesh_groups(empty, comm=comm, pp_group="pp"))
+        for p in NORM_TYPES
     ]
 
     # The same chain through TransformedOptimizer (in-place path, tree of param groups, tie by identity).

@@ -2,10 +2,6 @@
 
 * ``examples/train_nd_parallel.py`` on 4 ranks: TP x FSDP2 and a 2-stage pipeline x FSDP2 end
   within fp32 rounding of a single-device run of the same model.
-* ``examples/ddp_backward_norm.py`` on 2 ranks: the norm measured in DDP's backward clips as
-  ``torch.nn.utils.clip_grad_norm_`` does.
-* ``examples/tp_fsdp_backward_norm.py`` on 4 ranks: under TP x FSDP2 the last hook starts the norm's
-  one reduction, and the clipped norm is that of the gathered grads.
 * every ``python`` block of ``docs/distributed.md``, each a complete program that starts its own
   process group, on the number of ranks its first line names (``# torchrun --nproc-per-node 4``;
   2 if it names none): it exits 0 and reports three optimizer steps on rank 0. The programs assert
@@ -43,8 +39,6 @@ def _nproc(block: str) -> int:
 # Every program, by name: (its script, or the docs block's source; its rank count).
 SCRIPTS: dict[str, tuple[Path | str, int]] = {
     "train_nd_parallel": (EXAMPLES / "train_nd_parallel.py", 4),
-    "ddp_backward_norm": (EXAMPLES / "ddp_backward_norm.py", 2),
-    "tp_fsdp_backward_norm": (EXAMPLES / "tp_fsdp_backward_norm.py", 4),
     **{f"distributed_md_{i}": (block, _nproc(block)) for i, block in enumerate(PROGRAMS)},
 }
 _launched: dict[int, tuple[list[str], subprocess.CompletedProcess[str]]] = {}
@@ -91,16 +85,6 @@ def test_train_nd_parallel_matches_one_device():
     diffs = [float(d) for d in re.findall(r"max \|param - single-device param\| after \d+ steps.*?: (\S+)", out)]
     assert len(diffs) == 2, out  # TP x FSDP2, and the pipeline
     assert all(d < 1e-5 for d in diffs), out
-
-
-def test_ddp_backward_norm_example_matches_clip_grad_norm():
-    out = _run("ddp_backward_norm")  # asserts each step against clip_grad_norm_
-    assert out.count("step:") == 3, out
-
-
-def test_tp_fsdp_backward_norm_example_matches_the_gathered_norm():
-    out = _run("tp_fsdp_backward_norm")  # asserts each step against the gathered grads' norm, and bn.early
-    assert out.count("step:") == 3 and out.count("started in the backward: True") == 2, out
 
 
 @pytest.mark.parametrize("index", range(len(PROGRAMS)))

@@ -305,38 +305,6 @@ def _tp_fsdp(rank: int) -> dict[str, Any]:
     return out
 
 
-def _tp_fsdp_backward(rank: int) -> dict[str, Any]:
-    """The norm measured in the backward of TP x FSDP2: from the second step on, the last hook starts the one
-    reduction over the mesh and the clip only waits on it; every step against the single-device clip."""
-    del rank
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ref = Narrow(rows=1)  # its last layer has one row: an empty shard on dp rank 1
-    model = copy.deepcopy(ref)
-    for block in model.body.blocks:
-        parallelize_module(block, mesh["tp"], models.tp_plan())
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model.out, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    bn = gtx.norm_in_backward(model, 2.0)
-    tx = gtx.clip_by_global_norm(MAX_NORM, precomputed=bn)
-    batch = _dp_batch(mesh.get_local_rank("dp"), 2)
-    out: dict[str, Any] = {"steps": [], "empty": sum(_local(p).numel() == 0 for p in model.parameters())}
-    state = None
-    for step in range(4):
-        micro = 2 if step == 2 else 1  # step 2 accumulates two backwards: the second one's reduction is taken
-        model.zero_grad(set_to_none=True)
-        for _ in range(micro):
-            (_narrow_loss(model, *batch(step)) / micro).backward()
-        grads = {k: p.grad for k, p in model.named_parameters()}
-        state = tx.init(grads) if state is None else state
-        (_, state), issued = _count_all_reduces(lambda g=grads, s=state: tx.update(g, s))
-        ref_loss = _narrow_loss(ref, *models.batch(seed=100 + step))
-        ref_norm, _ = models.reference_clip(models.reference_grads(ref, ref_loss), MAX_NORM, 2.0)
-        out["steps"].append((state.grad_norm, ref_norm, issued))
-    out["counts"] = (bn.used, bn.early, bn.fallbacks)
-    return out
-
-
 def _fsdp_make(mesh):
     def make():
         ref = models.toy_net(seed=0)
@@ -818,7 +786,6 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "hsdp": _hsdp,
     "tp": _tp,
     "tp_fsdp": _tp_fsdp,
-    "tp_fsdp_backward": _tp_fsdp_backward,
     "ep_fsdp": _ep_fsdp,
     "cp": _cp,
     "pp_fsdp": _pp_fsdp,
@@ -1010,13 +977,3 @@ def test_functional_accumulation_on_dtensor_grads_matches_single_device(ranks, c
 def test_token_weighted_accumulation_without_comm_is_refused_across_ranks(ranks):
     for r in part_results(ranks, "accumulate"):
         assert r["no_comm_error"] is not None and "comm" in r["no_comm_error"]
-
-
-def test_tp_fsdp_norm_measured_in_the_backward_leaves_only_a_wait(ranks):
-    for rank, r in enumerate(part_results(ranks, "tp_fsdp_backward")):
-        issued = [n for *_, n in r["steps"]]
-        assert issued == [1, 0, 0, 0], (rank, issued)  # the first step reduces and arms the hooks; then none
-        assert r["counts"] == (4, 3, 0), (rank, r["counts"])
-        assert r["empty"] == (2 if rank // 2 == 1 else 0)  # the last layer's two params, empty on dp rank 1
-        for norm, ref_norm, _ in r["steps"]:
-            _close(norm, ref_norm, msg=f"rank {rank}")
