@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -172,11 +173,10 @@ class TorchComm:
             if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
                 raise ValueError("TorchComm.all_to_all: every tensor must share tensors[0]'s dtype and device")
         send = torch.cat([t.detach().reshape(-1) for t in tensors])
-        recv = torch.empty(sum(recv_numels), dtype=send.dtype, device=send.device)
-        dist.all_to_all_single(
-            recv, send, output_split_sizes=list(recv_numels), input_split_sizes=[t.numel() for t in tensors], group=pg
-        )
-        return list(torch.split(recv, list(recv_numels)))
+        # The functional collective takes each rank's own split sizes, so a simulated mesh (where the sizes
+        # are per-rank ints, see gradtx.comm.per_rank) runs the same call as torchrun.
+        recv = funcol.all_to_all_single(send, list(recv_numels), [t.numel() for t in tensors], pg or dist.group.WORLD)
+        return list(torch.split(funcol.wait_tensor(recv), list(recv_numels)))
 
     def group_id(self, group: GroupKey) -> tuple:
         """What ``group`` is, as a hashable: its global ranks. Two keys (or two ``ProcessGroup`` objects, as two
