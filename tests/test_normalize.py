@@ -61,7 +61,7 @@ def _mats(seed: int) -> dict[str, torch.Tensor]:
         "tp_fsdp",  # FSDP2 over TP: colwise (_StridedShard(0), Shard(0)) and rowwise (Shard(0), Shard(1))
         {
             "col": [_StridedShard(0, split_factor=2), Shard(0)],
-            "row": [Shard(1), Shard(1)],
+            "row": [_StridedShard(1, split_factor=2), Shard(1)],
             "conv": [Shard(2), Shard(0)],
         },
         {"col": [Replicate(), Shard(1)], "row": [Shard(0), Replicate()], "conv": [Shard(1), Shard(3)]},

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -99,7 +99,8 @@ def _split_rows(x: torch.Tensor, path: str) -> list[int]:
                 f"centralize: the update at {path} is a DTensor placed {placement!r} (a pending sum) on mesh dim "
                 f"{d}; reduce it (redistribute to Replicate or Shard) before centralizing"
             )
-        if placement.is_shard() and cast(Any, placement).dim % x.ndim != 0:
+        dim = getattr(placement, "dim", None)  # Shard's and _StridedShard's (not a Shard to is_shard())
+        if dim is not None and dim % x.ndim != 0:
             out.append(d)
     return out
 

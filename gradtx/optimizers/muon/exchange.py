@@ -16,7 +16,6 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from gradtx.comm.base import ExchangeComm, check_exchange_comm
-from gradtx.comm.local import LocalComm
 from gradtx.comm.per_rank import per_rank
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
@@ -33,20 +32,19 @@ from gradtx.optimizers.muon.iteration import (
 )
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor
+
+    from gradtx.comm.torch_dist import mesh_comm, mesh_ranks
 except ImportError:  # pragma: no cover
-    DTensor = Partial = Replicate = Shard = None  # type: ignore[assignment,misc]
-try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (private, so guarded).
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover
-    _StridedShard = None  # type: ignore[assignment,misc]
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 # --- sharded leaves: placements, owners and the exchange ---------------------------------------
 
 
 def _is_shard(p: Any) -> bool:
-    return (Shard is not None and isinstance(p, Shard)) or (_StridedShard is not None and isinstance(p, _StridedShard))
+    """``Shard`` or ``_StridedShard`` (FSDP2 over TP; not a ``Shard`` to ``is_shard()``): the placements with a dim."""
+    return getattr(p, "dim", None) is not None
 
 
 def _check_shard_order(x: Any, *, where: str) -> None:
@@ -72,11 +70,13 @@ def _chunks(pos: list[int], n: int) -> list[list[int]]:
 
 
 def _split(pos: list[int], p: Any, n: int) -> list[list[int]]:
-    """The positions each of ``n`` ranks holds of a dim ``p`` cuts: ``Shard``, or ``_StridedShard`` (FSDP2 over TP)."""
-    if _StridedShard is not None and isinstance(p, _StridedShard):
-        firsts = [_chunks(part, n) for part in _chunks(pos, p.split_factor)]
-        return [[v for f in firsts for v in f[i]] for i in range(n)]
-    return _chunks(pos, n)
+    """The positions each of ``n`` ranks holds of a dim ``p`` cuts (a ``Shard`` is a split factor of 1).
+
+    A ``_StridedShard`` first cuts the dim in ``split_factor`` parts (the later
+    mesh dims' split), and each rank holds its chunk of every part.
+    """
+    firsts = [_chunks(part, n) for part in _chunks(pos, getattr(p, "split_factor", 1))]
+    return [[v for f in firsts for v in f[i]] for i in range(n)]
 
 
 def _runs(pos: list[int]) -> list[tuple[int, int]]:
@@ -168,42 +168,21 @@ def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], load: dict[int, i
     return owners
 
 
-def _global_ranks(mesh: Any) -> tuple[int, ...]:
-    from gradtx.comm.torch_dist import mesh_ranks
-
-    return mesh_ranks(mesh)
-
-
-def _mesh_order_to_group(mesh: Any) -> tuple[int, ...]:
-    ranks = _global_ranks(mesh)
-    order = sorted(ranks)
-    return tuple(order.index(r) for r in ranks)
-
-
 def _plan_sharded(
-    leaves: Sequence[Any], dims: Sequence[_Layout], exchanged: Sequence[int], steps: int
+    leaves: Sequence[Any], lays: Sequence[_Layout], exchanged: Sequence[int], steps: int
 ) -> tuple[_MeshPlan, ...]:
-    by_mesh: dict[int, list[int]] = {}
-    meshes: dict[int, Any] = {}
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
     for j in exchanged:
-        mesh = leaves[j].device_mesh
-        by_mesh.setdefault(id(mesh), []).append(j)
-        meshes[id(mesh)] = mesh
+        by_mesh.setdefault(id(leaves[j].device_mesh), (leaves[j].device_mesh, []))[1].append(j)
     plans = []
     load: dict[int, int] = {}
-    for key, js in by_mesh.items():
-        mesh = meshes[key]
-        to_group = _mesh_order_to_group(mesh)
-        n = len(to_group)
-        costs = [_ns_flops(dims[j], steps) for j in js]
-        owners = _greedy_owners(costs, sorted(_global_ranks(mesh)), load)
-        items = []
-        flops = [0] * n
-        for j, owner, cost in zip(js, owners, costs):
-            by_mesh_order = _pieces(leaves[j])
-            pieces: list[_Piece] = [None] * n  # type: ignore[list-item]
-            for pos, piece in enumerate(by_mesh_order):
-                pieces[to_group[pos]] = piece
+    for mesh, js in by_mesh.values():
+        ranks = mesh_ranks(mesh)  # in mesh order; a group ranks them by global rank
+        to_group = tuple(sorted(ranks).index(r) for r in ranks)
+        costs = [_ns_flops(lays[j], steps) for j in js]
+        items, flops = [], [0] * len(ranks)
+        for j, owner, cost in zip(js, _greedy_owners(costs, sorted(ranks), load), costs):
+            pieces = [p for _, p in sorted(zip(to_group, _pieces(leaves[j])), key=lambda t: t[0])]
             items.append(_Owned(j, owner, tuple(pieces)))
             flops[owner] += cost
         plans.append(_MeshPlan(mesh, to_group, tuple(items), tuple(flops)))
@@ -307,38 +286,23 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
 
 
-class _Route(NamedTuple):
-    kind: str  # "local": orthogonalize the local tensor; "exchange": via owners
-    layout: _Layout
-
-
 def _routes(
     leaves: Sequence[Any], dims: Sequence[MuonDimensionNumbers], leaf_paths: Sequence[str], *, whole_leaf: bool
-) -> list[_Route]:
-    routes = []
-    for x, dn, where in zip(leaves, dims, leaf_paths):
-        lay = _layout(tuple(x.shape), dn, where=where)
-        kind = "local"
+) -> tuple[list[_Layout], list[int]]:
+    """Each leaf's layout, and the leaves exchanged through owners (sharded across a matrix axis)."""
+    lays, exchanged = [], []
+    for j, (x, dn, where) in enumerate(zip(leaves, dims, leaf_paths)):
+        lays.append(_layout(tuple(x.shape), dn, where=where))
         if DTensor is not None and isinstance(x, DTensor):
-            if any(isinstance(p, Partial) for p in x.placements):
+            if any(p.is_partial() for p in x.placements):
                 raise ValueError(
                     f"muon: the update at {where} is a Partial DTensor (a pending sum); reduce it before orthogonalizing"
                 )
             sharded = {cast(Any, p).dim % x.ndim for p in x.placements if _is_shard(p)}
-            if sharded and (whole_leaf or not sharded <= lay.batch_axes):
+            if sharded and (whole_leaf or not sharded <= lays[-1].batch_axes):
                 _check_shard_order(x, where=where)
-                kind = "exchange"
-        routes.append(_Route(kind, lay))
-    return routes
-
-
-def _default_comm(leaves: Sequence[Any]) -> ExchangeComm:
-    meshes = [x.device_mesh for x in leaves if DTensor is not None and isinstance(x, DTensor)]
-    if not meshes:
-        return LocalComm()
-    from gradtx.comm.torch_dist import mesh_comm
-
-    return mesh_comm(meshes)
+                exchanged.append(j)
+    return lays, exchanged
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -350,7 +314,7 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
 class _Prepared(NamedTuple):
     """What a step needs that depends only on the leaves' global shapes, dtypes and placements (cached)."""
 
-    routes: list[_Route]
+    layouts: list[_Layout]
     local: list[int]  # the leaves orthogonalized where they are
     paths: list[str]
     mesh_plans: tuple[_MeshPlan, ...]
@@ -409,16 +373,15 @@ def _make_orthogonalizer(
         prep = cache.get(key)
         if prep is None:
             paths = list(leaf_paths())
-            routes = _routes(leaves, dims, paths, whole_leaf=adaptive)
-            exchanged = [j for j, r in enumerate(routes) if r.kind == "exchange"]
-            plans = _plan_sharded(leaves, [r.layout for r in routes], exchanged, len(rows))
-            prep = _Prepared(routes, [j for j, r in enumerate(routes) if r.kind == "local"], paths, plans)
+            lays, exchanged = _routes(leaves, dims, paths, whole_leaf=adaptive)
+            plans = _plan_sharded(leaves, lays, exchanged, len(rows))
+            prep = _Prepared(lays, [j for j in range(len(leaves)) if j not in exchanged], paths, plans)
             if len(cache) > 8:
                 cache.clear()
             cache[key] = prep
 
         def whole(j: int, full: torch.Tensor) -> torch.Tensor:
-            o = _orthogonalize_full(full, rows, preconditioning, eps, prep.routes[j].layout, ns_dtype)
+            o = _orthogonalize_full(full, rows, preconditioning, eps, prep.layouts[j], ns_dtype)
             if adaptive:  # scale by the dual norm <G, O> of the whole leaf, as optax
                 o = (full * o).sum() * o
             return o
@@ -452,7 +415,7 @@ def _make_orthogonalizer(
             for j, o in zip(prep.local, per_rank(local_step)(*[tu.local(leaves[j]) for j in prep.local])):
                 out[j] = tu.like(leaves[j], o)
         if prep.mesh_plans:
-            c = comm if comm is not None else _default_comm(leaves)
+            c = comm if comm is not None else mesh_comm([x.device_mesh for x in leaves if isinstance(x, DTensor)])
             check_exchange_comm(c, name=name)
             locals_ = [tu.local(x) for x in leaves]
             for mesh_plan in prep.mesh_plans:
@@ -495,15 +458,12 @@ def exchange_plan(
     all_paths = [tu.path_str(p) for p in tu.paths(updates)]
     keep = [j for j, d in enumerate(dims) if d is not None]
     leaves = [leaves[j] for j in keep]
-    routes = _routes(leaves, [dims[j] for j in keep], [all_paths[j] for j in keep], whole_leaf=adaptive)  # type: ignore[misc]
-    exchanged = [j for j, r in enumerate(routes) if r.kind == "exchange"]
-    plans = _plan_sharded(leaves, [r.layout for r in routes], exchanged, ns_steps)
-    sent = received = gather = 0
-    collectives = 0
+    lays, exchanged = _routes(leaves, [dims[j] for j in keep], [all_paths[j] for j in keep], whole_leaf=adaptive)  # type: ignore[misc]
+    sent = received = gather = collectives = 0
     flops: dict[int, int] = {}
     owners: dict[int, int] = {}
-    for plan in plans:
-        ranks = sorted(_global_ranks(plan.mesh))
+    for plan in _plan_sharded(leaves, lays, exchanged, ns_steps):
+        ranks = sorted(mesh_ranks(plan.mesh))
         for g, f in zip(ranks, plan.flops):
             flops[g] = flops.get(g, 0) + f
         for it in plan.items:
@@ -522,13 +482,6 @@ def exchange_plan(
                 received += sum(math.prod(p.shape) * size for r, p in enumerate(it.pieces) if r != me and p.sends)
                 sent += sum(math.prod(p.shape) * size for r, p in enumerate(it.pieces) if r != me)
             gather += (leaves[it.leaf].numel() - math.prod(it.pieces[me].shape)) * size
-    total = sum(_ns_flops(r.layout, ns_steps) for r in routes)
-    return ExchangePlan(
-        collectives,
-        sent,
-        received,
-        gather,
-        tuple(flops.get(r, 0) for r in range(max(flops, default=-1) + 1)),
-        total,
-        owners,
-    )
+    by_rank = tuple(flops.get(r, 0) for r in range(max(flops, default=-1) + 1))
+    total = sum(_ns_flops(lay, ns_steps) for lay in lays)
+    return ExchangePlan(collectives, sent, received, gather, by_rank, total, owners)
