@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -321,21 +321,6 @@ def _per_simulated_rank(flat: torch.Tensor, mode: object) -> torch.Tensor:
     if isinstance(flat, LocalTensor):
         return flat
     return mode.rank_map(lambda r: flat.clone())  # type: ignore[attr-defined]
-
-
-def on_whole(leaf: DTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
-    """``fn`` of the whole of ``leaf`` (gathered on every rank), returned with ``leaf``'s mesh and placements.
-
-    Every rank of ``leaf``'s mesh runs ``fn`` on the same whole tensor and keeps its own shard of the
-    result: an all-gather (one per sharded mesh dim) and a local split. This is the simple, costly way
-    to run a whole-tensor function on a sharded leaf, for where a cheaper exchange cannot run (a
-    simulated mesh, where each rank's sends differ).
-    """
-    from torch.distributed.tensor import Replicate
-
-    mesh = leaf.device_mesh
-    whole = DTensor.from_local(fn(leaf.full_tensor()), mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, leaf.placements)
 
 
 def fingerprint_device() -> torch.device:
