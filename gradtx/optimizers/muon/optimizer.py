@@ -172,14 +172,10 @@ def muon(
         _coeff_rows(ns_coeffs, ns_steps if isinstance(ns_steps, int) else 5, name="muon")
         ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
 
-    def per_leaf(tree: PyTree) -> list[MuonDimensionNumbers | None]:
-        if dims_arg is None:
-            return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(tree)[0]]
-        return _resolve_dims(dims_arg, tree, name="muon")
-
     def labels(params: PyTree) -> PyTree:
         _, spec = tu.flatten(params)
-        return tu.unflatten(spec, ["muon" if d is not None else "adam" for d in per_leaf(params)])
+        dims = _resolve_dims(dims_arg, params, name="muon")  # None: every 2-d leaf
+        return tu.unflatten(spec, ["muon" if d is not None else "adam" for d in dims])
 
     def inner_dims(updates: PyTree) -> PyTree:
         # The Muon member sees None at the Adam leaves; what remains are Muon leaves.
