@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_each: Callable[[Any], Any] | None
 try:
     from torch.distributed._local_tensor import maybe_run_for_local_tensor as _each
 except ImportError:  # pragma: no cover - a build without local tensors simulates nothing

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -175,7 +176,8 @@ class TorchComm:
         send = torch.cat([t.detach().reshape(-1) for t in tensors])
         # The functional collective takes each rank's own split sizes, so a simulated mesh (where the sizes
         # are per-rank ints, see gradtx.comm.per_rank) runs the same call as torchrun.
-        recv = funcol.all_to_all_single(send, list(recv_numels), [t.numel() for t in tensors], pg or dist.group.WORLD)
+        world = cast(dist.ProcessGroup, dist.group.WORLD)
+        recv = funcol.all_to_all_single(send, list(recv_numels), [t.numel() for t in tensors], pg or world)
         return list(torch.split(funcol.wait_tensor(recv), list(recv_numels)))
 
     def group_id(self, group: GroupKey) -> tuple:

@@ -105,13 +105,13 @@ def _pieces(x: Any) -> list[_Piece]:
             if _is_shard(p):
                 d = p.dim % len(shape)
                 pos[d] = _split(pos[d], p, mesh.size(mdim))[coord[mdim]]
-        per_dim = []
+        per_dim = []  # per tensor dim: each contiguous run, in the full tensor and in the shard
         for q in pos:
-            at, blocks = 0, []
+            at, runs = 0, []
             for a, b in _runs(q):
-                blocks.append((slice(a, b), slice(at, at + b - a)))
+                runs.append((slice(a, b), slice(at, at + b - a)))
                 at += b - a
-            per_dim.append(blocks)
+            per_dim.append(runs)
         blocks = tuple(tuple(zip(*combo)) for combo in itertools.product(*per_dim))
         sends = all(c == 0 for c, p in zip(coord, placements) if not _is_shard(p))
         out.append(_Piece(blocks, tuple(len(q) for q in pos), sends))  # type: ignore[arg-type]
