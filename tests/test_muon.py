@@ -13,6 +13,7 @@ import torch
 from optax.contrib import MuonDimensionNumbers as OptaxDN
 from optax.contrib import muon as optax_muon
 from optax.contrib import scale_by_muon as optax_scale_by_muon
+from torch.distributed.tensor import Shard
 
 import gradtx as gtx
 from gradtx.comm import LocalComm
@@ -92,6 +93,24 @@ def test_muon_matches_optax(kw):
     mu = state[0].inner_states["muon"][0].mu
     omu = ostate.inner_states["muon"].inner_state[0].mu
     torch.testing.assert_close(mu["w"], torch.from_numpy(np.asarray(omu["w"]).copy()), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("layout", ["jax", "torch"])
+def test_aol_on_square_matrices_matches_optax(layout):
+    """AOL scales rows, so a square matrix's side matters; given the same dimension numbers, it is optax's."""
+    g = torch.Generator().manual_seed(3)
+    shapes = {"sq": (7, 7), "w": (9, 5), "sq_heads": (2, 6, 6)}
+    tree = lambda: {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    params, grads = tree(), [tree() for _ in range(4)]
+    axes = {"sq": (0, 1), "w": (0, 1), "sq_heads": (1, 2)}
+    if layout == "torch":  # (out, in): reduction axis last
+        axes = {k: (b, a) for k, (a, b) in axes.items()}
+    dims = {k: DN(*v) for k, v in axes.items()}
+    odims = {k: OptaxDN(*v) for k, v in axes.items()}
+    got, _ = _run_gtx(gtx.muon(0.02, preconditioning="aol", muon_weight_dimension_numbers=dims), params, grads)
+    want, _ = _run_optax(optax_muon(0.02, preconditioning="aol", muon_weight_dimension_numbers=odims), params, grads)
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=2e-6, msg=k)
 
 
 def test_default_dimension_numbers_read_torch_layout():
@@ -290,6 +309,18 @@ def test_wrapper_refuses_muon_and_takes_the_direction():
             p.data.copy_(r)  # keep both on one trajectory: the comparison is per step
     for p, r in zip(mats, ref):
         torch.testing.assert_close(p.detach(), r)
+
+
+def test_uneven_experts_sharded_on_both_mesh_dims_match_one_device():
+    """6 stacked experts on a 2x2 mesh, (Shard(0), Shard(0)): 3 per EP rank, then 2 and 1 (simulated)."""
+    g = torch.Generator().manual_seed(4)
+    tree = lambda: {"experts": torch.randn(6, 5, 4, generator=g), "w": torch.randn(7, 5, generator=g)}
+    params, grads = tree(), [tree() for _ in range(2)]
+    tx = gtx.muon(0.1, weight_decay=0.1, muon_weight_dimension_numbers={"experts": DN(2, 1), "w": DN()})
+    layout = {"experts": [Shard(0), Shard(0)], "w": [Shard(0), Shard(1)]}  # w: uneven, through the exchange
+    gtx.testing.assert_matches_single_device(
+        tx, grads, params, mesh_shape=(2, 2), names=("ep", "dp"), layout=layout, steps=2
+    )
 
 
 def test_bad_input_raises_and_names_it():

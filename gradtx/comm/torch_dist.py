@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -170,11 +172,11 @@ class TorchComm:
             if t.dtype != tensors[0].dtype or t.device != tensors[0].device:
                 raise ValueError("TorchComm.all_to_all: every tensor must share tensors[0]'s dtype and device")
         send = torch.cat([t.detach().reshape(-1) for t in tensors])
-        recv = torch.empty(sum(recv_numels), dtype=send.dtype, device=send.device)
-        dist.all_to_all_single(
-            recv, send, output_split_sizes=list(recv_numels), input_split_sizes=[t.numel() for t in tensors], group=pg
-        )
-        return list(torch.split(recv, list(recv_numels)))
+        # The functional collective takes each rank's own split sizes, so a simulated mesh (where the sizes
+        # are per-rank ints, see gradtx.comm.local_ranks) runs the same call as torchrun.
+        world = cast(dist.ProcessGroup, dist.group.WORLD)
+        recv = funcol.all_to_all_single(send, list(recv_numels), [t.numel() for t in tensors], pg or world)
+        return list(torch.split(funcol.wait_tensor(recv), list(recv_numels)))
 
     def group_id(self, group: GroupKey) -> tuple:
         """What ``group`` is, as a hashable: its global ranks. Two keys (or two ``ProcessGroup`` objects, as two
@@ -266,17 +268,6 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return pg
 
 
-def on_whole(leaf: DTensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> DTensor:
-    """``fn`` of the whole of ``leaf`` (gathered on every rank), returned with ``leaf``'s mesh and placements.
-
-    An all-gather (one per sharded mesh dim) and a local split: the simple, costly way to run a
-    whole-tensor function on a sharded leaf.
-    """
-    from torch.distributed.tensor import Replicate
-
-    mesh = leaf.device_mesh
-    whole = DTensor.from_local(fn(leaf.full_tensor()), mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return whole.redistribute(mesh, leaf.placements)
 
 
 class DDPSumState:

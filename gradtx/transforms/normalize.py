@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
+from gradtx.comm.base import ReduceOp
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
@@ -20,9 +22,11 @@ from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
 
 try:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
+
+    from gradtx.comm.torch_dist import TorchComm
 except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = Replicate = Shard = None  # type: ignore[assignment, misc]
+    DTensor = TorchComm = None  # type: ignore[assignment, misc]
 
 __all__ = ["centralize", "normalize_by_update_norm"]
 
@@ -80,19 +84,26 @@ def normalize_by_update_norm(
     return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
-def _check_local_units(x: torch.Tensor, path: str) -> None:
-    """Refuse a DTensor whose rows (dim 0 slices) are split across ranks: their mean would need a collective."""
+def _split_rows(x: torch.Tensor, path: str) -> list[int]:
+    """The mesh dims of a DTensor that split its rows (dim 0 slices) across ranks: where the row mean needs a sum.
+
+    ``Replicate`` and a split of dim 0 (``Shard(0)``, ``_StridedShard(0)``: FSDP2,
+    colwise TP and both together) keep every row whole on one rank; a split of
+    another dim (rowwise TP's ``Shard(1)``) cuts each row over that mesh dim.
+    """
     if DTensor is None or not isinstance(x, DTensor):
-        return
-    for placement in x.placements:
-        if isinstance(placement, Replicate):
-            continue
-        if isinstance(placement, Shard) and placement.dim % x.ndim == 0 and type(placement) is Shard:
-            continue
-        raise ValueError(
-            f"centralize: the update at {path} is a DTensor placed {placement!r} on its mesh; centralize needs each "
-            "row (dim 0 slice) whole on one rank: Shard(0) (FSDP2, colwise TP) or Replicate"
-        )
+        return []
+    out = []
+    for d, placement in enumerate(x.placements):
+        if placement.is_partial():
+            raise ValueError(
+                f"centralize: the update at {path} is a DTensor placed {placement!r} (a pending sum) on mesh dim "
+                f"{d}; reduce it (redistribute to Replicate or Shard) before centralizing"
+            )
+        dim = getattr(placement, "dim", None)  # Shard's and _StridedShard's (not a Shard to is_shard())
+        if dim is not None and dim % x.ndim != 0:
+            out.append(d)
+    return out
 
 
 @factory
@@ -105,8 +116,11 @@ def centralize() -> GradientTransformation:
     unit's weights, as in the paper. 0-d and 1-d updates pass through. The
     same arithmetic as optax's ``centralize`` on the same array.
 
-    On DTensors a row must be on one rank (``Shard(0)``, as FSDP2 and colwise
-    TP place weights, or ``Replicate``); another placement is refused, naming the path.
+    On DTensors, a row whole on one rank (``Replicate``, ``Shard(0)`` and
+    ``_StridedShard(0)``: FSDP2, colwise TP, FSDP2 over TP) is centralized where
+    it is. A row cut over a mesh dim (rowwise TP's ``Shard(1)``) takes its sum
+    over that mesh dim's group: one all-reduce per group for all such leaves,
+    on the DTensors' own meshes. A ``Partial`` update is refused, naming the path.
 
     Returns:
       A stateless :class:`GradientTransformation`.
@@ -129,14 +143,26 @@ def centralize() -> GradientTransformation:
         leaves, spec = tu.flatten(updates)
         leaf_paths = tu.paths(updates)
         tu.check_tensors(leaves, leaf_paths, what="centralize: updates")
-        out = []
-        for path, g in zip(leaf_paths, leaves):
+        out = list(leaves)
+        cut: dict[Any, list[int]] = {}  # process group -> the leaves whose rows it cuts
+        sums: dict[int, torch.Tensor] = {}
+        for i, (path, g) in enumerate(zip(leaf_paths, leaves)):
             if g.ndim <= 1:
-                out.append(g)
                 continue
-            _check_local_units(g, tu.path_str(path))
-            local = tu.local(g)
-            out.append(tu.like(g, local - local.mean(dim=tuple(range(1, local.ndim)), keepdim=True)))
+            local, dims = tu.local(g), tuple(range(1, g.ndim))
+            mesh_dims = _split_rows(g, tu.path_str(path))
+            if not mesh_dims:
+                out[i] = tu.like(g, local - local.mean(dim=dims, keepdim=True))
+                continue
+            sums[i] = local.sum(dim=dims, keepdim=True, dtype=tu.acc_dtype(local.dtype))
+            for d in mesh_dims:
+                cut.setdefault(g.device_mesh.get_group(d), []).append(i)
+        for group, idx in cut.items():  # in leaf order on every rank
+            for i, total in zip(idx, TorchComm().all_reduce([sums[i] for i in idx], ReduceOp.SUM, group)):
+                sums[i] = total
+        for i, total in sums.items():
+            g, local = leaves[i], tu.local(leaves[i])
+            out[i] = tu.like(g, local - (total / math.prod(g.shape[1:])).to(local.dtype))
         return tu.unflatten(spec, out), state
 
     return GradientTransformation(init_fn, update_fn)

@@ -5,7 +5,8 @@ TP x FSDP2 with ``_StridedShard``, EP x FSDP2 with stacked experts, HSDP) the
 params and grads are DTensors made with ``distribute_tensor``; several
 ``gtx.muon`` steps run through ``tx.update`` + ``apply_updates`` and the full
 params, the full momentum and the step count are compared with the same steps
-on one device. The all-to-alls the step issues are counted (``RecordingComm``)
+on one device, and with the same steps on a simulated mesh (one process playing the 4 ranks: the same
+exchange, rank by rank). The all-to-alls the step issues are counted (``RecordingComm``)
 and their bytes compared with :func:`gradtx.exchange_plan`. Also: the
 wrapper with an inner SGD, ``inject_hyperparams``, and a DCP checkpoint saved
 under FSDP2 and loaded under TP x FSDP2.
@@ -22,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._local_tensor import LocalTensor
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -42,7 +44,7 @@ DIMS = {"w1": DN(), "w2": DN(), "w3": DN(), "heads": DN(2, 1), "experts": DN(2, 
 def _params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shapes = {"w1": (16, 8), "w2": (8, 12), "w3": (7, 5), "heads": (3, 6, 4), "experts": (4, 6, 8),
-              "experts_ep": (4, 5, 3), "b": (8,)}  # fmt: skip
+              "experts_ep": (6, 5, 3), "b": (8,)}  # fmt: skip
     return {k: torch.randn(s, generator=g) for k, s in shapes.items()}
 
 
@@ -51,32 +53,49 @@ def _grads() -> list[dict[str, torch.Tensor]]:
     return [{k: torch.randn(v.shape, generator=g) for k, v in _params().items()} for _ in range(STEPS)]
 
 
+# Mesh -> (shape, dim names); each layout: leaf -> (mesh, placements). Built the same way under torchrun and on
+# a simulated mesh, so the two runs can be compared rank by rank.
+MESHES = {
+    "dp": ((4,), ("dp",)),
+    "tp": ((4,), ("tp",)),
+    "dp_tp": ((2, 2), ("dp", "tp")),
+    "ep_dp": ((2, 2), ("ep", "dp")),
+}
+LAYOUTS: dict[str, dict[str, tuple[str, list[Any]]]] = {
+    "fsdp": {k: ("dp", [Shard(0)]) for k in DIMS},  # w3 (7 rows) and heads (3) are uneven; one rank has no head
+    "tp": {
+        "w1": ("tp", [Shard(0)]),
+        "w2": ("tp", [Shard(1)]),
+        "w3": ("tp", [Shard(1)]),
+        "heads": ("tp", [Shard(1)]),
+        "experts": ("tp", [Shard(2)]),
+        "experts_ep": ("tp", [Shard(0)]),
+        "b": ("tp", [Replicate()]),
+    },
+    "tp_fsdp": {
+        "w1": ("dp_tp", [_StridedShard(0, split_factor=2), Shard(0)]),  # colwise TP, then FSDP2 on dim 0
+        "w2": ("dp_tp", [Shard(0), Shard(1)]),  # rowwise TP, FSDP2 on dim 0
+        "w3": ("dp_tp", [Shard(0), Shard(1)]),
+        "heads": ("dp_tp", [Shard(0), Shard(1)]),
+        "experts": ("dp_tp", [Shard(0), Shard(2)]),
+        "experts_ep": ("dp_tp", [Replicate(), Shard(1)]),  # HSDP-like: a replicated dim
+        "b": ("dp_tp", [Shard(0), Replicate()]),
+    },
+    "ep_fsdp": {
+        "w1": ("dp_tp", [Shard(1), Shard(0)]),
+        **{k: ("dp_tp", [Replicate(), Replicate()]) for k in ("w2", "w3", "b")},
+        "heads": ("ep_dp", [Shard(0), Replicate()]),
+        "experts": ("ep_dp", [Shard(0), Shard(1)]),  # experts over EP, FSDP2 on out
+        # 6 experts over EP and DP: 3 per EP rank, then 2 and 1: whole matrices, uneven, no exchange.
+        "experts_ep": ("ep_dp", [Shard(0), Shard(0)]),
+    },
+}
+
+
 @functools.cache  # a mesh's process groups cost a rendezvous each: make them once per process
 def _layouts() -> dict[str, Any]:
-    dp = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    tp = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
-    dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    ep_dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
-    fsdp = {k: (dp, [Shard(0)]) for k in DIMS}  # w3 (7 rows) and heads (3) are uneven; one rank has no head
-    tpl = {"w1": (tp, [Shard(0)]), "w2": (tp, [Shard(1)]), "w3": (tp, [Shard(1)]), "heads": (tp, [Shard(1)]),
-           "experts": (tp, [Shard(2)]), "experts_ep": (tp, [Shard(0)]), "b": (tp, [Replicate()])}  # fmt: skip
-    tp_fsdp = {
-        "w1": (dp_tp, [_StridedShard(0, split_factor=2), Shard(0)]),  # colwise TP, then FSDP2 on dim 0
-        "w2": (dp_tp, [Shard(0), Shard(1)]),  # rowwise TP, FSDP2 on dim 0
-        "w3": (dp_tp, [Shard(0), Shard(1)]),
-        "heads": (dp_tp, [Shard(0), Shard(1)]),
-        "experts": (dp_tp, [Shard(0), Shard(2)]),
-        "experts_ep": (dp_tp, [Replicate(), Shard(1)]),  # HSDP-like: a replicated dim
-        "b": (dp_tp, [Shard(0), Replicate()]),
-    }
-    ep_fsdp = {k: (dp_tp, [Replicate(), Replicate()]) for k in ("w1", "w2", "w3", "b")}
-    ep_fsdp.update({
-        "heads": (ep_dp, [Shard(0), Replicate()]),
-        "experts": (ep_dp, [Shard(0), Shard(1)]),  # experts over EP, FSDP2 on out
-        "experts_ep": (ep_dp, [Shard(0), Shard(0)]),  # experts over EP and DP: whole matrices, no exchange
-    })  # fmt: skip
-    ep_fsdp["w1"] = (dp_tp, [Shard(1), Shard(0)])
-    return {"fsdp": fsdp, "tp": tpl, "tp_fsdp": tp_fsdp, "ep_fsdp": ep_fsdp}
+    meshes = {k: init_device_mesh("cpu", shape, mesh_dim_names=names) for k, (shape, names) in MESHES.items()}
+    return {name: {k: (meshes[m], p) for k, (m, p) in layout.items()} for name, layout in LAYOUTS.items()}
 
 
 def _distribute(tree: dict[str, torch.Tensor], layout: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -191,6 +210,33 @@ def part_checkpoint(rank: int) -> dict[str, Any]:
     return _pairs(new_params, _reference()[0], layouts["tp_fsdp"])
 
 
+def _simulated(name: str) -> dict[str, Any]:
+    """The same steps as ``part_layouts`` on a simulated mesh of 4 ranks (one process): each rank's shards."""
+    full_params, full_grads = _params(), _grads()  # made outside the simulation: plain tensors
+    with gtx.testing.simulated_mesh(WORLD, ("world",)):
+        meshes = {k: init_device_mesh("cpu", shape, mesh_dim_names=names) for k, (shape, names) in MESHES.items()}
+        layout = {k: (meshes[m], p) for k, (m, p) in LAYOUTS[name].items()}
+
+        def place(tree: dict[str, torch.Tensor]) -> dict[str, Any]:
+            return {k: gtx.testing.distribute({k: v}, layout[k][0], {k: layout[k][1]})[k] for k, v in tree.items()}
+
+        grads = [place(g) for g in full_grads]
+        comm = RecordingComm(mesh_comm(meshes.values()))
+        p, s = _run(_tx(comm=comm), place(full_params), grads)
+        locals_ = {
+            "params": {k: v.to_local() for k, v in p.items()},
+            "mu": {k: v.to_local() for k, v in _muon_state(s).mu.items() if v is not None},
+        }
+        calls = sum(c.op == "all_to_all" for c in comm.calls) // STEPS
+        owners = exchange_plan(grads[0], DIMS).owners
+
+    def on(local: torch.Tensor, rank: int) -> torch.Tensor:  # with the simulation over: plain tensors
+        return local._local_tensors[rank] if isinstance(local, LocalTensor) else local
+
+    ranks = [{w: {k: on(v, r) for k, v in t.items()} for w, t in locals_.items()} for r in range(WORLD)]
+    return {"ranks": ranks, "collectives": calls, "owners": owners}
+
+
 _SHARED = share_spawn(
     {"layouts": part_layouts, "wrapper": part_wrapper, "checkpoint": part_checkpoint}, WORLD, prefix="muon"
 )
@@ -228,6 +274,22 @@ def test_muon_exchange_cost(ranks, layout):
     assert len(set(map(tuple, (r["flops"] for r in results)))) == 1
     assert results[0]["owners"] and len(set(results[0]["owners"].values())) > 1, "the work is spread"
     assert sum(flops) <= results[0]["total_flops"]
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp"])
+def test_muon_exchange_on_a_simulated_mesh_is_the_torchrun_one(ranks, layout):
+    """One process playing 4 ranks runs the owner exchange torchrun runs: same owners, all-to-alls and shards."""
+    sim = _simulated(layout)
+    for rank, res in enumerate(part_results(ranks, "layouts")):
+        got = res[layout]
+        assert sim["collectives"] == got["collectives"] == got["plan_collectives"]
+        assert sim["owners"] == got["owners"]
+        for what in ("params", "mu"):
+            assert set(sim["ranks"][rank][what]) == set(got[what])
+            for k, (mine, _) in got[what].items():
+                torch.testing.assert_close(
+                    sim["ranks"][rank][what][k], mine, rtol=1e-6, atol=1e-7, msg=f"rank {rank} {layout} {what}[{k}]"
+                )
 
 
 def test_muon_wrapper_and_inject_hyperparams(ranks):

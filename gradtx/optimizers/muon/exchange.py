@@ -8,6 +8,7 @@ goes through the :class:`~gradtx.comm.ExchangeComm` it is given.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -15,7 +16,7 @@ from typing import Any, NamedTuple, cast
 import torch
 
 from gradtx.comm.base import ExchangeComm, check_exchange_comm
-from gradtx.comm.local import LocalComm
+from gradtx.comm.local_ranks import per_rank
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
 from gradtx.optimizers.muon.iteration import (
@@ -31,20 +32,19 @@ from gradtx.optimizers.muon.iteration import (
 )
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.distributed.tensor import DTensor
+
+    from gradtx.comm.torch_dist import mesh_comm, mesh_ranks
 except ImportError:  # pragma: no cover
-    DTensor = Partial = Replicate = Shard = None  # type: ignore[assignment,misc]
-try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (private, so guarded).
-    from torch.distributed.tensor.placement_types import _StridedShard
-except ImportError:  # pragma: no cover
-    _StridedShard = None  # type: ignore[assignment,misc]
+    DTensor = None  # type: ignore[assignment,misc]
 
 
 # --- sharded leaves: placements, owners and the exchange ---------------------------------------
 
 
 def _is_shard(p: Any) -> bool:
-    return (Shard is not None and isinstance(p, Shard)) or (_StridedShard is not None and isinstance(p, _StridedShard))
+    """``Shard`` or ``_StridedShard`` (FSDP2 over TP; not a ``Shard`` to ``is_shard()``): the placements with a dim."""
+    return getattr(p, "dim", None) is not None
 
 
 def _check_shard_order(x: Any, *, where: str) -> None:
@@ -56,54 +56,66 @@ def _check_shard_order(x: Any, *, where: str) -> None:
 
 
 class _Piece(NamedTuple):
-    """One rank's shard of a leaf: where it sits in the full tensor."""
+    """One rank's shard of a leaf: its contiguous blocks, where each sits in the full tensor and in the shard."""
 
-    where: tuple[Any, ...]  # per tensor dim: a slice or a 1-d int64 tensor of positions
+    blocks: tuple[tuple[tuple[slice, ...], tuple[slice, ...]], ...]  # (in the full tensor, in the shard)
     shape: tuple[int, ...]
     sends: bool  # the first of the ranks holding this same shard (replicas send nothing)
+
+
+def _chunks(pos: list[int], n: int) -> list[list[int]]:
+    """``torch.chunk``'s split of ``pos`` into ``n`` parts (as ``Shard``), empty parts past the last."""
+    c = -(-len(pos) // n)
+    return [pos[i * c : (i + 1) * c] for i in range(n)] if c else [[] for _ in range(n)]
+
+
+def _split(pos: list[int], p: Any, n: int) -> list[list[int]]:
+    """The positions each of ``n`` ranks holds of a dim ``p`` cuts (a ``Shard`` is a split factor of 1).
+
+    A ``_StridedShard`` first cuts the dim in ``split_factor`` parts (the later
+    mesh dims' split), and each rank holds its chunk of every part.
+    """
+    firsts = [_chunks(part, n) for part in _chunks(pos, getattr(p, "split_factor", 1))]
+    return [[v for f in firsts for v in f[i]] for i in range(n)]
+
+
+def _runs(pos: list[int]) -> list[tuple[int, int]]:
+    runs: list[list[int]] = []
+    for v in pos:
+        if runs and runs[-1][1] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([v, v + 1])
+    return [(a, b) for a, b in runs]
 
 
 def _pieces(x: Any) -> list[_Piece]:
     """Every mesh rank's shard of the DTensor ``x`` (in mesh order), by replaying its placements on positions.
 
     DTensor splits in mesh-dim order, each ``Shard``/``_StridedShard`` cutting
-    one tensor dim with its own ``_split_tensor``; replaying that on a 1-d
-    range per tensor dim gives the positions each rank holds, with no
-    communication and no full-size index.
+    one tensor dim as ``torch.chunk`` does; replaying that on the positions of
+    each tensor dim (plain Python: the same on every rank, simulated or not)
+    gives the positions each rank holds, with no communication.
     """
     mesh, placements, shape = x.device_mesh, x.placements, tuple(x.shape)
     out = []
-    for coord in torch.cartesian_prod(*[torch.arange(s) for s in mesh.shape]).reshape(-1, mesh.ndim).tolist():
-        pos: list[torch.Tensor] = [torch.arange(n) for n in shape]
+    for coord in itertools.product(*[range(s) for s in mesh.shape]):
+        pos = [list(range(n)) for n in shape]
         for mdim, p in enumerate(placements):
             if _is_shard(p):
                 d = p.dim % len(shape)
-                view = [1] * len(shape)
-                view[d] = pos[d].numel()
-                chunks, _ = p._split_tensor(pos[d].reshape(view), mesh.size(mdim), with_padding=False)
-                pos[d] = chunks[coord[mdim]].reshape(-1) if coord[mdim] < len(chunks) else pos[d][:0]
-        index: list[Any] = []
-        for d, q in enumerate(pos):
-            lo = int(q[0]) if q.numel() else 0
-            contiguous = q.numel() == 0 or bool(torch.equal(q, torch.arange(lo, lo + q.numel())))
-            index.append(slice(lo, lo + q.numel()) if contiguous else q)
+                pos[d] = _split(pos[d], p, mesh.size(mdim))[coord[mdim]]
+        per_dim = []  # per tensor dim: each contiguous run, in the full tensor and in the shard
+        for q in pos:
+            at, runs = 0, []
+            for a, b in _runs(q):
+                runs.append((slice(a, b), slice(at, at + b - a)))
+                at += b - a
+            per_dim.append(runs)
+        blocks = tuple(tuple(zip(*combo)) for combo in itertools.product(*per_dim))
         sends = all(c == 0 for c, p in zip(coord, placements) if not _is_shard(p))
-        out.append(_Piece(tuple(index), tuple(q.numel() for q in pos), sends))
+        out.append(_Piece(blocks, tuple(len(q) for q in pos), sends))  # type: ignore[arg-type]
     return out
-
-
-def _advanced(index: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``index`` as broadcasting index tensors, when any dim is not a plain slice."""
-    if all(isinstance(i, slice) for i in index):
-        return index
-    n = len(index)
-    out = []
-    for d, i in enumerate(index):
-        t = torch.arange(i.start, i.stop) if isinstance(i, slice) else i
-        view = [1] * n
-        view[d] = -1
-        out.append(t.reshape(view))
-    return tuple(out)
 
 
 class _Owned(NamedTuple):
@@ -156,42 +168,21 @@ def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], load: dict[int, i
     return owners
 
 
-def _global_ranks(mesh: Any) -> tuple[int, ...]:
-    from gradtx.comm.torch_dist import mesh_ranks
-
-    return mesh_ranks(mesh)
-
-
-def _mesh_order_to_group(mesh: Any) -> tuple[int, ...]:
-    ranks = _global_ranks(mesh)
-    order = sorted(ranks)
-    return tuple(order.index(r) for r in ranks)
-
-
 def _plan_sharded(
-    leaves: Sequence[Any], dims: Sequence[_Layout], exchanged: Sequence[int], steps: int
+    leaves: Sequence[Any], lays: Sequence[_Layout], exchanged: Sequence[int], steps: int
 ) -> tuple[_MeshPlan, ...]:
-    by_mesh: dict[int, list[int]] = {}
-    meshes: dict[int, Any] = {}
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
     for j in exchanged:
-        mesh = leaves[j].device_mesh
-        by_mesh.setdefault(id(mesh), []).append(j)
-        meshes[id(mesh)] = mesh
+        by_mesh.setdefault(id(leaves[j].device_mesh), (leaves[j].device_mesh, []))[1].append(j)
     plans = []
     load: dict[int, int] = {}
-    for key, js in by_mesh.items():
-        mesh = meshes[key]
-        to_group = _mesh_order_to_group(mesh)
-        n = len(to_group)
-        costs = [_ns_flops(dims[j], steps) for j in js]
-        owners = _greedy_owners(costs, sorted(_global_ranks(mesh)), load)
-        items = []
-        flops = [0] * n
-        for j, owner, cost in zip(js, owners, costs):
-            by_mesh_order = _pieces(leaves[j])
-            pieces: list[_Piece] = [None] * n  # type: ignore[list-item]
-            for pos, piece in enumerate(by_mesh_order):
-                pieces[to_group[pos]] = piece
+    for mesh, js in by_mesh.values():
+        ranks = mesh_ranks(mesh)  # in mesh order; a group ranks them by global rank
+        to_group = tuple(sorted(ranks).index(r) for r in ranks)
+        costs = [_ns_flops(lays[j], steps) for j in js]
+        items, flops = [], [0] * len(ranks)
+        for j, owner, cost in zip(js, _greedy_owners(costs, sorted(ranks), load), costs):
+            pieces = [p for _, p in sorted(zip(to_group, _pieces(leaves[j])), key=lambda t: t[0])]
             items.append(_Owned(j, owner, tuple(pieces)))
             flops[owner] += cost
         plans.append(_MeshPlan(mesh, to_group, tuple(items), tuple(flops)))
@@ -208,95 +199,110 @@ def _exchange(
     """Gather each leaf to its owner, run ``fn(leaf, full)`` there, and bring every rank its shard back.
 
     Two all-to-alls per dtype over the mesh's group; every rank of the mesh
-    calls them in the same order, whatever it owns.
+    calls them in the same order, whatever it owns. What a rank sends and
+    computes depends on its rank, so that local work runs through
+    :func:`~gradtx.comm.local_ranks.per_rank`: once here, or once per rank of a simulated mesh.
     """
     group = plan.mesh
     n = comm.size(group)
-    me = comm.rank(group)
     if n != len(plan.group_of_mesh):
         raise ValueError(f"muon: the comm's group for a mesh of {len(plan.group_of_mesh)} ranks has {n} ranks")
+    me = comm.rank(group)
     out: dict[int, torch.Tensor] = {}
     dtypes: dict[torch.dtype, list[_Owned]] = {}
     for item in plan.items:
         dtypes.setdefault(inputs[item.leaf].dtype, []).append(item)
-    for dtype, items in dtypes.items():
-        device = inputs[items[0].leaf].device
-        # To the owners: my shard of every leaf, where I am the first holder of that shard.
-        send = [[] for _ in range(n)]  # type: list[list[torch.Tensor]]
-        for it in items:
-            if it.pieces[me].sends:
-                send[it.owner].append(inputs[it.leaf].reshape(-1))
-        recv_numels = [
-            sum(math.prod(it.pieces[r].shape) for it in items if it.owner == me and it.pieces[r].sends)
-            for r in range(n)
-        ]
-        got = comm.all_to_all([_cat(s, dtype, device) for s in send], recv_numels, group)
-        offsets = [0] * n
-        back = [[] for _ in range(n)]  # type: list[list[torch.Tensor]]
-        for it in items:
-            if it.owner != me:
-                continue
-            shape = templates[it.leaf].shape
-            full = torch.empty(shape, dtype=dtype, device=device)
-            for r in range(n):
-                p = it.pieces[r]
-                if not p.sends:
-                    continue
-                k = math.prod(p.shape)
-                full[_advanced(p.where)] = got[r][offsets[r] : offsets[r] + k].view(p.shape)
-                offsets[r] += k
-            result = fn(it.leaf, full)
-            for r in range(n):
-                back[r].append(result[_advanced(it.pieces[r].where)].reshape(-1))
-        recv_numels = [sum(math.prod(it.pieces[me].shape) for it in items if it.owner == r) for r in range(n)]
-        got = comm.all_to_all([_cat(b, dtype, device) for b in back], recv_numels, group)
-        offsets = [0] * n
-        for it in items:
-            p = it.pieces[me]
-            k = math.prod(p.shape)
-            out[it.leaf] = got[it.owner][offsets[it.owner] : offsets[it.owner] + k].view(p.shape)
-            offsets[it.owner] += k
+    for items in dtypes.values():
+        shapes = [tuple(templates[it.leaf].shape) for it in items]
+        sent = per_rank(functools.partial(_to_owners, items, n))(me, *[inputs[it.leaf] for it in items])
+        got = comm.all_to_all(sent[:n], sent[n:], group)
+        sent = per_rank(functools.partial(_at_owners, items, n, shapes, fn))(me, *got)
+        got = comm.all_to_all(sent[:n], sent[n:], group)
+        out.update(zip([it.leaf for it in items], per_rank(functools.partial(_from_owners, items, n))(me, *got)))
     return out
 
 
-def _cat(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _to_owners(items: list[_Owned], n: int, me: int, *shards: torch.Tensor) -> tuple[Any, ...]:
+    """My shard of every leaf, to its owner, where I am the first holder of that shard; and what I receive."""
+    send: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for it, x in zip(items, shards):
+        if it.pieces[me].sends:
+            send[it.owner].append(x.reshape(-1))
+    recv = [sum(math.prod(it.pieces[r].shape) for it in items if it.owner == me and it.pieces[r].sends)
+            for r in range(n)]  # fmt: skip
+    return (*[_cat(s, shards[0]) for s in send], *recv)
+
+
+def _at_owners(
+    items: list[_Owned], n: int, shapes: list[tuple[int, ...]], fn: Callable[[int, torch.Tensor], torch.Tensor],
+    me: int, *got: torch.Tensor,
+) -> tuple[Any, ...]:  # fmt: skip
+    """Each leaf I own, whole; ``fn`` of it; every rank's shard of the result; and what I receive back."""
+    offsets = [0] * n
+    back: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    for it, shape in zip(items, shapes):
+        if it.owner != me:
+            continue
+        full = got[0].new_empty(shape)
+        for r, p in enumerate(it.pieces):
+            if p.sends:
+                k = math.prod(p.shape)
+                part = got[r][offsets[r] : offsets[r] + k].view(p.shape)
+                offsets[r] += k
+                for where, local in p.blocks:
+                    full[where] = part[local]
+        result = fn(it.leaf, full)
+        for r, p in enumerate(it.pieces):
+            back[r].append(_cut(result, p))
+    recv = [sum(math.prod(it.pieces[me].shape) for it in items if it.owner == r) for r in range(n)]
+    return (*[_cat(b, got[0]) for b in back], *recv)
+
+
+def _from_owners(items: list[_Owned], n: int, me: int, *got: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """My shard of every leaf's result, from its owner."""
+    offsets = [0] * n
+    shards = []
+    for it in items:
+        p, o = it.pieces[me], it.owner
+        k = math.prod(p.shape)
+        shards.append(got[o][offsets[o] : offsets[o] + k].view(p.shape))
+        offsets[o] += k
+    return tuple(shards)
+
+
+def _cut(full: torch.Tensor, p: _Piece) -> torch.Tensor:
+    """Piece ``p`` of ``full``, flat."""
+    if len(p.blocks) == 1:
+        return full[p.blocks[0][0]].reshape(-1)
+    shard = torch.empty(p.shape, dtype=full.dtype, device=full.device)
+    for where, local in p.blocks:
+        shard[local] = full[where]
+    return shard.reshape(-1)
+
+
+def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
     if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
+        return like.new_empty(0)
     return torch.cat(parts) if len(parts) > 1 else parts[0].contiguous()
-
-
-class _Route(NamedTuple):
-    kind: str  # "local": orthogonalize the local tensor; "exchange": via owners
-    layout: _Layout
 
 
 def _routes(
     leaves: Sequence[Any], dims: Sequence[MuonDimensionNumbers], leaf_paths: Sequence[str], *, whole_leaf: bool
-) -> list[_Route]:
-    routes = []
-    for x, dn, where in zip(leaves, dims, leaf_paths):
-        lay = _layout(tuple(x.shape), dn, where=where)
-        kind = "local"
+) -> tuple[list[_Layout], list[int]]:
+    """Each leaf's layout, and the leaves exchanged through owners (sharded across a matrix axis)."""
+    lays, exchanged = [], []
+    for j, (x, dn, where) in enumerate(zip(leaves, dims, leaf_paths)):
+        lays.append(_layout(tuple(x.shape), dn, where=where))
         if DTensor is not None and isinstance(x, DTensor):
-            if any(isinstance(p, Partial) for p in x.placements):
+            if any(p.is_partial() for p in x.placements):
                 raise ValueError(
                     f"muon: the update at {where} is a Partial DTensor (a pending sum); reduce it before orthogonalizing"
                 )
             sharded = {cast(Any, p).dim % x.ndim for p in x.placements if _is_shard(p)}
-            if sharded and (whole_leaf or not sharded <= lay.batch_axes):
+            if sharded and (whole_leaf or not sharded <= lays[-1].batch_axes):
                 _check_shard_order(x, where=where)
-                kind = "exchange"
-        routes.append(_Route(kind, lay))
-    return routes
-
-
-def _default_comm(leaves: Sequence[Any]) -> ExchangeComm:
-    meshes = [x.device_mesh for x in leaves if DTensor is not None and isinstance(x, DTensor)]
-    if not meshes:
-        return LocalComm()
-    from gradtx.comm.torch_dist import mesh_comm
-
-    return mesh_comm(meshes)
+                exchanged.append(j)
+    return lays, exchanged
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -306,51 +312,36 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
 
 class _Prepared(NamedTuple):
-    """What a step needs that depends only on the leaves' shapes, dtypes and placements (cached)."""
+    """What a step needs that depends only on the leaves' global shapes, dtypes and placements (cached)."""
 
-    routes: list[_Route]
-    local_layouts: list[_Layout | None]  # the local tensor's layout, for a "local" route
-    stacks: list[list[int]]  # groups of "local" leaves iterated as one stack (at most ``ns_batch`` each)
-    singles: list[int]  # the other "local" leaves, one at a time
+    layouts: list[_Layout]
+    local: list[int]  # the leaves orthogonalized where they are
+    paths: list[str]
     mesh_plans: tuple[_MeshPlan, ...]
 
 
-def _prepare(
-    leaves: Sequence[Any],
-    dims: Sequence[MuonDimensionNumbers],
-    leaf_paths: Sequence[str],
-    *,
-    adaptive: bool,
-    preconditioning: str,
-    steps: int,
-    ns_batch: int,
-) -> _Prepared:
-    routes = _routes(leaves, dims, leaf_paths, whole_leaf=adaptive)
-    local_layouts: list[_Layout | None] = [None] * len(leaves)
+def _local_plan(
+    locs: Sequence[torch.Tensor], dims: Sequence[MuonDimensionNumbers], paths: Sequence[str], *,
+    adaptive: bool, preconditioning: str, ns_batch: int,
+) -> tuple[list[_Layout], list[list[int]], list[int]]:  # fmt: skip
+    """The local tensors' layouts, the stacks (of at most ``ns_batch``) iterated as one, and the single ones."""
+    lays = [_layout(tuple(x.shape), dn, where=w) for x, dn, w in zip(locs, dims, paths)]
     groups: dict[tuple[Any, ...], list[int]] = {}
     singles: list[int] = []
-    for j, (x, r) in enumerate(zip(leaves, routes)):
-        if r.kind != "local":
-            continue
-        loc = tu.local(x)
-        lay = _layout(tuple(loc.shape), dims[j], where=leaf_paths[j]) if loc.shape != x.shape else r.layout
-        local_layouts[j] = lay
-        key = None if adaptive or ns_batch < 2 else _stack_key(loc, lay, preconditioning)
+    for k, (x, lay) in enumerate(zip(locs, lays)):
+        key = None if adaptive or ns_batch < 2 else _stack_key(x, lay, preconditioning)
         if key is None:
-            singles.append(j)
+            singles.append(k)
         else:
-            groups.setdefault(key, []).append(j)
+            groups.setdefault(key, []).append(k)
     stacks: list[list[int]] = []
-    for js in groups.values():
-        if len(js) == 1:
-            singles += js
-            continue
-        # Bounded stacks: ns_batch matrices at most, in near-equal parts.
-        n = -(-len(js) // ns_batch)
-        stacks += [js[k::n] for k in range(n)]
-    exchanged = [j for j, r in enumerate(routes) if r.kind == "exchange"]
-    mesh_plans = _plan_sharded(leaves, [r.layout for r in routes], exchanged, steps)
-    return _Prepared(routes, local_layouts, stacks, sorted(singles), mesh_plans)
+    for ks in groups.values():
+        if len(ks) == 1:
+            singles += ks
+        else:  # bounded stacks: ns_batch matrices at most, in near-equal parts
+            n = -(-len(ks) // ns_batch)
+            stacks += [ks[i::n] for i in range(n)]
+    return lays, stacks, sorted(singles)
 
 
 def _make_orthogonalizer(
@@ -370,6 +361,7 @@ def _make_orthogonalizer(
     shapes and placements alone is computed then and cached.
     """
     cache: dict[tuple[Any, ...], _Prepared] = {}
+    local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]], list[int]]] = {}
 
     def run(
         leaves: Sequence[Any],
@@ -380,61 +372,58 @@ def _make_orthogonalizer(
         key = (_signature(leaves), tuple(dims), adaptive)
         prep = cache.get(key)
         if prep is None:
-            prep = _prepare(
-                leaves, dims, leaf_paths(), adaptive=adaptive, preconditioning=preconditioning, steps=len(rows),
-                ns_batch=ns_batch,
-            )  # fmt: skip
+            paths = list(leaf_paths())
+            lays, exchanged = _routes(leaves, dims, paths, whole_leaf=adaptive)
+            plans = _plan_sharded(leaves, lays, exchanged, len(rows))
+            prep = _Prepared(lays, [j for j in range(len(leaves)) if j not in exchanged], paths, plans)
             if len(cache) > 8:
                 cache.clear()
             cache[key] = prep
-        routes = prep.routes
 
         def whole(j: int, full: torch.Tensor) -> torch.Tensor:
-            o = _orthogonalize_full(full, rows, preconditioning, eps, routes[j].layout, ns_dtype)
+            o = _orthogonalize_full(full, rows, preconditioning, eps, prep.layouts[j], ns_dtype)
             if adaptive:  # scale by the dual norm <G, O> of the whole leaf, as optax
                 o = (full * o).sum() * o
             return o
 
-        out: list[Any] = [None] * len(leaves)
-        for js in prep.stacks:
-            locs = [tu.local(leaves[j]) for j in js]
-            lays = [cast(_Layout, prep.local_layouts[j]) for j in js]
-            for j, o in zip(js, _orthogonalize_stacked(locs, rows, preconditioning, eps, lays, ns_dtype)):
-                out[j] = tu.like(leaves[j], o)
-        for j in prep.singles:
-            x = leaves[j]
-            loc = tu.local(x)
-            o = _orthogonalize_full(loc, rows, preconditioning, eps, cast(_Layout, prep.local_layouts[j]), ns_dtype)
-            if adaptive:
-                o = (loc * o).sum() * o
-            out[j] = tu.like(x, o)
-        if prep.mesh_plans and _simulated():
-            # A simulated mesh runs every rank at once, so the owner exchange (whose sends depend on the rank)
-            # cannot run there; every rank gathers the whole leaf instead and keeps its shard of the same result.
-            from gradtx.comm.torch_dist import on_whole
+        def local_step(*locs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            # Per rank: a shard's shape is each rank's own (uneven experts), and so are its layout and stacks.
+            lkey = (key, tuple((x.shape, x.stride(), x.device) for x in locs))
+            plan = local_cache.get(lkey)
+            if plan is None:
+                plan = _local_plan(
+                    locs, [dims[j] for j in prep.local], [prep.paths[j] for j in prep.local], adaptive=adaptive,
+                    preconditioning=preconditioning, ns_batch=ns_batch,
+                )  # fmt: skip
+                if len(local_cache) > 8:
+                    local_cache.clear()
+                local_cache[lkey] = plan
+            lays, stacks, singles = plan
+            res: list[Any] = [None] * len(locs)
+            for ks in stacks:
+                ys = _orthogonalize_stacked([locs[k] for k in ks], rows, preconditioning, eps, [lays[k] for k in ks],
+                                            ns_dtype)  # fmt: skip
+                for k, y in zip(ks, ys):
+                    res[k] = y
+            for k in singles:
+                o = _orthogonalize_full(locs[k], rows, preconditioning, eps, lays[k], ns_dtype)
+                res[k] = (locs[k] * o).sum() * o if adaptive else o
+            return tuple(res)
 
-            for plan in prep.mesh_plans:
-                for it in plan.items:
-                    out[it.leaf] = on_whole(leaves[it.leaf], functools.partial(whole, it.leaf))
-        elif prep.mesh_plans:
-            c = comm if comm is not None else _default_comm(leaves)
+        out: list[Any] = [None] * len(leaves)
+        if prep.local:
+            for j, o in zip(prep.local, per_rank(local_step)(*[tu.local(leaves[j]) for j in prep.local])):
+                out[j] = tu.like(leaves[j], o)
+        if prep.mesh_plans:
+            c = comm if comm is not None else mesh_comm([x.device_mesh for x in leaves if isinstance(x, DTensor)])
             check_exchange_comm(c, name=name)
             locals_ = [tu.local(x) for x in leaves]
-            for plan in prep.mesh_plans:
-                for j, shard in _exchange(plan, c, locals_, leaves, whole).items():
+            for mesh_plan in prep.mesh_plans:
+                for j, shard in _exchange(mesh_plan, c, locals_, leaves, whole).items():
                     out[j] = tu.like(leaves[j], shard)
         return out
 
     return run
-
-
-def _simulated() -> bool:
-    """Whether torch's ``LocalTensorMode`` (a simulated mesh: every rank in this process) is on."""
-    try:
-        from torch.distributed._local_tensor import enabled_local_tensor_mode
-    except ImportError:  # pragma: no cover
-        return False
-    return enabled_local_tensor_mode() is not None
 
 
 def exchange_plan(
@@ -469,15 +458,12 @@ def exchange_plan(
     all_paths = [tu.path_str(p) for p in tu.paths(updates)]
     keep = [j for j, d in enumerate(dims) if d is not None]
     leaves = [leaves[j] for j in keep]
-    routes = _routes(leaves, [dims[j] for j in keep], [all_paths[j] for j in keep], whole_leaf=adaptive)  # type: ignore[misc]
-    exchanged = [j for j, r in enumerate(routes) if r.kind == "exchange"]
-    plans = _plan_sharded(leaves, [r.layout for r in routes], exchanged, ns_steps)
-    sent = received = gather = 0
-    collectives = 0
+    lays, exchanged = _routes(leaves, [dims[j] for j in keep], [all_paths[j] for j in keep], whole_leaf=adaptive)  # type: ignore[misc]
+    sent = received = gather = collectives = 0
     flops: dict[int, int] = {}
     owners: dict[int, int] = {}
-    for plan in plans:
-        ranks = sorted(_global_ranks(plan.mesh))
+    for plan in _plan_sharded(leaves, lays, exchanged, ns_steps):
+        ranks = sorted(mesh_ranks(plan.mesh))
         for g, f in zip(ranks, plan.flops):
             flops[g] = flops.get(g, 0) + f
         for it in plan.items:
@@ -496,13 +482,6 @@ def exchange_plan(
                 received += sum(math.prod(p.shape) * size for r, p in enumerate(it.pieces) if r != me and p.sends)
                 sent += sum(math.prod(p.shape) * size for r, p in enumerate(it.pieces) if r != me)
             gather += (leaves[it.leaf].numel() - math.prod(it.pieces[me].shape)) * size
-    total = sum(_ns_flops(r.layout, ns_steps) for r in routes)
-    return ExchangePlan(
-        collectives,
-        sent,
-        received,
-        gather,
-        tuple(flops.get(r, 0) for r in range(max(flops, default=-1) + 1)),
-        total,
-        owners,
-    )
+    by_rank = tuple(flops.get(r, 0) for r in range(max(flops, default=-1) + 1))
+    total = sum(_ns_flops(lay, ns_steps) for lay in lays)
+    return ExchangePlan(collectives, sent, received, gather, by_rank, total, owners)

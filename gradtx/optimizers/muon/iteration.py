@@ -233,13 +233,18 @@ def _orthogonalize_full(
 
 
 def _transposed(lay: _Layout, preconditioning: str) -> bool:
-    """Whether the iteration runs on the transpose: on the wide side.
+    """Whether the iteration runs on the transpose of the ``(reduction, output)`` matrix: on the wide side.
 
     A square matrix is transposed too (back to a torch ``(out, in)`` weight, where
     torch.optim.Muon iterates it, so bf16 agrees bit for bit), except under AOL,
-    whose row scaling depends on the side: there optax's side.
+    whose row scaling depends on the side: there optax's side, which iterates
+    a 2-d leaf as stored whatever its dimension numbers, and any other leaf as
+    ``(reduction, output)``.
     """
-    return lay.flat[1] > lay.flat[2] or (lay.flat[1] == lay.flat[2] and preconditioning != "aol")
+    rows, cols = lay.flat[1:]
+    if rows != cols or preconditioning != "aol":
+        return rows >= cols
+    return lay.perm == (1, 0)
 
 
 def _matrices(

@@ -21,7 +21,7 @@ from gradtx.optimizers.muon.iteration import (
     _is_dn,
     _resolve_dims,
 )
-from gradtx.optimizers.muon.transforms import scale_by_muon, scale_by_shape
+from gradtx.optimizers.muon.transforms import _momentum, scale_by_muon, scale_by_shape
 from gradtx.optimizers.standard import (
     OptimizerChain,
     OptimizerSpec,
@@ -56,24 +56,19 @@ def _scale_by_adam_nesterov(
         nu_leaves, nu_spec = tu.flatten(state.nu)
         count = state.count + 1
         new_mu, new_nu, out = list(mu_leaves), list(nu_leaves), list(leaves)
-        for j, (g, i) in enumerate(zip(leaves, index)):
-            m0, v0 = tu.local(mu_leaves[i]), tu.local(nu_leaves[i])
-            gl = tu.local(g).to(m0.dtype)
-            dev, dt = m0.device, m0.dtype
+        m0s = [tu.local(mu_leaves[i]) for i in index]
+        gls = [tu.local(g).to(m0.dtype) for g, m0 in zip(leaves, m0s)]
+        # The first moment and its (Nesterov) bias-corrected direction are Muon's momentum.
+        ms, m_hats = _momentum(m0s, gls, b1, count, nesterov=nesterov, bias_correction=True)
+        for j, (g, i, gl, m, m_hat) in enumerate(zip(leaves, index, gls, ms, m_hats)):
+            v0 = tu.local(nu_leaves[i])
+            dev, dt = v0.device, v0.dtype
 
             def c(v: Scalar, dev: torch.device = dev, dt: torch.dtype = dt) -> Scalar:
                 return v.to(dev, dt) if isinstance(v, torch.Tensor) else v
 
-            m = m0.lerp(gl, 1 - c(b1))
             v = v0 * c(b2) + (1 - c(b2)) * gl * gl
-            t = count.to(dev, tu.acc_dtype(dt))
-            if nesterov:
-                m_hat = m * (c(b1) / _bias_correction(b1, t + 1)).to(dt) + gl * (
-                    (1 - c(b1)) / _bias_correction(b1, t)
-                ).to(dt)
-            else:
-                m_hat = m / _bias_correction(b1, t).to(dt)
-            v_hat = v / _bias_correction(b2, t).to(dt)
+            v_hat = v / _bias_correction(b2, count.to(dev, tu.acc_dtype(dt))).to(dt)
             u = m_hat / (torch.sqrt(v_hat + c(eps_root)) + c(eps))
             new_mu[i], new_nu[i] = tu.like(mu_leaves[i], m), tu.like(nu_leaves[i], v)
             out[j] = tu.like(g, u.to(g.dtype))
@@ -177,14 +172,10 @@ def muon(
         _coeff_rows(ns_coeffs, ns_steps if isinstance(ns_steps, int) else 5, name="muon")
         ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
 
-    def per_leaf(tree: PyTree) -> list[MuonDimensionNumbers | None]:
-        if dims_arg is None:
-            return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(tree)[0]]
-        return _resolve_dims(dims_arg, tree, name="muon")
-
     def labels(params: PyTree) -> PyTree:
         _, spec = tu.flatten(params)
-        return tu.unflatten(spec, ["muon" if d is not None else "adam" for d in per_leaf(params)])
+        dims = _resolve_dims(dims_arg, params, name="muon")  # None: every 2-d leaf
+        return tu.unflatten(spec, ["muon" if d is not None else "adam" for d in dims])
 
     def inner_dims(updates: PyTree) -> PyTree:
         # The Muon member sees None at the Adam leaves; what remains are Muon leaves.
