@@ -55,9 +55,10 @@ import optree
 import torch
 
 from gradtx.comm.base import ReduceOp, as_comm
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree
+from gradtx.transforms.accumulation import AccumulateState, Accumulation, empty_sums
+from gradtx.transforms.combine import Chain
 
 try:
     from torch.distributed.tensor import DTensor
@@ -96,12 +97,15 @@ def _children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], A
     return list(zip(entries, children)), lambda cs, u=unflatten: u(cs)
 
 
+_WINDOW_FIELDS = {"running_sum": "acc", "micro_step": "micro_step", "tokens": "tokens", "k": "k"}
+
+
 class _Window(NamedTuple):
-    """A window's state found in the walk: its key prefix, the state, and the fields it declared (gradtx.core.kinds.window_state)."""
+    """An accumulation window's state found in the walk: its key prefix and the state."""
 
     prefix: str
     state: Any
-    fields: dict[str, str]
+    fields: dict[str, str] = _WINDOW_FIELDS
 
     def get(self, what: str) -> Any:
         return getattr(self.state, self.fields[what])
@@ -117,7 +121,6 @@ class _Layout:
     per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
     globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
     windows: list[_Window] = field(default_factory=list)
-    added: list[str] = field(default_factory=list)  # key prefixes of fields declared with kinds.added_fields
 
 
 def _is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
@@ -141,13 +144,11 @@ def _walk(
     ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
     for an accumulation window's running sum).
     """
-    layout.added += [_key((*path, name)) for name in kinds.added_field_names(node)]
-    declared = kinds.window_fields(node)
-    if declared is not None:
-        layout.windows.append(_Window(_key(path), node, declared))
+    if isinstance(node, AccumulateState):
+        layout.windows.append(_Window(_key(path), node))
         fields = []
         for name, child in zip(node._fields, node):
-            if name == declared["running_sum"]:
+            if name == "acc":
                 key = _key((*path, name))
                 layout.per_param[key] = child  # placeholders (or None, from 0.1.0) where it holds nothing
                 fields.append(rebuild("acc", child, key) if rebuild else child)
@@ -193,13 +194,22 @@ def param_names(params: Params) -> list[str]:
 # --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
 
 
-def _accumulations(tx: GradientTransformation | None) -> list[Any]:
-    """The windowed members of ``tx`` (gradtx.core.kinds.Windowed), in chain order."""
-    if tx is None:
-        return []
-    from gradtx.runtime.executor import StepPlan
+def _accumulations(tx: GradientTransformation | None) -> list[Accumulation]:
+    """The accumulation windows of ``tx`` (nested chains included), in chain order."""
+    if isinstance(tx, Chain):
+        return [a for member in tx.members for a in _accumulations(member)]
+    return [tx] if isinstance(tx, Accumulation) else []
 
-    return [m for m in StepPlan.of(tx).members if isinstance(m, kinds.Windowed)]
+
+def _window_sum_keys(layout: _Layout) -> list[str]:
+    """The keys of the windows' running sums in ``layout``."""
+    return [w.key("running_sum") for w in layout.windows]
+
+
+def _saved_window_open(globals_: Any, sum_key: str) -> bool:
+    """Whether the saved global state says the window whose running sum is ``sum_key`` was open."""
+    value = globals_.get(_child(_parent(sum_key)[0], "micro_step")) if isinstance(globals_, dict) else None
+    return isinstance(value, torch.Tensor) and int(value) > 0
 
 
 def _multi_process() -> bool:
@@ -246,14 +256,11 @@ def _windows_with_comm(layout: _Layout, tx: GradientTransformation | None, *, wh
     return list(accs)
 
 
-def _per_rank(acc: Any) -> tuple[bool, bool]:
-    """(tokens are per rank, the running sum is per rank) for a windowed member (its ``rank_local()``)."""
-    if acc is None:
+def _per_rank(acc: Accumulation | None) -> tuple[bool, bool]:
+    """(tokens are per rank, the running sum is per rank) for an accumulation window with a ``comm``."""
+    if acc is None or acc.window.comm is None:
         return False, False
-    local = acc.rank_local()
-    if local.comm is None:
-        return False, False
-    return bool(local.tokens), bool(local.sums)
+    return acc.window.token_weighted, acc.window.reduce_grads
 
 
 # --- tensors onto a template ---------------------------------------------------------------------
@@ -292,10 +299,6 @@ def _check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
         raise ValueError(f"{what}: the checkpoint has shape {tuple(value.shape)}, this state {tuple(template.shape)}")
     if value.dtype != template.dtype:
         raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
-
-
-def _within(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + "/")
 
 
 def _check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
@@ -376,7 +379,7 @@ def _export(
         tokens_per_rank, sums_per_rank = _per_rank(acc)
         if int(w.get("micro_step")) == 0 or not (tokens_per_rank or sums_per_rank):
             continue
-        comm, group = acc.rank_local().comm, acc.rank_local().group
+        comm, group = acc.window.comm, acc.window.group
         if tokens_per_rank:
             tokens = w.get("tokens")
             (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
@@ -476,9 +479,6 @@ def _import(
 ) -> OptState:
     """Validate everything, then build the new state (the caller commits it)."""
     p_leaves, p_spec = tu.flatten(params)
-    if isinstance(globals_, dict):  # a file from before a field was added: the live state's value fills it
-        added = [k for k in layout.globals_ if k not in globals_ and any(_within(k, a) for a in layout.added)]
-        globals_ = {**globals_, **{k: layout.globals_[k] for k in added}}
     _check_keys(globals_, list(layout.globals_), what=f"{what}: global state", hint=_HINT)
     for key, template in layout.globals_.items():
         if isinstance(template, torch.Tensor):
@@ -506,8 +506,7 @@ def _import(
         tokens_per_rank, sums_per_rank = _per_rank(acc)
         on_first: bool | torch.Tensor = True
         if tokens_per_rank or sums_per_rank:
-            local = acc.rank_local()
-            on_first = _on_first_rank(local.comm, local.group)
+            on_first = _on_first_rank(acc.window.comm, acc.window.group)
         first_rank[w.prefix] = (tokens_per_rank, sums_per_rank, on_first)
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
@@ -524,7 +523,7 @@ def _import(
         if kind == "acc":
             prefix = _parent(key)[0]
             if not opened[prefix]:
-                return kinds.empty_sum(params) if old is not None else None
+                return empty_sums(params)
             _, sums_per_rank, on_first = first_rank[prefix]
             templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
             values = [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
@@ -587,23 +586,10 @@ def _take_acc(state: OptState, params: Params) -> tuple[OptState, list[PyTree | 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "acc":
             taken.append(old)
-            return kinds.emptied(old)
+            return empty_sums(old)
         return old
 
     return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild), taken
-
-
-def with_empty_sums(state: OptState, params: Params) -> OptState:
-    """``state`` with every window's running sum that is ``None`` (a state from 0.1.0) as empty placeholders.
-
-    From then on the state keeps one structure (:func:`gradtx.core.kinds.empty_sum`).
-    """
-    p_leaves, p_spec = tu.flatten(params)
-
-    def rebuild(kind: str, old: Any, key: str) -> Any:
-        return kinds.empty_sum(params) if kind == "acc" and old is None else old
-
-    return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild)
 
 
 class TransformState:

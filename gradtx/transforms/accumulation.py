@@ -4,7 +4,7 @@ Two pieces: :class:`Window`, the pure bookkeeping of an accumulation window
 (count micro-steps and tokens, decide when it closes, and the normaliser
 ``1 / denominator``), and :func:`accumulate`, a transform that keeps the
 window's running sum in an fp32 buffer of its own. :class:`gradtx.TransformedOptimizer`
-drives the same :class:`Window` through :mod:`gradtx.runtime.executor`, with autograd's
+drives the same :class:`Window` (:mod:`gradtx.wrapper.rules`), with autograd's
 ``.grad`` as the buffer.
 """
 
@@ -17,7 +17,6 @@ from typing import Any, NamedTuple, Self
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Params, PyTree, export_metrics, factory
@@ -28,13 +27,6 @@ from gradtx.core.base import GradientTransformation, Params, PyTree, export_metr
     ("last_tokens", "tokens"),
     ("emitted", "emitted"),
     ("empty_windows", "empty_windows"),
-)
-@kinds.window_state(running_sum="acc", micro_step="micro_step", tokens="tokens", k="k")
-@kinds.added_fields(  # after 0.1.0: a 0.1.0 state loads as a window that has seen no loss
-    loss_sum=lambda: torch.zeros((), dtype=torch.float32),
-    loss_weight=lambda: torch.zeros((), dtype=torch.int64),
-    last_loss=lambda: torch.zeros((), dtype=torch.float32),
-    windows=lambda: torch.zeros((), dtype=torch.int64),
 )
 class AccumulateState(NamedTuple):
     """The accumulation window.
@@ -55,9 +47,8 @@ class AccumulateState(NamedTuple):
       acc: the fp32 running sum, a tree like the params, from ``init`` on (so the
         state's structure never changes): a leaf is the sum of its grads while a
         window is open in :func:`accumulate`, else a 0-element placeholder
-        (:func:`gradtx.core.kinds.empty_sum`; no memory), and always the
-        placeholder when autograd is the buffer. A state from 0.1.0 holds
-        ``None`` here, read as empty.
+        (:func:`empty_sums`; no memory), and always the placeholder when
+        autograd is the buffer.
       loss_sum: the sum of the losses given (``update(..., loss=...)``) in the
         open window (fp32, 0-d, on the loss's device).
       loss_weight: what ``loss_sum`` is divided by when the window closes: the
@@ -75,7 +66,7 @@ class AccumulateState(NamedTuple):
     last_tokens: torch.Tensor
     empty_windows: torch.Tensor
     k: torch.Tensor
-    acc: PyTree | None
+    acc: PyTree
     loss_sum: torch.Tensor
     loss_weight: torch.Tensor
     last_loss: torch.Tensor
@@ -127,8 +118,28 @@ def _multi_process() -> int:
 
 
 def _placeholder(leaf: Any) -> bool:
-    """Whether a leaf of a window's running sum holds nothing (:func:`gradtx.core.kinds.empty_sum`'s placeholder)."""
+    """Whether a leaf of a window's running sum holds nothing (an :func:`empty_sums` placeholder)."""
     return not isinstance(leaf, torch.Tensor) or leaf.numel() == 0
+
+
+def empty_sums(tree: Any) -> Any:
+    """The running sum of a window that holds nothing: ``tree``'s structure, every tensor leaf a 0-element tensor.
+
+    A window's state keeps its running sum from ``init`` on, so the state's
+    structure never changes between steps; outside a window a leaf is this
+    placeholder, in the sum's dtype (at least fp32) on the leaf's (local)
+    device, and costs no memory. ``None`` gives ``None``.
+    """
+    if tree is None:
+        return None
+    return tu.tree_map(
+        lambda p: (
+            torch.empty(0, dtype=torch.promote_types(p.dtype, torch.float32), device=tu.local(p).device)
+            if isinstance(p, torch.Tensor)
+            else p
+        ),
+        tree,
+    )
 
 
 class WindowStep(NamedTuple):
@@ -174,7 +185,7 @@ class Window:
         return int(k)
 
     def init(self, params: Params | None = None) -> AccumulateState:
-        """A fresh window; its running sum is :func:`gradtx.core.kinds.empty_sum` of ``params`` (``None`` without)."""
+        """A fresh window; its running sum is :func:`empty_sums` of ``params`` (``None`` without)."""
         zero = torch.zeros((), dtype=torch.int64)
         return AccumulateState(
             micro_step=zero,
@@ -183,7 +194,7 @@ class Window:
             last_tokens=zero.clone(),
             empty_windows=zero.clone(),
             k=torch.tensor(self.k, dtype=torch.int64),
-            acc=kinds.empty_sum(params),
+            acc=empty_sums(params),
             loss_sum=torch.zeros((), dtype=torch.float32),
             loss_weight=zero.clone(),
             last_loss=torch.zeros((), dtype=torch.float32),
@@ -273,7 +284,7 @@ class Window:
         closed = state._replace(
             micro_step=torch.zeros((), dtype=torch.int64),
             tokens=torch.zeros((), dtype=torch.int64),
-            acc=kinds.emptied(state.acc),
+            acc=empty_sums(state.acc),
             loss_sum=torch.zeros((), dtype=torch.float32),
             loss_weight=torch.zeros((), dtype=torch.int64),
             last_loss=loss_sum / loss_weight if loss_weight > 0 else state.last_loss,
@@ -316,22 +327,6 @@ class Window:
         return tu.all_reduce_leaves(self.comm, leaves, ReduceOp.SUM, self.group, inplace=inplace)
 
 
-class RankLocal(NamedTuple):
-    """What of a window's state is per data-parallel rank, for a checkpoint to sum on save.
-
-    Attributes:
-      comm: the :class:`gradtx.comm.Comm` over the data-parallel ranks, or ``None`` (nothing is per rank).
-      group: its group key.
-      tokens: the window's token count is this rank's only.
-      sums: the window's running sum is this rank's only.
-    """
-
-    comm: Comm | None
-    group: GroupKey
-    tokens: bool
-    sums: bool
-
-
 class Accumulation(GradientTransformation):
     """What :func:`accumulate` returns: the transform, with its pieces exposed.
 
@@ -356,44 +351,10 @@ class Accumulation(GradientTransformation):
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
         return (self.init, self.update, self.window, self.sum_window)
 
-    # The gradtx.core.kinds.Windowed protocol: what the executor, the wrapper and the checkpoint read.
-
     @property
     def k(self) -> int:
         """The window length."""
         return self.window.k
-
-    def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
-        """Whether the next micro-step closes the window (reads host counters only)."""
-        return self.window.emits_next(state, flush=flush)
-
-    def is_open(self, state: AccumulateState) -> bool:
-        """Whether micro-steps have been counted and not emitted yet."""
-        return self.window.is_open(state)
-
-    def count_step(
-        self,
-        state: AccumulateState,
-        *,
-        tokens: Any = None,
-        flush: bool = False,
-        device: torch.device | None = None,
-        loss: Any = None,
-    ) -> tuple[torch.Tensor | None, AccumulateState]:
-        """Count a micro-step whose gradient the caller sums (autograd's ``.grad``): ``(1/denominator or None, state)``."""
-        stepped = self.window.step(state, tokens=tokens, flush=flush, device=device, loss=loss)
-        return stepped.factor, stepped.state
-
-    def reduce(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The caller's summed leaves, summed over the data-parallel group in place (``reduce_grads``)."""
-        return self.window.reduce(leaves, inplace=True)
-
-    def rank_local(self) -> RankLocal:
-        """Which parts of the window's state differ between data-parallel ranks, and how to sum them."""
-        w = self.window
-        if w.comm is None:
-            return RankLocal(None, w.group, False, False)
-        return RankLocal(w.comm, w.group, w.token_weighted, w.reduce_grads)
 
     def downstream_extra(self, state: AccumulateState, extra: dict[str, Any]) -> dict[str, Any]:
         """The extras the members after the window see, once it has emitted with ``state``.
@@ -463,8 +424,8 @@ def accumulate(
 
     The window itself (counting micro-steps and tokens, and the normaliser
     ``1 / denominator``) is :attr:`Accumulation.window`, a pure object that
-    :mod:`gradtx.runtime.executor` also drives when autograd's ``.grad`` is the
-    buffer (:class:`gradtx.TransformedOptimizer`), so no second buffer exists there.
+    :class:`gradtx.TransformedOptimizer` drives with autograd's ``.grad`` as the
+    buffer, so no second buffer exists there.
 
     Per emitted update this issues at most two collectives over ``group``: one
     scalar SUM of the token total (token-weighted with a ``comm``), then one
@@ -544,8 +505,8 @@ def accumulate(
         window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
         _loss_value(loss)
         held = state.acc
-        if held is None:  # a state from 0.1.0 (or a Window made without params): nothing summed yet
-            held = kinds.empty_sum(params if params is not None else updates)
+        if held is None:  # a Window made without params: nothing summed yet
+            held = empty_sums(params if params is not None else updates)
         sums, sum_spec = tu.flatten(held)
         opened = window.is_open(state)
         against = "the open window's running sum" if opened else "params"
@@ -599,4 +560,4 @@ def accumulate(
     )
     update_fn = torch.compiler.disable(update_fn, reason=reason)
     sum_window = torch.compiler.disable(sum_window, reason=reason)
-    return kinds.declare_fresh(Accumulation(init_fn, update_fn, window, sum_window))
+    return Accumulation(init_fn, update_fn, window, sum_window)

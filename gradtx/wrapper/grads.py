@@ -11,6 +11,7 @@ the result is written back into ``.grad`` for the inner optimizer.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -31,11 +32,9 @@ def flat(tree: ParamTree) -> list[torch.Tensor]:
     return [p for group in tree for p in group]
 
 
-def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree | None:
-    """The tree grown by the params unfrozen since it was built (requires_grad and a grad), or None if none were."""
+def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree:
+    """The tree grown by the params unfrozen since it was built (requires_grad and a grad)."""
     seen = {id(p) for p in flat(tree)}
-    if all(id(p) in seen or not (p.requires_grad and p.grad is not None) for g in groups for p in g["params"]):
-        return None
     return [[p for p in g["params"] if id(p) in seen or (p.requires_grad and p.grad is not None)] for g in groups]
 
 
@@ -68,18 +67,42 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     return _ckpt._walk(fresh, (), p_spec, p_leaves, _ckpt._Layout(), rebuild)
 
 
-def read(params: ParamTree, *, emitting: bool) -> ParamTree:
-    """Each param's ``.grad``; a param without one reads as zeros on an emitting step.
+def check_unique(groups: list[dict[str, Any]]) -> None:
+    """Refuse a param listed twice: the transform would count it twice (its square twice in a norm)."""
+    seen: dict[int, tuple[int, int]] = {}
+    for i, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            if id(p) in seen:
+                a, b = seen[id(p)]
+                raise ValueError(
+                    f"TransformedOptimizer: param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)}) is the same "
+                    f"tensor as param_groups[{a}]['params'][{b}]; list each parameter once (a norm would count it "
+                    "twice, and the inner optimizer would step it twice)"
+                )
+            seen[id(p)] = (i, j)
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's ``step`` requires a closure (LBFGS: it reevaluates the model itself)."""
+    try:
+        param = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # pragma: no cover - a builtin step
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return tu.local(t)
+
+
+def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:
+    """What the transform reads for a param without a grad: zeros on an emitting step, an empty tensor on a held one.
 
     Its ``.grad`` stays ``None``, so the inner optimizer skips it. A held step
-    reads no grad values (accumulate comes first and only counts), so a
-    missing grad there, as under FSDP2's no-sync, costs no allocation.
+    reads no grad values (the window only counts), so a missing grad there, as
+    under FSDP2's no-sync, costs no allocation.
     """
-
-    def missing(p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(p) if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
-
-    return [[p.grad if p.grad is not None else missing(p) for p in group] for group in params]
+    return torch.zeros_like(p) if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
 
 
 def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,30 +125,22 @@ def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Ten
     return replaced
 
 
-def scale(params: ParamTree, factor: torch.Tensor) -> None:
-    """Multiply every existing ``.grad`` by ``factor`` (a 0-d tensor), in place."""
-    tu.scale_leaves([p.grad for group in params for p in group if p.grad is not None], factor, inplace=True)
-
-
 def undo(replaced: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for p, g in replaced:
         p.grad = g
 
 
-def window_grads(params: ParamTree) -> list[torch.Tensor | None]:
-    """An open window's partial sums, the params' ``.grad``, which pickle and deepcopy leave out of a Parameter."""
-    return [None if p.grad is None else p.grad.detach() for p in flat(params)]
-
-
-def put_window_grads(params: ParamTree, grads: list[torch.Tensor | None]) -> None:
-    for p, g in zip(flat(params), grads):
-        if p.grad is None:
-            p.grad = g
-
-
-def drop(params: ParamTree) -> None:
-    for p in flat(params):
-        p.grad = None
+def inner_step(optimizer: torch.optim.Optimizer) -> None:
+    """The inner optimizer's step; under torch.compile its class's own, without torch's hook wrappers."""
+    if torch.compiler.is_compiling() and not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
+        # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
+        # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
+        raw: Any = type(optimizer).step
+        while hasattr(raw, "__wrapped__"):
+            raw = raw.__wrapped__
+        raw(optimizer)
+        return
+    optimizer.step()
 
 
 def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:
