@@ -32,9 +32,11 @@ def flat(tree: ParamTree) -> list[torch.Tensor]:
     return [p for group in tree for p in group]
 
 
-def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree:
-    """The tree grown by the params unfrozen since it was built (requires_grad and a grad)."""
+def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree | None:
+    """The tree grown by the params unfrozen since it was built (requires_grad and a grad), or None if none were."""
     seen = {id(p) for p in flat(tree)}
+    if all(id(p) in seen or not (p.requires_grad and p.grad is not None) for g in groups for p in g["params"]):
+        return None
     return [[p for p in g["params"] if id(p) in seen or (p.requires_grad and p.grad is not None)] for g in groups]
 
 

@@ -30,6 +30,28 @@ _PICKLED_GRADS = "_pickled_window_grads"  # an open window's .grad, which pickle
 _REBUILT = ("grad_scale", "found_inf", "step", "tx", "_plan", "_fused", "_state_view")
 
 
+class _Live:
+    """What a step writes, held apart from the optimizer object.
+
+    torch.compile drops attribute writes to a ``torch.optim.Optimizer``
+    instance inside a graph (dynamo treats optimizers specially), but tracks
+    writes to a plain object (tests/test_wrapper_compile.py).
+    """
+
+    def __init__(self, tx_state: OptState) -> None:
+        self.tx_state = tx_state
+        self.window_open = False
+        self.emitted = False
+        # GradScaler's scale inside a window, and whether it saw an inf.
+        self.amp_scale: torch.Tensor | None = None
+        self.amp_inf: torch.Tensor | None = None
+        self.synced = True  # False after a backward that skipped the data-parallel sync
+        self.stand_ins: dict[torch.Tensor, dict[str, Any]] = {}  # inner states shown before the inner's first step
+        self.lrs: list[Any] | None = None  # the lrs at the last step, while a window is open
+        self.lr_changes = self.lr_changes_last = 0  # lr changes seen inside this window, and inside the last one
+        self.warned_divided = False
+
+
 def _nested(tx: GradientTransformation) -> Iterator[GradientTransformation]:
     yield tx
     for member in tx.members if isinstance(tx, Chain) else ():
@@ -119,16 +141,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self._set_tree(grads.trainable(optimizer.param_groups))
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-        self._tx_state = self.tx.init(self._tree)
-        self._window_open = False
-        self._emitted = False
-        self._amp_scale: torch.Tensor | None = None  # GradScaler's scale inside a window, and whether it saw an inf
-        self._amp_inf: torch.Tensor | None = None
-        self._synced = True  # False after a backward that skipped the data-parallel sync
-        self._stand_ins: dict[torch.Tensor, dict[str, Any]] = {}  # inner states shown before the inner's first step
-        self._lrs: list[Any] | None = None  # the lrs at the last micro-step of an open window
-        self._lr_changes = self._lr_changes_last = 0  # lr changes seen inside this window, and the last one
-        self._warned_divided = False
+        self._live = _Live(self.tx.init(self._tree))
 
     def _setup_tx(self) -> None:
         self.tx = chain(self._user_tx)
@@ -180,11 +193,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
     @property
     def tx_state(self) -> OptState:
         """The transform's state (a pytree of tensors); also in ``opt.state[p]["gradtx"]``."""
-        return self._tx_state
+        return self._live.tx_state
 
     @tx_state.setter
     def tx_state(self, value: OptState) -> None:
-        self._tx_state = value
+        self._live.tx_state = value
 
     def __repr__(self) -> str:
         return f"TransformedOptimizer({self.optimizer!r})"
@@ -206,7 +219,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         return state
 
     def _window_grads(self, what: str) -> list[torch.Tensor | None] | None:
-        if not self._window_open:
+        if not self._live.window_open:
             return None
         _sd.check_sums_visible(self, what)
         return [None if p.grad is None else p.grad.detach() for p in self._flat]
@@ -248,9 +261,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         Args:
           param_group: as for ``torch.optim.Optimizer.add_param_group``.
         """
-        if "_tx_state" not in self.__dict__:  # torch.optim.Optimizer.__init__ registering the inner groups
+        if "_live" not in self.__dict__:  # torch.optim.Optimizer.__init__ registering the inner groups
             return
-        if self._window_open:
+        if self._live.window_open:
             raise ValueError(
                 "TransformedOptimizer.add_param_group: an accumulation window is open; add the group after the "
                 "step that emits (opt.emitted is True)"
@@ -261,13 +274,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
             grads.check_unique(self.optimizer.param_groups)
             group = self.optimizer.param_groups[-1]
             tree = [*self._tree, [p for p in group["params"] if p.requires_grad]]
-            new_state = grads.regrow(self.tx, self._tx_state, self._tree, tree)
+            new_state = grads.regrow(self.tx, self._live.tx_state, self._tree, tree)
         except Exception:
             self.optimizer.param_groups.pop()  # atomic: the inner optimizer is as it was
             raise
         self._frozen = [*self._frozen, *(p for p in group["params"] if not p.requires_grad)]
         self._set_tree(tree)
-        self._tx_state = new_state
+        self._live.tx_state = new_state
 
     def param_tree(self) -> list[list[torch.Tensor]]:
         """The params tree the transform sees: one list per param group.
@@ -296,11 +309,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if not any(p.requires_grad and p.grad is not None for p in self._frozen):
             return
         tree = grads.joined(self._tree, self.optimizer.param_groups)
-        new_state = grads.regrow(self.tx, self._tx_state, self._tree, tree)
+        new_state = grads.regrow(self.tx, self._live.tx_state, self._tree, tree)
         members = {id(p) for p in grads.flat(tree)}
         self._frozen = [p for p in self._frozen if id(p) not in members]
         self._set_tree(tree)
-        self._tx_state = new_state
+        self._live.tx_state = new_state
 
     def _check_lrs(self) -> None:
         """Refuse an lr that keeps changing inside accumulation windows: a scheduler stepped on every micro-step.
@@ -310,8 +323,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         inside two windows in a row, or twice in one, are a per-call scheduler.
         """
         lrs = [g.get("lr") for g in self.optimizer.param_groups]
-        before, self._lrs = self._lrs, lrs
-        if before is None or not self._window_open:
+        before, self._live.lrs = self._live.lrs, lrs
+        if before is None or not self._live.window_open:
             return
         changed = [
             (i, a, b)
@@ -320,8 +333,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         ]
         if not changed:
             return
-        self._lr_changes += 1
-        if self._lr_changes + self._lr_changes_last < 2:
+        self._live.lr_changes += 1
+        if self._live.lr_changes + self._live.lr_changes_last < 2:
             return
         i, a, b = changed[0]
         raise ValueError(
@@ -407,20 +420,20 @@ class TransformedOptimizer(torch.optim.Optimizer):
         found_inf: torch.Tensor | None = self.__dict__.get("found_inf")
         plan = self._plan
         windowed = plan.window is not None
-        emitting = not windowed or plan.emits_next(self._tx_state, flush=bool(extra.get("flush", False)))
+        emitting = not windowed or plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
         amp.check_unscale(found_inf, grad_scale, accumulates=windowed, emitting=emitting)
         if windowed:
             self._check_divided_loss(extra.get("loss"))
         tree, flat = self._read(emitting)
-        result = plan.run(tree, self._tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
+        result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
         emitted = result.updates is not None
         window_open = windowed and not emitted and plan.window_open(new_state)
         verdict = amp.verdict(
-            found_inf, grad_scale, self._amp_scale, self._amp_inf, emitted=emitted, window_open=window_open
+            found_inf, grad_scale, self._live.amp_scale, self._live.amp_inf, emitted=emitted, window_open=window_open
         )
         if verdict.found is not None:
-            new_state = rules.keep_on_skip(plan, verdict.found, self._tx_state, new_state)
+            new_state = rules.keep_on_skip(plan, verdict.found, self._live.tx_state, new_state)
             skip = verdict.found if skip is None else (skip | verdict.found.to(skip.device))
         if emitted:
             self._apply(result.updates, tree, result.factor, skip)
@@ -431,27 +444,27 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 p.grad = None
         # Commit only now: a step that raised above left the state as it was.
         self._commit(new_state, window_open, emitted)
-        self._amp_scale, self._amp_inf = verdict.scale, verdict.inf
+        self._live.amp_scale, self._live.amp_inf = verdict.scale, verdict.inf
 
     def _commit(self, new_state: OptState, window_open: bool, emitted: bool) -> None:
-        if self._window_open and not window_open:  # a window closed: its lr changes become the last window's
-            self._lr_changes_last, self._lr_changes = self._lr_changes, 0
-        self._tx_state = new_state
-        self._window_open = window_open
-        self._emitted = emitted
-        if emitted and self._stand_ins:
-            self._stand_ins = {p: s for p, s in self._stand_ins.items() if not self.optimizer.state.get(p)}
+        if self._live.window_open and not window_open:  # a window closed: its lr changes become the last window's
+            self._live.lr_changes_last, self._live.lr_changes = self._live.lr_changes, 0
+        self._live.tx_state = new_state
+        self._live.window_open = window_open
+        self._live.emitted = emitted
+        if emitted and self._live.stand_ins:
+            self._live.stand_ins = {p: s for p, s in self._live.stand_ins.items() if not self.optimizer.state.get(p)}
 
     def _check_divided_loss(self, loss: Any) -> None:
         """Warn once when the loss given to step() was divided by the window's k: accumulate divides again."""
         fn = getattr(loss, "grad_fn", None)
-        if self._warned_divided or fn is None or self._plan.window is None or self._plan.window.window.token_weighted:
+        if self._live.warned_divided or fn is None or self._plan.window is None or self._plan.window.window.token_weighted:
             return
         k = self._plan.window.window.k
         divided = fn.name() == "DivBackward0" and getattr(fn, "_saved_other", None) == k
         scaled = fn.name() == "MulBackward0" and getattr(fn, "_saved_other", None) == 1 / k
         if divided or scaled:
-            self._warned_divided = True
+            self._live.warned_divided = True
             warnings.warn(
                 f"TransformedOptimizer.step: the loss was divided by {k}, the accumulation window's k; "
                 f"gtx.accumulate({k}) averages the micro-steps itself, so the grads are divided twice (the "
@@ -468,7 +481,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 loss = closure()
             with torch.no_grad():
                 tree, _ = self._read(True)
-                result = self._plan.run(tree, self._tx_state, self._tree, extra, None, self._device)
+                result = self._plan.run(tree, self._live.tx_state, self._tree, extra, None, self._device)
                 factor = result.factor
                 if result.skip is not None:  # a guard's skip: this evaluation's grads count as zero
                     keep = (~result.skip).to(torch.float32)
@@ -515,7 +528,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the grads, except while an accumulation window is open (they are the accumulator)."""
-        if self._window_open:
+        if self._live.window_open:
             return
         if not torch.compiler.is_compiling():
             self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -540,17 +553,17 @@ class TransformedOptimizer(torch.optim.Optimizer):
         its window closed; the params and optimizer state stay unchanged and
         ``metrics["skipped"]`` counts it. Reads nothing from the device.
         """
-        return self._emitted
+        return self._live.emitted
 
     @property
     def metrics(self) -> dict[str, torch.Tensor]:
         """The last step's logged scalars: grad_norm, clip_coef, micro_step, tokens, skipped (as present)."""
-        return metrics(self._tx_state)
+        return metrics(self._live.tx_state)
 
     @property
     def window_open(self) -> bool:
         """Whether an accumulation window is open (the grads hold a partial sum)."""
-        return self._window_open
+        return self._live.window_open
 
     def emits_next(self, *, flush: bool = False) -> bool:
         """Whether the next :meth:`step` will emit, so its backward must sync the grads across ranks.
@@ -565,7 +578,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         Returns:
           Whether the next ``step`` closes its accumulation window.
         """
-        return self._plan.emits_next(self._tx_state, flush=flush)
+        return self._plan.emits_next(self._live.tx_state, flush=flush)
 
     @contextlib.contextmanager
     def maybe_no_sync(self, model: torch.nn.Module, *, flush: bool = False) -> Iterator[None]:
@@ -590,7 +603,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
           ...     opt.zero_grad()
         """
         sync = self.emits_next(flush=flush)
-        self._synced = sync or not any(data_parallel_modules(model))
+        self._live.synced = sync or not any(data_parallel_modules(model))
         with no_sync(model, sync=sync):
             yield
 
@@ -633,10 +646,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
             self._fused.forget()
 
     def _commit_loaded(self, new_state: OptState, window_open: bool, record: Any) -> None:
-        self._tx_state = new_state
-        self._window_open = window_open
-        self._emitted = False
-        self._amp_scale, self._amp_inf = record if record is not None and window_open else (None, None)
-        self._synced = True
-        self._lrs, self._lr_changes, self._lr_changes_last = None, 0, 0
-        self._stand_ins = {}
+        self._live.tx_state = new_state
+        self._live.window_open = window_open
+        self._live.emitted = False
+        self._live.amp_scale, self._live.amp_inf = record if record is not None and window_open else (None, None)
+        self._live.synced = True
+        self._live.lrs, self._live.lr_changes, self._live.lr_changes_last = None, 0, 0
+        self._live.stand_ins = {}

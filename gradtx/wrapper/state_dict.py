@@ -65,9 +65,9 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     shows no stand-ins.
     """
     optimizer = opt.optimizer
-    missing = [p for p in opt._flat if not optimizer.state.get(p) and p not in opt._stand_ins]
+    missing = [p for p in opt._flat if not optimizer.state.get(p) and p not in opt._live.stand_ins]
     if not missing:
-        return opt._stand_ins
+        return opt._live.stand_ins
     wanted = {id(p) for p in missing}
     every = [p for g in optimizer.param_groups for p in g["params"]]
     saved_grads = [p.grad for p in every]
@@ -94,8 +94,8 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
                 g["lr"] = lr
         for p in missing:
             made[p] = optimizer.state.pop(p, None) or {}
-    opt._stand_ins = {**opt._stand_ins, **made}
-    return opt._stand_ins
+    opt._live.stand_ins = {**opt._live.stand_ins, **made}
+    return opt._live.stand_ins
 
 
 # --- the gradtx entries, read from the live state -------------------------------------------------------
@@ -103,10 +103,10 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
 
 def _layout(opt: Any) -> Any:
     cached = opt.__dict__.get("_layout_cache")
-    if cached is not None and cached[0] is opt._tx_state:
+    if cached is not None and cached[0] is opt._live.tx_state:
         return cached[1]
-    layout = _ckpt._layout_of(opt._tx_state, opt._tree)
-    opt._layout_cache = (opt._tx_state, layout)
+    layout = _ckpt._layout_of(opt._live.tx_state, opt._tree)
+    opt._layout_cache = (opt._live.tx_state, layout)
     return layout
 
 
@@ -134,7 +134,7 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
             return tu.unflatten(spec, leaves)
         return node
 
-    opt._tx_state = _ckpt._walk(opt._tx_state, (), p_spec, p_leaves, _ckpt._Layout(), rebuild)
+    opt._live.tx_state = _ckpt._walk(opt._live.tx_state, (), p_spec, p_leaves, _ckpt._Layout(), rebuild)
 
 
 class ParamState(MutableMapping[str, Any]):
@@ -227,10 +227,10 @@ class StateView(MutableMapping[torch.Tensor, Any]):
 def check_sums_visible(opt: Any, what: str) -> None:
     """Refuse to save an open window whose partial sums are not in ``.grad``."""
     # GradScaler saw an inf in this window: the wrapper dropped the partial sum, the window will be skipped.
-    dropped = opt._amp_inf is not None and bool(opt._amp_inf)
+    dropped = opt._live.amp_inf is not None and bool(opt._live.amp_inf)
     flat = opt._flat
-    if not opt._synced or (bool(flat) and all(p.grad is None for p in flat) and not dropped):
-        ws = opt._plan.window_state(opt._tx_state)
+    if not opt._live.synced or (bool(flat) and all(p.grad is None for p in flat) and not dropped):
+        ws = opt._plan.window_state(opt._live.tx_state)
         raise ValueError(
             f"{what}: an accumulation window is open (micro-step {int(ws.micro_step)} of {int(ws.k)}) and its "
             "partial sums are not in .grad: they sit inside DDP/FSDP2, which skipped the gradient sync "
@@ -244,9 +244,9 @@ def state_dict(opt: Any) -> dict[str, Any]:
     """The wrapper's checkpoint (see the module docstring); every tensor is the state's own or a copy."""
     what = "TransformedOptimizer.state_dict"
     flat = opt._flat
-    layout = _ckpt._layout_of(opt._tx_state, opt._tree)
+    layout = _ckpt._layout_of(opt._live.tx_state, opt._tree)
     window = _ckpt._window_sum_keys(layout)
-    open_ = opt._window_open
+    open_ = opt._live.window_open
     has_grad = [float(open_ and p.grad is not None) for p in flat]
     for key in window:
         if open_:
@@ -272,7 +272,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
         if i == 0:
             gtx[GLOBAL] = globals_
             if window:
-                gtx[AMP] = amp.record(opt._amp_scale, opt._amp_inf)
+                gtx[AMP] = amp.record(opt._live.amp_scale, opt._live.amp_inf)
         out[pid][GTX] = gtx
     return {"state": out, "param_groups": inner["param_groups"]}
 
@@ -346,7 +346,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
         new_state = opt.tx.init(params)
     else:
-        layout = _ckpt._layout_of(opt._tx_state, params)
+        layout = _ckpt._layout_of(opt._live.tx_state, params)
         window = _ckpt._window_sum_keys(layout)
         first = entries[0] if isinstance(entries[0], dict) else {}
         saved_open = any(_ckpt._saved_window_open(first.get(GLOBAL), key) for key in window)
@@ -376,7 +376,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                 fresh.append(p)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         loaded = _ckpt._import(
-            layout, opt._tx_state, params, per_param, first[GLOBAL], opt.tx, names, what=what, acc_dtype=_same_dtype
+            layout, opt._live.tx_state, params, per_param, first[GLOBAL], opt.tx, names, what=what, acc_dtype=_same_dtype
         )
         new_state, taken = _ckpt._take_acc(loaded, params)
         sums = taken[0] if window and taken and saved_open else None
