@@ -367,6 +367,15 @@ class TransformedOptimizer(torch.optim.Optimizer):
           The closure's return value, or ``None`` without a closure. Whether the
           inner optimizer stepped is :attr:`emitted`.
         """
+        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or rules.global_hooks():
+            return rules.with_hooks(self, self._step_closure, closure, extra)
+        return self._step_closure(closure, extra)
+
+    # torch.optim.Optimizer.__init__ wraps a class's step with its profiling and hook runner unless it is
+    # marked; those wrappers cost a graph break under torch.compile, so step runs the hooks itself.
+    step.hooked = True  # type: ignore[attr-defined]
+
+    def _step_closure(self, closure: Callable[[], Any] | None, extra: dict[str, Any]) -> Any:
         if closure is not None and not callable(closure):
             raise TypeError(f"TransformedOptimizer.step: closure must be callable, got {type(closure).__name__}")
         if self._needs_closure:
