@@ -7,10 +7,10 @@ is the inner optimizer's (``exp_avg``, ``step``, ...) plus a ``"gradtx"`` dict:
 * the transform's per-parameter state, one key per piece (``"1/trace"``), shaped
   and placed like the param (a DTensor where the param is one, so it reshards);
 * ``"inner_fresh"``: 1 while the inner optimizer has not stepped the param
-  (its inner entries are stand-ins, see below), and ``"has_grad"``: whether
-  the param had a grad in an open accumulation window;
+  (its inner entries are stand-ins, see below);
 * with a window open, the window's partial sums (a copy of the param's
-  ``.grad``); at a window boundary nothing gradient-sized is added;
+  ``.grad``) and ``"has_grad"`` (0 where the param had no grad, which it gets
+  back as ``None``); at a window boundary nothing gradient-sized is added;
 * on the first param only, ``"global"`` (counters, the window's micro-step and
   token count, the last grad norm) and, with a window, ``"amp"`` (GradScaler's record).
 
@@ -267,7 +267,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
             out[pid] = dict(shown.get(p, {}))  # the keys the inner optimizer's state will have
         gtx: dict[str, Any] = {key: values[i] for key, values in per_param.items()}
         gtx[INNER_FRESH] = torch.tensor(float(fresh))
-        if window:
+        if window and open_:
             gtx[HAS_GRAD] = torch.tensor(has_grad[i])
         if i == 0:
             gtx[GLOBAL] = globals_
