@@ -413,7 +413,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """The grads as the transform's tree (zeros for a missing one on an emitting step), and the flat ``.grad`` s."""
         flat = [p.grad for p in self._flat]
         leaves = flat
-        if None in flat:
+        if rules.has_none(flat):
             leaves = [g if g is not None else grads.missing(p, emitting) for p, g in zip(self._flat, flat)]
         tree, start = [], 0
         for n in self._sizes:

@@ -20,7 +20,8 @@ lists cached per (group, device, dtype), with the optimizer's own state.
 
 from __future__ import annotations
 
-from operator import itemgetter
+from itertools import repeat
+from operator import is_, itemgetter
 from typing import Any, NamedTuple
 
 import torch
@@ -148,6 +149,11 @@ class Plan:
             f, states[i] = member.factor(grads, states[i], params, scale=pending, **extra)
             pending = f if pending is None else pending * f.to(pending.device)
         return Result(grads, self.join(states), pending, skip)
+
+
+def has_none(items: list[Any]) -> bool:
+    """Whether a list holds ``None`` (by identity: ``None in tensors`` would call each tensor's ``__eq__``)."""
+    return any(map(is_, items, repeat(None)))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -304,10 +310,10 @@ class FusedAdam:
         if _hooked(opt) or torch.compiler.is_compiling():
             return False
         if self.key is None or self.key != self._key(tree):
-            if None in grads or any(g.is_sparse for g in grads):
+            if has_none(grads) or any(g.is_sparse for g in grads):
                 return False
             self._build(tree)
-        elif None in grads:
+        elif has_none(grads):
             return False
         # Each group's hyperparameters are read at every step, as Adam.step reads them.
         hyper = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
