@@ -138,7 +138,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
             )
         # torch.optim.Optimizer's own set-up (hooks, step profiling); the groups are then the inner optimizer's list.
         super().__init__(optimizer.param_groups, optimizer.defaults)
-        self.param_groups = optimizer.param_groups
         self._set_tree(grads.trainable(optimizer.param_groups))
         self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
         self._live = _Live(self.tx.init(self._tree))
@@ -189,6 +188,16 @@ class TransformedOptimizer(torch.optim.Optimizer):
     @state.setter
     def state(self, value: Any) -> None:
         pass  # torch.optim.Optimizer.__init__ sets an empty dict; the state is the view above
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's own list (its ``load_state_dict`` replaces it), so schedulers drive both."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        if "_live" in self.__dict__:  # torch.optim.Optimizer.__init__ sets an empty list first: ignored
+            self.optimizer.param_groups = value
 
     @property
     def tx_state(self) -> OptState:

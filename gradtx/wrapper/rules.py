@@ -257,7 +257,7 @@ class FusedAdam:
     def _key(self, tree: list[list[torch.Tensor]]) -> Any:
         # The state dict object is held by self.state_ref, so its id cannot be reused while the key lives.
         opt = self.optimizer
-        groups = tuple((id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        groups = tuple((id(g), id(g["params"]), len(g["params"])) for g in opt.param_groups)
         return id(opt.state), len(opt.state), groups, tuple(map(len, tree))
 
     def _build(self, tree: list[list[torch.Tensor]]) -> None:
