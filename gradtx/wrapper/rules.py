@@ -225,6 +225,7 @@ class _Bucket(NamedTuple):
     exp_avg_sqs: list[torch.Tensor]
     max_exp_avg_sqs: list[torch.Tensor]
     steps: list[torch.Tensor]
+    counter: torch.Tensor  # the steps' one buffer: each state["step"] is a 0-d view into it
     device: torch.device
 
 
@@ -279,6 +280,11 @@ class FusedAdam:
                         if group["amsgrad"]:
                             s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 sts = [state[p] for p in ps]
+                # The params' step counters become views of one buffer, so a step advances them with one
+                # add (a foreach add over n 0-d tensors costs more than the fused kernel on small models).
+                counter = torch.stack([s["step"].to(device, torch.float32) for s in sts])
+                for j, s in enumerate(sts):
+                    s["step"] = counter[j]
                 take = itemgetter(*(offset + i for i in idx))
                 buckets.append(
                     _Bucket(
@@ -288,6 +294,7 @@ class FusedAdam:
                         [s["exp_avg_sq"] for s in sts],
                         [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
                         [s["step"] for s in sts],
+                        counter,
                         device,
                     )
                 )
@@ -331,14 +338,14 @@ class FusedAdam:
                 step_lr = lr
                 if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
                     step_lr = lr.to(device, non_blocking=True)
-                torch._foreach_add_(b.steps, 1)
+                b.counter.add_(1)
                 kernel(
                     b.params, list(b.take(grads)), b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
                     amsgrad=amsgrad, lr=step_lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
                     maximize=maximize, grad_scale=gs, found_inf=fi,
                 )  # fmt: skip
                 if fi is not None:
-                    torch._foreach_sub_(b.steps, [fi] * len(b.steps))
+                    b.counter.sub_(fi)
         return True
 
 
