@@ -69,6 +69,16 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     return _ckpt._walk(fresh, (), p_spec, p_leaves, _ckpt._Layout(), rebuild)
 
 
+def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:
+    """Refuse param groups added behind the wrapper's back (the transform state has none for them)."""
+    if len(groups) != len(tree):
+        raise ValueError(
+            f"TransformedOptimizer: the inner optimizer has {len(groups)} param groups, the transform state was "
+            f"built for {len(tree)}; add groups with opt.add_param_group (the wrapper's), "
+            "not opt.optimizer.add_param_group"
+        )
+
+
 def check_unique(groups: list[dict[str, Any]]) -> None:
     """Refuse a param listed twice: the transform would count it twice (its square twice in a norm)."""
     seen: dict[int, tuple[int, int]] = {}
@@ -130,19 +140,6 @@ def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Ten
 def undo(replaced: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for p, g in replaced:
         p.grad = g
-
-
-def inner_step(optimizer: torch.optim.Optimizer) -> None:
-    """The inner optimizer's step; under torch.compile its class's own, without torch's hook wrappers."""
-    if torch.compiler.is_compiling() and not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
-        # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
-        # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
-        raw: Any = type(optimizer).step
-        while hasattr(raw, "__wrapped__"):
-            raw = raw.__wrapped__
-        raw(optimizer)
-        return
-    optimizer.step()
 
 
 def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:

@@ -10,24 +10,17 @@ rules), :mod:`gradtx.wrapper.amp` (GradScaler across a window),
 from __future__ import annotations
 
 import contextlib
-import copy
-import pickle
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from gradtx.core.base import GradientTransformation, OptState, metrics
-from gradtx.optimizers.standard import OptimizerChain
-from gradtx.transforms.combine import Chain, chain
-from gradtx.wrapper import amp, grads, rules
+from gradtx.transforms.combine import chain
+from gradtx.wrapper import amp, copies, grads, loop_checks, rules
 from gradtx.wrapper import state_dict as _sd
 from gradtx.wrapper.sync import data_parallel_modules, no_sync
 
-_PICKLED_GRADS = "_pickled_window_grads"  # an open window's .grad, which pickle leaves out of a Parameter
-# What a copy (pickle, deepcopy) rebuilds rather than copies.
-_REBUILT = ("grad_scale", "found_inf", "step", "tx", "_plan", "_fused", "_state_view")
 
 
 class _Live:
@@ -52,12 +45,6 @@ class _Live:
         self.warned_divided = False
 
 
-def _nested(tx: GradientTransformation) -> Iterator[GradientTransformation]:
-    yield tx
-    for member in tx.members if isinstance(tx, Chain) else ():
-        yield from _nested(member)
-
-
 class TransformedOptimizer(torch.optim.Optimizer):
     """Make any ``torch.optim`` optimizer apply a gradtx transform to ``p.grad`` first.
 
@@ -69,12 +56,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
     returns the closure's loss (``None`` without a closure); :attr:`emitted`
     says whether the inner optimizer stepped.
 
-    The wrapper is a ``torch.optim.Optimizer``: its ``param_groups`` list is the
-    inner optimizer's own (so ``torch.optim.lr_scheduler`` schedulers work on
-    it), hooks registered on it run around its step, and ``opt.state[p]``
-    shows the inner optimizer's state with a ``"gradtx"`` entry (the
-    transform's state for ``p``), so engines that checkpoint optimizers
-    generically carry it. The transform's state is :attr:`tx_state`.
+    The wrapper is a ``torch.optim.Optimizer``: ``param_groups`` is the inner
+    optimizer's list (schedulers work on it), step hooks registered on it run,
+    and ``opt.state[p]`` shows the inner state with a ``"gradtx"`` entry, so
+    engines that checkpoint optimizers generically carry it. The transform's
+    state is :attr:`tx_state`.
 
     Speed rules (:mod:`gradtx.wrapper.rules`), for gradtx's own transforms:
     with :func:`gradtx.accumulate` first in the chain, autograd's own summation
@@ -93,10 +79,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
     or NaN is skipped, its transform and inner state unchanged.
 
     Data parallel (DDP or FSDP2): wrap each micro-step's forward and backward
-    in :meth:`maybe_no_sync`, so only the backward whose ``step()`` will emit
-    syncs the grads. For token-weighted accumulation, call
-    :func:`sum_grad_reduction` on the model once, and give
-    :func:`gradtx.accumulate` a ``comm`` to sum the token totals.
+    in :meth:`maybe_no_sync` (see ``docs/accumulation.md``).
 
     Args:
       optimizer: the inner ``torch.optim.Optimizer``.
@@ -130,12 +113,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._setup_tx()
         self._needs_closure = grads.needs_closure(optimizer)
         if self._needs_closure and self._plan.window is not None:
-            raise ValueError(
-                f"TransformedOptimizer: {type(optimizer).__name__} reevaluates the model through its closure several "
-                "times per step, and the chain is applied to the grads of every evaluation, but the chain holds "
-                "gtx.accumulate, which cannot be applied per evaluation; take gtx.accumulate out of the chain "
-                "(a closure can sum micro-batches itself)"
-            )
+            raise ValueError(loop_checks.closure_optimizer_with_window(optimizer))
         # torch.optim.Optimizer's own set-up (hooks, step profiling); the groups are then the inner optimizer's list.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._set_tree(grads.trainable(optimizer.param_groups))
@@ -145,15 +123,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def _setup_tx(self) -> None:
         self.tx = chain(self._user_tx)
         self._plan = rules.Plan(self.tx)
-        for member in _nested(self.tx):
-            if isinstance(member, OptimizerChain):
-                kind, inner = member.spec.kind, type(self.optimizer).__name__
-                raise TypeError(
-                    f"TransformedOptimizer: the chain holds gtx.{kind}(...), an optimizer: its output is an update "
-                    f"(-learning_rate times a direction), which the inner {inner} would step against once more "
-                    f"(the loss would climb). The chain transforms the gradients the inner optimizer steps on: "
-                    f"leave gtx.{kind} out and let {inner} take the step, or run gtx.{kind} functionally"
-                )
+        loop_checks.check_no_optimizer(self.tx, self.optimizer)
         self._attach()
 
     def _attach(self) -> None:
@@ -214,49 +184,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
     # copies: pickle and deepcopy --------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
-        try:
-            pickle.dumps(self._user_tx)
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
-            raise TypeError(
-                f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
-                "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
-            ) from None
-        state = {k: v for k, v in self.__dict__.items() if k not in _REBUILT}
-        window = self._window_grads("pickle")
-        if window is not None:
-            state[_PICKLED_GRADS] = window
-        return state
-
-    def _window_grads(self, what: str) -> list[torch.Tensor | None] | None:
-        if not self._live.window_open:
-            return None
-        _sd.check_sums_visible(self, what)
-        return [None if p.grad is None else p.grad.detach() for p in self._flat]
+        return copies.getstate(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        window = state.pop(_PICKLED_GRADS, None)
-        self.__dict__.update(state)
-        self._setup_tx()
-        self._patch_step_function()
-        if window is not None:
-            for p, g in zip(self._flat, window):
-                if p.grad is None:
-                    p.grad = g
+        copies.setstate(self, state)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TransformedOptimizer:
-        # An in-process copy shares the transform (pure functions); everything else is copied.
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        memo[id(self._user_tx)] = self._user_tx
-        new.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k not in _REBUILT}, memo))
-        new.tx, new._plan = self.tx, self._plan
-        new._attach()
-        window = self._window_grads("deepcopy")
-        if window is not None:
-            for p, g in zip(new._flat, copy.deepcopy(window, memo)):
-                if p.grad is None:
-                    p.grad = g
-        return new
+        return copies.deepcopy(self, memo)
 
     # the params the transform sees -------------------------------------------------------------------
 
@@ -277,7 +211,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 "TransformedOptimizer.add_param_group: an accumulation window is open; add the group after the "
                 "step that emits (opt.emitted is True)"
             )
-        self._check_groups()
+        grads.check_groups(self.optimizer.param_groups, self._tree)
         self.optimizer.add_param_group(param_group)
         try:
             grads.check_unique(self.optimizer.param_groups)
@@ -304,15 +238,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """
         return [list(g) for g in self._tree]
 
-    def _check_groups(self) -> None:
-        groups = self.optimizer.param_groups
-        if len(groups) != len(self._tree):
-            raise ValueError(
-                f"TransformedOptimizer: the inner optimizer has {len(groups)} param groups, the transform state was "
-                f"built for {len(self._tree)}; add groups with opt.add_param_group (the wrapper's), "
-                "not opt.optimizer.add_param_group"
-            )
-
     def _join_unfrozen(self) -> None:
         """Params unfrozen since the tree was built, now holding a grad, join it with a fresh transform state."""
         if not any(p.requires_grad and p.grad is not None for p in self._frozen):
@@ -323,38 +248,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._frozen = [p for p in self._frozen if id(p) not in members]
         self._set_tree(tree)
         self._live.tx_state = new_state
-
-    def _check_lrs(self) -> None:
-        """Refuse an lr that keeps changing inside accumulation windows: a scheduler stepped on every micro-step.
-
-        One change inside a window is what an epoch-level scheduler does (the
-        window's closing step reads the lr, as torch's own loop does); changes
-        inside two windows in a row, or twice in one, are a per-call scheduler.
-        """
-        lrs = [g.get("lr") for g in self.optimizer.param_groups]
-        before, self._live.lrs = self._live.lrs, lrs
-        if before is None or not self._live.window_open:
-            return
-        changed = [
-            (i, a, b)
-            for i, (a, b) in enumerate(zip(before, lrs))
-            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a != b
-        ]
-        if not changed:
-            return
-        self._live.lr_changes += 1
-        if self._live.lr_changes + self._live.lr_changes_last < 2:
-            return
-        i, a, b = changed[0]
-        raise ValueError(
-            f"TransformedOptimizer.step: param group {i}'s lr changed from {a} to {b} inside an accumulation window, "
-            "as it did in the last one: something steps the lr scheduler on every step() call, counting every "
-            "micro-step as an optimizer step (the Hugging Face Trainer and accelerate do). Step the scheduler only "
-            "when opt.emitted is True, or take gtx.accumulate out of the chain and use that framework's own "
-            "accumulation (TrainingArguments(gradient_accumulation_steps=k)). A scheduler stepped once per epoch "
-            "may change the lr inside a window (the window's last step reads it); to start the next epoch with a "
-            "fresh window, end it with opt.step(flush=True)"
-        )
 
     # stepping -----------------------------------------------------------------------------------------
 
@@ -395,13 +288,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 )
             return self._closure_step(closure, extra)
         if closure is not None and self._plan.window is not None:
-            raise ValueError(
-                "TransformedOptimizer.step: gtx.accumulate is in the chain, but step(closure) is called: whoever "
-                "passes the closure (Lightning's automatic optimization does) counts every call as an optimizer "
-                "step (its global step, its scheduler) while only every k-th call steps. Take gtx.accumulate out "
-                "of the chain and use the caller's own accumulation (Lightning: Trainer(accumulate_grad_batches=k)); "
-                "or drive the wrapper yourself: loss.backward(); opt.step() with no closure"
-            )
+            raise ValueError(loop_checks.CLOSURE_WITH_WINDOW)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -411,12 +298,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         return loss
 
     def _prepare(self) -> None:
-        if len(self.optimizer.param_groups) != len(self._tree):
-            self._check_groups()
+        grads.check_groups(self.optimizer.param_groups, self._tree)
         if self._frozen:
             self._join_unfrozen()
         if self._plan.window is not None:
-            self._check_lrs()
+            loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
     def _read(self, emitting: bool) -> tuple[list[list[torch.Tensor]], list[torch.Tensor | None]]:
         """The grads as the transform's tree (zeros for a missing one on an emitting step), and the flat ``.grad`` s."""
@@ -441,7 +327,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         emitting = not windowed or plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
         amp.check_unscale(found_inf, grad_scale, accumulates=windowed, emitting=emitting)
         if windowed:
-            self._check_divided_loss(extra.get("loss"))
+            loop_checks.check_divided_loss(self._live, self._plan.window.window, extra.get("loss"))
         tree, flat = self._read(emitting)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
@@ -473,24 +359,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if emitted and self._live.stand_ins:
             self._live.stand_ins = {p: s for p, s in self._live.stand_ins.items() if not self.optimizer.state.get(p)}
 
-    def _check_divided_loss(self, loss: Any) -> None:
-        """Warn once when the loss given to step() was divided by the window's k: accumulate divides again."""
-        fn = getattr(loss, "grad_fn", None)
-        if self._live.warned_divided or fn is None or self._plan.window is None or self._plan.window.window.token_weighted:
-            return
-        k = self._plan.window.window.k
-        divided = fn.name() == "DivBackward0" and getattr(fn, "_saved_other", None) == k
-        scaled = fn.name() == "MulBackward0" and getattr(fn, "_saved_other", None) == 1 / k
-        if divided or scaled:
-            self._live.warned_divided = True
-            warnings.warn(
-                f"TransformedOptimizer.step: the loss was divided by {k}, the accumulation window's k; "
-                f"gtx.accumulate({k}) averages the micro-steps itself, so the grads are divided twice (the "
-                "logged grad_norm is k times smaller and the clip hardly fires). Backpropagate the "
-                "micro-batch's own loss (see 'Port nanoGPT's loop' in docs/accumulation.md)",
-                stacklevel=3,
-            )
-
     def _closure_step(self, closure: Callable[[], Any], extra: dict[str, Any]) -> Any:
         """The inner optimizer drives the closure; the chain runs on the grads of every evaluation."""
 
@@ -517,29 +385,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def _apply(self, updates: Any, tree: Any, factor: torch.Tensor | None, skip: torch.Tensor | None) -> None:
         replaced = grads.write(self._tree, updates) if updates is not tree else []
         try:
-            flat = [p.grad for p in self._flat]
-            if factor is not None and self._fp64 and self._fused is not None or (
-                factor is not None and self._fp64 and self.optimizer.__dict__.get("_step_supports_amp_scaling")
-            ):
-                # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
-                rules.scale_in_place([g for g in flat if g is not None], factor)
-                factor = None
-            if self._fused is not None and self._fused.step(self._tree, flat, factor, skip):
-                return
-            if getattr(self.optimizer, "_step_supports_amp_scaling", False) and not torch.compiler.is_compiling():
-                opt = self.optimizer
-                opt.grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))  # type: ignore[attr-defined]
-                opt.found_inf = None if skip is None else skip.to(torch.float32)  # type: ignore[attr-defined]
-                try:
-                    opt.step()
-                finally:
-                    opt.grad_scale = opt.found_inf = None  # type: ignore[attr-defined]
-                return
-            if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
-                return
-            if factor is not None:
-                rules.scale_in_place([g for g in flat if g is not None], factor)
-            grads.inner_step(self.optimizer)
+            rules.step_inner(self.optimizer, self._fused, self._tree, self._flat, factor, skip, fp64=self._fp64)
         except BaseException:
             grads.undo(replaced)
             raise
@@ -586,15 +432,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def emits_next(self, *, flush: bool = False) -> bool:
         """Whether the next :meth:`step` will emit, so its backward must sync the grads across ranks.
 
-        True without :func:`gradtx.accumulate` in the chain (every step emits),
-        on the last micro-step of a window, and when the next step will be
-        passed ``flush=True``. Reads only host-side counters.
-
-        Args:
-          flush: the next ``step`` will be called with ``flush=True``.
-
-        Returns:
-          Whether the next ``step`` closes its accumulation window.
+        True without :func:`gradtx.accumulate` in the chain, on the last
+        micro-step of a window, and with ``flush=True`` (the next ``step`` will
+        get it). Reads only host-side counters.
         """
         return self._plan.emits_next(self._live.tx_state, flush=flush)
 
@@ -606,19 +446,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
         sync (DDP's all-reduce, FSDP2's reduce-scatter) happens once per optimizer
         step, on the last micro-step, instead of ``k`` times. Wrap the forward
         *and* the backward: DDP decides in its forward whether the backward syncs.
-        A model that is neither DDP nor FSDP2 runs unchanged. See :func:`no_sync`.
+        A model that is neither DDP nor FSDP2 runs unchanged. See :func:`no_sync`
+        and ``docs/accumulation.md``.
 
         Args:
           model: the DDP- or FSDP2-wrapped model whose backward runs inside.
           flush: this micro-step's ``step`` will get ``flush=True`` (a short final window).
-
-        Example:
-          >>> for x, y in micro_batches:
-          ...     with opt.maybe_no_sync(model):
-          ...         loss_sum = F.cross_entropy(model(x), y, ignore_index=-100, reduction="sum")
-          ...         loss_sum.backward()
-          ...     opt.step(tokens=int((y != -100).sum()))
-          ...     opt.zero_grad()
         """
         sync = self.emits_next(flush=flush)
         self._live.synced = sync or not any(data_parallel_modules(model))
@@ -630,16 +463,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """The checkpoint in ``torch.optim``'s layout: ``state`` per parameter and ``param_groups``.
 
-        Each parameter's entry is the inner optimizer's (``exp_avg``, ``step``, ...)
-        plus a ``"gradtx"`` dict: the transform's per-parameter state (a DTensor
-        where the param is one, so it reshards), whether the inner optimizer has
-        stepped the param yet, and, on the first parameter only, the transform's
-        global state under ``"global"``. With an accumulation window open it
-        also holds the window's partial sums (a copy of ``.grad``) and which
-        params had a grad; at a window boundary nothing gradient-sized is added
-        to the inner optimizer's state. So ``torch.save``, ``dcp.save`` and
-        torch's ``get_optimizer_state_dict`` take it as any optimizer's. See
-        ``docs/checkpointing.md``.
+        Each parameter's entry is the inner optimizer's plus a ``"gradtx"`` dict
+        (the transform's state for it; see :mod:`gradtx.wrapper.state_dict`). At
+        a window boundary nothing gradient-sized is added; with a window open
+        the window's partial sums (copies of ``.grad``) are. See ``docs/checkpointing.md``.
 
         Raises:
           ValueError: a window is open and its partial sums are not in ``.grad``

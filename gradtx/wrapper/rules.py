@@ -185,6 +185,54 @@ def scaled(tree: list[list[torch.Tensor]], factor: torch.Tensor) -> list[list[to
 # --- torch.optim.Adam/AdamW(fused=True), stepped directly ----------------------------------------
 
 
+def step_inner(
+    optimizer: torch.optim.Optimizer,
+    fused: FusedAdam | None,
+    tree: list[list[torch.Tensor]],
+    params: list[torch.Tensor],
+    factor: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    *,
+    fp64: bool,
+) -> None:
+    """Step the inner optimizer on the params' ``.grad`` times ``factor``, unless ``skip``.
+
+    The factor is a fused kernel's ``grad_scale`` (inverted: the kernel divides
+    by it) and the skip its ``found_inf``; other optimizers get ``.grad``
+    multiplied in place, and a skip decided on the host (one scalar read).
+    """
+    grads = [p.grad for p in params]
+    kernel_scales = fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)
+    if factor is not None and fp64 and kernel_scales:
+        # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
+        scale_in_place([g for g in grads if g is not None], factor)
+        factor = None
+    if fused is not None and fused.step(tree, grads, factor, skip):
+        return
+    if kernel_scales and not torch.compiler.is_compiling():
+        opt: Any = optimizer
+        opt.grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
+        opt.found_inf = None if skip is None else skip.to(torch.float32)
+        try:
+            opt.step()
+        finally:
+            opt.grad_scale = opt.found_inf = None
+        return
+    if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
+        return
+    if factor is not None:
+        scale_in_place([g for g in grads if g is not None], factor)
+    if torch.compiler.is_compiling() and not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
+        # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
+        # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
+        raw: Any = type(optimizer).step
+        while hasattr(raw, "__wrapped__"):
+            raw = raw.__wrapped__
+        raw(optimizer)
+        return
+    optimizer.step()
+
+
 def _hooked(optimizer: torch.optim.Optimizer) -> bool:
     """Whether stepping the optimizer runs more than its kernel: hooks, or a step patched on the instance."""
     return bool(
