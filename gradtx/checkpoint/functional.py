@@ -452,7 +452,9 @@ def load_state_dict(
     what = "gradtx.checkpoint.functional.load_state_dict"
     names = param_names(params)
     if not isinstance(saved, dict) or "state" not in saved or "global" not in saved:
-        raise ValueError(f"{what}: expected the dict gradtx.checkpoint.functional.state_dict made ('state' and 'global')")
+        raise ValueError(
+            f"{what}: expected the dict gradtx.checkpoint.functional.state_dict made ('state' and 'global')"
+        )
     _check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
     per_param: dict[str, list[Any]] = {}
     layout = _layout_of(state, params)

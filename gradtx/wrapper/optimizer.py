@@ -22,7 +22,6 @@ from gradtx.wrapper import state_dict as _sd
 from gradtx.wrapper.sync import data_parallel_modules, no_sync
 
 
-
 class _Live:
     """What a step writes, held apart from the optimizer object.
 
@@ -304,8 +303,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if self._plan.window is not None:
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
-    def _read(self, emitting: bool) -> tuple[list[list[torch.Tensor]], list[torch.Tensor | None]]:
-        """The grads as the transform's tree (zeros for a missing one on an emitting step), and the flat ``.grad`` s."""
+    def _read(self, emitting: bool) -> list[list[torch.Tensor]]:
+        """The grads as the transform's tree (zeros for a missing one on an emitting step)."""
         flat = [p.grad for p in self._flat]
         leaves = flat
         if rules.has_none(flat):
@@ -314,7 +313,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         for n in self._sizes:
             tree.append(leaves[start : start + n])
             start += n
-        return tree, flat
+        return tree
 
     def _step(self, extra: dict[str, Any]) -> None:
         self._prepare()
@@ -328,7 +327,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         amp.check_unscale(found_inf, grad_scale, accumulates=windowed, emitting=emitting)
         if windowed:
             loop_checks.check_divided_loss(self._live, self._plan.window.window, extra.get("loss"))
-        tree, flat = self._read(emitting)
+        tree = self._read(emitting)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
         emitted = result.updates is not None
@@ -366,7 +365,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
-                tree, _ = self._read(True)
+                tree = self._read(True)
                 result = self._plan.run(tree, self._live.tx_state, self._tree, extra, None, self._device)
                 factor = result.factor
                 if result.skip is not None:  # a guard's skip: this evaluation's grads count as zero

@@ -222,7 +222,9 @@ def step_inner(
         return
     if factor is not None:
         scale_in_place([g for g in grads if g is not None], factor)
-    if torch.compiler.is_compiling() and not (optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks):
+    if torch.compiler.is_compiling() and not (
+        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+    ):
         # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
         # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
         raw: Any = type(optimizer).step
@@ -258,7 +260,10 @@ def with_hooks(optimizer: Any, step: Any, closure: Any, extra: dict[str, Any]) -
                 raise RuntimeError(f"{pre} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
             args, extra = result
     out = step(args[1] if len(args) > 1 else None, extra)
-    for post in (*optimizer._optimizer_step_post_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values()):
+    for post in (
+        *optimizer._optimizer_step_post_hooks.values(),
+        *torch_optimizer._global_optimizer_post_hooks.values(),
+    ):
         post(optimizer, args, extra)
     return out
 

@@ -252,7 +252,9 @@ def state_dict(opt: Any) -> dict[str, Any]:
         if open_:
             check_sums_visible(opt, what)
             # A copy: .grad may be a view (FSDP2's) that pickle and DCP cannot save, and it keeps changing.
-            layout.per_param[key] = [[p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in flat]]
+            layout.per_param[key] = [
+                [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in flat]
+            ]
         else:
             del layout.per_param[key]  # between windows nothing gradient-sized is saved
     per_param, globals_ = _ckpt._export(layout, flat, opt.tx, what=what, acc_dtype=_same_dtype)
@@ -376,7 +378,15 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                 fresh.append(p)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         loaded = _ckpt._import(
-            layout, opt._live.tx_state, params, per_param, first[GLOBAL], opt.tx, names, what=what, acc_dtype=_same_dtype
+            layout,
+            opt._live.tx_state,
+            params,
+            per_param,
+            first[GLOBAL],
+            opt.tx,
+            names,
+            what=what,
+            acc_dtype=_same_dtype,
         )
         new_state, taken = _ckpt._take_acc(loaded, params)
         sums = taken[0] if window and taken and saved_open else None
