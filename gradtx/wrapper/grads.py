@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gradtx.checkpoint import functional as _ckpt
+from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState
 
@@ -48,7 +48,7 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     bookkeeping) is kept as it is.
     """
     fresh = tx.init(new)
-    old_layout = _ckpt._layout_of(state, old)
+    old_layout = lo.layout_of(state, old)
     index = {id(p): i for i, p in enumerate(flat(old))}
     new_flat = flat(new)
     p_leaves, p_spec = tu.flatten(new)
@@ -66,7 +66,7 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
             spec, [prev_leaves[index[id(p)]] if id(p) in index else t for p, t in zip(new_flat, leaves)]
         )
 
-    return _ckpt._walk(fresh, (), p_spec, p_leaves, _ckpt._Layout(), rebuild)
+    return lo.walk(fresh, (), p_spec, p_leaves, lo.Layout(), rebuild)
 
 
 def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:

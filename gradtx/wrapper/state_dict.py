@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from gradtx.checkpoint import functional as _ckpt
+from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
 from gradtx.wrapper import amp, grads
 
@@ -105,7 +106,7 @@ def _layout(opt: Any) -> Any:
     cached = opt.__dict__.get("_layout_cache")
     if cached is not None and cached[0] is opt._live.tx_state:
         return cached[1]
-    layout = _ckpt._layout_of(opt._live.tx_state, opt._tree)
+    layout = lo.layout_of(opt._live.tx_state, opt._tree)
     opt._layout_cache = (opt._live.tx_state, layout)
     return layout
 
@@ -113,7 +114,7 @@ def _layout(opt: Any) -> Any:
 def entry(opt: Any, i: int) -> dict[str, Any]:
     """Param ``i``'s ``"gradtx"`` entry: the live state's tensors for it (and the global part on the first)."""
     layout = _layout(opt)
-    window = _ckpt._window_sum_keys(layout)
+    window = lo.window_sum_keys(layout)
     out = {key: tu.flatten(sub)[0][i] for key, sub in layout.per_param.items() if key not in window}
     if i == 0:
         out[GLOBAL] = dict(layout.globals_)
@@ -134,7 +135,7 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
             return tu.unflatten(spec, leaves)
         return node
 
-    opt._live.tx_state = _ckpt._walk(opt._live.tx_state, (), p_spec, p_leaves, _ckpt._Layout(), rebuild)
+    opt._live.tx_state = lo.walk(opt._live.tx_state, (), p_spec, p_leaves, lo.Layout(), rebuild)
 
 
 class ParamState(MutableMapping[str, Any]):
@@ -244,8 +245,8 @@ def state_dict(opt: Any) -> dict[str, Any]:
     """The wrapper's checkpoint (see the module docstring); every tensor is the state's own or a copy."""
     what = "TransformedOptimizer.state_dict"
     flat = opt._flat
-    layout = _ckpt._layout_of(opt._live.tx_state, opt._tree)
-    window = _ckpt._window_sum_keys(layout)
+    layout = lo.layout_of(opt._live.tx_state, opt._tree)
+    window = lo.window_sum_keys(layout)
     open_ = opt._live.window_open
     has_grad = [float(open_ and p.grad is not None) for p in flat]
     for key in window:
@@ -257,7 +258,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
             ]
         else:
             del layout.per_param[key]  # between windows nothing gradient-sized is saved
-    per_param, globals_ = _ckpt._export(layout, flat, opt.tx, what=what, acc_dtype=_same_dtype)
+    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what, acc_dtype=_same_dtype)
     optimizer = opt.optimizer
     inner = optimizer.state_dict()
     # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
@@ -348,10 +349,10 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
         new_state = opt.tx.init(params)
     else:
-        layout = _ckpt._layout_of(opt._live.tx_state, params)
-        window = _ckpt._window_sum_keys(layout)
+        layout = lo.layout_of(opt._live.tx_state, params)
+        window = lo.window_sum_keys(layout)
         first = entries[0] if isinstance(entries[0], dict) else {}
-        saved_open = any(_ckpt._saved_window_open(first.get(GLOBAL), key) for key in window)
+        saved_open = any(lo.saved_window_open(first.get(GLOBAL), key) for key in window)
         for key in window:
             if not saved_open:
                 del layout.per_param[key]
@@ -371,13 +372,13 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         for i, (p, name, e) in enumerate(zip(flat, names, entries)):
             top = ([GLOBAL, AMP] if window else [GLOBAL]) if i == 0 else []
             present = [k for k in optional if isinstance(e, dict) and k in e]
-            _ckpt._check_keys(e, expected + present + top, what=f"{what}: gradtx state of {name}", hint=_ckpt._HINT)
+            lo.check_keys(e, expected + present + top, what=f"{what}: gradtx state of {name}", hint=lo.HINT)
             for key in expected:
                 per_param[key].append(e[key])
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
                 fresh.append(p)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
-        loaded = _ckpt._import(
+        loaded = _ckpt.import_layout(
             layout,
             opt._live.tx_state,
             params,
@@ -388,7 +389,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             what=what,
             acc_dtype=_same_dtype,
         )
-        new_state, taken = _ckpt._take_acc(loaded, params)
+        new_state, taken = _ckpt.take_sums(loaded, params)
         sums = taken[0] if window and taken and saved_open else None
         device = tu.local(flat[0]).device if flat else torch.device("cpu")
         record = amp.restore(first.get(AMP), device, what=what) if window else None
