@@ -60,7 +60,7 @@ from gradtx.optimizers.standard import (
     trace,
 )
 from gradtx.optimizers.trust_ratio import lamb, lars, scale_by_trust_ratio
-from gradtx.runtime.executor import StepPlan, update_and_apply
+from gradtx.optimizers.fused import update_and_apply
 from gradtx.schedules.builtin import (
     constant_schedule,
     cosine_decay_schedule,
@@ -218,7 +218,6 @@ __all__ = [
     "SkipIfState",
     "SkipSpikesState",
     "SnapshotState",
-    "StepPlan",
     "TraceState",
     "TrackNormsState",
     "TransformedOptimizer",
@@ -328,7 +327,7 @@ __all__ = [
 
 # The flat module paths from before the layered layout (gradtx.plan, gradtx.executor, ...): each is the
 # moved module itself, so old imports, attribute paths and pickles keep working.
-from gradtx import _global_norm, accumulation, adaptive, base, clipping, combine, conditionals, context_parallel, executor, hyperparams, norms, pipeline, plan, spikes, tree, validate  # noqa: F401, I001
+from gradtx import _global_norm, accumulation, adaptive, base, clipping, combine, conditionals, context_parallel, hyperparams, norms, pipeline, plan, spikes, tree, validate  # noqa: F401, I001
 
 # Files saved by 0.1.0 name each state class by its flat module path (gradtx.accumulation.AccumulateState):
 # torch.load(weights_only=True) matches names, so the moved classes are allowed under those names too.
