@@ -1,15 +1,13 @@
-"""What the wrapper refuses or warns about: chains and loops it cannot run right.
+"""What the wrapper refuses: chains and loops it cannot run right.
 
 An optimizer in the chain, a window with a closure, a scheduler stepped on
-every micro-step, a loss divided by ``k``. The last two are traps of
-accumulation in ``.grad`` (see "Port nanoGPT's loop" in
-``docs/accumulation.md``); they read only host values the step has anyway:
-the param groups' learning rates, and the autograd node that made the loss.
+every micro-step. The last is a trap of accumulation in ``.grad`` (see "Port
+nanoGPT's loop" in ``docs/accumulation.md``), seen from host values the step
+reads anyway: the param groups' learning rates.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,7 +15,6 @@ import torch
 
 from gradtx.core.base import GradientTransformation
 from gradtx.optimizers.standard import OptimizerChain
-from gradtx.transforms.accumulation import Window
 from gradtx.transforms.combine import Chain
 
 CLOSURE_WITH_WINDOW = (
@@ -58,65 +55,38 @@ def check_no_optimizer(tx: GradientTransformation, optimizer: torch.optim.Optimi
 
 
 def check_lrs(live: Any, groups: list[dict[str, Any]]) -> None:
-    """Refuse an lr that keeps changing inside accumulation windows: a scheduler stepped on every micro-step.
+    """Refuse an lr that changes on every micro-step: a scheduler stepped on every ``step()`` call.
 
-    One change inside a window is what a scheduler stepped once per epoch
-    does, and it is accepted as torch's own loop accepts it (the window's
-    closing step reads the lr). Changes inside two windows in a row, or twice
-    inside one, are a scheduler stepped on every ``step()`` call.
+    A scheduler stepped once per epoch (``ReduceLROnPlateau``, ``StepLR``) may
+    change the lr while a window is open; that is accepted, as torch's own
+    loop accepts it: the window's closing step reads the lr. A scheduler
+    stepped on every call changes it on consecutive calls, one of them inside
+    a window, which an epoch scheduler (or one stepped when ``opt.emitted``)
+    never does.
 
     Args:
       live: the wrapper's step record: ``lrs`` (the lrs at its last step),
-        ``window_open``, ``lr_changes`` and ``lr_changes_last`` (changes seen
-        inside this window and inside the last one); updated here.
+        ``window_open``, and ``lr_prev`` (whether the lr changed at the last
+        step, and whether inside a window); updated here.
       groups: the param groups.
     """
     lrs = [g.get("lr") for g in groups]
     before, live.lrs = live.lrs, lrs
-    if before is None or not live.window_open:
-        return
     changed = [
         (i, a, b)
-        for i, (a, b) in enumerate(zip(before, lrs))
+        for i, (a, b) in enumerate(zip(before or (), lrs))
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a != b
     ]
-    if not changed:
-        return
-    live.lr_changes += 1
-    if live.lr_changes + live.lr_changes_last < 2:
+    (prev_changed, prev_inside), live.lr_prev = live.lr_prev, (bool(changed), live.window_open)
+    if not (changed and prev_changed and (live.window_open or prev_inside)):
         return
     i, a, b = changed[0]
     raise ValueError(
         f"TransformedOptimizer.step: param group {i}'s lr changed from {a} to {b} inside an accumulation window, "
-        "as it did in the last one: something steps the lr scheduler on every step() call, counting every "
+        "and at the step before: something steps the lr scheduler on every step() call, counting every "
         "micro-step as an optimizer step (the Hugging Face Trainer and accelerate do). Step the scheduler only "
         "when opt.emitted is True, or take gtx.accumulate out of the chain and use that framework's own "
         "accumulation (TrainingArguments(gradient_accumulation_steps=k)). A scheduler stepped once per epoch "
-        "may change the lr inside a window (the window's last step reads it); to start the next epoch with a "
-        "fresh window, end the epoch with opt.step(flush=True)"
+        "may change the lr inside a window (the window's last step reads it); to start each epoch with a "
+        "fresh window, end the last one with opt.step(flush=True)"
     )
-
-
-def check_divided_loss(live: Any, window: Window, loss: Any) -> None:
-    """Warn once when the ``loss=`` given to ``step`` was divided by the window's ``k``: the mean is taken twice.
-
-    nanoGPT's loop divides each micro-batch's loss by ``grad_accum_steps``;
-    with :func:`gradtx.accumulate` (which averages the micro-steps itself) that
-    makes the grads, the logged norm and the clip's input ``k`` times too small.
-    Seen from the loss's autograd node (a division by ``k``, or a product with
-    ``1/k``), so only when the loss is passed to ``step``.
-    """
-    fn = getattr(loss, "grad_fn", None)
-    if live.warned_divided or fn is None or window.token_weighted or window.k < 2:
-        return
-    other = getattr(fn, "_saved_other", None)
-    name = fn.name()
-    if (name == "DivBackward0" and other == window.k) or (name == "MulBackward0" and other == 1 / window.k):
-        live.warned_divided = True
-        warnings.warn(
-            f"TransformedOptimizer.step: the loss was divided by {window.k}, the accumulation window's k; "
-            f"gtx.accumulate({window.k}) averages the micro-steps itself, so the grads are divided twice (the "
-            "logged grad_norm is k times smaller and the clip hardly fires). Backpropagate each micro-batch's "
-            "own mean loss (see 'Port nanoGPT's loop' in docs/accumulation.md)",
-            stacklevel=4,
-        )

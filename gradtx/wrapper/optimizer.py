@@ -40,8 +40,7 @@ class _Live:
         self.synced = True  # False after a backward that skipped the data-parallel sync
         self.stand_ins: dict[torch.Tensor, dict[str, Any]] = {}  # inner states shown before the inner's first step
         self.lrs: list[Any] | None = None  # the lrs at the last step, while a window is open
-        self.lr_changes = self.lr_changes_last = 0  # lr changes seen inside this window, and inside the last one
-        self.warned_divided = False
+        self.lr_prev = (False, False)  # whether the lr changed at the last step, and inside a window
 
 
 class TransformedOptimizer(torch.optim.Optimizer):
@@ -325,8 +324,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         windowed = plan.window is not None
         emitting = not windowed or plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
         amp.check_unscale(found_inf, grad_scale, accumulates=windowed, emitting=emitting)
-        if windowed:
-            loop_checks.check_divided_loss(self._live, self._plan.window.window, extra.get("loss"))
         tree = self._read(emitting)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
@@ -350,8 +347,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._live.amp_scale, self._live.amp_inf = verdict.scale, verdict.inf
 
     def _commit(self, new_state: OptState, window_open: bool, emitted: bool) -> None:
-        if self._live.window_open and not window_open:  # a window closed: its lr changes become the last window's
-            self._live.lr_changes_last, self._live.lr_changes = self._live.lr_changes, 0
         self._live.tx_state = new_state
         self._live.window_open = window_open
         self._live.emitted = emitted
@@ -495,5 +490,5 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._live.emitted = False
         self._live.amp_scale, self._live.amp_inf = record if record is not None and window_open else (None, None)
         self._live.synced = True
-        self._live.lrs, self._live.lr_changes, self._live.lr_changes_last = None, 0, 0
+        self._live.lrs, self._live.lr_prev = None, (False, False)
         self._live.stand_ins = {}

@@ -180,9 +180,7 @@ def _sum_ddp(module: Any, backward_norm: Any = None) -> Any:
     return state
 
 
-def norm_in_backward(
-    model: torch.nn.Module, norm_type: float = 2.0, *, sum_reduction: bool = False
-) -> BackwardNorm:
+def norm_in_backward(model: torch.nn.Module, norm_type: float = 2.0, *, sum_reduction: bool = False) -> BackwardNorm:
     """Measure the global grad norm of a DDP or FSDP2 model during its backward; returns the :class:`gradtx.BackwardNorm`.
 
     Registers :func:`gradtx.comm.torch_dist.backward_norm_hook` on the DDP
