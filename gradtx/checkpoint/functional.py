@@ -20,9 +20,9 @@ Accumulation windows need care, and get it here:
 
 * ``AccumulateState.acc`` is a tree like the params from ``init`` on: an fp32
   (fp64) sum per param while a window is open, a 0-element placeholder
-  (:func:`gradtx.core.kinds.empty_sum`) where it holds nothing (``None`` in a
-  0.1.0 state). The saved dict always carries the running sum (zeros where it
-  holds nothing), so its keys and shapes do not depend on where the window
+  (:func:`gradtx.transforms.accumulation.empty_sums`) where it holds nothing.
+  The saved dict always carries the running sum (zeros where it holds
+  nothing), so its keys and shapes do not depend on where the window
   stands, which is what DCP's load needs: the dict it loads into is made
   before the checkpoint is read.
 * State that differs between data-parallel ranks is reduced on save: the
@@ -155,8 +155,8 @@ def _per_param_leaves(layout: lo.Layout, key: str, n: int) -> list[Any]:
 def _sum_leaves(subtree: Any, n: int) -> list[Any]:
     """A per-parameter subtree's ``n`` leaves, with ``None`` for each that holds nothing (a window's placeholder).
 
-    A window's running sum holds nothing where :func:`gradtx.core.kinds.empty_sum` put a
-    0-element placeholder (all of it at a boundary; ``None`` in a state from 0.1.0).
+    A window's running sum holds nothing where it is a 0-element placeholder
+    (:func:`gradtx.transforms.accumulation.empty_sums`; all of it at a boundary).
     """
     if subtree is None:
         return [None] * n
@@ -324,7 +324,7 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def take_sums(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:
-    """``state`` with every window's running sum emptied (:func:`gradtx.core.kinds.emptied`), and the sums taken out, in order."""
+    """``state`` with every window's running sum emptied (placeholders), and the sums taken out, in order."""
     p_leaves, p_spec = tu.flatten(params)
     taken: list[PyTree | None] = []
 
