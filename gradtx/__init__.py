@@ -22,6 +22,7 @@ from gradtx.distributed.context_parallel import cp_reduce
 from gradtx.distributed.inferred import global_norm
 from gradtx.distributed.pipeline import pp_reduce
 from gradtx.distributed.plan import MeshGroups, Sharded, mesh_groups
+from gradtx.optimizers.fused import update_and_apply
 from gradtx.optimizers.lion import ScaleByLionState, lion, scale_by_lion
 from gradtx.optimizers.lookahead import LookaheadParams, LookaheadState, lookahead
 from gradtx.optimizers.muon import (
@@ -60,7 +61,6 @@ from gradtx.optimizers.standard import (
     trace,
 )
 from gradtx.optimizers.trust_ratio import lamb, lars, scale_by_trust_ratio
-from gradtx.optimizers.fused import update_and_apply
 from gradtx.schedules.builtin import (
     constant_schedule,
     cosine_decay_schedule,
