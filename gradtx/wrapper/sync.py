@@ -132,7 +132,9 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
 
     Example:
       >>> model = gtx.sum_grad_reduction(fully_shard(model))
-      >>> tx = gtx.chain(gtx.accumulate(4, token_weighted=True, comm=comm, group="dp"), gtx.adamw(3e-4))
+      >>> opt = gtx.TransformedOptimizer(
+      ...     torch.optim.AdamW(model.parameters(), lr=3e-4), gtx.accumulate(4, token_weighted=True, comm=comm)
+      ... )
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"sum_grad_reduction: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -217,7 +219,9 @@ def norm_in_backward(model: torch.nn.Module, norm_type: float = 2.0, *, sum_redu
 
     Example:
       >>> bn = gtx.norm_in_backward(ddp_model, 2.0)
-      >>> opt = gtx.TransformedOptimizer(ddp_model.parameters(), gtx.chain(gtx.clip_by_global_norm(1.0, precomputed=bn), gtx.adamw(3e-4)))
+      >>> opt = gtx.TransformedOptimizer(
+      ...     torch.optim.AdamW(ddp_model.parameters(), lr=3e-4), gtx.clip_by_global_norm(1.0, precomputed=bn)
+      ... )
     """
     from gradtx.comm.torch_dist import backward_norm_hook
 
