@@ -154,25 +154,28 @@ def _times(u: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     return tu.like(u, (local.to(dtype) * factor.to(local.device, dtype)).to(local.dtype))
 
 
-def _members(tx: GradientTransformation) -> list[GradientTransformation]:
-    """The chain's members, nested chains flattened; an optimizer alias stays whole (it may be the kernel)."""
+def members(tx: GradientTransformation) -> list[GradientTransformation]:
+    """The chain's members, nested chains flattened; an optimizer alias stays whole (it may be the kernel).
+
+    :func:`split_states` and :func:`join_states` take the chain's state apart along the same lines.
+    """
     if isinstance(tx, Chain) and not isinstance(tx, OptimizerChain):
-        return [m for member in tx.members for m in _members(member)]
+        return [m for member in tx.members for m in members(member)]
     return [tx]
 
 
-def _split(tx: GradientTransformation, state: OptState, out: list[OptState]) -> list[OptState]:
+def split_states(tx: GradientTransformation, state: OptState, out: list[OptState]) -> list[OptState]:
     if isinstance(tx, Chain) and not isinstance(tx, OptimizerChain):
         for member, member_state in zip(tx.members, tx.member_states(state)):
-            _split(member, member_state, out)
+            split_states(member, member_state, out)
     else:
         out.append(state)
     return out
 
 
-def _join(tx: GradientTransformation, states: Iterator[OptState]) -> OptState:
+def join_states(tx: GradientTransformation, states: Iterator[OptState]) -> OptState:
     if isinstance(tx, Chain) and not isinstance(tx, OptimizerChain):
-        return tx.join_states([_join(member, states) for member in tx.members])
+        return tx.join_states([join_states(member, states) for member in tx.members])
     return next(states)
 
 
@@ -313,36 +316,36 @@ def update_and_apply(
     # A donated step writes its inputs, so it is not differentiable; no_grad also lets it write
     # params that are leaves requiring grad (nn.Parameters), as an optimizer step does.
     with torch.no_grad():
-        members = _members(tx)
-        terminal = members[-1] if isinstance(members[-1], OptimizerChain) else None
+        chain_members = members(tx)
+        terminal = chain_members[-1] if isinstance(chain_members[-1], OptimizerChain) else None
         if terminal is None:
             updates, new_state = tx.update(grads, state, params, **extra)
             if updates is not None:
                 _add_in_place(params, updates, None)
             return params, new_state
-        states = _split(tx, state, [])
-        end = tail = len(members) - 1
-        while tail > 0 and isinstance(members[tail - 1], ScalarTransformation):
+        states = split_states(tx, state, [])
+        end = tail = len(chain_members) - 1
+        while tail > 0 and isinstance(chain_members[tail - 1], ScalarTransformation):
             tail -= 1
         updates = grads
         for i in range(tail):
-            updates, states[i] = members[i].update(updates, states[i], params, **extra)
+            updates, states[i] = chain_members[i].update(updates, states[i], params, **extra)
             if updates is None:  # a member held (an open accumulation window): nothing after it runs
-                return params, _join(tx, iter(states))
-            if isinstance(members[i], Accumulation):  # what follows a window sees the window's loss
-                extra = members[i].downstream_extra(states[i], extra)
+                return params, join_states(tx, iter(states))
+            if isinstance(chain_members[i], Accumulation):  # what follows a window sees the window's loss
+                extra = chain_members[i].downstream_extra(states[i], extra)
         factor: torch.Tensor | None = None
         for i in range(tail, end):
-            f, states[i] = members[i].factor(updates, states[i], params, scale=factor, **extra)  # type: ignore[attr-defined]
+            f, states[i] = chain_members[i].factor(updates, states[i], params, scale=factor, **extra)  # type: ignore[attr-defined]
             factor = f if factor is None else factor * f.to(factor.device)
         planned = launch_for(terminal.spec, states[end], updates, params, factor)
         if planned is not None:
             launch, states[end] = planned
             launch()
-            return params, _join(tx, iter(states))
+            return params, join_states(tx, iter(states))
         if factor is not None:  # in fp32 at least, as a kernel's grad_scale would be applied
             leaves, spec = tu.flatten(updates)
             updates = tu.unflatten(spec, [_times(u, factor) for u in leaves])
         updates, states[end] = terminal.update(updates, states[end], params, **extra)
         _add_in_place(params, updates, None)
-    return params, _join(tx, iter(states))
+    return params, join_states(tx, iter(states))

@@ -27,29 +27,10 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
+from gradtx.optimizers import fused
 from gradtx.transforms.accumulation import Accumulation
-from gradtx.transforms.combine import Chain
-
-
-def _leaves(tx: GradientTransformation) -> list[GradientTransformation]:
-    if isinstance(tx, Chain):
-        return [m for member in tx.members for m in _leaves(member)]
-    return [tx]
-
-
-def _split(tx: GradientTransformation, state: OptState, out: list[OptState]) -> None:
-    if isinstance(tx, Chain):
-        for member, member_state in zip(tx.members, tx.member_states(state)):
-            _split(member, member_state, out)
-    else:
-        out.append(state)
-
-
-def _join(tx: GradientTransformation, states: Any) -> OptState:
-    if isinstance(tx, Chain):
-        return tx.join_states([_join(member, states) for member in tx.members])
-    return next(states)
 
 
 class Result(NamedTuple):
@@ -72,7 +53,7 @@ class Plan:
 
     def __init__(self, tx: GradientTransformation) -> None:
         self.tx = tx
-        members = _leaves(tx)
+        members = fused.members(tx)
         self.members = members
         first = members[0] if members else None
         self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
@@ -85,12 +66,10 @@ class Plan:
         self.tail = [(i, members[i]) for i in range(tail, len(members))]
 
     def states(self, state: OptState) -> list[OptState]:
-        out: list[OptState] = []
-        _split(self.tx, state, out)
-        return out
+        return fused.split_states(self.tx, state, [])
 
     def join(self, states: list[OptState]) -> OptState:
-        return _join(self.tx, iter(states))
+        return fused.join_states(self.tx, iter(states))
 
     def window_state(self, state: OptState) -> Any:
         return self.states(state)[0] if self.window is not None else None
@@ -156,10 +135,6 @@ def has_none(items: list[Any]) -> bool:
     return any(map(is_, items, repeat(None)))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if hasattr(t, "_local_tensor") else t
-
-
 def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
     out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
@@ -169,7 +144,7 @@ def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, to
 
 def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     """Multiply every tensor (a DTensor through its local shard) by the 0-d ``factor``, in place."""
-    locals_ = [_local(t) for t in tensors]
+    locals_ = [tu.local(t) for t in tensors]
     for (device, dtype), idx in _by_device_dtype(locals_).items():
         f = factor.to(device, torch.float64 if dtype == torch.float64 else torch.float32, non_blocking=True)
         torch._foreach_mul_([locals_[i] for i in idx], f)
@@ -408,32 +383,13 @@ def keep_on_skip(plan: Plan, skip: torch.Tensor, old: OptState, new: OptState) -
     The window closes either way: a skipped window is over.
     """
 
-    def pick(o: Any, n: Any) -> Any:
-        if isinstance(n, torch.Tensor) and isinstance(o, torch.Tensor):
-            ln = _local(n)
-            return _like(n, torch.where(skip.to(ln.device), _local(o), ln))
-        return n
+    def pick(n: Any, o: Any) -> Any:
+        if not isinstance(n, torch.Tensor):
+            return n
+        ln = tu.local(n)
+        return tu.like(n, torch.where(skip.to(ln.device), tu.local(o), ln))
 
     olds, news = plan.states(old), plan.states(new)
     start = 1 if plan.window is not None else 0
-    for i in range(start, len(news)):
-        news[i] = _map2(pick, olds[i], news[i])
+    news[start:] = [tu.tree_map(pick, n, o) for n, o in zip(news[start:], olds[start:])]
     return plan.join(news)
-
-
-def _like(template: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    if hasattr(template, "_local_tensor"):
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(local, template.device_mesh, template.placements, run_check=False)
-    return local
-
-
-def _map2(fn: Any, old: Any, new: Any) -> Any:
-    if isinstance(new, tuple) and hasattr(type(new), "_fields"):
-        return type(new)(*(_map2(fn, o, n) for o, n in zip(old, new)))
-    if isinstance(new, (tuple, list)):
-        return type(new)(_map2(fn, o, n) for o, n in zip(old, new))
-    if isinstance(new, dict):
-        return {k: _map2(fn, old[k], v) for k, v in new.items()}
-    return fn(old, new)
