@@ -137,6 +137,19 @@ def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Ten
     return replaced
 
 
+def not_holding(updates: ParamTree, held: Any) -> ParamTree:
+    """``updates``, with every leaf that shares storage with a tensor of ``held`` (a state, the params) copied.
+
+    Traced, :func:`write` copies into ``.grad`` anyway, so nothing is checked.
+    """
+    if torch.compiler.is_compiling():
+        return updates
+    storages = {tu.local(t).untyped_storage().data_ptr() for t in tu.flatten(held)[0] if isinstance(t, torch.Tensor)}
+    return [
+        [u.clone() if tu.local(u).untyped_storage().data_ptr() in storages else u for u in group] for group in updates
+    ]
+
+
 def undo(replaced: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for p, g in replaced:
         p.grad = g

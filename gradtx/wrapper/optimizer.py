@@ -336,7 +336,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             new_state = rules.keep_on_skip(plan, verdict.found, self._live.tx_state, new_state)
             skip = verdict.found if skip is None else (skip | verdict.found.to(skip.device))
         if emitted:
-            self._apply(result.updates, tree, result.factor, skip)
+            self._apply(result.updates, tree, new_state, result.factor, skip)
         elif verdict.drop_partial_sum:
             # The window will be skipped; an inf left in .grad would make GradScaler back off again on
             # every remaining micro-step, where torch's recipe backs off once per window.
@@ -366,7 +366,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 if result.skip is not None:  # a guard's skip: this evaluation's grads count as zero
                     keep = (~result.skip).to(torch.float32)
                     factor = keep if factor is None else factor * keep.to(factor.device)
-                grads.write(self._tree, result.updates)
+                grads.write(self._tree, grads.not_holding(result.updates, (result.state, self._flat)))
                 if factor is not None:
                     rules.scale_in_place([p.grad for p in self._flat if p.grad is not None], factor)
                 self._commit(result.state, False, True)
@@ -376,8 +376,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
             self._prepare()
             return self.optimizer.step(evaluate)
 
-    def _apply(self, updates: Any, tree: Any, factor: torch.Tensor | None, skip: torch.Tensor | None) -> None:
-        replaced = grads.write(self._tree, updates) if updates is not tree else []
+    def _apply(self, updates: Any, tree: Any, state: OptState, factor: Any, skip: torch.Tensor | None) -> None:
+        replaced = []
+        if updates is not tree:
+            # A member's updates may be its state's own tensors (optax's trace returns its new trace): those
+            # are copied, so nothing that writes .grad (a scaling, zero_grad, the next backward) writes the state.
+            updates = grads.not_holding(updates, (state, self._flat))
+            replaced = grads.write(self._tree, updates)
         try:
             rules.step_inner(self.optimizer, self._fused, self._tree, self._flat, factor, skip, fp64=self._fp64)
         except BaseException:
