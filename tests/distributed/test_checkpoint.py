@@ -273,7 +273,7 @@ def full_state_dict_roundtrip(rank: int) -> Any:
     options = StateDictOptions(full_state_dict=True)
     msd, osd = get_state_dict(model, run["opt"], options=options)
     full_acc = osd["state"]["blocks.0.w1.weight"]["gradtx"]["0/0/acc"]
-    mesh2, model2, run2 = _build("fsdp", "wrapper", False)
+    _, model2, run2 = _build("fsdp", "wrapper", False)
     try:  # the fresh wrapper's own dict has no partial sums to distribute them into
         set_state_dict(model2, run2["opt"], model_state_dict=msd, optim_state_dict=osd, options=options)
         refused = None
