@@ -21,6 +21,7 @@ from gradtx.distributed.context_parallel import cp_reduce
 from gradtx.distributed.global_norm import global_norm
 from gradtx.distributed.pipeline import pp_reduce
 from gradtx.distributed.plan import MeshGroups, Sharded, mesh_groups
+from gradtx.optimizers.fused import update_and_apply
 from gradtx.optimizers.lion import ScaleByLionState, lion, scale_by_lion
 from gradtx.optimizers.lookahead import LookaheadParams, LookaheadState, lookahead
 from gradtx.optimizers.muon import (
@@ -59,7 +60,6 @@ from gradtx.optimizers.standard import (
     trace,
 )
 from gradtx.optimizers.trust_ratio import lamb, lars, scale_by_trust_ratio
-from gradtx.runtime.executor import StepPlan, update_and_apply
 from gradtx.schedules.builtin import (
     constant_schedule,
     cosine_decay_schedule,
@@ -216,7 +216,6 @@ __all__ = [
     "SkipIfState",
     "SkipSpikesState",
     "SnapshotState",
-    "StepPlan",
     "TraceState",
     "TrackNormsState",
     "TransformedOptimizer",
@@ -324,7 +323,7 @@ __all__ = [
 
 # The flat module paths from before the layered layout (gradtx.plan, gradtx.executor, ...): each is the
 # moved module itself, so old imports, attribute paths and pickles keep working.
-from gradtx import _global_norm, accumulation, adaptive, base, clipping, combine, conditionals, context_parallel, executor, hyperparams, norms, pipeline, plan, spikes, tree, validate  # noqa: F401, I001
+from gradtx import _global_norm, accumulation, adaptive, base, clipping, combine, conditionals, context_parallel, hyperparams, norms, pipeline, plan, spikes, tree, validate  # noqa: F401, I001
 
 # Files saved by 0.1.0 name each state class by its flat module path (gradtx.accumulation.AccumulateState):
 # torch.load(weights_only=True) matches names, so the moved classes are allowed under those names too.

@@ -15,8 +15,8 @@ import torch
 
 import gradtx as gtx
 from gradtx.core import tree as tu
+from gradtx.optimizers import fused as executor
 from gradtx.optimizers import fused as fused_kernels
-from gradtx.runtime import executor
 from gradtx.testing import assert_donated_matches_pure, assert_trees_close
 from tests.fork_server import run_script
 

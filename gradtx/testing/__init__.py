@@ -151,7 +151,7 @@ def assert_donated_matches_pure(
       >>> grads_seq = [torch.func.grad(loss)(params, b) for b in batches]
       >>> assert_donated_matches_pure(chain(my_tx(), adamw(1e-3)), params, grads_seq)
     """
-    from gradtx.runtime.executor import update_and_apply  # the executor sits above the transforms
+    from gradtx.optimizers.fused import update_and_apply
 
     pure_params = params
     donated_params = tu.tree_map(lambda t: t.detach().clone(), params)
