@@ -129,3 +129,17 @@ def norm(xs: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -
     if dtype is None:
         return list(torch._foreach_norm(xs, ord))
     return list(torch._foreach_norm(xs, ord, dtype=dtype))
+
+
+def group_by_device_dtype(tensors: list[torch.Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[int]]]:
+    """``[((device, dtype), indices)]``: ``tensors`` (local, not DTensors) in the groups a foreach kernel takes.
+
+    Eager, torch's own C++ grouping (what ``torch.optim`` uses: no Python loop
+    over the tensors); traced or under ``vmap``, the same grouping in Python.
+    """
+    if tensors and not (torch.compiler.is_compiling() or under_vmap()):
+        return [(key, idx) for key, (_, idx) in torch._C._group_tensors_by_device_and_dtype([tensors], True).items()]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.items())

@@ -1,4 +1,4 @@
-"""Small leaf-by-leaf helpers shared by the optax-parity transforms (ema, lion, lookahead, schedule-free, sam, ...).
+"""Leaf-by-leaf helpers shared by the optimizers and the optax-parity transforms (adam, trace, ema, lion, ...).
 
 Every helper works on the local shard of a DTensor and wraps the result the way
 its template is wrapped, so elementwise math never communicates. Nothing here
@@ -12,38 +12,29 @@ from typing import Any
 
 import torch
 
+from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
 
 
 def tensor_leaves(tree: PyTree, *, name: str, what: str) -> tuple[list[torch.Tensor], Any]:
     """The leaves of ``tree`` and its spec, after checking that every leaf is a float or complex tensor."""
-    leaves, spec = tu.flatten(tree)
-    tu.check_tensors(leaves, tree=tree, what=f"{name}: {what}")
-    return leaves, spec
+    return tu.tensor_leaves(tree, what=f"{name}: {what}")
 
 
 def device_of(tree: PyTree) -> torch.device:
     """The device of the first tensor leaf (the local shard's), where counters live; CPU for an empty tree."""
-    for leaf in tu.flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return tu.local(leaf).device
-    return torch.device("cpu")
+    return tu.device_of(tree)
 
 
 def zero_count(tree: PyTree) -> torch.Tensor:
     """A 0-d int64 zero beside the params, so counters never cross to the host."""
-    return torch.zeros((), dtype=torch.int64, device=device_of(tree))
+    return torch.zeros((), dtype=torch.int64, device=tu.device_of(tree))
 
 
 def lmap(fn: Callable[..., torch.Tensor], tree: PyTree, *rest: PyTree) -> PyTree:
     """``fn`` over the local shards of aligned leaves; each result is wrapped like the leaf of ``tree``."""
     return tu.tree_map(lambda x, *ys: tu.like(x, fn(tu.local(x), *(tu.local(y) for y in ys))), tree, *rest)
-
-
-def zeros_like_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
-    """Zeros mirroring ``tree`` (a DTensor stays one, with its placements), in ``dtype`` or each leaf's own."""
-    return tu.tree_map(lambda x: torch.zeros_like(x, dtype=dtype or x.dtype, requires_grad=False), tree)
 
 
 def clone_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
@@ -63,11 +54,6 @@ def where_tree(cond: torch.Tensor, if_true: PyTree, if_false: PyTree) -> PyTree:
     return tu.tree_map(pick, if_true, if_false)
 
 
-def without_inplace(extra: dict[str, Any]) -> dict[str, Any]:
-    """The extra keywords minus ``inplace``: for an inner transform whose input the caller reads again afterwards."""
-    return {k: v for k, v in extra.items() if k != "inplace"}
-
-
 def as_tensor(value: Any, like: torch.Tensor) -> Any:
     """A tensor hyperparameter on ``like``'s device, in its dtype; a Python number stays one."""
     if isinstance(value, torch.Tensor):
@@ -75,17 +61,82 @@ def as_tensor(value: Any, like: torch.Tensor) -> Any:
     return value
 
 
-def float_dtypes(tree: PyTree) -> Sequence[torch.dtype]:
-    return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
 def lowest_dtype(tree: PyTree) -> torch.dtype:
     """The lowest-precision float dtype among the leaves (optax's ``tree.dtype(params, 'lowest')``); fp32 if none."""
-    dtypes = float_dtypes(tree)
+    dtypes = [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return min(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
 
 
-def highest_dtype(tree: PyTree) -> torch.dtype:
-    """The highest-precision float dtype among the leaves; fp32 if none."""
-    dtypes = float_dtypes(tree)
-    return max(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+def _plain(leaves: Sequence[Any]) -> bool:
+    """Whether no leaf is a DTensor, so local shards and results need no wrapping."""
+    return tu.DTensor is None or not any(isinstance(x, tu.DTensor) for x in leaves)
+
+
+class Moments:
+    """The updates aligned with a transform's per-param trees (moments, params), grouped for foreach kernels.
+
+    ``groups`` holds, for each (device, dtype) of the first tree's leaves,
+    ``(key, idx, g, trees)``: ``idx`` indexes the present update leaves, ``g``
+    are their local shards cast to that dtype, and ``trees`` the local shards
+    of each tree's leaf for them. A ``None`` update (a param with no gradient)
+    leaves its moments as they are. :meth:`put` and :meth:`put_updates` store
+    each group's results, and :meth:`tree` and :meth:`updates` rebuild the trees.
+
+    Example:
+      >>> ms = Moments(updates, (state.mu,), name="trace", against="its trace")
+      >>> def step(key, idx, g, trees):
+      ...     ms.put(0, idx, new_mu); ms.put_updates(idx, new_updates)
+      >>> ms.each(step)
+    """
+
+    def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str):
+        self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
+        self.flat = [tu.flatten(t) for t in trees]
+        self.new = [list(leaves) for leaves, _ in self.flat]
+        self.out = list(self.leaves)
+        n = len(self.flat[0][0])
+        full = self.index == list(range(n))  # every leaf has an update: the common case, no gathering
+        firsts = self.flat[0][0] if full else [self.flat[0][0][i] for i in self.index]
+        self.plain = _plain(self.leaves) and all(_plain(leaves) for leaves, _ in self.flat)
+        local = (lambda xs: list(xs)) if self.plain else (lambda xs: [tu.local(x) for x in xs])
+        g_all = local(self.leaves)
+        firsts_local = local(firsts)
+        others = [local(leaves if full else [leaves[i] for i in self.index]) for leaves, _ in self.flat[1:]]
+        self._check = lambda: tu.check_devices(firsts, self.leaves, updates, what=f"{name}: updates", against=against)
+        grouped = fe.group_by_device_dtype(firsts_local)
+        self.groups = []
+        for key, idx in grouped:
+            one = len(grouped) == 1
+            g = [x if x.dtype == key[1] else x.to(key[1]) for x in (g_all if one else [g_all[j] for j in idx])]
+            trees_ = [xs if one else [xs[j] for j in idx] for xs in (firsts_local, *others)]
+            self.groups.append((key, idx, g, trees_))
+
+    def each(self, step: Callable[..., None]) -> None:
+        """``step(key, idx, g, trees)`` for every group; a leaf on another device is reported by its path."""
+        try:
+            for group in self.groups:
+                step(*group)
+        except RuntimeError:
+            self._check()  # raises a ValueError naming the leaf when a device mismatch was the cause
+            raise
+
+    def put(self, k: int, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:
+        """Store a group's new local leaves of tree ``k``."""
+        new, templates = self.new[k], self.flat[k][0]
+        for j, r in zip(idx, results):
+            i = self.index[j]
+            new[i] = r if self.plain else tu.like(templates[i], r)
+
+    def put_updates(self, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:
+        """Store a group's new local updates, each in the dtype its update came in."""
+        for j, r in zip(idx, results):
+            u = self.leaves[j]
+            r = r if r.dtype == u.dtype else r.to(u.dtype)
+            self.out[j] = r if self.plain else tu.like(u, r)
+
+    def tree(self, k: int) -> PyTree:
+        """Tree ``k`` with the stored leaves (the old ones where no update came)."""
+        return tu.unflatten(self.flat[k][1], self.new[k])
+
+    def updates(self) -> PyTree:
+        return tu.unflatten(self.spec, self.out)

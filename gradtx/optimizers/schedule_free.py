@@ -18,7 +18,8 @@ from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, export_metrics, factory
-from gradtx.optimizers.standard import add_decayed_weights, scale_by_learning_rate, sgd
+from gradtx.optimizers.aliases import sgd
+from gradtx.optimizers.standard import add_decayed_weights, scale_by_learning_rate
 from gradtx.schedules.builtin import warmup_constant_schedule
 from gradtx.transforms.combine import chain
 

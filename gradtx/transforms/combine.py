@@ -12,7 +12,7 @@ from gradtx.core import foreach as fe
 from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, Updates, factory
 
 
 class Chain(GradientTransformation):
@@ -61,44 +61,6 @@ class Chain(GradientTransformation):
     def join_states(self, states: Sequence[OptState]) -> OptState:
         """This chain's state from its members' states (the inverse of :meth:`member_states`)."""
         return dict(zip(self.names, states)) if self.names is not None else tuple(states)
-
-
-def _run(
-    txs: Sequence[GradientTransformation],
-    updates: Updates,
-    states: Sequence[OptState],
-    params: Params | None,
-    extra: dict[str, Any],
-    hands_on: Sequence[bool],
-) -> tuple[Updates | None, list[OptState]]:
-    # A scalar member's product is computed here, into new buffers (or the donated ones): from then
-    # on the chain owns its updates, so later members may write into them (``inplace=True``), with
-    # the pure path's numbers and one gradient-sized allocation fewer per member. Updates from a
-    # member that did not declare them fresh may be its state's own tensors (optax's trace returns
-    # its new trace): those leaves are copied before anything writes into them.
-    owned = bool(extra.get("inplace", False))
-    # Under vmap nothing is written in place: an unbatched buffer cannot hold a batched result.
-    donate = not fe.under_vmap()
-    new_states = list(states)
-    for i, tx in enumerate(txs):
-        if isinstance(tx, ScalarTransformation):
-            factor, new_states[i] = tx.factor(updates, states[i], params, **extra)
-            leaves, spec = tu.flatten(updates)
-            tu.check_tensors(leaves, tree=updates, what="updates")
-            updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
-            owned = donate
-            continue
-        given = updates
-        updates, new_states[i] = tx.update(
-            updates, states[i], params, **({**extra, "inplace": True} if owned else extra)
-        )
-        if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
-            break
-        if owned and not kinds.returns_fresh(tx):
-            updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
-        if hands_on[i]:  # a window that emitted hands its reduced loss to what follows
-            extra = tx.downstream_extra(new_states[i], extra)  # type: ignore[attr-defined]
-    return updates, new_states
 
 
 def tie_order(txs: Sequence[GradientTransformation], *, name: str) -> dict[str, tuple[Any, ...]]:
@@ -156,19 +118,22 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
 
 
 def _chain(txs: Sequence[GradientTransformation], names: Sequence[str] | None = None) -> GradientTransformation:
-    """A :class:`Chain` of ``txs`` (with ``names``, a :func:`named_chain`), planned: read once what its members declare."""
-    hands_on = [isinstance(tx, kinds.DownstreamExtra) for tx in txs]  # read once, not every step
+    """A :class:`Chain` of ``txs`` (with ``names``, a :func:`named_chain`), its tied-weight order checked once."""
     ties = tie_order(txs, name="chain" if names is None else "named_chain")
 
     def init_fn(params: Params) -> OptState:
         return out.join_states([tx.init(params) for tx in txs])
 
     def update_fn(updates, state, params=None, **extra):
-        updates, new_states = _run(txs, updates, out.member_states(state), params, extra, hands_on)
+        new_states = out.member_states(state)
+        for i, tx in enumerate(txs):
+            updates, new_states[i] = tx.update(updates, new_states[i], params, **extra)
+            if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
+                break
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs, names)
-    return kinds.declare_ties(kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs))), **ties)
+    return kinds.declare_ties(out, **ties)
 
 
 @factory
@@ -341,9 +306,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         _take(out, routed, keep, new, name="masked")
         return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
-    # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
-    out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
-    return kinds.declare_ties(out, reads=kinds.ties_read(inner))  # the chain holding it checks them
+    return kinds.declare_ties(GradientTransformation(init_fn, update_fn), reads=kinds.ties_read(inner))  # the chain holding it checks them
 
 
 @factory
@@ -424,11 +387,8 @@ def partition(
             _take(out, routed, keep, new, name="partition")
         return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
-    out = kinds.declare_fresh(
-        GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
-    )
     reads = tuple(p for tx in transforms.values() for p in kinds.ties_read(tx))
-    return kinds.declare_ties(out, reads=reads)  # the chain holding it checks them
+    return kinds.declare_ties(GradientTransformation(init_fn, update_fn), reads=reads)  # the chain holding it checks them
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:
@@ -455,3 +415,25 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
         for (i, _), r in zip(pairs, added):
             out[i] = r
     return tu.unflatten(spec, out)
+
+
+def update_and_apply(
+    tx: GradientTransformation, grads: Updates, state: OptState, params: Params, **extra: Any
+) -> tuple[Params, OptState]:
+    """One optimizer step: ``tx.update``, then :func:`apply_updates`. Pure.
+
+    Exactly::
+
+        updates, state = tx.update(grads, state, params, **extra)
+        params = apply_updates(params, updates)
+
+    When the chain holds (an open accumulation window) the params come back
+    unchanged. For speed, compile the step (``torch.compile``); inductor then
+    writes each result straight into its buffer.
+
+    Example:
+      >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4, weight_decay=0.1))
+      >>> params, state = update_and_apply(tx, grads, state, params)
+    """
+    updates, state = tx.update(grads, state, params, **extra)
+    return apply_updates(params, updates), state

@@ -23,7 +23,6 @@ import optree
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
@@ -102,7 +101,7 @@ def zero_nans() -> GradientTransformation:
         )
         return tu.unflatten(spec, out), ZeroNansState(found_nan=found_nan)
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return GradientTransformation(init_fn, update_fn)
 
 
 # --- optax's should_skip_update_fn functions ------------------------------------------------
@@ -329,7 +328,7 @@ def skip_if(
             inner_state=inner_state,
         )
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    return Guard(init_fn, update_fn, _skipped)
 
 
 # --- skip_spikes ----------------------------------------------------------------------------
@@ -524,5 +523,5 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    tx = kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    tx = Guard(init_fn, update_fn, _skipped)
     return plans.reads_tied(tx, mesh_groups if metric == "grad_norm" else None)
