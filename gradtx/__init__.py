@@ -6,6 +6,7 @@ import torch
 
 from gradtx import checkpoint, comm, schedules, testing
 from gradtx.comm.backward_norm import BackwardNorm
+from gradtx.core import tree  # optax.tree's counterpart: tree_map, flatten, ... (gradtx.core.tree)
 from gradtx.core.base import (
     EmptyState,
     GradientTransformation,
@@ -314,6 +315,7 @@ __all__ = [
     "testing",
     "trace",
     "track_norms",
+    "tree",
     "unitwise_norm",
     "update_and_apply",
     "warmup_constant_schedule",

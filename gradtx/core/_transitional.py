@@ -204,3 +204,20 @@ class FusableOptimizer(Protocol):
     def fused_step(
         self, state: Any, updates: Any, params: Any, factor: torch.Tensor | None
     ) -> tuple[Any, Any] | None: ...
+
+
+def _memo(self: Any, key: str, make: Callable[[Any], Any]) -> Any:
+    """``make(self)``, computed once per transform object and kept on it (the executor's step plan)."""
+    store = self.__dict__.setdefault("_gradtx_memo", {})
+    if key not in store:
+        store[key] = make(self)
+    return store[key]
+
+
+def _install_memo() -> None:
+    from gradtx.core.base import GradientTransformation
+
+    GradientTransformation.memo = _memo  # type: ignore[attr-defined]
+
+
+_install_memo()

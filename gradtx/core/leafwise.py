@@ -37,6 +37,11 @@ def lmap(fn: Callable[..., torch.Tensor], tree: PyTree, *rest: PyTree) -> PyTree
     return tu.tree_map(lambda x, *ys: tu.like(x, fn(tu.local(x), *(tu.local(y) for y in ys))), tree, *rest)
 
 
+def zeros_like_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
+    """Zeros mirroring ``tree`` (a DTensor stays one, with its placements), in ``dtype`` or each leaf's own."""
+    return tu.tree_map(lambda x: torch.zeros_like(x, dtype=dtype or x.dtype, requires_grad=False), tree)
+
+
 def clone_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     """A copy of ``tree`` that shares no storage with it (and never requires grad), optionally cast."""
     return tu.tree_map(lambda x: x.detach().to(dtype or x.dtype, copy=True), tree)
@@ -63,8 +68,18 @@ def as_tensor(value: Any, like: torch.Tensor) -> Any:
 
 def lowest_dtype(tree: PyTree) -> torch.dtype:
     """The lowest-precision float dtype among the leaves (optax's ``tree.dtype(params, 'lowest')``); fp32 if none."""
-    dtypes = [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    dtypes = _float_dtypes(tree)
     return min(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+
+
+def highest_dtype(tree: PyTree) -> torch.dtype:
+    """The highest-precision float dtype among the leaves; fp32 if none."""
+    dtypes = _float_dtypes(tree)
+    return max(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+
+
+def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
+    return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 def _plain(leaves: Sequence[Any]) -> bool:

@@ -407,7 +407,8 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
 
         def step(key, idx, g, trees):
             d = _on(decay, key[0], key[1])
-            tr = fe.add_(fe.mul(trees[0], d), g)
+            # Out of place: the same ops as torch.optim.SGD's buffer, which never writes into the state.
+            tr = fe.add(fe.mul(trees[0], d), g)
             ms.put(0, idx, tr)
             if nesterov:
                 ms.put_updates(idx, fe.add(g, fe.mul(tr, d)) if isinstance(d, torch.Tensor) else fe.add(g, tr, alpha=d))
