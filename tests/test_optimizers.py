@@ -26,7 +26,7 @@ from gradtx.optimizers import (
     sgd,
     trace,
 )
-from gradtx.transforms.combine import apply_updates, chain
+from gradtx.transforms.combine import apply_updates
 
 STEPS = 100
 RTOL = 1e-5
