@@ -104,7 +104,7 @@ class Moments:
       >>> ms.each(step)
     """
 
-    def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str):
+    def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str, cast: bool = True):
         self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
         self.flat = [tu.flatten(t) for t in trees]
         self.new = [list(leaves) for leaves, _ in self.flat]
@@ -122,7 +122,8 @@ class Moments:
         self.groups = []
         for key, idx in grouped:
             one = len(grouped) == 1
-            g = [x if x.dtype == key[1] else x.to(key[1]) for x in (g_all if one else [g_all[j] for j in idx])]
+            g = g_all if one else [g_all[j] for j in idx]
+            g = [x if x.dtype == key[1] else x.to(key[1]) for x in g] if cast else g
             trees_ = [xs if one else [xs[j] for j in idx] for xs in (firsts_local, *others)]
             self.groups.append((key, idx, g, trees_))
 
@@ -136,10 +137,11 @@ class Moments:
             raise
 
     def put(self, k: int, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:
-        """Store a group's new local leaves of tree ``k``."""
+        """Store a group's new local leaves of tree ``k``, each in its old leaf's dtype."""
         new, templates = self.new[k], self.flat[k][0]
         for j, r in zip(idx, results):
             i = self.index[j]
+            r = r if r.dtype == templates[i].dtype else r.to(templates[i].dtype)
             new[i] = r if self.plain else tu.like(templates[i], r)
 
     def put_updates(self, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:

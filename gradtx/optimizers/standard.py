@@ -83,6 +83,11 @@ def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
     return value.to(device, dtype, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
+def _scalar(value: Scalar, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a 0-d tensor: a foreach multiply by a Python number wraps it in a new tensor for every leaf."""
+    return _on(value, device, dtype) if isinstance(value, torch.Tensor) else torch.full((), value, dtype=dtype, device=device)
+
+
 def _is_zero(value: Scalar) -> bool:
     # A tensor hyperparameter may change between steps, so its member is always kept.
     return not isinstance(value, torch.Tensor) and value == 0.0
@@ -293,10 +298,11 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
             if isinstance(b2, torch.Tensor):
                 v = fe.lerp(nus, fe.mul(g, g), (1 - b2).to(device, real))
             else:  # torch.optim.Adam's own arithmetic
-                v = fe.addcmul_(fe.mul(nus, b2), g, g, value=1 - b2)
-            # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
+                v = fe.addcmul_(fe.mul(nus, _scalar(b2, device, real)), g, g, value=1 - b2)
+            # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1);
+            # add_ writes into mul's new output, which autograd does not keep.
             denom = fe.mul(fe.sqrt(v), bc1 / torch.sqrt(_bias_correction(b2, t)))
-            u = fe.div(m, fe.add(denom, [bc1 * _on(eps, device, bc1.dtype)] * len(denom)))
+            u = fe.div(m, fe.add_(denom, [bc1 * _on(eps, device, bc1.dtype)] * len(denom)))
             if dtype.is_complex:
                 m, v, u = ([torch.view_as_complex(x) for x in xs] for xs in (m, v, u))
             ms.put(0, idx, m)
@@ -407,8 +413,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
 
         def step(key, idx, g, trees):
             d = _on(decay, key[0], key[1])
-            # Out of place: the same ops as torch.optim.SGD's buffer, which never writes into the state.
-            tr = fe.add(fe.mul(trees[0], d), g)
+            tr = fe.add(fe.mul(trees[0], _scalar(d, key[0], key[1])), g)  # torch.optim.SGD's buffer, out of place
             ms.put(0, idx, tr)
             if nesterov:
                 ms.put_updates(idx, fe.add(g, fe.mul(tr, d)) if isinstance(d, torch.Tensor) else fe.add(g, tr, alpha=d))

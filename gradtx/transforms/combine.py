@@ -6,10 +6,10 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, Self, cast
 
 import optree
-import torch
 
 from gradtx.core import foreach as fe
 from gradtx.core import kinds
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, Updates, factory
@@ -400,21 +400,14 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     """
     if updates is None:
         return params
-    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
-    p_leaves, spec = tu.flatten(params)
-    out: list[Any] = list(p_leaves)
-    plain: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
-    for j, i in enumerate(index):
-        p, u = p_leaves[i], u_leaves[j]
-        if type(p) is torch.Tensor and type(u) is torch.Tensor and p.dtype == u.dtype and p.device == u.device:
-            plain.setdefault((p.device, p.dtype), []).append((i, j))
-        else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
-            out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
-    for pairs in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
-        added = fe.add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
-        for (i, _), r in zip(pairs, added):
-            out[i] = r
-    return tu.unflatten(spec, out)
+    ms = lw.Moments(updates, (params,), name="apply_updates", against="params", cast=False)
+    if not ms.plain:  # DTensors, whose placements may differ from their update's: the ordinary op, leaf by leaf
+        new = list(ms.flat[0][0])
+        for j, i in enumerate(ms.index):
+            new[i] = (new[i] + ms.leaves[j]).to(new[i].dtype)
+        return tu.unflatten(ms.flat[0][1], new)
+    ms.each(lambda key, idx, g, trees: ms.put(0, idx, fe.add(trees[0], g)))  # one launch per (device, dtype)
+    return ms.tree(0)
 
 
 def update_and_apply(
