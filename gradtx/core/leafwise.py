@@ -82,7 +82,7 @@ def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
     return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def _plain(leaves: Sequence[Any]) -> bool:
+def plain(leaves: Sequence[Any]) -> bool:
     """Whether no leaf is a DTensor, so local shards and results need no wrapping."""
     return tu.DTensor is None or not any(issubclass(t, tu.DTensor) for t in set(map(type, leaves)))  # no loop per leaf
 
@@ -112,7 +112,7 @@ class Moments:
         n = len(self.flat[0][0])
         full = self.index == list(range(n))  # every leaf has an update: the common case, no gathering
         firsts = self.flat[0][0] if full else [self.flat[0][0][i] for i in self.index]
-        self.plain = _plain(self.leaves) and all(_plain(leaves) for leaves, _ in self.flat)
+        self.plain = plain(self.leaves) and all(plain(leaves) for leaves, _ in self.flat)
         local = (lambda xs: list(xs)) if self.plain else (lambda xs: [tu.local(x) for x in xs])
         g_all = local(self.leaves)
         firsts_local = local(firsts)

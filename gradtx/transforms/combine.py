@@ -400,14 +400,19 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     """
     if updates is None:
         return params
-    ms = lw.Moments(updates, (params,), name="apply_updates", against="params", cast=False)
-    if not ms.plain:  # DTensors, whose placements may differ from their update's: the ordinary op, leaf by leaf
-        new = list(ms.flat[0][0])
-        for j, i in enumerate(ms.index):
-            new[i] = (new[i] + ms.leaves[j]).to(new[i].dtype)
-        return tu.unflatten(ms.flat[0][1], new)
-    ms.each(lambda key, idx, g, trees: ms.put(0, idx, fe.add(trees[0], g)))  # one launch per (device, dtype)
-    return ms.tree(0)
+    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
+    p_leaves, spec = tu.flatten(params)
+    out = list(p_leaves)
+    if not (lw.plain(p_leaves) and lw.plain(u_leaves)):  # DTensors, whose placements may differ: leaf by leaf
+        for j, i in enumerate(index):
+            out[i] = (p_leaves[i] + u_leaves[j]).to(p_leaves[i].dtype)
+        return tu.unflatten(spec, out)
+    present = p_leaves if len(index) == len(p_leaves) else [p_leaves[i] for i in index]
+    for _, idx in fe.group_by_device_dtype(present):  # one foreach launch per (device, dtype)
+        added = fe.add([present[j] for j in idx], [u_leaves[j] for j in idx])
+        for j, r in zip(idx, added):
+            out[index[j]] = r if r.dtype == p_leaves[index[j]].dtype else r.to(p_leaves[index[j]].dtype)
+    return tu.unflatten(spec, out)
 
 
 def update_and_apply(
