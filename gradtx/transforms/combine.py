@@ -120,6 +120,9 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
 def _chain(txs: Sequence[GradientTransformation], names: Sequence[str] | None = None) -> GradientTransformation:
     """A :class:`Chain` of ``txs`` (with ``names``, a :func:`named_chain`), its tied-weight order checked once."""
     ties = tie_order(txs, name="chain" if names is None else "named_chain")
+    # The one thing a member may change for those after it: accumulate hands on the window's loss, so a
+    # loss guard after it judges the whole window (a method read once here, never declared).
+    hands_on = [getattr(tx, "downstream_extra", None) for tx in txs]
 
     def init_fn(params: Params) -> OptState:
         return out.join_states([tx.init(params) for tx in txs])
@@ -130,6 +133,8 @@ def _chain(txs: Sequence[GradientTransformation], names: Sequence[str] | None = 
             updates, new_states[i] = tx.update(updates, new_states[i], params, **extra)
             if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
                 break
+            if hands_on[i] is not None:
+                extra = hands_on[i](new_states[i], extra)
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs, names)
