@@ -62,14 +62,16 @@ from gradtx.optimizers.trust_ratio import lamb, lars, scale_by_trust_ratio
 from gradtx.schedules.builtin import (
     constant_schedule,
     cosine_decay_schedule,
-    cosine_onecycle_schedule,
     exponential_decay,
-    join_schedules,
-    linear_onecycle_schedule,
     linear_schedule,
     piecewise_constant_schedule,
-    piecewise_interpolate_schedule,
     polynomial_schedule,
+)
+from gradtx.schedules.combined import (
+    cosine_onecycle_schedule,
+    join_schedules,
+    linear_onecycle_schedule,
+    piecewise_interpolate_schedule,
     sgdr_schedule,
     warmup_constant_schedule,
     warmup_cosine_decay_schedule,
@@ -136,41 +138,7 @@ from gradtx.transforms.spikes import (
 from gradtx.wrapper import TransformedOptimizer, no_sync, norm_in_backward, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
-_STATES: list[Any] = (
-    [
-        AccumulateState,
-        AddNoiseState,
-        ApplyIfFiniteState,
-        AutoClipState,
-        ClipByGlobalNormState,
-        DifferentiallyPrivateAggregateState,
-        EmptyState,
-        InjectHyperparamsState,
-        MaskedState,
-        MuonState,
-        PartitionState,
-        ScaleByAdamState,
-        ScaleByScheduleState,
-        TraceState,
-        SkipIfState,
-        SkipSpikesState,
-        TrackNormsState,
-        ZClipState,
-        ZeroNansState,
-        ConditionallyMaskState,
-        ConditionallyTransformState,
-        EmaState,
-        LookaheadParams,
-        LookaheadState,
-        MonitorState,
-        ReduceLROnPlateauState,
-        SAMState,
-        ScaleByLionState,
-        ScaleByRmsWithCountState,
-        ScheduleFreeState,
-        SnapshotState,
-    ]
-)
+_STATES: list[Any] = [v for k, v in list(globals().items()) if k.endswith("State") or k == "LookaheadParams"]
 torch.serialization.add_safe_globals(_STATES)
 
 __version__ = "0.2.0"
@@ -211,6 +179,7 @@ __all__ = [
     "ScalarTransformation",
     "ScaleByAdamState",
     "ScaleByLionState",
+    "ScaleByRmsWithCountState",
     "ScaleByScheduleState",
     "ScheduleFreeState",
     "Sharded",

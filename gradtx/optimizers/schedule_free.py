@@ -20,7 +20,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, export_metrics, factory
 from gradtx.optimizers.aliases import sgd
 from gradtx.optimizers.standard import add_decayed_weights, scale_by_learning_rate
-from gradtx.schedules.builtin import warmup_constant_schedule
+from gradtx.schedules.combined import warmup_constant_schedule
 from gradtx.transforms.combine import chain
 
 __all__ = [
