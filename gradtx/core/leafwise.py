@@ -8,6 +8,7 @@ reads a tensor value back to the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -87,6 +88,23 @@ def plain(leaves: Sequence[Any]) -> bool:
     return tu.DTensor is None or not any(issubclass(t, tu.DTensor) for t in set(map(type, leaves)))  # no loop per leaf
 
 
+def _attrs(xs: Sequence[Any], name: str) -> Any:
+    """``xs``' attribute ``name``: read in C (``map`` with ``attrgetter``) eagerly; traced once under compile."""
+    return [getattr(x, name) for x in xs] if torch.compiler.is_compiling() else map(attrgetter(name), xs)
+
+
+def _like_tensors(leaves: list[Any], reference: list[Any]) -> bool:
+    """Whether ``leaves`` are dense float or complex tensors shaped as ``reference``'s, checked without a Python
+    loop per leaf (``map`` with C getters); ``False`` sends the caller to :func:`gradtx.core.tree.align`."""
+    if not all(issubclass(t, torch.Tensor) for t in {*map(type, leaves), *map(type, reference)}):
+        return False
+    if set(_attrs(leaves, "layout")) != {torch.strided} and leaves:
+        return False
+    if not all(d.is_floating_point or d.is_complex for d in set(_attrs(leaves, "dtype"))):
+        return False
+    return list(_attrs(leaves, "shape")) == list(_attrs(reference, "shape"))
+
+
 class Moments:
     """The updates aligned with a transform's per-param trees (moments, params), grouped for foreach kernels.
 
@@ -96,6 +114,8 @@ class Moments:
     of each tree's leaf for them. A ``None`` update (a param with no gradient)
     leaves its moments as they are. :meth:`put` and :meth:`put_updates` store
     each group's results, and :meth:`tree` and :meth:`updates` rebuild the trees.
+    The common case, every leaf a plain tensor with an update, in one (device,
+    dtype), costs no Python loop over the leaves.
 
     Example:
       >>> ms = Moments(updates, (state.mu,), name="trace", against="its trace")
@@ -104,28 +124,34 @@ class Moments:
       >>> ms.each(step)
     """
 
-    def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str, cast: bool = True):
-        self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
+    def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str):
         self.flat = [tu.flatten(t) for t in trees]
+        ref, ref_spec = self.flat[0]
+        leaves, spec = tu.flatten(updates)
+        self.full = spec == ref_spec and _like_tensors(leaves, ref)  # every leaf has an update, checked
+        if self.full:
+            self.index, self.leaves, self.spec = range(len(leaves)), leaves, spec
+        else:
+            self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
         self.new = [list(leaves) for leaves, _ in self.flat]
         self.out = list(self.leaves)
-        n = len(self.flat[0][0])
-        full = self.index == list(range(n))  # every leaf has an update: the common case, no gathering
-        firsts = self.flat[0][0] if full else [self.flat[0][0][i] for i in self.index]
+        firsts = ref if self.full else [ref[i] for i in self.index]
         self.plain = plain(self.leaves) and all(plain(leaves) for leaves, _ in self.flat)
-        local = (lambda xs: list(xs)) if self.plain else (lambda xs: [tu.local(x) for x in xs])
-        g_all = local(self.leaves)
-        firsts_local = local(firsts)
-        others = [local(leaves if full else [leaves[i] for i in self.index]) for leaves, _ in self.flat[1:]]
+        local = (lambda xs: xs) if self.plain else (lambda xs: [tu.local(x) for x in xs])
+        g_all, firsts_local = local(self.leaves), local(firsts)
+        others = [local(xs if self.full else [xs[i] for i in self.index]) for xs, _ in self.flat[1:]]
         self._check = lambda: tu.check_devices(firsts, self.leaves, updates, what=f"{name}: updates", against=against)
-        grouped = fe.group_by_device_dtype(firsts_local)
-        self.groups = []
-        for key, idx in grouped:
-            one = len(grouped) == 1
-            g = g_all if one else [g_all[j] for j in idx]
-            g = [x if x.dtype == key[1] else x.to(key[1]) for x in g] if cast else g
-            trees_ = [xs if one else [xs[j] for j in idx] for xs in (firsts_local, *others)]
-            self.groups.append((key, idx, g, trees_))
+        dtypes, devices = set(_attrs(firsts_local, "dtype")), set(_attrs(firsts_local, "device"))
+        if len(dtypes) == 1 and len(devices) == 1:
+            key = (devices.pop(), dtypes.pop())
+            self.cast = set(_attrs(g_all, "dtype")) != {key[1]}
+            g = [x if x.dtype == key[1] else x.to(key[1]) for x in g_all] if self.cast else g_all
+            self.groups = [(key, range(len(g_all)), g, [firsts_local, *others])]
+            return
+        self.cast, self.groups = True, []
+        for key, idx in fe.group_by_device_dtype(firsts_local):
+            g = [g_all[j] if g_all[j].dtype == key[1] else g_all[j].to(key[1]) for j in idx]
+            self.groups.append((key, idx, g, [[xs[j] for j in idx] for xs in (firsts_local, *others)]))
 
     def each(self, step: Callable[..., None]) -> None:
         """``step(key, idx, g, trees)`` for every group; a leaf on another device is reported by its path."""
@@ -137,15 +163,20 @@ class Moments:
             raise
 
     def put(self, k: int, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:
-        """Store a group's new local leaves of tree ``k``, each in its old leaf's dtype."""
+        """Store a group's new local leaves of tree ``k`` (in that tree's dtypes, as the group's are)."""
         new, templates = self.new[k], self.flat[k][0]
+        if self.plain and self.full and len(idx) == len(new):
+            new[:] = results
+            return
         for j, r in zip(idx, results):
             i = self.index[j]
-            r = r if r.dtype == templates[i].dtype else r.to(templates[i].dtype)
             new[i] = r if self.plain else tu.like(templates[i], r)
 
     def put_updates(self, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:
         """Store a group's new local updates, each in the dtype its update came in."""
+        if self.plain and not self.cast and len(idx) == len(self.out):
+            self.out[:] = results
+            return
         for j, r in zip(idx, results):
             u = self.leaves[j]
             r = r if r.dtype == u.dtype else r.to(u.dtype)
