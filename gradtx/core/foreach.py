@@ -112,9 +112,11 @@ def lerp(xs: list[torch.Tensor], ends: list[torch.Tensor], weight: Any) -> list[
 
 
 def sqrt(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``sqrt`` computed as ``pow(x, 0.5)`` (the same kernel): autograd keeps its input, not its result, so the
+    caller may write into the result in place."""
     if under_vmap():
-        return _each(torch.sqrt, list(xs))
-    return list(torch._foreach_sqrt(xs))
+        return _each(lambda x: torch.pow(x, 0.5), list(xs))
+    return list(torch._foreach_pow(xs, 0.5))
 
 
 def clamp(xs: list[torch.Tensor], low: float, high: float) -> list[torch.Tensor]:

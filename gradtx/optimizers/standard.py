@@ -299,9 +299,9 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
                 v = fe.lerp(nus, fe.mul(g, g), (1 - b2).to(device, real))
             else:  # torch.optim.Adam's own arithmetic
                 v = fe.addcmul_(fe.mul(nus, _scalar(b2, device, real)), g, g, value=1 - b2)
-            # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1);
-            # add_ writes into mul's new output, which autograd does not keep.
-            denom = fe.mul(fe.sqrt(v), bc1 / torch.sqrt(_bias_correction(b2, t)))
+            # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1),
+            # in the one new buffer sqrt made (autograd keeps none of what is written into).
+            denom = fe.mul_(fe.sqrt(v), bc1 / torch.sqrt(_bias_correction(b2, t)))
             u = fe.div(m, fe.add_(denom, [bc1 * _on(eps, device, bc1.dtype)] * len(denom)))
             if dtype.is_complex:
                 m, v, u = ([torch.view_as_complex(x) for x in xs] for xs in (m, v, u))
