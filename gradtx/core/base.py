@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, Self, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar
 
 import torch
 
@@ -38,14 +38,10 @@ OptState = PyTree
 Schedule = Callable[[torch.Tensor], Any]
 
 
-class InitFn(Protocol):
-    def __call__(self, params: Params) -> OptState: ...
-
-
-class UpdateFn(Protocol):
-    def __call__(
-        self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
-    ) -> tuple[Updates | None, OptState]: ...
+InitFn = Callable[[Params], OptState]
+UpdateFn = Callable[..., tuple[Updates | None, OptState]]  # (updates, state, params=None, **extra)
+FactorFn = Callable[..., tuple[torch.Tensor, OptState]]  # (updates, state, params=None, *, scale=None, **extra)
+VerdictFn = Callable[[OptState], torch.Tensor]
 
 
 class _TransformationFields(NamedTuple):
@@ -197,12 +193,6 @@ def identity() -> GradientTransformation:
     return GradientTransformation(init_empty_state, _pass_through)
 
 
-class FactorFn(Protocol):
-    def __call__(
-        self, updates: Updates, state: OptState, params: Params | None = None, *, scale: Any = None, **extra: Any
-    ) -> tuple[torch.Tensor, OptState]: ...
-
-
 class ScalarTransformation(GradientTransformation):
     """A transform whose update multiplies every leaf by one scalar, with that scalar exposed.
 
@@ -247,10 +237,6 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
         return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=False)), new_state
 
     return ScalarTransformation(init, update_fn, factor)
-
-
-class VerdictFn(Protocol):
-    def __call__(self, state: OptState) -> torch.Tensor: ...
 
 
 class Guard(GradientTransformation):

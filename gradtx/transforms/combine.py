@@ -39,7 +39,7 @@ class Chain(GradientTransformation):
         self.names = None if names is None else tuple(names)
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
         return (self.init, self.update, self.members, self.names)
 
     def member_states(self, state: OptState) -> list[OptState]:
