@@ -55,6 +55,8 @@ CHAINS = {
         {"w": "a", "b": "b", "nested": {"s": "a", "v": "b"}},
     ),
 }
+
+
 def test_update_and_apply_is_pure():
     tx = CHAINS["clip+adamw"]()
     params, grads = _tree(0), _tree(1)

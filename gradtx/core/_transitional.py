@@ -19,6 +19,7 @@ _FRESH = "fresh_updates"
 _T = TypeVar("_T")
 _S = TypeVar("_S", bound=type)
 
+
 def declare_fresh(tx: _T, fresh: bool = True) -> _T:
     """Declare that ``tx.update`` returns updates sharing no storage with its state or params; returns ``tx``.
 

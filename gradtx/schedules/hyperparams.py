@@ -139,9 +139,7 @@ def inject_hyperparams(
                 fixed[arg] = value
         # Build once with the values as given: bad numbers fail here, with the factory's own message.
         zero = torch.zeros((), dtype=torch.int64)
-        inner_factory(
-            **fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()}
-        )
+        inner_factory(**fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()})
 
         def dtype_for(params: Params) -> torch.dtype:
             if hyperparam_dtype is not None:

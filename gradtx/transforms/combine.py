@@ -311,7 +311,9 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         _take(out, routed, keep, new, name="masked")
         return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
-    return kinds.declare_ties(GradientTransformation(init_fn, update_fn), reads=kinds.ties_read(inner))  # the chain holding it checks them
+    return kinds.declare_ties(
+        GradientTransformation(init_fn, update_fn), reads=kinds.ties_read(inner)
+    )  # the chain holding it checks them
 
 
 @factory
@@ -393,7 +395,9 @@ def partition(
         return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
     reads = tuple(p for tx in transforms.values() for p in kinds.ties_read(tx))
-    return kinds.declare_ties(GradientTransformation(init_fn, update_fn), reads=reads)  # the chain holding it checks them
+    return kinds.declare_ties(
+        GradientTransformation(init_fn, update_fn), reads=reads
+    )  # the chain holding it checks them
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:
