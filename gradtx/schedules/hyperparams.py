@@ -195,8 +195,8 @@ def _refuse_differentiation(hparams: dict[str, torch.Tensor], *, name: str) -> N
         if v.requires_grad:
             raise ValueError(
                 f"{name}: state.hyperparams[{k!r}] requires grad, but this step runs under torch.no_grad (as "
-                "TransformedOptimizer.step and update_and_apply(donate=True) do: they write into their buffers and "
-                "fused kernels, which autograd cannot differentiate), so no gradient would reach it; take "
+                "TransformedOptimizer.step does: it writes into its buffers and fused kernels, which autograd "
+                "cannot differentiate), so no gradient would reach it; take "
                 "hypergradients through the pure step, tx.update(...) then apply_updates(...), with grad enabled"
             )
 
