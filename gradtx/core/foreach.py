@@ -125,14 +125,6 @@ def clamp(xs: list[torch.Tensor], low: float, high: float) -> list[torch.Tensor]
     return list(torch._foreach_clamp_max(torch._foreach_clamp_min(xs, low), high))
 
 
-def norm(xs: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    if under_vmap():
-        return _each(lambda x: torch.linalg.vector_norm(x, ord, dtype=dtype), list(xs))
-    if dtype is None:
-        return list(torch._foreach_norm(xs, ord))
-    return list(torch._foreach_norm(xs, ord, dtype=dtype))
-
-
 def group_by_device_dtype(tensors: list[torch.Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[int]]]:
     """``[((device, dtype), indices)]``: ``tensors`` (local, not DTensors) in the groups a foreach kernel takes.
 
