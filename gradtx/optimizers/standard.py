@@ -34,7 +34,7 @@ from gradtx.core.base import (
     init_empty_state,
     scalar_transformation,
 )
-from gradtx.transforms.combine import Chain, masked
+from gradtx.transforms.combine import masked
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Scalar = float | torch.Tensor  # a 0-d tensor hyperparameter is what gradtx.inject_hyperparams passes
@@ -466,19 +466,21 @@ class OptimizerSpec(NamedTuple):
         return self.fusable and not any(isinstance(v, torch.Tensor) for v in values)
 
 
-class OptimizerChain(Chain):
+class OptimizerChain(GradientTransformation):
     """What :func:`gradtx.sgd`, :func:`gradtx.adam` and :func:`gradtx.adamw` return: their chain, and its :class:`OptimizerSpec`.
 
-    It runs as the plain :func:`gradtx.chain` of its members, and its state is
-    that chain's (a tuple of member states). ``spec`` says which optimizer it
-    is, so the wrapper can refuse one put in its chain by name.
+    It runs as the plain :func:`gradtx.chain` of its ``members``, and its state
+    is that chain's (a tuple of member states). It is not a :class:`gradtx.Chain`
+    itself, so code that walks nested chains keeps it whole: ``spec`` says
+    which optimizer it is (the wrapper refuses one in its chain by name).
     """
 
+    members: tuple[GradientTransformation, ...]
     spec: OptimizerSpec
 
     def __new__(cls, init: Any, update: Any, members: Sequence[GradientTransformation], spec: OptimizerSpec) -> Self:
-        self = super().__new__(cls, init, update, members)
-        self.spec = spec
+        self = super().__new__(cls, init, update)
+        self.members, self.spec = tuple(members), spec
         return self
 
     def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
