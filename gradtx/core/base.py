@@ -29,6 +29,8 @@ from typing import Any, NamedTuple, Self, TypeVar
 
 import torch
 
+from gradtx.core import foreach as fe
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 
 PyTree = Any
@@ -233,10 +235,18 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
     def update_fn(updates, state, params=None, **extra):
         f, new_state = factor(updates, state, params, **extra)
         leaves, spec = tu.flatten(updates)
+        key = None if torch.compiler.is_compiling() else lw.one_group(leaves)
+        if key is not None and key[1] in (torch.float32, torch.float64) and not _records(leaves, f):
+            return tu.unflatten(spec, fe.mul(leaves, f.to(*key))), new_state  # one launch, no loop per leaf
         tu.check_tensors(leaves, tree=updates, what="updates")
         return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=False)), new_state
 
     return ScalarTransformation(init, update_fn, factor)
+
+
+def _records(leaves: list[torch.Tensor], factor: torch.Tensor) -> bool:
+    """Whether autograd records the multiply (a hypergradient, or grads through the step): scale_leaves' case."""
+    return torch.is_grad_enabled() and (factor.requires_grad or any(lw.attrs(leaves, "requires_grad")))
 
 
 class Guard(GradientTransformation):

@@ -409,8 +409,13 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     """
     if updates is None:
         return params
-    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
     p_leaves, spec = tu.flatten(params)
+    u_leaves, u_spec = tu.flatten(updates)
+    key = lw.one_group(p_leaves)
+    floats = key is not None and (key[1].is_floating_point or key[1].is_complex)
+    if u_spec == spec and floats and lw.one_group(u_leaves) == key and lw.same_shapes(u_leaves, p_leaves):
+        return tu.unflatten(spec, fe.add(p_leaves, u_leaves))  # the common case: one launch, no loop per leaf
+    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
     out = list(p_leaves)
     if not (lw.plain(p_leaves) and lw.plain(u_leaves)):  # DTensors, whose placements may differ: leaf by leaf
         for j, i in enumerate(index):
