@@ -19,18 +19,8 @@ from gradtx.core import tree as tu
 PyTree = Any
 
 
-def tensor_leaves(tree: PyTree, *, name: str, what: str) -> tuple[list[torch.Tensor], Any]:
-    """The leaves of ``tree`` and its spec, after checking that every leaf is a float or complex tensor."""
-    return tu.tensor_leaves(tree, what=f"{name}: {what}")
-
-
-def device_of(tree: PyTree) -> torch.device:
-    """The device of the first tensor leaf (the local shard's), where counters live; CPU for an empty tree."""
-    return tu.device_of(tree)
-
-
 def zero_count(tree: PyTree) -> torch.Tensor:
-    """A 0-d int64 zero beside the params, so counters never cross to the host."""
+    """A 0-d int64 zero beside the params (the first leaf's device), so counters never cross to the host."""
     return torch.zeros((), dtype=torch.int64, device=tu.device_of(tree))
 
 

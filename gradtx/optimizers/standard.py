@@ -69,15 +69,6 @@ def _zeros_moments(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(p, dtype=_moment_dtype(p.dtype), requires_grad=False) for p in leaves]
 
 
-def _count_device(leaves: Sequence[torch.Tensor]) -> torch.device:
-    # The count lives beside the params, so bias corrections and schedules need no host sync.
-    return tu.device_of(list(leaves))
-
-
-def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64, device=_count_device(leaves))
-
-
 def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
     """A tensor hyperparameter on ``device``, in ``dtype``, with no sync; a Python number stays one."""
     return value.to(device, dtype, non_blocking=True) if isinstance(value, torch.Tensor) else value
@@ -186,7 +177,7 @@ def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> Sca
         raise TypeError(f"{name}: the schedule must be callable, got {type(step_size_fn).__name__}")
 
     def init_fn(params: Params) -> ScaleByScheduleState:
-        return ScaleByScheduleState(count=_zero_count(tu.flatten(params)[0]))
+        return ScaleByScheduleState(count=lw.zero_count(params))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
@@ -281,7 +272,7 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
     def init_fn(params: Params) -> ScaleByAdamState:
         leaves, spec = tu.tensor_leaves(params, what="scale_by_adam: params")
         return ScaleByAdamState(
-            count=_zero_count(leaves),
+            count=lw.zero_count(leaves),
             mu=tu.unflatten(spec, _zeros_moments(leaves)),
             nu=tu.unflatten(spec, _zeros_moments(leaves)),
         )

@@ -124,7 +124,7 @@ def _scale_by_adam_eps_root(b1: Any, b2: Any, eps: Any, eps_root: Any) -> Gradie
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, ScaleByAdamState, name="lamb")
-        lw.tensor_leaves(updates, name="lamb", what="updates")
+        tu.tensor_leaves(updates, what="lamb: updates")
         count = state.count + 1
         mu = lw.lmap(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
         nu = lw.lmap(lambda g, v: (1 - b2) * g * g + b2 * v, updates, state.nu)

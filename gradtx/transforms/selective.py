@@ -50,7 +50,7 @@ def set_to_zero() -> GradientTransformation:
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        lw.tensor_leaves(updates, name="set_to_zero", what="updates")
+        tu.tensor_leaves(updates, what="set_to_zero: updates")
         return tu.tree_map(torch.zeros_like, updates), state
 
     return GradientTransformation(init_empty_state, update_fn)
