@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
+from gradtx.optim import sum_grad_reduction
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
-from gradtx.optim import sum_grad_reduction
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close, assert_trees_equal
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from itertools import repeat
 from operator import is_, itemgetter
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -29,8 +30,8 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
-from gradtx.optimizers import fused
 from gradtx.transforms.accumulation import Accumulation
+from gradtx.transforms.combine import Chain
 
 
 class Result(NamedTuple):
@@ -53,7 +54,7 @@ class Plan:
 
     def __init__(self, tx: GradientTransformation) -> None:
         self.tx = tx
-        members = fused.members(tx)
+        members = _members(tx)
         self.members = members
         first = members[0] if members else None
         self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
@@ -66,10 +67,10 @@ class Plan:
         self.tail = [(i, members[i]) for i in range(tail, len(members))]
 
     def states(self, state: OptState) -> list[OptState]:
-        return fused.split_states(self.tx, state, [])
+        return _split_states(self.tx, state, [])
 
     def join(self, states: list[OptState]) -> OptState:
-        return fused.join_states(self.tx, iter(states))
+        return _join_states(self.tx, iter(states))
 
     def window_state(self, state: OptState) -> Any:
         return self.states(state)[0] if self.window is not None else None
@@ -393,3 +394,24 @@ def keep_on_skip(plan: Plan, skip: torch.Tensor, old: OptState, new: OptState) -
     start = 1 if plan.window is not None else 0
     news[start:] = [tu.tree_map(pick, n, o) for n, o in zip(news[start:], olds[start:])]
     return plan.join(news)
+
+
+# A gradtx optimizer alias (gtx.adamw) is not a Chain, so it stays whole: the wrapper refuses it by name.
+def _members(tx: GradientTransformation) -> list[GradientTransformation]:
+    """The chain's members, nested chains flattened (:func:`_split_states` and :func:`_join_states` follow suit)."""
+    return [m for member in tx.members for m in _members(member)] if isinstance(tx, Chain) else [tx]
+
+
+def _split_states(tx: GradientTransformation, state: OptState, out: list[OptState]) -> list[OptState]:
+    if isinstance(tx, Chain):
+        for member, member_state in zip(tx.members, tx.member_states(state)):
+            _split_states(member, member_state, out)
+    else:
+        out.append(state)
+    return out
+
+
+def _join_states(tx: GradientTransformation, states: Iterator[OptState]) -> OptState:
+    if isinstance(tx, Chain):
+        return tx.join_states([_join_states(member, states) for member in tx.members])
+    return next(states)
