@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
-from gradtx.optim import sum_grad_reduction
+from gradtx.wrapper import sum_grad_reduction
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp

@@ -186,7 +186,7 @@ def _train_wrapped(rank: int, model: nn.Module, comm: Any, group: str, where: Ca
 
 
 def _ddp(rank: int) -> dict[str, Any]:
-    from gradtx.optim import sum_grad_reduction
+    from gradtx.wrapper import sum_grad_reduction
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gradtx.comm.torch_dist import TorchComm
@@ -200,7 +200,7 @@ def _ddp(rank: int) -> dict[str, Any]:
 
 
 def _fsdp2(rank: int) -> dict[str, Any]:
-    from gradtx.optim import sum_grad_reduction
+    from gradtx.wrapper import sum_grad_reduction
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
