@@ -59,13 +59,6 @@ from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree
 from gradtx.transforms.accumulation import empty_sums
 
-try:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-    compute_local_shape_and_global_offset = None  # type: ignore[assignment]
-
 __all__ = ["TransformState", "load_state_dict", "param_names", "state_dict", "to_torch_optimizer"]
 
 # --- the functional API ----------------------------------------------------------------------------
@@ -138,30 +131,22 @@ def export_layout(
             (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
             globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
         if sums_per_rank:
-            key = w.key("running_sum")
+            key = w.key("acc")
             sums = comm.all_reduce([tu.local(t) for t in per_param[key]], ReduceOp.SUM, group)
             per_param[key] = [tu.like(t, s) for t, s in zip(per_param[key], sums)]
     return per_param, globals_
 
 
 def _per_param_leaves(layout: lo.Layout, key: str, n: int) -> list[Any]:
-    """The ``n`` leaves of ``layout``'s per-parameter subtree ``key``; a window's running sum through :func:`_sum_leaves`."""
-    subtree = layout.per_param[key]
-    if any(w.key("running_sum") == key for w in layout.windows) or subtree is None:
-        return _sum_leaves(subtree, n)
-    return tu.flatten(subtree)[0]
-
-
-def _sum_leaves(subtree: Any, n: int) -> list[Any]:
-    """A per-parameter subtree's ``n`` leaves, with ``None`` for each that holds nothing (a window's placeholder).
+    """The ``n`` leaves of ``layout``'s per-parameter subtree ``key``, ``None`` for each that holds nothing.
 
     A window's running sum holds nothing where it is a 0-element placeholder
     (:func:`gradtx.transforms.accumulation.empty_sums`; all of it at a boundary).
     """
+    subtree = layout.per_param[key]
     if subtree is None:
         return [None] * n
-    leaves = tu.flatten(subtree)[0]
-    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in leaves]
+    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in tu.flatten(subtree)[0]]
 
 
 def load_state_dict(
@@ -245,7 +230,6 @@ def import_layout(
             )
     # Everything checked: build the new state.
     opened = {w.prefix: int(globals_[w.key("micro_step")]) > 0 for w in layout.windows}
-    tokens_field = {w.prefix: w.fields["tokens"] for w in layout.windows}
     first_rank = {}
     for w, acc in zip(layout.windows, accs):
         tokens_per_rank, sums_per_rank = lo.per_rank(acc)
@@ -262,7 +246,7 @@ def import_layout(
             prefix, fieldname = lo.parent(key)
             tokens_per_rank, _, on_first = first_rank.get(prefix, (False, False, True))
             restored = lo.onto(value, old, what=f"{what}: global state {key!r}")
-            if fieldname == tokens_field.get(prefix) and tokens_per_rank:
+            if fieldname == "tokens" and tokens_per_rank:
                 return lo.first_only(restored, on_first)
             return restored
         if kind == "acc":

@@ -24,6 +24,7 @@ from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import AccumulateState, Accumulation
 from gradtx.transforms.combine import Chain
+from gradtx.transforms.window import multi_process
 
 try:
     from torch.distributed.tensor import DTensor
@@ -61,21 +62,17 @@ def children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], An
     return list(zip(entries, children)), lambda cs, u=unflatten: u(cs)
 
 
-WINDOW_FIELDS = {"running_sum": "acc", "micro_step": "micro_step", "tokens": "tokens", "k": "k"}
-
-
 class Window(NamedTuple):
     """An accumulation window's state found in the walk: its key prefix and the state."""
 
     prefix: str
     state: Any
-    fields: dict[str, str] = WINDOW_FIELDS
 
-    def get(self, what: str) -> Any:
-        return getattr(self.state, self.fields[what])
+    def get(self, field_name: str) -> Any:
+        return getattr(self.state, field_name)
 
-    def key(self, what: str) -> str:
-        return child(self.prefix, self.fields[what])
+    def key(self, field_name: str) -> str:
+        return child(self.prefix, field_name)
 
 
 @dataclass
@@ -167,18 +164,13 @@ def accumulations(tx: GradientTransformation | None) -> list[Accumulation]:
 
 def window_sum_keys(layout: Layout) -> list[str]:
     """The keys of the windows' running sums in ``layout``."""
-    return [w.key("running_sum") for w in layout.windows]
+    return [w.key("acc") for w in layout.windows]
 
 
 def saved_window_open(globals_: Any, sum_key: str) -> bool:
     """Whether the saved global state says the window whose running sum is ``sum_key`` was open."""
     value = globals_.get(child(parent(sum_key)[0], "micro_step")) if isinstance(globals_, dict) else None
     return isinstance(value, torch.Tensor) and int(value) > 0
-
-
-def multi_process() -> bool:
-    dist = getattr(torch, "distributed", None)
-    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
 
 def on_first_rank(comm: Any, group: Any) -> bool | torch.Tensor:

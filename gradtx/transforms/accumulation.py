@@ -17,7 +17,7 @@ from gradtx.comm.base import Comm, GroupKey, check_comm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Params, factory
-from gradtx.transforms.window import AccumulateState, Window, WindowStep, _loss_value, _placeholder, empty_sums
+from gradtx.transforms.window import AccumulateState, Window, WindowStep, _placeholder, empty_sums
 
 __all__ = ["AccumulateState", "Accumulation", "Window", "WindowStep", "accumulate", "empty_sums"]
 
@@ -27,29 +27,17 @@ class Accumulation(GradientTransformation):
 
     Attributes:
       window: the :class:`Window` (counting and normalising, no buffer).
-      sum_window: ``(updates, state, params=None, *, tokens=None, flush=False)
-        -> (sum | None, factor | None, new_state)``, the pure function ``update``
-        is built on: the window's fp32 running sum (a new tree) and its
-        normaliser, or ``None`` while the window holds. ``update`` returns
-        ``sum * factor`` in the grads' dtype.
     """
 
     window: Window
-    sum_window: Any
 
-    def __new__(cls, init: Any, update: Any, window: Window, sum_window: Any) -> Self:
+    def __new__(cls, init: Any, update: Any, window: Window) -> Self:
         self = super().__new__(cls, init, update)
         self.window = window
-        self.sum_window = sum_window
         return self
 
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
-        return (self.init, self.update, self.window, self.sum_window)
-
-    @property
-    def k(self) -> int:
-        """The window length."""
-        return self.window.k
+        return (self.init, self.update, self.window)
 
     def downstream_extra(self, state: AccumulateState, extra: dict[str, Any]) -> dict[str, Any]:
         """The extras the members after the window see, once it has emitted with ``state``.
@@ -183,22 +171,10 @@ def accumulate(
         return window.init(params)
 
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
-        total, factor, new_state = sum_window(
-            updates, state, params, tokens=tokens, flush=flush, loss=extra.get("loss")
-        )
-        if total is None:
-            return None, new_state
-        leaves, spec = tu.flatten(updates)
-        scaled = tu.scale_leaves(tu.flatten(total)[0], factor, inplace=True)  # the sums are ours
-        return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), new_state
-
-    def sum_window(updates, state, params=None, *, tokens=None, flush=False, loss=None):
-        """The window's fp32 sum (``None`` while it holds) and its normaliser: ``update`` is their product."""
+        loss = extra.get("loss")
         window.check(state)
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="accumulate: updates")
-        window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
-        _loss_value(loss)
         held = state.acc
         if held is None:  # a Window made without params: nothing summed yet
             held = empty_sums(params if params is not None else updates)
@@ -241,10 +217,11 @@ def accumulate(
         stepped = window.step(state._replace(acc=held), tokens=tokens, flush=flush, device=device, loss=loss)
         if stepped.factor is None:
             if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted
-                return None, None, stepped.state
-            return None, None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
+                return None, stepped.state
+            return None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
         total = window.reduce([new[i] for i in index], inplace=True)  # the sums are ours
-        return tu.unflatten(spec, total), stepped.factor, stepped.state
+        scaled = tu.scale_leaves(total, stepped.factor, inplace=True)  # the sums are ours: fp32 sum times 1/n
+        return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), stepped.state
 
     # Whether the window emits is decided on the host: traced, that is a graph break inside the window's
     # bookkeeping, and dynamo (torch 2.13) then hands optree specs built by its polyfill to eager code,
@@ -253,6 +230,4 @@ def accumulate(
         "gradtx.accumulate decides on the host whether its window emits (data-dependent control flow): "
         "compile the step without fullgraph=True, or leave the accumulation to TransformedOptimizer"
     )
-    update_fn = torch.compiler.disable(update_fn, reason=reason)
-    sum_window = torch.compiler.disable(sum_window, reason=reason)
-    return Accumulation(init_fn, update_fn, window, sum_window)
+    return Accumulation(init_fn, torch.compiler.disable(update_fn, reason=reason), window)

@@ -106,7 +106,7 @@ def _loss_value(loss: Any) -> torch.Tensor | None:
     return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
 
 
-def _multi_process() -> int:
+def multi_process() -> int:
     """The world size when torch.distributed runs several processes, else 0 (a query, no collective)."""
     dist = getattr(torch, "distributed", None)
     if dist is None or not dist.is_available() or not dist.is_initialized():
@@ -144,14 +144,12 @@ class WindowStep(NamedTuple):
     """What one micro-step did to the window.
 
     Attributes:
-      emit: the window closed with an update.
       factor: ``1 / denominator`` (0-d fp64 on the host; each use narrows it to the grads' precision) when
-        ``emit``; else ``None``.
+        the window closed with an update; else ``None``.
       state: the new :class:`AccumulateState` (``acc`` untouched while the window holds: the buffer is the
         caller's business; emptied when it closes).
     """
 
-    emit: bool
     factor: torch.Tensor | None
     state: AccumulateState
 
@@ -222,7 +220,7 @@ class Window:
         """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
         if not self.token_weighted:
             return 0
-        world = _multi_process() if self.comm is None else 0
+        world = multi_process() if self.comm is None else 0
         if world:
             raise ValueError(
                 f"accumulate: token_weighted=True in a run of {world} processes needs comm= over the data-parallel "
@@ -247,7 +245,7 @@ class Window:
         this issues the one scalar collective of the window (the token total
         over ``group``) and reads the total on the host, to refuse a global
         zero. A window with no valid token anywhere closes without emitting
-        (``emit`` False, counted in ``empty_windows``) on every rank alike.
+        (no factor, counted in ``empty_windows``) on every rank alike.
 
         Args:
           state: the window's state.
@@ -270,7 +268,6 @@ class Window:
         window_tokens = int(state.tokens) + n
         if micro_step < self.window_k(state) and not flush:
             return WindowStep(
-                False,
                 None,
                 state._replace(
                     micro_step=torch.tensor(micro_step),
@@ -299,7 +296,7 @@ class Window:
                 # No valid token anywhere: the token mean is undefined, so every rank skips the window
                 # alike (the total is global), before any grad collective: no rank is left waiting.
                 return WindowStep(
-                    False, None, closed._replace(emitted=torch.tensor(False), empty_windows=state.empty_windows + 1)
+                    None, closed._replace(emitted=torch.tensor(False), empty_windows=state.empty_windows + 1)
                 )
             denom = total
         else:
@@ -307,7 +304,6 @@ class Window:
             denom = micro_step * (self.comm.size(self.group) if self.reduce_grads and self.comm is not None else 1)
         factor = torch.tensor(1.0 / denom, dtype=torch.float64)  # exact for fp64 sums; scale_leaves narrows it
         return WindowStep(
-            True,
             factor,
             closed._replace(
                 emitted=torch.tensor(True),

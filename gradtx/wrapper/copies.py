@@ -60,7 +60,8 @@ def setstate(opt: Any, state: dict[str, Any]) -> None:
 
 def deepcopy(opt: Any, memo: dict[int, Any]) -> Any:
     """An in-process copy: shares the transform and its plan (pure functions), copies everything else."""
-    new = type(opt).__new__(type(opt))
+    cls: Any = type(opt)
+    new = cls.__new__(cls)
     memo[id(opt)] = new
     memo[id(opt._user_tx)] = opt._user_tx
     new.__dict__.update(copy.deepcopy({k: v for k, v in opt.__dict__.items() if k not in _REBUILT}, memo))

@@ -32,11 +32,9 @@ def flat(tree: ParamTree) -> list[torch.Tensor]:
     return [p for group in tree for p in group]
 
 
-def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree | None:
-    """The tree grown by the params unfrozen since it was built (requires_grad and a grad), or None if none were."""
+def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree:
+    """The tree grown by the params unfrozen since it was built (requires_grad and a grad)."""
     seen = {id(p) for p in flat(tree)}
-    if all(id(p) in seen or not (p.requires_grad and p.grad is not None) for g in groups for p in g["params"]):
-        return None
     return [[p for p in g["params"] if id(p) in seen or (p.requires_grad and p.grad is not None)] for g in groups]
 
 
@@ -103,10 +101,6 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    return tu.local(t)
-
-
 def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:
     """What the transform reads for a param without a grad: zeros on an emitting step, an empty tensor on a held one.
 
@@ -148,11 +142,6 @@ def not_holding(updates: ParamTree, held: Any) -> ParamTree:
     return [
         [u.clone() if tu.local(u).untyped_storage().data_ptr() in storages else u for u in group] for group in updates
     ]
-
-
-def undo(replaced: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for p, g in replaced:
-        p.grad = g
 
 
 def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:

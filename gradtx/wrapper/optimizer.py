@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.transforms.combine import chain
 from gradtx.wrapper import amp, copies, grads, loop_checks, rules
@@ -134,7 +135,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._sizes = [len(g) for g in self._tree]
         self._position = {id(p): i for i, p in enumerate(self._flat)}
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
-        self._device = grads.local(self._flat[0]).device if self._flat else torch.device("cpu")
+        self._device = tu.local(self._flat[0]).device if self._flat else torch.device("cpu")
         if self._fused is not None:
             self._fused.forget()
 
@@ -302,7 +303,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if self._plan.window is not None:
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
-    def _read(self, emitting: bool) -> list[list[torch.Tensor]]:
+    def _read(self, emitting: bool) -> Any:
         """The grads as the transform's tree (zeros for a missing one on an emitting step)."""
         flat = [p.grad for p in self._flat]
         leaves = flat
@@ -386,7 +387,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         try:
             rules.step_inner(self.optimizer, self._fused, self._tree, self._flat, factor, skip, fp64=self._fp64)
         except BaseException:
-            grads.undo(replaced)
+            for p, g in replaced:
+                p.grad = g
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -488,12 +490,3 @@ class TransformedOptimizer(torch.optim.Optimizer):
         _sd.load_state_dict(self, state_dict)
         if self._fused is not None:
             self._fused.forget()
-
-    def _commit_loaded(self, new_state: OptState, window_open: bool, record: Any) -> None:
-        self._live.tx_state = new_state
-        self._live.window_open = window_open
-        self._live.emitted = False
-        self._live.amp_scale, self._live.amp_inf = record if record is not None and window_open else (None, None)
-        self._live.synced = True
-        self._live.lrs, self._live.lr_prev = None, (False, False)
-        self._live.stand_ins = {}

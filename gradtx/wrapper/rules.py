@@ -20,9 +20,10 @@ lists cached per (group, device, dtype), with the optimizer's own state.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
 from itertools import repeat
 from operator import is_, itemgetter
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -64,7 +65,7 @@ class Plan:
         while tail > start and isinstance(members[tail - 1], ScalarTransformation):
             tail -= 1
         self.body = [(i, members[i]) for i in range(start, tail)]
-        self.tail = [(i, members[i]) for i in range(tail, len(members))]
+        self.tail: list[tuple[int, Any]] = [(i, members[i]) for i in range(tail, len(members))]
 
     def states(self, state: OptState) -> list[OptState]:
         return _split_states(self.tx, state, [])
@@ -177,7 +178,7 @@ def step_inner(
     by it) and the skip its ``found_inf``; other optimizers get ``.grad``
     multiplied in place, and a skip decided on the host (one scalar read).
     """
-    grads = [p.grad for p in params]
+    grads: Any = [p.grad for p in params]
     kernel_scales = fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)
     if factor is not None and fp64 and kernel_scales:
         # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
@@ -203,12 +204,17 @@ def step_inner(
     ):
         # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
         # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
-        raw: Any = type(optimizer).step
-        while hasattr(raw, "__wrapped__"):
-            raw = raw.__wrapped__
-        raw(optimizer)
+        raw_step(optimizer)()
         return
     optimizer.step()
+
+
+def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
+    """The optimizer's own ``step``, bound, without torch's wrappers (profiling, hooks)."""
+    raw: Any = type(optimizer).step
+    while hasattr(raw, "__wrapped__"):
+        raw = raw.__wrapped__
+    return functools.partial(raw, optimizer)
 
 
 def _hooked(optimizer: torch.optim.Optimizer) -> bool:
@@ -216,8 +222,7 @@ def _hooked(optimizer: torch.optim.Optimizer) -> bool:
     return bool(
         optimizer._optimizer_step_pre_hooks
         or optimizer._optimizer_step_post_hooks
-        or torch_optimizer._global_optimizer_pre_hooks
-        or torch_optimizer._global_optimizer_post_hooks
+        or global_hooks()
         or "step" in optimizer.__dict__  # an lr scheduler's step counter
     )
 
@@ -352,7 +357,7 @@ class FusedAdam:
         elif has_none(grads):
             return False
         # Each group's hyperparameters are read at every step, as Adam.step reads them.
-        hyper = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
+        hyper: list[list[Any]] = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
         if any(isinstance(h[1][0], torch.Tensor) or isinstance(h[1][1], torch.Tensor) for h in hyper):
             return False  # tensor betas: torch's own step converts them
         grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))

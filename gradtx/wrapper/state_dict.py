@@ -36,7 +36,7 @@ import torch
 from gradtx.checkpoint import functional as _ckpt
 from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
-from gradtx.wrapper import amp, grads
+from gradtx.wrapper import amp, grads, rules
 
 GTX = "gradtx"  # the transform's entry in each param's state
 GLOBAL = "global"
@@ -80,11 +80,8 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
         for g in optimizer.param_groups:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-        raw: Any = type(optimizer).step
-        while hasattr(raw, "__wrapped__"):
-            raw = raw.__wrapped__
         with torch.no_grad():
-            raw(optimizer, (lambda: torch.zeros(())) if opt._needs_closure else None)
+            rules.raw_step(optimizer)((lambda: torch.zeros(())) if opt._needs_closure else None)
     except RuntimeError:  # e.g. SparseAdam refuses dense grads: no stand-ins to show
         pass
     finally:
@@ -399,7 +396,10 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     # Everything checked; the inner optimizer validates its own part before it changes anything.
     optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
     window_open = opt._plan.window_open(new_state)
-    opt._commit_loaded(new_state, window_open, record)
+    opt._live = live = type(opt._live)(new_state)  # a fresh record: nothing emitted, synced, no stand-ins
+    live.window_open = window_open
+    if record is not None and window_open:
+        live.amp_scale, live.amp_inf = record
     sum_leaves = tu.flatten(sums)[0] if sums is not None else None
     for i, p in enumerate(flat):
         # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
