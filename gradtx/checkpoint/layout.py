@@ -44,22 +44,12 @@ def key_of(path: tuple[Any, ...]) -> str:
 
 def children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]] | None:
     """A container node's (name, child) pairs and a function rebuilding it from new children; None for a leaf."""
-    if node is None:
+    if node is None or optree.treespec_is_leaf(optree.tree_structure(node)):
         return None
-    kind = type(node)
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return [(f, getattr(node, f)) for f in node._fields], lambda cs: kind(*cs)
-    if isinstance(node, tuple):
-        return list(enumerate(node)), tuple
-    if isinstance(node, list):
-        return list(enumerate(node)), list
-    if isinstance(node, dict):
-        keys = list(node)
-        return [(k, node[k]) for k in keys], lambda cs: kind(zip(keys, cs))
-    if optree.treespec_is_leaf(optree.tree_structure(node)):
-        return None
-    children, _, entries, unflatten = optree.tree_flatten_one_level(node)
-    return list(zip(entries, children)), lambda cs, u=unflatten: u(cs)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):  # keyed by field name ("1/mu"), not position
+        return [(f, getattr(node, f)) for f in node._fields], lambda cs: type(node)(*cs)
+    kids, meta, entries, unflatten = optree.tree_flatten_one_level(node)
+    return list(zip(entries, kids)), lambda cs: unflatten(meta, cs)
 
 
 class Window(NamedTuple):

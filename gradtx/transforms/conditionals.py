@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple
 
 import torch
@@ -39,10 +40,6 @@ def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
         return torch.ones((), dtype=torch.bool)
     # The inf-norm is finite exactly when every element is (NaN propagates through max).
     return torch.isfinite(norms.local_norm(leaves, float("inf")))
-
-
-def _skipped(state: ApplyIfFiniteState) -> torch.Tensor:
-    return state.skipped
 
 
 @factory
@@ -127,17 +124,8 @@ def apply_if_finite(
             return tu.like(new, torch.where(accept.to(tu.local(new).device), tu.local(new), tu.local(old)))
 
         out_leaves, out_spec = tu.flatten(new_updates)
-        out = [
-            tu.like(
-                u,
-                torch.where(
-                    accept.to(tu.local(u).device),
-                    tu.local(u),
-                    torch.zeros((), dtype=u.dtype, device=tu.local(u).device),
-                ),
-            )
-            for u in out_leaves
-        ]
+        # A Python 0 keeps each leaf's dtype.
+        out = [tu.like(u, torch.where(accept.to(tu.local(u).device), tu.local(u), 0)) for u in out_leaves]
         new_state = ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,
@@ -147,4 +135,4 @@ def apply_if_finite(
         )
         return tu.unflatten(out_spec, out), new_state
 
-    return Guard(init_fn, update_fn, _skipped)
+    return Guard(init_fn, update_fn, operator.attrgetter("skipped"))
