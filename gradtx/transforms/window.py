@@ -277,7 +277,6 @@ class Window:
                     loss_weight=torch.tensor(loss_weight),
                 ),
             )
-        device = device if device is not None else torch.device("cpu")
         closed = state._replace(
             micro_step=torch.zeros((), dtype=torch.int64),
             tokens=torch.zeros((), dtype=torch.int64),

@@ -8,14 +8,12 @@ reads anyway: the param groups' learning rates.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from gradtx.core.base import GradientTransformation
 from gradtx.optimizers.standard import OptimizerChain
-from gradtx.transforms.combine import Chain
 
 CLOSURE_WITH_WINDOW = (
     "TransformedOptimizer.step: gtx.accumulate is in the chain, but step(closure) is called: whoever "
@@ -35,15 +33,9 @@ def closure_optimizer_with_window(optimizer: torch.optim.Optimizer) -> str:
     )
 
 
-def _nested(tx: GradientTransformation) -> Iterator[GradientTransformation]:
-    yield tx
-    for member in tx.members if isinstance(tx, Chain) else ():
-        yield from _nested(member)
-
-
-def check_no_optimizer(tx: GradientTransformation, optimizer: torch.optim.Optimizer) -> None:
-    """Refuse a gradtx optimizer in the chain: the inner optimizer would step against its update."""
-    for member in _nested(tx):
+def check_no_optimizer(members: list[GradientTransformation], optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a gradtx optimizer among the chain's members: the inner optimizer would step against its update."""
+    for member in members:
         if isinstance(member, OptimizerChain):
             kind, inner = member.spec.kind, type(optimizer).__name__
             raise TypeError(

@@ -122,7 +122,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def _setup_tx(self) -> None:
         self.tx = chain(self._user_tx)
         self._plan = rules.Plan(self.tx)
-        loop_checks.check_no_optimizer(self.tx, self.optimizer)
+        loop_checks.check_no_optimizer(self._plan.members, self.optimizer)
         self._attach()
 
     def _attach(self) -> None:

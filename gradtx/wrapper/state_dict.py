@@ -212,9 +212,6 @@ class StateView(MutableMapping[torch.Tensor, Any]):
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
-    def __bool__(self) -> bool:
-        return bool(self._opt._flat) or bool(self._opt.optimizer.state)
-
     def __repr__(self) -> str:
         return repr(dict(self))
 
