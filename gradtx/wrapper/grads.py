@@ -94,10 +94,7 @@ def check_unique(groups: list[dict[str, Any]]) -> None:
 
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's ``step`` requires a closure (LBFGS: it reevaluates the model itself)."""
-    try:
-        param = inspect.signature(type(optimizer).step).parameters.get("closure")
-    except (TypeError, ValueError):  # pragma: no cover - a builtin step
-        return False
+    param = inspect.signature(type(optimizer).step).parameters.get("closure")
     return param is not None and param.default is inspect.Parameter.empty
 
 

@@ -49,10 +49,6 @@ _PARAM_SHAPED = frozenset(
 )
 
 
-def _same_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype  # the wrapper's partial sums are autograd's .grad, in the params' dtype
-
-
 # --- stand-ins for the inner state before its first step ---------------------------------------------
 
 
@@ -252,7 +248,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
             ]
         else:
             del layout.per_param[key]  # between windows nothing gradient-sized is saved
-    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what, acc_dtype=_same_dtype)
+    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what, acc_dtype=lambda d: d)
     optimizer = opt.optimizer
     inner = optimizer.state_dict()
     # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
@@ -381,7 +377,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             opt.tx,
             names,
             what=what,
-            acc_dtype=_same_dtype,
+            acc_dtype=lambda d: d,  # the wrapper's partial sums are autograd's .grad, in the params' dtype
         )
         new_state, taken = _ckpt.take_sums(loaded, params)
         sums = taken[0] if window and taken and saved_open else None
