@@ -264,7 +264,7 @@ def compiled_step(ctx: Context, params: Any, state: Any, grads: Any) -> Callable
     torch.compiler.reset()
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     step = torch.compile(functional_step, fullgraph=True)
-    ctx.log(f"    compiling the functional step (torch.compile, fullgraph=True) ...")
+    ctx.log("    compiling the functional step (torch.compile, fullgraph=True) ...")
     t0 = time.perf_counter()
     step(params, state, grads)
     ctx.sync()
