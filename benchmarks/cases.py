@@ -41,16 +41,13 @@ GRAD_SCALE = 1e-3  # randn * 1e-3 over GPT-2-small has a global norm of about 11
 
 # Row names that ratios and targets refer to.
 TORCH_CLIP = "torch clip_grad_norm_(foreach)"
-GTX_CLIP_INPLACE = "gradtx clip_by_global_norm, in place (inplace=True)"
 GTX_CLIP_PURE = "gradtx clip_by_global_norm, pure"
 GTX_CLIP_DEFERRED = "gradtx clip_by_global_norm, deferred (norm only)"
 TORCH_FUSED = "torch clip + AdamW(fused)"
 TORCH_FOREACH = "torch clip + AdamW(foreach)"
 GTX_WRAPPER = "gradtx TransformedOptimizer(AdamW(fused), chain(clip))"
 GTX_PURE = "gradtx functional, pure: update + apply_updates"
-GTX_DONATED = "gradtx functional, donated: update_and_apply(donate=True)"
 GTX_COMPILED = "gradtx functional, pure, torch.compile(fullgraph=True)"
-GTX_COMPILED_DONATED = "gradtx functional, donated, torch.compile(fullgraph=True)"
 TORCHOPT_PURE = "torchopt chain(clip_grad_norm, adamw), pure"
 TORCHOPT_INPLACE = "torchopt chain(clip_grad_norm, adamw), in place"
 OPTAX_JIT = "optax chain(clip_by_global_norm, adamw), jit + donation"
@@ -185,9 +182,6 @@ def _clip_case(ctx: Context, shapes: dict[str, tuple[int, ...]], dtype: torch.dt
     tx = gtx.clip_by_global_norm(MAX_NORM)
     box = {"state": tx.init(grads)}
 
-    def gtx_inplace() -> None:
-        _, box["state"] = tx.update(grads, box["state"], inplace=True)
-
     def gtx_pure() -> None:
         tx.update(grads, box["state"])
 
@@ -195,7 +189,6 @@ def _clip_case(ctx: Context, shapes: dict[str, tuple[int, ...]], dtype: torch.dt
         tx.factor(grads, box["state"])
 
     contenders += [
-        Contender(GTX_CLIP_INPLACE, gtx_inplace, "donated grads, scaled in place, as torch does"),
         Contender(GTX_CLIP_PURE, gtx_pure, "returns new grads; the inputs are untouched"),
         Contender(GTX_CLIP_DEFERRED, gtx_deferred, "what the clip costs when its factor rides in a fused kernel"),
     ]
@@ -250,16 +243,14 @@ def optax_clip_contender(jo: tuple[Any, Any], grads: dict[str, torch.Tensor]) ->
 # --- b, c, e: a full step -----------------------------------------------------------------------
 
 
-OURS = (TORCH_FUSED, TORCH_FOREACH, GTX_WRAPPER, GTX_PURE, GTX_DONATED, GTX_COMPILED, GTX_COMPILED_DONATED)
-PEERS = (TORCH_FUSED, GTX_DONATED, GTX_COMPILED, TORCHOPT_PURE, TORCHOPT_INPLACE, OPTAX_JIT)
-FUNCTIONAL = (GTX_DONATED, GTX_COMPILED, GTX_COMPILED_DONATED, GTX_PURE)
+OURS = (TORCH_FUSED, TORCH_FOREACH, GTX_WRAPPER, GTX_PURE, GTX_COMPILED)
+PEERS = (TORCH_FUSED, GTX_PURE, GTX_COMPILED, TORCHOPT_PURE, TORCHOPT_INPLACE, OPTAX_JIT)
+FUNCTIONAL = (GTX_COMPILED, GTX_PURE)
 
 
-def compiled_step(
-    ctx: Context, params: Any, state: Any, grads: Any, *, donate: bool = False
-) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-    """The compiled functional step (pure, or donated), compiled once per run and reused (no recompile)."""
-    key = "compiled-donated" if donate else "compiled"
+def compiled_step(ctx: Context, params: Any, state: Any, grads: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+    """The compiled functional step, compiled once per run and reused (no recompile)."""
+    key = "compiled"
     cached = ctx.info.get(key)
     if cached is not None:
         return cached["step"]
@@ -268,13 +259,12 @@ def compiled_step(
     tx = ctx.info["tx"]
 
     def functional_step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
-        return gtx.update_and_apply(tx, g, s, p, donate=donate)
+        return gtx.update_and_apply(tx, g, s, p)
 
-    if "compiled" not in ctx.info and "compiled-donated" not in ctx.info:
-        torch.compiler.reset()  # once: a reset would make the other compiled step recompile
+    torch.compiler.reset()
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
     step = torch.compile(functional_step, fullgraph=True)
-    ctx.log(f"    compiling the functional step (torch.compile, fullgraph=True, donate={donate}) ...")
+    ctx.log("    compiling the functional step (torch.compile, fullgraph=True) ...")
     t0 = time.perf_counter()
     step(params, state, grads)
     ctx.sync()
@@ -328,12 +318,6 @@ def step_contenders(
             contenders.append(
                 Contender(row, _pure_step(tx, params, grads), "new moments, updates and params every step")
             )
-        elif row == GTX_DONATED:
-            contenders.append(
-                Contender(
-                    row, _donated_step(tx, params, grads), "one fused _fused_adamw_ launch, clip factor in grad_scale"
-                )
-            )
         elif row == GTX_COMPILED:
             if "e" not in ctx.cases:
                 skipped.append(Skipped(row, "case e not selected"))
@@ -345,23 +329,6 @@ def step_contenders(
                 box["params"], box["state"] = step(box["params"], box["state"], grads)
 
             contenders.append(Contender(row, gtx_compiled, "inductor fuses the chain and apply_updates"))
-        elif row == GTX_COMPILED_DONATED:
-            if "e" not in ctx.cases:
-                skipped.append(Skipped(row, "case e not selected"))
-                continue
-            # Its own params and moments: it writes them in place, and the other contenders' must not move.
-            own = {k: v.clone() for k, v in params.items()}
-            donated = {"state": tx.init(own)}
-            dstep = compiled_step(ctx, own, donated["state"], grads, donate=True)
-
-            def gtx_compiled_donated(
-                box: dict[str, Any] = donated, step: Callable[..., Any] = dstep, own: Any = own
-            ) -> None:
-                _, box["state"] = step(own, box["state"], grads)
-
-            contenders.append(
-                Contender(row, gtx_compiled_donated, "the same inductor kernels, storing into the donated buffers")
-            )
         elif row in (TORCHOPT_PURE, TORCHOPT_INPLACE):
             topt, why = ctx.torchopt()
             if topt is None:
@@ -404,15 +371,6 @@ def _pure_step(tx: Any, params: dict[str, torch.Tensor], grads: dict[str, torch.
     def run() -> None:
         updates, box["state"] = tx.update(grads, box["state"], box["params"])
         box["params"] = gtx.apply_updates(box["params"], updates)
-
-    return run
-
-
-def _donated_step(tx: Any, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> Callable[[], None]:
-    box = {"state": tx.init(params)}
-
-    def run() -> None:
-        _, box["state"] = gtx.update_and_apply(tx, grads, box["state"], params, donate=True)
 
     return run
 
@@ -472,7 +430,7 @@ def _step_case(
         counts = {
             c.name: gradient_sized_allocations(c.step, nbytes)
             for c in contenders
-            if c.name in (TORCH_FUSED, GTX_WRAPPER, GTX_PURE, GTX_DONATED)
+            if c.name in (TORCH_FUSED, GTX_WRAPPER, GTX_PURE)
         }
         result.notes.append(
             "Gradient-sized allocations per step (buffers the size of the largest gradient, from the profiler): "
@@ -585,7 +543,7 @@ def case_c(ctx: Context) -> CaseResult:
     """The same step on ~2000 tensors of 1-4K elements: the per-tensor (Python and launch) overhead regime."""
     shapes = small_shapes(count=200 if ctx.quick else 2000)
     ctx.log(f"  case c: {describe(shapes)}")
-    rows = [r for r in OURS if r not in (GTX_COMPILED, GTX_COMPILED_DONATED)] + [
+    rows = [r for r in OURS if r != GTX_COMPILED] + [
         TORCHOPT_PURE,
         TORCHOPT_INPLACE,
         OPTAX_JIT,
@@ -612,7 +570,7 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
     if b is None or "compile_seconds" not in info:
         result.notes.append("not run (case b was not run with case e selected)")
         return result
-    for name in (GTX_COMPILED, GTX_COMPILED_DONATED, GTX_PURE, GTX_DONATED, TORCH_FUSED):
+    for name in (GTX_COMPILED, GTX_PURE, TORCH_FUSED):
         t = b.timing(name)
         if t is not None:
             result.timings.append(t)
@@ -620,9 +578,6 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
     result.ratios = [
         (f"{GTX_COMPILED} / torch fused", GTX_COMPILED, TORCH_FUSED),
         (f"{GTX_COMPILED} / eager pure", GTX_COMPILED, GTX_PURE),
-        (f"{GTX_COMPILED} / donated", GTX_COMPILED, GTX_DONATED),
-        (f"{GTX_COMPILED_DONATED} / torch fused", GTX_COMPILED_DONATED, TORCH_FUSED),
-        (f"{GTX_COMPILED} / {GTX_COMPILED_DONATED}", GTX_COMPILED, GTX_COMPILED_DONATED),
     ]
     result.notes.append(
         f"step = `update_and_apply(chain(clip_by_global_norm, adamw), grads, state, params)` (pure) over a params dict, "
@@ -630,15 +585,6 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
         f"compile time {info['compile_seconds']:.1f} s (inductor's on-disk cache makes later runs faster). "
         "The timings are the case-b rows, measured side by side in that run."
     )
-    donated = ctx.info.get("compiled-donated")
-    if donated is not None:
-        result.notes.append(
-            f"The donated row compiles `update_and_apply(..., donate=True)` the same way (graph breaks "
-            f"{donated['graph_breaks']}, graphs {donated['unique_graphs']}): the same arithmetic, with each result "
-            "stored into the donated params and moments instead of a new buffer. The pure row's extra time over "
-            "it is what the new buffers cost: on CPU their pages fault in on first touch, and each store to a "
-            "line not in cache reads it first."
-        )
     return result
 
 

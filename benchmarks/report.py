@@ -50,10 +50,10 @@ class Target:
 MISSED_NOTES = {
     "a": (
         "The clip is a norm (one read of the grads) and a scale (a read and a write). gradtx's norm "
-        "sums big CPU tensors in 32K-element rows whose fp32 sums are added in fp64 (a dim=1 op per "
-        "4M-element chunk, shared by helper threads), for an error near 1e-7 where torch's one long fp32 "
-        "sum drifts 3e-3; the kernels table of case b times it against torch's norm. The scale is a pass "
-        "torch makes too, so the ratio is the norm's gain spread over three passes."
+        "sums big CPU tensors in 32K-element rows whose fp32 sums are added in fp64, for an error near "
+        "1e-7 where torch's one long fp32 sum drifts 3e-3; the kernels table of case b times it against "
+        "torch's norm. The pure clip also writes its result into new buffers (the caller's grads are not "
+        "its to overwrite), where torch scales .grad in place."
     ),
     "b-wrapper": (
         "The table of the kernels inside the step shows where the time goes. torch's CPU fused AdamW "
@@ -66,19 +66,12 @@ MISSED_NOTES = {
         "inner AdamW's state through its own compiled kernel instead of torch's (which would mean "
         "reimplementing the inner optimizer's update, something the wrapper deliberately does not do)."
     ),
-    "b-functional": (
-        "The donated step runs the same two kernels as the wrapper (gradtx's norm, then one fused_adamw_ "
-        "with grad_scale: see the kernels table) plus under a millisecond of the chain's Python, so it "
-        "belongs next to the wrapper row; the peers run of case b measures it against the same torch "
-        "baseline a second time. What would close the gap for good is what would close the wrapper's: a "
-        "fused kernel that applies grad_scale without storing the grads."
-    ),
     "b-pure": (
         "A pure step must allocate its new moments and new params (3 gradient-sized buffers) and, since "
         "the caller's grads are not its to overwrite, one scaled copy for the clip; Adam's update needs one "
         "temporary. Case b's note gives the count measured. On CPU each fresh allocation of a large tensor "
         "is an mmap whose pages fault in on first touch, which costs more than the arithmetic; use the "
-        "donated or the compiled step where speed matters."
+        "wrapper or the compiled step where speed matters."
     ),
     "b-torchopt": "torchopt's pure chain allocates several gradient-sized buffers per step; see its row.",
     "b-optax": (
@@ -94,12 +87,10 @@ MISSED_NOTES = {
     ),
     "d-memory": "The wrapper keeps no gradient-sized buffer of its own (autograd's .grad is the accumulator).",
     "e": (
-        "With no graph break, the miss is time, and the time is the new buffers a pure step must return: "
-        "the donated compiled row runs the same inductor kernels storing into the donated params and "
-        "moments (see case e). On CPU every fresh gradient-sized buffer faults its pages in on first "
-        "touch and each store to an uncached line reads it first; on a GPU the caching allocator reuses "
-        "last step's blocks. Where speed matters, compile or run the donated step "
-        "(`update_and_apply(..., donate=True)`)."
+        "With no graph break, the miss is time, and the time is the new buffers a pure step must return. "
+        "On CPU every fresh gradient-sized buffer faults its pages in on first touch and each store to an "
+        "uncached line reads it first; on a GPU the caching allocator reuses last step's blocks. Where "
+        "speed matters on CPU, use the wrapper around a fused torch optimizer."
     ),
 }
 
@@ -149,31 +140,17 @@ def case_markdown(result: CaseResult) -> list[str]:
 API_NOTES = """\
 ## The fast paths, and how to use them
 
-* **The wrapper** (`TransformedOptimizer`) owns the `.grad` buffers, so the step executor
-  (`gradtx/runtime/executor.py`, see `docs/executor.md`) runs the chain on them with `inplace=True`. The
-  trailing scalar transforms (the clip coefficient, accumulation's `1/k`, a learning rate) expose
-  their factors as pure functions, and the executor multiplies them together instead of making a
-  pass over the grads for each; a fused `torch.optim.Adam/AdamW/SGD` receives the product as
-  `grad_scale = 1/factor`, with `apply_if_finite`'s verdict as `found_inf`. A clip costs one read
-  of the grads (its norm) instead of three passes.
-* **The donated functional step** (new: `gtx.update_and_apply(tx, grads, state, params, donate=True)`)
-  is the functional analogue of `jax.jit(..., donate_argnums=...)`: the caller hands over the grads,
-  the state and the params, and gets back params and state that share their storage. When the
-  chain ends in `gtx.adamw`, `gtx.adam` or `gtx.sgd` and every leaf suits torch's fused kernel
-  (one dtype per leaf for params, grads and moments, contiguous), the executor applies the step
-  with one `torch._fused_adamw_`/`_fused_adam_`/`_fused_sgd_` launch (it reads the optimizer's
-  hyperparameters from the chain's structure), the clip factor in `grad_scale`.
-  Otherwise the updates are computed in the donated grads and added in place. With
-  `donate=False` it is exactly `tx.update` then `apply_updates`, and pure. The protocol is
-  unchanged: `update` still returns updates and `apply_updates` still returns new params.
-  Tests (`tests/test_fast_paths_match_pure.py`) check that the donated, in-place and pure paths give the same
-  numbers.
+* **The wrapper** (`TransformedOptimizer`) reads its chain once, by the types of its members
+  (`gradtx/wrapper/rules.py`, see `docs/executor.md`): a leading `accumulate` keeps its window in
+  `.grad` (autograd's own sum); the trailing scalar transforms (the clip coefficient, `scale`) and
+  the window's `1/k` become one factor, which a fused `torch.optim.Adam/AdamW` receives as
+  `grad_scale`, with `apply_if_finite`'s verdict as `found_inf`. A clip costs one read of the grads
+  (its norm) instead of three passes.
 * **The compiled functional step**: `torch.compile(step, fullgraph=True)` of
   `update_and_apply(chain(clip_by_global_norm, adamw), grads, state, params)` traces with no
   graph break (optree's flatten and unflatten are understood by dynamo), and inductor fuses the
-  norm, Adam and `apply_updates` into two loops over memory. Compiled with `donate=True`, the
-  same loops store into the donated params and moments, which removes the new buffers' cost.
-* **The pure eager path** (`update` + `apply_updates`, no donation) allocates new moments, updates
+  norm, Adam and `apply_updates` into a few loops over memory.
+* **The pure eager path** (`update` + `apply_updates`) allocates new moments, updates
   and params every step. On this machine a fresh gradient-sized buffer costs far more than a
   pass over memory (first-touch page faults in the VM), which is why the pure rows of every
   library are slow.

@@ -76,12 +76,10 @@ def targets(results: dict[str, CaseResult], compiled: dict[str, Any]) -> list[Ta
         mem = statistics.median(d.memory[cases.D_GTX]) / statistics.median(d.memory[cases.D_TORCH])
     breaks = compiled.get("graph_breaks")
     return [
-        Target("a", "a: clip alone, fp32: gradtx (in place) / torch foreach", "<= 1.0",
-               ratio(a, cases.GTX_CLIP_INPLACE, cases.TORCH_CLIP), 1.0),
+        Target("a", "a: clip alone, fp32: gradtx (pure) / torch foreach (in place)", "<= 1.0",
+               ratio(a, cases.GTX_CLIP_PURE, cases.TORCH_CLIP), 1.0),
         Target("b-wrapper", "b: wrapper / torch clip + AdamW(fused)", "<= 0.80",
                ratio(b, cases.GTX_WRAPPER, cases.TORCH_FUSED), 0.80),
-        Target("b-functional", "b: donated functional step / torch clip + AdamW(fused)", "<= 0.80",
-               ratio(b, cases.GTX_DONATED, cases.TORCH_FUSED), 0.80),
         Target("b-pure", "b: pure eager functional step / torch clip + AdamW(fused)", "<= 3.5",
                ratio(b, cases.GTX_PURE, cases.TORCH_FUSED), 3.5),
         Target("b-torchopt", f"b: best functional path{path} / torchopt pure chain", "<= 0.2 (>= 5x faster)",

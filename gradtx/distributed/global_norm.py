@@ -5,7 +5,7 @@
 
 * with ``mesh_groups`` (a plan the user holds): that plan's reductions;
 * else with DTensor leaves: the plan their placements define, held by the
-  caller's :class:`~gradtx.distributed.plan.PlanSlot` (or built for the call);
+  caller's :class:`~gradtx.distributed.global_norm.PlanSlot` (or built for the call);
 * else: the local norm, torch's semantics, with no collective.
 
 Every collective it issues is named by its arguments: the DTensors' own

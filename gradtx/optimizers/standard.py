@@ -108,7 +108,7 @@ def scale(step_size: Scalar) -> ScalarTransformation:
     """Multiply every update by the scalar ``step_size``.
 
     A :class:`gradtx.core.base.ScalarTransformation`: its factor is exposed, so a run
-    of scalar transforms folds into one multiply (see :mod:`gradtx.runtime.executor`).
+    of scalar transforms folds into one multiply (see :mod:`gradtx.wrapper.rules`).
 
     Args:
       step_size: the factor; any finite number (negative to descend), or a 0-d tensor.
