@@ -47,12 +47,6 @@ class ScheduleFreeState(NamedTuple):
     z: PyTree
 
 
-def _check_dtype(value: Any, *, name: str) -> torch.dtype | None:
-    if value is not None and not isinstance(value, torch.dtype):
-        raise TypeError(f"{name}: state_dtype must be a torch.dtype or None, got {type(value).__name__}")
-    return value
-
-
 @factory
 def schedule_free(
     base_optimizer: GradientTransformation,
@@ -101,7 +95,7 @@ def schedule_free(
     if not 0.0 < b1 < 1.0:
         raise ValueError(f"schedule_free: b1 must be in (0, 1), got {b1}")
     weight_lr_power = check.number(weight_lr_power, arg="weight_lr_power", name="schedule_free")
-    state_dtype = _check_dtype(state_dtype, name="schedule_free")
+    state_dtype = check.dtype(state_dtype, arg="state_dtype", name="schedule_free")
 
     def init_fn(params: Params) -> ScheduleFreeState:
         tu.tensor_leaves(params, what="schedule_free: params")
@@ -119,13 +113,8 @@ def schedule_free(
         tu.require_state(state, ScheduleFreeState, name="schedule_free")
         if params is None:
             raise ValueError("schedule_free: update() needs params (y, where the grads were taken), got params=None")
-        if callable(learning_rate):
-            lr = learning_rate(state.step_count)
-            lr = torch.as_tensor(lr).to(state.max_lr.device, state.max_lr.dtype)
-        elif isinstance(learning_rate, torch.Tensor):
-            lr = learning_rate.to(state.max_lr.device, state.max_lr.dtype)
-        else:
-            lr = torch.tensor(learning_rate, dtype=state.max_lr.dtype, device=state.max_lr.device)
+        lr = learning_rate(state.step_count) if callable(learning_rate) else learning_rate
+        lr = torch.as_tensor(lr).to(state.max_lr.device, state.max_lr.dtype)
         max_lr = torch.maximum(state.max_lr, lr)
         weight = max_lr**weight_lr_power
         total = state.weight_sum + weight

@@ -69,6 +69,27 @@ def _steps(x: Any, *, arg: str, name: str) -> int:
     return check.integer(x, arg=arg, name=name)
 
 
+def _values(name: str, **values: Any) -> list[float]:
+    """Each keyword argument checked as a number, named in the error."""
+    return [check.number(v, arg=arg, name=name) for arg, v in values.items()]
+
+
+def _all_steps(name: str, **values: Any) -> list[int]:
+    """Each keyword argument checked as an int, named in the error."""
+    return [check.integer(v, arg=arg, name=name) for arg, v in values.items()]
+
+
+def _scales(boundaries_and_scales: Mapping[int, float] | None, *, name: str) -> list[tuple[int, float]]:
+    """``{step: scale}`` as sorted ``(step, scale)`` pairs, every scale ``>= 0``."""
+    items = sorted(
+        (_steps(b, arg="boundaries_and_scales", name=name), _value(s, arg="scale", name=name))
+        for b, s in (boundaries_and_scales or {}).items()
+    )
+    if any(s < 0 for _, s in items):
+        raise ValueError(f"{name}: boundaries_and_scales expects non-negative scale factors, got {dict(items)}")
+    return items
+
+
 def _f32_const(x: float) -> float:
     """``x`` rounded to fp32, as a Python float: a constant that optax would hold in an fp32 array."""
     return float(torch.tensor(x, dtype=torch.float32))
@@ -141,11 +162,10 @@ def polynomial_schedule(
       0.01...
     """
     name = "polynomial_schedule"
-    init_value = _value(init_value, arg="init_value", name=name)
-    end_value = _value(end_value, arg="end_value", name=name)
-    power = _value(power, arg="power", name=name)
-    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
-    transition_begin = _steps(transition_begin, arg="transition_begin", name=name)
+    init_value, end_value, power = _values(name, init_value=init_value, end_value=end_value, power=power)
+    transition_steps, transition_begin = _all_steps(
+        name, transition_steps=transition_steps, transition_begin=transition_begin
+    )
     if transition_steps <= 0:
         return constant_schedule(init_value)
     transition_begin = max(transition_begin, 0)
@@ -180,10 +200,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
       0.5
     """
     name = "linear_schedule"  # checked here, so an error names this schedule and its own arguments
-    _value(init_value, arg="init_value", name=name)
-    _value(end_value, arg="end_value", name=name)
-    _steps(transition_steps, arg="transition_steps", name=name)
-    _steps(transition_begin, arg="transition_begin", name=name)
+    _values(name, init_value=init_value, end_value=end_value)
+    _all_steps(name, transition_steps=transition_steps, transition_begin=transition_begin)
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 
@@ -210,12 +228,7 @@ def piecewise_constant_schedule(
     """
     name = "piecewise_constant_schedule"
     init_value = _value(init_value, arg="init_value", name=name)
-    items = sorted(
-        (_steps(b, arg="boundaries_and_scales", name=name), _value(s, arg="scale", name=name))
-        for b, s in (boundaries_and_scales or {}).items()
-    )
-    if any(s < 0 for _, s in items):
-        raise ValueError(f"{name}: boundaries_and_scales expects non-negative scale factors, got {dict(items)}")
+    items = _scales(boundaries_and_scales, name=name)
 
     def schedule(count: Any) -> torch.Tensor:
         c = _count(count)
@@ -257,10 +270,10 @@ def exponential_decay(
       0.25
     """
     name = "exponential_decay"
-    init_value = _value(init_value, arg="init_value", name=name)
-    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
-    decay_rate = _value(decay_rate, arg="decay_rate", name=name)
-    transition_begin = _steps(transition_begin, arg="transition_begin", name=name)
+    init_value, decay_rate = _values(name, init_value=init_value, decay_rate=decay_rate)
+    transition_steps, transition_begin = _all_steps(
+        name, transition_steps=transition_steps, transition_begin=transition_begin
+    )
     staircase = check.flag(staircase, arg="staircase", name=name)
     if end_value is not None:
         end_value = _value(end_value, arg="end_value", name=name)
@@ -306,10 +319,8 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
       0.5
     """
     name = "cosine_decay_schedule"
-    init_value = _value(init_value, arg="init_value", name=name)
+    init_value, alpha, exponent = _values(name, init_value=init_value, alpha=alpha, exponent=exponent)
     decay_steps = _steps(decay_steps, arg="decay_steps", name=name)
-    alpha = _value(alpha, arg="alpha", name=name)
-    exponent = _value(exponent, arg="exponent", name=name)
     if not decay_steps > 0:
         raise ValueError(f"{name}: decay_steps must be > 0, got {decay_steps}")
 

@@ -110,12 +110,7 @@ def inject_hyperparams(
             f"inject_hyperparams: static_args {sorted(unknown)} are not parameters of "
             f"{getattr(inner_factory, '__name__', inner_factory)!r}: {list(signature.parameters)}"
         )
-    if hyperparam_dtype is not None and not (
-        isinstance(hyperparam_dtype, torch.dtype) and hyperparam_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"inject_hyperparams: hyperparam_dtype must be a floating torch.dtype, got {hyperparam_dtype!r}"
-        )
+    check.dtype(hyperparam_dtype, arg="hyperparam_dtype", name="inject_hyperparams", floating=True)
     name = f"inject_hyperparams({getattr(inner_factory, '__name__', 'inner_factory')})"
 
     @functools.wraps(inner_factory)

@@ -344,6 +344,17 @@ def _local_plan(
     return lays, stacks, sorted(singles)
 
 
+def cached(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` when missing; the cache is emptied when it holds more than 8 entries."""
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if len(cache) > 8:
+            cache.clear()
+        cache[key] = value
+    return value
+
+
 def _make_orthogonalizer(
     rows: Sequence[tuple[float, float, float]],
     preconditioning: str,
@@ -370,35 +381,28 @@ def _make_orthogonalizer(
         adaptive: bool,
     ) -> list[torch.Tensor]:
         key = (_signature(leaves), tuple(dims), adaptive)
-        prep = cache.get(key)
-        if prep is None:
+
+        def prepare() -> _Prepared:
             paths = list(leaf_paths())
             lays, exchanged = _routes(leaves, dims, paths, whole_leaf=adaptive)
             plans = _plan_sharded(leaves, lays, exchanged, len(rows))
-            prep = _Prepared(lays, [j for j in range(len(leaves)) if j not in exchanged], paths, plans)
-            if len(cache) > 8:
-                cache.clear()
-            cache[key] = prep
+            return _Prepared(lays, [j for j in range(len(leaves)) if j not in exchanged], paths, plans)
 
-        def whole(j: int, full: torch.Tensor) -> torch.Tensor:
-            o = _orthogonalize_full(full, rows, preconditioning, eps, prep.layouts[j], ns_dtype)
+        prep = cached(cache, key, prepare)
+
+        def single(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
+            o = _orthogonalize_full(x, rows, preconditioning, eps, lay, ns_dtype)
             if adaptive:  # scale by the dual norm <G, O> of the whole leaf, as optax
-                o = (full * o).sum() * o
+                o = (x * o).sum() * o
             return o
 
         def local_step(*locs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Per rank: a shard's shape is each rank's own (uneven experts), and so are its layout and stacks.
             lkey = (key, tuple((x.shape, x.stride(), x.device) for x in locs))
-            plan = local_cache.get(lkey)
-            if plan is None:
-                plan = _local_plan(
-                    locs, [dims[j] for j in prep.local], [prep.paths[j] for j in prep.local], adaptive=adaptive,
-                    preconditioning=preconditioning, ns_batch=ns_batch,
-                )  # fmt: skip
-                if len(local_cache) > 8:
-                    local_cache.clear()
-                local_cache[lkey] = plan
-            lays, stacks, singles = plan
+            lays, stacks, singles = cached(local_cache, lkey, lambda: _local_plan(
+                locs, [dims[j] for j in prep.local], [prep.paths[j] for j in prep.local], adaptive=adaptive,
+                preconditioning=preconditioning, ns_batch=ns_batch,
+            ))  # fmt: skip
             res: list[Any] = [None] * len(locs)
             for ks in stacks:
                 ys = _orthogonalize_stacked([locs[k] for k in ks], rows, preconditioning, eps, [lays[k] for k in ks],
@@ -406,8 +410,7 @@ def _make_orthogonalizer(
                 for k, y in zip(ks, ys):
                     res[k] = y
             for k in singles:
-                o = _orthogonalize_full(locs[k], rows, preconditioning, eps, lays[k], ns_dtype)
-                res[k] = (locs[k] * o).sum() * o if adaptive else o
+                res[k] = single(locs[k], lays[k])
             return tuple(res)
 
         out: list[Any] = [None] * len(leaves)
@@ -419,7 +422,9 @@ def _make_orthogonalizer(
             check_exchange_comm(c, name=name)
             locals_ = [tu.local(x) for x in leaves]
             for mesh_plan in prep.mesh_plans:
-                for j, shard in _exchange(mesh_plan, c, locals_, leaves, whole).items():
+                for j, shard in _exchange(
+                    mesh_plan, c, locals_, leaves, lambda j, full: single(full, prep.layouts[j])
+                ).items():
                     out[j] = tu.like(leaves[j], shard)
         return out
 
