@@ -84,8 +84,7 @@ def scale_by_lion(
         tu.check_structure(state.mu, updates, what="scale_by_lion: updates", against="the state's momentum")
 
         def mix(b: Any, g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            c = lw.as_tensor(b, m) if isinstance(b, torch.Tensor) else b
-            dtype = torch.promote_types(g.dtype, m.dtype)
+            c, dtype = lw.as_tensor(b, m), torch.promote_types(g.dtype, m.dtype)
             return (1.0 - c) * g.to(dtype) + c * m.to(dtype)
 
         out = lw.lmap(lambda g, m: direction(mix(b1, g, m)).to(g.dtype), updates, state.mu)

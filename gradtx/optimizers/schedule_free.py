@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from gradtx.core import leafwise as lw
@@ -136,28 +137,12 @@ def schedule_free(
             return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype)
 
         out = lw.lmap(step, params, state.z, z)
-        new_state = ScheduleFreeState(
-            b1=state.b1,
-            weight_sum=total,
-            step_count=state.step_count + 1,
-            max_lr=max_lr,
-            base_optimizer_state=base_state,
-            z=z,
+        step_count = state.step_count + 1
+        return out, state._replace(
+            weight_sum=total, step_count=step_count, max_lr=max_lr, base_optimizer_state=base_state, z=z
         )
-        return out, new_state
 
     return GradientTransformation(init_fn, update_fn)
-
-
-def _find_state(state: Any) -> ScheduleFreeState | None:
-    if isinstance(state, ScheduleFreeState):
-        return state
-    children: Any = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
-    for child in children:
-        found = _find_state(child)
-        if found is not None:
-            return found
-    return None
 
 
 def schedule_free_eval_params(state: OptState, params: Params) -> Params:
@@ -177,7 +162,8 @@ def schedule_free_eval_params(state: OptState, params: Params) -> Params:
     Example:
       >>> eval_params = schedule_free_eval_params(state, params)
     """
-    found = _find_state(state)
+    is_sf = lambda x: isinstance(x, ScheduleFreeState)
+    found = next(filter(is_sf, optree.tree_leaves(state, is_leaf=is_sf)), None)
     if found is None:
         raise ValueError(
             f"schedule_free_eval_params: state must be (or hold) a ScheduleFreeState, got {type(state).__name__}"

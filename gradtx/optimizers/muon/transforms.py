@@ -96,7 +96,7 @@ def _momentum(
     for (dev, dt), ks in groups.items():
         mu, g = [m0s[k] for k in ks], [gls[k] for k in ks]
         # A tensor beta (inject_hyperparams) stays on the device: foreach's scalar weight would read it on the host.
-        b = beta.to(dev, dt) if isinstance(beta, torch.Tensor) else beta
+        b = lw.as_tensor(beta, mu[0])
         if isinstance(b, torch.Tensor):
             m = [x.lerp(y, 1 - b) for x, y in zip(mu, g)]
         else:
