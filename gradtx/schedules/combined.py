@@ -77,11 +77,8 @@ def piecewise_interpolate_schedule(
       0.55
     """
     name = "piecewise_interpolate_schedule"
-    if interpolate_type == "linear":
-        interpolate = _linear_interpolate
-    elif interpolate_type == "cosine":
-        interpolate = _cosine_interpolate
-    else:
+    interpolate = _linear_interpolate if interpolate_type == "linear" else _cosine_interpolate
+    if interpolate_type not in ("linear", "cosine"):
         raise ValueError(f"{name}: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")
     init_value = _value(init_value, arg="init_value", name=name)
     items = _scales(boundaries_and_scales, name=name)

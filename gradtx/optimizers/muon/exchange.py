@@ -79,14 +79,15 @@ def _split(pos: list[int], p: Any, n: int) -> list[list[int]]:
     return [[v for f in firsts for v in f[i]] for i in range(n)]
 
 
-def _runs(pos: list[int]) -> list[tuple[int, int]]:
-    runs: list[list[int]] = []
-    for v in pos:
-        if runs and runs[-1][1] == v:
-            runs[-1][1] += 1
+def _runs(pos: list[int]) -> list[tuple[slice, slice]]:
+    """Each contiguous run of the positions a shard holds of a dim: where it sits in the full dim and in the shard."""
+    runs: list[tuple[slice, slice]] = []
+    for at, v in enumerate(pos):
+        if runs and runs[-1][0].stop == v:
+            runs[-1] = (slice(runs[-1][0].start, v + 1), slice(runs[-1][1].start, at + 1))
         else:
-            runs.append([v, v + 1])
-    return [(a, b) for a, b in runs]
+            runs.append((slice(v, v + 1), slice(at, at + 1)))
+    return runs
 
 
 def _pieces(x: Any) -> list[_Piece]:
@@ -105,13 +106,7 @@ def _pieces(x: Any) -> list[_Piece]:
             if _is_shard(p):
                 d = p.dim % len(shape)
                 pos[d] = _split(pos[d], p, mesh.size(mdim))[coord[mdim]]
-        per_dim = []  # per tensor dim: each contiguous run, in the full tensor and in the shard
-        for q in pos:
-            at, runs = 0, []
-            for a, b in _runs(q):
-                runs.append((slice(a, b), slice(at, at + b - a)))
-                at += b - a
-            per_dim.append(runs)
+        per_dim = [_runs(q) for q in pos]
         blocks = tuple(tuple(zip(*combo)) for combo in itertools.product(*per_dim))
         sends = all(c == 0 for c, p in zip(coord, placements) if not _is_shard(p))
         out.append(_Piece(blocks, tuple(len(q) for q in pos), sends))  # type: ignore[arg-type]
