@@ -57,10 +57,6 @@ def _count(count: Any) -> torch.Tensor:
     return torch.tensor(count)
 
 
-def _f32(count: torch.Tensor) -> torch.Tensor:
-    return count.to(torch.float32)
-
-
 def _value(x: Any, *, arg: str, name: str) -> float:
     return check.number(x, arg=arg, name=name)
 
@@ -173,7 +169,7 @@ def polynomial_schedule(
 
     def schedule(count: Any) -> torch.Tensor:
         c = torch.clamp(_count(count) - transition_begin, 0, transition_steps)
-        frac = 1 - _f32(c) / transition_steps
+        frac = 1 - c.float() / transition_steps
         return delta * frac**power + end_value
 
     return schedule
@@ -283,7 +279,7 @@ def exponential_decay(
 
     def schedule(count: Any) -> torch.Tensor:
         decreased = _count(count) - transition_begin
-        p = _f32(decreased) / transition_steps
+        p = decreased.float() / transition_steps
         if staircase:
             p = torch.floor(p)
         decayed = torch.where(decreased <= 0, init_value, init_value * torch.pow(decay_rate, p))
@@ -325,7 +321,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
         raise ValueError(f"{name}: decay_steps must be > 0, got {decay_steps}")
 
     def schedule(count: Any) -> torch.Tensor:
-        c = torch.clamp(_f32(_count(count)), max=float(decay_steps))
+        c = torch.clamp(_count(count).float(), max=float(decay_steps))
         cosine = 0.5 * (1 + torch.cos(math.pi * c / decay_steps))
         decayed = (1 - alpha) * cosine**exponent + alpha
         return init_value * decayed

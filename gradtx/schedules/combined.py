@@ -19,7 +19,6 @@ from gradtx.schedules.builtin import (
     _all_steps,
     _as_value,
     _count,
-    _f32,
     _f32_const,
     _scales,
     _steps,
@@ -95,7 +94,7 @@ def piecewise_interpolate_schedule(
         # The selected segment contributes its value, the others exactly 0 (optax's indicator.dot).
         out = torch.where(bounds[-1] <= c, values[-1], 0.0).to(torch.float32)
         for lo, hi, size, v0, v1 in segments:
-            pct = _f32(c - lo) / size
+            pct = (c - lo).float() / size
             inside = (lo <= c) & (c < hi)
             out = out + torch.where(inside, interpolate(v0, v1, pct), 0.0)
         return out

@@ -321,14 +321,11 @@ def _local_plan(
 ) -> tuple[list[_Layout], list[list[int]], list[int]]:  # fmt: skip
     """The local tensors' layouts, the stacks (of at most ``ns_batch``) iterated as one, and the single ones."""
     lays = [_layout(tuple(x.shape), dn, where=w) for x, dn, w in zip(locs, dims, paths)]
-    groups: dict[tuple[Any, ...], list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     singles: list[int] = []
     for k, (x, lay) in enumerate(zip(locs, lays)):
         key = None if adaptive or ns_batch < 2 else _stack_key(x, lay, preconditioning)
-        if key is None:
-            singles.append(k)
-        else:
-            groups.setdefault(key, []).append(k)
+        groups.setdefault(k if key is None else key, []).append(k)  # a leaf never stacked: a group of its own
     stacks: list[list[int]] = []
     for ks in groups.values():
         if len(ks) == 1:
