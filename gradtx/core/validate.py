@@ -120,3 +120,11 @@ def norm_type(value: Any, *, name: str) -> float:
     if value <= 0:
         raise ValueError(f"{name}: norm_type must be > 0 or inf, got {value}")
     return value
+
+
+def dtype(value: Any, *, arg: str, name: str, floating: bool = False) -> torch.dtype | None:
+    """A ``torch.dtype`` (a floating one with ``floating=True``) or ``None``."""
+    if value is not None and not (isinstance(value, torch.dtype) and (value.is_floating_point or not floating)):
+        kind = "a floating torch.dtype" if floating else "a torch.dtype"
+        raise TypeError(f"{name}: {arg} must be {kind} or None, got {value!r}")
+    return value

@@ -85,8 +85,7 @@ def sgd(
     if not _is_zero(momentum):
         txs.append(trace(momentum, nesterov))
     txs.append(scale_by_learning_rate(learning_rate))
-    core = len(txs) - 2 if not _is_zero(momentum) else None
-    return _alias(txs, "sgd", learning_rate, weight_decay, momentum=momentum, nesterov=nesterov, core=core)
+    return _alias(txs, "sgd", learning_rate, weight_decay, momentum=momentum, nesterov=nesterov)
 
 
 @factory
@@ -125,7 +124,7 @@ def adam(
     b1, b2, eps = _adam_checked("adam", b1, b2, eps)
     txs = [add_decayed_weights(weight_decay)] if not _is_zero(weight_decay) else []
     txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    return _alias(txs, "adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=len(txs) - 2)
+    return _alias(txs, "adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)
 
 
 @factory
@@ -178,5 +177,4 @@ def adamw(
     if not _is_zero(weight_decay):
         txs.append(add_decayed_weights(weight_decay, mask))
     txs.append(scale_by_learning_rate(learning_rate))
-    fusable = mask is None or _is_zero(weight_decay)
-    return _alias(txs, "adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=0, fusable=fusable)
+    return _alias(txs, "adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)

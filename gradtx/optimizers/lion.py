@@ -26,12 +26,6 @@ class ScaleByLionState(NamedTuple):
     mu: PyTree
 
 
-def _dtype_arg(value: Any, *, arg: str, name: str) -> torch.dtype | None:
-    if value is not None and not isinstance(value, torch.dtype):
-        raise TypeError(f"{name}: {arg} must be a torch.dtype or None, got {type(value).__name__}")
-    return value
-
-
 @factory
 def scale_by_lion(
     b1: float | torch.Tensor = 0.9,
@@ -66,7 +60,7 @@ def scale_by_lion(
     """
     b1 = check.beta(b1, arg="b1", name="scale_by_lion", tensor=True)
     b2 = check.beta(b2, arg="b2", name="scale_by_lion", tensor=True)
-    mu_dtype = _dtype_arg(mu_dtype, arg="mu_dtype", name="scale_by_lion")
+    mu_dtype = check.dtype(mu_dtype, arg="mu_dtype", name="scale_by_lion")
     if mode not in _MODES:
         raise ValueError(f"scale_by_lion: mode must be one of {list(_MODES)}, got {mode!r}")
     smooth_beta = check.number(smooth_beta, arg="smooth_beta", name="scale_by_lion")
@@ -89,19 +83,12 @@ def scale_by_lion(
         tu.tensor_leaves(updates, what="scale_by_lion: updates")
         tu.check_structure(state.mu, updates, what="scale_by_lion: updates", against="the state's momentum")
 
-        def step(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            c1 = lw.as_tensor(b1, m) if isinstance(b1, torch.Tensor) else b1
-            dtype = torch.promote_types(g.dtype, m.dtype)
-            return direction((1.0 - c1) * g.to(dtype) + c1 * m.to(dtype)).to(g.dtype)
+        def mix(b: Any, g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            c, dtype = lw.as_tensor(b, m), torch.promote_types(g.dtype, m.dtype)
+            return (1.0 - c) * g.to(dtype) + c * m.to(dtype)
 
-        def moment(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            c2 = lw.as_tensor(b2, m) if isinstance(b2, torch.Tensor) else b2
-            dtype = torch.promote_types(g.dtype, m.dtype)
-            return ((1.0 - c2) * g.to(dtype) + c2 * m.to(dtype)).to(m.dtype)
-
-        out = lw.lmap(step, updates, state.mu)
-        mu = lw.lmap(moment, updates, state.mu)
-        mu = tu.tree_map(lambda new, old: new if new.dtype == old.dtype else new.to(old.dtype), mu, state.mu)
+        out = lw.lmap(lambda g, m: direction(mix(b1, g, m)).to(g.dtype), updates, state.mu)
+        mu = lw.lmap(lambda g, m: mix(b2, g, m).to(m.dtype), updates, state.mu)
         return out, ScaleByLionState(count=state.count + 1, mu=mu)
 
     return GradientTransformation(init_fn, update_fn)

@@ -101,17 +101,14 @@ def lookahead(
             raise ValueError("lookahead: the fast optimizer held (returned None); put accumulate() before lookahead")
         sync_next = state.steps_since_sync == (sync_period - 1)
 
-        def difference(f: torch.Tensor, u: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-            return f + u.to(f.dtype) - s
-
-        last_difference = lw.lmap(difference, params.fast, fast_updates, params.slow)
+        last_difference = lw.lmap(lambda f, u, s: f + u.to(f.dtype) - s, params.fast, fast_updates, params.slow)
 
         def slow_update(diff: torch.Tensor) -> torch.Tensor:
-            alpha = lw.as_tensor(slow_step_size, diff) if isinstance(slow_step_size, torch.Tensor) else slow_step_size
+            alpha = lw.as_tensor(slow_step_size, diff)
             return torch.where(sync_next.to(diff.device), alpha * diff, torch.zeros_like(diff))
 
         def fast_update(u: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
-            alpha = lw.as_tensor(slow_step_size, diff) if isinstance(slow_step_size, torch.Tensor) else slow_step_size
+            alpha = lw.as_tensor(slow_step_size, diff)
             return torch.where(sync_next.to(u.device), u - (1 - alpha) * diff, u)
 
         out = LookaheadParams(

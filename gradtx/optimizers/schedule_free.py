@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from gradtx.core import leafwise as lw
@@ -45,12 +46,6 @@ class ScheduleFreeState(NamedTuple):
     max_lr: torch.Tensor
     base_optimizer_state: OptState
     z: PyTree
-
-
-def _check_dtype(value: Any, *, name: str) -> torch.dtype | None:
-    if value is not None and not isinstance(value, torch.dtype):
-        raise TypeError(f"{name}: state_dtype must be a torch.dtype or None, got {type(value).__name__}")
-    return value
 
 
 @factory
@@ -101,7 +96,7 @@ def schedule_free(
     if not 0.0 < b1 < 1.0:
         raise ValueError(f"schedule_free: b1 must be in (0, 1), got {b1}")
     weight_lr_power = check.number(weight_lr_power, arg="weight_lr_power", name="schedule_free")
-    state_dtype = _check_dtype(state_dtype, name="schedule_free")
+    state_dtype = check.dtype(state_dtype, arg="state_dtype", name="schedule_free")
 
     def init_fn(params: Params) -> ScheduleFreeState:
         tu.tensor_leaves(params, what="schedule_free: params")
@@ -119,13 +114,8 @@ def schedule_free(
         tu.require_state(state, ScheduleFreeState, name="schedule_free")
         if params is None:
             raise ValueError("schedule_free: update() needs params (y, where the grads were taken), got params=None")
-        if callable(learning_rate):
-            lr = learning_rate(state.step_count)
-            lr = torch.as_tensor(lr).to(state.max_lr.device, state.max_lr.dtype)
-        elif isinstance(learning_rate, torch.Tensor):
-            lr = learning_rate.to(state.max_lr.device, state.max_lr.dtype)
-        else:
-            lr = torch.tensor(learning_rate, dtype=state.max_lr.dtype, device=state.max_lr.device)
+        lr = learning_rate(state.step_count) if callable(learning_rate) else learning_rate
+        lr = torch.as_tensor(lr).to(state.max_lr.device, state.max_lr.dtype)
         max_lr = torch.maximum(state.max_lr, lr)
         weight = max_lr**weight_lr_power
         total = state.weight_sum + weight
@@ -147,28 +137,12 @@ def schedule_free(
             return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype)
 
         out = lw.lmap(step, params, state.z, z)
-        new_state = ScheduleFreeState(
-            b1=state.b1,
-            weight_sum=total,
-            step_count=state.step_count + 1,
-            max_lr=max_lr,
-            base_optimizer_state=base_state,
-            z=z,
+        step_count = state.step_count + 1
+        return out, state._replace(
+            weight_sum=total, step_count=step_count, max_lr=max_lr, base_optimizer_state=base_state, z=z
         )
-        return out, new_state
 
     return GradientTransformation(init_fn, update_fn)
-
-
-def _find_state(state: Any) -> ScheduleFreeState | None:
-    if isinstance(state, ScheduleFreeState):
-        return state
-    children: Any = state.values() if isinstance(state, dict) else state if isinstance(state, (tuple, list)) else ()
-    for child in children:
-        found = _find_state(child)
-        if found is not None:
-            return found
-    return None
 
 
 def schedule_free_eval_params(state: OptState, params: Params) -> Params:
@@ -188,7 +162,8 @@ def schedule_free_eval_params(state: OptState, params: Params) -> Params:
     Example:
       >>> eval_params = schedule_free_eval_params(state, params)
     """
-    found = _find_state(state)
+    is_sf = lambda x: isinstance(x, ScheduleFreeState)
+    found = next(filter(is_sf, optree.tree_leaves(state, is_leaf=is_sf)), None)
     if found is None:
         raise ValueError(
             f"schedule_free_eval_params: state must be (or hold) a ScheduleFreeState, got {type(state).__name__}"

@@ -64,9 +64,9 @@ def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _zeros_moments(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _zeros_moments(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
-    return [torch.zeros_like(p, dtype=_moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+    return [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
 
 
 def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
@@ -425,19 +425,14 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
 
 
 class OptimizerSpec(NamedTuple):
-    """An optimizer alias's hyperparameters, held once (what a fused torch kernel would need for the whole step).
+    """An optimizer alias's hyperparameters, held once (the wrapper names the alias it refuses by ``kind``).
 
     Attributes:
-      kind: ``"sgd"``, ``"adam"`` or ``"adamw"``.
+      kind: ``"sgd"``, ``"adam"``, ``"adamw"`` or ``"muon"``.
       learning_rate: a number or a schedule of the step count.
-      weight_decay: L2 (sgd, adam) or decoupled (adamw) decay.
+      weight_decay: L2 (sgd, adam) or decoupled (adamw, muon) decay.
       b1, b2, eps: Adam's.
       momentum, nesterov: SGD's.
-      core: the member holding the moments (:class:`ScaleByAdamState` or
-        :class:`TraceState`) in the alias's state tuple, or ``None`` (plain SGD).
-        The last member is always the learning-rate scale.
-      fusable: False when the chain does something a fused kernel cannot (a
-        weight-decay ``mask``).
     """
 
     kind: str
@@ -448,13 +443,6 @@ class OptimizerSpec(NamedTuple):
     eps: float | torch.Tensor = 0.0
     momentum: float | torch.Tensor = 0.0
     nesterov: bool = False
-    core: int | None = None
-    fusable: bool = True
-
-    def fused_ok(self) -> bool:
-        """Whether a fused torch kernel can apply this alias: plain-number hyperparameters, no weight-decay mask."""
-        values = (self.learning_rate, self.weight_decay, self.b1, self.b2, self.eps, self.momentum)
-        return self.fusable and not any(isinstance(v, torch.Tensor) for v in values)
 
 
 class OptimizerChain(GradientTransformation):

@@ -20,8 +20,8 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
+from gradtx.optimizers.muon.optimizer import scale_by_adam_eps_root
 from gradtx.optimizers.standard import (
-    ScaleByAdamState,
     add_decayed_weights,
     scale_by_adam,
     scale_by_learning_rate,
@@ -33,12 +33,6 @@ __all__ = ["lamb", "lars", "scale_by_trust_ratio"]
 
 ScalarOrSchedule = float | torch.Tensor | Callable[[torch.Tensor], Any]
 MaskOrFn = PyTree | Callable[[Params], PyTree] | None
-
-
-def _hyper(value: Any) -> Callable[[torch.Tensor], Any]:
-    if isinstance(value, torch.Tensor):
-        return lambda like: value.to(like.device, like.dtype)
-    return lambda like: value
 
 
 @factory
@@ -79,7 +73,6 @@ def scale_by_trust_ratio(
     trust_coefficient = check.non_negative(trust_coefficient, arg="trust_coefficient", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
     plan.check_plan(mesh_groups, name=name)
-    floor, coef, shift = _hyper(min_norm), _hyper(trust_coefficient), _hyper(eps)
 
     def update_fn(updates, state, params=None, **extra):
         del extra
@@ -103,42 +96,15 @@ def scale_by_trust_ratio(
             )
         out = []
         for u, u_norm, p_norm in zip(leaves, u_norms, p_norms):
-            p_norm = torch.clamp(p_norm, min=floor(p_norm))
-            u_norm = torch.clamp(u_norm, min=floor(u_norm))
-            ratio = coef(p_norm) * p_norm / (u_norm + shift(u_norm))
+            p_norm = torch.clamp(p_norm, min=lw.as_tensor(min_norm, p_norm))
+            u_norm = torch.clamp(u_norm, min=lw.as_tensor(min_norm, u_norm))
+            ratio = lw.as_tensor(trust_coefficient, p_norm) * p_norm / (u_norm + lw.as_tensor(eps, u_norm))
             ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
             local = tu.local(u)
             out.append(tu.like(u, (local * ratio.to(local.device)).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
     return plan.reads_tied(GradientTransformation(init_empty_state, update_fn), mesh_groups)
-
-
-def _scale_by_adam_eps_root(b1: Any, b2: Any, eps: Any, eps_root: Any) -> GradientTransformation:
-    """optax's Adam with ``eps_root`` inside the square root: ``m_hat / (sqrt(v_hat + eps_root) + eps)``."""
-
-    def init_fn(params: Params) -> ScaleByAdamState:
-        return ScaleByAdamState(
-            count=lw.zero_count(params), mu=lw.zeros_like_tree(params), nu=lw.zeros_like_tree(params)
-        )
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        tu.require_state(state, ScaleByAdamState, name="lamb")
-        tu.tensor_leaves(updates, what="lamb: updates")
-        count = state.count + 1
-        mu = lw.lmap(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
-        nu = lw.lmap(lambda g, v: (1 - b2) * g * g + b2 * v, updates, state.nu)
-
-        def direction(m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            t = count.to(m.device, tu.acc_dtype(m.dtype))
-            m_hat = m / (1 - b1**t).to(m.dtype)
-            v_hat = v / (1 - b2**t).to(v.dtype)
-            return m_hat / (torch.sqrt(v_hat + eps_root) + eps)
-
-        return lw.lmap(direction, mu, nu), ScaleByAdamState(count=count, mu=mu, nu=nu)
-
-    return GradientTransformation(init_fn, update_fn)
 
 
 @factory
@@ -240,10 +206,8 @@ def lamb(
     weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lamb", tensor=True)
     if eps_root == 0.0:
         adam_tx = scale_by_adam(b1=b1, b2=b2, eps=eps)
-    else:
-        if any(isinstance(v, torch.Tensor) for v in (b1, b2, eps)):
-            raise TypeError("lamb: with eps_root > 0, b1, b2 and eps must be numbers, not tensors")
-        adam_tx = _scale_by_adam_eps_root(b1, b2, eps, eps_root)
+    else:  # optax's: eps_root inside the square root, m_hat / (sqrt(v_hat + eps_root) + eps)
+        adam_tx = scale_by_adam_eps_root(b1, b2, eps, eps_root, None, False, name="lamb")
     return chain(
         adam_tx,
         add_decayed_weights(weight_decay=weight_decay, mask=mask),

@@ -57,16 +57,33 @@ def _count(count: Any) -> torch.Tensor:
     return torch.tensor(count)
 
 
-def _f32(count: torch.Tensor) -> torch.Tensor:
-    return count.to(torch.float32)
-
-
 def _value(x: Any, *, arg: str, name: str) -> float:
     return check.number(x, arg=arg, name=name)
 
 
 def _steps(x: Any, *, arg: str, name: str) -> int:
     return check.integer(x, arg=arg, name=name)
+
+
+def _values(name: str, **values: Any) -> list[float]:
+    """Each keyword argument checked as a number, named in the error."""
+    return [check.number(v, arg=arg, name=name) for arg, v in values.items()]
+
+
+def _all_steps(name: str, **values: Any) -> list[int]:
+    """Each keyword argument checked as an int, named in the error."""
+    return [check.integer(v, arg=arg, name=name) for arg, v in values.items()]
+
+
+def _scales(boundaries_and_scales: Mapping[int, float] | None, *, name: str) -> list[tuple[int, float]]:
+    """``{step: scale}`` as sorted ``(step, scale)`` pairs, every scale ``>= 0``."""
+    items = sorted(
+        (_steps(b, arg="boundaries_and_scales", name=name), _value(s, arg="scale", name=name))
+        for b, s in (boundaries_and_scales or {}).items()
+    )
+    if any(s < 0 for _, s in items):
+        raise ValueError(f"{name}: boundaries_and_scales expects non-negative scale factors, got {dict(items)}")
+    return items
 
 
 def _f32_const(x: float) -> float:
@@ -141,11 +158,10 @@ def polynomial_schedule(
       0.01...
     """
     name = "polynomial_schedule"
-    init_value = _value(init_value, arg="init_value", name=name)
-    end_value = _value(end_value, arg="end_value", name=name)
-    power = _value(power, arg="power", name=name)
-    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
-    transition_begin = _steps(transition_begin, arg="transition_begin", name=name)
+    init_value, end_value, power = _values(name, init_value=init_value, end_value=end_value, power=power)
+    transition_steps, transition_begin = _all_steps(
+        name, transition_steps=transition_steps, transition_begin=transition_begin
+    )
     if transition_steps <= 0:
         return constant_schedule(init_value)
     transition_begin = max(transition_begin, 0)
@@ -153,7 +169,7 @@ def polynomial_schedule(
 
     def schedule(count: Any) -> torch.Tensor:
         c = torch.clamp(_count(count) - transition_begin, 0, transition_steps)
-        frac = 1 - _f32(c) / transition_steps
+        frac = 1 - c.float() / transition_steps
         return delta * frac**power + end_value
 
     return schedule
@@ -180,10 +196,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
       0.5
     """
     name = "linear_schedule"  # checked here, so an error names this schedule and its own arguments
-    _value(init_value, arg="init_value", name=name)
-    _value(end_value, arg="end_value", name=name)
-    _steps(transition_steps, arg="transition_steps", name=name)
-    _steps(transition_begin, arg="transition_begin", name=name)
+    _values(name, init_value=init_value, end_value=end_value)
+    _all_steps(name, transition_steps=transition_steps, transition_begin=transition_begin)
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 
@@ -210,12 +224,7 @@ def piecewise_constant_schedule(
     """
     name = "piecewise_constant_schedule"
     init_value = _value(init_value, arg="init_value", name=name)
-    items = sorted(
-        (_steps(b, arg="boundaries_and_scales", name=name), _value(s, arg="scale", name=name))
-        for b, s in (boundaries_and_scales or {}).items()
-    )
-    if any(s < 0 for _, s in items):
-        raise ValueError(f"{name}: boundaries_and_scales expects non-negative scale factors, got {dict(items)}")
+    items = _scales(boundaries_and_scales, name=name)
 
     def schedule(count: Any) -> torch.Tensor:
         c = _count(count)
@@ -257,10 +266,10 @@ def exponential_decay(
       0.25
     """
     name = "exponential_decay"
-    init_value = _value(init_value, arg="init_value", name=name)
-    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
-    decay_rate = _value(decay_rate, arg="decay_rate", name=name)
-    transition_begin = _steps(transition_begin, arg="transition_begin", name=name)
+    init_value, decay_rate = _values(name, init_value=init_value, decay_rate=decay_rate)
+    transition_steps, transition_begin = _all_steps(
+        name, transition_steps=transition_steps, transition_begin=transition_begin
+    )
     staircase = check.flag(staircase, arg="staircase", name=name)
     if end_value is not None:
         end_value = _value(end_value, arg="end_value", name=name)
@@ -270,7 +279,7 @@ def exponential_decay(
 
     def schedule(count: Any) -> torch.Tensor:
         decreased = _count(count) - transition_begin
-        p = _f32(decreased) / transition_steps
+        p = decreased.float() / transition_steps
         if staircase:
             p = torch.floor(p)
         decayed = torch.where(decreased <= 0, init_value, init_value * torch.pow(decay_rate, p))
@@ -306,15 +315,13 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
       0.5
     """
     name = "cosine_decay_schedule"
-    init_value = _value(init_value, arg="init_value", name=name)
+    init_value, alpha, exponent = _values(name, init_value=init_value, alpha=alpha, exponent=exponent)
     decay_steps = _steps(decay_steps, arg="decay_steps", name=name)
-    alpha = _value(alpha, arg="alpha", name=name)
-    exponent = _value(exponent, arg="exponent", name=name)
     if not decay_steps > 0:
         raise ValueError(f"{name}: decay_steps must be > 0, got {decay_steps}")
 
     def schedule(count: Any) -> torch.Tensor:
-        c = torch.clamp(_f32(_count(count)), max=float(decay_steps))
+        c = torch.clamp(_count(count).float(), max=float(decay_steps))
         cosine = 0.5 * (1 + torch.cos(math.pi * c / decay_steps))
         decayed = (1 - alpha) * cosine**exponent + alpha
         return init_value * decayed

@@ -16,12 +16,14 @@ import torch
 from gradtx.core.base import factory
 from gradtx.schedules.builtin import (
     Schedule,
+    _all_steps,
     _as_value,
     _count,
-    _f32,
     _f32_const,
+    _scales,
     _steps,
     _value,
+    _values,
     cosine_decay_schedule,
     exponential_decay,
     linear_schedule,
@@ -74,19 +76,11 @@ def piecewise_interpolate_schedule(
       0.55
     """
     name = "piecewise_interpolate_schedule"
-    if interpolate_type == "linear":
-        interpolate = _linear_interpolate
-    elif interpolate_type == "cosine":
-        interpolate = _cosine_interpolate
-    else:
+    interpolate = _linear_interpolate if interpolate_type == "linear" else _cosine_interpolate
+    if interpolate_type not in ("linear", "cosine"):
         raise ValueError(f"{name}: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")
     init_value = _value(init_value, arg="init_value", name=name)
-    items = sorted(
-        (_steps(b, arg="boundaries_and_scales", name=name), _value(s, arg="scale", name=name))
-        for b, s in (boundaries_and_scales or {}).items()
-    )
-    if any(s < 0 for _, s in items):
-        raise ValueError(f"{name}: boundaries_and_scales expects non-negative scale factors, got {dict(items)}")
+    items = _scales(boundaries_and_scales, name=name)
     bounds = [0] + [b for b, _ in items]
     # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
@@ -100,12 +94,19 @@ def piecewise_interpolate_schedule(
         # The selected segment contributes its value, the others exactly 0 (optax's indicator.dot).
         out = torch.where(bounds[-1] <= c, values[-1], 0.0).to(torch.float32)
         for lo, hi, size, v0, v1 in segments:
-            pct = _f32(c - lo) / size
+            pct = (c - lo).float() / size
             inside = (lo <= c) & (c < hi)
             out = out + torch.where(inside, interpolate(v0, v1, pct), 0.0)
         return out
 
     return schedule
+
+
+def _onecycle(transition_steps: Any, peak_value: Any, *, name: str) -> tuple[int, float]:
+    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
+    if transition_steps <= 0:
+        raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
+    return transition_steps, _value(peak_value, arg="peak_value", name=name)
 
 
 @factory
@@ -137,11 +138,7 @@ def linear_onecycle_schedule(
       >>> round(float(linear_onecycle_schedule(100, 1.0)(30)), 6)
       1.0
     """
-    name = "linear_onecycle_schedule"
-    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
-    if transition_steps <= 0:
-        raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
-    peak_value = _value(peak_value, arg="peak_value", name=name)
+    transition_steps, peak_value = _onecycle(transition_steps, peak_value, name="linear_onecycle_schedule")
     return piecewise_interpolate_schedule(
         "linear",
         peak_value / div_factor,
@@ -182,11 +179,7 @@ def cosine_onecycle_schedule(
     Example:
       >>> lr = cosine_onecycle_schedule(1000, peak_value=1e-3)
     """
-    name = "cosine_onecycle_schedule"
-    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
-    if transition_steps <= 0:
-        raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
-    peak_value = _value(peak_value, arg="peak_value", name=name)
+    transition_steps, peak_value = _onecycle(transition_steps, peak_value, name="cosine_onecycle_schedule")
     return piecewise_interpolate_schedule(
         "cosine",
         peak_value / div_factor,
@@ -261,8 +254,7 @@ def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps:
       1.0
     """
     name = "warmup_constant_schedule"  # checked here, so an error names this schedule and its own arguments
-    _value(init_value, arg="init_value", name=name)
-    _value(peak_value, arg="peak_value", name=name)
+    _values(name, init_value=init_value, peak_value=peak_value)
     _steps(warmup_steps, arg="warmup_steps", name=name)
     return linear_schedule(init_value, peak_value, warmup_steps)
 
@@ -296,11 +288,8 @@ def warmup_cosine_decay_schedule(
       >>> lr = warmup_cosine_decay_schedule(0.0, 3e-4, warmup_steps=100, decay_steps=10_000, end_value=3e-5)
     """
     name = "warmup_cosine_decay_schedule"
-    init_value = _value(init_value, arg="init_value", name=name)
-    peak_value = _value(peak_value, arg="peak_value", name=name)
-    end_value = _value(end_value, arg="end_value", name=name)
-    warmup_steps = _steps(warmup_steps, arg="warmup_steps", name=name)
-    decay_steps = _steps(decay_steps, arg="decay_steps", name=name)
+    init_value, peak_value, end_value = _values(name, init_value=init_value, peak_value=peak_value, end_value=end_value)
+    warmup_steps, decay_steps = _all_steps(name, warmup_steps=warmup_steps, decay_steps=decay_steps)
     if decay_steps - warmup_steps <= 0:
         raise ValueError(
             f"{name}: decay_steps (the whole schedule, warm-up included) must be > warmup_steps, "

@@ -110,12 +110,7 @@ def inject_hyperparams(
             f"inject_hyperparams: static_args {sorted(unknown)} are not parameters of "
             f"{getattr(inner_factory, '__name__', inner_factory)!r}: {list(signature.parameters)}"
         )
-    if hyperparam_dtype is not None and not (
-        isinstance(hyperparam_dtype, torch.dtype) and hyperparam_dtype.is_floating_point
-    ):
-        raise TypeError(
-            f"inject_hyperparams: hyperparam_dtype must be a floating torch.dtype, got {hyperparam_dtype!r}"
-        )
+    check.dtype(hyperparam_dtype, arg="hyperparam_dtype", name="inject_hyperparams", floating=True)
     name = f"inject_hyperparams({getattr(inner_factory, '__name__', 'inner_factory')})"
 
     @functools.wraps(inner_factory)
@@ -175,8 +170,14 @@ def inject_hyperparams(
                 old = state.hyperparams[k]
                 hparams[k] = _as_tensor(f(state.count), old.dtype if isinstance(old, torch.Tensor) else None,
                                         state.count.device)  # fmt: skip
-            if not torch.is_grad_enabled():
-                _refuse_differentiation(hparams, name=name)
+            for k, v in hparams.items() if not torch.is_grad_enabled() else ():  # autograd records no step
+                if v.requires_grad:
+                    raise ValueError(
+                        f"{name}: state.hyperparams[{k!r}] requires grad, but this step runs under torch.no_grad (as "
+                        "TransformedOptimizer.step does: it writes into its buffers, which autograd cannot "
+                        "differentiate), so no gradient would reach it; take hypergradients through the pure step, "
+                        "tx.update(...) then apply_updates(...), with grad enabled"
+                    )
             new_updates, inner_state = inner_factory(**fixed, **hparams).update(
                 updates, state.inner_state, params, **extra
             )
@@ -187,18 +188,6 @@ def inject_hyperparams(
         return remember(out, _injected, (options, args, kwargs), {})
 
     return wrapped
-
-
-def _refuse_differentiation(hparams: dict[str, torch.Tensor], *, name: str) -> None:
-    """Raise when a hyperparameter requires grad on a step that autograd does not record."""
-    for k, v in hparams.items():
-        if v.requires_grad:
-            raise ValueError(
-                f"{name}: state.hyperparams[{k!r}] requires grad, but this step runs under torch.no_grad (as "
-                "TransformedOptimizer.step does: it writes into its buffers and fused kernels, which autograd "
-                "cannot differentiate), so no gradient would reach it; take "
-                "hypergradients through the pure step, tx.update(...) then apply_updates(...), with grad enabled"
-            )
 
 
 def _injected(options: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> GradientTransformation:

@@ -79,14 +79,15 @@ def _split(pos: list[int], p: Any, n: int) -> list[list[int]]:
     return [[v for f in firsts for v in f[i]] for i in range(n)]
 
 
-def _runs(pos: list[int]) -> list[tuple[int, int]]:
-    runs: list[list[int]] = []
-    for v in pos:
-        if runs and runs[-1][1] == v:
-            runs[-1][1] += 1
+def _runs(pos: list[int]) -> list[tuple[slice, slice]]:
+    """Each contiguous run of the positions a shard holds of a dim: where it sits in the full dim and in the shard."""
+    runs: list[tuple[slice, slice]] = []
+    for at, v in enumerate(pos):
+        if runs and runs[-1][0].stop == v:
+            runs[-1] = (slice(runs[-1][0].start, v + 1), slice(runs[-1][1].start, at + 1))
         else:
-            runs.append([v, v + 1])
-    return [(a, b) for a, b in runs]
+            runs.append((slice(v, v + 1), slice(at, at + 1)))
+    return runs
 
 
 def _pieces(x: Any) -> list[_Piece]:
@@ -105,13 +106,7 @@ def _pieces(x: Any) -> list[_Piece]:
             if _is_shard(p):
                 d = p.dim % len(shape)
                 pos[d] = _split(pos[d], p, mesh.size(mdim))[coord[mdim]]
-        per_dim = []  # per tensor dim: each contiguous run, in the full tensor and in the shard
-        for q in pos:
-            at, runs = 0, []
-            for a, b in _runs(q):
-                runs.append((slice(a, b), slice(at, at + b - a)))
-                at += b - a
-            per_dim.append(runs)
+        per_dim = [_runs(q) for q in pos]
         blocks = tuple(tuple(zip(*combo)) for combo in itertools.product(*per_dim))
         sends = all(c == 0 for c, p in zip(coord, placements) if not _is_shard(p))
         out.append(_Piece(blocks, tuple(len(q) for q in pos), sends))  # type: ignore[arg-type]
@@ -326,14 +321,11 @@ def _local_plan(
 ) -> tuple[list[_Layout], list[list[int]], list[int]]:  # fmt: skip
     """The local tensors' layouts, the stacks (of at most ``ns_batch``) iterated as one, and the single ones."""
     lays = [_layout(tuple(x.shape), dn, where=w) for x, dn, w in zip(locs, dims, paths)]
-    groups: dict[tuple[Any, ...], list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     singles: list[int] = []
     for k, (x, lay) in enumerate(zip(locs, lays)):
         key = None if adaptive or ns_batch < 2 else _stack_key(x, lay, preconditioning)
-        if key is None:
-            singles.append(k)
-        else:
-            groups.setdefault(key, []).append(k)
+        groups.setdefault(k if key is None else key, []).append(k)  # a leaf never stacked: a group of its own
     stacks: list[list[int]] = []
     for ks in groups.values():
         if len(ks) == 1:
@@ -342,6 +334,17 @@ def _local_plan(
             n = -(-len(ks) // ns_batch)
             stacks += [ks[i::n] for i in range(n)]
     return lays, stacks, sorted(singles)
+
+
+def cached(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` when missing; the cache is emptied when it holds more than 8 entries."""
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if len(cache) > 8:
+            cache.clear()
+        cache[key] = value
+    return value
 
 
 def _make_orthogonalizer(
@@ -370,35 +373,28 @@ def _make_orthogonalizer(
         adaptive: bool,
     ) -> list[torch.Tensor]:
         key = (_signature(leaves), tuple(dims), adaptive)
-        prep = cache.get(key)
-        if prep is None:
+
+        def prepare() -> _Prepared:
             paths = list(leaf_paths())
             lays, exchanged = _routes(leaves, dims, paths, whole_leaf=adaptive)
             plans = _plan_sharded(leaves, lays, exchanged, len(rows))
-            prep = _Prepared(lays, [j for j in range(len(leaves)) if j not in exchanged], paths, plans)
-            if len(cache) > 8:
-                cache.clear()
-            cache[key] = prep
+            return _Prepared(lays, [j for j in range(len(leaves)) if j not in exchanged], paths, plans)
 
-        def whole(j: int, full: torch.Tensor) -> torch.Tensor:
-            o = _orthogonalize_full(full, rows, preconditioning, eps, prep.layouts[j], ns_dtype)
+        prep = cached(cache, key, prepare)
+
+        def single(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
+            o = _orthogonalize_full(x, rows, preconditioning, eps, lay, ns_dtype)
             if adaptive:  # scale by the dual norm <G, O> of the whole leaf, as optax
-                o = (full * o).sum() * o
+                o = (x * o).sum() * o
             return o
 
         def local_step(*locs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Per rank: a shard's shape is each rank's own (uneven experts), and so are its layout and stacks.
             lkey = (key, tuple((x.shape, x.stride(), x.device) for x in locs))
-            plan = local_cache.get(lkey)
-            if plan is None:
-                plan = _local_plan(
-                    locs, [dims[j] for j in prep.local], [prep.paths[j] for j in prep.local], adaptive=adaptive,
-                    preconditioning=preconditioning, ns_batch=ns_batch,
-                )  # fmt: skip
-                if len(local_cache) > 8:
-                    local_cache.clear()
-                local_cache[lkey] = plan
-            lays, stacks, singles = plan
+            lays, stacks, singles = cached(local_cache, lkey, lambda: _local_plan(
+                locs, [dims[j] for j in prep.local], [prep.paths[j] for j in prep.local], adaptive=adaptive,
+                preconditioning=preconditioning, ns_batch=ns_batch,
+            ))  # fmt: skip
             res: list[Any] = [None] * len(locs)
             for ks in stacks:
                 ys = _orthogonalize_stacked([locs[k] for k in ks], rows, preconditioning, eps, [lays[k] for k in ks],
@@ -406,8 +402,7 @@ def _make_orthogonalizer(
                 for k, y in zip(ks, ys):
                     res[k] = y
             for k in singles:
-                o = _orthogonalize_full(locs[k], rows, preconditioning, eps, lays[k], ns_dtype)
-                res[k] = (locs[k] * o).sum() * o if adaptive else o
+                res[k] = single(locs[k], lays[k])
             return tuple(res)
 
         out: list[Any] = [None] * len(leaves)
@@ -419,7 +414,9 @@ def _make_orthogonalizer(
             check_exchange_comm(c, name=name)
             locals_ = [tu.local(x) for x in leaves]
             for mesh_plan in prep.mesh_plans:
-                for j, shard in _exchange(mesh_plan, c, locals_, leaves, whole).items():
+                for j, shard in _exchange(
+                    mesh_plan, c, locals_, leaves, lambda j, full: single(full, prep.layouts[j])
+                ).items():
                     out[j] = tu.like(leaves[j], shard)
         return out
 

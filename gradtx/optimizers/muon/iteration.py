@@ -14,6 +14,7 @@ from typing import Any, Literal, NamedTuple
 import optree
 import torch
 
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
@@ -91,8 +92,6 @@ class _Layout(NamedTuple):
     flat: tuple[int, int, int]  # (batch, rows = reduction, cols = output)
     unflat: tuple[int, ...]
     batch_axes: frozenset[int]  # in the leaf's own axes (a split axis is not one)
-    fan_in: int
-    fan_out: int
 
 
 def _split(
@@ -136,10 +135,8 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
     perm = batch + red + outp
     inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
     size = lambda axes: math.prod(shape[ax] for ax in axes)
-    return _Layout(
-        shape, perm, inv, (size(batch), size(red), size(outp)), tuple(shape[ax] for ax in perm), own_batch,
-        size(red), size(outp),
-    )  # fmt: skip
+    flat = (size(batch), size(red), size(outp))
+    return _Layout(shape, perm, inv, flat, tuple(shape[ax] for ax in perm), own_batch)
 
 
 # --- the Newton–Schulz iteration on local tensors ------------------------------------------------
@@ -318,13 +315,9 @@ def _orthogonalize_stacked(
     return [_unmatrices(yi, lay, tr, x.shape) for yi, x, lay, tr in zip(y.unbind(0), xs, lays, trs)]
 
 
-def _eps_like(eps: Scalar, like: torch.Tensor) -> Scalar:
-    return eps.to(like.device, like.dtype) if isinstance(eps, torch.Tensor) else eps
-
-
 def _ns(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, eps: Scalar) -> torch.Tensor:
     """The iteration on one matrix ``(r, c)`` or a stack ``(b, r, c)``: ``addmm`` for one, as torch.optim.Muon, ``baddbmm`` for a stack."""
-    e = _eps_like(eps, x)
+    e = lw.as_tensor(eps, x)
     addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     if pre == "frobenius":
         x = x / (torch.linalg.matrix_norm(x, keepdim=True) + e)

@@ -8,9 +8,11 @@ from typing import Any
 import torch
 
 from gradtx.comm.base import ExchangeComm
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Params, PyTree, factory
+from gradtx.optimizers.aliases import _alias
 from gradtx.optimizers.muon.iteration import (
     _DEFAULT_NS_COEFFS,
     _NS_COEFFS_PRESETS,
@@ -23,35 +25,30 @@ from gradtx.optimizers.muon.iteration import (
 )
 from gradtx.optimizers.muon.transforms import _momentum, scale_by_muon, scale_by_shape
 from gradtx.optimizers.standard import (
-    OptimizerChain,
-    OptimizerSpec,
     ScaleByAdamState,
     _bias_correction,
-    _moment_dtype,
+    _is_zero,
+    _zeros_moments,
     add_decayed_weights,
     scale_by_learning_rate,
 )
 from gradtx.transforms.combine import chain, partition
 
 
-def _scale_by_adam_nesterov(
-    b1: Scalar, b2: Scalar, eps: Scalar, eps_root: Scalar, mu_dtype: torch.dtype | None, nesterov: bool
+def scale_by_adam_eps_root(
+    b1: Scalar, b2: Scalar, eps: Scalar, eps_root: Scalar, mu_dtype: torch.dtype | None, nesterov: bool, *, name: str
 ) -> GradientTransformation:
-    """optax's ``scale_by_adam`` with ``eps_root`` and ``nesterov``: Muon's fallback for the other leaves."""
+    """optax's ``scale_by_adam`` with ``eps_root`` and ``nesterov``: Muon's fallback for the other leaves, and lamb's."""
 
     def init_fn(params: Params) -> ScaleByAdamState:
         leaves, spec = tu.flatten(params)
-        zeros = lambda: [
-            torch.zeros_like(p, dtype=mu_dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves
-        ]
-        device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
-        count = torch.zeros((), dtype=torch.int64, device=device)
-        return ScaleByAdamState(count=count, mu=tu.unflatten(spec, zeros()), nu=tu.unflatten(spec, zeros()))
+        zeros = lambda: tu.unflatten(spec, _zeros_moments(leaves, mu_dtype))
+        return ScaleByAdamState(count=lw.zero_count(params), mu=zeros(), nu=zeros())
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        tu.require_state(state, ScaleByAdamState, name="muon (adam)")
-        index, leaves, spec = tu.align(state.mu, updates, what="muon (adam): updates", against="the state's moments")
+        tu.require_state(state, ScaleByAdamState, name=name)
+        index, leaves, spec = tu.align(state.mu, updates, what=f"{name}: updates", against="the state's moments")
         mu_leaves, mu_spec = tu.flatten(state.mu)
         nu_leaves, nu_spec = tu.flatten(state.nu)
         count = state.count + 1
@@ -62,14 +59,9 @@ def _scale_by_adam_nesterov(
         ms, m_hats = _momentum(m0s, gls, b1, count, nesterov=nesterov, bias_correction=True)
         for j, (g, i, gl, m, m_hat) in enumerate(zip(leaves, index, gls, ms, m_hats)):
             v0 = tu.local(nu_leaves[i])
-            dev, dt = v0.device, v0.dtype
-
-            def c(v: Scalar, dev: torch.device = dev, dt: torch.dtype = dt) -> Scalar:
-                return v.to(dev, dt) if isinstance(v, torch.Tensor) else v
-
-            v = v0 * c(b2) + (1 - c(b2)) * gl * gl
-            v_hat = v / _bias_correction(b2, count.to(dev, tu.acc_dtype(dt))).to(dt)
-            u = m_hat / (torch.sqrt(v_hat + c(eps_root)) + c(eps))
+            v = v0 * lw.as_tensor(b2, v0) + (1 - lw.as_tensor(b2, v0)) * gl * gl
+            v_hat = v / _bias_correction(b2, count.to(v0.device, tu.acc_dtype(v0.dtype))).to(v0.dtype)
+            u = m_hat / (torch.sqrt(v_hat + lw.as_tensor(eps_root, v0)) + lw.as_tensor(eps, v0))
             new_mu[i], new_nu[i] = tu.like(mu_leaves[i], m), tu.like(nu_leaves[i], v)
             out[j] = tu.like(g, u.to(g.dtype))
         return tu.unflatten(spec, out), ScaleByAdamState(
@@ -189,30 +181,16 @@ def muon(
         ns_dtype=ns_dtype, comm=comm, ns_batch=ns_batch,
     )  # fmt: skip
     members = [muon_tx, scale_by_shape(inner_dims, consistent_rms)]
-    if isinstance(weight_decay, torch.Tensor) or weight_decay != 0.0:
+    if not _is_zero(weight_decay):
         members.append(add_decayed_weights(weight_decay, weight_decay_mask))
     members.append(scale_by_learning_rate(learning_rate))
-    adam_members = [_scale_by_adam_nesterov(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, nesterov)]
-    if isinstance(adam_weight_decay, torch.Tensor) or adam_weight_decay != 0.0:
+    adam_members = [
+        scale_by_adam_eps_root(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, nesterov, name="muon (adam)")
+    ]
+    if not _is_zero(adam_weight_decay):
         adam_members.append(add_decayed_weights(adam_weight_decay))
     adam_members.append(scale_by_learning_rate(adam_lr))
     inner = partition({"muon": chain(*members), "adam": chain(*adam_members)}, labels)
     # An OptimizerChain: its output is an update (-learning_rate times a direction), so the wrapper refuses
-    # it in front of a torch optimizer, and no fused kernel claims it.
-    spec = OptimizerSpec("muon", learning_rate, weight_decay, b1=adam_b1, b2=adam_b2, eps=eps, fusable=False)
-    return OptimizerChain(*_as_chain(inner), [inner], spec)
-
-
-def _as_chain(inner: GradientTransformation) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``init`` and ``update`` of ``chain(inner)``: the state is a 1-tuple, as every chain's."""
-
-    def init_fn(params: Params) -> tuple[Any]:
-        return (inner.init(params),)
-
-    def update_fn(updates, state, params=None, **extra):
-        if not isinstance(state, tuple) or len(state) != 1:
-            raise TypeError(f"muon: expected the state that init() returned (a 1-tuple), got {type(state).__name__}")
-        updates, inner_state = inner.update(updates, state[0], params, **extra)
-        return updates, (inner_state,)
-
-    return init_fn, update_fn
+    # it in front of a torch optimizer.
+    return _alias([inner], "muon", learning_rate, weight_decay, b1=adam_b1, b2=adam_b2, eps=eps)

@@ -9,10 +9,11 @@ from typing import Any, NamedTuple
 import torch
 
 from gradtx.comm.base import ExchangeComm, check_exchange_comm
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory
-from gradtx.optimizers.muon.exchange import _make_orthogonalizer
+from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
+from gradtx.optimizers.muon.exchange import _make_orthogonalizer, cached
 from gradtx.optimizers.muon.iteration import (
     _DEFAULT_NS_COEFFS,
     _PRECONDITIONINGS,
@@ -24,7 +25,7 @@ from gradtx.optimizers.muon.iteration import (
 )
 from gradtx.optimizers.standard import (
     _bias_correction,
-    _moment_dtype,
+    _zeros_moments,
 )
 
 # --- the transforms ------------------------------------------------------------------------------
@@ -42,8 +43,7 @@ def _check_common(
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
     if preconditioning not in _PRECONDITIONINGS:
         raise ValueError(f"{name}: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
-    if ns_dtype is not None and not (isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point):
-        raise TypeError(f"{name}: ns_dtype must be a floating torch.dtype or None, got {ns_dtype!r}")
+    check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
     if comm is not None:
         check_exchange_comm(comm, name=name)
     return rows, eps
@@ -61,13 +61,7 @@ def _dims_resolver(dims_arg: Any, *, name: str) -> Callable[..., tuple[list[Any]
     def resolve(updates: PyTree, leaves: list[Any], spec: Any) -> tuple[list[Any], Callable[[], list[str]]]:
         paths = lambda: [tu.path_str(p) for p in tu.paths(updates)]
         key = (spec, tuple(x.shape for x in leaves))
-        dims = cache.get(key)
-        if dims is None:
-            dims = _resolve_dims(dims_arg, updates, name=name)
-            if len(cache) > 8:
-                cache.clear()
-            cache[key] = dims
-        return dims, paths
+        return cached(cache, key, lambda: _resolve_dims(dims_arg, updates, name=name)), paths
 
     return resolve
 
@@ -102,7 +96,7 @@ def _momentum(
     for (dev, dt), ks in groups.items():
         mu, g = [m0s[k] for k in ks], [gls[k] for k in ks]
         # A tensor beta (inject_hyperparams) stays on the device: foreach's scalar weight would read it on the host.
-        b = beta.to(dev, dt) if isinstance(beta, torch.Tensor) else beta
+        b = lw.as_tensor(beta, mu[0])
         if isinstance(b, torch.Tensor):
             m = [x.lerp(y, 1 - b) for x, y in zip(mu, g)]
         else:
@@ -177,10 +171,6 @@ def orthogonalize(
     run = _make_orthogonalizer(rows, preconditioning, eps, ns_dtype, comm, name="orthogonalize", ns_batch=ns_batch)
     resolve = _dims_resolver(weight_dimension_numbers, name="orthogonalize")
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, EmptyState, name="orthogonalize")
@@ -192,7 +182,7 @@ def orthogonalize(
             out[j] = o
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 class MuonState(NamedTuple):
@@ -268,8 +258,7 @@ def scale_by_muon(
     nesterov = check.flag(nesterov, arg="nesterov", name=name)
     adaptive = check.flag(adaptive, arg="adaptive", name=name)
     bias_correction = check.flag(bias_correction, arg="bias_correction", name=name)
-    if mu_dtype is not None and not (isinstance(mu_dtype, torch.dtype) and mu_dtype.is_floating_point):
-        raise TypeError(f"{name}: mu_dtype must be a floating torch.dtype or None, got {mu_dtype!r}")
+    check.dtype(mu_dtype, arg="mu_dtype", name=name, floating=True)
     ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
     run = _make_orthogonalizer(rows, preconditioning, eps, ns_dtype, comm, name=name, ns_batch=ns_batch)
     resolve = _dims_resolver(weight_dimension_numbers, name=name)
@@ -277,9 +266,7 @@ def scale_by_muon(
     def init_fn(params: Params) -> MuonState:
         leaves, spec = tu.flatten(params)
         tu.check_tensors(leaves, tree=params, what=f"{name}: params")
-        mu = [torch.zeros_like(p, dtype=mu_dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
-        device = tu.local(leaves[0]).device if leaves else torch.device("cpu")
-        return MuonState(count=torch.zeros((), dtype=torch.int64, device=device), mu=tu.unflatten(spec, mu))
+        return MuonState(count=lw.zero_count(params), mu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)))
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
@@ -341,10 +328,6 @@ def scale_by_shape(
     if consistent_rms is not None:
         consistent_rms = check.non_negative(consistent_rms, arg="consistent_rms", name="scale_by_shape", tensor=True)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     resolve = _dims_resolver(weight_dimension_numbers, name="scale_by_shape")
     factors_cache: dict[Any, list[float]] = {}
 
@@ -353,18 +336,15 @@ def scale_by_shape(
         tu.require_state(state, EmptyState, name="scale_by_shape")
         leaves, spec, dims, paths = _muon_leaves(updates, resolve, name="scale_by_shape")
         idx = [j for j, dn in enumerate(dims) if dn is not None]
-        key = (spec, tuple(x.shape for x in leaves))
-        sizes = factors_cache.get(key)
-        if sizes is None:  # the width factors depend on the shapes alone
+
+        def factors() -> list[float]:  # the width factors depend on the shapes alone
             where = paths()
             lays = [_layout(tuple(leaves[j].shape), dims[j], where=where[j]) for j in idx]
-            if consistent_rms is None:
-                sizes = [math.sqrt(max(1.0, lay.fan_out / lay.fan_in)) for lay in lays]
-            else:
-                sizes = [math.sqrt(max(lay.fan_in, lay.fan_out)) for lay in lays]
-            if len(factors_cache) > 8:
-                factors_cache.clear()
-            factors_cache[key] = sizes
+            if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
+                return [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in lays]
+            return [math.sqrt(max(lay.flat[1:])) for lay in lays]
+
+        sizes = cached(factors_cache, (spec, tuple(x.shape for x in leaves)), factors)
         out = list(leaves)
         locs = [tu.local(leaves[j]) for j in idx]
         if isinstance(consistent_rms, torch.Tensor):
@@ -376,4 +356,4 @@ def scale_by_shape(
             out[j] = tu.like(leaves[j], y)
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
