@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradtx.core.base import Schedule
+from gradtx.core.base import GradientTransformation, Schedule
 
 
 def _is_bool(value: Any) -> bool:
@@ -119,4 +119,26 @@ def norm_type(value: Any, *, name: str) -> float:
     value = number(value, arg="norm_type", name=name, finite=False)
     if value <= 0:
         raise ValueError(f"{name}: norm_type must be > 0 or inf, got {value}")
+    return value
+
+
+def transform(value: Any, *, arg: str, name: str) -> GradientTransformation:
+    """A :class:`GradientTransformation` (an inner transform, an optimizer to wrap)."""
+    if not isinstance(value, GradientTransformation):
+        raise TypeError(f"{name}: {arg} must be a GradientTransformation, got {type(value).__name__}")
+    return value
+
+
+def function(value: Any, *, arg: str, name: str) -> Any:
+    """A callable."""
+    if not callable(value):
+        raise TypeError(f"{name}: {arg} must be callable, got {type(value).__name__}")
+    return value
+
+
+def open_unit(value: Any, *, arg: str, name: str) -> float:
+    """A number in ``(0, 1)`` (an EMA decay or a reduction factor that must move)."""
+    value = number(value, arg=arg, name=name)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name}: {arg} must be in (0, 1), got {value}")
     return value
