@@ -16,6 +16,7 @@ from gradtx.core.base import (
     ScalarTransformation,
     export_metrics,
     factory,
+    init_empty_state,
     scalar_transformation,
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
@@ -45,10 +46,6 @@ def clip(max_delta: float) -> GradientTransformation:
     """
     max_delta = check.non_negative(max_delta, arg="max_delta", name="clip", finite=False)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params
         tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
@@ -60,7 +57,7 @@ def clip(max_delta: float) -> GradientTransformation:
                 out[i] = tu.like(leaves[i], c)
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 # --- clip by global norm -----------------------------------------------------------------
@@ -200,10 +197,6 @@ def adaptive_clip(
             mesh_groups.unit_groups(i, unitwise=unitwise)
     slot = PlanSlot()
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del extra
         tu.require_state(state, EmptyState, name="adaptive_clip")
@@ -233,4 +226,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor))
         return tu.unflatten(spec, out), state
 
-    return reads_plan(GradientTransformation(init_fn, update_fn), mesh_groups)
+    return reads_plan(GradientTransformation(init_empty_state, update_fn), mesh_groups)

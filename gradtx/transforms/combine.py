@@ -260,8 +260,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
       >>> decay_matrices = lambda p: {k: v.ndim > 1 for k, v in p.items()}
       >>> tx = masked(add_decayed_weights(0.1), decay_matrices)
     """
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"masked: inner must be a GradientTransformation, got {type(inner).__name__}")
+    check.transform(inner, arg="inner", name="masked")
     is_fn = _is_tree_fn(mask)
     if not is_fn:
         for leaf in optree.tree_leaves(cast(Any, mask)):

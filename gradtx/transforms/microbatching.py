@@ -85,8 +85,7 @@ def microbatch(
       >>> mean_grad = microbatch(grad_fn, argnums=1, microbatch_size=8, accumulator=AccumulationType.MEAN)
       >>> grads = mean_grad(params, batch)
     """
-    if not callable(fun):
-        raise TypeError(f"microbatch: fun must be callable, got {type(fun).__name__}")
+    check.function(fun, arg="fun", name="microbatch")
     if microbatch_size is None:
         return fun
     microbatch_size = check.integer(microbatch_size, arg="microbatch_size", name="microbatch", minimum=1)

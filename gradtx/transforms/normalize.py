@@ -13,9 +13,9 @@ from gradtx.core import validate as check
 from gradtx.core.base import (
     EmptyState,
     GradientTransformation,
-    Params,
     ScalarTransformation,
     factory,
+    init_empty_state,
     scalar_transformation,
 )
 from gradtx.distributed import global_norm as inferred
@@ -64,16 +64,11 @@ def normalize_by_update_norm(
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
     plan.check_plan(mesh_groups, name=name)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
-        leaves, _ = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         norm = inferred.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
@@ -81,7 +76,7 @@ def normalize_by_update_norm(
         shift = eps.to(norm.device, norm.dtype) if isinstance(eps, torch.Tensor) else eps
         return sf / (norm + shift), state
 
-    return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
+    return plan.reads_tied(scalar_transformation(init_empty_state, factor_fn), mesh_groups)
 
 
 def _split_rows(x: torch.Tensor, path: str) -> list[int]:
@@ -132,10 +127,6 @@ def centralize() -> GradientTransformation:
       >>> tx = chain(centralize(), sgd(0.1, momentum=0.9))
     """
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         if state is not None:
@@ -165,4 +156,4 @@ def centralize() -> GradientTransformation:
             out[i] = tu.like(g, local - (total / math.prod(g.shape[1:])).to(local.dtype))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)

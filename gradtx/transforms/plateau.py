@@ -78,9 +78,7 @@ def reduce_on_plateau(
       >>> updates, state = tx.update(grads, state, params, value=loss)
     """
     name = "reduce_on_plateau"
-    factor = check.number(factor, arg="factor", name=name)
-    if not 0.0 < factor < 1.0:
-        raise ValueError(f"{name}: factor must be in (0, 1), got {factor}")
+    factor = check.open_unit(factor, arg="factor", name=name)
     patience = check.integer(patience, arg="patience", name=name, minimum=0)
     rtol = check.non_negative(rtol, arg="rtol", name=name)
     atol = check.non_negative(atol, arg="atol", name=name)

@@ -30,8 +30,7 @@ PyTree = Any
 
 
 def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(grads)
-    tu.check_tensors(leaves, tree=grads, what=f"{name}: grads")
+    leaves, spec = tu.tensor_leaves(grads, what=f"{name}: grads")
     if not leaves:
         raise ValueError(f"{name}: grads has no tensors")
     first = leaves[0].shape[0] if leaves[0].ndim else None
@@ -219,8 +218,7 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, AddNoiseState, name=name)
-        leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
+        leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         count = state.count + 1
         noise, rng_state = _normal_like(leaves, state.rng_state)
         std = torch.sqrt(eta / count.to(torch.float64) ** gamma)

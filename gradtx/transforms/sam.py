@@ -73,9 +73,8 @@ def sam(
       >>> tx = sam(sgd(0.1), chain(normalize_by_update_norm(eps=0.0), scale(0.05)))
       >>> updates, state = tx.update(grads, state, params)
     """
-    for arg, tx in (("optimizer", optimizer), ("adv_optimizer", adv_optimizer)):
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"sam: {arg} must be a GradientTransformation, got {type(tx).__name__}")
+    check.transform(optimizer, arg="optimizer", name="sam")
+    check.transform(adv_optimizer, arg="adv_optimizer", name="sam")
     sync_period = check.integer(sync_period, arg="sync_period", name="sam", minimum=1)
     reset_state = check.flag(reset_state, arg="reset_state", name="sam")
     opaque_mode = check.flag(opaque_mode, arg="opaque_mode", name="sam")
