@@ -153,13 +153,8 @@ def _conditional(
 ) -> GradientTransformation:
     state_type = ConditionallyMaskState if zero_rejected else ConditionallyTransformState
 
-    def make_state(step: torch.Tensor, inner_state: OptState) -> Any:
-        if zero_rejected:
-            return ConditionallyMaskState(step=step, inner_state=inner_state)
-        return ConditionallyTransformState(inner_state=inner_state, step=step)
-
     def init_fn(params: Params) -> Any:
-        return make_state(lw.zero_count(params), inner.init(params))
+        return state_type(step=lw.zero_count(params), inner_state=inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, state_type, name=name)
@@ -178,7 +173,7 @@ def _conditional(
             raise TypeError(
                 f"{name}: should_transform_fn must return a bool or a 0-d bool tensor, got {type(cond).__name__}"
             )
-        return out, make_state(state.step + 1, inner_state)
+        return out, state_type(step=state.step + 1, inner_state=inner_state)
 
     return GradientTransformation(init_fn, update_fn)
 
