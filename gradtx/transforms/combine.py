@@ -359,16 +359,14 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     if u_spec == spec and floats and lw.one_group(u_leaves) == key and lw.same_shapes(u_leaves, p_leaves):
         return tu.unflatten(spec, fe.add(p_leaves, u_leaves))  # the common case: one launch, no loop per leaf
     index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
+    present = [p_leaves[i] for i in index]
+    if lw.plain(p_leaves) and lw.plain(u_leaves):  # one foreach call: torch groups by device and dtype itself
+        added = fe.add(present, u_leaves)
+    else:  # DTensors, whose placements may differ: leaf by leaf
+        added = [p + u for p, u in zip(present, u_leaves)]
     out = list(p_leaves)
-    if not (lw.plain(p_leaves) and lw.plain(u_leaves)):  # DTensors, whose placements may differ: leaf by leaf
-        for j, i in enumerate(index):
-            out[i] = (p_leaves[i] + u_leaves[j]).to(p_leaves[i].dtype)
-        return tu.unflatten(spec, out)
-    present = p_leaves if len(index) == len(p_leaves) else [p_leaves[i] for i in index]
-    for _, idx in fe.group_by_device_dtype(present):  # one foreach launch per (device, dtype)
-        added = fe.add([present[j] for j in idx], [u_leaves[j] for j in idx])
-        for j, r in zip(idx, added):
-            out[index[j]] = r if r.dtype == p_leaves[index[j]].dtype else r.to(p_leaves[index[j]].dtype)
+    for i, r in zip(index, added):
+        out[i] = r if r.dtype == p_leaves[i].dtype else r.to(p_leaves[i].dtype)
     return tu.unflatten(spec, out)
 
 
