@@ -142,3 +142,12 @@ def open_unit(value: Any, *, arg: str, name: str) -> float:
     if not 0.0 < value < 1.0:
         raise ValueError(f"{name}: {arg} must be in (0, 1), got {value}")
     return value
+
+
+def scalar(value: Any, *, arg: str, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A monitored value (a loss): a number or a one-element tensor, as a detached 0-d tensor of ``dtype`` on ``device``."""
+    if not isinstance(value, torch.Tensor):
+        return torch.tensor(number(value, arg=arg, name=name, finite=False), dtype=dtype, device=device)
+    if value.numel() != 1:
+        raise ValueError(f"{name}: {arg} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+    return value.detach().reshape(()).to(device, dtype)

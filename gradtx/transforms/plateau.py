@@ -106,16 +106,10 @@ def reduce_on_plateau(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale
         tu.require_state(state, ReduceLROnPlateauState, name=name)
-        if "value" not in extra or extra["value"] is None:
+        if extra.get("value") is None:
             raise ValueError(f"{name}: update() needs value= (the monitored value, e.g. the loss), got none")
-        value = extra["value"]
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"{name}: value must be a scalar, got a tensor of shape {tuple(value.shape)}")
-            value = value.detach().reshape(()).to(state.avg_value.device, state.avg_value.dtype)
-        else:
-            value = torch.tensor(check.number(value, arg="value", name=name, finite=False), dtype=state.avg_value.dtype)
-            value = value.to(state.avg_value.device)
+        avg_value = state.avg_value
+        value = check.scalar(extra["value"], arg="value", name=name, dtype=avg_value.dtype, device=avg_value.device)
         count = state.count + 1
         avg = (state.count * state.avg_value + value) / count
 

@@ -258,15 +258,10 @@ def skip_if(
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SkipIfState, name="skip_if")
         should_skip, skip_state = should_skip_update_fn(updates, state.gradient_step, params)
-        if not isinstance(should_skip, torch.Tensor) or should_skip.dtype != torch.bool or should_skip.ndim != 0:
-            raise ValueError(
-                "skip_if: should_skip_update_fn must return a 0-d bool tensor first, got "
-                + (
-                    f"dtype {should_skip.dtype} and shape {tuple(should_skip.shape)}"
-                    if isinstance(should_skip, torch.Tensor)
-                    else type(should_skip).__name__
-                )
-            )
+        verdict = should_skip
+        if not isinstance(verdict, torch.Tensor) or verdict.dtype != torch.bool or verdict.ndim != 0:
+            got = f"{verdict.dtype} {tuple(verdict.shape)}" if isinstance(verdict, torch.Tensor) else type(verdict)
+            raise ValueError(f"skip_if: should_skip_update_fn must return a 0-d bool tensor first, got {got}")
         device = state.gradient_step.device
         skip = _agree(should_skip.to(device), updates, comm, group)
         accept = ~skip
@@ -409,11 +404,7 @@ def skip_spikes(
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
-        if not isinstance(loss, torch.Tensor):
-            loss = torch.tensor(check.number(loss, arg="loss", name=name, finite=False))
-        if loss.numel() != 1:
-            raise ValueError(f"{name}: loss must be a scalar, got shape {tuple(loss.shape)}")
-        loss = loss.detach().reshape(()).to(device=device, dtype=torch.float32)
+        loss = check.scalar(loss, arg="loss", name=name, dtype=torch.float32, device=device)
         if comm is not None:
             (total,) = comm.all_reduce([loss], ReduceOp.SUM, group)
             loss = total.to(device) / comm.size(group)
