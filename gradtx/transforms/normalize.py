@@ -21,13 +21,6 @@ from gradtx.core.base import (
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
 
-try:
-    from torch.distributed.tensor import DTensor
-
-    from gradtx.comm.torch_dist import TorchComm
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = TorchComm = None  # type: ignore[assignment, misc]
-
 __all__ = ["centralize", "normalize_by_update_norm"]
 
 
@@ -86,7 +79,7 @@ def _split_rows(x: torch.Tensor, path: str) -> list[int]:
     colwise TP and both together) keep every row whole on one rank; a split of
     another dim (rowwise TP's ``Shard(1)``) cuts each row over that mesh dim.
     """
-    if DTensor is None or not isinstance(x, DTensor):
+    if tu.DTensor is None or not isinstance(x, tu.DTensor):
         return []
     out = []
     for d, placement in enumerate(x.placements):
@@ -148,6 +141,8 @@ def centralize() -> GradientTransformation:
             sums[i] = local.sum(dim=dims, keepdim=True, dtype=tu.acc_dtype(local.dtype))
             for d in mesh_dims:
                 cut.setdefault(g.device_mesh.get_group(d), []).append(i)
+        if cut:  # DTensors whose rows are split across ranks: torch.distributed is there
+            from gradtx.comm.torch_dist import TorchComm
         for group, idx in cut.items():  # in leaf order on every rank
             for i, total in zip(idx, TorchComm().all_reduce([sums[i] for i in idx], ReduceOp.SUM, group)):
                 sums[i] = total
