@@ -125,15 +125,11 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
       >>> state = tx.init(params); state["clip"].grad_norm
     """
     for i, pair in enumerate(named_txs):
-        if not (isinstance(pair, tuple) and len(pair) == 2):
+        is_pair = isinstance(pair, tuple) and len(pair) == 2
+        if not (is_pair and isinstance(pair[0], str) and isinstance(pair[1], GradientTransformation)):
             raise TypeError(
-                f"named_chain: argument {i} must be a (name, transform) pair, got {pair!r:.80}; see docs/chaining.md"
-            )
-        name, tx = pair
-        if not isinstance(name, str) or not isinstance(tx, GradientTransformation):
-            raise TypeError(
-                f"named_chain: argument {i} must be a (str, GradientTransformation) pair, got "
-                f"({type(name).__name__}, {type(tx).__name__}); see docs/chaining.md"
+                f"named_chain: argument {i} must be a (str, GradientTransformation) pair, got {pair!r:.80}; "
+                "see docs/chaining.md"
             )
     names = [name for name, _ in named_txs]
     if len(set(names)) != len(names):
