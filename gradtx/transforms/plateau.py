@@ -124,14 +124,10 @@ def reduce_on_plateau(
         new_cooldown = torch.where(cooling, state.cooldown_count - 1, torch.where(hit, cooldown, 0))
 
         evaluate = count == accumulation_size
-        new_state = ReduceLROnPlateauState(
-            scale=torch.where(evaluate, new_scale, state.scale),
-            best_value=torch.where(evaluate, best, state.best_value),
-            plateau_count=torch.where(evaluate, new_plateau, state.plateau_count),
-            cooldown_count=torch.where(evaluate, new_cooldown, state.cooldown_count),
-            count=torch.where(evaluate, 0, count),
-            avg_value=torch.where(evaluate, torch.zeros_like(avg), avg).to(state.avg_value.dtype),
-        )
+        zero_avg = torch.zeros_like(state.avg_value)
+        evaluated = ReduceLROnPlateauState(new_scale, best, new_plateau, new_cooldown, count * 0, zero_avg)
+        waiting = state._replace(count=count, avg_value=avg.to(zero_avg.dtype))
+        new_state = lw.where_tree(evaluate, evaluated, waiting)
         return new_state.scale, new_state
 
     return scalar_transformation(init_fn, factor_fn)
