@@ -15,6 +15,7 @@ import torch
 import gradtx as gtx
 from gradtx.comm import ReduceOp
 from gradtx.testing import assert_pure
+from gradtx.transforms.adaptive import AUTOCLIP_DEFAULT_HISTORY
 
 
 def tree(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -193,7 +194,7 @@ def test_autoclip_matches_the_reference_step_by_step(percentile, history):
         np.testing.assert_allclose(float(state.clip_coef), coef, rtol=2e-6, err_msg=f"coef at {step}")
         for k in grads:
             torch.testing.assert_close(updates[k], grads[k] * state.clip_coef)
-    assert state.norms.shape == (gtx.adaptive.AUTOCLIP_DEFAULT_HISTORY if history is None else history,)
+    assert state.norms.shape == (AUTOCLIP_DEFAULT_HISTORY if history is None else history,)
 
 
 def test_autoclip_skips_non_finite_norms_in_its_history():

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gradtx.core.base import Schedule
+from gradtx.core.base import GradientTransformation, Schedule
 
 
 def _is_bool(value: Any) -> bool:
@@ -128,3 +128,34 @@ def dtype(value: Any, *, arg: str, name: str, floating: bool = False) -> torch.d
         kind = "a floating torch.dtype" if floating else "a torch.dtype"
         raise TypeError(f"{name}: {arg} must be {kind} or None, got {value!r}")
     return value
+
+
+def transform(value: Any, *, arg: str, name: str) -> GradientTransformation:
+    """A :class:`GradientTransformation` (an inner transform, an optimizer to wrap)."""
+    if not isinstance(value, GradientTransformation):
+        raise TypeError(f"{name}: {arg} must be a GradientTransformation, got {type(value).__name__}")
+    return value
+
+
+def function(value: Any, *, arg: str, name: str) -> Any:
+    """A callable."""
+    if not callable(value):
+        raise TypeError(f"{name}: {arg} must be callable, got {type(value).__name__}")
+    return value
+
+
+def open_unit(value: Any, *, arg: str, name: str) -> float:
+    """A number in ``(0, 1)`` (an EMA decay or a reduction factor that must move)."""
+    value = number(value, arg=arg, name=name)
+    if not 0.0 < value < 1.0:
+        raise ValueError(f"{name}: {arg} must be in (0, 1), got {value}")
+    return value
+
+
+def scalar(value: Any, *, arg: str, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A monitored value (a loss): a number or a one-element tensor, as a detached 0-d tensor of ``dtype`` on ``device``."""
+    if not isinstance(value, torch.Tensor):
+        return torch.tensor(number(value, arg=arg, name=name, finite=False), dtype=dtype, device=device)
+    if value.numel() != 1:
+        raise ValueError(f"{name}: {arg} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+    return value.detach().reshape(()).to(device, dtype)

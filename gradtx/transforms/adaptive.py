@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
@@ -143,9 +144,7 @@ def zclip(
       >>> tx = chain(zclip(alpha=0.97, z_thresh=2.5), adamw(3e-4))
     """
     name = "zclip"
-    alpha = check.number(alpha, arg="alpha", name=name)
-    if not 0 < alpha < 1:
-        raise ValueError(f"{name}: alpha must be in (0, 1), got {alpha}")
+    alpha = check.open_unit(alpha, arg="alpha", name=name)
     z_thresh = check.positive(z_thresh, arg="z_thresh", name=name)
     if max_grad_norm is not None:
         max_grad_norm = check.positive(max_grad_norm, arg="max_grad_norm", name=name)
@@ -167,16 +166,9 @@ def zclip(
     window = max(1, warmup_steps)
 
     def init_fn(params: Params) -> ZClipState:
-        device = tu.device_of(params)
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        return ZClipState(
-            count=torch.zeros((), dtype=torch.int64, device=device),
-            buffer=torch.zeros(window, dtype=torch.float32, device=device),
-            mean=zero,
-            var=zero,
-            grad_norm=zero,
-            clip_coef=torch.ones((), dtype=torch.float32, device=device),
-        )
+        count = lw.zero_count(params)
+        zero = count.float()  # count, buffer, mean, var, grad_norm, clip_coef
+        return ZClipState(count, zero.repeat(window), zero, zero, zero, zero + 1)
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
@@ -195,10 +187,7 @@ def zclip(
         seeds = finite & (state.count + 1 == window)
         seed_mean = buffer.mean()
         seed_var = (buffer - seed_mean).square().mean()
-        if max_grad_norm is None:
-            warm_coef = torch.ones((), dtype=torch.float32, device=device)
-        else:
-            warm_coef = torch.clamp(max_grad_norm / (g + 1e-6), max=1.0)
+        warm_coef = torch.ones_like(g) if max_grad_norm is None else torch.clamp(max_grad_norm / (g + 1e-6), max=1.0)
 
         # After warm-up: the adaptive threshold.
         std = state.var.sqrt()
@@ -227,15 +216,7 @@ def zclip(
         var = torch.where(moves, ema_var, torch.where(seeds, seed_var, state.var))
 
         coef = torch.where(ready, ready_coef, warm_coef)
-        new_state = ZClipState(
-            count=state.count + finite.to(torch.int64),
-            buffer=buffer,
-            mean=mean,
-            var=var,
-            grad_norm=g,
-            clip_coef=coef,
-        )
-        return coef, new_state
+        return coef, ZClipState(state.count + finite.to(torch.int64), buffer, mean, var, g, coef)
 
     return reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
@@ -313,15 +294,9 @@ def autoclip(
     q = percentile / 100.0
 
     def init_fn(params: Params) -> AutoClipState:
-        device = tu.device_of(params)
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        return AutoClipState(
-            norms=torch.full((size,), float("nan"), dtype=torch.float32, device=device),
-            count=torch.zeros((), dtype=torch.int64, device=device),
-            grad_norm=zero,
-            clip_value=zero,
-            clip_coef=torch.ones((), dtype=torch.float32, device=device),
-        )
+        count = lw.zero_count(params)
+        zero = count.float()  # norms, count, grad_norm, clip_value, clip_coef
+        return AutoClipState(zero.new_full((size,), torch.nan), count, zero, zero, zero + 1)
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
@@ -337,14 +312,7 @@ def autoclip(
         # NaN marks an empty slot; nanquantile skips them, so a part-filled buffer is the history so far.
         clip_value = torch.nanquantile(recorded, q, interpolation="linear")
         coef = torch.clamp(clip_value / (g + 1e-6), max=1.0)
-        new_state = AutoClipState(
-            norms=recorded,
-            count=state.count + finite.to(torch.int64),
-            grad_norm=g,
-            clip_value=clip_value,
-            clip_coef=coef,
-        )
-        return coef, new_state
+        return coef, AutoClipState(recorded, state.count + finite.to(torch.int64), g, clip_value, coef)
 
     return reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
@@ -440,19 +408,14 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         names = [tu.dotted(p) for p in tu.paths(tree)]
         if group_by is None:
             return names
-        out = []
-        for p in names:
-            g = group_by(p)
+        out = [group_by(p) for p in names]
+        for p, g in zip(names, out):
             if not isinstance(g, str):
                 raise TypeError(f"{name}: group_by({p!r}) returned {type(g).__name__}, not a str")
-            out.append(g)
         return out
 
     def init_fn(params: Params) -> TrackNormsState:
-        device = tu.device_of(params)
-        return TrackNormsState(
-            norms={n: torch.zeros((), dtype=torch.float32, device=device) for n in dict.fromkeys(names_of(params))}
-        )
+        return TrackNormsState({n: lw.zero_count(params).float() for n in dict.fromkeys(names_of(params))})
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra

@@ -16,6 +16,7 @@ from gradtx.core.base import (
     ScalarTransformation,
     export_metrics,
     factory,
+    init_empty_state,
     scalar_transformation,
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
@@ -45,22 +46,21 @@ def clip(max_delta: float) -> GradientTransformation:
     """
     max_delta = check.non_negative(max_delta, arg="max_delta", name="clip", finite=False)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params
         tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
         leaves, spec = tu.tensor_leaves(updates, what="clip: updates")
-        locals_ = [tu.local(t) for t in leaves]
-        out = list(leaves)
-        for idx in tu.group_by_device_dtype(locals_).values():
-            for i, c in zip(idx, fe.clamp([locals_[i] for i in idx], -max_delta, max_delta)):
-                out[i] = tu.like(leaves[i], c)
-        return tu.unflatten(spec, out), state
+        # One foreach call: torch groups the leaves by device and dtype itself.
+        clamped = fe.clamp([tu.local(t) for t in leaves], -max_delta, max_delta)
+        return tu.unflatten(spec, [tu.like(t, c) for t, c in zip(leaves, clamped)]), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
+
+
+def _zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> list[Any]:
+    """An update for every param: the ``leaves`` at ``index``, zeros for the params that got none."""
+    full = tu.scatter(len(all_params), index, leaves)
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
 
 
 # --- clip by global norm -----------------------------------------------------------------
@@ -131,9 +131,7 @@ def clip_by_global_norm(
             # A declared plan covers every param; one with no gradient (None) joins the collectives as
             # zeros, so every rank still issues the same ones.
             index, leaves, _ = tu.align(params, updates, what="clip_by_global_norm: updates", against="params")
-            all_params = tu.flatten(params)[0]
-            full = tu.scatter(len(all_params), index, leaves)
-            leaves, tree = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)], params
+            leaves, tree = _zero_filled(index, leaves, tu.flatten(params)[0]), params
         norm = tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, slot=slot)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
@@ -200,10 +198,6 @@ def adaptive_clip(
             mesh_groups.unit_groups(i, unitwise=unitwise)
     slot = PlanSlot()
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del extra
         tu.require_state(state, EmptyState, name="adaptive_clip")
@@ -215,8 +209,7 @@ def adaptive_clip(
         weights = [all_weights[i] for i in index]
         if mesh_groups is not None and len(index) != len(all_weights):
             # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
-            full = tu.scatter(len(all_weights), index, leaves)
-            full = [torch.zeros_like(w) if g is None else g for g, w in zip(full, all_weights)]
+            full = _zero_filled(index, leaves, all_weights)
             g_all, w_all = tree_unitwise_norms(
                 full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=params
             )
@@ -233,4 +226,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor))
         return tu.unflatten(spec, out), state
 
-    return reads_plan(GradientTransformation(init_fn, update_fn), mesh_groups)
+    return reads_plan(GradientTransformation(init_empty_state, update_fn), mesh_groups)

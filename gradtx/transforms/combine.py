@@ -125,15 +125,11 @@ def named_chain(*named_txs: tuple[str, GradientTransformation]) -> GradientTrans
       >>> state = tx.init(params); state["clip"].grad_norm
     """
     for i, pair in enumerate(named_txs):
-        if not (isinstance(pair, tuple) and len(pair) == 2):
+        is_pair = isinstance(pair, tuple) and len(pair) == 2
+        if not (is_pair and isinstance(pair[0], str) and isinstance(pair[1], GradientTransformation)):
             raise TypeError(
-                f"named_chain: argument {i} must be a (name, transform) pair, got {pair!r:.80}; see docs/chaining.md"
-            )
-        name, tx = pair
-        if not isinstance(name, str) or not isinstance(tx, GradientTransformation):
-            raise TypeError(
-                f"named_chain: argument {i} must be a (str, GradientTransformation) pair, got "
-                f"({type(name).__name__}, {type(tx).__name__}); see docs/chaining.md"
+                f"named_chain: argument {i} must be a (str, GradientTransformation) pair, got {pair!r:.80}; "
+                "see docs/chaining.md"
             )
     names = [name for name, _ in named_txs]
     if len(set(names)) != len(names):
@@ -164,49 +160,37 @@ def _resolve(labels: Any, tree: PyTree, *, name: str, what: str) -> list[Any]:
     return tu.prefix_leaves(resolved, tree, what=f"{name}: {what}", against="the params/updates tree")
 
 
-class _Routed(NamedTuple):
-    """One update's leaves, laid out on the reference tree (the params, else the updates)."""
-
-    spec: Any  # the reference tree's structure
-    where: list[int]  # reference leaf of each present update leaf
-    leaves: list[Any]  # the present update leaves
-    out_spec: Any  # the updates' own structure
-    param_leaves: list[Any] | None
+def _hide(flat: tuple[list[Any], Any], keep: Sequence[bool]) -> PyTree:
+    """The tree of ``flat`` (leaves, structure) with ``None`` at every leaf not kept."""
+    leaves, spec = flat
+    return tu.unflatten(spec, [x if k else None for x, k in zip(leaves, keep)])
 
 
-def _route(updates: Updates, params: Params | None, *, name: str) -> _Routed:
+def _routed_update(name: str, updates: Updates, params: Params | None, parts: Sequence[Any], extra: dict) -> Any:
+    """Run each part ``(tx, state, keep)`` on its kept leaves; return the updates and the parts' new states.
+
+    A part sees the reference tree (the params, else the updates) with ``None``
+    at every leaf it does not keep; the leaves no part keeps pass through.
+    """
     reference = params if params is not None else updates
     index, leaves, out_spec = tu.align(reference, updates, what=f"{name}: updates", against="params")
     ref_leaves, spec = tu.flatten(reference)
-    return _Routed(spec, index, leaves, out_spec, ref_leaves if params is not None else None)
-
-
-def _sub(routed: _Routed, keep: Sequence[bool]) -> tuple[Updates, Params | None]:
-    """The inner transform's updates and params: the reference tree with ``None`` at every leaf not kept."""
-    n = len(keep)
-    full = tu.scatter(n, routed.where, routed.leaves)
-    sub_updates = tu.unflatten(routed.spec, [u if k else None for u, k in zip(full, keep)])
-    if routed.param_leaves is None:
-        return sub_updates, None
-    return sub_updates, tu.unflatten(routed.spec, [p if k else None for p, k in zip(routed.param_leaves, keep)])
-
-
-def _mask_params(params: Params, keep: Sequence[bool]) -> Params:
-    leaves, spec = tu.flatten(params)
-    return tu.unflatten(spec, [p if k else None for p, k in zip(leaves, keep)])
-
-
-def _take(out: list[Any], routed: _Routed, keep: Sequence[bool], new: Updates, *, name: str) -> None:
-    """Write the inner transform's results (``new``, on the reference layout) into ``out``, for kept leaves."""
-    if new is None:
-        raise ValueError(f"{name}: an inner transform held (returned None); put accumulate() in the outer chain")
-    try:
-        new_leaves = routed.spec.flatten_up_to(new)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"{name}: the inner transform returned updates of another structure: {e}") from None
-    for j, i in enumerate(routed.where):
-        if keep[i]:
-            out[j] = new_leaves[i]
+    full = tu.scatter(len(ref_leaves), index, leaves)
+    out, states = list(leaves), []
+    for tx, state, keep in parts:
+        sub_params = None if params is None else _hide((ref_leaves, spec), keep)
+        new, new_state = tx.update(_hide((full, spec), keep), state, sub_params, **extra)
+        if new is None:
+            raise ValueError(f"{name}: an inner transform held (returned None); put accumulate() in the outer chain")
+        try:
+            new_leaves = spec.flatten_up_to(new)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{name}: the inner transform returned updates of another structure: {e}") from None
+        for j, i in enumerate(index):
+            if keep[i]:
+                out[j] = new_leaves[i]
+        states.append(new_state)
+    return tu.unflatten(out_spec, out), states
 
 
 class MaskedState(NamedTuple):
@@ -219,13 +203,6 @@ class PartitionState(NamedTuple):
     """Each label's inner state, by label (each built like :class:`MaskedState`'s)."""
 
     inner_states: dict[Hashable, OptState]
-
-
-def _check_mask_leaves(flags: Sequence[Any], tree: PyTree, *, name: str) -> list[bool]:
-    for path, f in zip(tu.paths(tree), flags):
-        if not check._is_bool(f):
-            raise TypeError(f"{name}: mask leaves must be bools, got {type(f).__name__} for {tu.path_str(path)}")
-    return [bool(f) for f in flags]
 
 
 @factory
@@ -260,8 +237,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
       >>> decay_matrices = lambda p: {k: v.ndim > 1 for k, v in p.items()}
       >>> tx = masked(add_decayed_weights(0.1), decay_matrices)
     """
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"masked: inner must be a GradientTransformation, got {type(inner).__name__}")
+    check.transform(inner, arg="inner", name="masked")
     is_fn = _is_tree_fn(mask)
     if not is_fn:
         for leaf in optree.tree_leaves(cast(Any, mask)):
@@ -271,20 +247,20 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
                 )
 
     def keep_of(tree: PyTree) -> list[bool]:
-        return _check_mask_leaves(_resolve(mask, tree, name="masked", what="mask"), tree, name="masked")
+        flags = _resolve(mask, tree, name="masked", what="mask")
+        for path, f in zip(tu.paths(tree), flags):
+            if not check._is_bool(f):
+                raise TypeError(f"masked: mask leaves must be bools, got {type(f).__name__} for {tu.path_str(path)}")
+        return [bool(f) for f in flags]
 
     def init_fn(params: Params) -> MaskedState:
-        return MaskedState(inner.init(_mask_params(params, keep_of(params))))
+        return MaskedState(inner.init(_hide(tu.flatten(params), keep_of(params))))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, MaskedState, name="masked")
-        routed = _route(updates, params, name="masked")
         keep = keep_of(params if params is not None else updates)
-        sub_updates, sub_params = _sub(routed, keep)
-        new, inner_state = inner.update(sub_updates, state.inner_state, sub_params, **extra)
-        out = list(routed.leaves)
-        _take(out, routed, keep, new, name="masked")
-        return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
+        out, (inner_state,) = _routed_update("masked", updates, params, [(inner, state.inner_state, keep)], extra)
+        return out, MaskedState(inner_state)
 
     return reads_plan(GradientTransformation(init_fn, update_fn), plan_read_by(inner))  # the chain holding it checks it
 
@@ -345,10 +321,8 @@ def partition(
         return leaf_labels
 
     def init_fn(params: Params) -> PartitionState:
-        leaf_labels = label_of(params)
-        return PartitionState(
-            {n: transforms[n].init(_mask_params(params, [lab == n for lab in leaf_labels])) for n in names}
-        )
+        leaf_labels, flat = label_of(params), tu.flatten(params)
+        return PartitionState({n: transforms[n].init(_hide(flat, [lab == n for lab in leaf_labels])) for n in names})
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, PartitionState, name="partition")
@@ -356,16 +330,10 @@ def partition(
             raise ValueError(
                 f"partition: expected inner states for the labels {names}, got {state.inner_states!r:.200}"
             )
-        routed = _route(updates, params, name="partition")
         leaf_labels = label_of(params if params is not None else updates)
-        out = list(routed.leaves)
-        new_states = {}
-        for n in names:
-            keep = [lab == n for lab in leaf_labels]
-            sub_updates, sub_params = _sub(routed, keep)
-            new, new_states[n] = transforms[n].update(sub_updates, state.inner_states[n], sub_params, **extra)
-            _take(out, routed, keep, new, name="partition")
-        return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
+        parts = [(transforms[n], state.inner_states[n], [lab == n for lab in leaf_labels]) for n in names]
+        out, new_states = _routed_update("partition", updates, params, parts, extra)
+        return out, PartitionState(dict(zip(names, new_states)))
 
     read = next((p for p in map(plan_read_by, transforms.values()) if p is not NO_PLAN), NO_PLAN)
     return reads_plan(GradientTransformation(init_fn, update_fn), read)  # the chain holding it checks it
@@ -387,16 +355,14 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     if u_spec == spec and floats and lw.one_group(u_leaves) == key and lw.same_shapes(u_leaves, p_leaves):
         return tu.unflatten(spec, fe.add(p_leaves, u_leaves))  # the common case: one launch, no loop per leaf
     index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
+    present = [p_leaves[i] for i in index]
+    if lw.plain(p_leaves) and lw.plain(u_leaves):  # one foreach call: torch groups by device and dtype itself
+        added = fe.add(present, u_leaves)
+    else:  # DTensors, whose placements may differ: leaf by leaf
+        added = [p + u for p, u in zip(present, u_leaves)]
     out = list(p_leaves)
-    if not (lw.plain(p_leaves) and lw.plain(u_leaves)):  # DTensors, whose placements may differ: leaf by leaf
-        for j, i in enumerate(index):
-            out[i] = (p_leaves[i] + u_leaves[j]).to(p_leaves[i].dtype)
-        return tu.unflatten(spec, out)
-    present = p_leaves if len(index) == len(p_leaves) else [p_leaves[i] for i in index]
-    for _, idx in fe.group_by_device_dtype(present):  # one foreach launch per (device, dtype)
-        added = fe.add([present[j] for j in idx], [u_leaves[j] for j in idx])
-        for j, r in zip(idx, added):
-            out[index[j]] = r if r.dtype == p_leaves[index[j]].dtype else r.to(p_leaves[index[j]].dtype)
+    for i, r in zip(index, added):
+        out[i] = r if r.dtype == p_leaves[i].dtype else r.to(p_leaves[i].dtype)
     return tu.unflatten(spec, out)
 
 

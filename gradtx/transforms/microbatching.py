@@ -85,20 +85,17 @@ def microbatch(
       >>> mean_grad = microbatch(grad_fn, argnums=1, microbatch_size=8, accumulator=AccumulationType.MEAN)
       >>> grads = mean_grad(params, batch)
     """
-    if not callable(fun):
-        raise TypeError(f"microbatch: fun must be callable, got {type(fun).__name__}")
+    check.function(fun, arg="fun", name="microbatch")
     if microbatch_size is None:
         return fun
     microbatch_size = check.integer(microbatch_size, arg="microbatch_size", name="microbatch", minimum=1)
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
         check.integer(n, arg="argnums", name="microbatch", minimum=0)
-    names = (argnames,) if isinstance(argnames, str) else tuple(argnames)
-    axes = (in_axes,) * (len(nums) + len(names)) if isinstance(in_axes, int) else tuple(in_axes)
-    if len(axes) != len(nums) + len(names):
-        raise ValueError(
-            f"microbatch: in_axes needs one axis per batch argument ({len(nums) + len(names)}), got {len(axes)}"
-        )
+    keys = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]  # positions, then keyword names
+    axes = (in_axes,) * len(keys) if isinstance(in_axes, int) else tuple(in_axes)
+    if len(axes) != len(keys):
+        raise ValueError(f"microbatch: in_axes needs one axis per batch argument ({len(keys)}), got {len(axes)}")
     if num_real_microbatches is not None:
         num_real_microbatches = check.integer(
             num_real_microbatches, arg="num_real_microbatches", name="microbatch", minimum=0
@@ -108,9 +105,7 @@ def microbatch(
             raise TypeError(f"microbatch: accumulator must be an AccumulationType or a tree of them, got {acc!r}")
 
     def microbatched(*args: Any, **kwargs: Any) -> Any:
-        batch = [(args[i], ax) for i, ax in zip(nums, axes)] + [
-            (kwargs[n], ax) for n, ax in zip(names, axes[len(nums) :])
-        ]
+        batch = [(args[k] if isinstance(k, int) else kwargs[k], ax) for k, ax in zip(keys, axes)]
         sizes = {leaf.shape[ax] for tree, ax in batch for leaf in optree.tree_leaves(tree)}
         if len(sizes) != 1:
             raise ValueError(f"microbatch: the batch arguments must have equal batch axes, got sizes {sorted(sizes)}")
@@ -124,10 +119,9 @@ def microbatch(
 
         def call(index: int) -> Any:
             new_args, new_kwargs = list(args), dict(kwargs)
-            for i, ax in zip(nums, axes):
-                new_args[i] = optree.tree_map(lambda x, ax=ax: _slice(x, ax, index, num), args[i])
-            for n, ax in zip(names, axes[len(nums) :]):
-                new_kwargs[n] = optree.tree_map(lambda x, ax=ax: _slice(x, ax, index, num), kwargs[n])
+            for k, (tree, ax) in zip(keys, batch):
+                sliced = optree.tree_map(lambda x, ax=ax: _slice(x, ax, index, num), tree)
+                (new_args if isinstance(k, int) else new_kwargs)[k] = sliced
             return fun(*new_args, **new_kwargs)
 
         carry: list[Any] | None = None
@@ -162,13 +156,10 @@ def microbatch(
                     carry[k] = carry[k] + leaf
         if carry is None:
             raise ValueError("microbatch: num_real_microbatches=0 runs nothing, so there is no output to return")
-        out = []
-        for kind, c in zip(kinds, carry):
-            if kind is AccumulationType.MEAN:
-                c = c / num
-            elif kind is AccumulationType.CONCAT:
-                c = c.transpose(0, 1).reshape(-1, *c.shape[2:])  # back to the batch's row order
-            out.append(c)
-        return optree.tree_unflatten(cast(Any, spec), out)
+        finish = {
+            AccumulationType.MEAN: lambda c: c / num,
+            AccumulationType.CONCAT: lambda c: c.transpose(0, 1).reshape(-1, *c.shape[2:]),  # the batch's row order
+        }
+        return optree.tree_unflatten(cast(Any, spec), [finish.get(k, lambda c: c)(c) for k, c in zip(kinds, carry)])
 
     return microbatched

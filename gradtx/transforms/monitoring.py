@@ -26,7 +26,7 @@ from gradtx.core.base import (
     factory,
     init_empty_state,
 )
-from gradtx.transforms.averaging import ema
+from gradtx.transforms.averaging import _decay, ema
 
 __all__ = ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snapshot"]
 
@@ -71,8 +71,7 @@ def snapshot(measure_name: str, measure: Measure) -> GradientTransformation:
     """
     if not isinstance(measure_name, str):
         raise TypeError(f"snapshot: measure_name must be a str, got {type(measure_name).__name__}")
-    if not callable(measure):
-        raise TypeError(f"snapshot: measure must be callable, got {type(measure).__name__}")
+    check.function(measure, arg="measure", name="snapshot")
 
     def init_fn(params: Params) -> SnapshotState:
         return SnapshotState({measure_name: measure(params)})
@@ -155,12 +154,9 @@ def monitor(measures: Mapping[str, GradientTransformation | Measure]) -> Gradien
             raise ValueError(
                 f"monitor: the state holds {len(state.measure_states)} measures, this monitor {len(names)}"
             )
-        measurements: dict[str, Any] = {}
-        new_states = []
-        for n, s in zip(names, state.measure_states):
-            measurements[n], s = txs[n].update(updates, s, params, **extra)  # updates pass on
-            new_states.append(s)
-        return updates, MonitorState(measurements, tuple(new_states))
+        results = [txs[n].update(updates, s, params, **extra) for n, s in zip(names, state.measure_states)]
+        new_states = tuple(s for _, s in results)
+        return updates, MonitorState(dict(zip(names, (m for m, _ in results))), new_states)  # updates pass on
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -192,11 +188,8 @@ def measure_with_ema(
     Example:
       >>> tx = chain(monitor({"norm_ema": measure_with_ema(global_norm, 0.99)}), adam(1e-3))
     """
-    if not callable(measure):
-        raise TypeError(f"measure_with_ema: measure must be callable, got {type(measure).__name__}")
-    decay = check.number(decay, arg="decay", name="measure_with_ema", tensor=True)
-    if not isinstance(decay, torch.Tensor) and not 0.0 <= decay <= 1.0:
-        raise ValueError(f"measure_with_ema: decay must be in [0, 1], got {decay}")
+    check.function(measure, arg="measure", name="measure_with_ema")
+    decay = _decay(decay, arg="decay", name="measure_with_ema")
     debias = check.flag(debias, arg="debias", name="measure_with_ema")
     average = ema(decay, debias, accumulator_dtype)
 

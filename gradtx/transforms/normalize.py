@@ -13,20 +13,13 @@ from gradtx.core import validate as check
 from gradtx.core.base import (
     EmptyState,
     GradientTransformation,
-    Params,
     ScalarTransformation,
     factory,
+    init_empty_state,
     scalar_transformation,
 )
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
-
-try:
-    from torch.distributed.tensor import DTensor
-
-    from gradtx.comm.torch_dist import TorchComm
-except ImportError:  # pragma: no cover - torch built without distributed
-    DTensor = TorchComm = None  # type: ignore[assignment, misc]
 
 __all__ = ["centralize", "normalize_by_update_norm"]
 
@@ -64,16 +57,11 @@ def normalize_by_update_norm(
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
     plan.check_plan(mesh_groups, name=name)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
-        leaves, _ = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         norm = inferred.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
         if scale is not None:
             norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
@@ -81,7 +69,7 @@ def normalize_by_update_norm(
         shift = eps.to(norm.device, norm.dtype) if isinstance(eps, torch.Tensor) else eps
         return sf / (norm + shift), state
 
-    return plan.reads_tied(scalar_transformation(init_fn, factor_fn), mesh_groups)
+    return plan.reads_tied(scalar_transformation(init_empty_state, factor_fn), mesh_groups)
 
 
 def _split_rows(x: torch.Tensor, path: str) -> list[int]:
@@ -91,7 +79,7 @@ def _split_rows(x: torch.Tensor, path: str) -> list[int]:
     colwise TP and both together) keep every row whole on one rank; a split of
     another dim (rowwise TP's ``Shard(1)``) cuts each row over that mesh dim.
     """
-    if DTensor is None or not isinstance(x, DTensor):
+    if tu.DTensor is None or not isinstance(x, tu.DTensor):
         return []
     out = []
     for d, placement in enumerate(x.placements):
@@ -132,10 +120,6 @@ def centralize() -> GradientTransformation:
       >>> tx = chain(centralize(), sgd(0.1, momentum=0.9))
     """
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         if state is not None:
@@ -157,6 +141,8 @@ def centralize() -> GradientTransformation:
             sums[i] = local.sum(dim=dims, keepdim=True, dtype=tu.acc_dtype(local.dtype))
             for d in mesh_dims:
                 cut.setdefault(g.device_mesh.get_group(d), []).append(i)
+        if cut:  # DTensors whose rows are split across ranks: torch.distributed is there
+            from gradtx.comm.torch_dist import TorchComm
         for group, idx in cut.items():  # in leaf order on every rank
             for i, total in zip(idx, TorchComm().all_reduce([sums[i] for i in idx], ReduceOp.SUM, group)):
                 sums[i] = total
@@ -165,4 +151,4 @@ def centralize() -> GradientTransformation:
             out[i] = tu.like(g, local - (total / math.prod(g.shape[1:])).to(local.dtype))
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)

@@ -78,9 +78,7 @@ def reduce_on_plateau(
       >>> updates, state = tx.update(grads, state, params, value=loss)
     """
     name = "reduce_on_plateau"
-    factor = check.number(factor, arg="factor", name=name)
-    if not 0.0 < factor < 1.0:
-        raise ValueError(f"{name}: factor must be in (0, 1), got {factor}")
+    factor = check.open_unit(factor, arg="factor", name=name)
     patience = check.integer(patience, arg="patience", name=name, minimum=0)
     rtol = check.non_negative(rtol, arg="rtol", name=name)
     atol = check.non_negative(atol, arg="atol", name=name)
@@ -108,16 +106,10 @@ def reduce_on_plateau(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale
         tu.require_state(state, ReduceLROnPlateauState, name=name)
-        if "value" not in extra or extra["value"] is None:
+        if extra.get("value") is None:
             raise ValueError(f"{name}: update() needs value= (the monitored value, e.g. the loss), got none")
-        value = extra["value"]
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"{name}: value must be a scalar, got a tensor of shape {tuple(value.shape)}")
-            value = value.detach().reshape(()).to(state.avg_value.device, state.avg_value.dtype)
-        else:
-            value = torch.tensor(check.number(value, arg="value", name=name, finite=False), dtype=state.avg_value.dtype)
-            value = value.to(state.avg_value.device)
+        avg_value = state.avg_value
+        value = check.scalar(extra["value"], arg="value", name=name, dtype=avg_value.dtype, device=avg_value.device)
         count = state.count + 1
         avg = (state.count * state.avg_value + value) / count
 
@@ -132,14 +124,10 @@ def reduce_on_plateau(
         new_cooldown = torch.where(cooling, state.cooldown_count - 1, torch.where(hit, cooldown, 0))
 
         evaluate = count == accumulation_size
-        new_state = ReduceLROnPlateauState(
-            scale=torch.where(evaluate, new_scale, state.scale),
-            best_value=torch.where(evaluate, best, state.best_value),
-            plateau_count=torch.where(evaluate, new_plateau, state.plateau_count),
-            cooldown_count=torch.where(evaluate, new_cooldown, state.cooldown_count),
-            count=torch.where(evaluate, 0, count),
-            avg_value=torch.where(evaluate, torch.zeros_like(avg), avg).to(state.avg_value.dtype),
-        )
+        zero_avg = torch.zeros_like(state.avg_value)
+        evaluated = ReduceLROnPlateauState(new_scale, best, new_plateau, new_cooldown, count * 0, zero_avg)
+        waiting = state._replace(count=count, avg_value=avg.to(zero_avg.dtype))
+        new_state = lw.where_tree(evaluate, evaluated, waiting)
         return new_state.scale, new_state
 
     return scalar_transformation(init_fn, factor_fn)

@@ -30,8 +30,7 @@ PyTree = Any
 
 
 def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], Any]:
-    leaves, spec = tu.flatten(grads)
-    tu.check_tensors(leaves, tree=grads, what=f"{name}: grads")
+    leaves, spec = tu.tensor_leaves(grads, what=f"{name}: grads")
     if not leaves:
         raise ValueError(f"{name}: grads has no tensors")
     first = leaves[0].shape[0] if leaves[0].ndim else None
@@ -129,17 +128,9 @@ def per_example_layer_norm_clip(
     )
     uniform = check.flag(uniform, arg="uniform", name=name)
     leaves, spec = _batched_leaves(grads, name=name)
-    if uniform:
-        fractions = [1.0 / len(leaves)] * len(leaves)
-    else:
-        sizes = [t[0].numel() for t in leaves]
-        fractions = [s / sum(sizes) for s in sizes]
-    sums, counts = [], []
-    for t, f in zip(leaves, fractions):
-        (s,), c = _clip_and_sum([t], global_l2_norm_clip * math.sqrt(f))
-        sums.append(s)
-        counts.append(c)
-    return tu.unflatten(spec, sums), tu.unflatten(spec, counts)
+    sizes = [1] * len(leaves) if uniform else [t[0].numel() for t in leaves]
+    results = [_clip_and_sum([t], global_l2_norm_clip * math.sqrt(s / sum(sizes))) for t, s in zip(leaves, sizes)]
+    return tu.unflatten(spec, [s for (s,), _ in results]), tu.unflatten(spec, [c for _, c in results])
 
 
 # --- noise ----------------------------------------------------------------------------------
@@ -157,23 +148,9 @@ def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[l
     """
     gen = torch.Generator()
     gen.set_state(rng_state)
-    noise = []
-    for t in leaves:
-        local = tu.local(t)
-        n = torch.randn(local.shape, generator=gen, dtype=tu.acc_dtype(local.dtype))
-        noise.append(n.to(local.device, non_blocking=True))
-    return noise, gen.get_state()
-
-
-def _check_seed(seed: Any, *, name: str) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int) and type(seed).__module__ != "numpy":
-        raise TypeError(
-            f"{name}: seed must be an int (optax takes a key here; gradtx takes its seed), got {type(seed).__name__}"
-        )
-    seed = int(seed)
-    if seed < 0:
-        raise ValueError(f"{name}: seed must be >= 0, got {seed}")
-    return seed
+    locals_ = [tu.local(t) for t in leaves]
+    noise = [torch.randn(x.shape, generator=gen, dtype=tu.acc_dtype(x.dtype)) for x in locals_]
+    return [n.to(x.device, non_blocking=True) for n, x in zip(noise, locals_)], gen.get_state()
 
 
 class AddNoiseState(NamedTuple):
@@ -210,7 +187,7 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     name = "add_noise"
     eta = check.non_negative(eta, arg="eta", name=name)
     gamma = check.non_negative(gamma, arg="gamma", name=name)
-    seed = _check_seed(seed, name=name)
+    seed = check.integer(seed, arg="seed", name=name, minimum=0)  # optax takes a key here
 
     def init_fn(params: Params) -> AddNoiseState:
         del params
@@ -219,16 +196,14 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, AddNoiseState, name=name)
-        leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
+        leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         count = state.count + 1
         noise, rng_state = _normal_like(leaves, state.rng_state)
         std = torch.sqrt(eta / count.to(torch.float64) ** gamma)
-        out = []
-        for t, n in zip(leaves, noise):
-            local = tu.local(t)
-            s = std.to(local.device, n.dtype, non_blocking=True)
-            out.append(tu.like(t, (local.to(n.dtype) + s * n).to(local.dtype)))
+        out = [
+            tu.like(t, (tu.local(t).to(n.dtype) + std.to(n.device, n.dtype, non_blocking=True) * n).to(t.dtype))
+            for t, n in zip(leaves, noise)
+        ]
         return tu.unflatten(spec, out), AddNoiseState(count=count, rng_state=rng_state)
 
     return GradientTransformation(init_fn, update_fn)
@@ -273,7 +248,7 @@ def differentially_private_aggregate(l2_norm_clip: float, noise_multiplier: floa
     name = "differentially_private_aggregate"
     l2_norm_clip = check.positive(l2_norm_clip, arg="l2_norm_clip", name=name)
     noise_multiplier = check.non_negative(noise_multiplier, arg="noise_multiplier", name=name)
-    seed = _check_seed(seed, name=name)
+    seed = check.integer(seed, arg="seed", name=name, minimum=0)  # optax takes a key here
     noise_std = l2_norm_clip * noise_multiplier
 
     def init_fn(params: Params) -> DifferentiallyPrivateAggregateState:

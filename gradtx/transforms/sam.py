@@ -73,9 +73,8 @@ def sam(
       >>> tx = sam(sgd(0.1), chain(normalize_by_update_norm(eps=0.0), scale(0.05)))
       >>> updates, state = tx.update(grads, state, params)
     """
-    for arg, tx in (("optimizer", optimizer), ("adv_optimizer", adv_optimizer)):
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"sam: {arg} must be a GradientTransformation, got {type(tx).__name__}")
+    check.transform(optimizer, arg="optimizer", name="sam")
+    check.transform(adv_optimizer, arg="adv_optimizer", name="sam")
     sync_period = check.integer(sync_period, arg="sync_period", name="sam", minimum=1)
     reset_state = check.flag(reset_state, arg="reset_state", name="sam")
     opaque_mode = check.flag(opaque_mode, arg="opaque_mode", name="sam")
@@ -97,10 +96,13 @@ def sam(
         if updates is None:
             raise ValueError(f"sam: {who} held (returned None); put accumulate() before sam")
 
-    def transparent_update(updates, state, params=None, **extra):
+    def check_args(state: Any, params: Any) -> None:
         tu.require_state(state, SAMState, name="sam")
         if params is None:
             raise ValueError("sam: update() needs params, got params=None")
+
+    def transparent_update(updates, state, params=None, **extra):
+        check_args(state, params)
         first = state.steps_since_sync == 0
         last = state.steps_since_sync == sync_period - 1
         adv_updates, adv_state = adv_optimizer.update(updates, state.adv_state, params, **extra)
@@ -120,11 +122,9 @@ def sam(
         return out, SAMState(steps_since_sync=steps, opt_state=opt_state, adv_state=adv_state, cache=cache)
 
     def opaque_update(updates, state, params=None, *, grad_fn: Callable[[Params, int], PyTree] | None = None, **extra):
-        tu.require_state(state, SAMState, name="sam")
         if grad_fn is None:
             raise ValueError("sam: opaque_mode=True needs update(..., grad_fn=fn), fn(params, i) -> grads")
-        if params is None:
-            raise ValueError("sam: update() needs params, got params=None")
+        check_args(state, params)
         adv_params, adv_updates, adv_state = params, updates, state.adv_state
         for i in range(sync_period - 1):
             adv_updates, adv_state = adv_optimizer.update(adv_updates, adv_state, adv_params, **extra)

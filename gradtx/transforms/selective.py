@@ -112,10 +112,7 @@ def selective_transform(optimizer: GradientTransformation, *, freeze_mask: bool 
     Example:
       >>> tx = selective_transform(adam(1e-3), freeze_mask={"encoder": True, "head": False})
     """
-    if not isinstance(optimizer, GradientTransformation):
-        raise TypeError(
-            f"selective_transform: optimizer must be a GradientTransformation, got {type(optimizer).__name__}"
-        )
+    check.transform(optimizer, arg="optimizer", name="selective_transform")
     _check_mask(freeze_mask, arg="freeze_mask", name="selective_transform")
     if callable(freeze_mask):
         raise TypeError("selective_transform: freeze_mask must be a bool or a tree of bools, got a function")
@@ -141,10 +138,8 @@ ConditionFn = Callable[..., Any]
 
 
 def _check_inner(inner: Any, should_transform_fn: Any, forward_extra_args: Any, *, name: str) -> bool:
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"{name}: inner must be a GradientTransformation, got {type(inner).__name__}")
-    if not callable(should_transform_fn):
-        raise TypeError(f"{name}: should_transform_fn must be callable, got {type(should_transform_fn).__name__}")
+    check.transform(inner, arg="inner", name=name)
+    check.function(should_transform_fn, arg="should_transform_fn", name=name)
     return check.flag(forward_extra_args, arg="forward_extra_args", name=name)
 
 
@@ -158,13 +153,8 @@ def _conditional(
 ) -> GradientTransformation:
     state_type = ConditionallyMaskState if zero_rejected else ConditionallyTransformState
 
-    def make_state(step: torch.Tensor, inner_state: OptState) -> Any:
-        if zero_rejected:
-            return ConditionallyMaskState(step=step, inner_state=inner_state)
-        return ConditionallyTransformState(inner_state=inner_state, step=step)
-
     def init_fn(params: Params) -> Any:
-        return make_state(lw.zero_count(params), inner.init(params))
+        return state_type(step=lw.zero_count(params), inner_state=inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, state_type, name=name)
@@ -183,7 +173,7 @@ def _conditional(
             raise TypeError(
                 f"{name}: should_transform_fn must return a bool or a 0-d bool tensor, got {type(cond).__name__}"
             )
-        return out, make_state(state.step + 1, inner_state)
+        return out, state_type(step=state.step + 1, inner_state=inner_state)
 
     return GradientTransformation(init_fn, update_fn)
 

@@ -77,13 +77,9 @@ def zero_nans() -> GradientTransformation:
         del params, extra
         tu.require_state(state, ZeroNansState, name="zero_nans")
         leaves, spec = tu.tensor_leaves(updates, what="zero_nans: updates")
-        found: dict[tuple[Any, ...], torch.Tensor] = {}
-        out = []
-        for path, u in zip(tu.paths(updates), leaves):
-            local = tu.local(u)
-            nan = torch.isnan(local)
-            found[path] = nan.any()
-            out.append(tu.like(u, torch.where(nan, torch.zeros((), dtype=local.dtype, device=local.device), local)))
+        nans = [torch.isnan(tu.local(u)) for u in leaves]
+        found = {path: nan.any() for path, nan in zip(tu.paths(updates), nans)}
+        out = [tu.like(u, torch.where(nan, 0, tu.local(u))) for u, nan in zip(leaves, nans)]
         unknown = [p for p in found if p not in set(optree.tree_paths(state.found_nan))]
         if unknown:
             raise ValueError(
@@ -125,8 +121,7 @@ def skip_not_finite(
     del gradient_step, params
     leaves, _ = tu.tensor_leaves(updates, what="skip_not_finite: updates")
     device = tu.device_of(leaves)
-    counts = [(~torch.isfinite(tu.local(u))).sum().to(device) for u in leaves]
-    num = torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64, device=device)
+    num = sum(((~torch.isfinite(tu.local(u))).sum().to(device) for u in leaves), lw.zero_count(leaves))
     should_skip = num > 0
     return should_skip, {"should_skip": should_skip, "num_not_finite": num}
 
@@ -201,15 +196,12 @@ def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: Group
     return ~inferred.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
 
 
-def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState, old_inner: OptState):
+def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState, old_inner: OptState, *, name: str):
     """The inner transform's result where ``accept``, else zero updates and the old inner state."""
+    if new_updates is None:
+        raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before it")
     zeros = tu.tree_map(torch.zeros_like, new_updates)
     return lw.where_tree(accept, new_updates, zeros), lw.where_tree(accept, new_inner, old_inner)
-
-
-def _check_inner(inner: Any, *, name: str) -> None:
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"{name}: inner must be a GradientTransformation, got {type(inner).__name__}")
 
 
 @factory
@@ -252,45 +244,29 @@ def skip_if(
     Example:
       >>> tx = chain(clip_by_global_norm(1.0), skip_if(adamw(1e-3), skip_not_finite))
     """
-    _check_inner(inner, name="skip_if")
-    if not callable(should_skip_update_fn):
-        raise TypeError(f"skip_if: should_skip_update_fn must be callable, got {type(should_skip_update_fn).__name__}")
+    check.transform(inner, arg="inner", name="skip_if")
+    check.function(should_skip_update_fn, arg="should_skip_update_fn", name="skip_if")
     if comm is not None:
         check_comm(comm, name="skip_if")
 
     def init_fn(params: Params) -> SkipIfState:
-        device = tu.device_of(params)
-        step = torch.zeros((), dtype=torch.int64, device=device)
+        step = lw.zero_count(params)
         # As optax's MultiSteps does: the skip state's structure comes from a call on zero updates.
-        zeros = tu.tree_map(torch.zeros_like, params)
-        _, skip_state = should_skip_update_fn(zeros, step, params)
-        return SkipIfState(
-            gradient_step=step,
-            skipped=torch.zeros((), dtype=torch.bool, device=device),
-            total_skipped=torch.zeros((), dtype=torch.int64, device=device),
-            skip_state=skip_state,
-            inner_state=inner.init(params),
-        )
+        _, skip_state = should_skip_update_fn(tu.tree_map(torch.zeros_like, params), step, params)
+        return SkipIfState(step, step.bool(), step.clone(), skip_state, inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SkipIfState, name="skip_if")
         should_skip, skip_state = should_skip_update_fn(updates, state.gradient_step, params)
-        if not isinstance(should_skip, torch.Tensor) or should_skip.dtype != torch.bool or should_skip.ndim != 0:
-            raise ValueError(
-                "skip_if: should_skip_update_fn must return a 0-d bool tensor first, got "
-                + (
-                    f"dtype {should_skip.dtype} and shape {tuple(should_skip.shape)}"
-                    if isinstance(should_skip, torch.Tensor)
-                    else type(should_skip).__name__
-                )
-            )
+        verdict = should_skip
+        if not isinstance(verdict, torch.Tensor) or verdict.dtype != torch.bool or verdict.ndim != 0:
+            got = f"{verdict.dtype} {tuple(verdict.shape)}" if isinstance(verdict, torch.Tensor) else type(verdict)
+            raise ValueError(f"skip_if: should_skip_update_fn must return a 0-d bool tensor first, got {got}")
         device = state.gradient_step.device
         skip = _agree(should_skip.to(device), updates, comm, group)
         accept = ~skip
         new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        if new_updates is None:
-            raise ValueError("skip_if: the inner transform held (returned None); put accumulate() before it")
-        out, inner_state = _select_step(accept, new_updates, new_inner, state.inner_state)
+        out, inner_state = _select_step(accept, new_updates, new_inner, state.inner_state, name="skip_if")
         return out, SkipIfState(
             gradient_step=state.gradient_step + accept.to(torch.int64),
             skipped=skip,
@@ -400,11 +376,9 @@ def skip_spikes(
       >>> updates, state = tx.update(grads, state, params)
     """
     name = "skip_spikes"
-    _check_inner(inner, name=name)
+    check.transform(inner, arg="inner", name=name)
     z_thresh = check.positive(z_thresh, arg="z_thresh", name=name)
-    alpha = check.number(alpha, arg="alpha", name=name)
-    if not 0 < alpha < 1:
-        raise ValueError(f"{name}: alpha must be in (0, 1), got {alpha}")
+    alpha = check.open_unit(alpha, arg="alpha", name=name)
     warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name, minimum=1)
     if metric not in ("grad_norm", "loss"):
         raise ValueError(f"{name}: metric must be 'grad_norm' or 'loss', got {metric!r}")
@@ -417,20 +391,9 @@ def skip_spikes(
         check_comm(comm, name=name)
 
     def init_fn(params: Params) -> SkipSpikesState:
-        device = tu.device_of(params)
-        zero = torch.zeros((), dtype=torch.float32, device=device)
-        izero = torch.zeros((), dtype=torch.int64, device=device)
-        return SkipSpikesState(
-            count=izero,
-            mean=zero,
-            var=zero,
-            value=zero,
-            zscore=zero,
-            skipped=torch.zeros((), dtype=torch.bool, device=device),
-            consecutive=izero,
-            total_skipped=izero,
-            inner_state=inner.init(params),
-        )
+        count = lw.zero_count(params)
+        zero = count.float()  # count, mean, var, value, zscore, skipped, consecutive, total_skipped, inner
+        return SkipSpikesState(count, zero, zero, zero, zero, count.bool(), count, count, inner.init(params))
 
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
@@ -441,11 +404,7 @@ def skip_spikes(
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
-        if not isinstance(loss, torch.Tensor):
-            loss = torch.tensor(check.number(loss, arg="loss", name=name, finite=False))
-        if loss.numel() != 1:
-            raise ValueError(f"{name}: loss must be a scalar, got shape {tuple(loss.shape)}")
-        loss = loss.detach().reshape(()).to(device=device, dtype=torch.float32)
+        loss = check.scalar(loss, arg="loss", name=name, dtype=torch.float32, device=device)
         if comm is not None:
             (total,) = comm.all_reduce([loss], ReduceOp.SUM, group)
             loss = total.to(device) / comm.size(group)
@@ -478,9 +437,7 @@ def skip_spikes(
         var = torch.where(fold, torch.where(warm, var_w, var_e), state.var)
 
         new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        if new_updates is None:
-            raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before it")
-        out, inner_state = _select_step(accept, new_updates, new_inner, state.inner_state)
+        out, inner_state = _select_step(accept, new_updates, new_inner, state.inner_state, name=name)
         skipped = ~accept
         return out, SkipSpikesState(
             count=state.count + fold.to(torch.int64),
