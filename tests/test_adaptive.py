@@ -418,25 +418,6 @@ def test_zclip_and_autoclip_are_pure():
     assert_pure(gtx.autoclip(10, history=4), tree(1), tree(0), steps=3)
 
 
-# --- through the executor: a donated step folds the clip coefficient into the fused kernel ------------
-
-
-@pytest.mark.parametrize("make_clip", [lambda: gtx.zclip(warmup_steps=3), lambda: gtx.autoclip(25, history=6)])
-def test_donated_step_equals_the_pure_step(make_clip):
-    tx = gtx.chain(make_clip(), gtx.adamw(1e-2))
-    params, state = tree(0), tx.init(tree(0))
-    d_params, d_state = tree(0), tx.init(tree(0))
-    for i in range(8):
-        grads = tree(50 + i, scale=1 + 9 * (i == 6))
-        params, state = gtx.update_and_apply(tx, grads, state, params)
-        d_params, d_state = gtx.update_and_apply(
-            tx, {k: v.clone() for k, v in grads.items()}, d_state, d_params, donate=True
-        )
-        for k in params:
-            torch.testing.assert_close(d_params[k], params[k], rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(gtx.metrics(d_state)["clip_coef"], gtx.metrics(state)["clip_coef"])
-
-
 def test_numpy_scalars_are_accepted_as_arguments():
     tx = gtx.zclip(alpha=np.float32(0.9), z_thresh=np.float64(3.0), warmup_steps=np.int64(2))
     tx.update(tree(1), tx.init(tree(0)))
