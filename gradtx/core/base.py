@@ -67,22 +67,25 @@ class GradientTransformation(_TransformationFields):
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         recipe = self.__dict__.get(_RECIPE)
-        return (_rebuild, recipe) if recipe is not None else super().__reduce_ex__(protocol)
+        if recipe is not None:
+            build, args, kwargs = recipe
+            return functools.partial(build, *args, **kwargs), ()
+        return _restore, (type(self), tuple(self), self.__dict__)  # a subclass's attributes too
 
     def __copy__(self) -> Self:
-        new = tuple.__new__(type(self), self)
-        new.__dict__.update(self.__dict__)
-        return new
+        return _restore(type(self), tuple(self), self.__dict__)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         return self.__copy__()  # the recipe's arguments may not copy (a process group), and nothing here mutates
 
 
+def _restore(cls: type[Any], fields: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
+    new = tuple.__new__(cls, fields)
+    new.__dict__.update(attrs)
+    return new
+
+
 _Factory = TypeVar("_Factory", bound=Callable[..., Any])
-
-
-def _rebuild(build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return build(*args, **kwargs)
 
 
 class BuiltSchedule:
@@ -96,7 +99,8 @@ class BuiltSchedule:
         return self.fn(count)
 
     def __reduce__(self) -> Any:
-        return (_rebuild, self.recipe)
+        build, args, kwargs = self.recipe
+        return functools.partial(build, *args, **kwargs), ()
 
     def __repr__(self) -> str:
         build, args, kwargs = self.recipe
@@ -137,33 +141,24 @@ def factory(fn: _Factory) -> _Factory:
 
 def remember(out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``out``, made to pickle as ``build(*args, **kwargs)`` unless it was one of the arguments: see :func:`factory`."""
+    held: list[Any] = []
+    recipe = (build, _copy_containers(args, held), _copy_containers(kwargs, held))
     if isinstance(out, GradientTransformation):
-        if not _passed_in(out, (args, kwargs)):
-            out.__dict__[_RECIPE] = (build, _copy_containers(args), _copy_containers(kwargs))
+        if not any(x is out for x in held):
+            out.__dict__[_RECIPE] = recipe
         return out
     if callable(out) and not isinstance(out, torch.Tensor):
-        fn = out.fn if isinstance(out, BuiltSchedule) else out
-        return BuiltSchedule(fn, (build, _copy_containers(args), _copy_containers(kwargs)))
+        return BuiltSchedule(out.fn if isinstance(out, BuiltSchedule) else out, recipe)
     return out
 
 
-def _passed_in(tx: GradientTransformation, value: Any) -> bool:
-    """Whether ``tx`` itself is ``value`` or sits in its plain dicts, lists and tuples."""
-    if value is tx:
-        return True
-    if isinstance(value, dict):
-        return any(_passed_in(tx, v) for v in value.values())
-    if type(value) in (list, tuple):
-        return any(_passed_in(tx, v) for v in value)
-    return False
-
-
-def _copy_containers(value: Any) -> Any:
-    """``value`` with its plain dicts, lists and tuples copied, all the way down; everything else as it is."""
+def _copy_containers(value: Any, held: list[Any]) -> Any:
+    """``value`` with its plain dicts, lists and tuples copied, all the way down; what they hold goes to ``held``."""
     if type(value) is dict:
-        return {k: _copy_containers(v) for k, v in value.items()}
+        return {k: _copy_containers(v, held) for k, v in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(_copy_containers(v) for v in value)
+        return type(value)(_copy_containers(v, held) for v in value)
+    held.append(value)
     return value
 
 
@@ -214,9 +209,6 @@ class ScalarTransformation(GradientTransformation):
         self = super().__new__(cls, init, update)
         self.factor = factor
         return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
-        return (self.init, self.update, self.factor)
 
 
 @factory
@@ -272,9 +264,6 @@ class Guard(GradientTransformation):
         self = super().__new__(cls, init, update)
         self.verdict = verdict
         return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
-        return (self.init, self.update, self.verdict)
 
 
 _StateType = TypeVar("_StateType", bound=type)
