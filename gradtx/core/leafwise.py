@@ -60,14 +60,12 @@ def as_tensor(value: Any, like: torch.Tensor) -> Any:
 
 def lowest_dtype(tree: PyTree) -> torch.dtype:
     """The lowest-precision float dtype among the leaves (optax's ``tree.dtype(params, 'lowest')``); fp32 if none."""
-    dtypes = _float_dtypes(tree)
-    return min(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+    return min(_float_dtypes(tree), key=lambda d: d.itemsize, default=torch.float32)
 
 
 def highest_dtype(tree: PyTree) -> torch.dtype:
     """The highest-precision float dtype among the leaves; fp32 if none."""
-    dtypes = _float_dtypes(tree)
-    return max(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+    return max(_float_dtypes(tree), key=lambda d: d.itemsize, default=torch.float32)
 
 
 def _float_dtypes(tree: PyTree) -> list[torch.dtype]:

@@ -1,20 +1,16 @@
 """Simulated meshes: every rank of a DeviceMesh in one process, on torch's ``LocalTensorMode``.
 
-Re-exported from :mod:`gradtx.testing`; see ``docs/testing.md``. Under
-``LocalTensorMode`` a DTensor's local tensor is a ``LocalTensor`` that holds
-each simulated rank's shard, and collectives run over those shards for real.
-The code under test runs once, as every rank at the same time.
+Re-exported from :mod:`gradtx.testing`; see ``docs/testing.md``. Under ``LocalTensorMode`` a DTensor's local
+tensor is a ``LocalTensor`` holding each simulated rank's shard, and collectives run over those shards for real:
+the code under test runs once, as every rank at the same time.
 
-Two rough edges of torch's simulation are handled here, so they are never
-reported as a bug of the transform under test:
+Two rough edges of torch's simulation are handled here, so they are never reported as a bug of the transform:
 
-* ``distribute_tensor`` gives a fully replicated DTensor a *plain* local
-  tensor, shared by all the simulated ranks. An in-place op that mixes it
-  with a per-rank ``LocalTensor`` then runs once per rank on that one shared
-  tensor (a step counter of an optimizer state advances once per rank). Every
-  leaf built here holds one copy per rank instead.
-* ``distribute_tensor`` does not build ``_StridedShard`` placements (FSDP2 over
-  TP); leaves here are built from per-rank shards with ``DTensor.from_local``.
+* ``distribute_tensor`` gives a fully replicated DTensor a *plain* local tensor shared by all the simulated
+  ranks, so an in-place op mixing it with a per-rank ``LocalTensor`` runs once per rank on that one tensor (a
+  step counter advances once per rank). Every leaf built here holds one copy per rank instead.
+* ``distribute_tensor`` does not build ``_StridedShard`` placements (FSDP2 over TP); leaves here are built
+  from per-rank shards.
 """
 
 from __future__ import annotations
@@ -131,8 +127,7 @@ def _local_shard(
     copy: bool = True,
 ) -> torch.Tensor:
     # Mesh dims split in order, except a _StridedShard (FSDP2 over TP): it splits what the later dims left.
-    order = [d for d, p in enumerate(placements) if not isinstance(p, _StridedShard)]
-    order += [d for d, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    order = sorted(range(len(placements)), key=lambda d: isinstance(placements[d], _StridedShard))  # stable
     local = full
     for d in order:
         p = placements[d]
@@ -200,12 +195,8 @@ def _strided(placements: list[Placement], mesh: DeviceMesh) -> list[Placement]:
     out = list(placements)
     for d, p in enumerate(out):
         if isinstance(p, _StridedShard):
-            factor = 1
-            for e in range(d + 1, len(out)):
-                later = out[e]
-                if isinstance(later, Shard) and later.dim == p.dim:
-                    factor *= mesh.size(e)
-            out[d] = _StridedShard(p.dim, split_factor=factor)
+            later = [mesh.size(e) for e, q in enumerate(out) if e > d and isinstance(q, Shard) and q.dim == p.dim]
+            out[d] = _StridedShard(p.dim, split_factor=math.prod(later))
     return out
 
 
@@ -307,10 +298,10 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
         mesh, local = x.device_mesh, _unwrap(x._local_tensor)
         shape, placements = tuple(mesh.shape), tuple(x.placements)
         if real:
-            coord = tuple(mesh.get_coordinate() or ())
-            return {dist.get_rank(): (local.detach(), _local_shard(ref, shape, placements, coord, copy=False))}
-        coords = _mesh_coords(mesh)
-        held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
+            coords, held = {dist.get_rank(): tuple(mesh.get_coordinate() or ())}, {dist.get_rank(): local}
+        else:
+            coords = _mesh_coords(mesh)
+            held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
         return {
             r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False))
             for r, t in sorted(held.items())
