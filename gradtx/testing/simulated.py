@@ -167,14 +167,10 @@ def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, me
     if _PRESET_NDIM[preset] != mesh_ndim:
         raise ValueError(f"distribute: layout {preset!r} takes a {_PRESET_NDIM[preset]}-D mesh, got {mesh_ndim}-D")
     fsdp = Shard(0) if leaf.ndim >= 1 else Replicate()
-    if preset == "ddp":
-        return None
-    if preset == "fsdp":
-        return [fsdp]
-    if preset == "hsdp":
-        return [Replicate(), fsdp]
-    if preset == "cp":  # params FSDP-sharded over dp and replicated over cp, where each rank has its tokens
-        return [fsdp, Replicate()]
+    # cp: params FSDP-sharded over dp and replicated over cp, where each rank has its tokens.
+    data_parallel = {"ddp": None, "fsdp": [fsdp], "hsdp": [Replicate(), fsdp], "cp": [fsdp, Replicate()]}
+    if preset in data_parallel:
+        return data_parallel[preset]
     # TP alternates column-wise (Shard(0)) and row-wise (Shard(1)) over the matrices, in flatten order.
     tp: Placement = Replicate() if leaf.ndim < 2 else (Shard(0) if index % 2 == 0 else Shard(1))
     if preset == "tp":
