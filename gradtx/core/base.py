@@ -332,12 +332,9 @@ def metrics(state: OptState) -> dict[str, torch.Tensor]:
                         found.setdefault(str(key), item)
                 else:
                     found.setdefault(name, value)
-        if isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, (tuple, list)) else ()
+        for v in children:
+            walk(v)
 
     walk(state)
     return found

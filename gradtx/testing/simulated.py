@@ -166,7 +166,7 @@ def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, me
         raise ValueError(f"distribute: layout must be one of {list(PRESETS)} or a per-path mapping, got {preset!r}")
     if _PRESET_NDIM[preset] != mesh_ndim:
         raise ValueError(f"distribute: layout {preset!r} takes a {_PRESET_NDIM[preset]}-D mesh, got {mesh_ndim}-D")
-    fsdp = Shard(0) if leaf.ndim >= 1 else Replicate()
+    fsdp: Placement = Shard(0) if leaf.ndim >= 1 else Replicate()
     # cp: params FSDP-sharded over dp and replicated over cp, where each rank has its tokens.
     data_parallel = {"ddp": None, "fsdp": [fsdp], "hsdp": [Replicate(), fsdp], "cp": [fsdp, Replicate()]}
     if preset in data_parallel:
