@@ -66,17 +66,18 @@ class GradientTransformation(_TransformationFields):
     # No __slots__: a subclass keeps what it adds (``members``, ``factor``) and a factory its call in __dict__.
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        recipe = self.__dict__.get(_RECIPE)
-        if recipe is not None:
-            build, args, kwargs = recipe
-            return functools.partial(build, *args, **kwargs), ()
-        return _restore, (type(self), tuple(self), self.__dict__)  # a subclass's attributes too
+        recipe = self.__dict__.get(_RECIPE)  # else every field, and what a subclass adds
+        return (_rebuild, recipe) if recipe is not None else (_restore, (type(self), tuple(self), self.__dict__))
 
     def __copy__(self) -> Self:
         return _restore(type(self), tuple(self), self.__dict__)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         return self.__copy__()  # the recipe's arguments may not copy (a process group), and nothing here mutates
+
+
+def _rebuild(build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return build(*args, **kwargs)
 
 
 def _restore(cls: type[Any], fields: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
@@ -99,8 +100,7 @@ class BuiltSchedule:
         return self.fn(count)
 
     def __reduce__(self) -> Any:
-        build, args, kwargs = self.recipe
-        return functools.partial(build, *args, **kwargs), ()
+        return (_rebuild, self.recipe)
 
     def __repr__(self) -> str:
         build, args, kwargs = self.recipe
@@ -172,10 +172,6 @@ def init_empty_state(params: Params) -> EmptyState:
     return EmptyState()
 
 
-def _pass_through(updates: Updates, state: OptState, params: Params | None = None, **extra: Any) -> Any:
-    return updates, state
-
-
 @factory
 def identity() -> GradientTransformation:
     """Return the updates unchanged.
@@ -187,7 +183,7 @@ def identity() -> GradientTransformation:
       >>> tx = identity()
       >>> updates, _ = tx.update({"w": torch.ones(2)}, tx.init(None))
     """
-    return GradientTransformation(init_empty_state, _pass_through)
+    return GradientTransformation(init_empty_state, lambda updates, state, params=None, **extra: (updates, state))
 
 
 class ScalarTransformation(GradientTransformation):

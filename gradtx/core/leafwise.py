@@ -53,9 +53,7 @@ def where_tree(cond: torch.Tensor, if_true: PyTree, if_false: PyTree) -> PyTree:
 
 def as_tensor(value: Any, like: torch.Tensor) -> Any:
     """A tensor hyperparameter on ``like``'s device, in its dtype; a Python number stays one."""
-    if isinstance(value, torch.Tensor):
-        return value.to(like.device, like.dtype)
-    return value
+    return value.to(like.device, like.dtype) if isinstance(value, torch.Tensor) else value
 
 
 def lowest_dtype(tree: PyTree) -> torch.dtype:

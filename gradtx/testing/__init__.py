@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -173,7 +174,5 @@ class _RecordedWait:
 
 # --- simulated meshes: distributed transforms tested in one process (torch's LocalTensorMode) ----------
 
-try:  # a torch build without distributed support has no simulated meshes
+with contextlib.suppress(ImportError):  # a torch build without distributed support has no simulated meshes
     from gradtx.testing.simulated import assert_matches_single_device, distribute, simulated_mesh  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass

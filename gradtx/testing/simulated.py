@@ -92,14 +92,21 @@ def simulated_mesh(shape: Sequence[int] | int, names: Sequence[str] | None = Non
 
 
 def _coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
-    """Each rank's coordinate in a root ``mesh``, computed once per mesh (pure Python, with the mode off)."""
-    found = _COORDS.get(mesh)
+    """Each simulated rank's coordinate in ``mesh``, a root mesh or a submesh sliced from one by dim names."""
+    root = mesh._get_root_mesh()
+    found = _COORDS.get(root)
     if found is None:
-        with _mode_off():
-            ranks = mesh.mesh
+        with _mode_off():  # pure Python over the rank layout, computed once per root mesh
+            ranks = root.mesh
             found = dict(zip(ranks.reshape(-1).tolist(), itertools.product(*map(range, ranks.shape))))
-        _COORDS[mesh] = found
-    return found
+        _COORDS[root] = found
+    if root is mesh:
+        return found
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if not names or any(n not in root_names for n in names):
+        raise AssertionError(f"cannot place the shards of a DTensor on mesh {mesh}: slice it by dim names")
+    dims = [root_names.index(n) for n in names]
+    return {r: tuple(c[d] for d in dims) for r, c in found.items()}
 
 
 # Reading a mesh's rank layout costs ~0.1 s here, and every shard of every leaf needs it. Weak keys: an
@@ -264,18 +271,6 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
 # --- the check -----------------------------------------------------------------------------------
 
 
-def _mesh_coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
-    """Each simulated rank's coordinate in ``mesh``, a root mesh or a submesh sliced from one by dim names."""
-    root = mesh._get_root_mesh()
-    if root is mesh:
-        return _coords(mesh)
-    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
-    if not names or any(n not in root_names for n in names):
-        raise AssertionError(f"assert_matches_single_device: cannot place the shards of a DTensor on mesh {mesh}")
-    dims = [root_names.index(n) for n in names]
-    return {r: tuple(c[d] for d in dims) for r, c in _coords(root).items()}
-
-
 def _unwrap(t: torch.Tensor) -> torch.Tensor:
     # A redistribute's output may still be wrapped as a pending functional collective; its value is inside.
     while isinstance(t, AsyncCollectiveTensor):
@@ -293,11 +288,8 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
     if isinstance(x, DTensor):
         mesh, local = x.device_mesh, _unwrap(x._local_tensor)
         shape, placements = tuple(mesh.shape), tuple(x.placements)
-        if real:
-            coords, held = {dist.get_rank(): tuple(mesh.get_coordinate() or ())}, {dist.get_rank(): local}
-        else:
-            coords = _mesh_coords(mesh)
-            held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
+        coords = {dist.get_rank(): tuple(mesh.get_coordinate() or ())} if real else _coords(mesh)
+        held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
         return {
             r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False))
             for r, t in sorted(held.items())
