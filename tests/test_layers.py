@@ -1,9 +1,8 @@
-"""The package's layers: imports point one way, and the flat paths from before the layered layout still work."""
+"""The package's layers: every module sits in one, and imports point one way."""
 
 from __future__ import annotations
 
 import ast
-import importlib
 import pickle
 from pathlib import Path
 
@@ -25,7 +24,6 @@ RANK = {
     "wrapper": 3,
     "testing": 4,
 }
-SHIMS = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "__init__")
 
 
 def _layer(module: str) -> str | None:
@@ -55,6 +53,12 @@ def test_every_layer_exists_and_holds_modules():
         assert list((PKG / layer).glob("*.py")), f"gradtx/{layer}/ holds no module"
 
 
+def test_every_module_sits_in_a_layer():
+    assert [p.name for p in PKG.glob("*.py")] == ["__init__.py"], "a flat module outside the layers"
+    packages = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(RANK), f"packages {sorted(packages - set(RANK))} are in no layer"
+
+
 @pytest.mark.parametrize("path", _layered_modules(), ids=lambda p: str(p.relative_to(PKG)))
 def test_imports_point_down(path: Path):
     rel = path.relative_to(PKG)
@@ -63,8 +67,6 @@ def test_imports_point_down(path: Path):
     for line, module in _imports(path):
         layer = _layer(module)
         if layer is None:
-            if module.split(".")[1:2] and module.split(".")[1] in SHIMS:
-                wrong.append(f"line {line}: {module} is an old flat path; import the layered module")
             continue
         if RANK[layer] > RANK[own]:
             wrong.append(f"line {line}: {module} ({layer}, rank {RANK[layer]}) from {own} (rank {RANK[own]})")
@@ -78,13 +80,6 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path):
     bad.write_text("def f():\n    from gradtx.wrapper import rules\n")
     assert [m for _, m in _imports(bad)] == ["gradtx.wrapper", "gradtx.wrapper.rules"]
     assert _layer("gradtx.wrapper.rules") == "wrapper" and RANK["wrapper"] > RANK["core"]
-
-
-@pytest.mark.parametrize("old", SHIMS)
-def test_old_flat_paths_are_the_moved_modules(old: str):
-    module = importlib.import_module(f"gradtx.{old}")
-    assert _layer(module.__name__) is not None or old == "optim", f"gradtx.{old} is {module.__name__}"
-    assert getattr(gtx, old) is module
 
 
 def test_a_transform_pickled_by_its_old_module_path_loads():

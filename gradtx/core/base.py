@@ -66,23 +66,27 @@ class GradientTransformation(_TransformationFields):
     # No __slots__: a subclass keeps what it adds (``members``, ``factor``) and a factory its call in __dict__.
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        recipe = self.__dict__.get(_RECIPE)
-        return (_rebuild, recipe) if recipe is not None else super().__reduce_ex__(protocol)
+        recipe = self.__dict__.get(_RECIPE)  # else every field, and what a subclass adds
+        return (_rebuild, recipe) if recipe is not None else (_restore, (type(self), tuple(self), self.__dict__))
 
     def __copy__(self) -> Self:
-        new = tuple.__new__(type(self), self)
-        new.__dict__.update(self.__dict__)
-        return new
+        return _restore(type(self), tuple(self), self.__dict__)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         return self.__copy__()  # the recipe's arguments may not copy (a process group), and nothing here mutates
 
 
-_Factory = TypeVar("_Factory", bound=Callable[..., Any])
-
-
 def _rebuild(build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return build(*args, **kwargs)
+
+
+def _restore(cls: type[Any], fields: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
+    new = tuple.__new__(cls, fields)
+    new.__dict__.update(attrs)
+    return new
+
+
+_Factory = TypeVar("_Factory", bound=Callable[..., Any])
 
 
 class BuiltSchedule:
@@ -137,33 +141,24 @@ def factory(fn: _Factory) -> _Factory:
 
 def remember(out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``out``, made to pickle as ``build(*args, **kwargs)`` unless it was one of the arguments: see :func:`factory`."""
+    held: list[Any] = []
+    recipe = (build, _copy_containers(args, held), _copy_containers(kwargs, held))
     if isinstance(out, GradientTransformation):
-        if not _passed_in(out, (args, kwargs)):
-            out.__dict__[_RECIPE] = (build, _copy_containers(args), _copy_containers(kwargs))
+        if not any(x is out for x in held):
+            out.__dict__[_RECIPE] = recipe
         return out
     if callable(out) and not isinstance(out, torch.Tensor):
-        fn = out.fn if isinstance(out, BuiltSchedule) else out
-        return BuiltSchedule(fn, (build, _copy_containers(args), _copy_containers(kwargs)))
+        return BuiltSchedule(out.fn if isinstance(out, BuiltSchedule) else out, recipe)
     return out
 
 
-def _passed_in(tx: GradientTransformation, value: Any) -> bool:
-    """Whether ``tx`` itself is ``value`` or sits in its plain dicts, lists and tuples."""
-    if value is tx:
-        return True
-    if isinstance(value, dict):
-        return any(_passed_in(tx, v) for v in value.values())
-    if type(value) in (list, tuple):
-        return any(_passed_in(tx, v) for v in value)
-    return False
-
-
-def _copy_containers(value: Any) -> Any:
-    """``value`` with its plain dicts, lists and tuples copied, all the way down; everything else as it is."""
+def _copy_containers(value: Any, held: list[Any]) -> Any:
+    """``value`` with its plain dicts, lists and tuples copied, all the way down; what they hold goes to ``held``."""
     if type(value) is dict:
-        return {k: _copy_containers(v) for k, v in value.items()}
+        return {k: _copy_containers(v, held) for k, v in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(_copy_containers(v) for v in value)
+        return type(value)(_copy_containers(v, held) for v in value)
+    held.append(value)
     return value
 
 
@@ -177,10 +172,6 @@ def init_empty_state(params: Params) -> EmptyState:
     return EmptyState()
 
 
-def _pass_through(updates: Updates, state: OptState, params: Params | None = None, **extra: Any) -> Any:
-    return updates, state
-
-
 @factory
 def identity() -> GradientTransformation:
     """Return the updates unchanged.
@@ -192,7 +183,7 @@ def identity() -> GradientTransformation:
       >>> tx = identity()
       >>> updates, _ = tx.update({"w": torch.ones(2)}, tx.init(None))
     """
-    return GradientTransformation(init_empty_state, _pass_through)
+    return GradientTransformation(init_empty_state, lambda updates, state, params=None, **extra: (updates, state))
 
 
 class ScalarTransformation(GradientTransformation):
@@ -214,9 +205,6 @@ class ScalarTransformation(GradientTransformation):
         self = super().__new__(cls, init, update)
         self.factor = factor
         return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
-        return (self.init, self.update, self.factor)
 
 
 @factory
@@ -272,9 +260,6 @@ class Guard(GradientTransformation):
         self = super().__new__(cls, init, update)
         self.verdict = verdict
         return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
-        return (self.init, self.update, self.verdict)
 
 
 _StateType = TypeVar("_StateType", bound=type)
@@ -343,12 +328,9 @@ def metrics(state: OptState) -> dict[str, torch.Tensor]:
                         found.setdefault(str(key), item)
                 else:
                     found.setdefault(name, value)
-        if isinstance(node, dict):
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, (tuple, list)):
-            for v in node:
-                walk(v)
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, (tuple, list)) else ()
+        for v in children:
+            walk(v)
 
     walk(state)
     return found

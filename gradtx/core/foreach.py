@@ -30,7 +30,7 @@ def under_vmap() -> bool:
     return any(i.key() == _functorch.TransformType.Vmap for i in pyfunctorch.retrieve_all_functorch_interpreters())
 
 
-def _per_tensor(*scalars: Any) -> bool:
+def _per_tensor(scalar: Any) -> bool:
     """Whether to run one op per tensor: under vmap, or when autograd records a gradient for a 0-d factor.
 
     Foreach kernels broadcasting one 0-d tensor that requires grad (a learning
@@ -39,14 +39,9 @@ def _per_tensor(*scalars: Any) -> bool:
     """
     if under_vmap():
         return True
-    if not torch.is_grad_enabled():
-        return False
-    for a in scalars:
-        if isinstance(a, (list, tuple)):
-            a = a[0] if a else None
-        if isinstance(a, torch.Tensor) and a.ndim == 0 and a.requires_grad:
-            return True
-    return False
+    if isinstance(scalar, (list, tuple)):  # a list of 0-d tensors: its first stands for all
+        scalar = scalar[0] if scalar else None
+    return torch.is_grad_enabled() and isinstance(scalar, torch.Tensor) and scalar.ndim == 0 and scalar.requires_grad
 
 
 def _each(fn: Callable[..., torch.Tensor], *args: Any) -> list[torch.Tensor]:
@@ -78,13 +73,10 @@ def add(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.T
     return list(torch._foreach_add(xs, other, alpha=alpha) if alpha != 1 else torch._foreach_add(xs, other))
 
 
-def add_(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
+def add_(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
     if _per_tensor(other):
-        return _rebind(xs, _each(lambda x, y: torch.add(x, y, alpha=alpha), list(xs), other))
-    if alpha != 1:
-        torch._foreach_add_(xs, other, alpha=alpha)
-    else:
-        torch._foreach_add_(xs, other)
+        return _rebind(xs, _each(torch.add, list(xs), other))
+    torch._foreach_add_(xs, other)
     return xs
 
 

@@ -53,21 +53,17 @@ def where_tree(cond: torch.Tensor, if_true: PyTree, if_false: PyTree) -> PyTree:
 
 def as_tensor(value: Any, like: torch.Tensor) -> Any:
     """A tensor hyperparameter on ``like``'s device, in its dtype; a Python number stays one."""
-    if isinstance(value, torch.Tensor):
-        return value.to(like.device, like.dtype)
-    return value
+    return value.to(like.device, like.dtype) if isinstance(value, torch.Tensor) else value
 
 
 def lowest_dtype(tree: PyTree) -> torch.dtype:
     """The lowest-precision float dtype among the leaves (optax's ``tree.dtype(params, 'lowest')``); fp32 if none."""
-    dtypes = _float_dtypes(tree)
-    return min(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+    return min(_float_dtypes(tree), key=lambda d: d.itemsize, default=torch.float32)
 
 
 def highest_dtype(tree: PyTree) -> torch.dtype:
     """The highest-precision float dtype among the leaves; fp32 if none."""
-    dtypes = _float_dtypes(tree)
-    return max(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+    return max(_float_dtypes(tree), key=lambda d: d.itemsize, default=torch.float32)
 
 
 def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
@@ -100,13 +96,12 @@ def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
 def _like_tensors(leaves: list[Any], reference: list[Any]) -> bool:
     """Whether ``leaves`` are dense float or complex tensors shaped as ``reference``'s, checked without a Python
     loop per leaf (``map`` with C getters); ``False`` sends the caller to :func:`gradtx.core.tree.align`."""
-    if not all(issubclass(t, torch.Tensor) for t in {*map(type, leaves), *map(type, reference)}):
-        return False
-    if set(attrs(leaves, "layout")) != {torch.strided} and leaves:
-        return False
-    if not all(d.is_floating_point or d.is_complex for d in set(attrs(leaves, "dtype"))):
-        return False
-    return same_shapes(leaves, reference)
+    return (
+        all(issubclass(t, torch.Tensor) for t in {*map(type, leaves), *map(type, reference)})
+        and (not leaves or set(attrs(leaves, "layout")) == {torch.strided})
+        and all(d.is_floating_point or d.is_complex for d in set(attrs(leaves, "dtype")))
+        and same_shapes(leaves, reference)
+    )
 
 
 def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
@@ -143,23 +138,21 @@ class Moments:
             self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
         self.new = [list(leaves) for leaves, _ in self.flat]
         self.out = list(self.leaves)
-        firsts = ref if self.full else [ref[i] for i in self.index]
+        kept = [xs if self.full else [xs[i] for i in self.index] for xs, _ in self.flat]  # those with an update
         self.plain = plain(self.leaves) and all(plain(leaves) for leaves, _ in self.flat)
         local = (lambda xs: xs) if self.plain else (lambda xs: [tu.local(x) for x in xs])
-        g_all, firsts_local = local(self.leaves), local(firsts)
-        others = [local(xs if self.full else [xs[i] for i in self.index]) for xs, _ in self.flat[1:]]
-        self._check = lambda: tu.check_devices(firsts, self.leaves, updates, what=f"{name}: updates", against=against)
-        dtypes, devices = set(attrs(firsts_local, "dtype")), set(attrs(firsts_local, "device"))
-        if len(dtypes) == 1 and len(devices) == 1:
-            key = (devices.pop(), dtypes.pop())
+        g_all, trees_local = local(self.leaves), [local(xs) for xs in kept]
+        self._check = lambda: tu.check_devices(kept[0], self.leaves, updates, what=f"{name}: updates", against=against)
+        key = one_group(trees_local[0])
+        if key is not None:
             self.cast = set(attrs(g_all, "dtype")) != {key[1]}
             g = [x if x.dtype == key[1] else x.to(key[1]) for x in g_all] if self.cast else g_all
-            self.groups = [(key, range(len(g_all)), g, [firsts_local, *others])]
+            self.groups = [(key, range(len(g_all)), g, trees_local)]
             return
         self.cast, self.groups = True, []
-        for key, idx in fe.group_by_device_dtype(firsts_local):
+        for key, idx in fe.group_by_device_dtype(trees_local[0]):
             g = [g_all[j] if g_all[j].dtype == key[1] else g_all[j].to(key[1]) for j in idx]
-            self.groups.append((key, idx, g, [[xs[j] for j in idx] for xs in (firsts_local, *others)]))
+            self.groups.append((key, idx, g, [[xs[j] for j in idx] for xs in trees_local]))
 
     def each(self, step: Callable[..., None]) -> None:
         """``step(key, idx, g, trees)`` for every group; a leaf on another device is reported by its path."""

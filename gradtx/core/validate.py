@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,34 +61,27 @@ def number(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool
     return value
 
 
+def _within(value: Any, ok: Callable[[float], bool], wanted: str, *, arg: str, name: str, **kw: Any) -> Any:
+    """:func:`number`, then ``ok(value)`` or a ValueError saying it must be ``wanted``; a tensor is not read."""
+    value = number(value, arg=arg, name=name, **kw)
+    if not isinstance(value, torch.Tensor) and not ok(value):
+        raise ValueError(f"{name}: {arg} must be {wanted}, got {value}")
+    return value
+
+
 def non_negative(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
     """A number ``>= 0``."""
-    value = number(value, arg=arg, name=name, finite=finite, tensor=tensor)
-    if isinstance(value, torch.Tensor):
-        return value
-    if value < 0:
-        raise ValueError(f"{name}: {arg} must be >= 0, got {value}")
-    return value
+    return _within(value, lambda v: v >= 0, ">= 0", arg=arg, name=name, finite=finite, tensor=tensor)
 
 
 def positive(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
     """A number ``> 0``."""
-    value = number(value, arg=arg, name=name, finite=finite, tensor=tensor)
-    if isinstance(value, torch.Tensor):
-        return value
-    if value <= 0:
-        raise ValueError(f"{name}: {arg} must be > 0, got {value}")
-    return value
+    return _within(value, lambda v: v > 0, "> 0", arg=arg, name=name, finite=finite, tensor=tensor)
 
 
 def beta(value: Any, *, arg: str, name: str, tensor: bool = False) -> Any:
     """A decay rate in ``[0, 1)``."""
-    value = number(value, arg=arg, name=name, tensor=tensor)
-    if isinstance(value, torch.Tensor):
-        return value
-    if not 0.0 <= value < 1.0:
-        raise ValueError(f"{name}: {arg} must be in [0, 1), got {value}")
-    return value
+    return _within(value, lambda v: 0.0 <= v < 1.0, "in [0, 1)", arg=arg, name=name, tensor=tensor)
 
 
 def integer(value: Any, *, arg: str, name: str, minimum: int | None = None) -> int:
@@ -116,10 +110,8 @@ def learning_rate(value: Any, *, name: str) -> float | torch.Tensor | Schedule:
 
 def norm_type(value: Any, *, name: str) -> float:
     """A norm order: a number ``> 0``, or ``inf``."""
-    value = number(value, arg="norm_type", name=name, finite=False)
-    if value <= 0:
-        raise ValueError(f"{name}: norm_type must be > 0 or inf, got {value}")
-    return value
+    return _within(value, lambda v: v > 0, "> 0 or inf", arg="norm_type", name=name, finite=False)
+
 
 
 def dtype(value: Any, *, arg: str, name: str, floating: bool = False) -> torch.dtype | None:

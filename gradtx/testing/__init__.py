@@ -11,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -36,12 +37,8 @@ def _check_unchanged(snapshot: list[tuple[str, torch.Tensor, torch.Tensor, int]]
     for path, t, copy, version in snapshot:
         if t._version != version:
             raise AssertionError(f"{what} at {path} was modified in place (its version counter moved)")
-        if not torch.equal(tu.local(t).detach(), copy) and not _both_nan_equal(tu.local(t).detach(), copy):
+        if not torch.equal(torch.nan_to_num(tu.local(t).detach()), torch.nan_to_num(copy)):  # NaNs equal
             raise AssertionError(f"{what} at {path} changed value")
-
-
-def _both_nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
 
 
 def assert_pure(
@@ -126,20 +123,21 @@ class RecordingComm:
         self.events: list[tuple[str, int]] = []
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
-        self.calls.append(Collective(ReduceOp(op).value, group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
+        self._log(ReduceOp(op).value, group, tensors)
         return self.inner.all_reduce(tensors, op, group)
 
     def all_reduce_async(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> PendingReduce:
         index = len(self.calls)
         if type(self).all_reduce is RecordingComm.all_reduce:  # forward the start, so a wrapped TorchComm overlaps
-            self.calls.append(
-                Collective(ReduceOp(op).value, group, len(tensors), tuple(tuple(t.shape) for t in tensors))
-            )
+            self._log(ReduceOp(op).value, group, tensors)
             pending = start_all_reduce(self.inner, tensors, op, group)
         else:  # a subclass that answers all_reduce itself (a simulated peer) answers now
             pending = Done(self.all_reduce(tensors, op, group))
         self.events.append(("start", index))
         return _RecordedWait(self, index, pending)
+
+    def _log(self, op: str, group: GroupKey, tensors: Sequence[torch.Tensor]) -> None:
+        self.calls.append(Collective(op, group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
 
     def size(self, group: GroupKey) -> int:
         return self.inner.size(group)
@@ -154,7 +152,7 @@ class RecordingComm:
         self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
     ) -> list[torch.Tensor]:
         """Log an exchange (``shapes`` are what goes to each rank), then forward it to the inner comm."""
-        self.calls.append(Collective("all_to_all", group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
+        self._log("all_to_all", group, tensors)
         return self.inner.all_to_all(tensors, recv_numels, group)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
@@ -176,7 +174,5 @@ class _RecordedWait:
 
 # --- simulated meshes: distributed transforms tested in one process (torch's LocalTensorMode) ----------
 
-try:  # a torch build without distributed support has no simulated meshes
+with contextlib.suppress(ImportError):  # a torch build without distributed support has no simulated meshes
     from gradtx.testing.simulated import assert_matches_single_device, distribute, simulated_mesh  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass

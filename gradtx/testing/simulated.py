@@ -1,26 +1,23 @@
 """Simulated meshes: every rank of a DeviceMesh in one process, on torch's ``LocalTensorMode``.
 
-Re-exported from :mod:`gradtx.testing`; see ``docs/testing.md``. Under
-``LocalTensorMode`` a DTensor's local tensor is a ``LocalTensor`` that holds
-each simulated rank's shard, and collectives run over those shards for real.
-The code under test runs once, as every rank at the same time.
+Re-exported from :mod:`gradtx.testing`; see ``docs/testing.md``. Under ``LocalTensorMode`` a DTensor's local
+tensor is a ``LocalTensor`` holding each simulated rank's shard, and collectives run over those shards for real:
+the code under test runs once, as every rank at the same time.
 
-Two rough edges of torch's simulation are handled here, so they are never
-reported as a bug of the transform under test:
+Two rough edges of torch's simulation are handled here, so they are never reported as a bug of the transform:
 
-* ``distribute_tensor`` gives a fully replicated DTensor a *plain* local
-  tensor, shared by all the simulated ranks. An in-place op that mixes it
-  with a per-rank ``LocalTensor`` then runs once per rank on that one shared
-  tensor (a step counter of an optimizer state advances once per rank). Every
-  leaf built here holds one copy per rank instead.
-* ``distribute_tensor`` does not build ``_StridedShard`` placements (FSDP2 over
-  TP); leaves here are built from per-rank shards with ``DTensor.from_local``.
+* ``distribute_tensor`` gives a fully replicated DTensor a *plain* local tensor shared by all the simulated
+  ranks, so an in-place op mixing it with a per-rank ``LocalTensor`` runs once per rank on that one tensor (a
+  step counter advances once per rank). Every leaf built here holds one copy per rank instead.
+* ``distribute_tensor`` does not build ``_StridedShard`` placements (FSDP2 over TP); leaves here are built
+  from per-rank shards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import itertools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -95,23 +92,21 @@ def simulated_mesh(shape: Sequence[int] | int, names: Sequence[str] | None = Non
 
 
 def _coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
-    """Each rank's coordinate in a root ``mesh``, computed once per mesh (pure Python, with the mode off)."""
-    found = _COORDS.get(mesh)
-    if found is not None:
+    """Each simulated rank's coordinate in ``mesh``, a root mesh or a submesh sliced from one by dim names."""
+    root = mesh._get_root_mesh()
+    found = _COORDS.get(root)
+    if found is None:
+        with _mode_off():  # pure Python over the rank layout, computed once per root mesh
+            ranks = root.mesh
+            found = dict(zip(ranks.reshape(-1).tolist(), itertools.product(*map(range, ranks.shape))))
+        _COORDS[root] = found
+    if root is mesh:
         return found
-    with _mode_off():
-        ranks = mesh.mesh
-        shape = tuple(ranks.shape)
-        flat_ranks = ranks.reshape(-1).tolist()
-    out: dict[int, tuple[int, ...]] = {}
-    for flat, rank in enumerate(flat_ranks):
-        coord = []
-        for n in reversed(shape):
-            coord.append(flat % n)
-            flat //= n
-        out[int(rank)] = tuple(reversed(coord))
-    _COORDS[mesh] = out
-    return out
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if not names or any(n not in root_names for n in names):
+        raise AssertionError(f"cannot place the shards of a DTensor on mesh {mesh}: slice it by dim names")
+    dims = [root_names.index(n) for n in names]
+    return {r: tuple(c[d] for d in dims) for r, c in found.items()}
 
 
 # Reading a mesh's rank layout costs ~0.1 s here, and every shard of every leaf needs it. Weak keys: an
@@ -139,8 +134,7 @@ def _local_shard(
     copy: bool = True,
 ) -> torch.Tensor:
     # Mesh dims split in order, except a _StridedShard (FSDP2 over TP): it splits what the later dims left.
-    order = [d for d, p in enumerate(placements) if not isinstance(p, _StridedShard)]
-    order += [d for d, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    order = sorted(range(len(placements)), key=lambda d: isinstance(placements[d], _StridedShard))  # stable
     local = full
     for d in order:
         p = placements[d]
@@ -149,24 +143,18 @@ def _local_shard(
     return local.clone() if copy else local
 
 
-def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+def _mode() -> LocalTensorMode:
     mode = local_tensor_mode()
     if mode is None:
         raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...)")
-    coords = _coords(mesh)
-    shape = tuple(mesh.shape)
-    full = full.detach()
-    local = mode.rank_map(lambda r: _local_shard(full, shape, placements, coords[r]))
+    return mode
+
+
+def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
+    coords, shape, full = _coords(mesh), tuple(mesh.shape), full.detach()
+    local = _mode().rank_map(lambda r: _local_shard(full, shape, placements, coords[r]))
     spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
     return DTensor(local, spec, requires_grad=False)
-
-
-def _replicas(full: torch.Tensor) -> torch.Tensor:
-    """A plain tensor held by every simulated rank, one copy each (as DDP leaves its params and grads)."""
-    mode = local_tensor_mode()
-    if mode is None:
-        raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...)")
-    return mode.rank_map(lambda r: full.detach().clone())
 
 
 def _is_expert(path: str) -> bool:
@@ -185,15 +173,11 @@ def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, me
         raise ValueError(f"distribute: layout must be one of {list(PRESETS)} or a per-path mapping, got {preset!r}")
     if _PRESET_NDIM[preset] != mesh_ndim:
         raise ValueError(f"distribute: layout {preset!r} takes a {_PRESET_NDIM[preset]}-D mesh, got {mesh_ndim}-D")
-    fsdp = Shard(0) if leaf.ndim >= 1 else Replicate()
-    if preset == "ddp":
-        return None
-    if preset == "fsdp":
-        return [fsdp]
-    if preset == "hsdp":
-        return [Replicate(), fsdp]
-    if preset == "cp":  # params FSDP-sharded over dp and replicated over cp, where each rank has its tokens
-        return [fsdp, Replicate()]
+    fsdp: Placement = Shard(0) if leaf.ndim >= 1 else Replicate()
+    # cp: params FSDP-sharded over dp and replicated over cp, where each rank has its tokens.
+    data_parallel = {"ddp": None, "fsdp": [fsdp], "hsdp": [Replicate(), fsdp], "cp": [fsdp, Replicate()]}
+    if preset in data_parallel:
+        return data_parallel[preset]
     # TP alternates column-wise (Shard(0)) and row-wise (Shard(1)) over the matrices, in flatten order.
     tp: Placement = Replicate() if leaf.ndim < 2 else (Shard(0) if index % 2 == 0 else Shard(1))
     if preset == "tp":
@@ -214,22 +198,37 @@ def _strided(placements: list[Placement], mesh: DeviceMesh) -> list[Placement]:
     out = list(placements)
     for d, p in enumerate(out):
         if isinstance(p, _StridedShard):
-            factor = 1
-            for e in range(d + 1, len(out)):
-                later = out[e]
-                if isinstance(later, Shard) and later.dim == p.dim:
-                    factor *= mesh.size(e)
-            out[d] = _StridedShard(p.dim, split_factor=factor)
+            later = [mesh.size(e) for e, q in enumerate(out) if e > d and isinstance(q, Shard) and q.dim == p.dim]
+            out[d] = _StridedShard(p.dim, split_factor=math.prod(later))
     return out
 
 
-def _match_layout(layout: Any, path: str, leaf: torch.Tensor) -> Sequence[Placement] | None:
-    if callable(layout):
-        return layout(path, leaf)
-    for key, placements in layout.items():
-        if path == key or fnmatch.fnmatchcase(path, key):
-            return placements
-    return None
+def _lookup(layout: Mapping[str, Sequence[Placement]], path: str) -> Sequence[Placement] | None:
+    return next((p for key, p in layout.items() if path == key or fnmatch.fnmatchcase(path, key)), None)
+
+
+def _place(tree: PyTree, mesh: DeviceMesh, layout: Layout, put: Callable[..., Any]) -> PyTree:
+    """``tree`` with each tensor leaf replaced by ``put(leaf, placements)`` (``None``: a plain replica per rank)."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    out: list[Any] = []
+    matrices = 0
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        dotted = ".".join(str(k) for k in path) if path else "<root>"
+        if isinstance(layout, str):
+            placements = preset_placements(layout, dotted, leaf, matrices, mesh.ndim)
+            matrices += leaf.ndim >= 2
+        else:
+            found = layout(dotted, leaf) if callable(layout) else _lookup(layout, dotted)
+            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
+            if len(placements) != mesh.ndim:
+                raise ValueError(
+                    f"distribute: layout gives {dotted} {len(placements)} placements for a {mesh.ndim}-D mesh"
+                )
+        out.append(put(leaf, None if placements is None else _strided(list(placements), mesh)))
+    return optree.tree_unflatten(spec, out)
 
 
 def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
@@ -260,44 +259,16 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
         raise TypeError(
             f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
         )
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    out: list[Any] = []
-    matrices = 0
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-            continue
-        dotted = ".".join(str(k) for k in path) if path else "<root>"
-        if isinstance(layout, str):
-            placements = preset_placements(layout, dotted, leaf, matrices, mesh.ndim)
-            matrices += leaf.ndim >= 2
-        else:
-            found = _match_layout(layout, dotted, leaf)
-            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
-            if len(placements) != mesh.ndim:
-                raise ValueError(
-                    f"distribute: layout gives {dotted} {len(placements)} placements for a {mesh.ndim}-D mesh"
-                )
+
+    def put(leaf: torch.Tensor, placements: list[Placement] | None) -> torch.Tensor:
         if placements is None:
-            out.append(_replicas(leaf))
-        else:
-            out.append(_to_dtensor(leaf, mesh, _strided(list(placements), mesh)))
-    return optree.tree_unflatten(spec, out)
+            return _mode().rank_map(lambda r: leaf.detach().clone())  # one copy per rank, as DDP holds it
+        return _to_dtensor(leaf, mesh, placements)
+
+    return _place(tree, mesh, layout, put)
 
 
 # --- the check -----------------------------------------------------------------------------------
-
-
-def _mesh_coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
-    """Each simulated rank's coordinate in ``mesh``, a root mesh or a submesh sliced from one by dim names."""
-    root = mesh._get_root_mesh()
-    if root is mesh:
-        return _coords(mesh)
-    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
-    if not names or any(n not in root_names for n in names):
-        raise AssertionError(f"assert_matches_single_device: cannot place the shards of a DTensor on mesh {mesh}")
-    dims = [root_names.index(n) for n in names]
-    return {r: tuple(c[d] for d in dims) for r, c in _coords(root).items()}
 
 
 def _unwrap(t: torch.Tensor) -> torch.Tensor:
@@ -317,10 +288,7 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
     if isinstance(x, DTensor):
         mesh, local = x.device_mesh, _unwrap(x._local_tensor)
         shape, placements = tuple(mesh.shape), tuple(x.placements)
-        if real:
-            coord = tuple(mesh.get_coordinate() or ())
-            return {dist.get_rank(): (local.detach(), _local_shard(ref, shape, placements, coord, copy=False))}
-        coords = _mesh_coords(mesh)
+        coords = {dist.get_rank(): tuple(mesh.get_coordinate() or ())} if real else _coords(mesh)
         held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
         return {
             r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False))
@@ -332,10 +300,6 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
     if real:
         return {dist.get_rank(): (x.detach(), ref)}
     return {r: (x.detach(), ref) for r in range(world)}
-
-
-def _describe(groups: list[list[int]]) -> str:
-    return " vs ".join(str(g) for g in groups)
 
 
 def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: float, atol: float) -> None:
@@ -361,14 +325,7 @@ def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: floa
 
 
 def _placements(x: DTensor) -> str:
-    def one(p: Any) -> str:
-        if isinstance(p, Shard):
-            return f"Shard({p.dim})"
-        if p.is_partial():
-            return f"Partial({getattr(p, 'reduce_op', 'sum')})"
-        return "Replicate()" if p.is_replicate() else str(p)
-
-    return ", ".join(map(one, x.placements))
+    return ", ".join(f"Shard({p.dim})" if isinstance(p, Shard) else repr(p) for p in x.placements)
 
 
 def _check_placements(what: str, got: PyTree, given: PyTree) -> None:
@@ -391,21 +348,18 @@ def _check_ranks(name: str, ranks: dict[int, tuple[torch.Tensor, torch.Tensor]],
         key = (tuple(ref.shape), ref.data_ptr(), ref.storage_offset(), tuple(ref.stride()))
         by_part.setdefault(key, []).append((r, t, ref))
     for part in by_part.values():
-        groups: list[tuple[torch.Tensor, list[int]]] = []
+        groups: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []  # (a rank's value, NaNs as numbers, ranks)
         for r, t, _ in part:
-            for value, members in groups:
-                if (
-                    value.shape == t.shape
-                    and value.dtype == t.dtype
-                    and torch.equal(torch.nan_to_num(value), torch.nan_to_num(t))
-                ):
-                    members.append(r)
-                    break
+            n = torch.nan_to_num(t)
+            same = (m for _, v, m in groups if v.shape == n.shape and v.dtype == n.dtype and torch.equal(v, n))
+            members = next(same, None)
+            if members is None:
+                groups.append((t, n, [r]))
             else:
-                groups.append((t, [r]))
+                members.append(r)
         ref = part[0][2]
         if len(groups) > 1:
-            values = "; ".join(f"ranks {m} hold {_short(v)}" for v, m in groups)
+            values = "; ".join(f"ranks {m} hold {_short(v)}" for v, _, m in groups)
             raise AssertionError(f"{name}: the ranks disagree ({values}); one device has {_short(ref)}")
     for r, (t, ref) in ranks.items():
         if t.dtype != ref.dtype or t.shape != ref.shape:
@@ -471,12 +425,24 @@ def assert_matches_single_device(
     if not grads_seq:
         raise ValueError("assert_matches_single_device: grads_seq is empty; pass one grads tree per step")
     steps = len(grads_seq) if steps is None else steps
+    real = dist.is_initialized() and local_tensor_mode() is None
+    mesh_cm: Any = contextlib.nullcontext(mesh)
     if mesh is not None:
         shape = tuple(mesh.shape)
     elif mesh_shape is None:
         raise ValueError("assert_matches_single_device: pass mesh_shape=(...) (or a mesh= to reuse)")
     else:
         shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+        if real and dist.get_world_size() != math.prod(shape):
+            raise ValueError(
+                f"assert_matches_single_device: mesh_shape {shape} has {math.prod(shape)} ranks, the process group "
+                f"{dist.get_world_size()}"
+            )
+        names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
+        if real:
+            mesh_cm = contextlib.nullcontext(init_device_mesh("cpu", shape, mesh_dim_names=names))
+        else:
+            mesh_cm = simulated_mesh(shape, names)
     world = math.prod(shape)
 
     expected = []
@@ -487,20 +453,6 @@ def assert_matches_single_device(
             ref_params = apply_updates(ref_params, u)
             expected.append((u, ref_params, ref_state, _metrics(ref_state)))
 
-    real = dist.is_initialized() and local_tensor_mode() is None
-    if real and mesh is None and dist.get_world_size() != world:
-        raise ValueError(
-            f"assert_matches_single_device: mesh_shape {shape} has {world} ranks, the process group "
-            f"{dist.get_world_size()}"
-        )
-    names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
-    mesh_cm: Any
-    if mesh is not None:
-        mesh_cm = contextlib.nullcontext(mesh)
-    elif real:
-        mesh_cm = contextlib.nullcontext(init_device_mesh("cpu", shape, mesh_dim_names=names))
-    else:
-        mesh_cm = simulated_mesh(shape, names)
     put = _real_distribute if real else distribute
     with mesh_cm as on:
         d_params = put(params, on, layout)
@@ -521,30 +473,13 @@ def assert_matches_single_device(
 
 
 def _real_distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
-    """:func:`distribute` in a real multi-process run: each rank keeps its own shard."""
-    from torch.distributed.tensor import distribute_tensor
-
+    """:func:`distribute` in a real multi-process run: each rank keeps its own shard (split as torch's ``Shard``)."""
     coord = tuple(mesh.get_coordinate() or ())
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    out: list[Any] = []
-    matrices = 0
-    for path, leaf in zip(paths, leaves):
-        dotted = ".".join(str(k) for k in path) if path else "<root>"
-        if isinstance(layout, str):
-            placements = preset_placements(layout, dotted, leaf, matrices, mesh.ndim)
-            matrices += leaf.ndim >= 2
-        else:
-            found = _match_layout(layout, dotted, leaf)
-            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
+
+    def put(leaf: torch.Tensor, placements: list[Placement] | None) -> torch.Tensor:
         if placements is None:
-            out.append(leaf.detach().clone())
-            continue
-        placements = _strided(list(placements), mesh)
-        if any(isinstance(p, _StridedShard) for p in placements):
-            local = _local_shard(leaf.detach(), tuple(mesh.mesh.shape), placements, coord)
-            out.append(
-                DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape, stride=leaf.stride())
-            )
-        else:
-            out.append(distribute_tensor(leaf.detach().clone(), mesh, placements))
-    return optree.tree_unflatten(spec, out)
+            return leaf.detach().clone()
+        local = _local_shard(leaf.detach(), tuple(mesh.mesh.shape), placements, coord)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape, stride=leaf.stride())
+
+    return _place(tree, mesh, layout, put)
