@@ -14,11 +14,11 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
-from gradtx.wrapper import sum_grad_reduction
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close, assert_trees_equal
+from gradtx.wrapper import sum_grad_reduction
 
 
 class PeerComm:

@@ -124,7 +124,7 @@ def group_by_device_dtype(tensors: list[torch.Tensor]) -> list[tuple[tuple[torch
     over the tensors); traced or under ``vmap``, the same grouping in Python.
     """
     if tensors and not (torch.compiler.is_compiling() or under_vmap()):
-        return [(key, idx) for key, (_, idx) in torch._C._group_tensors_by_device_and_dtype([tensors], True).items()]
+        return [(key, idx) for key, (_, idx) in torch._C._group_tensors_by_device_and_dtype([list(tensors)], True).items()]  # type: ignore[list-item]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.device, t.dtype), []).append(i)

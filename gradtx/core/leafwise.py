@@ -133,7 +133,7 @@ class Moments:
         leaves, spec = tu.flatten(updates)
         self.full = spec == ref_spec and _like_tensors(leaves, ref)  # every leaf has an update, checked
         if self.full:
-            self.index, self.leaves, self.spec = range(len(leaves)), leaves, spec
+            self.index, self.leaves, self.spec = list(range(len(leaves))), leaves, spec
         else:
             self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
         self.new = [list(leaves) for leaves, _ in self.flat]
@@ -147,7 +147,7 @@ class Moments:
         if key is not None:
             self.cast = set(attrs(g_all, "dtype")) != {key[1]}
             g = [x if x.dtype == key[1] else x.to(key[1]) for x in g_all] if self.cast else g_all
-            self.groups = [(key, range(len(g_all)), g, trees_local)]
+            self.groups = [(key, list(range(len(g_all))), g, trees_local)]
             return
         self.cast, self.groups = True, []
         for key, idx in fe.group_by_device_dtype(trees_local[0]):

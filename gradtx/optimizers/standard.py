@@ -77,7 +77,7 @@ def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
 def _scalar(value: Scalar, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``value`` as a 0-d tensor: a foreach multiply by a Python number wraps it in a new tensor for every leaf."""
     return (
-        _on(value, device, dtype)
+        value.to(device, dtype, non_blocking=True)
         if isinstance(value, torch.Tensor)
         else torch.full((), value, dtype=dtype, device=device)
     )

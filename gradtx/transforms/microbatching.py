@@ -92,7 +92,7 @@ def microbatch(
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
         check.integer(n, arg="argnums", name="microbatch", minimum=0)
-    keys = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]  # positions, then keyword names
+    keys: list[Any] = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]  # positions, then keyword names
     axes = (in_axes,) * len(keys) if isinstance(in_axes, int) else tuple(in_axes)
     if len(axes) != len(keys):
         raise ValueError(f"microbatch: in_axes needs one axis per batch argument ({len(keys)}), got {len(axes)}")
