@@ -9,7 +9,6 @@ job of the plan in :mod:`gradtx.distributed.plan`; see ``docs/distributed.md``.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Sequence
 
 import torch
@@ -101,10 +100,13 @@ def _local_norm(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     if _plain_ops_only(locals_):
         norms = [_plain_norm(t, norm_type).to(device) for t in locals_]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(norm_dtype(locals_))
-    parts = [norms.to(device) for _, norms in _group_norms(locals_, norm_type, with_indices=False)]
-    dtype = norm_dtype(locals_) if len(parts) > 1 else tu.acc_dtype(locals_[0].dtype)
+    parts = [norms for _, norms in _group_norms(locals_, norm_type, with_indices=False)]
+    part = partial_dtype(device)
     # ||x||_p is the p-norm of its pieces' p-norms: the pieces' norms are combined in fp64.
-    return torch.linalg.vector_norm(parts[0] if len(parts) == 1 else torch.cat(parts), norm_type).to(dtype)
+    if len(parts) == 1:
+        return torch.linalg.vector_norm(parts[0], norm_type, dtype=part).to(tu.acc_dtype(locals_[0].dtype))
+    norms = torch.cat([n.to(device, part) for n in parts])
+    return torch.linalg.vector_norm(norms, norm_type).to(norm_dtype(locals_))
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
@@ -122,7 +124,7 @@ def _tensor_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.T
         return [_plain_norm(t, norm_type) for t in locals_]
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for idx, norms in _group_norms(locals_, norm_type, with_indices=True):
-        for i, n in zip(idx, norms.unbind()):
+        for i, n in zip(idx, norms.to(partial_dtype(norms.device)).unbind()):
             out[i] = n
     return out
 
@@ -148,9 +150,10 @@ def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
 def _group_norms(
     locals_: list[torch.Tensor], norm_type: float, *, with_indices: bool
 ) -> list[tuple[list[int], torch.Tensor]]:
-    """The norms of ``locals_`` as ``(indices, 1-d tensor)`` pairs in the partial dtype: one foreach call per (device, dtype).
+    """The norms of ``locals_`` as ``(indices, 1-d tensor)`` pairs: one foreach call per (device, dtype).
 
-    The indices are given only ``with_indices``.
+    The norms are fp32, or fp64 for fp64 tensors and for big CPU tensors'
+    rows; the indices are given only ``with_indices``.
     """
     inf = math.isinf(norm_type)
     out = []
@@ -169,7 +172,7 @@ def _group_norms(
                 keep = sorted(set(range(len(ts))) - set(special))
                 ts, idx = [ts[i] for i in keep], [idx[i] for i in keep] if with_indices else idx
         if ts:
-            out.append((idx, _foreach_norms(ts, norm_type).to(part)))
+            out.append((idx, _foreach_norms(ts, norm_type)))
     return out
 
 
@@ -208,22 +211,16 @@ def _rows_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 
 def _plain_ops_only(locals_: Sequence[torch.Tensor]) -> bool:
-    """Under ``torch.func.vmap``, or while autograd records through a leaf (a gradient through the clip).
+    """Under ``torch.func.vmap``: the foreach norm has no batching rule (torch 2.13); ``vector_norm`` has one.
 
-    The foreach norm has no batching rule, and the rows' views would make
-    autograd's graph needlessly long; ``vector_norm`` has both.
+    (Autograd and ``torch.func.grad`` go through the foreach norm: it has a derivative.)
     """
     if torch.compiler.is_compiling():
         return False
     is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
-    if is_batched is not None and is_batched(locals_[0]):
-        return True
-    return torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, locals_))
-
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+    return is_batched is not None and is_batched(locals_[0])
 
 
 def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """One tensor's norm with ops that have batching rules and derivatives, in the partial dtype."""
+    """One tensor's norm with ops that have batching rules, in the partial dtype."""
     return torch.linalg.vector_norm(magnitudes(t), norm_type).to(partial_dtype(t.device))
