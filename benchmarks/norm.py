@@ -1,15 +1,13 @@
-"""The global norm's benchmarks: the local pass against torch, the fused step on a GPU, and the overlap over gloo ranks.
+"""The global norm's benchmarks: the local pass against torch, the fused step on a GPU, and the reductions over gloo ranks.
 
 Usage::
 
     python benchmarks/norm.py                 # the local pass on CUDA if present, else CPU (+ the step on CUDA)
     python benchmarks/norm.py --cuda-only     # the GPU table only; exits 2 without CUDA (about 1 minute on an H100)
-    python benchmarks/norm.py --dist          # also 4 gloo ranks on CPU, TP x FSDP layout: overlapped vs sequential,
-                                              # 2 gloo ranks under DDP: the norm measured in the backward,
-                                              # and the TP x FSDP2 model below
-    python benchmarks/norm.py --ddp           # the DDP case alone
-    python benchmarks/norm.py --tp-fsdp-model # 4 gloo ranks, a TP x FSDP2 transformer: the norm sequential,
-                                              # overlapped, and measured in the backward (also run by --dist)
+    python benchmarks/norm.py --dist          # also 4 gloo ranks on CPU, TP x FSDP layout: a reduction per mesh dim
+                                              # against one over the mesh, and the TP x FSDP2 model below
+    python benchmarks/norm.py --tp-fsdp-model # 4 gloo ranks, a TP x FSDP2 transformer: the clip's norm with a
+                                              # reduction per mesh dim, and zero-config (also run by --dist)
     python benchmarks/norm.py --quick         # tiny shapes, a smoke run
 
 It needs torch, optree and this repository only (no torchopt, no JAX), and
@@ -251,17 +249,17 @@ def _dist_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out
             for b in ("ln1", "ln2", "proj_bias", "out_bias"):
                 put(f"h{i}.{b}", (d,), [Shard(0), Replicate()])  # replicated over tp: the dp-only bucket
         leaves, _ = tu.flatten(grads)  # the flatten order the plan is bound to
-        overlapped = gtx.mesh_groups(grads, comm=TorchComm(mesh))
-        sequential = gtx.mesh_groups(grads, comm=BlockingComm(TorchComm(mesh)))
-        a, b = overlapped.global_norm(leaves, 2.0), sequential.global_norm(leaves, 2.0)
-        assert torch.equal(a, b), (a, b)
+        per_dim = gtx.mesh_groups(grads, comm=TorchComm(mesh))  # declared: one reduction per mesh dim
+        a, b = gtx.global_norm(leaves, 2.0, mesh_groups=per_dim), gtx.global_norm(grads)
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=0)
         from gradtx.core import norms
 
         shards = [t._local_tensor for t in leaves]
-        times: dict[str, list[float]] = {"overlapped": [], "sequential": [], "local": []}
+        times: dict[str, list[float]] = {"one reduction": [], "per dim": [], "local": []}
         runs = {
-            "overlapped": lambda: overlapped.global_norm(leaves, 2.0),
-            "sequential": lambda: sequential.global_norm(leaves, 2.0),
+            "per dim": lambda: gtx.global_norm(leaves, 2.0, mesh_groups=per_dim),
+            # zero-config: the placements' plan, one reduction over the whole mesh
+            "one reduction": lambda: gtx.global_norm(grads),
             # the floor: the local pass alone, no collective (what no reordering can hide)
             "local": lambda: norms.local_norm(shards, 2.0),
         }
@@ -276,7 +274,7 @@ def _dist_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out
             med = {k: statistics.median(v) for k, v in times.items()}
             local = sum(t._local_tensor.numel() for t in leaves)
             with open(out, "w") as f:
-                f.write(f"{med['overlapped']}\n{med['sequential']}\n{local}\n{med['local']}\n")
+                f.write(f"{med['one reduction']}\n{med['per dim']}\n{local}\n{med['local']}\n")
     finally:
         dist.destroy_process_group()
 
@@ -289,116 +287,25 @@ def dist_overlap(quick: bool, rounds: int) -> list[tuple[str, str]]:
     out = os.path.join(tempfile.mkdtemp(), "dist.txt")
     port = 29500 + random.Random(os.getpid()).randrange(2000)
     mp.spawn(_dist_worker, args=(4, port, quick, rounds, out), nprocs=4, join=True)
-    ov, seq, local, alone = Path(out).read_text().splitlines()
+    one, per_dim, local, alone = Path(out).read_text().splitlines()
     return [
         (
-            f"4 gloo ranks, mesh (dp=2, tp=2), {int(local):,} local fp32 grads per rank: norm, sequential",
-            f"{float(seq) * 1e3:.2f} ms",
+            (
+                f"4 gloo ranks, mesh (dp=2, tp=2), {int(local):,} local fp32 grads per rank: the norm with a declared "
+                "plan, one reduction per mesh dim (tp, then dp)"
+            ),
+            f"{float(per_dim) * 1e3:.2f} ms",
         ),
+        ("the same, zero-config: one reduction over the whole mesh", f"{float(one) * 1e3:.2f} ms"),
+        ("one reduction / one per mesh dim", f"**{float(one) / float(per_dim):.3f}**"),
         (
-            "the same, overlapped (tp reduction in flight during the dp-only bucket's local pass)",
-            f"{float(ov) * 1e3:.2f} ms",
-        ),
-        ("end of backward to end of norm, overlapped / sequential", f"**{float(ov) / float(seq):.3f}**"),
-        (
-            "the local pass alone (no collective): the floor no ordering can go below, / sequential",
-            f"{float(alone) * 1e3:.2f} ms = {float(alone) / float(seq):.3f}",
+            "the local pass alone (no collective): the floor no ordering can go below, / one per mesh dim",
+            f"{float(alone) * 1e3:.2f} ms = {float(alone) / float(per_dim):.3f}",
         ),
     ]
 
 
-# --- 2 gloo ranks, DDP: the norm measured in the backward ---------------------------------------
-
-
-def _ddp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, out: str) -> None:
-    import copy
-
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        d, layers = (64, 2) if quick else (768, 6)
-        torch.manual_seed(0)
-        blocks = []
-        for _ in range(layers):  # GPT-2-small's MLP blocks: 4.7M params each
-            blocks += [torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)]
-        base = torch.nn.Sequential(*blocks)
-        plain = DDP(copy.deepcopy(base))  # item 2: the norm at step(), one pass, no collective (replicated grads)
-        hooked = DDP(copy.deepcopy(base))
-        bn = gtx.norm_in_backward(hooked, 2.0)
-        x = torch.randn(32 if quick else 64, d, generator=torch.Generator().manual_seed(rank))
-        models = {"at step": plain, "in backward": hooked}
-
-        def norm_at_step(k: str) -> torch.Tensor:
-            grads = [p.grad for p in models[k].parameters()]
-            if k == "in backward":
-                value = bn.norm(grads)
-                assert value is not None, "the clip would not use the value measured in the backward"
-                return value
-            return gtx.global_norm(grads)
-
-        times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "norm": []} for k in models}
-        norms_seen = {}
-        for r in range(rounds + 2):
-            for k in sorted(models, reverse=r % 2 == 1):  # the same order on every rank
-                model = models[k]
-                model.zero_grad(set_to_none=False)
-                dist.barrier()
-                t0 = time.perf_counter()
-                model(x).square().mean().backward()
-                t1 = time.perf_counter()
-                norms_seen[k] = norm_at_step(k)
-                t2 = time.perf_counter()
-                if r >= 2:
-                    times[k]["backward"].append(t1 - t0)
-                    times[k]["norm"].append(t2 - t1)
-        torch.testing.assert_close(norms_seen["at step"], norms_seen["in backward"], rtol=2e-6, atol=0)
-        if rank == 0:
-            med = {k: {w: statistics.median(v) for w, v in t.items()} for k, t in times.items()}
-            n = sum(p.numel() for p in base.parameters())
-            buckets = bn.buckets
-            with open(out, "w") as f:
-                f.write(repr((med, n, buckets)))
-    finally:
-        dist.destroy_process_group()
-
-
-def ddp_backward_norm(quick: bool, rounds: int) -> list[tuple[str, str]]:
-    import ast
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    out = os.path.join(tempfile.mkdtemp(), "ddp.txt")
-    port = 29500 + random.Random(os.getpid() + 1).randrange(2000)
-    mp.spawn(_ddp_worker, args=(2, port, quick, rounds, out), nprocs=2, join=True)
-    med, n, buckets = ast.literal_eval(Path(out).read_text())
-    at, inb = med["at step"], med["in backward"]
-    return [
-        (
-            f"2 gloo ranks, DDP, {n:,} fp32 params ({buckets} buckets): the norm at step(), one pass (no collective)",
-            f"{at['norm'] * 1e3:.2f} ms",
-        ),
-        (
-            "the same, measured in the backward (gtx.norm_in_backward): what is left at step()",
-            f"{inb['norm'] * 1e3:.3f} ms",
-        ),
-        ("exposed norm time at step(), in the backward / at step()", f"**{inb['norm'] / at['norm']:.3f}**"),
-        (
-            "backward (forward included), with the hook / without: the cost moved into the backward",
-            f"{(inb['backward']) * 1e3:.1f} / {at['backward'] * 1e3:.1f} ms = {inb['backward'] / at['backward']:.3f}",
-        ),
-        (
-            "backward + norm, in the backward / at step()",
-            f"**{(inb['backward'] + inb['norm']) / (at['backward'] + at['norm']):.3f}**",
-        ),
-    ]
-
-
-# --- 4 gloo ranks, a TP x FSDP2 model: the norm after the backward, overlapped, and in the backward ------
+# --- 4 gloo ranks, a TP x FSDP2 model: the clip's norm, a reduction per mesh dim or one over the mesh -----
 
 
 class _Block(torch.nn.Module):
@@ -452,9 +359,7 @@ def _tp_fsdp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, 
                 fully_shard(block, mesh=mesh["dp"])
             return fully_shard(model, mesh=mesh["dp"])
 
-        plain = shard(copy.deepcopy(base))  # (a) and (b): no hooks
-        hooked = shard(copy.deepcopy(base))  # (c): the sharded params' post-accumulate-grad hooks
-        bn = gtx.norm_in_backward(hooked, 2.0)
+        model = shard(copy.deepcopy(base))
         # one batch per dp rank, the same on both tp ranks of it
         x = torch.randn(4, seq, d, generator=torch.Generator().manual_seed(mesh.get_local_rank("dp")))
 
@@ -463,27 +368,26 @@ def _tp_fsdp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, 
             model(x).square().mean().backward()
             return {k: p.grad for k, p in model.named_parameters()}
 
-        grads = backward(plain)
+        grads = backward(model)
         clips = {
-            # the previous path: one reduction after another, each waited on before the next line
+            # a declared plan: one reduction per mesh dim, each waited on before the next line
             "sequential": gtx.clip_by_global_norm(
                 1.0, mesh_groups=gtx.mesh_groups(grads, comm=BlockingComm(TorchComm(mesh)))
             ),
-            "overlapped": gtx.clip_by_global_norm(1.0),  # zero-config: placements, async reductions
-            "in backward": gtx.clip_by_global_norm(1.0, precomputed=bn),
+            # zero-config: the placements' plan, one reduction over the mesh, the replicated leaves'
+            # local pass while it is in flight
+            "overlapped": gtx.clip_by_global_norm(1.0),
         }
         states = {k: tx.init(grads) for k, tx in clips.items()}
-        models = {"sequential": plain, "overlapped": plain, "in backward": hooked}
         extra = ["local", "two scalars", "one scalar"]
         times: dict[str, dict[str, list[float]]] = {k: {"backward": [], "norm": []} for k in [*clips, *extra]}
         tp_group, dp_group = mesh["tp"].get_group(), mesh["dp"].get_group()
-        used = bn.used
         for r in range(rounds + 2):
             seen = {}
             for k in sorted([*clips, *extra], reverse=r % 2 == 1):  # the same order on every rank
                 dist.barrier()
                 t0 = time.perf_counter()
-                g = backward(models.get(k, plain))
+                g = backward(model)
                 t1 = time.perf_counter()
                 # Every rank past its backward before the clock starts: what the norm itself costs, not the
                 # ranks' skew from the backward (4 ranks on few cores are scheduled in turns), which any
@@ -496,7 +400,7 @@ def _tp_fsdp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, 
                     v = torch.zeros((), dtype=torch.float64)
                     dist.all_reduce(v, group=tp_group)
                     dist.all_reduce(v, group=dp_group)
-                elif k == "one scalar":  # the floor of what (c) leaves: one scalar over the whole mesh
+                elif k == "one scalar":  # the floor of (b): one scalar over the whole mesh
                     dist.all_reduce(torch.zeros((), dtype=torch.float64))
                 else:
                     _, st = clips[k].factor(g, states[k])  # the clip's norm (and its coefficient), no scaling
@@ -506,11 +410,7 @@ def _tp_fsdp_worker(rank: int, world: int, port: int, quick: bool, rounds: int, 
                     times[k]["backward"].append(t1 - t0)
                     times[k]["norm"].append(t2 - t1b)
             # the same norm on every path: the measured parts are the step-time ones, to fp32 rounding
-            torch.testing.assert_close(seen["in backward"], seen["overlapped"], rtol=2e-6, atol=0)
             torch.testing.assert_close(seen["sequential"], seen["overlapped"], rtol=2e-6, atol=0)
-        assert bn.used - used == rounds + 2 and bn.fallbacks == 0, (bn.used, bn.fallbacks)
-        # after the first step under the flat plan, the last hook of each backward started the one reduction
-        assert bn.early == rounds + 1, bn.early
         if rank == 0:
             med = {k: {w: statistics.median(v) for w, v in t.items()} for k, t in times.items()}
             n = sum(p.numel() for p in base.parameters())
@@ -531,24 +431,23 @@ def tp_fsdp_model(quick: bool, rounds: int) -> list[tuple[str, str]]:
     port = 29500 + random.Random(os.getpid() + 2).randrange(2000)
     mp.spawn(_tp_fsdp_worker, args=(4, port, quick, rounds, out), nprocs=4, join=True)
     med, n, local, leaves = ast.literal_eval(Path(out).read_text())
-    seq, ov, inb, alone = med["sequential"], med["overlapped"], med["in backward"], med["local"]
+    seq, ov, alone = med["sequential"], med["overlapped"], med["local"]
     per_dim, floor = med["two scalars"], med["one scalar"]
     return [
         (
             (
                 f"4 gloo ranks, a TP x FSDP2 transformer (mesh dp=2 x tp=2), {n:,} fp32 params in {leaves} "
                 f"DTensors ({local:,} per rank): every rank past its backward (a barrier) to the end of the clip's norm, "
-                "(a) sequential"
+                "(a) a declared plan, one reduction per mesh dim (sequential)"
             ),
             f"{seq['norm'] * 1e3:.2f} ms",
         ),
-        ("(b) the same, overlapped (zero-config clip)", f"{ov['norm'] * 1e3:.2f} ms"),
         (
             (
-                "(c) the same, measured in the backward (gtx.norm_in_backward), the one reduction started by the "
-                "last hook: what is left at step()"
+                "(b) the same, zero-config clip: one reduction over the mesh, the replicated leaves' local pass while "
+                "it is in flight"
             ),
-            f"{inb['norm'] * 1e3:.2f} ms",
+            f"{ov['norm'] * 1e3:.2f} ms",
         ),
         (
             "the local pass alone (no collective): all the backward can take off the step, / (b)",
@@ -559,29 +458,18 @@ def tp_fsdp_model(quick: bool, rounds: int) -> list[tuple[str, str]]:
             f"{floor['norm'] * 1e3:.2f} ms = {floor['norm'] / ov['norm']:.3f}",
         ),
         ("two scalar all-reduces, over tp then dp (one per mesh dim, as in (a))", f"{per_dim['norm'] * 1e3:.2f} ms"),
-        ("(b) / (a): overlapped / sequential", f"**{ov['norm'] / seq['norm']:.3f}**"),
-        ("(c) / (b): exposed norm time at step(), in the backward / overlapped", f"**{inb['norm'] / ov['norm']:.3f}**"),
-        ("(c) / (a): in the backward / sequential", f"**{inb['norm'] / seq['norm']:.3f}**"),
-        (
-            "backward (forward included), with the hooks / without",
-            f"{inb['backward'] * 1e3:.1f} / {ov['backward'] * 1e3:.1f} ms = {inb['backward'] / ov['backward']:.3f}",
-        ),
-        (
-            "backward + norm, (c) / (b)",
-            f"**{(inb['backward'] + inb['norm']) / (ov['backward'] + ov['norm']):.3f}**",
-        ),
+        ("(b) / (a): one reduction, overlapped / sequential", f"**{ov['norm'] / seq['norm']:.3f}**"),
     ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cuda-only", action="store_true", help="the GPU table only; exit 2 when CUDA is absent")
-    ap.add_argument("--dist", action="store_true", help="also 4 gloo ranks on CPU (TP x FSDP layout)")
-    ap.add_argument("--ddp", action="store_true", help="only 2 gloo ranks under DDP: the norm in the backward")
+    ap.add_argument("--dist", action="store_true", help="also 4 gloo ranks on CPU (TP x FSDP layout, and the model)")
     ap.add_argument(
         "--tp-fsdp-model",
         action="store_true",
-        help="only 4 gloo ranks, a TP x FSDP2 model: sequential, overlapped and in-the-backward norms",
+        help="only 4 gloo ranks, a TP x FSDP2 model: the clip's norm per mesh dim and zero-config",
     )
     ap.add_argument("--quick", action="store_true", help="tiny shapes, a smoke run")
     ap.add_argument(
@@ -604,11 +492,9 @@ def main() -> None:
     t0 = time.perf_counter()
     if args.tp_fsdp_model:
         rows = tp_fsdp_model(args.quick, max(5, rounds) if args.quick else max(15, rounds))
-    elif args.ddp:
-        rows = ddp_backward_norm(args.quick, max(5, rounds))
     else:
         rows = local_pass(device, args.quick, rounds, sync)
-    if args.ddp or args.tp_fsdp_model:
+    if args.tp_fsdp_model:
         pass
     elif cuda:
         rows += fused_step(device, args.quick, rounds, sync)
@@ -616,7 +502,6 @@ def main() -> None:
         rows.append(("fused wrapper step's bandwidth vs peak (CUDA only)", "not run: no CUDA device"))
     if args.dist and not args.cuda_only:
         rows += dist_overlap(args.quick, max(3, rounds))
-        rows += ddp_backward_norm(args.quick, max(5, rounds))
         # 4 ranks on a few shared cores: ms-scale medians need more rounds than the 2-rank cases
         rows += tp_fsdp_model(args.quick, max(5, rounds) if args.quick else max(15, rounds))
     command = "python benchmarks/norm.py " + " ".join(sys.argv[1:])

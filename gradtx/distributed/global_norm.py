@@ -286,15 +286,7 @@ def tree_unitwise_norms(
     Returns:
       ``(grad_norms, weight_norms)``, each broadcastable to its leaf's local shard.
     """
-    if mesh_groups is not None:
-        check_plan(mesh_groups, name="adaptive_clip")
-        plan = mesh_groups
-    else:
-        plan = (
-            slot.get(grads, what="adaptive_clip", tree=tree)
-            if slot
-            else from_placements(grads, what="adaptive_clip", tree=tree)
-        )
+    plan = _plan(grads, mesh_groups, slot, "adaptive_clip", tree)
     if plan is None:
         return (
             [norms.unitwise_norm(g, unitwise=unitwise) for g in grads],
