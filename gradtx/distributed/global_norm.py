@@ -21,7 +21,7 @@ from typing import Any
 import optree
 import torch
 
-from gradtx.comm.base import AsyncComm, Comm, Done, GroupKey, ReduceOp, check_comm
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.comm.groups import reduce_over_groups
 from gradtx.core import norms
 from gradtx.core import tree as tu
@@ -354,8 +354,7 @@ def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None
 #
 # Local fp32 foreach norms of each leaf's shard, one p-th-power partial per bucket (leaves that share
 # the same groups), then the reductions: one all-reduce over the whole mesh for a flat plan, else one
-# per group, then one over pp_group. Under a flat plan the local pass of the buckets no group needs
-# (leaves every rank holds whole) runs while the one reduction is in flight.
+# per group, then one over pp_group.
 
 
 def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -363,31 +362,18 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
     inf = math.isinf(norm_type)
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
-    sharded = [b for b in plan._buckets if b.groups]
-    whole = [b for b in plan._buckets if not b.groups]
-    parts = _bucket_sums(sharded, leaves, norm_type, device)
-    if plan.flat is not None:
+    part = norms.partial_dtype(device)
+    parts = _bucket_sums(plan._buckets, leaves, norm_type, device)
+    if plan.flat is not None:  # divided by its replica count, a part counts once in a sum over the whole mesh
         group, replicas = plan.flat
-        if not inf:  # divided by its replica count, a part counts once in a sum over the whole mesh
-            parts = [
-                p if r == 1 else p / r for p, r in zip(parts, (r for b, r in zip(plan._buckets, replicas) if b.groups))
-            ]
-        pending = _start(plan.comm, [norms.total(parts, norm_type, device).to(norms.partial_dtype(device))], op, group)
+        parts = [p if inf or r == 1 else p / r for p, r in zip(parts, replicas)]
+        (stage,) = plan.comm.all_reduce([norms.total(parts, norm_type, device).to(part)], op, group)
     else:
-        pending = Done(reduce_over_groups(plan.comm, parts, [b.groups for b in sharded], plan.group_order, op))
-    rest = _bucket_sums(whole, leaves, norm_type, device)
-    stage = norms.total([*pending.wait(), *rest], norm_type, device).to(norms.partial_dtype(device))
+        parts = reduce_over_groups(plan.comm, parts, [b.groups for b in plan._buckets], plan.group_order, op)
+        stage = norms.total(parts, norm_type, device).to(part)
     if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
         (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
     return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
-
-
-def _start(comm: Comm, tensors: list[torch.Tensor], op: ReduceOp, group: GroupKey) -> Any:
-    return (
-        comm.all_reduce_async(tensors, op, group)
-        if isinstance(comm, AsyncComm)
-        else Done(comm.all_reduce(tensors, op, group))
-    )
 
 
 def _bucket_sums(
