@@ -1,4 +1,4 @@
-"""Local norms of gradient trees: sums of p-th powers in one pass, fp32 kernels, fp64 partial sums.
+"""Local norms of gradient trees: one foreach norm per (device, dtype) group, the norms combined in fp64.
 
 Everything here is computed on each tensor's local shard, on the calling
 thread, with no communication. Turning local parts into the norm of a sharded
