@@ -19,14 +19,17 @@ from gradtx.core import tree as tu
 # A CPU tensor of 128K elements or more is split into rows of 64K elements, whose fp32 norms are
 # combined in fp64: the norm kernel's sums over rows that short stay within about 2e-7 of fp64, where
 # one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off).
-# The rows go to one foreach norm (a bf16/fp16 row is upcast inside the kernel), which reduces them
-# one after another: 1.1x the time of one whole pass over GPT-2's grads. One ``dim=1`` norm over the
-# rows is as fast on idle cores, but on busy ones it stalls on torch's pool (8 ms per op measured on
-# a shared 2-core machine, torch 2.13), and ``vector_norm(dtype=)`` converts a whole bf16 tensor
-# before reducing it, 4x slower. On a GPU the foreach kernel adds its block partials by a tree
-# already, so there every tensor goes to it whole.
+# The rows go to one foreach norm, which reduces them one after another: 1.1x to 1.3x the time of
+# one whole pass over GPT-2's grads. A bf16/fp16 tensor of more than 32K elements is split into rows
+# of 32K, upcast inside the kernel: a row's upcast copy then stays within torch's parallel grain and
+# runs on the calling thread. Ops that torch's pool runs (one ``dim=1`` norm over all the rows, a
+# longer upcast) are as fast on idle cores, but on busy ones they stall waiting for it (8 ms per op
+# measured on a shared 2-core machine, torch 2.13; 30x torch's time on GPT-2's bf16 grads with 64K
+# rows). On a GPU the foreach kernel adds its block partials by a tree already, so there every
+# tensor goes to it whole.
 _ROW = 1 << 16
 _MIN_ROWS = 2 * _ROW
+_LOW_ROW = 1 << 15
 _FP64 = frozenset({torch.float64, torch.complex128})
 
 
@@ -162,8 +165,9 @@ def _group_norms(
         rows = device.type == "cpu" and not inf and dtype not in _FP64 and not dtype.is_complex
         if rows or inf:  # big CPU tensors by rows; no inf-norm of an empty tensor (it has no identity): 0
             sizes = list(map(torch.Tensor.numel, ts))
-            if (rows and max(sizes) >= _MIN_ROWS) or (inf and min(sizes) == 0):
-                special = [i for i, n in enumerate(sizes) if (n >= _MIN_ROWS if rows else n == 0)]
+            least = _MIN_ROWS if dtype == torch.float32 else _LOW_ROW + 1
+            if (rows and max(sizes) >= least) or (inf and min(sizes) == 0):
+                special = [i for i, n in enumerate(sizes) if (n >= least if rows else n == 0)]
                 norms = [
                     _rows_norm(ts[i], norm_type) if rows else torch.zeros((), dtype=part, device=device)
                     for i in special
@@ -195,11 +199,12 @@ def _foreach_norms(tensors: list[torch.Tensor], norm_type: float) -> torch.Tenso
 
 
 def _rows_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The norm of a big CPU tensor (0-d fp64): fp32 norms of rows of ``_ROW`` elements, combined in fp64."""
+    """The norm of a big CPU tensor (0-d fp64): fp32 norms of rows of ``_ROW`` (``_LOW_ROW``) elements, combined in fp64."""
     flat = t.reshape(-1)
     acc = tu.acc_dtype(t.dtype)
-    whole = flat.numel() // _ROW * _ROW
-    rows = flat[:whole].view(-1, _ROW)
+    row = _ROW if t.dtype == acc else _LOW_ROW
+    whole = flat.numel() // row * row
+    rows = flat[:whole].view(-1, row)
     kwargs = {} if t.dtype == acc else {"dtype": acc}
     if torch.compiler.is_compiling():  # one op to trace; inductor fuses the rows and the upcast
         parts = [torch.linalg.vector_norm(rows, norm_type, dim=1, **kwargs)]
