@@ -1,12 +1,13 @@
-"""Save a sharded run mid-window on 4 ranks with torch.distributed.checkpoint, resume it on 2, get the same params.
+"""Save a sharded run on 4 ranks with torch.distributed.checkpoint, resume it on 2, get the same params.
 
 An FSDP2 model, a ``torch.optim.AdamW`` behind ``gtx.TransformedOptimizer`` with
 ``accumulate(4)`` and ``clip_by_global_norm(1.0)``. The run takes 16 micro-steps
-of a fixed global batch schedule; the 4-rank run checkpoints after micro-step 10,
-in the middle of its third accumulation window, with torch's own
+of a fixed global batch schedule; the 4-rank run checkpoints after micro-step 8,
+at the boundary of its second accumulation window (a DCP checkpoint is made at a
+boundary: its template holds no partial sums), with torch's own
 ``get_state_dict`` and ``dcp.save``, as torchtitan does (flattened optimizer
 dicts). A 2-rank run loads that checkpoint with ``dcp.load`` and
-``set_state_dict`` and takes micro-steps 10..15. Its final params must match
+``set_state_dict`` and takes micro-steps 8..15. Its final params must match
 the 4-rank run's, and a single-device run in plain torch (mean of each window's
 grads, ``clip_grad_norm_``, ``AdamW``).
 
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-K, TOTAL, SAVE_AT, ROWS = 4, 16, 10, 16
+K, TOTAL, SAVE_AT, ROWS = 4, 16, 8, 16
 LR, MAX_NORM = 1e-2, 1.0
 
 

@@ -92,13 +92,13 @@ def main() -> None:
     data = batches(8)
     with tempfile.TemporaryDirectory() as folder:
         model, optimizers, manager = build(folder)
-        train(model, optimizers, data[:3])  # stops mid-window: the partial sum is saved too
-        manager.save(curr_step=3)
+        train(model, optimizers, data[:4])  # saves at a window boundary: torchtitan loads into a template
+        manager.save(curr_step=4)
         manager.close()
 
         resumed_model, resumed_opts, resumed_manager = build(folder)  # as a fresh process would
-        resumed_manager.load(step=3)
-        train(resumed_model, resumed_opts, data[3:])
+        resumed_manager.load(step=4)
+        train(resumed_model, resumed_opts, data[4:])
         resumed_manager.close()
 
     reference = make_model()  # the same recipe, uninterrupted

@@ -5,7 +5,7 @@ from typing import Any
 import torch
 
 from gradtx import checkpoint, comm, schedules
-from gradtx.core import kinds
+from gradtx.core import tree  # optax.tree's counterpart: tree_map, flatten, ... (gradtx.core.tree)
 from gradtx.core.base import (
     EmptyState,
     GradientTransformation,
@@ -13,6 +13,7 @@ from gradtx.core.base import (
     ScalarTransformation,
     export_metrics,
     identity,
+    init_empty_state,
     metrics,
     scalar_transformation,
 )
@@ -21,6 +22,7 @@ from gradtx.distributed.context_parallel import cp_reduce
 from gradtx.distributed.global_norm import global_norm
 from gradtx.distributed.pipeline import pp_reduce
 from gradtx.distributed.plan import MeshGroups, Sharded, mesh_groups
+from gradtx.optimizers.aliases import adam, adamw, sgd
 from gradtx.optimizers.lion import ScaleByLionState, lion, scale_by_lion
 from gradtx.optimizers.lookahead import LookaheadParams, LookaheadState, lookahead
 from gradtx.optimizers.muon import (
@@ -48,29 +50,27 @@ from gradtx.optimizers.standard import (
     ScaleByAdamState,
     ScaleByScheduleState,
     TraceState,
-    adam,
-    adamw,
     add_decayed_weights,
     scale,
     scale_by_adam,
     scale_by_learning_rate,
     scale_by_schedule,
-    sgd,
     trace,
 )
 from gradtx.optimizers.trust_ratio import lamb, lars, scale_by_trust_ratio
-from gradtx.runtime.executor import StepPlan, update_and_apply
 from gradtx.schedules.builtin import (
     constant_schedule,
     cosine_decay_schedule,
-    cosine_onecycle_schedule,
     exponential_decay,
-    join_schedules,
-    linear_onecycle_schedule,
     linear_schedule,
     piecewise_constant_schedule,
-    piecewise_interpolate_schedule,
     polynomial_schedule,
+)
+from gradtx.schedules.combined import (
+    cosine_onecycle_schedule,
+    join_schedules,
+    linear_onecycle_schedule,
+    piecewise_interpolate_schedule,
     sgdr_schedule,
     warmup_constant_schedule,
     warmup_cosine_decay_schedule,
@@ -98,6 +98,7 @@ from gradtx.transforms.combine import (
     masked,
     named_chain,
     partition,
+    update_and_apply,
 )
 from gradtx.transforms.conditionals import ApplyIfFiniteState, apply_if_finite
 from gradtx.transforms.microbatching import AccumulationType, microbatch
@@ -136,44 +137,10 @@ from gradtx.transforms.spikes import (
 from gradtx.wrapper import TransformedOptimizer, no_sync, sum_grad_reduction
 
 # Transform states are NamedTuples of tensors; let torch.load(weights_only=True), torch's default, read them back.
-_STATES: list[Any] = (
-    [
-        AccumulateState,
-        AddNoiseState,
-        ApplyIfFiniteState,
-        AutoClipState,
-        ClipByGlobalNormState,
-        DifferentiallyPrivateAggregateState,
-        EmptyState,
-        InjectHyperparamsState,
-        MaskedState,
-        MuonState,
-        PartitionState,
-        ScaleByAdamState,
-        ScaleByScheduleState,
-        TraceState,
-        SkipIfState,
-        SkipSpikesState,
-        TrackNormsState,
-        ZClipState,
-        ZeroNansState,
-        ConditionallyMaskState,
-        ConditionallyTransformState,
-        EmaState,
-        LookaheadParams,
-        LookaheadState,
-        MonitorState,
-        ReduceLROnPlateauState,
-        SAMState,
-        ScaleByLionState,
-        ScaleByRmsWithCountState,
-        ScheduleFreeState,
-        SnapshotState,
-    ]
-)
+_STATES: list[Any] = [v for k, v in list(globals().items()) if k.endswith("State") or k == "LookaheadParams"]
 torch.serialization.add_safe_globals(_STATES)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AccumulateState",
@@ -210,13 +177,13 @@ __all__ = [
     "ScalarTransformation",
     "ScaleByAdamState",
     "ScaleByLionState",
+    "ScaleByRmsWithCountState",
     "ScaleByScheduleState",
     "ScheduleFreeState",
     "Sharded",
     "SkipIfState",
     "SkipSpikesState",
     "SnapshotState",
-    "StepPlan",
     "TraceState",
     "TrackNormsState",
     "TransformedOptimizer",
@@ -255,9 +222,9 @@ __all__ = [
     "global_norm",
     "identity",
     "incremental_update",
+    "init_empty_state",
     "inject_hyperparams",
     "join_schedules",
-    "kinds",
     "lamb",
     "lars",
     "linear_onecycle_schedule",
@@ -313,6 +280,7 @@ __all__ = [
     "sum_grad_reduction",
     "trace",
     "track_norms",
+    "tree",
     "unitwise_norm",
     "update_and_apply",
     "warmup_constant_schedule",
@@ -321,27 +289,6 @@ __all__ = [
     "zclip",
     "zero_nans",
 ]
-
-# The flat module paths from before the layered layout (gradtx.plan, gradtx.executor, ...): each is the
-# moved module itself, so old imports, attribute paths and pickles keep working.
-from gradtx import _global_norm, accumulation, adaptive, base, clipping, combine, conditionals, context_parallel, executor, hyperparams, norms, pipeline, plan, spikes, tree, validate  # noqa: F401, I001
-
-# Files saved by 0.1.0 name each state class by its flat module path (gradtx.accumulation.AccumulateState):
-# torch.load(weights_only=True) matches names, so the moved classes are allowed under those names too.
-_FLAT_PATHS = {
-    "gradtx.transforms.accumulation": "gradtx.accumulation",
-    "gradtx.transforms.adaptive": "gradtx.adaptive",
-    "gradtx.transforms.clipping": "gradtx.clipping",
-    "gradtx.transforms.combine": "gradtx.combine",
-    "gradtx.transforms.conditionals": "gradtx.conditionals",
-    "gradtx.transforms.spikes": "gradtx.spikes",
-    "gradtx.core.base": "gradtx.base",
-    "gradtx.optimizers.standard": "gradtx.optimizers",
-    "gradtx.schedules.hyperparams": "gradtx.hyperparams",
-}
-torch.serialization.add_safe_globals(
-    [(cls, f"{_FLAT_PATHS[cls.__module__]}.{cls.__qualname__}") for cls in _STATES if cls.__module__ in _FLAT_PATHS]
-)
 
 
 def __getattr__(name: str) -> Any:

@@ -14,10 +14,10 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
+from gradtx.optim import sum_grad_reduction
 
 import gradtx as gtx
 from gradtx.comm import LocalComm, ReduceOp
-from gradtx.optim import sum_grad_reduction
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close, assert_trees_equal
 
 
@@ -135,14 +135,16 @@ def test_window_reduce_writes_into_the_donated_buffers():
     assert torch.equal(grad, torch.tensor([8.0, 10.0]))
 
 
-def test_autograd_buffer_reduces_and_leaves_the_factor_pending():
+def test_the_wrapper_sums_the_window_in_grad_over_ranks_and_divides_by_the_global_tokens():
+    p = torch.nn.Parameter(torch.zeros(2))
     grad = torch.tensor([2.0, 4.0])
+    p.grad = grad
     comm = PeerComm([_tokens(3)], [torch.tensor([1.0, 1.0])])
     tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
-    result = gtx.StepPlan.of(tx).run_owned({"w": grad}, tx.init({"w": grad}), None, autograd_buffer=True, tokens=1)
-    assert result.updates["w"] is grad
-    assert torch.equal(grad, torch.tensor([3.0, 5.0]))  # summed, not yet scaled
-    assert float(result.factor) == pytest.approx(1 / 4)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD([p], lr=1.0), tx)
+    opt.step(tokens=1)
+    assert p.grad is grad and torch.equal(grad, torch.tensor([3.0, 5.0]) / 4)  # summed in place, then the mean
+    assert torch.equal(p.detach(), -torch.tensor([3.0, 5.0]) / 4)
 
 
 def test_reduce_grads_is_pure():

@@ -21,7 +21,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import gradtx as gtx
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 
 K = 3
@@ -109,7 +108,8 @@ def test_state_dict_has_torch_optim_layout_with_gradtx_beside_the_inner_state():
     assert "gradtx" not in plain["state"][0]  # the inner optimizer's own dict is untouched
 
 
-def test_keys_do_not_depend_on_where_the_window_stands():
+def test_keys_at_every_boundary_are_the_same_and_an_open_window_adds_its_sums():
+    """Between windows nothing gradient-sized is saved (issue 29); an open window adds its partial sums."""
     model = make_model()
     opt = wrapper(model)
 
@@ -120,10 +120,11 @@ def test_keys_do_not_depend_on_where_the_window_stands():
     fresh, _ = keys()
     train(model, opt, DATA[:K])
     boundary, sd = keys()
-    assert all(torch.count_nonzero(e["gradtx"]["0/0/acc"]) == 0 for e in sd["state"].values())
+    assert fresh == boundary
+    assert all("0/0/acc" not in e["gradtx"] for e in sd["state"].values())
     train(model, opt, DATA[K : K + 1])
     mid, sd = keys()
-    assert fresh == boundary == mid
+    assert all(set(mid[pid]) == set(boundary[pid]) | {"0/0/acc", "has_grad"} for pid in mid)
     assert all(torch.count_nonzero(e["gradtx"]["0/0/acc"]) > 0 for e in sd["state"].values())
 
 
@@ -155,6 +156,12 @@ def test_get_and_set_state_dict_round_trip_mid_window(flatten, full):
     ckpt = copy.deepcopy((msd, osd))
     resumed = make_model(seed=5)
     opt2 = wrapper(resumed)
+    if full:
+        # A full state dict is redistributed onto the fresh optimizer's own dict, whose keys (at a boundary)
+        # hold no partial sums: torch's loader fails on the extra keys before the wrapper sees the dict.
+        with pytest.raises(KeyError, match="gradtx"):
+            set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
+        return
     set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
     assert opt2.window_open
     train(resumed, opt2, DATA[7:])
@@ -330,14 +337,18 @@ def test_a_bad_inner_part_changes_nothing_either():
     assert_unchanged(before, target, target_model)
 
 
-def test_the_earlier_layout_and_non_dicts_are_refused_clearly():
+def test_non_dicts_and_missing_keys_are_refused_clearly():
     _, opt = _mid_window_pair()
-    with pytest.raises(ValueError, match=r"earlier layout.*checkpoint\['inner'\]"):
+    with pytest.raises(ValueError, match="missing key 'state'"):
         opt.load_state_dict({"inner": {}, "tx_state": [], "window_open": False})
     with pytest.raises(ValueError, match="missing key 'param_groups'"):
         opt.load_state_dict({"state": {}})
     with pytest.raises(TypeError, match="must be a dict"):
         opt.load_state_dict([])
+
+
+def _is_empty_sum(tree):
+    return all(t.numel() == 0 for t in torch.utils._pytree.tree_leaves(tree))
 
 
 # --- the functional path ------------------------------------------------------------------------
@@ -364,7 +375,7 @@ def test_functional_state_round_trips_through_dcp(tmp_path, stop):
 
     full, _, _ = _functional_run(DATA)
     params, state, tx = _functional_run(DATA[:stop])
-    assert kinds.is_empty_sum(state[0].acc) == (stop % K == 0)
+    assert _is_empty_sum(state[0].acc) == (stop % K == 0)
     sd = gtx.checkpoint.state_dict(state, params, tx=tx)
     assert (
         set(sd["state"]) == set(params) and "0/acc" in sd["state"]["0.weight"] and "2/0/mu" in sd["state"]["0.weight"]
@@ -375,7 +386,7 @@ def test_functional_state_round_trips_through_dcp(tmp_path, stop):
     fresh_state = tx.init(fresh)
     holder = gtx.checkpoint.TransformState(tx, fresh_state, fresh)
     dcp.load({"params": fresh, "tx": holder}, checkpoint_id=str(tmp_path))
-    assert kinds.is_empty_sum(holder.state[0].acc) == (stop % K == 0)
+    assert _is_empty_sum(holder.state[0].acc) == (stop % K == 0)
     assert optree.tree_structure(holder.state) == optree.tree_structure(state)  # at a boundary and mid-window
     resumed, _, _ = _functional_run(DATA[stop:], holder.state, fresh, tx)
     for n in full:

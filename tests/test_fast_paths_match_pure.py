@@ -1,4 +1,4 @@
-"""The fast paths give the pure path's numbers: in place, donated and fused, folded, compiled, cached.
+"""The fast paths give the pure path's numbers: the wrapper's folded clip, compiled steps, many trees.
 
 Timings live in ``benchmarks/``; these tests guard what the fast paths compute.
 Every fast path is compared with an independent reference: the pure path,
@@ -15,9 +15,7 @@ import torch
 
 import gradtx as gtx
 from gradtx.core import tree as tu
-from gradtx.optimizers import fused as fused_kernels
-from gradtx.runtime import executor
-from gradtx.testing import assert_donated_matches_pure, assert_trees_close
+from gradtx.testing import assert_trees_close
 from tests.fork_server import run_script
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,69 +55,9 @@ CHAINS = {
         {"w": "a", "b": "b", "nested": {"s": "a", "v": "b"}},
     ),
 }
-# Chains whose last member runs the whole donated step as one fused kernel launch.
-FUSES = {"clip+adamw", "clip+adamw_schedule", "clip+adam_l2", "clip+sgd_nesterov", "sgd_plain", "accumulate+clip+adamw"}
-FUSES |= {"clip_value+scale+adamw"}
 
 
-@pytest.fixture
-def claims(monkeypatch):
-    """The kinds of the optimizers whose donated step ran as one fused kernel."""
-    seen: list[str] = []
-    original = fused_kernels.launch_for
-
-    def spy(spec, *args, **kwargs):
-        planned = original(spec, *args, **kwargs)
-        if planned is not None:
-            seen.append(spec.kind)
-        return planned
-
-    monkeypatch.setattr(fused_kernels, "launch_for", spy)
-    return seen
-
-
-# --- pure == in place == donated --------------------------------------------------------------
-
-
-@pytest.mark.parametrize("name", sorted(CHAINS))
-def test_inplace_path_equals_pure_path(name):
-    tx = CHAINS[name]()
-    params = _tree(0)
-    pure_state = inplace_state = tx.init(params)
-    for step in range(4):
-        grads = _tree(10 + step)
-        pure, pure_state = tx.update(grads, pure_state, params)
-        donated = _clone(grads)
-        inplace, inplace_state = tx.update(donated, inplace_state, params, inplace=True)
-        if pure is None:
-            assert inplace is None
-            continue
-        assert_trees_close(inplace, pure, rtol=0, atol=0)
-    assert_trees_close(inplace_state, pure_state, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("name", sorted(CHAINS))
-def test_donated_step_equals_pure_step(name, dtype, claims):
-    tx = CHAINS[name]()
-    pure_params, donated_params = _tree(0, dtype), _tree(0, dtype)
-    pure_state, donated_state = tx.init(pure_params), tx.init(donated_params)
-    param_objects = optree.tree_leaves(donated_params)
-    for step in range(5):
-        grads = _tree(10 + step, dtype)
-        pure_params, pure_state = gtx.update_and_apply(tx, grads, pure_state, pure_params)
-        donated_params, donated_state = gtx.update_and_apply(
-            tx, _clone(grads), donated_state, donated_params, donate=True
-        )
-        # The step wrote into the donated params; nothing new was allocated for them.
-        assert all(a is b for a, b in zip(optree.tree_leaves(donated_params), param_objects))
-        assert_trees_close(donated_params, pure_params, rtol=1e-5, atol=1e-7)
-    assert_trees_close(donated_state, pure_state, rtol=1e-5, atol=1e-7)
-    emitted = 2 if name.startswith("accumulate") else 5
-    assert claims == ([claims[0]] * emitted if name in FUSES else [])
-
-
-def test_donate_false_is_pure():
+def test_update_and_apply_is_pure():
     tx = CHAINS["clip+adamw"]()
     params, grads = _tree(0), _tree(1)
     state = tx.init(params)
@@ -129,83 +67,16 @@ def test_donate_false_is_pure():
     assert not any(a is b for a, b in zip(optree.tree_leaves(new_params), optree.tree_leaves(params)))
 
 
-def test_bf16_params_take_the_unfused_donated_path(claims):
-    # gradtx keeps fp32 moments for bf16 params, which torch's fused kernel does not take.
-    tx = CHAINS["clip+adamw"]()
-    pure_params, donated_params = _tree(0, torch.bfloat16), _tree(0, torch.bfloat16)
-    pure_state, donated_state = tx.init(pure_params), tx.init(donated_params)
-    for step in range(3):
-        grads = _tree(10 + step, torch.bfloat16)
-        pure_params, pure_state = gtx.update_and_apply(tx, grads, pure_state, pure_params)
-        donated_params, donated_state = gtx.update_and_apply(
-            tx, _clone(grads), donated_state, donated_params, donate=True
-        )
-    assert claims == []
-    assert_trees_close(donated_params, pure_params, rtol=0, atol=0)
-
-
-def test_non_contiguous_leaves_take_the_unfused_donated_path(claims):
-    # The fused kernels walk memory flat; a transposed param next to a contiguous grad must not reach them.
-    tx = CHAINS["clip+adamw"]()
-    pure_params = {"w": torch.randn(5, 6).t(), "b": torch.randn(5)}
-    donated_params = _clone(pure_params)
-    donated_params["w"] = donated_params["w"].t().contiguous().t()
-    pure_state, donated_state = tx.init(pure_params), tx.init(donated_params)
-    grads = {"w": torch.randn(6, 5), "b": torch.randn(5)}
-    pure_params, _ = gtx.update_and_apply(tx, grads, pure_state, pure_params)
-    donated_params, _ = gtx.update_and_apply(tx, _clone(grads), donated_state, donated_params, donate=True)
-    assert claims == []
-    assert_trees_close(donated_params, pure_params, rtol=1e-6, atol=1e-7)
-
-
-@pytest.mark.parametrize("name", ["clip+adamw", "apply_if_finite(adamw)"])
-def test_donated_step_takes_module_parameters(name):
-    # nn.Parameters require grad; the donated step writes them like an optimizer step, under no_grad.
-    model, ref = _mlp(), _mlp()
-    tx = CHAINS[name]()
-    params = dict(model.named_parameters())
-    ref_params = {k: v.detach().clone() for k, v in ref.named_parameters()}
-    state, ref_state = tx.init(params), tx.init(ref_params)
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
-    ref_params, _ = gtx.update_and_apply(tx, grads, ref_state, ref_params)
-    new_params, _ = gtx.update_and_apply(tx, _clone(grads), state, params, donate=True)
-    assert new_params["0.weight"] is model[0].weight
-    assert_trees_close({k: v.detach() for k, v in new_params.items()}, ref_params, rtol=1e-5, atol=1e-7)
-
-
-@pytest.mark.parametrize(
-    ("make", "fused"),
-    [
-        (lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.adamw(1e-2), gtx.clip(0.001)), []),
-        (lambda: gtx.chain(gtx.adamw(1e-2), gtx.scale(0.5)), []),
-        (lambda: gtx.chain(gtx.sgd(1e-2), gtx.adamw(1e-2)), ["adamw"] * 3),
-    ],
-    ids=["clip_after_adamw", "scale_after_adamw", "sgd_then_adamw"],
-)
-def test_an_optimizer_that_is_not_last_is_run_not_fused(make, fused, claims):
-    # Only a trailing optimizer is the terminal kernel; anywhere else it is an ordinary member.
-    assert_donated_matches_pure(make(), _tree(0), [_tree(10 + step) for step in range(3)])
-    assert claims == fused
-
-
-def test_donated_step_skips_non_finite_grads_inside_apply_if_finite(claims):
+def test_a_step_skips_non_finite_grads_inside_apply_if_finite():
     tx = CHAINS["apply_if_finite(adamw)"]()
     params = _tree(0)
     state = tx.init(params)
     grads = _tree(1)
     grads["w"][0, 0] = float("nan")
     before = _clone((params, state[1].inner_state))
-    params, state = gtx.update_and_apply(tx, grads, state, params, donate=True)
-    assert claims == []
+    params, state = gtx.update_and_apply(tx, grads, state, params)
     assert bool(state[1].skipped)
     assert_trees_close((params, state[1].inner_state), before, rtol=0, atol=0)
-
-
-def test_donated_step_rejects_reserved_extras():
-    tx = CHAINS["clip+adamw"]()
-    params = _tree(0)
-    with pytest.raises(TypeError, match="inplace"):
-        gtx.update_and_apply(tx, _tree(1), tx.init(params), params, donate=True, inplace=True)
 
 
 # --- the clip folded into the fused kernel -----------------------------------------------------
@@ -254,7 +125,7 @@ def test_functional_folded_clip_equals_clip_then_step():
         )
         ref_updates, ref_state = reference.update(optree.tree_map(lambda g, c=coef: g * c, grads), ref_state, ref)
         ref = gtx.apply_updates(ref, ref_updates)
-        ours, our_state = gtx.update_and_apply(clipped_then_stepped, _clone(grads), our_state, ours, donate=True)
+        ours, our_state = gtx.update_and_apply(clipped_then_stepped, _clone(grads), our_state, ours)
     assert_trees_close(ours, ref, rtol=1e-5, atol=1e-7)
 
 
@@ -322,25 +193,24 @@ def test_compiled_pure_step_on_parameters_with_recording_grads_equals_eager():
 @pytest.mark.parametrize(
     "make_tx",
     [
-        lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.adamw(1e-2, weight_decay=0.1)),  # fused terminal eagerly
-        lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(0.9), gtx.scale(-0.1)),  # member by member
+        lambda: gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(0.9), gtx.scale(-0.1)),
         # Whether the window emits is data-dependent control flow: dynamo breaks the graph there.
         lambda: gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(0.5), gtx.sgd(0.1, momentum=0.9)),
         # States whose fields share one zero tensor at init: it must not be written once per field.
         lambda: gtx.skip_spikes(gtx.sgd(0.1), warmup_steps=2),
         lambda: gtx.chain(gtx.zclip(warmup_steps=2), gtx.sgd(0.1)),
     ],
-    ids=["adamw", "trace", "accumulate", "skip_spikes", "zclip"],
+    ids=["trace", "accumulate", "skip_spikes", "zclip"],
 )
-def test_compiled_donated_step_equals_pure_step_and_writes_the_donated_buffers(make_tx, request):
-    """A user compiling the donated step: the pure numbers, the results in the donated storage, no graph break."""
+def test_compiled_step_of_more_transforms_equals_the_eager_step(make_tx, request):
+    """A user compiling the step: the eager numbers, no graph break."""
     from torch._dynamo.utils import counters
 
     tx = make_tx()
     fullgraph = "accumulate" not in request.node.callspec.id
 
     def step(params, state, grads):
-        return gtx.update_and_apply(tx, grads, state, params, donate=True)
+        return gtx.update_and_apply(tx, grads, state, params)
 
     torch.compiler.reset()
     counters.clear()
@@ -354,26 +224,10 @@ def test_compiled_donated_step_equals_pure_step_and_writes_the_donated_buffers(m
         spike = 100.0 if seed == 3 else 1.0  # after the warm-up: skip_spikes skips it, zclip clips it
         grads = {"w": torch.randn(8, 4, generator=g) * spike, "b": torch.randn(4, generator=g) * spike}
         pure_params, pure_state = gtx.update_and_apply(tx, grads, pure_state, pure_params)
-        donated = compiled_params
-        storage = {k: v.data_ptr() for k, v in donated.items()}
         compiled_params, compiled_state = compiled(compiled_params, compiled_state, _clone(grads))
-        assert {k: v.data_ptr() for k, v in compiled_params.items()} == storage
-        assert_trees_close(donated, pure_params, rtol=1e-5, atol=1e-6)  # the donated buffers hold the step
     assert sum(counters["graph_break"].values()) == 0 or not fullgraph
     assert_trees_close(compiled_params, pure_params, rtol=1e-5, atol=1e-6)
     assert_trees_close(compiled_state, pure_state, rtol=1e-5, atol=1e-6)
-
-
-def test_store_into_never_writes_a_buffer_the_result_still_holds():
-    donated = {"a": torch.zeros(3), "b": torch.ones(3)}
-    result = {"a": donated["b"], "b": torch.full((3,), 2.0)}  # the new "a" is the old "b" itself
-    out = executor._store_into(donated, result)
-    assert out["a"] is donated["a"] and torch.equal(out["a"], torch.ones(3))  # stored into the free buffer
-    assert out["b"] is result["b"] and torch.equal(donated["b"], torch.ones(3))  # the held one is untouched
-    assert torch.equal(executor._store_into({"a": torch.zeros(2)}, {"a": torch.ones(3)})["a"], torch.ones(3))
-    zero = torch.zeros(())
-    shared = executor._store_into({"n": zero, "m": zero}, {"n": torch.tensor(1.0), "m": torch.tensor(2.0)})
-    assert (float(shared["n"]), float(shared["m"]), float(zero)) == (1.0, 2.0, 0.0)  # one buffer, two places
 
 
 # --- no host syncs -----------------------------------------------------------------------------
@@ -394,9 +248,7 @@ def test_hot_paths_read_no_tensor_value_on_the_host(no_host_reads):
     tx = CHAINS["clip+adamw"]()
     params = _tree(0)
     state = tx.init(params)
-    tx.update(_tree(1), state, params)
-    tx.update(_clone(_tree(1)), state, params, inplace=True)
-    gtx.update_and_apply(tx, _clone(_tree(1)), state, _clone(params), donate=True)
+    gtx.update_and_apply(tx, _tree(1), state, params)
     model = _mlp()
     opt = gtx.TransformedOptimizer(
         torch.optim.AdamW(model.parameters(), fused=True), gtx.chain(gtx.clip_by_global_norm(0.1))
@@ -453,10 +305,6 @@ def test_transforms_give_fresh_results_when_the_tree_changes():
             got, shared_states[key] = shared.update(_clone(grads), shared_states[key], params)
             want, fresh_states[key] = fresh[key].update(grads, fresh_states[key], params)
             assert_trees_close(got, want, rtol=0, atol=0)
-            donated_state = _clone(shared_states[key])  # donation consumes the state
-            donated, _ = gtx.update_and_apply(shared, _clone(grads), donated_state, _clone(params), donate=True)
-            pure, _ = gtx.update_and_apply(shared, grads, shared_states[key], params)
-            assert_trees_close(donated, pure, rtol=1e-5, atol=1e-6)
 
 
 # --- norms of big tensors ------------------------------------------------------------------------

@@ -272,19 +272,6 @@ def test_adamw_and_add_decayed_weights_masks_match_optax(mask_kind):
     run_both(gtx.add_decayed_weights(0.5, mask=gmask), optax.add_decayed_weights(0.5, mask=jmask), params)
 
 
-def test_a_masked_adamw_is_not_fused_but_a_donated_step_still_matches():
-    params = _tree({"w": (3, 2), "b": (3,)}, 0)
-    tx = gtx.adamw(0.05, weight_decay=0.5, mask={"w": True, "b": False})
-    assert not tx.spec.fused_ok()
-    p1, s1 = params, tx.init(params)
-    p2, s2 = optree.tree_map(torch.clone, params), tx.init(params)
-    for i in range(4):
-        g = _tree_like(params, i)
-        p1, s1 = gtx.update_and_apply(tx, g, s1, p1)
-        p2, s2 = gtx.update_and_apply(tx, optree.tree_map(torch.clone, g), s2, p2, donate=True)
-    assert_trees_close(p2, p1, rtol=1e-6, atol=1e-7)
-
-
 def test_adamw_default_weight_decay_is_torchs():
     assert gtx.adamw(0.1).spec.weight_decay == torch.optim.AdamW([torch.zeros(1)]).defaults["weight_decay"]
 
@@ -405,21 +392,6 @@ def test_adam_with_a_param_that_never_gets_a_gradient_matches_torch():
         params, state = gtx.update_and_apply(tx, g, state, params)
     assert_trees_close(params, {"used": ref[0].detach(), "unused": ref[1].detach()}, rtol=1e-6, atol=1e-7)
     assert_trees_equal(state[0].mu["unused"], torch.zeros(2))
-
-
-@pytest.mark.parametrize("name", ["sgd_momentum", "adamw", "chain", "masked", "partition"])
-def test_donated_step_with_none_grads_equals_the_pure_one(name):
-    torch.manual_seed(0)
-    params = {"a": torch.randn(3), "n": torch.randn(2), "z": {"b": torch.randn(2, 2), "m": torch.randn(4)}}
-    tx = ALL_TRANSFORMS[name][0]()
-    s1, s2 = tx.init(params), tx.init(params)
-    p1, p2 = params, optree.tree_map(torch.clone, params)
-    for i in range(4):
-        g = _tree_like(params, i)
-        g = {**g, "n": None} if i % 2 else {**g, "z": {**g["z"], "m": None}}
-        p1, s1 = gtx.update_and_apply(tx, g, s1, p1)
-        p2, s2 = gtx.update_and_apply(tx, optree.tree_map(torch.clone, g), s2, p2, donate=True)
-        assert_trees_close(p2, p1, rtol=1e-6, atol=1e-7)
 
 
 def test_accumulate_with_none_grads():

@@ -1,8 +1,7 @@
 """A transform written as optax writes them (its update *is* its new state) is correct in every path.
 
 ``my_trace`` below returns ``new`` and stores ``State(new)``: the same tensor. Every path that writes
-into updates (a chain given ``inplace=True``, the donated step, the wrapper, compiled steps) must
-leave that state alone. The reference is a hand-written loop: momentum, then each member by hand,
+into updates (the wrapper, compiled steps) must leave that state alone, with nothing declared. The reference is a hand-written loop: momentum, then each member by hand,
 then SGD.
 """
 
@@ -15,7 +14,6 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.core import kinds
 from gradtx.testing import assert_trees_close
 
 DECAY, LR, MAX_NORM, DELTA, STEPS = 0.9, 0.1, 0.5, 0.3, 4
@@ -95,21 +93,14 @@ def _tx(name):
 
 
 @pytest.mark.parametrize("name", sorted(AFTER))
-@pytest.mark.parametrize("path", ["pure", "inplace", "donated", "nested"])
+@pytest.mark.parametrize("path", ["pure", "nested"])
 def test_optax_style_trace_then_a_member_matches_the_hand_loop(name, path):
     expected, expected_trace = _by_hand(AFTER[name][1])
     tx = gtx.chain(gtx.chain(my_trace(DECAY), AFTER[name][0]()), gtx.scale(-LR)) if path == "nested" else _tx(name)
     params = _params()
     state = tx.init(params)
     for g in _grads():
-        if path == "pure":
-            updates, state = tx.update(g, state, params)
-            params = gtx.apply_updates(params, updates)
-        elif path == "inplace":  # the caller donates the updates, as the executor does
-            updates, state = tx.update({k: v.clone() for k, v in g.items()}, state, params, inplace=True)
-            params = gtx.apply_updates(params, updates)
-        else:
-            params, state = gtx.update_and_apply(tx, g, state, params, donate=True)
+        params, state = gtx.update_and_apply(tx, g, state, params)
     assert_trees_close(params, expected, rtol=1e-6, atol=1e-7)
     trace_state = state[0][0] if path == "nested" else state[0]
     assert_trees_close(trace_state.trace, expected_trace, rtol=1e-6, atol=1e-7)
@@ -188,46 +179,3 @@ def test_optax_style_trace_in_a_compiled_wrapper_step_matches_the_hand_loop():
     expected, _ = _by_hand(AFTER["clip_by_global_norm"][1])
     params, _ = _wrapper_run("clip_by_global_norm", compiled=True)
     assert_trees_close(params, expected, rtol=1e-6, atol=1e-7)
-
-
-def test_owned_updates_copies_only_the_leaves_the_state_holds():
-    held = torch.ones(3)
-    free = torch.ones(2)
-    out = kinds.owned_updates({"a": held, "b": free}, kinds.held_storages({"s": held}, None, None, None))
-    assert out["b"] is free and out["a"] is not held
-    assert torch.equal(out["a"], held)
-    view = held[1:]  # another view of a held buffer counts as held
-    (copied,) = kinds.owned_updates([view], kinds.storages([held]))
-    assert copied.untyped_storage().data_ptr() != held.untyped_storage().data_ptr()
-    # a param passed through as an update it was given belongs to the caller; one it was not given is held
-    p = torch.ones(2)
-    assert p in kinds.owned_updates([p], kinds.held_storages(None, None, [p], [p]))
-    assert kinds.owned_updates([p], kinds.held_storages(None, None, [p], [free]))[0] is not p
-
-
-def test_gradtx_transforms_declare_fresh_updates_and_composites_inherit_it():
-    assert kinds.returns_fresh(gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(1e-3)))
-    assert not kinds.returns_fresh(my_trace(0.9))
-    assert not kinds.returns_fresh(gtx.chain(my_trace(0.9), gtx.scale(0.5)))
-    assert not kinds.returns_fresh(gtx.masked(my_trace(0.9), True))
-    assert kinds.returns_fresh(kinds.declare_fresh(my_trace(0.9)))  # a false declaration: assert_pure catches it
-
-
-def test_assert_pure_fails_a_transform_that_declares_fresh_updates_and_returns_its_state():
-    params = _params()
-    with pytest.raises(AssertionError, match=r"share storage with the state"):
-        gtx.testing.assert_pure(kinds.declare_fresh(my_trace(0.9)), _grads()[0], params)
-    gtx.testing.assert_pure(my_trace(0.9), _grads()[0], params)  # undeclared, it is safe: callers check it
-
-
-def test_assert_pure_fails_a_transform_that_writes_its_state_when_given_inplace():
-    def update(updates, state, params=None, inplace=False, **extra):
-        new = {k: decay_into(state.trace[k], g) if inplace else 0.9 * state.trace[k] + g for k, g in updates.items()}
-        return new, MyTraceState(new)
-
-    def decay_into(t, g):  # a bad in-place path: writes the state it was given
-        return t.mul_(0.9).add_(g)
-
-    tx = gtx.GradientTransformation(my_trace(0.9).init, update)
-    with pytest.raises(AssertionError, match=r"inplace=True\): state"):
-        gtx.testing.assert_pure(tx, _grads()[0], _params())

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.schedules import builtin as schedules
+from gradtx import schedules
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

@@ -1,4 +1,4 @@
-"""gradtx.wrapper.inner: the inner optimizer's stand-in state, and closure-driven inner optimizers (LBFGS)."""
+"""The inner optimizer: its stand-in state, SparseAdam, and closure-driven inner optimizers (LBFGS)."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import gradtx as gtx
 from gradtx.testing import assert_trees_close
-from gradtx.wrapper import inner
+from gradtx.wrapper.grads import needs_closure
 
 
 def make_model():
@@ -20,7 +20,7 @@ def data():
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd", "rmsprop", "adagrad", "lbfgs"])
-def test_materialize_leaves_the_optimizer_as_it_was_and_shows_torchs_keys(name):
+def test_stand_ins_leave_the_optimizer_as_it_was_and_show_torchs_keys(name):
     build = {
         "adamw": lambda p: torch.optim.AdamW(p, lr=0.1, weight_decay=0.1),
         "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.1),
@@ -31,7 +31,8 @@ def test_materialize_leaves_the_optimizer_as_it_was_and_shows_torchs_keys(name):
     model, ref = make_model(), make_model()
     opt, ref_opt = build(list(model.parameters())), build(list(ref.parameters()))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    made = inner.materialize(opt, [p for p in model.parameters()])
+    wrapper = gtx.TransformedOptimizer(opt, gtx.identity())
+    made = {p: {k: v for k, v in wrapper.state[p].items() if k != "gradtx"} for p in model.parameters()}
     assert_trees_close(dict(model.state_dict()), before, rtol=0, atol=0)  # no param moved
     assert all(p.grad is None for p in model.parameters())
     # untouched: the state it had (Adagrad makes its own in __init__), nothing more
@@ -51,7 +52,7 @@ def test_materialize_leaves_the_optimizer_as_it_was_and_shows_torchs_keys(name):
 
     ref_opt.step(loss_of(ref))
     for p, q in zip(model.parameters(), ref.parameters()):  # the stand-ins have the keys torch's first step makes
-        mine = set(made[p] if p in made else opt.state.get(p, {}))
+        mine = set(made[p])
         theirs = set(ref_opt.state.get(q, {}))
         # LBFGS stops at once on zero grads: its stand-in has the counters, not the search history.
         assert mine <= theirs if name == "lbfgs" else mine == theirs
@@ -103,5 +104,29 @@ def test_a_closure_driven_optimizer_refuses_accumulate_at_construction():
 
 def test_needs_closure_reads_the_step_signature():
     p = [torch.nn.Parameter(torch.ones(2))]
-    assert inner.needs_closure(torch.optim.LBFGS(p))
-    assert not inner.needs_closure(torch.optim.AdamW(p))
+    assert needs_closure(torch.optim.LBFGS(p))
+    assert not needs_closure(torch.optim.AdamW(p))
+
+
+def test_sparse_adam_wraps_and_steps_as_in_torch():
+    """SparseAdam refuses dense grads: nothing may step it before the first backward (issue 27)."""
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Embedding(10, 4, sparse=True)
+
+    emb, ref = make(), make()
+    opt = gtx.TransformedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1), gtx.identity())
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    assert "gradtx" in opt.state[emb.weight]  # asking for the state shows the transform's entry, and no stand-in
+    for step in range(3):
+        idx = torch.tensor([step, 3, 7])
+        for m, o in ((emb, opt), (ref, ref_opt)):
+            m(idx).pow(2).sum().backward()
+            o.step()
+            o.zero_grad()
+        assert opt.emitted
+    assert_trees_close(emb.weight.detach(), ref.weight.detach(), rtol=0, atol=0)
+    assert_trees_close(
+        {k: v for k, v in opt.state[emb.weight].items() if k != "gradtx"}, dict(ref_opt.state[ref.weight]), rtol=0, atol=0
+    )

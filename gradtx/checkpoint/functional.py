@@ -20,9 +20,9 @@ Accumulation windows need care, and get it here:
 
 * ``AccumulateState.acc`` is a tree like the params from ``init`` on: an fp32
   (fp64) sum per param while a window is open, a 0-element placeholder
-  (:func:`gradtx.core.kinds.empty_sum`) where it holds nothing (``None`` in a
-  0.1.0 state). The saved dict always carries the running sum (zeros where it
-  holds nothing), so its keys and shapes do not depend on where the window
+  (:func:`gradtx.transforms.accumulation.empty_sums`) where it holds nothing.
+  The saved dict always carries the running sum (zeros where it holds
+  nothing), so its keys and shapes do not depend on where the window
   stands, which is what DCP's load needs: the dict it loads into is made
   before the checkpoint is read.
 * State that differs between data-parallel ranks is reduced on save: the
@@ -48,16 +48,16 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-import optree
 import torch
 
-from gradtx.comm.base import ReduceOp, as_comm
-from gradtx.core import kinds
+from gradtx.checkpoint import layout as lo
+from gradtx.checkpoint.layout import param_names
+from gradtx.comm.base import ReduceOp
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree
+from gradtx.transforms.accumulation import empty_sums
 
 try:
     from torch.distributed.tensor import DTensor
@@ -67,250 +67,6 @@ except ImportError:  # pragma: no cover
     compute_local_shape_and_global_offset = None  # type: ignore[assignment]
 
 __all__ = ["TransformState", "load_state_dict", "param_names", "state_dict", "to_torch_optimizer"]
-
-# --- walking a state: which subtrees are per parameter -------------------------------------------
-
-
-def _key(path: tuple[Any, ...]) -> str:
-    # DCP joins nested keys with "." and torch's flattened optimizer dicts split on it: keep it out.
-    return "/".join(str(c).replace(".", ":").replace("/", ":") for c in path) or "<root>"
-
-
-def _children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]] | None:
-    """A container node's (name, child) pairs and a function rebuilding it from new children; None for a leaf."""
-    if node is None:
-        return None
-    kind = type(node)
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return [(f, getattr(node, f)) for f in node._fields], lambda cs: kind(*cs)
-    if isinstance(node, tuple):
-        return list(enumerate(node)), tuple
-    if isinstance(node, list):
-        return list(enumerate(node)), list
-    if isinstance(node, dict):
-        keys = list(node)
-        return [(k, node[k]) for k in keys], lambda cs: kind(zip(keys, cs))
-    if optree.treespec_is_leaf(optree.tree_structure(node)):
-        return None
-    children, _, entries, unflatten = optree.tree_flatten_one_level(node)
-    return list(zip(entries, children)), lambda cs, u=unflatten: u(cs)
-
-
-class _Window(NamedTuple):
-    """A window's state found in the walk: its key prefix, the state, and the fields it declared (gradtx.core.kinds.window_state)."""
-
-    prefix: str
-    state: Any
-    fields: dict[str, str]
-
-    def get(self, what: str) -> Any:
-        return getattr(self.state, self.fields[what])
-
-    def key(self, what: str) -> str:
-        return _child(self.prefix, self.fields[what])
-
-
-@dataclass
-class _Layout:
-    """Where every piece of a state goes: per-parameter subtrees and global leaves, by key."""
-
-    per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
-    globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
-    windows: list[_Window] = field(default_factory=list)
-    added: list[str] = field(default_factory=list)  # key prefixes of fields declared with kinds.added_fields
-
-
-def _is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
-    leaves, spec = tu.flatten(node)
-    if spec != p_spec or not leaves:
-        return False
-    return all(isinstance(t, torch.Tensor) and t.shape == p.shape for t, p in zip(leaves, p_leaves))
-
-
-def _walk(
-    node: Any,
-    path: tuple[Any, ...],
-    p_spec: Any,
-    p_leaves: list[torch.Tensor],
-    layout: _Layout,
-    rebuild: Callable[[str, Any, str], Any] | None,
-) -> Any:
-    """Classify ``node``'s pieces into ``layout``; with ``rebuild``, return the node with every piece replaced.
-
-    ``rebuild(kind, old, key)`` gives the new value of a piece (``kind`` is
-    ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
-    for an accumulation window's running sum).
-    """
-    layout.added += [_key((*path, name)) for name in kinds.added_field_names(node)]
-    declared = kinds.window_fields(node)
-    if declared is not None:
-        layout.windows.append(_Window(_key(path), node, declared))
-        fields = []
-        for name, child in zip(node._fields, node):
-            if name == declared["running_sum"]:
-                key = _key((*path, name))
-                layout.per_param[key] = child  # placeholders (or None, from 0.1.0) where it holds nothing
-                fields.append(rebuild("acc", child, key) if rebuild else child)
-            else:
-                fields.append(_walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
-        return type(node)(*fields)
-    if _is_per_param(node, p_spec, p_leaves):
-        key = _key(path)
-        layout.per_param[key] = node
-        return rebuild("param", node, key) if rebuild else node
-    parts = _children(node)
-    if parts is None:
-        if node is None:
-            return None
-        key = _key(path)
-        layout.globals_[key] = node
-        return rebuild("global", node, key) if rebuild else node
-    named, make = parts
-    new = [_walk(child, (*path, name), p_spec, p_leaves, layout, rebuild) for name, child in named]
-    return make(new) if rebuild else node
-
-
-def _layout_of(state: OptState, params: Params) -> _Layout:
-    p_leaves, p_spec = tu.flatten(params)
-    layout = _Layout()
-    _walk(state, (), p_spec, p_leaves, layout, None)
-    return layout
-
-
-def param_names(params: Params) -> list[str]:
-    """The name each param gets in a checkpoint: its pytree path (a dict's keys, as is, for a flat dict).
-
-    Example:
-      >>> param_names({"fc.weight": w, "fc.bias": b})
-      ['fc.weight', 'fc.bias']
-    """
-    out = []
-    for path in tu.paths(params):
-        out.append(str(path[0]) if len(path) == 1 else "/".join(str(c) for c in path))
-    return out
-
-
-# --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
-
-
-def _accumulations(tx: GradientTransformation | None) -> list[Any]:
-    """The windowed members of ``tx`` (gradtx.core.kinds.Windowed), in chain order."""
-    if tx is None:
-        return []
-    from gradtx.runtime.executor import StepPlan
-
-    return [m for m in StepPlan.of(tx).members if isinstance(m, kinds.Windowed)]
-
-
-def _multi_process() -> bool:
-    dist = getattr(torch, "distributed", None)
-    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
-
-
-def _on_first_rank(comm: Any, group: Any) -> bool | torch.Tensor:
-    """Whether this rank is rank 0 of ``group``: a bool, or on a simulated mesh a per-rank 0-d bool tensor."""
-    # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
-    rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
-    if isinstance(rank, int):
-        return rank == 0
-    # A simulated mesh (torch's LocalTensorMode): one rank per simulated rank, so one answer each.
-    from torch.distributed._local_tensor import rank_map
-
-    ranks = rank.node._local_ints
-    return rank_map(lambda r: torch.tensor(ranks[r] == 0))
-
-
-def _first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tensor:
-    """``value`` on the group's rank 0, zeros on the others (per simulated rank where ``on_first`` is a tensor)."""
-    if isinstance(on_first, bool):
-        return value if on_first else torch.zeros_like(value)
-    return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
-
-
-def _windows_with_comm(layout: _Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
-    """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
-    accs = _accumulations(tx)
-    if tx is None:
-        if _multi_process() and any(int(w.get("micro_step")) > 0 for w in layout.windows):
-            raise ValueError(
-                f"{what}: an accumulation window is open in a run of several processes; pass tx= (the transform), "
-                "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "
-                "or save at a window boundary"
-            )
-        return [None] * len(layout.windows)
-    if len(accs) != len(layout.windows):
-        raise ValueError(
-            f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
-            "window states; pass the transform this state was made by"
-        )
-    return list(accs)
-
-
-def _per_rank(acc: Any) -> tuple[bool, bool]:
-    """(tokens are per rank, the running sum is per rank) for a windowed member (its ``rank_local()``)."""
-    if acc is None:
-        return False, False
-    local = acc.rank_local()
-    if local.comm is None:
-        return False, False
-    return bool(local.tokens), bool(local.sums)
-
-
-# --- tensors onto a template ---------------------------------------------------------------------
-
-
-def _onto(value: Any, template: torch.Tensor, *, what: str) -> torch.Tensor:
-    """``value`` as a tensor placed like ``template`` (a DTensor's local chunk is cut out, no communication)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
-    if DTensor is not None and isinstance(template, DTensor):
-        if isinstance(value, DTensor):
-            if value.device_mesh != template.device_mesh or tuple(value.placements) != tuple(template.placements):
-                raise ValueError(
-                    f"{what}: saved with placements {tuple(value.placements)}, the live state has "
-                    f"{tuple(template.placements)}; load through torch.distributed.checkpoint (dcp.load), which reshards"
-                )
-            return value
-        shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
-        chunk = value
-        for dim, (n, start) in enumerate(zip(shape, offset)):
-            chunk = chunk.narrow(dim, start, n)
-        local = chunk.to(tu.local(template).device, tu.local(template).dtype).clone()
-        return tu.like(template, local)
-    if DTensor is not None and isinstance(value, DTensor):
-        raise ValueError(
-            f"{what}: a DTensor ({tuple(value.placements)}) for an unsharded state; load through "
-            "torch.distributed.checkpoint (dcp.load into a state_dict of the live state), which gathers it"
-        )
-    return value.to(template.device, template.dtype)
-
-
-def _check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what}: the checkpoint has a {type(value).__name__}, this state a tensor")
-    if tuple(value.shape) != tuple(template.shape):
-        raise ValueError(f"{what}: the checkpoint has shape {tuple(value.shape)}, this state {tuple(template.shape)}")
-    if value.dtype != template.dtype:
-        raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
-
-
-def _within(key: str, prefix: str) -> bool:
-    return key == prefix or key.startswith(prefix + "/")
-
-
-def _check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
-    if not isinstance(got, dict):
-        raise TypeError(f"{what}: expected a dict, got {type(got).__name__}")
-    missing = [k for k in expected if k not in got]
-    extra = [k for k in got if k not in expected]
-    if missing:
-        raise ValueError(f"{what}: the checkpoint has no {missing[0]!r} (this state has {expected}); {hint}")
-    if extra:
-        raise ValueError(f"{what}: the checkpoint has {extra[0]!r}, which this state lacks (it has {expected}); {hint}")
-
-
-_HINT = "the checkpoint was made by a different chain; build the same transform (members, order, k) to load it"
-
 
 # --- the functional API ----------------------------------------------------------------------------
 
@@ -348,16 +104,16 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     if len(set(names)) != len(names):
         raise ValueError(f"gradtx.checkpoint.functional.state_dict: params have duplicate names: {names}")
     p_leaves, _ = tu.flatten(params)
-    layout = _layout_of(state, params)
-    per_param, globals_ = _export(layout, p_leaves, tx, what="gradtx.checkpoint.functional.state_dict")
+    layout = lo.layout_of(state, params)
+    per_param, globals_ = export_layout(layout, p_leaves, tx, what="gradtx.checkpoint.functional.state_dict")
     return {
         "state": {n: {k: v[i] for k, v in per_param.items()} for i, n in enumerate(names)},
         "global": globals_,
     }
 
 
-def _export(
-    layout: _Layout,
+def export_layout(
+    layout: lo.Layout,
     p_leaves: list[torch.Tensor],
     tx: GradientTransformation | None,
     *,
@@ -372,11 +128,11 @@ def _export(
             for p, t in zip(p_leaves, _per_param_leaves(layout, key, len(p_leaves)))
         ]
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
-    for w, acc in zip(layout.windows, _windows_with_comm(layout, tx, what=what)):
-        tokens_per_rank, sums_per_rank = _per_rank(acc)
+    for w, acc in zip(layout.windows, lo.windows_with_comm(layout, tx, what=what)):
+        tokens_per_rank, sums_per_rank = lo.per_rank(acc)
         if int(w.get("micro_step")) == 0 or not (tokens_per_rank or sums_per_rank):
             continue
-        comm, group = acc.rank_local().comm, acc.rank_local().group
+        comm, group = acc.window.comm, acc.window.group
         if tokens_per_rank:
             tokens = w.get("tokens")
             (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
@@ -388,7 +144,7 @@ def _export(
     return per_param, globals_
 
 
-def _per_param_leaves(layout: _Layout, key: str, n: int) -> list[Any]:
+def _per_param_leaves(layout: lo.Layout, key: str, n: int) -> list[Any]:
     """The ``n`` leaves of ``layout``'s per-parameter subtree ``key``; a window's running sum through :func:`_sum_leaves`."""
     subtree = layout.per_param[key]
     if any(w.key("running_sum") == key for w in layout.windows) or subtree is None:
@@ -399,23 +155,13 @@ def _per_param_leaves(layout: _Layout, key: str, n: int) -> list[Any]:
 def _sum_leaves(subtree: Any, n: int) -> list[Any]:
     """A per-parameter subtree's ``n`` leaves, with ``None`` for each that holds nothing (a window's placeholder).
 
-    A window's running sum holds nothing where :func:`gradtx.core.kinds.empty_sum` put a
-    0-element placeholder (all of it at a boundary; ``None`` in a state from 0.1.0).
+    A window's running sum holds nothing where it is a 0-element placeholder
+    (:func:`gradtx.transforms.accumulation.empty_sums`; all of it at a boundary).
     """
     if subtree is None:
         return [None] * n
     leaves = tu.flatten(subtree)[0]
     return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in leaves]
-
-
-def _child(prefix: str, name: str) -> str:
-    """The key of field ``name`` of the node whose key is ``prefix``."""
-    return name if prefix == "<root>" else f"{prefix}/{name}"
-
-
-def _parent(key: str) -> tuple[str, str]:
-    prefix, _, name = key.rpartition("/")
-    return prefix or "<root>", name
 
 
 def load_state_dict(
@@ -449,21 +195,23 @@ def load_state_dict(
     what = "gradtx.checkpoint.functional.load_state_dict"
     names = param_names(params)
     if not isinstance(saved, dict) or "state" not in saved or "global" not in saved:
-        raise ValueError(f"{what}: expected the dict gradtx.checkpoint.functional.state_dict made ('state' and 'global')")
-    _check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
+        raise ValueError(
+            f"{what}: expected the dict gradtx.checkpoint.functional.state_dict made ('state' and 'global')"
+        )
+    lo.check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
     per_param: dict[str, list[Any]] = {}
-    layout = _layout_of(state, params)
+    layout = lo.layout_of(state, params)
     expected = list(layout.per_param)
     for i, name in enumerate(names):
         entry = saved["state"][name]
-        _check_keys(entry, expected, what=f"{what}: state of param {name!r}", hint=_HINT)
+        lo.check_keys(entry, expected, what=f"{what}: state of param {name!r}", hint=lo.HINT)
         for key in expected:
             per_param.setdefault(key, []).append(entry[key])
-    return _import(layout, state, params, per_param, saved["global"], tx, names, what=what)
+    return import_layout(layout, state, params, per_param, saved["global"], tx, names, what=what)
 
 
-def _import(
-    layout: _Layout,
+def import_layout(
+    layout: lo.Layout,
     state: OptState,
     params: Params,
     per_param: dict[str, list[Any]],
@@ -476,21 +224,18 @@ def _import(
 ) -> OptState:
     """Validate everything, then build the new state (the caller commits it)."""
     p_leaves, p_spec = tu.flatten(params)
-    if isinstance(globals_, dict):  # a file from before a field was added: the live state's value fills it
-        added = [k for k in layout.globals_ if k not in globals_ and any(_within(k, a) for a in layout.added)]
-        globals_ = {**globals_, **{k: layout.globals_[k] for k in added}}
-    _check_keys(globals_, list(layout.globals_), what=f"{what}: global state", hint=_HINT)
+    lo.check_keys(globals_, list(layout.globals_), what=f"{what}: global state", hint=lo.HINT)
     for key, template in layout.globals_.items():
         if isinstance(template, torch.Tensor):
-            _check_tensor(globals_[key], template, what=f"{what}: global state {key!r}")
+            lo.check_tensor(globals_[key], template, what=f"{what}: global state {key!r}")
     for key in layout.per_param:
         templates = [
             torch.empty(p.shape, dtype=acc_dtype(p.dtype), device="meta") if t is None else t
             for p, t in zip(p_leaves, _per_param_leaves(layout, key, len(p_leaves)))
         ]
         for name, value, template in zip(names, per_param[key], templates):
-            _check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
-    accs = _windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
+            lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
+    accs = lo.windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
     for w in layout.windows:
         saved_k, k = int(globals_[w.key("k")]), int(w.get("k"))
         if saved_k != k:
@@ -503,11 +248,10 @@ def _import(
     tokens_field = {w.prefix: w.fields["tokens"] for w in layout.windows}
     first_rank = {}
     for w, acc in zip(layout.windows, accs):
-        tokens_per_rank, sums_per_rank = _per_rank(acc)
+        tokens_per_rank, sums_per_rank = lo.per_rank(acc)
         on_first: bool | torch.Tensor = True
         if tokens_per_rank or sums_per_rank:
-            local = acc.rank_local()
-            on_first = _on_first_rank(local.comm, local.group)
+            on_first = lo.on_first_rank(acc.window.comm, acc.window.group)
         first_rank[w.prefix] = (tokens_per_rank, sums_per_rank, on_first)
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
@@ -515,26 +259,26 @@ def _import(
             value = globals_[key]
             if not isinstance(old, torch.Tensor):
                 return value
-            prefix, fieldname = _parent(key)
+            prefix, fieldname = lo.parent(key)
             tokens_per_rank, _, on_first = first_rank.get(prefix, (False, False, True))
-            restored = _onto(value, old, what=f"{what}: global state {key!r}")
+            restored = lo.onto(value, old, what=f"{what}: global state {key!r}")
             if fieldname == tokens_field.get(prefix) and tokens_per_rank:
-                return _first_only(restored, on_first)
+                return lo.first_only(restored, on_first)
             return restored
         if kind == "acc":
-            prefix = _parent(key)[0]
+            prefix = lo.parent(key)[0]
             if not opened[prefix]:
-                return kinds.empty_sum(params) if old is not None else None
+                return empty_sums(params)
             _, sums_per_rank, on_first = first_rank[prefix]
             templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
-            values = [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
+            values = [lo.onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
             if sums_per_rank:
-                values = [_first_only(v, on_first) for v in values]
+                values = [lo.first_only(v, on_first) for v in values]
             return tu.unflatten(p_spec, values)
         leaves, spec = tu.flatten(old)
-        return tu.unflatten(spec, [_onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])
+        return tu.unflatten(spec, [lo.onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])
 
-    return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild)
+    return lo.walk(state, (), p_spec, p_leaves, lo.Layout(), rebuild)
 
 
 def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -579,31 +323,18 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": [dict(g) for g in optimizer_state_dict["param_groups"]]}
 
 
-def _take_acc(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:
-    """``state`` with every window's running sum emptied (:func:`gradtx.core.kinds.emptied`), and the sums taken out, in order."""
+def take_sums(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:
+    """``state`` with every window's running sum emptied (placeholders), and the sums taken out, in order."""
     p_leaves, p_spec = tu.flatten(params)
     taken: list[PyTree | None] = []
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "acc":
             taken.append(old)
-            return kinds.emptied(old)
+            return empty_sums(old)
         return old
 
-    return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild), taken
-
-
-def with_empty_sums(state: OptState, params: Params) -> OptState:
-    """``state`` with every window's running sum that is ``None`` (a state from 0.1.0) as empty placeholders.
-
-    From then on the state keeps one structure (:func:`gradtx.core.kinds.empty_sum`).
-    """
-    p_leaves, p_spec = tu.flatten(params)
-
-    def rebuild(kind: str, old: Any, key: str) -> Any:
-        return kinds.empty_sum(params) if kind == "acc" and old is None else old
-
-    return _walk(state, (), p_spec, p_leaves, _Layout(), rebuild)
+    return lo.walk(state, (), p_spec, p_leaves, lo.Layout(), rebuild), taken
 
 
 class TransformState:

@@ -1,1 +1,1 @@
-"""The protocol, the transform kinds, tree helpers, validation and local norms (the bottom layer)."""
+"""The protocol, tree helpers, validation and local norms (the bottom layer)."""

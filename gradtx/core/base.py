@@ -7,41 +7,30 @@ A :class:`GradientTransformation` is a pair of pure functions:
   gradients (or updates from an earlier transform) into new updates.
 
 ``update`` never mutates ``updates``, ``state`` or ``params``; it returns new
-trees. The updates it returns may be tensors its state holds (optax's ``trace``
-returns its new trace): a caller that writes into updates copies those first,
-unless the transform declared they never are (:func:`gradtx.core.kinds.declare_fresh`).
-Extra keyword arguments (``tokens=...``, ``flush=...``) flow to every
-member of a chain, and a transform ignores the ones it does not use.
+trees (which may be tensors its new state holds, as optax's ``trace`` returns
+its new trace). Extra keyword arguments (``tokens=...``, ``flush=...``) flow to
+every member of a chain, and a transform ignores the ones it does not use.
 
 A transform may also return ``None`` as its updates: that means "hold", the
 step produced no update (an open accumulation window). A chain stops at a hold,
 so nothing after it runs and nothing after it changes its state.
 
-One extra keyword is documented for every transform: ``inplace=True`` says the
-caller donates the ``updates`` buffers, so a transform may write its result into
-them (the numbers are the pure path's). :func:`gradtx.update_and_apply` with
-``donate=True`` and :class:`gradtx.TransformedOptimizer` pass it; a transform
-may ignore it.
-
-Beyond that the protocol has nothing to learn. Speed comes from
-:mod:`gradtx.runtime.executor`, which reads a chain's *structure*: a few transforms are
-built as subclasses of :class:`GradientTransformation` that also expose what
-they are (:class:`ScalarTransformation` multiplies every update by one scalar
-and exposes that scalar as a pure function; :class:`Chain` keeps its members),
-and the executor uses that to fold scalars into one fused kernel. A transform
-that does not say anything about itself is simply run.
+That is the whole protocol. A few of gradtx's own transforms are built as
+subclasses that also say what they are (:class:`ScalarTransformation` exposes
+its scalar, :class:`Guard` its verdict), so the wrapper can fold them into a
+fused optimizer kernel; a transform that is neither is simply run.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol, Self, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar
 
 import torch
 
-from gradtx.core import kinds
+from gradtx.core import foreach as fe
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 
 PyTree = Any
@@ -51,14 +40,10 @@ OptState = PyTree
 Schedule = Callable[[torch.Tensor], Any]
 
 
-class InitFn(Protocol):
-    def __call__(self, params: Params) -> OptState: ...
-
-
-class UpdateFn(Protocol):
-    def __call__(
-        self, updates: Updates, state: OptState, params: Params | None = None, **extra: Any
-    ) -> tuple[Updates | None, OptState]: ...
+InitFn = Callable[[Params], OptState]
+UpdateFn = Callable[..., tuple[Updates | None, OptState]]  # (updates, state, params=None, **extra)
+FactorFn = Callable[..., tuple[torch.Tensor, OptState]]  # (updates, state, params=None, *, scale=None, **extra)
+VerdictFn = Callable[[OptState], torch.Tensor]
 
 
 class _TransformationFields(NamedTuple):
@@ -66,67 +51,33 @@ class _TransformationFields(NamedTuple):
     update: UpdateFn
 
 
+_RECIPE = "_gradtx_recipe"
+
+
 class GradientTransformation(_TransformationFields):
     """A pure gradient transformation: ``init(params)`` and ``update(updates, state, params, **extra)``.
 
     What gradtx's factories return pickles as the call that built it
     (``adamw(3e-4)``), since its functions are closures; see :func:`factory`.
-    One built directly from two module-level functions pickles them by name.
-    ``copy.copy`` and ``copy.deepcopy`` share the functions, as for any
-    NamedTuple of functions, and copy the attributes a subclass adds.
+    A copy (``copy.copy`` or ``copy.deepcopy``) shares the functions, which
+    are immutable, and the attributes a subclass adds.
     """
 
-    # No __slots__: an instance has a __dict__, for the serial number of its creation and, where a
-    # factory built it, the call that did.
-    _created = 0
-
-    def __new__(cls, init: InitFn, update: UpdateFn) -> Self:
-        self = super().__new__(cls, init, update)
-        if not torch.compiler.is_compiling():  # nothing traced is pickled
-            GradientTransformation._created += 1
-            self.__dict__[_SERIAL] = GradientTransformation._created
-        return self
+    # No __slots__: a subclass keeps what it adds (``members``, ``factor``) and a factory its call in __dict__.
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         recipe = self.__dict__.get(_RECIPE)
-        if recipe is None:
-            reduced = super().__reduce_ex__(protocol)
-            if isinstance(reduced, tuple) and len(reduced) > 2 and isinstance(reduced[2], dict):
-                kept = {k: v for k, v in reduced[2].items() if k != _MEMO}  # a memo is rebuilt, never stored
-                reduced = (*reduced[:2], kept, *reduced[3:])
-            return reduced
-        return (_rebuild, recipe)
+        return (_rebuild, recipe) if recipe is not None else super().__reduce_ex__(protocol)
 
     def __copy__(self) -> Self:
         new = tuple.__new__(type(self), self)
-        new.__dict__.update({k: v for k, v in self.__dict__.items() if k != _MEMO})
+        new.__dict__.update(self.__dict__)
         return new
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
-        new = tuple.__new__(type(self), [copy.deepcopy(f, memo) for f in self])  # functions copy as themselves
-        memo[id(self)] = new
-        # The recipe is for pickling: it is shared, since its arguments may not copy (a process group).
-        new.__dict__.update(
-            {k: v if k == _RECIPE else copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != _MEMO}
-        )
-        return new
-
-    def memo(self, key: str, make: Callable[[Self], _M]) -> _M:
-        """``make(self)``, computed once per transform object and kept on it (a step plan, say).
-
-        The value lives as long as the transform does (no module-level cache keeps
-        either alive), and is never pickled or copied: a copy makes its own.
-        """
-        store = self.__dict__.setdefault(_MEMO, {})
-        if key not in store:
-            store[key] = make(self)
-        return store[key]
+        return self.__copy__()  # the recipe's arguments may not copy (a process group), and nothing here mutates
 
 
-_RECIPE = "_gradtx_recipe"
-_MEMO = "_gradtx_memo"
-_M = TypeVar("_M")
-_SERIAL = "_gradtx_serial"
 _Factory = TypeVar("_Factory", bound=Callable[..., Any])
 
 
@@ -162,10 +113,10 @@ def factory(fn: _Factory) -> _Factory:
     pickle (numbers, tensors, other transforms and schedules, module-level
     functions). The arguments' containers are copied when the call is
     remembered, so changing a dict afterwards does not change what unpickles.
-    A transform the factory did not build (one it was given, however deep in
-    its arguments) keeps its own way of pickling. Every public gradtx factory
-    is decorated; decorate your own factory to make what it returns picklable
-    too.
+    The outermost call wins (a factory built from other factories pickles as
+    itself), and a transform that was passed in as an argument and comes back
+    keeps its own recipe. Decorate your own factory to make what it returns
+    picklable too.
 
     Example:
       >>> @factory
@@ -176,35 +127,35 @@ def factory(fn: _Factory) -> _Factory:
 
     @functools.wraps(fn)
     def build(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # nothing traced is pickled, and reading the counter would be a guard
-            return fn(*args, **kwargs)
-        since = GradientTransformation._created + 1  # the serial of the first transform this call creates
-        return remember(fn(*args, **kwargs), build, args, kwargs, since=since)
+        out = fn(*args, **kwargs)
+        if torch.compiler.is_compiling():  # nothing traced is pickled (inject_hyperparams builds inside a step)
+            return out
+        return remember(out, build, args, kwargs)
 
     return build  # type: ignore[return-value]
 
 
-def remember(
-    out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], *, since: int | None = None
-) -> Any:
-    """``out``, made to pickle as ``build(*args, **kwargs)``: see :func:`factory`.
-
-    A transform is marked only if it was created by this call (its serial is
-    at least ``since``; ``None``: the caller just created it). The outermost
-    call wins, so a factory built from other factories pickles as itself.
-    """
-    if torch.compiler.is_compiling():  # nothing traced is pickled; tracing leaves the result alone
-        return out
-    recipe = (build, _copy_containers(args), _copy_containers(kwargs))
+def remember(out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``out``, made to pickle as ``build(*args, **kwargs)`` unless it was one of the arguments: see :func:`factory`."""
     if isinstance(out, GradientTransformation):
-        if since is None or out.__dict__.get(_SERIAL, 0) >= since:
-            out.__dict__[_RECIPE] = recipe
+        if not _passed_in(out, (args, kwargs)):
+            out.__dict__[_RECIPE] = (build, _copy_containers(args), _copy_containers(kwargs))
         return out
-    if isinstance(out, BuiltSchedule):
-        return BuiltSchedule(out.fn, recipe)
     if callable(out) and not isinstance(out, torch.Tensor):
-        return BuiltSchedule(out, recipe)
+        fn = out.fn if isinstance(out, BuiltSchedule) else out
+        return BuiltSchedule(fn, (build, _copy_containers(args), _copy_containers(kwargs)))
     return out
+
+
+def _passed_in(tx: GradientTransformation, value: Any) -> bool:
+    """Whether ``tx`` itself is ``value`` or sits in its plain dicts, lists and tuples."""
+    if value is tx:
+        return True
+    if isinstance(value, dict):
+        return any(_passed_in(tx, v) for v in value.values())
+    if type(value) in (list, tuple):
+        return any(_passed_in(tx, v) for v in value)
+    return False
 
 
 def _copy_containers(value: Any) -> Any:
@@ -220,6 +171,16 @@ class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
 
+def init_empty_state(params: Params) -> EmptyState:
+    """The ``init`` of every stateless transform: an :class:`EmptyState`, whatever the params."""
+    del params
+    return EmptyState()
+
+
+def _pass_through(updates: Updates, state: OptState, params: Params | None = None, **extra: Any) -> Any:
+    return updates, state
+
+
 @factory
 def identity() -> GradientTransformation:
     """Return the updates unchanged.
@@ -231,22 +192,7 @@ def identity() -> GradientTransformation:
       >>> tx = identity()
       >>> updates, _ = tx.update({"w": torch.ones(2)}, tx.init(None))
     """
-
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        return updates, state
-
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
-
-
-class FactorFn(Protocol):
-    def __call__(
-        self, updates: Updates, state: OptState, params: Params | None = None, *, scale: Any = None, **extra: Any
-    ) -> tuple[torch.Tensor, OptState]: ...
+    return GradientTransformation(init_empty_state, _pass_through)
 
 
 class ScalarTransformation(GradientTransformation):
@@ -258,9 +204,8 @@ class ScalarTransformation(GradientTransformation):
     (a 0-d tensor or ``None``) says the given updates still carry a pending
     multiplier: the true updates are ``updates * scale``. A factor that reads the
     updates (a clip reads their norm) must account for it; one that does not
-    (a learning rate) ignores it. This is what lets :mod:`gradtx.runtime.executor` fold
-    a run of scalar transforms into one multiply, or into a fused optimizer
-    kernel's ``grad_scale``, without a pass over memory for each.
+    (a learning rate) ignores it. This lets the wrapper fold the factor into a
+    fused optimizer kernel's ``grad_scale``, without a pass over memory.
     """
 
     factor: FactorFn
@@ -270,7 +215,7 @@ class ScalarTransformation(GradientTransformation):
         self.factor = factor
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
         return (self.init, self.update, self.factor)
 
 
@@ -279,26 +224,29 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
     """Build a :class:`ScalarTransformation` from ``init`` and its ``factor`` function.
 
     The ``update`` it gets multiplies every leaf by the factor (through
-    DTensors' local shards, keeping each leaf's dtype, in place when the
-    caller passes ``inplace=True``).
+    DTensors' local shards, keeping each leaf's dtype).
 
     Example:
       >>> def factor(updates, state, params=None, *, scale=None, **extra):
       ...     return torch.tensor(0.5), state
-      >>> halve = scalar_transformation(lambda params: EmptyState(), factor)
+      >>> halve = scalar_transformation(init_empty_state, factor)
     """
 
     def update_fn(updates, state, params=None, **extra):
         f, new_state = factor(updates, state, params, **extra)
         leaves, spec = tu.flatten(updates)
+        key = None if torch.compiler.is_compiling() else lw.one_group(leaves)
+        if key is not None and key[1] in (torch.float32, torch.float64) and not _records(leaves, f):
+            return tu.unflatten(spec, fe.mul(leaves, f.to(*key))), new_state  # one launch, no loop per leaf
         tu.check_tensors(leaves, tree=updates, what="updates")
-        return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=bool(extra.get("inplace", False)))), new_state
+        return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=False)), new_state
 
-    return kinds.declare_fresh(ScalarTransformation(init, update_fn, factor))
+    return ScalarTransformation(init, update_fn, factor)
 
 
-class VerdictFn(Protocol):
-    def __call__(self, state: OptState) -> torch.Tensor: ...
+def _records(leaves: list[torch.Tensor], factor: torch.Tensor) -> bool:
+    """Whether autograd records the multiply (a hypergradient, or grads through the step): scale_leaves' case."""
+    return torch.is_grad_enabled() and (factor.requires_grad or any(lw.attrs(leaves, "requires_grad")))
 
 
 class Guard(GradientTransformation):
@@ -307,11 +255,10 @@ class Guard(GradientTransformation):
     A vetoed step returns zero updates and leaves the guarded state as it was
     (see :func:`gradtx.apply_if_finite`). ``verdict(state)`` is a pure function
     returning the 0-d bool tensor that says whether the step that produced
-    ``state`` was vetoed (the :class:`gradtx.core.kinds.Verdict` kind). A caller
-    that applies updates through something that would still move (a torch
-    optimizer's moments decay even on a zero gradient) reads it:
-    :mod:`gradtx.runtime.executor` hands it on as ``found_inf`` to a fused kernel, or
-    skips the inner optimizer's step.
+    ``state`` was vetoed. A caller that applies updates through something that
+    would still move (a torch optimizer's moments decay even on a zero
+    gradient) reads it: the wrapper hands it on as ``found_inf`` to a fused
+    kernel, or skips the inner optimizer's step.
 
     Example:
       >>> guard = Guard(init_fn, update_fn, lambda state: state.vetoed)
@@ -326,7 +273,7 @@ class Guard(GradientTransformation):
         self.verdict = verdict
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
         return (self.init, self.update, self.verdict)
 
 

@@ -112,9 +112,11 @@ def lerp(xs: list[torch.Tensor], ends: list[torch.Tensor], weight: Any) -> list[
 
 
 def sqrt(xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``sqrt`` computed as ``pow(x, 0.5)`` (the same kernel): autograd keeps its input, not its result, so the
+    caller may write into the result in place."""
     if under_vmap():
-        return _each(torch.sqrt, list(xs))
-    return list(torch._foreach_sqrt(xs))
+        return _each(lambda x: torch.pow(x, 0.5), list(xs))
+    return list(torch._foreach_pow(xs, 0.5))
 
 
 def clamp(xs: list[torch.Tensor], low: float, high: float) -> list[torch.Tensor]:
@@ -123,9 +125,15 @@ def clamp(xs: list[torch.Tensor], low: float, high: float) -> list[torch.Tensor]
     return list(torch._foreach_clamp_max(torch._foreach_clamp_min(xs, low), high))
 
 
-def norm(xs: list[torch.Tensor], ord: float, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    if under_vmap():
-        return _each(lambda x: torch.linalg.vector_norm(x, ord, dtype=dtype), list(xs))
-    if dtype is None:
-        return list(torch._foreach_norm(xs, ord))
-    return list(torch._foreach_norm(xs, ord, dtype=dtype))
+def group_by_device_dtype(tensors: list[torch.Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[int]]]:
+    """``[((device, dtype), indices)]``: ``tensors`` (local, not DTensors) in the groups a foreach kernel takes.
+
+    Eager, torch's own C++ grouping (what ``torch.optim`` uses: no Python loop
+    over the tensors); traced or under ``vmap``, the same grouping in Python.
+    """
+    if tensors and not (torch.compiler.is_compiling() or under_vmap()):
+        return [(key, idx) for key, (_, idx) in torch._C._group_tensors_by_device_and_dtype([tensors], True).items()]
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.device, t.dtype), []).append(i)
+    return list(groups.items())

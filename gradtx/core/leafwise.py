@@ -1,4 +1,4 @@
-"""Small leaf-by-leaf helpers shared by the optax-parity transforms (ema, lion, lookahead, schedule-free, sam, ...).
+"""Leaf-by-leaf helpers shared by the optimizers and the optax-parity transforms (adam, trace, ema, lion, ...).
 
 Every helper works on the local shard of a DTensor and wraps the result the way
 its template is wrapped, so elementwise math never communicates. Nothing here
@@ -8,32 +8,20 @@ reads a tensor value back to the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
 
+from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
-from gradtx.core.base import PyTree
 
-
-def tensor_leaves(tree: PyTree, *, name: str, what: str) -> tuple[list[torch.Tensor], Any]:
-    """The leaves of ``tree`` and its spec, after checking that every leaf is a float or complex tensor."""
-    leaves, spec = tu.flatten(tree)
-    tu.check_tensors(leaves, tree=tree, what=f"{name}: {what}")
-    return leaves, spec
-
-
-def device_of(tree: PyTree) -> torch.device:
-    """The device of the first tensor leaf (the local shard's), where counters live; CPU for an empty tree."""
-    for leaf in tu.flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return tu.local(leaf).device
-    return torch.device("cpu")
+PyTree = Any
 
 
 def zero_count(tree: PyTree) -> torch.Tensor:
-    """A 0-d int64 zero beside the params, so counters never cross to the host."""
-    return torch.zeros((), dtype=torch.int64, device=device_of(tree))
+    """A 0-d int64 zero beside the params (the first leaf's device), so counters never cross to the host."""
+    return torch.zeros((), dtype=torch.int64, device=tu.device_of(tree))
 
 
 def lmap(fn: Callable[..., torch.Tensor], tree: PyTree, *rest: PyTree) -> PyTree:
@@ -63,11 +51,6 @@ def where_tree(cond: torch.Tensor, if_true: PyTree, if_false: PyTree) -> PyTree:
     return tu.tree_map(pick, if_true, if_false)
 
 
-def without_inplace(extra: dict[str, Any]) -> dict[str, Any]:
-    """The extra keywords minus ``inplace``: for an inner transform whose input the caller reads again afterwards."""
-    return {k: v for k, v in extra.items() if k != "inplace"}
-
-
 def as_tensor(value: Any, like: torch.Tensor) -> Any:
     """A tensor hyperparameter on ``like``'s device, in its dtype; a Python number stays one."""
     if isinstance(value, torch.Tensor):
@@ -75,17 +58,141 @@ def as_tensor(value: Any, like: torch.Tensor) -> Any:
     return value
 
 
-def float_dtypes(tree: PyTree) -> Sequence[torch.dtype]:
-    return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
 def lowest_dtype(tree: PyTree) -> torch.dtype:
     """The lowest-precision float dtype among the leaves (optax's ``tree.dtype(params, 'lowest')``); fp32 if none."""
-    dtypes = float_dtypes(tree)
+    dtypes = _float_dtypes(tree)
     return min(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
 
 
 def highest_dtype(tree: PyTree) -> torch.dtype:
     """The highest-precision float dtype among the leaves; fp32 if none."""
-    dtypes = float_dtypes(tree)
+    dtypes = _float_dtypes(tree)
     return max(dtypes, key=lambda d: d.itemsize) if dtypes else torch.float32
+
+
+def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
+    return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def plain(leaves: Sequence[Any]) -> bool:
+    """Whether no leaf is a DTensor, so local shards and results need no wrapping."""
+    return tu.DTensor is None or not any(issubclass(t, tu.DTensor) for t in set(map(type, leaves)))  # no loop per leaf
+
+
+def attrs(xs: Sequence[Any], name: str) -> Any:
+    """``xs``' attribute ``name``: read in C (``map`` with ``attrgetter``) eagerly; traced once under compile."""
+    return [getattr(x, name) for x in xs] if torch.compiler.is_compiling() else map(attrgetter(name), xs)
+
+
+def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
+    """``(device, dtype)`` when every leaf is a plain dense tensor, all on one device in one dtype, else ``None``.
+
+    Read without a Python loop per leaf: the check a fast path makes before one foreach launch over all leaves.
+    """
+    if not leaves or not plain(leaves) or not all(issubclass(t, torch.Tensor) for t in set(map(type, leaves))):
+        return None
+    dtypes, devices = set(attrs(leaves, "dtype")), set(attrs(leaves, "device"))
+    if len(dtypes) == 1 and len(devices) == 1 and set(attrs(leaves, "layout")) == {torch.strided}:
+        return devices.pop(), dtypes.pop()
+    return None
+
+
+def _like_tensors(leaves: list[Any], reference: list[Any]) -> bool:
+    """Whether ``leaves`` are dense float or complex tensors shaped as ``reference``'s, checked without a Python
+    loop per leaf (``map`` with C getters); ``False`` sends the caller to :func:`gradtx.core.tree.align`."""
+    if not all(issubclass(t, torch.Tensor) for t in {*map(type, leaves), *map(type, reference)}):
+        return False
+    if set(attrs(leaves, "layout")) != {torch.strided} and leaves:
+        return False
+    if not all(d.is_floating_point or d.is_complex for d in set(attrs(leaves, "dtype"))):
+        return False
+    return same_shapes(leaves, reference)
+
+
+def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
+    return list(attrs(leaves, "shape")) == list(attrs(reference, "shape"))
+
+
+class Moments:
+    """The updates aligned with a transform's per-param trees (moments, params), grouped for foreach kernels.
+
+    ``groups`` holds, for each (device, dtype) of the first tree's leaves,
+    ``(key, idx, g, trees)``: ``idx`` indexes the present update leaves, ``g``
+    are their local shards cast to that dtype, and ``trees`` the local shards
+    of each tree's leaf for them. A ``None`` update (a param with no gradient)
+    leaves its moments as they are. :meth:`put` and :meth:`put_updates` store
+    each group's results, and :meth:`tree` and :meth:`updates` rebuild the trees.
+    The common case, every leaf a plain tensor with an update, in one (device,
+    dtype), costs no Python loop over the leaves.
+
+    Example:
+      >>> ms = Moments(updates, (state.mu,), name="trace", against="its trace")
+      >>> def step(key, idx, g, trees):
+      ...     ms.put(0, idx, new_mu); ms.put_updates(idx, new_updates)
+      >>> ms.each(step)
+    """
+
+    def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str):
+        self.flat = [tu.flatten(t) for t in trees]
+        ref, ref_spec = self.flat[0]
+        leaves, spec = tu.flatten(updates)
+        self.full = spec == ref_spec and _like_tensors(leaves, ref)  # every leaf has an update, checked
+        if self.full:
+            self.index, self.leaves, self.spec = range(len(leaves)), leaves, spec
+        else:
+            self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
+        self.new = [list(leaves) for leaves, _ in self.flat]
+        self.out = list(self.leaves)
+        firsts = ref if self.full else [ref[i] for i in self.index]
+        self.plain = plain(self.leaves) and all(plain(leaves) for leaves, _ in self.flat)
+        local = (lambda xs: xs) if self.plain else (lambda xs: [tu.local(x) for x in xs])
+        g_all, firsts_local = local(self.leaves), local(firsts)
+        others = [local(xs if self.full else [xs[i] for i in self.index]) for xs, _ in self.flat[1:]]
+        self._check = lambda: tu.check_devices(firsts, self.leaves, updates, what=f"{name}: updates", against=against)
+        dtypes, devices = set(attrs(firsts_local, "dtype")), set(attrs(firsts_local, "device"))
+        if len(dtypes) == 1 and len(devices) == 1:
+            key = (devices.pop(), dtypes.pop())
+            self.cast = set(attrs(g_all, "dtype")) != {key[1]}
+            g = [x if x.dtype == key[1] else x.to(key[1]) for x in g_all] if self.cast else g_all
+            self.groups = [(key, range(len(g_all)), g, [firsts_local, *others])]
+            return
+        self.cast, self.groups = True, []
+        for key, idx in fe.group_by_device_dtype(firsts_local):
+            g = [g_all[j] if g_all[j].dtype == key[1] else g_all[j].to(key[1]) for j in idx]
+            self.groups.append((key, idx, g, [[xs[j] for j in idx] for xs in (firsts_local, *others)]))
+
+    def each(self, step: Callable[..., None]) -> None:
+        """``step(key, idx, g, trees)`` for every group; a leaf on another device is reported by its path."""
+        try:
+            for group in self.groups:
+                step(*group)
+        except RuntimeError:
+            self._check()  # raises a ValueError naming the leaf when a device mismatch was the cause
+            raise
+
+    def put(self, k: int, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:
+        """Store a group's new local leaves of tree ``k`` (in that tree's dtypes, as the group's are)."""
+        new, templates = self.new[k], self.flat[k][0]
+        if self.plain and self.full and len(idx) == len(new):
+            new[:] = results
+            return
+        for j, r in zip(idx, results):
+            i = self.index[j]
+            new[i] = r if self.plain else tu.like(templates[i], r)
+
+    def put_updates(self, idx: Sequence[int], results: Sequence[torch.Tensor]) -> None:
+        """Store a group's new local updates, each in the dtype its update came in."""
+        if self.plain and not self.cast and len(idx) == len(self.out):
+            self.out[:] = results
+            return
+        for j, r in zip(idx, results):
+            u = self.leaves[j]
+            r = r if r.dtype == u.dtype else r.to(u.dtype)
+            self.out[j] = r if self.plain else tu.like(u, r)
+
+    def tree(self, k: int) -> PyTree:
+        """Tree ``k`` with the stored leaves (the old ones where no update came)."""
+        return tu.unflatten(self.flat[k][1], self.new[k])
+
+    def updates(self) -> PyTree:
+        return tu.unflatten(self.spec, self.out)

@@ -80,13 +80,13 @@ def scale_by_lion(
         direction = lambda x: torch.where(x.abs() < 1.0, x, torch.sign(x))
 
     def init_fn(params: Params) -> ScaleByLionState:
-        lw.tensor_leaves(params, name="scale_by_lion", what="params")
+        tu.tensor_leaves(params, what="scale_by_lion: params")
         return ScaleByLionState(count=lw.zero_count(params), mu=lw.zeros_like_tree(params, mu_dtype))
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, ScaleByLionState, name="scale_by_lion")
-        lw.tensor_leaves(updates, name="scale_by_lion", what="updates")
+        tu.tensor_leaves(updates, what="scale_by_lion: updates")
         tu.check_structure(state.mu, updates, what="scale_by_lion: updates", against="the state's momentum")
 
         def step(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

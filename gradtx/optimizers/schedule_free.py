@@ -18,8 +18,9 @@ from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, export_metrics, factory
-from gradtx.optimizers.standard import add_decayed_weights, scale_by_learning_rate, sgd
-from gradtx.schedules.builtin import warmup_constant_schedule
+from gradtx.optimizers.aliases import sgd
+from gradtx.optimizers.standard import add_decayed_weights, scale_by_learning_rate
+from gradtx.schedules.combined import warmup_constant_schedule
 from gradtx.transforms.combine import chain
 
 __all__ = [
@@ -103,8 +104,8 @@ def schedule_free(
     state_dtype = _check_dtype(state_dtype, name="schedule_free")
 
     def init_fn(params: Params) -> ScheduleFreeState:
-        lw.tensor_leaves(params, name="schedule_free", what="params")
-        device, dtype = lw.device_of(params), lw.lowest_dtype(params)
+        tu.tensor_leaves(params, what="schedule_free: params")
+        device, dtype = tu.device_of(params), lw.lowest_dtype(params)
         return ScheduleFreeState(
             b1=torch.tensor(b1, dtype=dtype, device=device),
             weight_sum=torch.zeros((), dtype=dtype, device=device),
@@ -217,7 +218,7 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, ScaleByRmsWithCountState, name="schedule_free_adamw")
-        lw.tensor_leaves(updates, name="schedule_free_adamw", what="updates")
+        tu.tensor_leaves(updates, what="schedule_free_adamw: updates")
         count = state.count + 1
         nu = lw.lmap(lambda g, v: (1 - decay) * g * g + decay * v, updates, state.nu)
 

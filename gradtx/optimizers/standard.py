@@ -1,22 +1,14 @@
-"""Optimizers as transforms: scale, learning rates and schedules, Adam, weight decay, momentum; sgd, adam, adamw.
+"""Optimizers' building blocks as transforms: scale, learning rates and schedules, Adam, weight decay, momentum.
 
-The building blocks turn gradients into updates, and the aliases chain them the
-way optax does. An update is what to *add* to the params
-(:func:`gradtx.apply_updates` computes ``p + u``), so the learning-rate scaling
-is negative.
-
-The aliases match ``torch.optim.SGD``, ``Adam`` and ``AdamW`` numerically (same
-hyperparameters, same bias correction), to fp32 rounding.
+They turn gradients into updates, and :mod:`gradtx.optimizers.aliases` chains
+them into ``sgd``, ``adam`` and ``adamw`` the way optax does. An update is what
+to *add* to the params (:func:`gradtx.apply_updates` computes ``p + u``), so
+the learning-rate scaling is negative.
 
 Moments (Adam's ``mu`` and ``nu``, the momentum trace) are kept in fp32 for
 fp16 and bf16 params, and in the param's dtype otherwise; the updates come out
 in the dtype the gradients came in. Step counts are 0-d int64 tensors on the
 first param's device, so nothing is read back to the host.
-
-The aliases are :class:`OptimizerChain` s: chains that also hold their
-hyperparameters once (:class:`OptimizerSpec`), so :mod:`gradtx.runtime.executor` can
-run a donated step (:func:`gradtx.update_and_apply` with ``donate=True``) as
-one fused torch kernel. Nothing in this module knows about that.
 """
 
 from __future__ import annotations
@@ -28,22 +20,21 @@ from typing import Any, NamedTuple, Self
 import torch
 
 from gradtx.core import foreach as fe
-from gradtx.core import kinds
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
     EmptyState,
     GradientTransformation,
-    OptState,
     Params,
     PyTree,
     ScalarTransformation,
     Schedule,
-    Updates,
     factory,
+    init_empty_state,
     scalar_transformation,
 )
-from gradtx.transforms.combine import Chain, chain, masked
+from gradtx.transforms.combine import masked
 
 ScalarOrSchedule = float | torch.Tensor | Schedule
 Scalar = float | torch.Tensor  # a 0-d tensor hyperparameter is what gradtx.inject_hyperparams passes
@@ -54,14 +45,11 @@ __all__ = [
     "ScaleByAdamState",
     "ScaleByScheduleState",
     "TraceState",
-    "adam",
-    "adamw",
     "add_decayed_weights",
     "scale",
     "scale_by_adam",
     "scale_by_learning_rate",
     "scale_by_schedule",
-    "sgd",
     "trace",
 ]
 
@@ -81,32 +69,23 @@ def _zeros_moments(leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.zeros_like(p, dtype=_moment_dtype(p.dtype), requires_grad=False) for p in leaves]
 
 
-def _count_device(leaves: Sequence[torch.Tensor]) -> torch.device:
-    # The count lives beside the params, so bias corrections and schedules need no host sync.
-    return tu.device_of(list(leaves))
+def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
+    """A tensor hyperparameter on ``device``, in ``dtype``, with no sync; a Python number stays one."""
+    return value.to(device, dtype, non_blocking=True) if isinstance(value, torch.Tensor) else value
 
 
-def _zero_count(leaves: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.int64, device=_count_device(leaves))
+def _scalar(value: Scalar, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``value`` as a 0-d tensor: a foreach multiply by a Python number wraps it in a new tensor for every leaf."""
+    return (
+        _on(value, device, dtype)
+        if isinstance(value, torch.Tensor)
+        else torch.full((), value, dtype=dtype, device=device)
+    )
 
 
-def _tensor_arg(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
-def _as(value: Scalar, like: torch.Tensor) -> Scalar:
-    """A tensor hyperparameter on ``like``'s device and in its dtype (a Python number stays one)."""
-    if isinstance(value, torch.Tensor):
-        return value.to(like.device, like.dtype, non_blocking=True)
-    return value
-
-
-def _real_view(t: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(t)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+def _is_zero(value: Scalar) -> bool:
+    # A tensor hyperparameter may change between steps, so its member is always kept.
+    return not isinstance(value, torch.Tensor) and value == 0.0
 
 
 def _to_factor(value: Any, sign: float) -> torch.Tensor:
@@ -152,10 +131,6 @@ def scale(step_size: Scalar) -> ScalarTransformation:
 def _scale(step_size: Scalar, sign: float, *, name: str) -> ScalarTransformation:
     """Multiply by ``sign * step_size``; a tensor ``step_size`` is read at every update, never copied."""
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
         tu.require_state(state, EmptyState, name=name)
@@ -163,7 +138,7 @@ def _scale(step_size: Scalar, sign: float, *, name: str) -> ScalarTransformation
             return step_size.to(torch.float64) * sign, state
         return torch.tensor(sign * step_size, dtype=torch.float64), state
 
-    return scalar_transformation(init_fn, factor_fn)
+    return scalar_transformation(init_empty_state, factor_fn)
 
 
 class ScaleByScheduleState(NamedTuple):
@@ -202,7 +177,7 @@ def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> Sca
         raise TypeError(f"{name}: the schedule must be callable, got {type(step_size_fn).__name__}")
 
     def init_fn(params: Params) -> ScaleByScheduleState:
-        return ScaleByScheduleState(count=_zero_count(tu.flatten(params)[0]))
+        return ScaleByScheduleState(count=lw.zero_count(params))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
@@ -264,37 +239,6 @@ def _bias_correction(beta: Scalar, t: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(t * log_beta)
 
 
-# Below this many elements one foreach launch over the group beats a Python loop of ``out=`` calls.
-_LOOP_MIN_NUMEL = 1 << 16
-
-
-def _adam_direction_into(
-    u: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor], scale: torch.Tensor, shift: torch.Tensor
-) -> None:
-    """Write ``m / (sqrt(v) * scale + shift)`` into ``u``, which aliases neither ``m`` nor ``v``.
-
-    Large tensors take three passes (``sqrt`` and ``div`` with ``out=``, and one
-    affine pass); small ones go through foreach ops, one launch per op for all
-    of them.
-    """
-    large = [k for k, x in enumerate(u) if x.numel() >= _LOOP_MIN_NUMEL]
-    small = [k for k, x in enumerate(u) if x.numel() < _LOOP_MIN_NUMEL]
-    for k in large:
-        torch.sqrt(v[k], out=u[k])
-    if small:
-        torch._foreach_copy_([u[k] for k in small], [v[k] for k in small])
-        torch._foreach_sqrt_([u[k] for k in small])
-    torch._foreach_mul_(u, scale)
-    # The list overload: with one 0-d tensor, _foreach_add_ reads it to the host (.item()) on every
-    # call, which breaks a compiled graph, fails on meta tensors, and is 3x slower on CPU.
-    torch._foreach_add_(u, [shift] * len(u))
-    for k in large:
-        torch.div(m[k], u[k], out=u[k])
-    if small:
-        torch._foreach_reciprocal_([u[k] for k in small])
-        torch._foreach_mul_([u[k] for k in small], [m[k] for k in small])
-
-
 @factory
 def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moment estimates.
@@ -328,73 +272,42 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
     def init_fn(params: Params) -> ScaleByAdamState:
         leaves, spec = tu.tensor_leaves(params, what="scale_by_adam: params")
         return ScaleByAdamState(
-            count=_zero_count(leaves),
+            count=lw.zero_count(leaves),
             mu=tu.unflatten(spec, _zeros_moments(leaves)),
             nu=tu.unflatten(spec, _zeros_moments(leaves)),
         )
 
     def update_fn(updates, state, params=None, **extra):
-        del params
         tu.require_state(state, ScaleByAdamState, name="scale_by_adam")
-        # A None update (a param with no gradient) leaves its moments as they are.
-        index, leaves, spec = tu.align(state.mu, updates, what="scale_by_adam: updates", against="the state's moments")
-        mu_leaves, mu_spec = tu.flatten(state.mu)
-        nu_leaves, nu_spec = tu.flatten(state.nu)
-        tu.check_devices(
-            [mu_leaves[i] for i in index], leaves, updates, what="scale_by_adam: updates", against="its moments"
-        )
-
+        ms = lw.Moments(updates, (state.mu, state.nu), name="scale_by_adam", against="its moments")
         count = state.count + 1
-        mu_locals = [tu.local(mu_leaves[i]) for i in index]
-        out: list[torch.Tensor] = list(leaves)
-        new_mu: list[torch.Tensor] = list(mu_leaves)
-        new_nu: list[torch.Tensor] = list(nu_leaves)
-        for (device, dtype), idx in tu.group_by_device_dtype(mu_locals).items():
-            # Complex params are pairs of reals, as torch.optim.Adam treats them (view_as_real):
-            # the second moment is per component, |re|^2 and |im|^2, never g*g.
-            real = _real_view if dtype.is_complex else _same
-            g = [real(tu.local(leaves[j]).to(dtype)) for j in idx]
-            mus = [real(mu_locals[j]) for j in idx]
-            nus = [real(tu.local(nu_leaves[index[j]])) for j in idx]
-            m_dtype = mus[0].dtype  # the real dtype of the moments
+
+        def step(key, idx, g, trees):
+            (device, dtype), (mus, nus) = key, trees
+            if dtype.is_complex:  # pairs of reals, as torch.optim.Adam: the second moment is |re|^2 and |im|^2
+                g, mus, nus = ([torch.view_as_real(x) for x in xs] for xs in (g, mus, nus))
+            real = mus[0].dtype
             t = count.to(device, tu.acc_dtype(dtype))  # fp64 bias corrections for fp64 params
             bc1 = _bias_correction(b1, t)
-            bc2_sqrt = torch.sqrt(_bias_correction(b2, t))
-            if isinstance(b1, torch.Tensor) or isinstance(b2, torch.Tensor):
-                w1 = (1 - b1).to(device, m_dtype) if isinstance(b1, torch.Tensor) else 1 - b1
-                m = fe.lerp(mus, g, w1)
-                # addcmul's value must be a Python number: v = lerp(v, g*g, 1 - b2) is the same update.
-                w2 = (1 - b2).to(device, m_dtype) if isinstance(b2, torch.Tensor) else torch.tensor(1 - b2)
-                v = fe.lerp(nus, fe.mul(g, g), w2.to(device, m_dtype))
-            else:
-                m = fe.lerp(mus, g, 1 - b1)
-                v = fe.mul(nus, b2)
-                fe.addcmul_(v, g, g, value=1 - b2)  # v is ours: a fresh tensor
-            # u = m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed in the one temporary the step needs:
-            # u = m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1).
-            scale_, shift = bc1 / bc2_sqrt, bc1 * _as(eps, bc1)
-            recording = torch.is_grad_enabled() and any(t.requires_grad for t in (*g, *mus, *nus, scale_, shift))
-            if recording or fe.under_vmap():
-                # Autograd is recording (torch.func.grad through the step, a hyperparameter that requires
-                # grad), or vmap is batching: no out= ops, no writes into the moments.
-                denom = fe.add(fe.mul(fe.sqrt(v), scale_), [shift] * len(v))
-                u = fe.div(m, denom)
-            else:
-                if extra.get("inplace", False) and all(tu.local(leaves[i]).dtype == dtype for i in idx):
-                    u = g  # the donated update buffers, read for the last time above: the result goes there
-                else:
-                    u = [torch.empty_like(x) for x in v]
-                _adam_direction_into(u, m, v, scale_, shift)
-            back = torch.view_as_complex if dtype.is_complex else _same
-            for k, j in enumerate(idx):
-                i = index[j]
-                new_mu[i] = tu.like(mu_leaves[i], back(m[k]))
-                new_nu[i] = tu.like(nu_leaves[i], back(v[k]))
-                out[j] = tu.like(leaves[j], back(u[k]).to(leaves[j].dtype))
-        new_state = ScaleByAdamState(count=count, mu=tu.unflatten(mu_spec, new_mu), nu=tu.unflatten(nu_spec, new_nu))
-        return tu.unflatten(spec, out), new_state
+            m = fe.lerp(mus, g, _on(1 - b1, device, real))
+            if isinstance(b2, torch.Tensor):
+                v = fe.lerp(nus, fe.mul(g, g), (1 - b2).to(device, real))
+            else:  # torch.optim.Adam's own arithmetic
+                v = fe.addcmul_(fe.mul(nus, _scalar(b2, device, real)), g, g, value=1 - b2)
+            # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1),
+            # in the one new buffer sqrt made (autograd keeps none of what is written into).
+            denom = fe.mul_(fe.sqrt(v), bc1 / torch.sqrt(_bias_correction(b2, t)))
+            u = fe.div(m, fe.add_(denom, [bc1 * _on(eps, device, bc1.dtype)] * len(denom)))
+            if dtype.is_complex:
+                m, v, u = ([torch.view_as_complex(x) for x in xs] for xs in (m, v, u))
+            ms.put(0, idx, m)
+            ms.put(1, idx, v)
+            ms.put_updates(idx, u)
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+        ms.each(step)
+        return ms.updates(), ScaleByAdamState(count=count, mu=ms.tree(0), nu=ms.tree(1))
+
+    return GradientTransformation(init_fn, update_fn)
 
 
 # --- weight decay --------------------------------------------------------------------------
@@ -430,40 +343,25 @@ def add_decayed_weights(
     if mask is not None:
         return masked(add_decayed_weights(weight_decay), mask)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, EmptyState, name="add_decayed_weights")
         if params is None:
             raise ValueError("add_decayed_weights: update() needs params (the weights to decay), got params=None")
-        index, leaves, spec = tu.align(params, updates, what="add_decayed_weights: updates", against="params")
-        if not isinstance(weight_decay, torch.Tensor) and weight_decay == 0.0:
+        ms = lw.Moments(updates, (params,), name="add_decayed_weights", against="the params")
+        if _is_zero(weight_decay):
             return updates, state
-        param_leaves, _ = tu.flatten(params)
-        tu.check_devices(
-            [param_leaves[i] for i in index], leaves, updates, what="add_decayed_weights: updates", against="the params"
-        )
-        locals_ = [tu.local(u) for u in leaves]
-        out: list[torch.Tensor] = list(leaves)
-        inplace = bool(extra.get("inplace", False))
-        for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
-            group = [locals_[j] for j in idx]
-            p = [tu.local(param_leaves[index[j]]).to(dtype) for j in idx]
-            if isinstance(weight_decay, torch.Tensor):
-                decay = fe.mul(p, weight_decay.to(device, dtype, non_blocking=True))
-                result = fe.add_(group, decay) if inplace else fe.add(group, decay)
-            elif inplace:
-                fe.add_(group, p, alpha=weight_decay)
-            else:
-                result = fe.add(group, p, alpha=weight_decay)
-            if not inplace:
-                for j, r in zip(idx, result):
-                    out[j] = tu.like(leaves[j], r)
-        return tu.unflatten(spec, out), state
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+        def step(key, idx, g, trees):
+            (device, dtype), (p,) = key, trees
+            if isinstance(weight_decay, torch.Tensor):
+                ms.put_updates(idx, fe.add(g, fe.mul(p, weight_decay.to(device, dtype, non_blocking=True))))
+            else:
+                ms.put_updates(idx, fe.add(g, p, alpha=weight_decay))
+
+        ms.each(step)
+        return ms.updates(), state
+
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 # --- momentum ------------------------------------------------------------------------------
@@ -505,205 +403,29 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
         return TraceState(trace=tu.unflatten(spec, _zeros_moments(leaves)))
 
     def update_fn(updates, state, params=None, **extra):
-        del params
         tu.require_state(state, TraceState, name="trace")
-        # A None update (a param with no gradient) leaves its trace as it is.
-        index, leaves, spec = tu.align(state.trace, updates, what="trace: updates", against="the state's trace")
-        tr_leaves, tr_spec = tu.flatten(state.trace)
-        tu.check_devices([tr_leaves[i] for i in index], leaves, updates, what="trace: updates", against="its momentum")
-        tr_locals = [tu.local(tr_leaves[i]) for i in index]
-        inplace = bool(extra.get("inplace", False))
+        ms = lw.Moments(updates, (state.trace,), name="trace", against="its momentum")
 
-        out: list[torch.Tensor] = list(leaves)
-        new_tr: list[torch.Tensor] = list(tr_leaves)
-        for (device, dtype), idx in tu.group_by_device_dtype(tr_locals).items():
-            g = [tu.local(leaves[j]).to(dtype) for j in idx]
-            d = decay.to(device, dtype, non_blocking=True) if isinstance(decay, torch.Tensor) else decay
-            tr = fe.mul([tr_locals[j] for j in idx], d)
-            fe.add_(tr, g)  # tr is ours: a fresh tensor
-            if not nesterov:
-                u = tr
-            elif isinstance(d, torch.Tensor):
-                u = fe.add(g, fe.mul(tr, d))
-            else:
-                u = fe.add(g, tr, alpha=d)
-            for k, j in enumerate(idx):
-                new_tr[index[j]] = tu.like(tr_leaves[index[j]], tr[k])
-                if inplace:  # write into the donated buffer, never hand out the state itself
-                    tu.local(leaves[j]).copy_(u[k])
-                else:
-                    out[j] = tu.like(leaves[j], u[k].to(leaves[j].dtype, copy=not nesterov))
-        return tu.unflatten(spec, out), TraceState(trace=tu.unflatten(tr_spec, new_tr))
+        def step(key, idx, g, trees):
+            d = _on(decay, key[0], key[1])
+            tr = fe.add(fe.mul(trees[0], _scalar(d, key[0], key[1])), g)  # torch.optim.SGD's buffer, out of place
+            ms.put(0, idx, tr)
+            if nesterov:
+                ms.put_updates(idx, fe.add(g, fe.mul(tr, d)) if isinstance(d, torch.Tensor) else fe.add(g, tr, alpha=d))
+            else:  # a copy: the updates never share storage with the state
+                ms.put_updates(idx, [x.clone() for x in tr])
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+        ms.each(step)
+        return ms.updates(), TraceState(trace=ms.tree(0))
 
-
-# --- aliases -------------------------------------------------------------------------------
-
-
-def _is_zero(value: Scalar) -> bool:
-    # A tensor hyperparameter may change between steps, so its member is always kept.
-    return not isinstance(value, torch.Tensor) and value == 0.0
-
-
-@factory
-def sgd(
-    learning_rate: ScalarOrSchedule, momentum: Scalar = 0.0, nesterov: bool = False, weight_decay: Scalar = 0.0
-) -> OptimizerChain:
-    """Stochastic gradient descent, optionally with (Nesterov) momentum and L2 weight decay, as ``torch.optim.SGD``.
-
-    ``chain(add_decayed_weights(weight_decay), trace(momentum, nesterov),
-    scale_by_learning_rate(learning_rate))``, leaving out the members that are
-    no-ops (``weight_decay == 0``, ``momentum == 0``). With weight decay,
-    ``update`` needs ``params``.
-
-    Args:
-      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
-      momentum: the momentum coefficient; ``>= 0``.
-      nesterov: use Nesterov momentum (needs ``momentum > 0``).
-      weight_decay: L2 penalty added to the gradient; ``>= 0``.
-
-    Returns:
-      A :class:`GradientTransformation` that runs that :func:`gradtx.chain` and has its state.
-      In a donated :func:`update_and_apply` step it applies the whole step with
-      torch's fused kernel instead, when the leaves allow.
-
-    References:
-      Robbins & Monro, "A Stochastic Approximation Method", 1951;
-      Sutskever, Martens, Dahl & Hinton, "On the importance of initialization and momentum in deep learning", 2013.
-
-    Example:
-      >>> tx = sgd(0.1, momentum=0.9)
-      >>> updates, state = tx.update(grads, tx.init(params), params)
-      >>> params = apply_updates(params, updates)
-    """
-    learning_rate = check.learning_rate(learning_rate, name="sgd")
-    momentum = check.non_negative(momentum, arg="momentum", name="sgd", tensor=True)
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="sgd", tensor=True)
-    nesterov = check.flag(nesterov, arg="nesterov", name="sgd")
-    if nesterov and _is_zero(momentum):
-        raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0.0")
-    txs = []
-    if not _is_zero(weight_decay):
-        txs.append(add_decayed_weights(weight_decay))
-    if not _is_zero(momentum):
-        txs.append(trace(momentum, nesterov))
-    txs.append(scale_by_learning_rate(learning_rate))
-    core = len(txs) - 2 if not _is_zero(momentum) else None
-    return _alias(
-        txs, OptimizerSpec("sgd", learning_rate, weight_decay, momentum=momentum, nesterov=nesterov, core=core)
-    )
-
-
-@factory
-def adam(
-    learning_rate: ScalarOrSchedule,
-    b1: Scalar = 0.9,
-    b2: Scalar = 0.999,
-    eps: Scalar = 1e-8,
-    weight_decay: Scalar = 0.0,
-) -> OptimizerChain:
-    """Adam, as ``torch.optim.Adam``: ``weight_decay`` is an L2 penalty added to the gradient.
-
-    ``chain(add_decayed_weights(weight_decay), scale_by_adam(b1, b2, eps),
-    scale_by_learning_rate(learning_rate))``, without the first member when
-    ``weight_decay == 0``. With weight decay, ``update`` needs ``params``.
-
-    Args:
-      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
-      b1: decay of the first moment; in ``[0, 1)``.
-      b2: decay of the second moment; in ``[0, 1)``.
-      eps: added to the denominator for stability; ``>= 0``.
-      weight_decay: L2 penalty added to the gradient; ``>= 0``.
-
-    Returns:
-      A :class:`GradientTransformation` that runs that :func:`gradtx.chain` and has its state.
-      In a donated :func:`update_and_apply` step it applies the whole step with
-      torch's fused kernel instead, when the leaves allow.
-
-    References:
-      Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
-
-    Example:
-      >>> tx = adam(1e-3)
-      >>> updates, state = tx.update(grads, tx.init(params))
-      >>> params = apply_updates(params, updates)
-    """
-    learning_rate = check.learning_rate(learning_rate, name="adam")
-    b1 = check.beta(b1, arg="b1", name="adam", tensor=True)
-    b2 = check.beta(b2, arg="b2", name="adam", tensor=True)
-    eps = check.non_negative(eps, arg="eps", name="adam", tensor=True)
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adam", tensor=True)
-    txs = [add_decayed_weights(weight_decay)] if not _is_zero(weight_decay) else []
-    txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
-    return _alias(txs, OptimizerSpec("adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=len(txs) - 2))
-
-
-@factory
-def adamw(
-    learning_rate: ScalarOrSchedule,
-    b1: Scalar = 0.9,
-    b2: Scalar = 0.999,
-    eps: Scalar = 1e-8,
-    weight_decay: Scalar = 0.01,
-    mask: PyTree | Callable[[Params], PyTree] | None = None,
-) -> OptimizerChain:
-    """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay.
-
-    ``chain(scale_by_adam(b1, b2, eps), add_decayed_weights(weight_decay),
-    scale_by_learning_rate(learning_rate))``, so the decay is scaled by the
-    (scheduled) learning rate but not by Adam's denominator; the decay member
-    is left out when ``weight_decay == 0``. With weight decay, ``update`` needs
-    ``params``. ``mask`` exempts biases and norms, as optax's ``mask``.
-
-    The default ``weight_decay`` is torch's (0.01); optax's ``adamw`` defaults to 1e-4.
-
-    Args:
-      learning_rate: a number ``>= 0`` or a schedule ``count -> learning rate``.
-      b1: decay of the first moment; in ``[0, 1)``.
-      b2: decay of the second moment; in ``[0, 1)``.
-      eps: added to the denominator for stability; ``>= 0``.
-      weight_decay: the decoupled decay coefficient; ``>= 0``.
-      mask: decay only the leaves where this is True: a tree of bools (or a
-        prefix of the params tree) or a function ``params -> mask``, as for
-        :func:`gradtx.masked`. ``None`` decays every leaf.
-
-    Every numeric hyperparameter may also be a 0-d tensor (what
-    :func:`gradtx.inject_hyperparams` passes), read with no host sync; an alias
-    built with tensor hyperparameters, or with a ``mask``, is never fused.
-
-    Returns:
-      A :class:`GradientTransformation` that runs that :func:`gradtx.chain` and has its state.
-      In a donated :func:`update_and_apply` step it applies the whole step with
-      torch's fused kernel instead, when the leaves allow.
-
-    References:
-      Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019;
-      Kingma & Ba, "Adam: A Method for Stochastic Optimization", 2015.
-
-    Example:
-      >>> tx = adamw(3e-4, weight_decay=0.1)
-      >>> updates, state = tx.update(grads, tx.init(params), params)
-      >>> params = apply_updates(params, updates)
-    """
-    learning_rate = check.learning_rate(learning_rate, name="adamw")
-    b1 = check.beta(b1, arg="b1", name="adamw", tensor=True)
-    b2 = check.beta(b2, arg="b2", name="adamw", tensor=True)
-    eps = check.non_negative(eps, arg="eps", name="adamw", tensor=True)
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="adamw", tensor=True)
-    txs = [scale_by_adam(b1, b2, eps)]
-    if not _is_zero(weight_decay):
-        txs.append(add_decayed_weights(weight_decay, mask))
-    txs.append(scale_by_learning_rate(learning_rate))
-    spec = OptimizerSpec("adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, core=0)
-    return _alias(txs, spec if mask is None or _is_zero(weight_decay) else spec._replace(fusable=False))
+    return GradientTransformation(init_fn, update_fn)
 
 
 # --- the aliases' structure ----------------------------------------------------------------
 
 
 class OptimizerSpec(NamedTuple):
-    """An alias's hyperparameters, held once: what a fused kernel needs to apply the whole step.
+    """An optimizer alias's hyperparameters, held once (what a fused torch kernel would need for the whole step).
 
     Attributes:
       kind: ``"sgd"``, ``"adam"`` or ``"adamw"``.
@@ -735,58 +457,22 @@ class OptimizerSpec(NamedTuple):
         return self.fusable and not any(isinstance(v, torch.Tensor) for v in values)
 
 
-class OptimizerChain(Chain):
-    """What :func:`sgd`, :func:`adam` and :func:`adamw` return: their chain, with its :class:`OptimizerSpec`.
+class OptimizerChain(GradientTransformation):
+    """What :func:`gradtx.sgd`, :func:`gradtx.adam` and :func:`gradtx.adamw` return: their chain, and its :class:`OptimizerSpec`.
 
-    Its state is the chain's (a tuple of member states). :mod:`gradtx.runtime.executor`
-    reads ``spec`` to run a donated step as one fused torch kernel.
+    It runs as the plain :func:`gradtx.chain` of its ``members``, and its state
+    is that chain's (a tuple of member states). It is not a :class:`gradtx.Chain`
+    itself, so code that walks nested chains keeps it whole: ``spec`` says
+    which optimizer it is (the wrapper refuses one in its chain by name).
     """
 
+    members: tuple[GradientTransformation, ...]
     spec: OptimizerSpec
 
     def __new__(cls, init: Any, update: Any, members: Sequence[GradientTransformation], spec: OptimizerSpec) -> Self:
-        self = super().__new__(cls, init, update, members)
-        self.spec = spec
+        self = super().__new__(cls, init, update)
+        self.members, self.spec = tuple(members), spec
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
         return (self.init, self.update, self.members, self.spec)
-
-    def fused_step(
-        self, state: OptState, updates: Updates, params: Params, factor: torch.Tensor | None
-    ) -> tuple[Callable[[], None], OptState] | None:
-        """The :class:`gradtx.core.kinds.FusableOptimizer` kind: ``(launch, new_state)`` for one fused torch kernel, or ``None``.
-
-        ``launch()`` writes the step into ``params`` and the state's moments in
-        place, with ``factor`` (or ``None``) applied to ``updates``; ``None``
-        comes back when a leaf or the state does not suit the kernel.
-        """
-        from gradtx.optimizers.fused import launch_for  # the kernels sit beside the optimizers that own their state
-
-        return launch_for(self.spec, state, updates, params, factor)
-
-
-def _alias(txs: list[GradientTransformation], spec: OptimizerSpec) -> OptimizerChain:
-    """``chain(*txs)``, whose pure path lets every member after the first write into the first one's output.
-
-    Every member's output buffers are new and shared with nothing (the first
-    member of an alias always computes: members that would be no-ops are left
-    out), so after it they belong to this call and later members may take them
-    as donated (``inplace=True``): the same numbers with fewer gradient-sized
-    buffers per step. The caller's updates, state and params are never written.
-    """
-    inner = chain(*txs)
-
-    def update_fn(updates, state, params=None, **extra):
-        if extra.get("inplace", False) or not isinstance(state, tuple) or len(state) != len(txs) or fe.under_vmap():
-            # donated already, or a bad state to report, or vmap (whose batched values are written out of place)
-            return inner.update(updates, state, params, **extra)
-        new_states = list(state)
-        for i, tx in enumerate(txs):
-            owned = {**extra, "inplace": True} if i > 0 else extra
-            updates, new_states[i] = tx.update(updates, state[i], params, **owned)
-            if updates is None:
-                break
-        return updates, tuple(new_states)
-
-    return kinds.declare_fresh(OptimizerChain(inner.init, update_fn, txs, spec), all(map(kinds.returns_fresh, txs)))

@@ -17,7 +17,7 @@ import torch
 from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory
+from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
 from gradtx.optimizers.standard import (
@@ -81,10 +81,6 @@ def scale_by_trust_ratio(
     plan.check_plan(mesh_groups, name=name)
     floor, coef, shift = _hyper(min_norm), _hyper(trust_coefficient), _hyper(eps)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del extra
         if state is not None:
@@ -115,7 +111,7 @@ def scale_by_trust_ratio(
             out.append(tu.like(u, (local * ratio.to(local.device)).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
-    return plan.reads_tied(GradientTransformation(init_fn, update_fn), mesh_groups)
+    return plan.reads_tied(GradientTransformation(init_empty_state, update_fn), mesh_groups)
 
 
 def _scale_by_adam_eps_root(b1: Any, b2: Any, eps: Any, eps_root: Any) -> GradientTransformation:
@@ -129,7 +125,7 @@ def _scale_by_adam_eps_root(b1: Any, b2: Any, eps: Any, eps_root: Any) -> Gradie
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, ScaleByAdamState, name="lamb")
-        lw.tensor_leaves(updates, name="lamb", what="updates")
+        tu.tensor_leaves(updates, what="lamb: updates")
         count = state.count + 1
         mu = lw.lmap(lambda g, m: (1 - b1) * g + b1 * m, updates, state.mu)
         nu = lw.lmap(lambda g, v: (1 - b2) * g * g + b2 * v, updates, state.nu)

@@ -20,7 +20,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, export_metrics, remember
@@ -140,9 +139,7 @@ def inject_hyperparams(
                 fixed[arg] = value
         # Build once with the values as given: bad numbers fail here, with the factory's own message.
         zero = torch.zeros((), dtype=torch.int64)
-        probe = inner_factory(
-            **fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()}
-        )
+        inner_factory(**fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()})
 
         def dtype_for(params: Params) -> torch.dtype:
             if hyperparam_dtype is not None:
@@ -186,7 +183,7 @@ def inject_hyperparams(
             return new_updates, InjectHyperparamsState(state.count + 1, hparams, inner_state)
 
         options = (inner_factory, tuple(sorted(static)), hyperparam_dtype)
-        out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(probe))
+        out = GradientTransformation(init_fn, update_fn)
         return remember(out, _injected, (options, args, kwargs), {})
 
     return wrapped
@@ -198,8 +195,8 @@ def _refuse_differentiation(hparams: dict[str, torch.Tensor], *, name: str) -> N
         if v.requires_grad:
             raise ValueError(
                 f"{name}: state.hyperparams[{k!r}] requires grad, but this step runs under torch.no_grad (as "
-                "TransformedOptimizer.step and update_and_apply(donate=True) do: they write into their buffers and "
-                "fused kernels, which autograd cannot differentiate), so no gradient would reach it; take "
+                "TransformedOptimizer.step does: it writes into its buffers and fused kernels, which autograd "
+                "cannot differentiate), so no gradient would reach it; take "
                 "hypergradients through the pure step, tx.update(...) then apply_updates(...), with grad enabled"
             )
 

@@ -1,335 +1,25 @@
 """Exact gradient accumulation over micro-batches, plain or token-weighted.
 
-Two pieces: :class:`Window`, the pure bookkeeping of an accumulation window
-(count micro-steps and tokens, decide when it closes, and the normaliser
-``1 / denominator``), and :func:`accumulate`, a transform that keeps the
-window's running sum in an fp32 buffer of its own. :class:`gradtx.TransformedOptimizer`
-drives the same :class:`Window` through :mod:`gradtx.runtime.executor`, with autograd's
-``.grad`` as the buffer.
+:func:`accumulate` keeps the window's running sum in an fp32 buffer of its
+own; the window's bookkeeping (counting micro-steps and tokens, deciding when
+it closes, the normaliser ``1 / denominator``) is :class:`gradtx.transforms.window.Window`,
+which :class:`gradtx.TransformedOptimizer` drives with autograd's ``.grad``
+as the buffer (:mod:`gradtx.wrapper.rules`).
 """
 
 from __future__ import annotations
 
-import numbers
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Self
+from typing import Any, Self
 
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.core import kinds
+from gradtx.comm.base import Comm, GroupKey, check_comm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, Params, PyTree, export_metrics, factory
+from gradtx.core.base import GradientTransformation, Params, factory
+from gradtx.transforms.window import AccumulateState, Window, WindowStep, _loss_value, _placeholder, empty_sums
 
-
-@export_metrics(
-    ("micro_step", "micro_step"),
-    ("last_tokens", "tokens"),
-    ("emitted", "emitted"),
-    ("empty_windows", "empty_windows"),
-)
-@kinds.window_state(running_sum="acc", micro_step="micro_step", tokens="tokens", k="k")
-@kinds.added_fields(  # after 0.1.0: a 0.1.0 state loads as a window that has seen no loss
-    loss_sum=lambda: torch.zeros((), dtype=torch.float32),
-    loss_weight=lambda: torch.zeros((), dtype=torch.int64),
-    last_loss=lambda: torch.zeros((), dtype=torch.float32),
-    windows=lambda: torch.zeros((), dtype=torch.int64),
-)
-class AccumulateState(NamedTuple):
-    """The accumulation window.
-
-    The counters live on the host (CPU, 0-d), so deciding whether a step
-    emits never waits on a device.
-
-    Attributes:
-      micro_step: micro-steps taken in the open window (int64).
-      tokens: valid tokens seen in the open window on this rank (int64).
-      emitted: whether the last update emitted (bool).
-      last_tokens: the token total of the last emitted window, summed over the
-        data-parallel ranks (int64; 0 when not token-weighted).
-      empty_windows: windows skipped because their valid tokens summed to 0
-        over all ranks (int64).
-      k: the window length this state was made for (int64), checked on every
-        update so a state cannot be resumed under another ``k`` by mistake.
-      acc: the fp32 running sum, a tree like the params, from ``init`` on (so the
-        state's structure never changes): a leaf is the sum of its grads while a
-        window is open in :func:`accumulate`, else a 0-element placeholder
-        (:func:`gradtx.core.kinds.empty_sum`; no memory), and always the
-        placeholder when autograd is the buffer. A state from 0.1.0 holds
-        ``None`` here, read as empty.
-      loss_sum: the sum of the losses given (``update(..., loss=...)``) in the
-        open window (fp32, 0-d, on the loss's device).
-      loss_weight: what ``loss_sum`` is divided by when the window closes: the
-        number of micro-steps that gave a loss, or their tokens when
-        token-weighted (int64, on the host).
-      last_loss: the last emitted window's loss, reduced as its grads were
-        (fp32, 0-d); what the members after the window see as ``loss``.
-      windows: the number of windows emitted so far (int64, on the host): what
-        ``every_k_schedule`` is called with.
-    """
-
-    micro_step: torch.Tensor
-    tokens: torch.Tensor
-    emitted: torch.Tensor
-    last_tokens: torch.Tensor
-    empty_windows: torch.Tensor
-    k: torch.Tensor
-    acc: PyTree | None
-    loss_sum: torch.Tensor
-    loss_weight: torch.Tensor
-    last_loss: torch.Tensor
-    windows: torch.Tensor
-
-
-def _token_count(tokens: Any) -> int:
-    """Validate a micro-batch's token count and return it as an int (reads only host memory)."""
-    if tokens is None:
-        raise ValueError("accumulate: token_weighted=True needs update(..., tokens=n), the micro-batch's valid tokens")
-    if isinstance(tokens, torch.Tensor):
-        if tokens.numel() != 1:
-            raise ValueError(f"accumulate: tokens must be a scalar, got a tensor of shape {tuple(tokens.shape)}")
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"accumulate: tokens must be an integer count, got a {tokens.dtype} tensor")
-        tokens = int(tokens.cpu())  # a count, normally already on the host; never a hot-path device sync
-    elif isinstance(tokens, bool) or not isinstance(tokens, numbers.Real):
-        raise TypeError(f"accumulate: tokens must be an integer count, got {type(tokens).__name__}")
-    elif not float(tokens).is_integer():
-        raise ValueError(f"accumulate: tokens must be a whole number, got {tokens}")
-    tokens = int(tokens)
-    if tokens < 0:
-        raise ValueError(f"accumulate: tokens must be >= 0, got {tokens}")
-    if tokens >= 2**62:
-        raise ValueError(f"accumulate: tokens must be < 2**62 (an int64 running total), got {tokens}")
-    return tokens
-
-
-def _loss_value(loss: Any) -> torch.Tensor | None:
-    """A micro-batch's loss as a detached fp32 0-d tensor (no host read), or ``None`` when none was given."""
-    if loss is None:
-        return None
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise ValueError(f"accumulate: loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
-        if not loss.dtype.is_floating_point:
-            raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
-        return loss.detach().reshape(()).to(torch.float32)
-    return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
-
-
-def _multi_process() -> int:
-    """The world size when torch.distributed runs several processes, else 0 (a query, no collective)."""
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0
-    world = dist.get_world_size()
-    return world if world > 1 else 0
-
-
-def _placeholder(leaf: Any) -> bool:
-    """Whether a leaf of a window's running sum holds nothing (:func:`gradtx.core.kinds.empty_sum`'s placeholder)."""
-    return not isinstance(leaf, torch.Tensor) or leaf.numel() == 0
-
-
-class WindowStep(NamedTuple):
-    """What one micro-step did to the window.
-
-    Attributes:
-      emit: the window closed with an update.
-      factor: ``1 / denominator`` (0-d fp64 on the host; each use narrows it to the grads' precision) when
-        ``emit``; else ``None``.
-      state: the new :class:`AccumulateState` (``acc`` untouched while the window holds: the buffer is the
-        caller's business; emptied when it closes).
-    """
-
-    emit: bool
-    factor: torch.Tensor | None
-    state: AccumulateState
-
-
-@dataclass(frozen=True)
-class Window:
-    """The pure bookkeeping of an accumulation window: counting, closing, normalising.
-
-    It keeps no buffer: :func:`accumulate` sums into an fp32 tree of its own,
-    and :class:`gradtx.TransformedOptimizer` lets autograd sum into ``.grad``.
-    Both call :meth:`step` once per micro-step.
-    """
-
-    k: int
-    token_weighted: bool = False
-    comm: Comm | None = None
-    group: GroupKey = "dp"
-    reduce_grads: bool = False
-    every_k_schedule: Any = None  # ``windows -> k``; then ``k`` is 0 (recorded in the state as such)
-
-    def window_k(self, state: AccumulateState) -> int:
-        """The length of the window ``state`` is in: ``k``, or ``every_k_schedule(windows emitted so far)``."""
-        if self.every_k_schedule is None:
-            return self.k
-        value = self.every_k_schedule(state.windows)
-        k = int(value) if isinstance(value, torch.Tensor) else value  # host counters in, a host count out
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) and not float(k).is_integer() or k < 1:
-            raise ValueError(f"accumulate: every_k_schedule({int(state.windows)}) must be an integer >= 1, got {value!r}")
-        return int(k)
-
-    def init(self, params: Params | None = None) -> AccumulateState:
-        """A fresh window; its running sum is :func:`gradtx.core.kinds.empty_sum` of ``params`` (``None`` without)."""
-        zero = torch.zeros((), dtype=torch.int64)
-        return AccumulateState(
-            micro_step=zero,
-            tokens=zero.clone(),
-            emitted=torch.zeros((), dtype=torch.bool),
-            last_tokens=zero.clone(),
-            empty_windows=zero.clone(),
-            k=torch.tensor(self.k, dtype=torch.int64),
-            acc=kinds.empty_sum(params),
-            loss_sum=torch.zeros((), dtype=torch.float32),
-            loss_weight=zero.clone(),
-            last_loss=torch.zeros((), dtype=torch.float32),
-            windows=zero.clone(),
-        )
-
-    def check(self, state: Any) -> None:
-        """Raise unless ``state`` is an :class:`AccumulateState` made for this window's ``k``."""
-        tu.require_state(state, AccumulateState, name="accumulate")
-        if int(state.k) != self.k:
-            raise ValueError(
-                f"accumulate: the state was made for k={int(state.k)}, this transform has k={self.k}; "
-                "resume with the same k, or start from init()"
-            )
-
-    def is_open(self, state: AccumulateState) -> bool:
-        """Whether a window is open (some micro-steps counted, none emitted yet)."""
-        return int(state.micro_step) > 0
-
-    def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
-        """Whether the next micro-step closes the window (the ``k``-th, or one passed ``flush=True``)."""
-        return flush or int(state.micro_step) + 1 >= self.window_k(state)
-
-    def check_tokens(self, tokens: Any) -> int:
-        """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
-        if not self.token_weighted:
-            return 0
-        world = _multi_process() if self.comm is None else 0
-        if world:
-            raise ValueError(
-                f"accumulate: token_weighted=True in a run of {world} processes needs comm= over the data-parallel "
-                "ranks (e.g. accumulate(k, token_weighted=True, comm=gtx.comm.TorchComm(mesh), group='dp')), so the "
-                "token total is the global batch's; pass comm=gtx.comm.LocalComm() if each rank's tokens are "
-                "already the global count"
-            )
-        return _token_count(tokens)
-
-    def step(
-        self,
-        state: AccumulateState,
-        *,
-        tokens: Any = None,
-        flush: bool = False,
-        device: torch.device | None = None,
-        loss: Any = None,
-    ) -> WindowStep:
-        """Count one micro-step; on the closing one, compute the normaliser.
-
-        On the closing micro-step of a token-weighted window with a ``comm``,
-        this issues the one scalar collective of the window (the token total
-        over ``group``) and reads the total on the host, to refuse a global
-        zero. A window with no valid token anywhere closes without emitting
-        (``emit`` False, counted in ``empty_windows``) on every rank alike.
-
-        Args:
-          state: the window's state.
-          tokens: this micro-batch's valid tokens (token-weighted windows).
-          flush: close the window now, over its real size.
-          device: where the factor (and the token collective) lives: the grads' device.
-          loss: this micro-batch's loss (its mean loss, or its summed loss when
-            token-weighted, as its grads are), added to the window's loss; the
-            closing step's :attr:`AccumulateState.last_loss` is their mean (or
-            token mean), what the members after the window see as ``loss``.
-        """
-        self.check(state)
-        n = self.check_tokens(tokens)
-        loss_value = _loss_value(loss)
-        loss_sum, loss_weight = state.loss_sum, int(state.loss_weight)
-        if loss_value is not None:
-            loss_sum = loss_sum.to(loss_value.device) + loss_value
-            loss_weight += n if self.token_weighted else 1
-        micro_step = int(state.micro_step) + 1
-        window_tokens = int(state.tokens) + n
-        if micro_step < self.window_k(state) and not flush:
-            return WindowStep(
-                False,
-                None,
-                state._replace(
-                    micro_step=torch.tensor(micro_step),
-                    tokens=torch.tensor(window_tokens),
-                    emitted=torch.tensor(False),
-                    loss_sum=loss_sum,
-                    loss_weight=torch.tensor(loss_weight),
-                ),
-            )
-        device = device if device is not None else torch.device("cpu")
-        closed = state._replace(
-            micro_step=torch.zeros((), dtype=torch.int64),
-            tokens=torch.zeros((), dtype=torch.int64),
-            acc=kinds.emptied(state.acc),
-            loss_sum=torch.zeros((), dtype=torch.float32),
-            loss_weight=torch.zeros((), dtype=torch.int64),
-            last_loss=loss_sum / loss_weight if loss_weight > 0 else state.last_loss,
-        )
-        if self.token_weighted:
-            total = window_tokens
-            if self.comm is not None:
-                # On the grads' device: a GPU process group (NCCL) reduces device tensors only.
-                (global_total,) = self.comm.all_reduce([torch.tensor(total, device=device)], ReduceOp.SUM, self.group)
-                total = int(global_total.cpu())  # one scalar per optimizer step
-            if total == 0:
-                # No valid token anywhere: the token mean is undefined, so every rank skips the window
-                # alike (the total is global), before any grad collective: no rank is left waiting.
-                return WindowStep(
-                    False, None, closed._replace(emitted=torch.tensor(False), empty_windows=state.empty_windows + 1)
-                )
-            denom = total
-        else:
-            total = 0
-            denom = micro_step * (self.comm.size(self.group) if self.reduce_grads and self.comm is not None else 1)
-        factor = torch.tensor(1.0 / denom, dtype=torch.float64)  # exact for fp64 sums; scale_leaves narrows it
-        return WindowStep(
-            True,
-            factor,
-            closed._replace(
-                emitted=torch.tensor(True),
-                last_tokens=torch.tensor(total, dtype=torch.int64),
-                windows=state.windows + 1,
-            ),
-        )
-
-    def reduce(self, leaves: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
-        """Sum ``leaves`` over ``group`` in one coalesced collective, through their local shards (``reduce_grads``).
-
-        With ``inplace`` the sums are written back into the leaves (keeping the
-        ``.grad`` objects and their DTensor metadata); otherwise new leaves are returned.
-        """
-        if not self.reduce_grads or self.comm is None:
-            return leaves
-        return tu.all_reduce_leaves(self.comm, leaves, ReduceOp.SUM, self.group, inplace=inplace)
-
-
-class RankLocal(NamedTuple):
-    """What of a window's state is per data-parallel rank, for a checkpoint to sum on save.
-
-    Attributes:
-      comm: the :class:`gradtx.comm.Comm` over the data-parallel ranks, or ``None`` (nothing is per rank).
-      group: its group key.
-      tokens: the window's token count is this rank's only.
-      sums: the window's running sum is this rank's only.
-    """
-
-    comm: Comm | None
-    group: GroupKey
-    tokens: bool
-    sums: bool
+__all__ = ["AccumulateState", "Accumulation", "Window", "WindowStep", "accumulate", "empty_sums"]
 
 
 class Accumulation(GradientTransformation):
@@ -356,44 +46,10 @@ class Accumulation(GradientTransformation):
     def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
         return (self.init, self.update, self.window, self.sum_window)
 
-    # The gradtx.core.kinds.Windowed protocol: what the executor, the wrapper and the checkpoint read.
-
     @property
     def k(self) -> int:
         """The window length."""
         return self.window.k
-
-    def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
-        """Whether the next micro-step closes the window (reads host counters only)."""
-        return self.window.emits_next(state, flush=flush)
-
-    def is_open(self, state: AccumulateState) -> bool:
-        """Whether micro-steps have been counted and not emitted yet."""
-        return self.window.is_open(state)
-
-    def count_step(
-        self,
-        state: AccumulateState,
-        *,
-        tokens: Any = None,
-        flush: bool = False,
-        device: torch.device | None = None,
-        loss: Any = None,
-    ) -> tuple[torch.Tensor | None, AccumulateState]:
-        """Count a micro-step whose gradient the caller sums (autograd's ``.grad``): ``(1/denominator or None, state)``."""
-        stepped = self.window.step(state, tokens=tokens, flush=flush, device=device, loss=loss)
-        return stepped.factor, stepped.state
-
-    def reduce(self, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The caller's summed leaves, summed over the data-parallel group in place (``reduce_grads``)."""
-        return self.window.reduce(leaves, inplace=True)
-
-    def rank_local(self) -> RankLocal:
-        """Which parts of the window's state differ between data-parallel ranks, and how to sum them."""
-        w = self.window
-        if w.comm is None:
-            return RankLocal(None, w.group, False, False)
-        return RankLocal(w.comm, w.group, w.token_weighted, w.reduce_grads)
 
     def downstream_extra(self, state: AccumulateState, extra: dict[str, Any]) -> dict[str, Any]:
         """The extras the members after the window see, once it has emitted with ``state``.
@@ -463,8 +119,8 @@ def accumulate(
 
     The window itself (counting micro-steps and tokens, and the normaliser
     ``1 / denominator``) is :attr:`Accumulation.window`, a pure object that
-    :mod:`gradtx.runtime.executor` also drives when autograd's ``.grad`` is the
-    buffer (:class:`gradtx.TransformedOptimizer`), so no second buffer exists there.
+    :class:`gradtx.TransformedOptimizer` drives with autograd's ``.grad`` as the
+    buffer, so no second buffer exists there.
 
     Per emitted update this issues at most two collectives over ``group``: one
     scalar SUM of the token total (token-weighted with a ``comm``), then one
@@ -544,8 +200,8 @@ def accumulate(
         window.check_tokens(tokens)  # before anything is summed: a bad count leaves nothing half done
         _loss_value(loss)
         held = state.acc
-        if held is None:  # a state from 0.1.0 (or a Window made without params): nothing summed yet
-            held = kinds.empty_sum(params if params is not None else updates)
+        if held is None:  # a Window made without params: nothing summed yet
+            held = empty_sums(params if params is not None else updates)
         sums, sum_spec = tu.flatten(held)
         opened = window.is_open(state)
         against = "the open window's running sum" if opened else "params"
@@ -599,4 +255,4 @@ def accumulate(
     )
     update_fn = torch.compiler.disable(update_fn, reason=reason)
     sum_window = torch.compiler.disable(sum_window, reason=reason)
-    return kinds.declare_fresh(Accumulation(init_fn, update_fn, window, sum_window))
+    return Accumulation(init_fn, update_fn, window, sum_window)

@@ -20,16 +20,15 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from gradtx.core import kinds
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
-    EmptyState,
     GradientTransformation,
     Params,
     ScalarTransformation,
     export_metrics,
     factory,
+    init_empty_state,
     scalar_transformation,
 )
 from gradtx.distributed.global_norm import check_plan, global_norm_of, leaf_norms_of
@@ -381,10 +380,6 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
     threshold = check.positive(threshold, arg="threshold", name=name)
     check_plan(mesh_groups, name=name)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
@@ -397,7 +392,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
             out.append(tu.like(u, (local / denom).to(local.dtype)))
         return tu.unflatten(spec, out), state
 
-    return reads_tied(kinds.declare_fresh(GradientTransformation(init_fn, update_fn)), mesh_groups)
+    return reads_tied(GradientTransformation(init_empty_state, update_fn), mesh_groups)
 
 
 # --- norms by layer ------------------------------------------------------------------------
@@ -484,4 +479,4 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         full = {n: norms[n] if n in norms else torch.zeros_like(v) for n, v in state.norms.items()}
         return updates, TrackNormsState(norms=full)
 
-    return reads_tied(kinds.declare_fresh(GradientTransformation(init_fn, update_fn)), mesh_groups)
+    return reads_tied(GradientTransformation(init_fn, update_fn), mesh_groups)

@@ -74,13 +74,13 @@ def ema(
     accumulator_dtype = _check_dtype(accumulator_dtype, arg="accumulator_dtype", name="ema")
 
     def init_fn(params: Params) -> EmaState:
-        lw.tensor_leaves(params, name="ema", what="params")
+        tu.tensor_leaves(params, what="ema: params")
         return EmaState(count=lw.zero_count(params), ema=lw.zeros_like_tree(params, accumulator_dtype))
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, EmaState, name="ema")
-        lw.tensor_leaves(updates, name="ema", what="updates")
+        tu.tensor_leaves(updates, what="ema: updates")
         tu.check_structure(state.ema, updates, what="ema: updates", against="the state's average")
         count = state.count + 1
 

@@ -6,14 +6,13 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple, Self, cast
 
 import optree
-import torch
 
 from gradtx.core import foreach as fe
-from gradtx.core import kinds
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, ScalarTransformation, Updates, factory
-from gradtx.distributed.pipeline import tie_order
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, Updates, factory
+from gradtx.distributed.pipeline import check_chain
 from gradtx.distributed.plan import NO_PLAN, plan_read_by, reads_plan
 
 
@@ -41,7 +40,7 @@ class Chain(GradientTransformation):
         self.names = None if names is None else tuple(names)
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
         return (self.init, self.update, self.members, self.names)
 
     def member_states(self, state: OptState) -> list[OptState]:
@@ -63,44 +62,6 @@ class Chain(GradientTransformation):
     def join_states(self, states: Sequence[OptState]) -> OptState:
         """This chain's state from its members' states (the inverse of :meth:`member_states`)."""
         return dict(zip(self.names, states)) if self.names is not None else tuple(states)
-
-
-def _run(
-    txs: Sequence[GradientTransformation],
-    updates: Updates,
-    states: Sequence[OptState],
-    params: Params | None,
-    extra: dict[str, Any],
-    hands_on: Sequence[bool],
-) -> tuple[Updates | None, list[OptState]]:
-    # A scalar member's product is computed here, into new buffers (or the donated ones): from then
-    # on the chain owns its updates, so later members may write into them (``inplace=True``), with
-    # the pure path's numbers and one gradient-sized allocation fewer per member. Updates from a
-    # member that did not declare them fresh may be its state's own tensors (optax's trace returns
-    # its new trace): those leaves are copied before anything writes into them.
-    owned = bool(extra.get("inplace", False))
-    # Under vmap nothing is written in place: an unbatched buffer cannot hold a batched result.
-    donate = not fe.under_vmap()
-    new_states = list(states)
-    for i, tx in enumerate(txs):
-        if isinstance(tx, ScalarTransformation):
-            factor, new_states[i] = tx.factor(updates, states[i], params, **extra)
-            leaves, spec = tu.flatten(updates)
-            tu.check_tensors(leaves, tree=updates, what="updates")
-            updates = tu.unflatten(spec, tu.scale_leaves(leaves, factor, inplace=owned))
-            owned = donate
-            continue
-        given = updates
-        updates, new_states[i] = tx.update(
-            updates, states[i], params, **({**extra, "inplace": True} if owned else extra)
-        )
-        if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
-            break
-        if owned and not kinds.returns_fresh(tx):
-            updates = kinds.owned_updates(updates, kinds.held_storages(new_states[i], states[i], params, given))
-        if hands_on[i]:  # a window that emitted hands its reduced loss to what follows
-            extra = tx.downstream_extra(new_states[i], extra)  # type: ignore[attr-defined]
-    return updates, new_states
 
 
 @factory
@@ -132,19 +93,27 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
 
 
 def _chain(txs: Sequence[GradientTransformation], names: Sequence[str] | None = None) -> GradientTransformation:
-    """A :class:`Chain` of ``txs`` (with ``names``, a :func:`named_chain`), planned: read once what its members declare."""
-    hands_on = [isinstance(tx, kinds.DownstreamExtra) for tx in txs]  # read once, not every step
-    ties = tie_order(txs, name="chain" if names is None else "named_chain")
+    """A :class:`Chain` of ``txs`` (with ``names``, a :func:`named_chain`), its tied-weight order checked once."""
+    check_chain(txs, name="chain" if names is None else "named_chain")
+    # The one thing a member may change for those after it: accumulate hands on the window's loss, so a
+    # loss guard after it judges the whole window (a method read once here, never declared).
+    hands_on = [getattr(tx, "downstream_extra", None) for tx in txs]
 
     def init_fn(params: Params) -> OptState:
         return out.join_states([tx.init(params) for tx in txs])
 
     def update_fn(updates, state, params=None, **extra):
-        updates, new_states = _run(txs, updates, out.member_states(state), params, extra, hands_on)
+        new_states = out.member_states(state)
+        for i, tx in enumerate(txs):
+            updates, new_states[i] = tx.update(updates, new_states[i], params, **extra)
+            if updates is None:  # a member (accumulate) is holding: nothing downstream runs or changes
+                break
+            if hands_on[i] is not None:
+                extra = hands_on[i](new_states[i], extra)
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs, names)
-    return kinds.declare_ties(kinds.declare_fresh(out, all(map(kinds.returns_fresh, txs))), **ties)
+    return out
 
 
 @factory
@@ -317,9 +286,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         _take(out, routed, keep, new, name="masked")
         return tu.unflatten(routed.out_spec, out), MaskedState(inner_state)
 
-    # Kept leaves are the inner transform's updates, the others the caller's: fresh when the inner's are.
-    out = kinds.declare_fresh(GradientTransformation(init_fn, update_fn), kinds.returns_fresh(inner))
-    return reads_plan(out, plan_read_by(inner))  # the chain holding it checks it
+    return reads_plan(GradientTransformation(init_fn, update_fn), plan_read_by(inner))  # the chain holding it checks it
 
 
 @factory
@@ -400,10 +367,8 @@ def partition(
             _take(out, routed, keep, new, name="partition")
         return tu.unflatten(routed.out_spec, out), PartitionState(new_states)
 
-    out = kinds.declare_fresh(
-        GradientTransformation(init_fn, update_fn), all(map(kinds.returns_fresh, transforms.values()))
-    )
-    return reads_plan(out, next((p for p in map(plan_read_by, transforms.values()) if p is not NO_PLAN), NO_PLAN))
+    read = next((p for p in map(plan_read_by, transforms.values()) if p is not NO_PLAN), NO_PLAN)
+    return reads_plan(GradientTransformation(init_fn, update_fn), read)  # the chain holding it checks it
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:
@@ -415,18 +380,43 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     """
     if updates is None:
         return params
-    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
     p_leaves, spec = tu.flatten(params)
-    out: list[Any] = list(p_leaves)
-    plain: dict[tuple[torch.device, torch.dtype], list[tuple[int, int]]] = {}
-    for j, i in enumerate(index):
-        p, u = p_leaves[i], u_leaves[j]
-        if type(p) is torch.Tensor and type(u) is torch.Tensor and p.dtype == u.dtype and p.device == u.device:
-            plain.setdefault((p.device, p.dtype), []).append((i, j))
-        else:  # DTensors (placements may differ) and mixed dtypes take the ordinary op
-            out[i] = (p + u).to(p.dtype) if u.dtype != p.dtype else p + u
-    for pairs in plain.values():  # one foreach launch per (device, dtype): the many-small-tensors case
-        added = fe.add([p_leaves[i] for i, _ in pairs], [u_leaves[j] for _, j in pairs])
-        for (i, _), r in zip(pairs, added):
-            out[i] = r
+    u_leaves, u_spec = tu.flatten(updates)
+    key = lw.one_group(p_leaves)
+    floats = key is not None and (key[1].is_floating_point or key[1].is_complex)
+    if u_spec == spec and floats and lw.one_group(u_leaves) == key and lw.same_shapes(u_leaves, p_leaves):
+        return tu.unflatten(spec, fe.add(p_leaves, u_leaves))  # the common case: one launch, no loop per leaf
+    index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
+    out = list(p_leaves)
+    if not (lw.plain(p_leaves) and lw.plain(u_leaves)):  # DTensors, whose placements may differ: leaf by leaf
+        for j, i in enumerate(index):
+            out[i] = (p_leaves[i] + u_leaves[j]).to(p_leaves[i].dtype)
+        return tu.unflatten(spec, out)
+    present = p_leaves if len(index) == len(p_leaves) else [p_leaves[i] for i in index]
+    for _, idx in fe.group_by_device_dtype(present):  # one foreach launch per (device, dtype)
+        added = fe.add([present[j] for j in idx], [u_leaves[j] for j in idx])
+        for j, r in zip(idx, added):
+            out[index[j]] = r if r.dtype == p_leaves[index[j]].dtype else r.to(p_leaves[index[j]].dtype)
     return tu.unflatten(spec, out)
+
+
+def update_and_apply(
+    tx: GradientTransformation, grads: Updates, state: OptState, params: Params, **extra: Any
+) -> tuple[Params, OptState]:
+    """One optimizer step: ``tx.update``, then :func:`apply_updates`. Pure.
+
+    Exactly::
+
+        updates, state = tx.update(grads, state, params, **extra)
+        params = apply_updates(params, updates)
+
+    When the chain holds (an open accumulation window) the params come back
+    unchanged. For speed, compile the step (``torch.compile``); inductor then
+    writes each result straight into its buffer.
+
+    Example:
+      >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4, weight_decay=0.1))
+      >>> params, state = update_and_apply(tx, grads, state, params)
+    """
+    updates, state = tx.update(grads, state, params, **extra)
+    return apply_updates(params, updates), state

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, check_comm
-from gradtx.core import kinds, norms
+from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, export_metrics, factory
@@ -147,4 +147,4 @@ def apply_if_finite(
         )
         return tu.unflatten(out_spec, out), new_state
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    return Guard(init_fn, update_fn, _skipped)

@@ -14,10 +14,18 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import EmptyState, GradientTransformation, OptState, Params, PyTree, export_metrics, factory
+from gradtx.core.base import (
+    EmptyState,
+    GradientTransformation,
+    OptState,
+    Params,
+    PyTree,
+    export_metrics,
+    factory,
+    init_empty_state,
+)
 from gradtx.transforms.averaging import ema
 
 __all__ = ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snapshot"]
@@ -86,15 +94,11 @@ class MonitorState(NamedTuple):
 
 
 def _stateless_measure(fn: Measure) -> GradientTransformation:
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         return fn(updates), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 @factory
@@ -154,7 +158,7 @@ def monitor(measures: Mapping[str, GradientTransformation | Measure]) -> Gradien
         measurements: dict[str, Any] = {}
         new_states = []
         for n, s in zip(names, state.measure_states):
-            measurements[n], s = txs[n].update(updates, s, params, **lw.without_inplace(extra))  # updates pass on
+            measurements[n], s = txs[n].update(updates, s, params, **extra)  # updates pass on
             new_states.append(s)
         return updates, MonitorState(measurements, tuple(new_states))
 
@@ -205,7 +209,7 @@ def measure_with_ema(
             raise ValueError(
                 "measure_with_ema: state must be the (EmptyState(), EmaState) pair this transform's init returns"
             )
-        out, ema_state = average.update(measure(updates), state[1], None, **lw.without_inplace(extra))
+        out, ema_state = average.update(measure(updates), state[1], None, **extra)
         return out, (state[0], ema_state)
 
     return GradientTransformation(init_fn, update_fn)

@@ -93,7 +93,7 @@ def reduce_on_plateau(
     min_scale = check.non_negative(min_scale, arg="min_scale", name=name)
 
     def init_fn(params: Params) -> ReduceLROnPlateauState:
-        device = lw.device_of(params)
+        device = tu.device_of(params)
         low, high = lw.lowest_dtype(params), lw.highest_dtype(params)
         zero = torch.zeros((), dtype=torch.int64, device=device)
         return ReduceLROnPlateauState(

@@ -99,7 +99,6 @@ def sam(
 
     def transparent_update(updates, state, params=None, **extra):
         tu.require_state(state, SAMState, name="sam")
-        extra = lw.without_inplace(extra)  # both optimizers read the same updates
         if params is None:
             raise ValueError("sam: update() needs params, got params=None")
         first = state.steps_since_sync == 0

@@ -18,7 +18,7 @@ import torch
 from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import EmptyState, GradientTransformation, OptState, Params, PyTree, factory
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, factory, init_empty_state
 from gradtx.transforms.combine import masked, partition
 
 __all__ = [
@@ -48,16 +48,12 @@ def set_to_zero() -> GradientTransformation:
       {'w': tensor([0., 0.])}
     """
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        lw.tensor_leaves(updates, name="set_to_zero", what="updates")
+        tu.tensor_leaves(updates, what="set_to_zero: updates")
         return tu.tree_map(torch.zeros_like, updates), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 def _check_mask(mask: Any, *, arg: str, name: str) -> None:
@@ -172,9 +168,9 @@ def _conditional(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, state_type, name=name)
-        cond = should_transform_fn(state.step, **(lw.without_inplace(extra) if forward_extra_args else {}))
+        cond = should_transform_fn(state.step, **(extra if forward_extra_args else {}))
         # The updates are read again when the step is rejected: the inner transform may not write into them.
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **lw.without_inplace(extra))
+        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
         if new_updates is None:
             raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before {name}")
         rejected = tu.tree_map(torch.zeros_like, updates) if zero_rejected else updates

@@ -1,29 +1,23 @@
-"""Spikes and non-finite values: zero NaNs, skip bad steps, skip statistical outliers.
+"""Spikes and non-finite values: zero NaNs (:func:`zero_nans`), skip bad steps (:func:`skip_if` with optax's
+:func:`skip_not_finite` or :func:`skip_large_updates`), skip statistical outliers (:func:`skip_spikes`).
 
-* :func:`zero_nans` replaces NaNs with zeros (optax's ``zero_nans``).
-* :func:`skip_not_finite` and :func:`skip_large_updates` are optax's
-  ``should_skip_update_fn`` functions, with optax's signature and return values.
-* :func:`skip_if` wraps a transform and skips a step when such a function says
-  so: the updates are zeros and the inner state is left exactly as it was
-  (no moment, count or schedule moves), as :func:`gradtx.apply_if_finite` does.
-* :func:`skip_spikes` skips a step whose global grad norm (or loss) is an
-  outlier against a running mean and variance, after a warm-up.
-
-Every decision is a tensor ``torch.where``: no host sync, no Python branch on a
-value. Decisions that depend on a norm use the global norm (pass
+A skipped step returns zero updates and leaves the inner state exactly as it was (no moment, count or
+schedule moves), as :func:`gradtx.apply_if_finite` does. Every decision is a tensor ``torch.where``: no
+host sync, no Python branch on a value. Decisions that depend on a norm use the global norm (pass
 ``mesh_groups=`` for sharded grads), so they are the same on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any, Literal, NamedTuple
 
 import optree
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.core import kinds
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
@@ -102,7 +96,7 @@ def zero_nans() -> GradientTransformation:
         )
         return tu.unflatten(spec, out), ZeroNansState(found_nan=found_nan)
 
-    return kinds.declare_fresh(GradientTransformation(init_fn, update_fn))
+    return GradientTransformation(init_fn, update_fn)
 
 
 # --- optax's should_skip_update_fn functions ------------------------------------------------
@@ -169,13 +163,12 @@ def skip_large_updates(
       >>> tx = skip_if(adamw(1e-3), functools.partial(skip_large_updates, max_squared_norm=100.0))
     """
     del gradient_step, params
+    fn = "skip_large_updates"
     if not isinstance(max_squared_norm, torch.Tensor):
-        max_squared_norm = check.number(
-            max_squared_norm, arg="max_squared_norm", name="skip_large_updates", finite=False
-        )
-    check_plan(mesh_groups, name="skip_large_updates")
-    leaves, _ = tu.tensor_leaves(updates, what="skip_large_updates: updates")
-    norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups, what="skip_large_updates", tree=updates).square()
+        max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False)
+    check_plan(mesh_groups, name=fn)
+    leaves, _ = tu.tensor_leaves(updates, what=f"{fn}: updates")
+    norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups, what=fn, tree=updates).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
@@ -203,38 +196,15 @@ class SkipIfState(NamedTuple):
 
 
 def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: GroupKey) -> torch.Tensor:
-    """True on every rank when it is True on any rank that holds part of the model.
-
-    With ``comm``: one scalar MAX over ``group``. Else, on DTensor updates, over
-    their meshes (as ``apply_if_finite`` agrees); else the local flag.
-    """
+    """True on every rank when it is True on any rank: over ``group`` with ``comm``, else over DTensors' meshes."""
     leaves = [t for t in tu.flatten(updates)[0] if isinstance(t, torch.Tensor)]
     return ~inferred.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
 
 
 def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState, old_inner: OptState):
     """The inner transform's result where ``accept``, else zero updates and the old inner state."""
-
-    def pick(new: Any, old: Any) -> Any:
-        if not isinstance(new, torch.Tensor):
-            return new
-        return tu.like(new, torch.where(accept.to(tu.local(new).device), tu.local(new), tu.local(old)))
-
-    leaves, spec = tu.flatten(new_updates)
-    out = [
-        tu.like(
-            u,
-            torch.where(
-                accept.to(tu.local(u).device), tu.local(u), torch.zeros((), dtype=u.dtype, device=tu.local(u).device)
-            ),
-        )
-        for u in leaves
-    ]
-    return tu.unflatten(spec, out), tu.tree_map(pick, new_inner, old_inner)
-
-
-def _skipped(state: SkipIfState | SkipSpikesState) -> torch.Tensor:
-    return state.skipped
+    zeros = tu.tree_map(torch.zeros_like, new_updates)
+    return lw.where_tree(accept, new_updates, zeros), lw.where_tree(accept, new_inner, old_inner)
 
 
 def _check_inner(inner: Any, *, name: str) -> None:
@@ -329,7 +299,7 @@ def skip_if(
             inner_state=inner_state,
         )
 
-    return kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    return Guard(init_fn, update_fn, attrgetter("skipped"))
 
 
 # --- skip_spikes ----------------------------------------------------------------------------
@@ -524,5 +494,5 @@ def skip_spikes(
             inner_state=inner_state,
         )
 
-    tx = kinds.declare_fresh(Guard(init_fn, update_fn, _skipped))
+    tx = Guard(init_fn, update_fn, attrgetter("skipped"))
     return plans.reads_tied(tx, mesh_groups if metric == "grad_norm" else None)

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx.checkpoint import functional as _ckpt
+from gradtx.checkpoint import layout as lo
 
 
 class AmpVerdict(NamedTuple):
@@ -98,7 +98,7 @@ def record(scale: torch.Tensor | None, inf: torch.Tensor | None) -> dict[str, to
 
 def restore(saved: Any, device: torch.device, *, what: str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The GradScaler record to restore with an open window, or None; checked before anything changes."""
-    _ckpt._check_keys(saved, RECORD_KEYS, what=f"{what}: GradScaler record", hint=_ckpt._HINT)
+    lo.check_keys(saved, RECORD_KEYS, what=f"{what}: GradScaler record", hint=lo.HINT)
     for key in RECORD_KEYS:
         if not isinstance(saved[key], torch.Tensor) or saved[key].numel() != 1:
             raise ValueError(f"{what}: GradScaler record {key!r} must be a one-element tensor")

@@ -11,11 +11,12 @@ the result is written back into ``.grad`` for the inner optimizer.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
-from gradtx.checkpoint import functional as _ckpt
+from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState
 
@@ -47,7 +48,7 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     bookkeeping) is kept as it is.
     """
     fresh = tx.init(new)
-    old_layout = _ckpt._layout_of(state, old)
+    old_layout = lo.layout_of(state, old)
     index = {id(p): i for i, p in enumerate(flat(old))}
     new_flat = flat(new)
     p_leaves, p_spec = tu.flatten(new)
@@ -65,21 +66,55 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
             spec, [prev_leaves[index[id(p)]] if id(p) in index else t for p, t in zip(new_flat, leaves)]
         )
 
-    return _ckpt._walk(fresh, (), p_spec, p_leaves, _ckpt._Layout(), rebuild)
+    return lo.walk(fresh, (), p_spec, p_leaves, lo.Layout(), rebuild)
 
 
-def read(params: ParamTree, *, emitting: bool) -> ParamTree:
-    """Each param's ``.grad``; a param without one reads as zeros on an emitting step.
+def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:
+    """Refuse param groups added behind the wrapper's back (the transform state has none for them)."""
+    if len(groups) != len(tree):
+        raise ValueError(
+            f"TransformedOptimizer: the inner optimizer has {len(groups)} param groups, the transform state was "
+            f"built for {len(tree)}; add groups with opt.add_param_group (the wrapper's), "
+            "not opt.optimizer.add_param_group"
+        )
+
+
+def check_unique(groups: list[dict[str, Any]]) -> None:
+    """Refuse a param listed twice: the transform would count it twice (its square twice in a norm)."""
+    seen: dict[int, tuple[int, int]] = {}
+    for i, g in enumerate(groups):
+        for j, p in enumerate(g["params"]):
+            if id(p) in seen:
+                a, b = seen[id(p)]
+                raise ValueError(
+                    f"TransformedOptimizer: param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)}) is the same "
+                    f"tensor as param_groups[{a}]['params'][{b}]; list each parameter once (a norm would count it "
+                    "twice, and the inner optimizer would step it twice)"
+                )
+            seen[id(p)] = (i, j)
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's ``step`` requires a closure (LBFGS: it reevaluates the model itself)."""
+    try:
+        param = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):  # pragma: no cover - a builtin step
+        return False
+    return param is not None and param.default is inspect.Parameter.empty
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return tu.local(t)
+
+
+def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:
+    """What the transform reads for a param without a grad: zeros on an emitting step, an empty tensor on a held one.
 
     Its ``.grad`` stays ``None``, so the inner optimizer skips it. A held step
-    reads no grad values (accumulate comes first and only counts), so a
-    missing grad there, as under FSDP2's no-sync, costs no allocation.
+    reads no grad values (the window only counts), so a missing grad there, as
+    under FSDP2's no-sync, costs no allocation.
     """
-
-    def missing(p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros_like(p) if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
-
-    return [[p.grad if p.grad is not None else missing(p) for p in group] for group in params]
+    return torch.zeros_like(p) if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
 
 
 def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,30 +137,22 @@ def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Ten
     return replaced
 
 
-def scale(params: ParamTree, factor: torch.Tensor) -> None:
-    """Multiply every existing ``.grad`` by ``factor`` (a 0-d tensor), in place."""
-    tu.scale_leaves([p.grad for group in params for p in group if p.grad is not None], factor, inplace=True)
+def not_holding(updates: ParamTree, held: Any) -> ParamTree:
+    """``updates``, with every leaf that shares storage with a tensor of ``held`` (a state, the params) copied.
+
+    Traced, :func:`write` copies into ``.grad`` anyway, so nothing is checked.
+    """
+    if torch.compiler.is_compiling():
+        return updates
+    storages = {tu.local(t).untyped_storage().data_ptr() for t in tu.flatten(held)[0] if isinstance(t, torch.Tensor)}
+    return [
+        [u.clone() if tu.local(u).untyped_storage().data_ptr() in storages else u for u in group] for group in updates
+    ]
 
 
 def undo(replaced: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for p, g in replaced:
         p.grad = g
-
-
-def window_grads(params: ParamTree) -> list[torch.Tensor | None]:
-    """An open window's partial sums, the params' ``.grad``, which pickle and deepcopy leave out of a Parameter."""
-    return [None if p.grad is None else p.grad.detach() for p in flat(params)]
-
-
-def put_window_grads(params: ParamTree, grads: list[torch.Tensor | None]) -> None:
-    for p, g in zip(flat(params), grads):
-        if p.grad is None:
-            p.grad = g
-
-
-def drop(params: ParamTree) -> None:
-    for p in flat(params):
-        p.grad = None
 
 
 def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:

@@ -1,4 +1,4 @@
-"""The wrapper's checkpoint format, and the mirror of its state in ``optimizer.state``.
+"""The wrapper's checkpoint format, and its ``opt.state``.
 
 A :class:`gradtx.TransformedOptimizer` checkpoint is ``torch.optim``'s layout:
 ``{"state": {param_id: {...}}, "param_groups": [...]}``. Each param's entry
@@ -6,42 +6,39 @@ is the inner optimizer's (``exp_avg``, ``step``, ...) plus a ``"gradtx"`` dict:
 
 * the transform's per-parameter state, one key per piece (``"1/trace"``), shaped
   and placed like the param (a DTensor where the param is one, so it reshards);
-* with :func:`gradtx.accumulate` in the chain, the open window's partial sum
-  (a copy of the param's ``.grad``; zeros at a boundary, so the keys never
-  depend on where the window stands) and ``"has_grad"`` (0 where the param had
-  no grad, which it gets back as ``None``);
 * ``"inner_fresh"``: 1 while the inner optimizer has not stepped the param
-  (its inner entries are stand-ins, see :mod:`gradtx.wrapper.inner`);
+  (its inner entries are stand-ins, see below);
+* with a window open, the window's partial sums (a copy of the param's
+  ``.grad``) and ``"has_grad"`` (0 where the param had no grad, which it gets
+  back as ``None``); at a window boundary nothing gradient-sized is added;
 * on the first param only, ``"global"`` (counters, the window's micro-step and
   token count, the last grad norm) and, with a window, ``"amp"`` (GradScaler's record).
 
-The wrapper's ``state`` (``opt.state``, what generic code reads) shows, for
-every param and from the moment the wrapper is built, the inner optimizer's
-state (or its stand-in, see :mod:`gradtx.wrapper.inner`) and the same
-``"gradtx"`` entry (without the partial sums, which are ``.grad`` itself), so
-an engine that rebuilds a loaded state from the keys it finds there (torch's
-and torchtitan's flattened loads) carries them, and one that skips its warm-up
-when a state exists skips it. The inner optimizer's own ``state`` stays its own.
+``opt.state`` (what generic code reads) shows, for every param the
+transform sees and from the moment the wrapper is built, the inner
+optimizer's state and the same ``"gradtx"`` entry (without partial sums,
+which are ``.grad`` itself), read from the live state when asked for. Engines
+that rebuild a loaded state from the keys they find there (torch's and
+torchtitan's flattened loads) need the inner optimizer's keys before its
+first step, so they are shown then with *stand-in* values: made when first
+asked for, as torch's checkpoint warm-up makes them (one step on zero grads
+with ``lr = 0``), and taken straight back out of the inner optimizer, which
+initialises its own state at its first real step, as without the wrapper.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from gradtx.checkpoint import functional as _ckpt
+from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
-from gradtx.core.base import OptState
-from gradtx.core.kinds import is_empty_sum
-from gradtx.wrapper import amp, grads, kinds
-from gradtx.wrapper.inner import GTX
-from gradtx.wrapper.inner import started as inner_started
+from gradtx.wrapper import amp, grads
 
-if TYPE_CHECKING:
-    from gradtx.wrapper.optimizer import TransformedOptimizer
-
+GTX = "gradtx"  # the transform's entry in each param's state
 GLOBAL = "global"
 AMP = "amp"
 HAS_GRAD = "has_grad"
@@ -56,121 +53,121 @@ def _same_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype  # the wrapper's partial sums are autograd's .grad, in the params' dtype
 
 
-# --- the live mirror in optimizer.state[p]["gradtx"] ---------------------------------------------
+# --- stand-ins for the inner state before its first step ---------------------------------------------
 
 
-_MISSING: Any = object()
+def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
+    """The stand-in inner state of every param the inner optimizer holds none for (made once, when asked for).
 
-
-class Mirror:
-    """Keeps each param's ``"gradtx"`` entry pointing at the live transform state's tensors.
-
-    The first publish walks the state (which piece is per parameter, which is
-    global) and remembers where each leaf goes; later ones rebind the
-    entries' values in one pass over the leaves, with no copies.
+    One step of the optimizer's own ``step`` (no hooks) on zero grads, with
+    ``lr = 0`` in every group and every other param's grad hidden, so no param
+    moves and no existing state changes; the state it makes is taken back
+    out. An optimizer that cannot step on dense zero grads (``SparseAdam``)
+    shows no stand-ins.
     """
-
-    def __init__(self) -> None:
-        self.spec: Any = None
-        self.targets: list[tuple[dict[str, Any], str] | None] | None = None
-
-    def reset(self) -> None:
-        self.spec, self.targets = None, None
-
-    def publish(self, entries: dict[torch.Tensor, dict[str, Any]], state: OptState, params: grads.ParamTree) -> None:
-        leaves, spec = tu.flatten(state)
-        if self.targets is None or spec != self.spec:
-            self._build(entries, state, params, leaves, spec)
-            return
-        for target, leaf in zip(self.targets, leaves):
-            if target is not None:  # None: a placeholder of the window's running sum (the wrapper's is .grad)
-                entry, key = target
-                entry[key] = leaf
-
-    def _build(
-        self,
-        by_param: dict[torch.Tensor, dict[str, Any]],
-        state: OptState,
-        params: grads.ParamTree,
-        leaves: list[Any],
-        spec: Any,
-    ) -> None:
-        flat = grads.flat(params)
-        layout = _ckpt._layout_of(state, params)
-        by_param.clear()
-        entries: list[dict[str, Any]] = []
-        for p in flat:
-            entry: dict[str, Any] = {}
-            by_param[p] = entry
-            entries.append(entry)
-        where: dict[int, tuple[dict[str, Any], str] | None] = {}
-        for key, subtree in layout.per_param.items():
-            if is_empty_sum(subtree):  # a window's placeholders (the wrapper's running sum is .grad)
-                where.update((id(leaf), None) for leaf in tu.flatten(subtree)[0])
-                continue
-            for entry, leaf in zip(entries, tu.flatten(subtree)[0]):
-                entry[key] = leaf
-                where[id(leaf)] = (entry, key)
-        if entries:
-            glob: dict[str, Any] = {}
-            entries[0][GLOBAL] = glob
-            for key, leaf in layout.globals_.items():
-                glob[key] = leaf
-                where[id(leaf)] = (glob, key)
-        targets = [where.get(id(leaf), _MISSING) for leaf in leaves]
-        unique = len({id(leaf) for leaf in leaves}) == len(leaves)
-        if unique and all(t is not _MISSING for t in targets):
-            self.spec, self.targets = spec, targets  # type: ignore[assignment]
-        else:  # shared or non-tensor leaves: walk again next time
-            self.reset()
+    optimizer = opt.optimizer
+    missing = [p for p in opt._flat if not optimizer.state.get(p) and p not in opt._live.stand_ins]
+    if not missing:
+        return opt._live.stand_ins
+    wanted = {id(p) for p in missing}
+    every = [p for g in optimizer.param_groups for p in g["params"]]
+    saved_grads = [p.grad for p in every]
+    lrs = [g.get("lr") for g in optimizer.param_groups]
+    made: dict[torch.Tensor, dict[str, Any]] = {}
+    try:
+        for p in every:
+            p.grad = torch.zeros_like(p) if id(p) in wanted else None
+        for g in optimizer.param_groups:
+            if "lr" in g:
+                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+        raw: Any = type(optimizer).step
+        while hasattr(raw, "__wrapped__"):
+            raw = raw.__wrapped__
+        with torch.no_grad():
+            raw(optimizer, (lambda: torch.zeros(())) if opt._needs_closure else None)
+    except RuntimeError:  # e.g. SparseAdam refuses dense grads: no stand-ins to show
+        pass
+    finally:
+        for p, grad in zip(every, saved_grads):
+            p.grad = grad
+        for g, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                g["lr"] = lr
+        for p in missing:
+            made[p] = optimizer.state.pop(p, None) or {}
+    opt._live.stand_ins = {**opt._live.stand_ins, **made}
+    return opt._live.stand_ins
 
 
-# --- the wrapper's state: the inner optimizer's, its stand-ins, and the gradtx entries --------------
+# --- the gradtx entries, read from the live state -------------------------------------------------------
+
+
+def _layout(opt: Any) -> Any:
+    cached = opt.__dict__.get("_layout_cache")
+    if cached is not None and cached[0] is opt._live.tx_state:
+        return cached[1]
+    layout = lo.layout_of(opt._live.tx_state, opt._tree)
+    opt._layout_cache = (opt._live.tx_state, layout)
+    return layout
+
+
+def entry(opt: Any, i: int) -> dict[str, Any]:
+    """Param ``i``'s ``"gradtx"`` entry: the live state's tensors for it (and the global part on the first)."""
+    layout = _layout(opt)
+    window = lo.window_sum_keys(layout)
+    out = {key: tu.flatten(sub)[0][i] for key, sub in layout.per_param.items() if key not in window}
+    if i == 0:
+        out[GLOBAL] = dict(layout.globals_)
+    return out
+
+
+def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
+    """Write param ``i``'s ``"gradtx"`` entry back into the live state (e.g. a state moved to another device)."""
+    glob = value.get(GLOBAL, {}) if i == 0 else {}
+    p_leaves, p_spec = tu.flatten(opt._tree)
+
+    def rebuild(kind: str, node: Any, key: str) -> Any:
+        if kind == "global":
+            return glob.get(key, node)
+        if kind == "param" and key in value:
+            leaves, spec = tu.flatten(node)
+            leaves[i] = value[key]
+            return tu.unflatten(spec, leaves)
+        return node
+
+    opt._live.tx_state = lo.walk(opt._live.tx_state, (), p_spec, p_leaves, lo.Layout(), rebuild)
 
 
 class ParamState(MutableMapping[str, Any]):
-    """One param's ``opt.state[p]``: the inner optimizer's state (or its stand-in) and the ``"gradtx"`` entry.
+    """One param's ``opt.state[p]``: the inner optimizer's state (or its stand-in) and the ``"gradtx"`` entry."""
 
-    Writes go where the key lives: to the inner optimizer's state once it has
-    one, to the stand-in before (so moving a state to a device, as Lightning
-    does, moves the stand-in and leaves the inner optimizer to initialise
-    itself), and a ``"gradtx"`` entry is updated in place.
-    """
-
-    def __init__(self, opt: TransformedOptimizer, p: torch.Tensor) -> None:
-        self._opt, self._p = opt, p
+    def __init__(self, opt: Any, p: torch.Tensor, i: int) -> None:
+        self._opt, self._p, self._i = opt, p, i
 
     def _inner(self) -> dict[str, Any]:
         own = self._opt.optimizer.state.get(self._p)
         if own:
             return own
-        stand_in = self._opt._live.stand_ins.get(self._p)
-        return stand_in if stand_in is not None else self._opt.optimizer.state[self._p]
-
-    def _entry(self) -> dict[str, Any] | None:
-        return self._opt._live.entries.get(self._p)
+        stand_in = stand_ins(self._opt).get(self._p)
+        return stand_in if stand_in else self._opt.optimizer.state[self._p]
 
     def __getitem__(self, key: str) -> Any:
-        entry = self._entry()
-        if key == GTX and entry is not None:
-            return entry
-        return self._inner()[key]
+        return entry(self._opt, self._i) if key == GTX else self._inner()[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        entry = self._entry()
-        if key == GTX and entry is not None:
-            if value is not entry:
-                entry.update(value)
-            return
-        self._inner()[key] = value
+        if key == GTX:
+            set_entry(self._opt, self._i, value)
+        else:
+            self._inner()[key] = value
+        if self._opt._fused is not None:
+            self._opt._fused.forget()
 
     def __delitem__(self, key: str) -> None:
         del self._inner()[key]
 
     def __iter__(self) -> Iterator[str]:
         yield from (k for k in self._inner() if k != GTX)
-        if self._entry() is not None:
-            yield GTX
+        yield GTX
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -180,108 +177,110 @@ class ParamState(MutableMapping[str, Any]):
 
 
 class StateView(MutableMapping[torch.Tensor, Any]):
-    """``opt.state``: for every param the transform sees, a :class:`ParamState`; other params' inner state as is."""
+    """``opt.state``: a :class:`ParamState` for every param the transform sees; other params' inner state as is."""
 
-    def __init__(self, opt: TransformedOptimizer) -> None:
+    def __init__(self, opt: Any) -> None:
         self._opt = opt
 
-    def _ours(self, p: Any) -> bool:
-        return p in self._opt._live.entries
+    def _index(self, p: Any) -> int | None:
+        i = self._opt._position.get(id(p))
+        return i if i is not None and self._opt._flat[i] is p else None
 
     def __getitem__(self, p: torch.Tensor) -> Any:
-        if self._ours(p):
-            return ParamState(self._opt, p)
-        return self._opt.optimizer.state[p]  # a defaultdict, as torch.optim's
+        i = self._index(p)
+        return ParamState(self._opt, p, i) if i is not None else self._opt.optimizer.state[p]
 
     def __setitem__(self, p: torch.Tensor, value: Any) -> None:
-        if self._ours(p):
-            view = ParamState(self._opt, p)
-            for key in [k for k in view if k != GTX and k not in value]:
-                del view[key]
-            for key, v in value.items():
-                view[key] = v
+        i = self._index(p)
+        if i is None:
+            self._opt.optimizer.state[p] = value
             return
-        self._opt.optimizer.state[p] = value
+        view = ParamState(self._opt, p, i)
+        for key in [k for k in view if k != GTX and k not in value]:
+            del view[key]
+        for key, v in value.items():
+            view[key] = v
 
     def __delitem__(self, p: torch.Tensor) -> None:
         del self._opt.optimizer.state[p]
 
     def __contains__(self, p: object) -> bool:
-        return self._ours(p) or p in self._opt.optimizer.state
+        return self._index(p) is not None or p in self._opt.optimizer.state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        entries = self._opt._live.entries
-        yield from entries
-        yield from (p for p in self._opt.optimizer.state if p not in entries)
+        ours = self._opt._flat
+        yield from ours
+        yield from (p for p in self._opt.optimizer.state if self._index(p) is None)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
+
+    def __bool__(self) -> bool:
+        return bool(self._opt._flat) or bool(self._opt.optimizer.state)
 
     def __repr__(self) -> str:
         return repr(dict(self))
 
 
-# --- state_dict ------------------------------------------------------------------------------------
+# --- state_dict --------------------------------------------------------------------------------------
 
 
-def check_sums_visible(opt: TransformedOptimizer, flat: list[torch.Tensor], what: str) -> None:
+def check_sums_visible(opt: Any, what: str) -> None:
     """Refuse to save an open window whose partial sums are not in ``.grad``."""
-    live = opt._live
     # GradScaler saw an inf in this window: the wrapper dropped the partial sum, the window will be skipped.
-    dropped = live.amp_inf is not None and bool(live.amp_inf)
-    hidden = not getattr(live, "synced", True) or (bool(flat) and all(p.grad is None for p in flat) and not dropped)
-    if hidden:
-        micro_step, k = kinds.window_position(opt._plan, opt.tx_state)
+    dropped = opt._live.amp_inf is not None and bool(opt._live.amp_inf)
+    flat = opt._flat
+    if not opt._live.synced or (bool(flat) and all(p.grad is None for p in flat) and not dropped):
+        ws = opt._plan.window_state(opt._live.tx_state)
         raise ValueError(
-            f"{what}: an accumulation window is open (micro-step {micro_step} of {k}) and its partial sums are "
-            "not in .grad: they sit inside DDP/FSDP2, which skipped the gradient sync (maybe_no_sync), so a "
-            "checkpoint now would lose them. Save at a window boundary (when opt.emitted is True, "
-            "opt.window_open is False), or end the window early: run its next micro-step inside "
+            f"{what}: an accumulation window is open (micro-step {int(ws.micro_step)} of {int(ws.k)}) and its "
+            "partial sums are not in .grad: they sit inside DDP/FSDP2, which skipped the gradient sync "
+            "(maybe_no_sync), so a checkpoint now would lose them. Save at a window boundary (when opt.emitted "
+            "is True, opt.window_open is False), or end the window early: run its next micro-step inside "
             "opt.maybe_no_sync(model, flush=True) and call opt.step(flush=True)"
         )
 
 
-def state_dict(opt: TransformedOptimizer) -> dict[str, Any]:
+def state_dict(opt: Any) -> dict[str, Any]:
     """The wrapper's checkpoint (see the module docstring); every tensor is the state's own or a copy."""
     what = "TransformedOptimizer.state_dict"
-    params = opt.param_tree()
-    flat = grads.flat(params)
-    state = opt.tx_state
-    layout = _ckpt._layout_of(state, params)
-    acc_key = kinds.acc_key(opt._plan, layout)
-    has_grad: list[float] = []
-    if acc_key is not None:
-        open_ = kinds.window_open(opt._plan, state)
+    flat = opt._flat
+    layout = lo.layout_of(opt._live.tx_state, opt._tree)
+    window = lo.window_sum_keys(layout)
+    open_ = opt._live.window_open
+    has_grad = [float(open_ and p.grad is not None) for p in flat]
+    for key in window:
         if open_:
-            check_sums_visible(opt, flat, what)
-        # A copy: .grad may be a view (FSDP2's) that pickle and DCP cannot save, and it keeps changing.
-        sums = [p.grad.detach().clone() if open_ and p.grad is not None else torch.zeros_like(p) for p in flat]
-        has_grad = [float(open_ and p.grad is not None) for p in flat]
-        layout.per_param[acc_key] = [sums]  # a one-leaf tree: _export flattens it
-    per_param, globals_ = _ckpt._export(layout, flat, opt.tx, what=what, acc_dtype=_same_dtype)
+            check_sums_visible(opt, what)
+            # A copy: .grad may be a view (FSDP2's) that pickle and DCP cannot save, and it keeps changing.
+            layout.per_param[key] = [
+                [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in flat]
+            ]
+        else:
+            del layout.per_param[key]  # between windows nothing gradient-sized is saved
+    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what, acc_dtype=_same_dtype)
     optimizer = opt.optimizer
-    opt._publish(force=True)
     inner = optimizer.state_dict()
     # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
     out: dict[Any, Any] = {pid: dict(s) for pid, s in inner["state"].items()}
-    stand_ins = opt._live.stand_ins
-    for i, (pid, p) in enumerate(zip(grads.pids(optimizer.param_groups, params), flat)):
-        fresh = p in stand_ins and not inner_started(optimizer, p)
+    shown = stand_ins(opt)
+    for i, (pid, p) in enumerate(zip(grads.pids(optimizer.param_groups, opt._tree), flat)):
+        fresh = not optimizer.state.get(p)
         if fresh:
-            out[pid] = dict(stand_ins[p])  # the keys the inner optimizer's state will have
-        entry: dict[str, Any] = {key: values[i] for key, values in per_param.items()}
-        entry[INNER_FRESH] = torch.tensor(float(fresh))
-        if acc_key is not None:
-            entry[HAS_GRAD] = torch.tensor(has_grad[i])
+            out[pid] = dict(shown.get(p, {}))  # the keys the inner optimizer's state will have
+        gtx: dict[str, Any] = {key: values[i] for key, values in per_param.items()}
+        gtx[INNER_FRESH] = torch.tensor(float(fresh))
+        if window and open_:
+            gtx[HAS_GRAD] = torch.tensor(has_grad[i])
         if i == 0:
-            entry[GLOBAL] = globals_
-            if acc_key is not None:
-                entry[AMP] = amp.record(opt._live.amp_scale, opt._live.amp_inf)
-        out.setdefault(pid, {})[GTX] = entry
+            gtx[GLOBAL] = globals_
+            if window:
+                gtx[AMP] = amp.record(opt._live.amp_scale, opt._live.amp_inf)
+        out[pid][GTX] = gtx
     return {"state": out, "param_groups": inner["param_groups"]}
 
 
-# --- load_state_dict -------------------------------------------------------------------------------
+# --- load_state_dict -----------------------------------------------------------------------------------
 
 
 def _check_inner_state(state: dict[Any, Any], params_by_id: dict[Any, torch.Tensor], *, what: str) -> None:
@@ -299,32 +298,14 @@ def _check_inner_state(state: dict[Any, Any], params_by_id: dict[Any, torch.Tens
 
 def _flag(entry: dict[str, Any], key: str, default: bool, *, what: str) -> bool:
     value = entry.get(key)
-    if value is None:  # a checkpoint from before the key existed
+    if value is None:
         return default
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
         raise ValueError(f"{what}: {key!r} must be a one-element tensor")
     return bool(value.reshape(()) != 0)
 
 
-def load_state_dict(opt: TransformedOptimizer, state_dict: dict[str, Any]) -> None:
-    """Restore a :func:`state_dict`, or adopt a plain ``torch.optim`` checkpoint; checks everything first."""
-    what = "TransformedOptimizer.load_state_dict"
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"{what}: state_dict must be a dict, got {type(state_dict).__name__}")
-    if "inner" in state_dict or "tx_state" in state_dict:
-        raise ValueError(
-            f"{what}: this checkpoint has gradtx's earlier layout ('inner', 'tx_state'); to adopt its inner "
-            "optimizer state with the transform starting fresh, pass checkpoint['inner'] (it is a torch.optim "
-            "checkpoint), after making sure it was saved at a window boundary (checkpoint['window_open'] is False)"
-        )
-    for key in ("state", "param_groups"):
-        if key not in state_dict:
-            raise ValueError(f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')")
-    optimizer = opt.optimizer
-    params = opt.param_tree()
-    flat = grads.flat(params)
-    saved_groups = state_dict["param_groups"]
-    groups = optimizer.param_groups
+def _saved_ids(saved_groups: list[Any], groups: list[dict[str, Any]], *, what: str) -> dict[int, Any]:
     if len(saved_groups) != len(groups):
         raise ValueError(f"{what}: the checkpoint has {len(saved_groups)} param groups, this optimizer {len(groups)}")
     saved_of: dict[int, Any] = {}
@@ -336,7 +317,21 @@ def load_state_dict(opt: TransformedOptimizer, state_dict: dict[str, Any]) -> No
             )
         for sid, p in zip(saved["params"], group["params"]):
             saved_of[id(p)] = sid
-    all_params = [p for group in groups for p in group["params"]]
+    return saved_of
+
+
+def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+    """Restore a :func:`state_dict`, or adopt a plain ``torch.optim`` checkpoint; checks everything first."""
+    what = "TransformedOptimizer.load_state_dict"
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"{what}: state_dict must be a dict, got {type(state_dict).__name__}")
+    for key in ("state", "param_groups"):
+        if key not in state_dict:
+            raise ValueError(f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')")
+    optimizer, params, flat = opt.optimizer, opt._tree, opt._flat
+    groups = optimizer.param_groups
+    saved_groups = state_dict["param_groups"]
+    saved_of = _saved_ids(saved_groups, groups, what=what)
     names = grads.names(groups, params)
     saved_state = state_dict["state"]
     inner_state = {}
@@ -346,47 +341,66 @@ def load_state_dict(opt: TransformedOptimizer, state_dict: dict[str, Any]) -> No
         rest = {k: v for k, v in s.items() if k != GTX}
         if rest:
             inner_state[sid] = rest
-    _check_inner_state(inner_state, {saved_of[id(p)]: p for p in all_params}, what=what)
+    _check_inner_state(inner_state, {saved_of[id(p)]: p for g in groups for p in g["params"]}, what=what)
     entries = [saved_state.get(saved_of[id(p)], {}).get(GTX) for p in flat]
     has_grad = [True] * len(flat)
     fresh: list[torch.Tensor] = []
+    sums = record = None
     if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
         new_state = opt.tx.init(params)
-        sums = record = None
     else:
-        layout = _ckpt._layout_of(opt.tx_state, params)
-        acc_key = kinds.acc_key(opt._plan, layout)
-        if acc_key is not None:
-            layout.per_param[acc_key] = None  # the partial sums: shaped and typed like the params
+        layout = lo.layout_of(opt._live.tx_state, params)
+        window = lo.window_sum_keys(layout)
+        first = entries[0] if isinstance(entries[0], dict) else {}
+        saved_open = any(lo.saved_window_open(first.get(GLOBAL), key) for key in window)
+        for key in window:
+            if not saved_open:
+                del layout.per_param[key]
+            elif not all(isinstance(e, dict) and key in e for e in entries):
+                raise ValueError(
+                    f"{what}: the checkpoint was saved with an accumulation window open, but the dict it was loaded "
+                    f"from has no partial sums ({key!r}): it was made at a window boundary (a template for dcp.load "
+                    "or torchtitan's checkpointer), which cannot know them. Save at a window boundary (opt.emitted "
+                    "is True), or end the window with opt.step(flush=True) before saving; torch.save/torch.load "
+                    "carries an open window"
+                )
+            else:
+                layout.per_param[key] = None  # the partial sums: shaped and typed like the params
         expected = list(layout.per_param)
-        optional = [INNER_FRESH, HAS_GRAD] if acc_key is not None else [INNER_FRESH]
+        optional = [INNER_FRESH, HAS_GRAD]
         per_param: dict[str, list[Any]] = {key: [] for key in expected}
-        for i, (p, name, entry) in enumerate(zip(flat, names, entries)):
-            first = [GLOBAL, AMP] if acc_key is not None and i == 0 else [GLOBAL] if i == 0 else []
-            present = [k for k in optional if isinstance(entry, dict) and k in entry]
-            _ckpt._check_keys(
-                entry, expected + present + first, what=f"{what}: gradtx state of {name}", hint=_ckpt._HINT
-            )
+        for i, (p, name, e) in enumerate(zip(flat, names, entries)):
+            top = ([GLOBAL, AMP] if window else [GLOBAL]) if i == 0 else []
+            present = [k for k in optional if isinstance(e, dict) and k in e]
+            lo.check_keys(e, expected + present + top, what=f"{what}: gradtx state of {name}", hint=lo.HINT)
             for key in expected:
-                per_param[key].append(entry[key])
-            if _flag(entry, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
+                per_param[key].append(e[key])
+            if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
                 fresh.append(p)
-            has_grad[i] = _flag(entry, HAS_GRAD, True, what=f"{what}: {name}")
-        loaded = _ckpt._import(
-            layout, opt.tx_state, params, per_param, entries[0][GLOBAL], opt.tx, names,
-            what=what, acc_dtype=_same_dtype,
-        )  # fmt: skip
-        new_state, taken = _ckpt._take_acc(loaded, params)
-        sums = taken[0] if acc_key is not None and taken else None
+            has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
+        loaded = _ckpt.import_layout(
+            layout,
+            opt._live.tx_state,
+            params,
+            per_param,
+            first[GLOBAL],
+            opt.tx,
+            names,
+            what=what,
+            acc_dtype=_same_dtype,
+        )
+        new_state, taken = _ckpt.take_sums(loaded, params)
+        sums = taken[0] if window and taken and saved_open else None
         device = tu.local(flat[0]).device if flat else torch.device("cpu")
-        record = amp.restore(entries[0].get(AMP), device, what=what) if acc_key is not None else None
+        record = amp.restore(first.get(AMP), device, what=what) if window else None
     # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
     for p in fresh:
         inner_state.pop(saved_of[id(p)], None)
     # Everything checked; the inner optimizer validates its own part before it changes anything.
     optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
-    window_open = kinds.window_open(opt._plan, new_state)
+    window_open = opt._plan.window_open(new_state)
     opt._commit_loaded(new_state, window_open, record)
+    sum_leaves = tu.flatten(sums)[0] if sums is not None else None
     for i, p in enumerate(flat):
         # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
-        p.grad = tu.flatten(sums)[0][i] if sums is not None and window_open and has_grad[i] else None
+        p.grad = sum_leaves[i] if sum_leaves is not None and window_open and has_grad[i] else None

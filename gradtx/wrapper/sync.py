@@ -130,7 +130,9 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
 
     Example:
       >>> model = gtx.sum_grad_reduction(fully_shard(model))
-      >>> tx = gtx.chain(gtx.accumulate(4, token_weighted=True, comm=comm, group="dp"), gtx.adamw(3e-4))
+      >>> opt = gtx.TransformedOptimizer(
+      ...     torch.optim.AdamW(model.parameters(), lr=3e-4), gtx.accumulate(4, token_weighted=True, comm=comm)
+      ... )
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"sum_grad_reduction: model must be a torch.nn.Module, got {type(model).__name__}")

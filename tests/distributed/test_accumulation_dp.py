@@ -186,10 +186,10 @@ def _train_wrapped(rank: int, model: nn.Module, comm: Any, group: str, where: Ca
 
 
 def _ddp(rank: int) -> dict[str, Any]:
+    from gradtx.optim import sum_grad_reduction
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gradtx.comm.torch_dist import TorchComm
-    from gradtx.optim import sum_grad_reduction
 
     model = sum_grad_reduction(DDP(lm()))
     with _CountingAllReduce() as counter:
@@ -200,12 +200,12 @@ def _ddp(rank: int) -> dict[str, Any]:
 
 
 def _fsdp2(rank: int) -> dict[str, Any]:
+    from gradtx.optim import sum_grad_reduction
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
     from gradtx.comm.torch_dist import TorchComm
-    from gradtx.optim import sum_grad_reduction
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # a view output; harmless here
     where = [(-1, -1)]

@@ -203,7 +203,10 @@ def save_run(rank: int, *, layout: str, mode: str, tokens: bool, root: str, flat
 def load_run(rank: int, *, layout: str, mode: str, tokens: bool, root: str, at: int, flat: bool = False) -> Any:
     """Load the checkpoint saved at micro-step ``at`` into a fresh FSDP2 run and finish it."""
     mesh, model, run = _build("dp" if layout == "dp" else "fsdp", mode, tokens)
-    _load(model, run, f"{root}/{layout}-{mode}-{int(tokens)}-{at}", flat)
+    try:
+        _load(model, run, f"{root}/{layout}-{mode}-{int(tokens)}-{at}", flat)
+    except ValueError as err:  # the wrapper's mid-window sums are not in the dict dcp.load filled
+        return {"refused": str(err), "tx_state_fresh": int(run["opt"].metrics.get("micro_step", 0)) == 0}
     window_open = run["opt"].window_open if "opt" in run else None
     for i in range(at, TOTAL):
         _micro_step(mesh, model, run, i, tokens)
@@ -270,15 +273,13 @@ def full_state_dict_roundtrip(rank: int) -> Any:
     options = StateDictOptions(full_state_dict=True)
     msd, osd = get_state_dict(model, run["opt"], options=options)
     full_acc = osd["state"]["blocks.0.w1.weight"]["gradtx"]["0/0/acc"]
-    mesh2, model2, run2 = _build("fsdp", "wrapper", False)
-    set_state_dict(model2, run2["opt"], model_state_dict=msd, optim_state_dict=osd, options=options)
-    for i in range(MID, TOTAL):
-        _micro_step(mesh2, model2, run2, i, False)
-    return {
-        "params": _full(model2),
-        "full_acc_shape": tuple(full_acc.shape),
-        "is_plain": type(full_acc) is torch.Tensor,
-    }
+    _, model2, run2 = _build("fsdp", "wrapper", False)
+    try:  # the fresh wrapper's own dict has no partial sums to distribute them into
+        set_state_dict(model2, run2["opt"], model_state_dict=msd, optim_state_dict=osd, options=options)
+        refused = None
+    except (KeyError, ValueError) as err:
+        refused = str(err)
+    return {"full_acc_shape": tuple(full_acc.shape), "is_plain": type(full_acc) is torch.Tensor, "refused": refused}
 
 
 def ddp_partial_sums(rank: int) -> Any:
@@ -403,27 +404,35 @@ def test_uninterrupted_sharded_run_matches_single_device(results, layout, mode, 
             assert res["window_open"] == {BOUND: False, MID: True}
 
 
+def _assert_resumed(res: dict[str, Any], mode: str, at: int, want: dict[str, torch.Tensor]) -> None:
+    if mode == "wrapper" and at == MID:
+        # Between windows the wrapper saves nothing gradient-sized (issue 29), so the dict dcp.load fills
+        # (made by a fresh optimizer) has no partial sums: the mid-window load is refused, nothing changed.
+        assert "saved with an accumulation window open" in res["refused"] and "flush=True" in res["refused"]
+        assert res["tx_state_fresh"]
+        return
+    _assert_params(res["params"], want)
+    if mode == "wrapper":
+        assert res["window_open"] is False
+
+
 @pytest.mark.parametrize(("layout", "mode", "tokens", "at", "flat"), LOADS_4)
-def test_resume_on_4_ranks_matches_single_device(results, layout, mode, tokens, at, flat):
+def test_resume_on_4_ranks_matches_single_device_or_is_refused_mid_window(results, layout, mode, tokens, at, flat):
     for res in part_results(results["4"], _name("load4", layout, mode, tokens, at)):
-        _assert_params(res["params"], results["ref"][tokens])
-        if mode == "wrapper":
-            assert res["window_open"] == (at == MID)
+        _assert_resumed(res, mode, at, results["ref"][tokens])
 
 
 @pytest.mark.parametrize(("layout", "mode", "tokens", "at", "flat"), LOADS_2)
-def test_resume_on_2_ranks_matches_single_device(results, layout, mode, tokens, at, flat):
+def test_resume_on_2_ranks_matches_single_device_or_is_refused_mid_window(results, layout, mode, tokens, at, flat):
     for res in part_results(results["2"], _name("load2", layout, mode, tokens, at)):
-        _assert_params(res["params"], results["ref"][tokens])
-        if mode == "wrapper":
-            assert res["window_open"] == (at == MID)
+        _assert_resumed(res, mode, at, results["ref"][tokens])
 
 
 def test_partial_sums_inside_fsdp2_are_refused_not_lost(results):
     for res in part_results(results["4"], "refuse"):
         assert "window is open (micro-step 1 of 3)" in res["message"]
         assert "maybe_no_sync" in res["message"] and "boundary" in res["message"]
-        assert res["boundary_keys"] == ["0/0/acc", "amp", "global", "has_grad", "inner_fresh"]
+        assert res["boundary_keys"] == ["amp", "global", "inner_fresh"]  # nothing gradient-sized between windows
 
 
 def test_a_mid_window_torch_save_with_fsdp2_grad_views_resumes_exactly(results):
@@ -431,10 +440,10 @@ def test_a_mid_window_torch_save_with_fsdp2_grad_views_resumes_exactly(results):
         assert res["emitted"] and res["diff"] == 0.0
 
 
-def test_full_state_dict_round_trip_mid_window(results):
+def test_full_state_dict_mid_window_is_gathered_and_refused_into_a_fresh_wrapper(results):
     for res in part_results(results["4"], "full_state_dict"):
-        _assert_params(res["params"], results["ref"][False])
         assert res["full_acc_shape"] == (models.HIDDEN, models.DIM) and res["is_plain"]
+        assert res["refused"] is not None and "gradtx" in res["refused"]
 
 
 def test_ddp_partial_sums_are_saved_when_synced_and_refused_when_not(results):

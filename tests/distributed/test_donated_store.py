@@ -13,7 +13,7 @@ def _body(rank: int, world_size: int) -> dict[str, bool]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from gradtx.runtime import executor
+    from gradtx.optimizers import fused as executor
 
     mesh = init_device_mesh("cpu", (world_size,))
     donated = distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])

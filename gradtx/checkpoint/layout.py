@@ -1,0 +1,282 @@
+"""Walking a transform state: which pieces are per parameter, which are global, and accumulation windows.
+
+A transform state is a pytree of (D)Tensors. A subtree shaped like the params
+(one tensor per param, Adam's moments, a trace) is *per parameter*; every
+other leaf is *global* (counters, the last grad norm). An accumulation
+window's state (:class:`~gradtx.transforms.accumulation.AccumulateState`,
+recognised by its type) is walked field by field, its running sum ``acc``
+kept apart. Keys are the pieces' paths joined with ``/``. Used by
+:mod:`gradtx.checkpoint.functional` and the wrapper's checkpoint format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from gradtx.comm.base import as_comm
+from gradtx.comm.local_ranks import rank_equals
+from gradtx.core import tree as tu
+from gradtx.core.base import GradientTransformation, OptState, Params
+from gradtx.transforms.accumulation import AccumulateState, Accumulation
+from gradtx.transforms.combine import Chain
+
+try:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+    compute_local_shape_and_global_offset = None  # type: ignore[assignment]
+
+
+# --- walking a state: which subtrees are per parameter -------------------------------------------
+
+
+def key_of(path: tuple[Any, ...]) -> str:
+    # DCP joins nested keys with "." and torch's flattened optimizer dicts split on it: keep it out.
+    return "/".join(str(c).replace(".", ":").replace("/", ":") for c in path) or "<root>"
+
+
+def children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]] | None:
+    """A container node's (name, child) pairs and a function rebuilding it from new children; None for a leaf."""
+    if node is None:
+        return None
+    kind = type(node)
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return [(f, getattr(node, f)) for f in node._fields], lambda cs: kind(*cs)
+    if isinstance(node, tuple):
+        return list(enumerate(node)), tuple
+    if isinstance(node, list):
+        return list(enumerate(node)), list
+    if isinstance(node, dict):
+        keys = list(node)
+        return [(k, node[k]) for k in keys], lambda cs: kind(zip(keys, cs))
+    if optree.treespec_is_leaf(optree.tree_structure(node)):
+        return None
+    children, _, entries, unflatten = optree.tree_flatten_one_level(node)
+    return list(zip(entries, children)), lambda cs, u=unflatten: u(cs)
+
+
+WINDOW_FIELDS = {"running_sum": "acc", "micro_step": "micro_step", "tokens": "tokens", "k": "k"}
+
+
+class Window(NamedTuple):
+    """An accumulation window's state found in the walk: its key prefix and the state."""
+
+    prefix: str
+    state: Any
+    fields: dict[str, str] = WINDOW_FIELDS
+
+    def get(self, what: str) -> Any:
+        return getattr(self.state, self.fields[what])
+
+    def key(self, what: str) -> str:
+        return child(self.prefix, self.fields[what])
+
+
+@dataclass
+class Layout:
+    """Where every piece of a state goes: per-parameter subtrees and global leaves, by key."""
+
+    per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
+    globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
+    windows: list[Window] = field(default_factory=list)
+
+
+def is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
+    leaves, spec = tu.flatten(node)
+    if spec != p_spec or not leaves:
+        return False
+    return all(isinstance(t, torch.Tensor) and t.shape == p.shape for t, p in zip(leaves, p_leaves))
+
+
+def walk(
+    node: Any,
+    path: tuple[Any, ...],
+    p_spec: Any,
+    p_leaves: list[torch.Tensor],
+    layout: Layout,
+    rebuild: Callable[[str, Any, str], Any] | None,
+) -> Any:
+    """Classify ``node``'s pieces into ``layout``; with ``rebuild``, return the node with every piece replaced.
+
+    ``rebuild(kind, old, key)`` gives the new value of a piece (``kind`` is
+    ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
+    for an accumulation window's running sum).
+    """
+    if isinstance(node, AccumulateState):
+        layout.windows.append(Window(key_of(path), node))
+        fields = []
+        for name, child in zip(node._fields, node):
+            if name == "acc":
+                key = key_of((*path, name))
+                layout.per_param[key] = child  # placeholders where it holds nothing
+                fields.append(rebuild("acc", child, key) if rebuild else child)
+            else:
+                fields.append(walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
+        return type(node)(*fields)
+    if is_per_param(node, p_spec, p_leaves):
+        key = key_of(path)
+        layout.per_param[key] = node
+        return rebuild("param", node, key) if rebuild else node
+    parts = children(node)
+    if parts is None:
+        if node is None:
+            return None
+        key = key_of(path)
+        layout.globals_[key] = node
+        return rebuild("global", node, key) if rebuild else node
+    named, make = parts
+    new = [walk(child, (*path, name), p_spec, p_leaves, layout, rebuild) for name, child in named]
+    return make(new) if rebuild else node
+
+
+def layout_of(state: OptState, params: Params) -> Layout:
+    p_leaves, p_spec = tu.flatten(params)
+    layout = Layout()
+    walk(state, (), p_spec, p_leaves, layout, None)
+    return layout
+
+
+def param_names(params: Params) -> list[str]:
+    """The name each param gets in a checkpoint: its pytree path (a dict's keys, as is, for a flat dict).
+
+    Example:
+      >>> param_names({"fc.weight": w, "fc.bias": b})
+      ['fc.weight', 'fc.bias']
+    """
+    out = []
+    for path in tu.paths(params):
+        out.append(str(path[0]) if len(path) == 1 else "/".join(str(c) for c in path))
+    return out
+
+
+# --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
+
+
+def accumulations(tx: GradientTransformation | None) -> list[Accumulation]:
+    """The accumulation windows of ``tx`` (nested chains included), in chain order."""
+    if isinstance(tx, Chain):
+        return [a for member in tx.members for a in accumulations(member)]
+    return [tx] if isinstance(tx, Accumulation) else []
+
+
+def window_sum_keys(layout: Layout) -> list[str]:
+    """The keys of the windows' running sums in ``layout``."""
+    return [w.key("running_sum") for w in layout.windows]
+
+
+def saved_window_open(globals_: Any, sum_key: str) -> bool:
+    """Whether the saved global state says the window whose running sum is ``sum_key`` was open."""
+    value = globals_.get(child(parent(sum_key)[0], "micro_step")) if isinstance(globals_, dict) else None
+    return isinstance(value, torch.Tensor) and int(value) > 0
+
+
+def multi_process() -> bool:
+    dist = getattr(torch, "distributed", None)
+    return bool(dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+
+def on_first_rank(comm: Any, group: Any) -> bool | torch.Tensor:
+    """Whether this rank is rank 0 of ``group``: a bool, or on a simulated mesh a per-rank 0-d bool tensor."""
+    # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
+    return rank_equals(as_comm(comm, name="gradtx.checkpoint.functional").rank(group), 0)
+
+
+def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tensor:
+    """``value`` on the group's rank 0, zeros on the others (per simulated rank where ``on_first`` is a tensor)."""
+    if isinstance(on_first, bool):
+        return value if on_first else torch.zeros_like(value)
+    return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
+
+
+def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
+    """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
+    accs = accumulations(tx)
+    if tx is None:
+        if multi_process() and any(int(w.get("micro_step")) > 0 for w in layout.windows):
+            raise ValueError(
+                f"{what}: an accumulation window is open in a run of several processes; pass tx= (the transform), "
+                "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "
+                "or save at a window boundary"
+            )
+        return [None] * len(layout.windows)
+    if len(accs) != len(layout.windows):
+        raise ValueError(
+            f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
+            "window states; pass the transform this state was made by"
+        )
+    return list(accs)
+
+
+def per_rank(acc: Accumulation | None) -> tuple[bool, bool]:
+    """(tokens are per rank, the running sum is per rank) for an accumulation window with a ``comm``."""
+    if acc is None or acc.window.comm is None:
+        return False, False
+    return acc.window.token_weighted, acc.window.reduce_grads
+
+
+# --- tensors onto a template ---------------------------------------------------------------------
+
+
+def onto(value: Any, template: torch.Tensor, *, what: str) -> torch.Tensor:
+    """``value`` as a tensor placed like ``template`` (a DTensor's local chunk is cut out, no communication)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
+    if DTensor is not None and isinstance(template, DTensor):
+        if isinstance(value, DTensor):
+            if value.device_mesh != template.device_mesh or tuple(value.placements) != tuple(template.placements):
+                raise ValueError(
+                    f"{what}: saved with placements {tuple(value.placements)}, the live state has "
+                    f"{tuple(template.placements)}; load through torch.distributed.checkpoint (dcp.load), which reshards"
+                )
+            return value
+        shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
+        chunk = value
+        for dim, (n, start) in enumerate(zip(shape, offset)):
+            chunk = chunk.narrow(dim, start, n)
+        local = chunk.to(tu.local(template).device, tu.local(template).dtype).clone()
+        return tu.like(template, local)
+    if DTensor is not None and isinstance(value, DTensor):
+        raise ValueError(
+            f"{what}: a DTensor ({tuple(value.placements)}) for an unsharded state; load through "
+            "torch.distributed.checkpoint (dcp.load into a state_dict of the live state), which gathers it"
+        )
+    return value.to(template.device, template.dtype)
+
+
+def check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what}: the checkpoint has a {type(value).__name__}, this state a tensor")
+    if tuple(value.shape) != tuple(template.shape):
+        raise ValueError(f"{what}: the checkpoint has shape {tuple(value.shape)}, this state {tuple(template.shape)}")
+    if value.dtype != template.dtype:
+        raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
+
+
+def check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
+    if not isinstance(got, dict):
+        raise TypeError(f"{what}: expected a dict, got {type(got).__name__}")
+    missing = [k for k in expected if k not in got]
+    extra = [k for k in got if k not in expected]
+    if missing:
+        raise ValueError(f"{what}: the checkpoint has no {missing[0]!r} (this state has {expected}); {hint}")
+    if extra:
+        raise ValueError(f"{what}: the checkpoint has {extra[0]!r}, which this state lacks (it has {expected}); {hint}")
+
+
+HINT = "the checkpoint was made by a different chain; build the same transform (members, order, k) to load it"
+
+
+def child(prefix: str, name: str) -> str:
+    """The key of field ``name`` of the node whose key is ``prefix``."""
+    return name if prefix == "<root>" else f"{prefix}/{name}"
+
+
+def parent(key: str) -> tuple[str, str]:
+    prefix, _, name = key.rpartition("/")
+    return prefix or "<root>", name

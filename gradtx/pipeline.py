@@ -1,9 +1,0 @@
-"""Old path of :mod:`gradtx.distributed.pipeline`, kept so imports and pickles from before the layered layout work."""
-
-import sys
-
-from gradtx.distributed import pipeline as _module
-from gradtx.distributed.pipeline import *
-
-# The old name is the new module itself, private names included.
-sys.modules[__name__] = _module

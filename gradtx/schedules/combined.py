@@ -1,0 +1,384 @@
+"""Schedules built from the basic shapes: piecewise interpolation, one-cycles, joins, warm-ups and SGDR.
+
+Like :mod:`gradtx.schedules.builtin`'s, each takes the step count (a 0-d int64
+tensor or a Python int) and returns a 0-d fp32 tensor on its device, with
+optax's names, formulas and numbers, and no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from gradtx.core.base import factory
+from gradtx.schedules.builtin import (
+    Schedule,
+    _as_value,
+    _count,
+    _f32,
+    _f32_const,
+    _steps,
+    _value,
+    cosine_decay_schedule,
+    exponential_decay,
+    linear_schedule,
+)
+
+__all__ = [
+    "cosine_onecycle_schedule",
+    "join_schedules",
+    "linear_onecycle_schedule",
+    "piecewise_interpolate_schedule",
+    "sgdr_schedule",
+    "warmup_constant_schedule",
+    "warmup_cosine_decay_schedule",
+    "warmup_exponential_decay_schedule",
+]
+
+
+def _linear_interpolate(start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
+    return _f32_const(end - start) * pct + start
+
+
+def _cosine_interpolate(start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
+    return end + _f32_const(start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
+
+
+@factory
+def piecewise_interpolate_schedule(
+    interpolate_type: str, init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
+) -> Schedule:
+    """Interpolate (linearly or by cosine) between values scaled at each boundary.
+
+    The value at boundary ``b_i`` is ``init_value`` times the product of the
+    scales up to ``b_i``; between boundaries the value moves from one to the
+    next; after the last it is held.
+
+    Args:
+      interpolate_type: ``"linear"`` or ``"cosine"``.
+      init_value: the value at step 0.
+      boundaries_and_scales: ``{step: scale}``, scales ``>= 0``.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Optax's ``piecewise_interpolate_schedule``.
+
+    Example:
+      >>> s = piecewise_interpolate_schedule("linear", 1.0, {4: 0.1, 8: 0.01})
+      >>> round(float(s(2)), 6)
+      0.55
+    """
+    name = "piecewise_interpolate_schedule"
+    if interpolate_type == "linear":
+        interpolate = _linear_interpolate
+    elif interpolate_type == "cosine":
+        interpolate = _cosine_interpolate
+    else:
+        raise ValueError(f"{name}: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")
+    init_value = _value(init_value, arg="init_value", name=name)
+    items = sorted(
+        (_steps(b, arg="boundaries_and_scales", name=name), _value(s, arg="scale", name=name))
+        for b, s in (boundaries_and_scales or {}).items()
+    )
+    if any(s < 0 for _, s in items):
+        raise ValueError(f"{name}: boundaries_and_scales expects non-negative scale factors, got {dict(items)}")
+    bounds = [0] + [b for b, _ in items]
+    # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
+    values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
+    segments = [
+        (bounds[i], bounds[i + 1], max(bounds[i + 1] - bounds[i], 1), values[i], values[i + 1])
+        for i in range(len(bounds) - 1)
+    ]
+
+    def schedule(count: Any) -> torch.Tensor:
+        c = _count(count)
+        # The selected segment contributes its value, the others exactly 0 (optax's indicator.dot).
+        out = torch.where(bounds[-1] <= c, values[-1], 0.0).to(torch.float32)
+        for lo, hi, size, v0, v1 in segments:
+            pct = _f32(c - lo) / size
+            inside = (lo <= c) & (c < hi)
+            out = out + torch.where(inside, interpolate(v0, v1, pct), 0.0)
+        return out
+
+    return schedule
+
+
+@factory
+def linear_onecycle_schedule(
+    transition_steps: int,
+    peak_value: float,
+    pct_start: float = 0.3,
+    pct_final: float = 0.85,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
+    """One cycle with three linear phases: up to ``peak_value``, back down, then to ``init / final_div_factor``.
+
+    Args:
+      transition_steps: the cycle's length; ``> 0``.
+      peak_value: the largest value, reached at ``pct_start * transition_steps``.
+      pct_start: the fraction of the cycle spent increasing.
+      pct_final: the fraction at which the value is back at ``peak_value / div_factor``.
+      div_factor: the initial value is ``peak_value / div_factor``.
+      final_div_factor: the final value is the initial value ``/ final_div_factor``.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Smith & Topin, "Super-Convergence", 2017; optax's ``linear_onecycle_schedule``.
+
+    Example:
+      >>> round(float(linear_onecycle_schedule(100, 1.0)(30)), 6)
+      1.0
+    """
+    name = "linear_onecycle_schedule"
+    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
+    if transition_steps <= 0:
+        raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
+    peak_value = _value(peak_value, arg="peak_value", name=name)
+    return piecewise_interpolate_schedule(
+        "linear",
+        peak_value / div_factor,
+        {
+            int(pct_start * transition_steps): div_factor,
+            int(pct_final * transition_steps): 1.0 / div_factor,
+            transition_steps: 1.0 / final_div_factor,
+        },
+    )
+
+
+@factory
+def cosine_onecycle_schedule(
+    transition_steps: int,
+    peak_value: float,
+    pct_start: float = 0.3,
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+) -> Schedule:
+    """The one-cycle schedule: cosine up from ``peak_value / div_factor`` to ``peak_value``, then cosine down.
+
+    The value rises for ``pct_start * transition_steps`` steps, then falls to
+    ``peak_value / (div_factor * final_div_factor)`` at ``transition_steps``.
+
+    Args:
+      transition_steps: the cycle's length; ``> 0``.
+      peak_value: the largest value.
+      pct_start: the fraction of the cycle spent increasing.
+      div_factor: the initial value is ``peak_value / div_factor``.
+      final_div_factor: the final value is the initial value ``/ final_div_factor``.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Smith & Topin, "Super-Convergence", 2017; optax's ``cosine_onecycle_schedule``.
+
+    Example:
+      >>> lr = cosine_onecycle_schedule(1000, peak_value=1e-3)
+    """
+    name = "cosine_onecycle_schedule"
+    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
+    if transition_steps <= 0:
+        raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
+    peak_value = _value(peak_value, arg="peak_value", name=name)
+    return piecewise_interpolate_schedule(
+        "cosine",
+        peak_value / div_factor,
+        {
+            int(pct_start * transition_steps): div_factor,
+            int(transition_steps): 1.0 / (div_factor * final_div_factor),
+        },
+    )
+
+
+@factory
+def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
+    """Run ``schedules`` one after another, switching at each boundary.
+
+    Each schedule after the first gets the steps since its boundary.
+
+    Args:
+      schedules: the schedules, in order.
+      boundaries: the steps at which to switch; one fewer than ``schedules``.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Optax's ``join_schedules``.
+
+    Example:
+      >>> s = join_schedules([constant_schedule(1.0), linear_schedule(1.0, 0.0, 10)], [5])
+      >>> float(s(10))
+      0.5
+    """
+    schedules = list(schedules)
+    boundaries = [_steps(b, arg="boundaries", name="join_schedules") for b in boundaries]
+    if not schedules:
+        raise ValueError("join_schedules: schedules must not be empty")
+    for i, s in enumerate(schedules):
+        if not callable(s):
+            raise TypeError(f"join_schedules: schedules[{i}] must be callable, got {type(s).__name__}")
+    if len(boundaries) != len(schedules) - 1:
+        raise ValueError(
+            f"join_schedules: boundaries must have one fewer entry than schedules, got {len(boundaries)} "
+            f"boundaries for {len(schedules)} schedules"
+        )
+
+    def schedule(count: Any) -> torch.Tensor:
+        c = _count(count)
+        out = _as_value(schedules[0](c), c)
+        for boundary, s in zip(boundaries, schedules[1:]):
+            out = torch.where(c < boundary, out, _as_value(s(c - boundary), c))
+        return out
+
+    return schedule
+
+
+@factory
+def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps: int) -> Schedule:
+    """A linear warm-up from ``init_value`` to ``peak_value`` over ``warmup_steps``, then constant.
+
+    Args:
+      init_value: the value at step 0.
+      peak_value: the value from ``warmup_steps`` on.
+      warmup_steps: the warm-up's length.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Optax's ``warmup_constant_schedule``.
+
+    Example:
+      >>> float(warmup_constant_schedule(0.0, 1.0, warmup_steps=10)(20))
+      1.0
+    """
+    name = "warmup_constant_schedule"  # checked here, so an error names this schedule and its own arguments
+    _value(init_value, arg="init_value", name=name)
+    _value(peak_value, arg="peak_value", name=name)
+    _steps(warmup_steps, arg="warmup_steps", name=name)
+    return linear_schedule(init_value, peak_value, warmup_steps)
+
+
+@factory
+def warmup_cosine_decay_schedule(
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    decay_steps: int,
+    end_value: float = 0.0,
+    exponent: float = 1.0,
+) -> Schedule:
+    """A linear warm-up to ``peak_value``, then cosine decay to ``end_value``.
+
+    Args:
+      init_value: the value at step 0.
+      peak_value: the value at ``warmup_steps``.
+      warmup_steps: the warm-up's length.
+      decay_steps: the whole schedule's length, warm-up included; ``> warmup_steps``.
+      end_value: the value from ``decay_steps`` on.
+      exponent: the power applied to the cosine factor.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Loshchilov & Hutter, "SGDR", 2017; optax's ``warmup_cosine_decay_schedule``.
+
+    Example:
+      >>> lr = warmup_cosine_decay_schedule(0.0, 3e-4, warmup_steps=100, decay_steps=10_000, end_value=3e-5)
+    """
+    name = "warmup_cosine_decay_schedule"
+    init_value = _value(init_value, arg="init_value", name=name)
+    peak_value = _value(peak_value, arg="peak_value", name=name)
+    end_value = _value(end_value, arg="end_value", name=name)
+    warmup_steps = _steps(warmup_steps, arg="warmup_steps", name=name)
+    decay_steps = _steps(decay_steps, arg="decay_steps", name=name)
+    if decay_steps - warmup_steps <= 0:
+        raise ValueError(
+            f"{name}: decay_steps (the whole schedule, warm-up included) must be > warmup_steps, "
+            f"got decay_steps={decay_steps}, warmup_steps={warmup_steps}"
+        )
+    alpha = 0.0 if peak_value == 0.0 else end_value / peak_value
+    return join_schedules(
+        [
+            linear_schedule(init_value, peak_value, warmup_steps),
+            cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha=alpha, exponent=exponent),
+        ],
+        [warmup_steps],
+    )
+
+
+@factory
+def warmup_exponential_decay_schedule(
+    init_value: float,
+    peak_value: float,
+    warmup_steps: int,
+    transition_steps: int,
+    decay_rate: float,
+    transition_begin: int = 0,
+    staircase: bool = False,
+    end_value: float | None = None,
+) -> Schedule:
+    """A linear warm-up to ``peak_value``, then :func:`exponential_decay` from it.
+
+    Args:
+      init_value: the value at step 0.
+      peak_value: the value at ``warmup_steps``.
+      warmup_steps: the warm-up's length.
+      transition_steps: see :func:`exponential_decay`.
+      decay_rate: see :func:`exponential_decay`.
+      transition_begin: steps after the warm-up before decay starts.
+      staircase: see :func:`exponential_decay`.
+      end_value: see :func:`exponential_decay`.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Optax's ``warmup_exponential_decay_schedule``.
+
+    Example:
+      >>> lr = warmup_exponential_decay_schedule(0.0, 1e-3, 100, transition_steps=1000, decay_rate=0.5)
+    """
+    warmup_steps = _steps(warmup_steps, arg="warmup_steps", name="warmup_exponential_decay_schedule")
+    return join_schedules(
+        [
+            linear_schedule(init_value, peak_value, warmup_steps),
+            exponential_decay(peak_value, transition_steps, decay_rate, transition_begin, staircase, end_value),
+        ],
+        [warmup_steps],
+    )
+
+
+@factory
+def sgdr_schedule(cosine_kwargs: Iterable[Mapping[str, Any]]) -> Schedule:
+    """SGD with warm restarts: :func:`warmup_cosine_decay_schedule` cycles joined end to end.
+
+    Args:
+      cosine_kwargs: one dict of :func:`warmup_cosine_decay_schedule` arguments per cycle;
+        each cycle lasts its ``decay_steps``.
+
+    Returns:
+      A schedule ``count -> value``.
+
+    References:
+      Loshchilov & Hutter, "SGDR", 2017; optax's ``sgdr_schedule``.
+
+    Example:
+      >>> cycle = dict(init_value=0.0, peak_value=1e-3, warmup_steps=10, decay_steps=100)
+      >>> lr = sgdr_schedule([cycle, cycle])
+    """
+    boundaries, schedules, step = [], [], 0
+    for kwargs in cosine_kwargs:
+        schedules.append(warmup_cosine_decay_schedule(**kwargs))
+        step += kwargs["decay_steps"]
+        boundaries.append(step)
+    return join_schedules(schedules, boundaries[:-1])

@@ -1,0 +1,417 @@
+"""The wrapper's speed rules, in one place, applied to gradtx's own transforms by their type.
+
+A chain is read once (nested chains flattened) into:
+
+* a leading :class:`~gradtx.transforms.accumulation.Accumulation`: its window
+  lives in ``.grad`` (autograd's own sum, no second buffer), so a micro-step
+  only counts (micro-steps, tokens) and its mean ``1/denominator`` is left pending;
+* the body: every other member, run as it is (``tx.update`` on the grads, the
+  result written to ``.grad``); a :class:`~gradtx.core.base.Guard`'s
+  ``verdict`` becomes the step's ``found_inf``;
+* a trailing run of :class:`~gradtx.core.base.ScalarTransformation` s (the
+  clip, ``scale``): their ``factor`` s are multiplied into the pending factor,
+  which becomes the fused kernel's ``grad_scale`` (or one multiply of ``.grad``).
+
+A user's transform is simply run; nothing here needs it to declare anything.
+:class:`FusedAdam` is the one rule about the inner optimizer: it steps
+``torch.optim.Adam/AdamW(fused=True)`` by calling torch's fused kernel on
+lists cached per (group, device, dtype), with the optimizer's own state.
+"""
+
+from __future__ import annotations
+
+from itertools import repeat
+from operator import is_, itemgetter
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.optim import optimizer as torch_optimizer
+
+from gradtx.core import tree as tu
+from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
+from gradtx.transforms.accumulation import Accumulation
+from gradtx.transforms.combine import Chain
+
+
+class Result(NamedTuple):
+    """One step of the chain: ``updates`` (``None`` when held), the new state, a pending 0-d factor, a skip flag."""
+
+    updates: Any
+    state: OptState
+    factor: torch.Tensor | None
+    skip: torch.Tensor | None
+
+
+class Plan:
+    """A chain read once by the types of its members: window, body, scalar tail (see the module docstring).
+
+    Attributes:
+      window: the leading :class:`Accumulation`, or ``None``.
+      body: the members run as they are, with their indices.
+      tail: the trailing :class:`ScalarTransformation` s, with their indices.
+    """
+
+    def __init__(self, tx: GradientTransformation) -> None:
+        self.tx = tx
+        members = _members(tx)
+        self.members = members
+        first = members[0] if members else None
+        self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
+        self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
+        start = 1 if self.window is not None else 0
+        tail = len(members)
+        while tail > start and isinstance(members[tail - 1], ScalarTransformation):
+            tail -= 1
+        self.body = [(i, members[i]) for i in range(start, tail)]
+        self.tail = [(i, members[i]) for i in range(tail, len(members))]
+
+    def states(self, state: OptState) -> list[OptState]:
+        return _split_states(self.tx, state, [])
+
+    def join(self, states: list[OptState]) -> OptState:
+        return _join_states(self.tx, iter(states))
+
+    def window_state(self, state: OptState) -> Any:
+        return self.states(state)[0] if self.window is not None else None
+
+    def emits_next(self, state: OptState, *, flush: bool = False) -> bool:
+        """Whether the next step closes the window (always True without one); host counters only."""
+        if flush or self.window is None:
+            return True
+        return self.window.window.emits_next(self.window_state(state), flush=flush)
+
+    def window_open(self, state: OptState) -> bool:
+        return self.window is not None and self.window.window.is_open(self.window_state(state))
+
+    def run(
+        self,
+        grads: Any,
+        state: OptState,
+        params: Any,
+        extra: dict[str, Any],
+        pending: torch.Tensor | None,
+        device: torch.device,
+    ) -> Result:
+        """One step on ``grads`` (autograd's ``.grad``, never written here); ``pending`` a factor they still carry."""
+        if self.late:
+            # Autograd's sum in .grad is the sum of the micro-batch grads only before anything touches it.
+            raise ValueError(
+                f"chain: member {self.late[0]} accumulates, but autograd sums the micro-batches into .grad "
+                "(TransformedOptimizer), so accumulate() must be the first transform of the chain"
+            )
+        states = self.states(state)
+        if self.window is not None:
+            loss = {"loss": extra["loss"]} if extra.get("loss") is not None else {}
+            stepped = self.window.window.step(
+                states[0], tokens=extra.get("tokens"), flush=bool(extra.get("flush", False)), device=device, **loss
+            )
+            states[0] = stepped.state
+            if stepped.factor is None:
+                return Result(None, self.join(states), None, None)
+            if self.window.window.reduce_grads:  # a functional data-parallel window: sum .grad over the ranks
+                self.window.window.reduce([g for group in grads for g in group], inplace=True)
+            mean = stepped.factor.to(device, non_blocking=True)
+            pending = mean if pending is None else pending * mean
+            extra = self.window.downstream_extra(states[0], extra)
+        skip: torch.Tensor | None = None
+        for i, member in self.body:
+            if pending is not None:  # a member that is not scalar sees the true updates
+                grads = scaled(grads, pending)
+                pending = None
+            grads, states[i] = member.update(grads, states[i], params, **extra)
+            if grads is None:  # a member held: nothing after it runs or changes
+                return Result(None, self.join(states), None, None)
+            if isinstance(member, Guard):
+                vetoed = member.verdict(states[i])
+                skip = vetoed if skip is None else skip | vetoed.to(skip.device)
+        for i, member in self.tail:
+            f, states[i] = member.factor(grads, states[i], params, scale=pending, **extra)
+            pending = f if pending is None else pending * f.to(pending.device)
+        return Result(grads, self.join(states), pending, skip)
+
+
+def has_none(items: list[Any]) -> bool:
+    """Whether a list holds ``None`` (by identity: ``None in tensors`` would call each tensor's ``__eq__``)."""
+    return any(map(is_, items, repeat(None)))
+
+
+def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault((t.device, t.dtype), []).append(i)
+    return out
+
+
+def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor (a DTensor through its local shard) by the 0-d ``factor``, in place."""
+    locals_ = [tu.local(t) for t in tensors]
+    for (device, dtype), idx in _by_device_dtype(locals_).items():
+        f = factor.to(device, torch.float64 if dtype == torch.float64 else torch.float32, non_blocking=True)
+        torch._foreach_mul_([locals_[i] for i in idx], f)
+
+
+def scaled(tree: list[list[torch.Tensor]], factor: torch.Tensor) -> list[list[torch.Tensor]]:
+    """A new tree: every leaf times the 0-d ``factor``, in its own dtype (the leaves are not written)."""
+    out = [[g.clone() for g in group] for group in tree]
+    scale_in_place([g for group in out for g in group], factor)
+    return out
+
+
+# --- torch.optim.Adam/AdamW(fused=True), stepped directly ----------------------------------------
+
+
+def step_inner(
+    optimizer: torch.optim.Optimizer,
+    fused: FusedAdam | None,
+    tree: list[list[torch.Tensor]],
+    params: list[torch.Tensor],
+    factor: torch.Tensor | None,
+    skip: torch.Tensor | None,
+    *,
+    fp64: bool,
+) -> None:
+    """Step the inner optimizer on the params' ``.grad`` times ``factor``, unless ``skip``.
+
+    The factor is a fused kernel's ``grad_scale`` (inverted: the kernel divides
+    by it) and the skip its ``found_inf``; other optimizers get ``.grad``
+    multiplied in place, and a skip decided on the host (one scalar read).
+    """
+    grads = [p.grad for p in params]
+    kernel_scales = fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)
+    if factor is not None and fp64 and kernel_scales:
+        # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
+        scale_in_place([g for g in grads if g is not None], factor)
+        factor = None
+    if fused is not None and fused.step(tree, grads, factor, skip):
+        return
+    if kernel_scales and not torch.compiler.is_compiling():
+        opt: Any = optimizer
+        opt.grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
+        opt.found_inf = None if skip is None else skip.to(torch.float32)
+        try:
+            opt.step()
+        finally:
+            opt.grad_scale = opt.found_inf = None
+        return
+    if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
+        return
+    if factor is not None:
+        scale_in_place([g for g in grads if g is not None], factor)
+    if torch.compiler.is_compiling() and not (
+        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
+    ):
+        # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
+        # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
+        raw: Any = type(optimizer).step
+        while hasattr(raw, "__wrapped__"):
+            raw = raw.__wrapped__
+        raw(optimizer)
+        return
+    optimizer.step()
+
+
+def _hooked(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping the optimizer runs more than its kernel: hooks, or a step patched on the instance."""
+    return bool(
+        optimizer._optimizer_step_pre_hooks
+        or optimizer._optimizer_step_post_hooks
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
+        or "step" in optimizer.__dict__  # an lr scheduler's step counter
+    )
+
+
+def global_hooks() -> bool:
+    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
+
+
+def with_hooks(optimizer: Any, step: Any, closure: Any, extra: dict[str, Any]) -> Any:
+    """``step(closure, extra)`` between the step hooks registered on ``optimizer`` and globally, as torch runs them."""
+    args: tuple[Any, ...] = (optimizer, closure)
+    for pre in (*torch_optimizer._global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
+        result = pre(optimizer, args, extra)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{pre} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+            args, extra = result
+    out = step(args[1] if len(args) > 1 else None, extra)
+    for post in (
+        *optimizer._optimizer_step_post_hooks.values(),
+        *torch_optimizer._global_optimizer_post_hooks.values(),
+    ):
+        post(optimizer, args, extra)
+    return out
+
+
+_HYPER = ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
+
+
+class _Bucket(NamedTuple):
+    take: Any  # itemgetter over the flat grads
+    params: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    max_exp_avg_sqs: list[torch.Tensor]
+    steps: list[torch.Tensor]
+    counter: torch.Tensor  # the steps' one buffer: each state["step"] is a 0-d view into it
+    device: torch.device
+
+
+class FusedAdam:
+    """Step ``torch.optim.Adam/AdamW(fused=True)`` by calling ``torch._fused_adam(w)_`` on cached lists.
+
+    What ``Adam.step`` does with ``fused=True``, without its per-parameter
+    Python: the lists of params and of the optimizer's own state tensors
+    (``optimizer.state[p]``, made at the first step exactly as ``_init_group``
+    makes them) are built once per structure, grouped by param group, device
+    and dtype; each step reads the groups' hyperparameters (a tensor ``lr`` too)
+    and passes the pending factor as ``grad_scale`` and a skip as ``found_inf``.
+    It applies only when every param the wrapper steps has a dense grad and
+    nothing else would run in the optimizer's step (hooks, a patched ``step``);
+    otherwise the wrapper calls ``optimizer.step()``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.key: Any = None
+        self.state_ref: Any = None
+        self.buckets: list[tuple[dict[str, Any], list[_Bucket]]] = []
+
+    @staticmethod
+    def fits(optimizer: torch.optim.Optimizer) -> bool:
+        return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
+            g.get("fused") and not g.get("differentiable") for g in optimizer.param_groups
+        )
+
+    def _key(self, tree: list[list[torch.Tensor]]) -> Any:
+        # The state dict object is held by self.state_ref, so its id cannot be reused while the key lives.
+        opt = self.optimizer
+        groups = tuple((id(g), id(g["params"]), len(g["params"])) for g in opt.param_groups)
+        return id(opt.state), len(opt.state), groups, tuple(map(len, tree))
+
+    def _build(self, tree: list[list[torch.Tensor]]) -> None:
+        opt = self.optimizer
+        state = opt.state
+        self.buckets = []
+        offset = 0
+        for group, params in zip(opt.param_groups, tree):
+            buckets = []
+            for (device, _), idx in _by_device_dtype(params).items():
+                ps = [params[i] for i in idx]
+                for p in ps:
+                    if not state[p]:  # as Adam._init_group makes it, for fused=True
+                        torch_optimizer._device_dtype_check_for_fused(p)
+                        s = state[p]
+                        s["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                        s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        if group["amsgrad"]:
+                            s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                sts = [state[p] for p in ps]
+                # The params' step counters become views of one buffer, so a step advances them with one
+                # add (a foreach add over n 0-d tensors costs more than the fused kernel on small models).
+                counter = torch.stack([s["step"].to(device, torch.float32) for s in sts])
+                for j, s in enumerate(sts):
+                    s["step"] = counter[j]
+                take = itemgetter(*(offset + i for i in idx))
+                buckets.append(
+                    _Bucket(
+                        take if len(idx) > 1 else (lambda g, t=take: (t(g),)),
+                        ps,
+                        [s["exp_avg"] for s in sts],
+                        [s["exp_avg_sq"] for s in sts],
+                        [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
+                        [s["step"] for s in sts],
+                        counter,
+                        device,
+                    )
+                )
+            self.buckets.append((group, buckets))
+            offset += len(params)
+        self.state_ref = state
+        self.key = self._key(tree)
+
+    def forget(self) -> None:
+        """Drop the cached lists (the optimizer's state or groups were replaced)."""
+        self.key = None
+        self.buckets = []
+
+    def step(
+        self, tree: list[list[torch.Tensor]], grads: list[torch.Tensor], factor: torch.Tensor | None,
+        skip: torch.Tensor | None,
+    ) -> bool:  # fmt: skip
+        """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply."""
+        opt = self.optimizer
+        if _hooked(opt) or torch.compiler.is_compiling():
+            return False
+        if self.key is None or self.key != self._key(tree):
+            if has_none(grads) or any(g.is_sparse for g in grads):
+                return False
+            self._build(tree)
+        elif has_none(grads):
+            return False
+        # Each group's hyperparameters are read at every step, as Adam.step reads them.
+        hyper = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
+        if any(isinstance(h[1][0], torch.Tensor) or isinstance(h[1][1], torch.Tensor) for h in hyper):
+            return False  # tensor betas: torch's own step converts them
+        grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
+        found_inf = None if skip is None else skip.to(torch.float32)
+        adamw = type(opt) is torch.optim.AdamW
+        for (lr, (beta1, beta2), wd, eps, amsgrad, maximize, decoupled), (_, buckets) in zip(hyper, self.buckets):
+            kernel = torch._fused_adamw_ if decoupled or adamw else torch._fused_adam_
+            for b in buckets:
+                device = b.device
+                gs = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
+                fi = None if found_inf is None else found_inf.to(device, non_blocking=True)
+                step_lr = lr
+                if isinstance(lr, torch.Tensor) and lr.device.type != "cpu" and lr.device != device:
+                    step_lr = lr.to(device, non_blocking=True)
+                b.counter.add_(1)
+                kernel(
+                    b.params, list(b.take(grads)), b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
+                    amsgrad=amsgrad, lr=step_lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
+                    maximize=maximize, grad_scale=gs, found_inf=fi,
+                )  # fmt: skip
+                if fi is not None:
+                    b.counter.sub_(fi)
+        return True
+
+
+def keep_on_skip(plan: Plan, skip: torch.Tensor, old: OptState, new: OptState) -> OptState:
+    """``new``, except that every member after the window keeps its ``old`` state where ``skip`` (no host sync).
+
+    The window closes either way: a skipped window is over.
+    """
+
+    def pick(n: Any, o: Any) -> Any:
+        if not isinstance(n, torch.Tensor):
+            return n
+        ln = tu.local(n)
+        return tu.like(n, torch.where(skip.to(ln.device), tu.local(o), ln))
+
+    olds, news = plan.states(old), plan.states(new)
+    start = 1 if plan.window is not None else 0
+    news[start:] = [tu.tree_map(pick, n, o) for n, o in zip(news[start:], olds[start:])]
+    return plan.join(news)
+
+
+# A gradtx optimizer alias (gtx.adamw) is not a Chain, so it stays whole: the wrapper refuses it by name.
+def _members(tx: GradientTransformation) -> list[GradientTransformation]:
+    """The chain's members, nested chains flattened (:func:`_split_states` and :func:`_join_states` follow suit)."""
+    return [m for member in tx.members for m in _members(member)] if isinstance(tx, Chain) else [tx]
+
+
+def _split_states(tx: GradientTransformation, state: OptState, out: list[OptState]) -> list[OptState]:
+    if isinstance(tx, Chain):
+        for member, member_state in zip(tx.members, tx.member_states(state)):
+            _split_states(member, member_state, out)
+    else:
+        out.append(state)
+    return out
+
+
+def _join_states(tx: GradientTransformation, states: Iterator[OptState]) -> OptState:
+    if isinstance(tx, Chain):
+        return tx.join_states([_join_states(member, states) for member in tx.members])
+    return next(states)
