@@ -12,7 +12,7 @@ gradtx names the mode:
   local collectives reduce over a ``LocalTensor``'s ranks and leave a plain
   tensor as it is, so :func:`shared_to_ranks` gives it one copy per rank;
 * this process's rank in a group, and a value's per-rank readings, for a
-  diagnostic: :func:`group_rank` and :func:`rank_values`.
+  diagnostic: :func:`group_rank`, :func:`rank_equals` and :func:`rank_values`.
 
 Outside the mode every function here is the plain single-rank one.
 """
@@ -72,6 +72,16 @@ def group_rank(group: Any, rank: Callable[[Any], int]) -> int:
     ranks, offsets, _ = _prepare_collective_groups(group if group is not None else dist.group.WORLD)
     within = {offset + r: i for offset in offsets for i, r in enumerate(ranks)}
     return _combine_int_rank_results({r: within[r] for r in sorted(mode.ranks)})  # type: ignore[return-value]
+
+
+def rank_equals(rank: Any, value: int) -> bool | torch.Tensor:
+    """``rank == value``: a bool, or on simulated ranks a per-rank 0-d bool tensor."""
+    if isinstance(rank, int):
+        return rank == value
+    from torch.distributed._local_tensor import rank_map
+
+    ranks = rank.node._local_ints
+    return rank_map(lambda r: torch.tensor(ranks[r] == value))
 
 
 def rank_values(t: torch.Tensor) -> list[float]:

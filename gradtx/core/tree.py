@@ -202,6 +202,21 @@ def has_dtensor(leaves: Sequence[Any]) -> bool:
     return DTensor is not None and any(issubclass(t, DTensor) for t in set(map(type, leaves)))
 
 
+def root_meshes(leaves: Sequence[Any]) -> list[Any]:
+    """The root meshes of ``leaves``' DTensors, each once.
+
+    Equal meshes count once, not only the same object: DTensor's
+    sharding-propagation cache hands out specs that hold an earlier, equal
+    mesh, so one model's grads may name two root objects for one grid.
+    """
+    meshes = {id(t.device_mesh): t.device_mesh for t in leaves if DTensor is not None and isinstance(t, DTensor)}
+    roots: list[Any] = []
+    for root in (m._get_root_mesh() for m in meshes.values()):
+        if root not in roots:
+            roots.append(root)
+    return roots
+
+
 def local(x: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the shard itself, not a view autograd records), or the tensor itself."""
     if DTensor is not None and isinstance(x, DTensor):

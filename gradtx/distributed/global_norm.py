@@ -102,17 +102,8 @@ def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
     Two root meshes, or a root smaller than the world, keep the per-dim
     reductions.
     """
-    root = None
-    for t in leaves:
-        if DTensor is None or not isinstance(t, DTensor):
-            continue
-        r = t.device_mesh._get_root_mesh()
-        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
-        # an earlier, equal mesh, so one model's grads may name two root objects for one grid.
-        if root is not None and r != root:
-            return None
-        root = r
-    if root is None or root.size() == 1 or root.size() != comm.size("world"):
+    roots = tu.root_meshes(leaves)
+    if len(roots) != 1 or roots[0].size() == 1 or roots[0].size() != comm.size("world"):
         return None
     return "world"
 
@@ -326,18 +317,11 @@ def agree_finite(
 
 def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None:
     """The comm and groups that span every rank holding ``leaves``' DTensors: the world, or each dim of their root meshes."""
-    if DTensor is None:
-        return None
-    meshes = {id(t.device_mesh): t.device_mesh for t in leaves if isinstance(t, DTensor)}
-    if not meshes:
+    roots = tu.root_meshes(leaves)
+    if not roots:
         return None
     from gradtx.comm.torch_dist import mesh_comm
 
-    roots: list[Any] = []
-    for mesh in meshes.values():
-        root = mesh._get_root_mesh()
-        if all(root is not r for r in roots):
-            roots.append(root)
     world = torch.distributed.get_world_size()
     if all(root.size() == world for root in roots):
         return mesh_comm(roots), ("world",)
