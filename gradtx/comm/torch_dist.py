@@ -241,8 +241,6 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     return pg
 
 
-
-
 class DDPSumState:
     """The state of :func:`ddp_sum_hook`: the group, and which params' ``.grad`` hold an already-summed value.
 

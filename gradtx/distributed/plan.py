@@ -3,9 +3,8 @@
 On DTensors the placements *are* the plan: a grad's p-th power is summed over each mesh dim where it
 is ``Shard``/``_StridedShard``, never over a ``Replicate`` dim. What placements cannot say (plain
 tensors sharded by hand, the pipeline group, tied weights) is declared with :func:`mesh_groups`, as
-torchtitan's clip is passed ``pp_mesh``. An undeclared plain tensor is each rank's own (torch's
-semantics, no collective). A plan belongs to whoever holds it: the user, or a transform's
-:class:`~gradtx.distributed.global_norm.PlanSlot`.
+torchtitan's clip is passed ``pp_mesh``. An undeclared plain tensor is each rank's own (no collective).
+A plan belongs to the user, or to a transform's :class:`~gradtx.distributed.global_norm.PlanSlot`.
 """
 
 from __future__ import annotations
