@@ -40,15 +40,15 @@ P = (1.0, 2.0, 3.0, math.inf)
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Every all-reduce a TorchComm starts: (group key, number of tensors)."""
+    """Every all-reduce a TorchComm issues: (group key, number of tensors)."""
     seen: list[tuple[object, int]] = []
-    start = TorchComm.all_reduce_async
+    start = TorchComm.all_reduce
 
     def spy(self, tensors, op, group):
         seen.append((group, len(tensors)))
         return start(self, tensors, op, group)
 
-    monkeypatch.setattr(TorchComm, "all_reduce_async", spy)
+    monkeypatch.setattr(TorchComm, "all_reduce", spy)
     return seen
 
 

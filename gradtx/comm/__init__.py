@@ -1,15 +1,12 @@
 """The communication layer: the only code in gradtx that issues collectives."""
 
 from gradtx.comm.base import (
-    AsyncComm,
     Comm,
     ExchangeComm,
     GroupKey,
     MinimalComm,
-    PendingReduce,
     ReduceOp,
     as_comm,
-    start_all_reduce,
 )
 from gradtx.comm.groups import reduce_over_groups
 from gradtx.comm.local import LocalComm
@@ -20,16 +17,13 @@ except ImportError:  # pragma: no cover
     TorchComm = None  # type: ignore[assignment,misc]
 
 __all__ = [
-    "AsyncComm",
     "Comm",
     "ExchangeComm",
     "GroupKey",
     "LocalComm",
     "MinimalComm",
-    "PendingReduce",
     "ReduceOp",
     "TorchComm",
     "as_comm",
     "reduce_over_groups",
-    "start_all_reduce",
 ]

@@ -52,40 +52,6 @@ class Comm(Protocol):
 _REQUIRED = ("all_reduce", "size")
 
 
-class PendingReduce(Protocol):
-    """A reduction in flight: :meth:`wait` blocks until it is done and returns its results."""
-
-    def wait(self) -> list[torch.Tensor]:
-        """The reduced tensors, in the order they were given; call it once."""
-        ...
-
-
-@runtime_checkable
-class AsyncComm(Comm, Protocol):
-    """A :class:`Comm` that can also start a reduction and let the caller work while it runs."""
-
-    def all_reduce_async(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> PendingReduce:
-        """Start what :meth:`Comm.all_reduce` does; every rank still starts them in the same order."""
-        ...
-
-
-class Done:
-    """A :class:`PendingReduce` that has already finished (what a blocking comm returns)."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self._tensors = list(tensors)
-
-    def wait(self) -> list[torch.Tensor]:
-        return self._tensors
-
-
-def start_all_reduce(comm: Comm, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> PendingReduce:
-    """Start a reduction on ``comm``: in the background on an :class:`AsyncComm`, else done before it returns."""
-    if isinstance(comm, AsyncComm):
-        return comm.all_reduce_async(tensors, op, group)
-    return Done(comm.all_reduce(tensors, op, group))
-
-
 @runtime_checkable
 class ExchangeComm(Comm, Protocol):
     """A :class:`Comm` that can also move tensors between ranks: what sharded orthogonalization needs.

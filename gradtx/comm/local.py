@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gradtx.comm.base import Done, GroupKey, ReduceOp
+from gradtx.comm.base import GroupKey, ReduceOp
 
 
 class LocalComm:
@@ -15,9 +15,6 @@ class LocalComm:
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
         del op, group
         return list(tensors)
-
-    def all_reduce_async(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> Done:
-        return Done(self.all_reduce(tensors, op, group))
 
     def size(self, group: GroupKey) -> int:
         del group

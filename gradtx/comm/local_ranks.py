@@ -69,7 +69,7 @@ def group_rank(group: Any, rank: Callable[[Any], int]) -> int:
     from torch.distributed._local_tensor import _combine_int_rank_results
     from torch.distributed._local_tensor._c10d import _prepare_collective_groups
 
-    ranks, offsets, _ = _prepare_collective_groups(group if group is not None else dist.group.WORLD)
+    ranks, offsets, _ = _prepare_collective_groups(group if group is not None else dist.group.WORLD)  # type: ignore[arg-type]
     within = {offset + r: i for offset in offsets for i, r in enumerate(ranks)}
     return _combine_int_rank_results({r: within[r] for r in sorted(mode.ranks)})  # type: ignore[return-value]
 

@@ -7,7 +7,6 @@ names groups with keys and never touches a process group directly.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import cast
@@ -107,16 +106,10 @@ class TorchComm:
         Returns:
           The reduced tensors, in order, with the inputs' shapes and dtypes.
         """
-        return self.all_reduce_async(tensors, op, group).wait()
-
-    def all_reduce_async(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> _Pending:
-        """Start :meth:`all_reduce` (``async_op=True``) and return at once; ``.wait()`` gives the results."""
         reduce_op = _OPS[ReduceOp(op)]
         pg = self.resolve(group)
         tensors = list(tensors)
-        if not tensors:
-            return _Pending([], [], [])
-        device = tensors[0].device
+        device = tensors[0].device if tensors else None
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                 raise TypeError(
@@ -128,13 +121,14 @@ class TorchComm:
         by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
         for i, t in enumerate(tensors):
             by_dtype[t.dtype].append(i)
-        works, flats = [], []
+        out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for idx in by_dtype.values():
             # One flat buffer per dtype: a single collective, and the inputs are never aliased.
             flat = shared_to_ranks(torch.cat([tensors[i].detach().reshape(-1) for i in idx]))
-            works.append(dist.all_reduce(flat, op=reduce_op, group=pg, async_op=True))
-            flats.append((flat, idx))
-        return _Pending(works, flats, [tuple(t.shape) for t in tensors])
+            dist.all_reduce(flat, op=reduce_op, group=pg)
+            for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+                out[i] = piece.view(tensors[i].shape)
+        return out
 
     def size(self, group: GroupKey) -> int:
         """The number of ranks in ``group``."""
@@ -193,27 +187,6 @@ class TorchComm:
         return f"TorchComm(mesh={self.mesh!r}, groups={sorted(self.groups)})"
 
 
-class _Pending:
-    """TorchComm's reductions in flight: ``wait()`` waits on each collective, then splits the flat buffers."""
-
-    def __init__(self, works: list, flats: list[tuple[torch.Tensor, list[int]]], shapes: list[tuple[int, ...]]) -> None:
-        self._works = works
-        self._flats = flats
-        self._shapes = shapes
-
-    def wait(self) -> list[torch.Tensor]:
-        for work in self._works:
-            work.wait()
-        out: list[torch.Tensor] = [None] * len(self._shapes)  # type: ignore[list-item]
-        for flat, idx in self._flats:
-            offset = 0
-            for i in idx:
-                n = math.prod(self._shapes[i])
-                out[i] = flat[offset : offset + n].view(self._shapes[i])
-                offset += n
-        return out
-
-
 def mesh_comm(meshes: Iterable[DeviceMesh]) -> TorchComm:
     """The :class:`TorchComm` over the dims of ``meshes`` and of their root meshes: the zero-configuration comm.
 
@@ -266,8 +239,6 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     if tuple(dist.get_process_group_ranks(pg)) != tuple(sorted(ranks)):  # pragma: no cover - torch's own rule
         raise ValueError("TorchComm: a mesh's process group must rank its members by global rank")
     return pg
-
-
 
 
 class DDPSumState:

@@ -1,4 +1,4 @@
-"""Local norms of gradient trees: sums of p-th powers in one pass, fp32 kernels, fp64 partial sums.
+"""Local norms of gradient trees: one foreach norm per (device, dtype) group, the norms combined in fp64.
 
 Everything here is computed on each tensor's local shard, on the calling
 thread, with no communication. Turning local parts into the norm of a sharded
@@ -16,16 +16,20 @@ import torch
 from gradtx.comm.local_ranks import per_rank
 from gradtx.core import tree as tu
 
-# CPU tensors of 128K elements or more are viewed as rows of 32K elements whose fp32 sums are added
-# in fp64: running sums that short stay within about 1e-7 of fp64, where one long fp32 running sum
-# drifts 3e-3 on GPT-2's 38M-element embedding (torch's get_total_norm is that far off). A row block
-# of 4M elements is one ``dim=1`` op, which torch spreads over its own intra-op threads; the block
-# bounds the fp32 copy a low-precision tensor is upcast through. On a GPU the foreach kernel reduces
-# in blocks and adds the block partials by a tree already, so there every tensor goes to it whole.
-_ROW = 1 << 15
-_MIN_ROWS = 4 * _ROW
-_BLOCK = 1 << 22
-_HAS_POWSUM = hasattr(torch, "_foreach_powsum") and hasattr(torch.linalg, "_powsum")
+# A CPU tensor of 128K elements or more is split into rows of 64K elements, whose fp32 norms are
+# combined in fp64: the norm kernel's sums over rows that short stay within about 2e-7 of fp64, where
+# one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off).
+# The rows go to one foreach norm, which reduces them one after another: 1.1x to 1.3x the time of
+# one whole pass over GPT-2's grads. A bf16/fp16 tensor of more than 32K elements is split into rows
+# of 32K, upcast inside the kernel: a row's upcast copy then stays within torch's parallel grain and
+# runs on the calling thread. Ops that torch's pool runs (one ``dim=1`` norm over all the rows, a
+# longer upcast) are as fast on idle cores, but on busy ones they stall waiting for it (8 ms per op
+# measured on a shared 2-core machine, torch 2.13; 30x torch's time on GPT-2's bf16 grads with 64K
+# rows). On a GPU the foreach kernel adds its block partials by a tree already, so there every
+# tensor goes to it whole.
+_ROW = 1 << 16
+_MIN_ROWS = 2 * _ROW
+_LOW_ROW = 1 << 15
 _FP64 = frozenset({torch.float64, torch.complex128})
 
 
@@ -71,21 +75,11 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
 
     This is the additive form every reduction works on: contributions of the
     shards of one tensor, or of many tensors, are summed (or maxed for ``inf``)
-    and the root is taken once, at the end. One foreach call per (device, dtype)
-    group; big CPU tensors are summed by rows (see the module's notes). The
-    results are fp64 (fp32 on a device without fp64); an empty shard
-    contributes 0; complex tensors are measured by magnitude.
+    and the root is taken once, at the end. The results are fp64 (fp32 on a
+    device without fp64); an empty shard contributes 0; complex tensors are
+    measured by magnitude.
     """
-    return list(_powsums([tu.local(t) for t in tensors], norm_type))
-
-
-@per_rank  # simulated ranks hold shards of different sizes, empty ones included
-def _powsums(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
-    for idx, sums in _groups(locals_, norm_type):
-        for i, s in zip(idx, sums.unbind()):
-            out[i] = s
-    return out
+    return [norm_to_power(n, norm_type) for n in _tensor_norms([tu.local(t) for t in tensors], norm_type)]
 
 
 def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -96,42 +90,45 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
     use :func:`gradtx.global_norm`, which reduces it over the mesh dims where
     each leaf is sharded.
     """
-    locals_ = [tu.local(t) for t in leaves] if any(type(t) is not torch.Tensor for t in leaves) else list(leaves)
-    dtype = norm_dtype(locals_)
-    if dtype == torch.float64 and not _plain_ops_only(locals_):
-        # fp64 norms by torch's norm kernel, which scales: a finite fp64 norm past 1e154 has no finite square
-        norms = _fp64_norms(locals_, norm_type)
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    return power_to_norm(_local_total(locals_, norm_type), norm_type).to(dtype)
-
-
-@per_rank
-def _local_total(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    # (C-level passes over the leaves, no Python loop: this is most of a small model's host work)
+    locals_ = list(leaves) if set(map(type, leaves)) <= {torch.Tensor} else [tu.local(t) for t in leaves]
     if not locals_:
-        return torch.zeros((), dtype=torch.float64)
-    inf = math.isinf(norm_type)
-    parts = [sums.max() if inf else sums.sum() for _, sums in _groups(locals_, norm_type)]
-    return parts[0] if len(parts) == 1 else total(parts, norm_type, locals_[0].device)
+        return torch.zeros(())
+    return _local_norm(locals_, norm_type)
+
+
+@per_rank  # simulated ranks hold shards of different sizes, empty ones included
+def _local_norm(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    device = locals_[0].device
+    if _plain_ops_only(locals_):
+        norms = [_plain_norm(t, norm_type).to(device) for t in locals_]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(norm_dtype(locals_))
+    parts = [norms for _, norms in _group_norms(locals_, norm_type, with_indices=False)]
+    part = partial_dtype(device)
+    # ||x||_p is the p-norm of its pieces' p-norms: the pieces' norms are combined in fp64.
+    if len(parts) == 1:
+        return torch.linalg.vector_norm(parts[0], norm_type, dtype=part).to(tu.acc_dtype(locals_[0].dtype))
+    joined = torch.cat([n.to(device, part) for n in parts])
+    return torch.linalg.vector_norm(joined, norm_type).to(norm_dtype(locals_))
 
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """The ``norm_type``-norm of each tensor's local shard: fp32, or fp64 for fp64/complex128; an empty shard has 0."""
     locals_ = [tu.local(t) for t in tensors]
-    if norm_dtype(locals_) == torch.float64 and not _plain_ops_only(locals_):
-        return list(_fp64_norms(locals_, norm_type))
-    sums = tensor_powsums(tensors, norm_type)
-    return [power_to_norm(s, norm_type).to(tu.acc_dtype(t.dtype)) for s, t in zip(sums, locals_)]
+    return [n.to(tu.acc_dtype(t.dtype)) for n, t in zip(_tensor_norms(locals_, norm_type), locals_)]
 
 
 @per_rank
-def _fp64_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    out = []
-    for t in locals_:
-        acc = tu.acc_dtype(t.dtype)
-        if t.numel() == 0:
-            out.append(torch.zeros((), dtype=acc, device=t.device))
-        else:
-            out.append(torch.linalg.vector_norm(t, norm_type, dtype=None if t.is_complex() else acc).to(acc))
+def _tensor_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's norm, 0-d in the partial dtype of its device."""
+    if not locals_:
+        return []
+    if _plain_ops_only(locals_):
+        return [_plain_norm(t, norm_type) for t in locals_]
+    out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
+    for idx, norms in _group_norms(locals_, norm_type, with_indices=True):
+        for i, n in zip(idx, norms.to(partial_dtype(norms.device)).unbind()):
+            out[i] = n
     return out
 
 
@@ -153,77 +150,82 @@ def unitwise_norm(x: torch.Tensor, *, unitwise: bool = True) -> torch.Tensor:
 # --- the local pass --------------------------------------------------------------------------------
 
 
-def _groups(locals_: list[torch.Tensor], norm_type: float) -> list[tuple[list[int], torch.Tensor]]:
-    """The contributions of ``locals_`` as ``(indices, 1-d tensor)`` pairs: one foreach call per (device, dtype)."""
-    if _plain_ops_only(locals_):
-        return [([i], _plain_powsum(t, norm_type).reshape(1)) for i, t in enumerate(locals_)]
+def _group_norms(
+    locals_: list[torch.Tensor], norm_type: float, *, with_indices: bool
+) -> list[tuple[list[int], torch.Tensor]]:
+    """The norms of ``locals_`` as ``(indices, 1-d tensor)`` pairs: one foreach call per (device, dtype).
+
+    The norms are fp32, or fp64 for fp64 tensors and for big CPU tensors'
+    rows; the indices are given only ``with_indices``.
+    """
     inf = math.isinf(norm_type)
     out = []
-    for (device, dtype), idx in tu.group_by_device_dtype(locals_).items():
+    for (device, dtype), (ts, idx) in _grouped(locals_, with_indices).items():
         part = partial_dtype(device)
-        rows = device.type == "cpu" and not inf and not dtype.is_complex
-        if rows or inf:  # big CPU tensors by rows; no inf-norm of an empty tensor (it has no identity)
-            sizes = [locals_[i].numel() for i in idx]
-            big = [i for i, n in zip(idx, sizes) if rows and n >= _MIN_ROWS]
-            if big:
-                out.append((big, torch.stack([_rows_powsum(locals_[i], norm_type) for i in big])))
-            empty = [i for i, n in zip(idx, sizes) if inf and n == 0]
-            if empty:
-                out.append((empty, torch.zeros(len(empty), dtype=part, device=device)))
-            if big or empty:
-                idx = [i for i, n in zip(idx, sizes) if not (rows and n >= _MIN_ROWS) and not (inf and n == 0)]
-        if idx:
-            out.append((idx, torch.stack(_foreach_powsum([locals_[i] for i in idx], norm_type)).to(part)))
+        rows = device.type == "cpu" and not inf and dtype not in _FP64 and not dtype.is_complex
+        if rows or inf:  # big CPU tensors by rows; no inf-norm of an empty tensor (it has no identity): 0
+            sizes = list(map(torch.Tensor.numel, ts))
+            least = _MIN_ROWS if dtype == torch.float32 else _LOW_ROW + 1
+            if (rows and max(sizes) >= least) or (inf and min(sizes) == 0):
+                special = [i for i, n in enumerate(sizes) if (n >= least if rows else n == 0)]
+                norms = [
+                    _rows_norm(ts[i], norm_type) if rows else torch.zeros((), dtype=part, device=device)
+                    for i in special
+                ]
+                out.append(([idx[i] for i in special] if with_indices else [], torch.stack(norms)))
+                keep = sorted(set(range(len(ts))) - set(special))
+                ts, idx = [ts[i] for i in keep], [idx[i] for i in keep] if with_indices else idx
+        if ts:
+            out.append((idx, _foreach_norms(ts, norm_type)))
     return out
 
 
-def _foreach_powsum(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """``sum(|x|**p)`` (``max|x|`` for inf) of each tensor of one device and dtype, in one foreach call."""
+def _grouped(
+    locals_: list[torch.Tensor], with_indices: bool
+) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
+    """``locals_`` by (device, dtype), as torch's optimizers group them (in C++; in Python for dynamo)."""
+    if torch.compiler.is_compiling():
+        return {k: ([locals_[i] for i in idx], idx) for k, idx in tu.group_by_device_dtype(locals_).items()}
+    grouped = torch._C._group_tensors_by_device_and_dtype([list(locals_)], with_indices)  # type: ignore[list-item]
+    return {k: (ts, idx) for k, ([ts], idx) in grouped.items()}  # type: ignore[misc]
+
+
+def _foreach_norms(tensors: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of each tensor of one device and dtype, in one foreach call, as a 1-d fp32/fp64 tensor."""
     dtype = tensors[0].dtype
     acc = tu.acc_dtype(dtype)
     kwargs = {} if dtype.is_complex or dtype == acc else {"dtype": acc}  # no real dtype= for complex; none needed
-    if math.isinf(norm_type):
-        return list(torch._foreach_norm(tensors, norm_type, **kwargs))
-    # On CPU, _foreach_powsum with an upcasting dtype= takes a slow path (150x _foreach_norm's on bf16,
-    # torch 2.13), and dynamo cannot trace it: the norm kernel raised to the p-th power is one pass too.
-    upcast_on_cpu = dtype != acc and tensors[0].device.type == "cpu"
-    if _HAS_POWSUM and not dtype.is_complex and not upcast_on_cpu and not torch.compiler.is_compiling():
-        return list(torch._foreach_powsum(tensors, norm_type, **kwargs))
-    return list(torch._foreach_pow(torch._foreach_norm(tensors, norm_type, **kwargs), norm_type))
+    return torch.stack(torch._foreach_norm(tensors, norm_type, **kwargs))
 
 
-def _rows_powsum(t: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """``sum(|t|**p)`` of a big CPU tensor (0-d fp64): fp32 sums of rows of ``_ROW`` elements, added in fp64."""
+def _rows_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """The norm of a big CPU tensor (0-d fp64): fp32 norms of rows of ``_ROW`` (``_LOW_ROW``) elements, combined in fp64."""
     flat = t.reshape(-1)
     acc = tu.acc_dtype(t.dtype)
-    whole = flat.numel() // _ROW * _ROW
-    blocks = [flat[s : min(s + _BLOCK, whole)].view(-1, _ROW) for s in range(0, whole, _BLOCK)]
+    row = _ROW if t.dtype == acc else _LOW_ROW
+    whole = flat.numel() // row * row
+    rows = flat[:whole].view(-1, row)
+    kwargs = {} if t.dtype == acc else {"dtype": acc}
+    if torch.compiler.is_compiling():  # one op to trace; inductor fuses the rows and the upcast
+        parts = [torch.linalg.vector_norm(rows, norm_type, dim=1, **kwargs)]
+    else:
+        parts = [torch.stack(torch._foreach_norm(list(rows.unbind()), norm_type, **kwargs))]
     if whole < flat.numel():
-        blocks.append(flat[whole:].view(1, -1))  # the tail: one short row
-    if _HAS_POWSUM and not torch.compiler.is_compiling():
-        # a low-precision block is upcast first (a bounded copy): the upcasting powsum is slow on CPU
-        parts = [torch.linalg._powsum(rows.to(acc), norm_type, dim=1) for rows in blocks]
-    else:  # dynamo cannot trace powsum; inductor fuses the norm's rows as well
-        parts = [torch.linalg.vector_norm(rows.to(acc), norm_type, dim=1).double().pow(norm_type) for rows in blocks]
-    return torch.cat(parts).sum(dtype=torch.float64)
+        parts.append(torch.linalg.vector_norm(flat[whole:], norm_type, dtype=acc).reshape(1))
+    return torch.linalg.vector_norm(torch.cat(parts), norm_type, dtype=torch.float64)
 
 
 def _plain_ops_only(locals_: Sequence[torch.Tensor]) -> bool:
-    """Under ``torch.func.vmap``, or while autograd records through a leaf (a gradient through the clip).
+    """Under ``torch.func.vmap``: the foreach norm has no batching rule (torch 2.13); ``vector_norm`` has one.
 
-    ``_foreach_powsum`` has neither a batching rule nor a derivative (torch 2.13);
-    ``vector_norm`` and ``pow`` have both.
+    (Autograd and ``torch.func.grad`` go through the foreach norm: it has a derivative.)
     """
-    if not locals_:
+    if torch.compiler.is_compiling():
         return False
-    if not torch.compiler.is_compiling():
-        is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
-        if is_batched is not None and is_batched(locals_[0]):
-            return True
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and any(t.requires_grad for t in locals_)
+    is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
+    return is_batched is not None and is_batched(locals_[0])
 
 
-def _plain_powsum(t: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """One tensor's contribution with ops that have batching rules and derivatives (vector_norm, pow)."""
-    n = torch.linalg.vector_norm(magnitudes(t), norm_type)
-    return norm_to_power(n, norm_type).to(partial_dtype(t.device))
+def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """One tensor's norm with ops that have batching rules, in the partial dtype."""
+    return torch.linalg.vector_norm(magnitudes(t), norm_type).to(partial_dtype(t.device))

@@ -167,12 +167,7 @@ def _replicas_agree(plain: list[torch.Tensor], leaves: list[Any], comm: Comm | N
     ]
     for p in (1.0, 2.0):  # per-leaf fp32 norms (no copy of a grad): replicas compute them bitwise alike
         per_leaf = norms.tensor_norms([t.detach() for t in plain], p)
-        stats.append(
-            sum(
-                (n.to(device, torch.float64).reshape(1) for n in per_leaf),
-                torch.zeros(1, dtype=torch.float64, device=device),
-            )
-        )
+        stats.append(norms.total(per_leaf, 1.0, device).to(torch.float64).reshape(1))
     # NaN compares unequal to itself and infinities overflow the negation's meaning: map both to numbers.
     fingerprint = torch.nan_to_num(torch.cat(stats), nan=-1.0, posinf=1e300, neginf=-1e300)
     both = torch.cat([fingerprint, -fingerprint])
@@ -284,10 +279,10 @@ def norm_audit(
     powers = [n if inf else n.pow(norm_type) for n in local_norms]
     if plan is None:
         source = "none (local norm)"
-        comm: Any = None
+        comm = None
         stage = powers
         rows_info: list[tuple[tuple[str, ...], str | None, str | None]]
-        total = _total(powers, inf, device=None)
+        total = norms.total(powers, norm_type)
         rows_info = [((), None, None) for _ in leaves]
         collectives = 0
     else:
@@ -300,7 +295,7 @@ def norm_audit(
         op = ReduceOp.MAX if inf else ReduceOp.SUM
         reduced = reduce_over_groups(comm, values, groups, plan.group_order, op)
         stage = [r if inf else r * plan.weight_of(i) for i, r in enumerate(reduced)]
-        total = _total(stage, inf, device=device)
+        total = norms.total(stage, norm_type, device)
         if plan.pp_group is not None:
             (total,) = comm.all_reduce([total], op, plan.pp_group)
         rows_info = []
@@ -337,10 +332,3 @@ def _plain_as(plan: plans.MeshGroups, index: int) -> str:
     if plan.leaf(index).shards:
         return "plain (sharded)"
     return _PLAIN_AS.get(plan.plain or "", "plain")
-
-
-def _total(values: list[torch.Tensor], inf: bool, *, device: torch.device | None) -> torch.Tensor:
-    if not values:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    stacked = torch.stack([v.to(values[0].device, values[0].dtype) for v in values])
-    return stacked.max() if inf else stacked.sum()

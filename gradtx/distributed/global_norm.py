@@ -21,7 +21,7 @@ from typing import Any
 import optree
 import torch
 
-from gradtx.comm.base import AsyncComm, Comm, Done, GroupKey, ReduceOp, check_comm
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.comm.groups import reduce_over_groups
 from gradtx.core import norms
 from gradtx.core import tree as tu
@@ -55,7 +55,7 @@ def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = N
     Every DTensor on one root mesh over the whole world: one reduction in all
     (see :attr:`MeshGroups.flat`); else one per sharded mesh dim.
     """
-    if DTensor is None or not any(isinstance(t, DTensor) for t in leaves):
+    if not tu.has_dtensor(leaves):
         return None
     paths = tu.paths(tree) if tree is not None else None
     if paths is None or len(paths) != len(leaves):
@@ -79,7 +79,7 @@ class PlanSlot:
 
     def get(self, leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
         """The plan for ``leaves`` (``None`` without DTensors)."""
-        if DTensor is None:
+        if not tu.has_dtensor(leaves):
             return None
         key = tuple((t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else None for t in leaves)
         if key != self.key:
@@ -102,17 +102,8 @@ def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
     Two root meshes, or a root smaller than the world, keep the per-dim
     reductions.
     """
-    root = None
-    for t in leaves:
-        if DTensor is None or not isinstance(t, DTensor):
-            continue
-        r = t.device_mesh._get_root_mesh()
-        # Equal meshes, not the same object: DTensor's sharding-propagation cache hands out specs that hold
-        # an earlier, equal mesh, so one model's grads may name two root objects for one grid.
-        if root is not None and r != root:
-            return None
-        root = r
-    if root is None or root.size() == 1 or root.size() != comm.size("world"):
+    roots = tu.root_meshes(leaves)
+    if len(roots) != 1 or roots[0].size() == 1 or roots[0].size() != comm.size("world"):
         return None
     return "world"
 
@@ -179,9 +170,22 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
       tensor(5.)
     """
     norm_type = check_norm_type(norm_type, name="global_norm")
-    leaves = optree.tree_leaves(tree)
+    # A list of plain tensors is its own leaves: optree's registry lookup per leaf costs a tenth of the norm.
+    plain = type(tree) is list and set(map(type, tree)) <= _PLAIN
+    leaves = tree if plain else optree.tree_leaves(tree)
+    if mesh_groups is None and (plain or set(map(type, leaves)) <= _PLAIN):
+        # torch's semantics, no collective: the norm is computed first and a failure explained after, as
+        # the checks' passes over the leaves cost as much as all the rest of the call's Python.
+        try:
+            return norms.local_norm(leaves, norm_type)
+        except (RuntimeError, NotImplementedError):
+            tu.check_tensors(leaves, tree=tree, what="global_norm: tree")  # names the leaf that failed
+            raise
     tu.check_tensors(leaves, tree=tree, what="global_norm: tree")
     return tree_norm(leaves, norm_type, mesh_groups, what="global_norm", tree=tree)
+
+
+_PLAIN = frozenset({torch.Tensor})
 
 
 def global_norm_of(
@@ -273,15 +277,7 @@ def tree_unitwise_norms(
     Returns:
       ``(grad_norms, weight_norms)``, each broadcastable to its leaf's local shard.
     """
-    if mesh_groups is not None:
-        check_plan(mesh_groups, name="adaptive_clip")
-        plan = mesh_groups
-    else:
-        plan = (
-            slot.get(grads, what="adaptive_clip", tree=tree)
-            if slot
-            else from_placements(grads, what="adaptive_clip", tree=tree)
-        )
+    plan = _plan(grads, mesh_groups, slot, "adaptive_clip", tree)
     if plan is None:
         return (
             [norms.unitwise_norm(g, unitwise=unitwise) for g in grads],
@@ -321,18 +317,11 @@ def agree_finite(
 
 def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None:
     """The comm and groups that span every rank holding ``leaves``' DTensors: the world, or each dim of their root meshes."""
-    if DTensor is None:
-        return None
-    meshes = {id(t.device_mesh): t.device_mesh for t in leaves if isinstance(t, DTensor)}
-    if not meshes:
+    roots = tu.root_meshes(leaves)
+    if not roots:
         return None
     from gradtx.comm.torch_dist import mesh_comm
 
-    roots: list[Any] = []
-    for mesh in meshes.values():
-        root = mesh._get_root_mesh()
-        if all(root is not r for r in roots):
-            roots.append(root)
     world = torch.distributed.get_world_size()
     if all(root.size() == world for root in roots):
         return mesh_comm(roots), ("world",)
@@ -349,8 +338,7 @@ def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None
 #
 # Local fp32 foreach norms of each leaf's shard, one p-th-power partial per bucket (leaves that share
 # the same groups), then the reductions: one all-reduce over the whole mesh for a flat plan, else one
-# per group, then one over pp_group. Under a flat plan the local pass of the buckets no group needs
-# (leaves every rank holds whole) runs while the one reduction is in flight.
+# per group, then one over pp_group.
 
 
 def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -358,31 +346,18 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
     inf = math.isinf(norm_type)
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
-    sharded = [b for b in plan._buckets if b.groups]
-    whole = [b for b in plan._buckets if not b.groups]
-    parts = _bucket_sums(sharded, leaves, norm_type, device)
-    if plan.flat is not None:
+    part = norms.partial_dtype(device)
+    parts = _bucket_sums(plan._buckets, leaves, norm_type, device)
+    if plan.flat is not None:  # divided by its replica count, a part counts once in a sum over the whole mesh
         group, replicas = plan.flat
-        if not inf:  # divided by its replica count, a part counts once in a sum over the whole mesh
-            parts = [
-                p if r == 1 else p / r for p, r in zip(parts, (r for b, r in zip(plan._buckets, replicas) if b.groups))
-            ]
-        pending = _start(plan.comm, [norms.total(parts, norm_type, device).to(norms.partial_dtype(device))], op, group)
+        parts = [p if inf or r == 1 else p / r for p, r in zip(parts, replicas)]
+        (stage,) = plan.comm.all_reduce([norms.total(parts, norm_type, device).to(part)], op, group)
     else:
-        pending = Done(reduce_over_groups(plan.comm, parts, [b.groups for b in sharded], plan.group_order, op))
-    rest = _bucket_sums(whole, leaves, norm_type, device)
-    stage = norms.total([*pending.wait(), *rest], norm_type, device).to(norms.partial_dtype(device))
+        parts = reduce_over_groups(plan.comm, parts, [b.groups for b in plan._buckets], plan.group_order, op)
+        stage = norms.total(parts, norm_type, device).to(part)
     if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
         (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
     return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
-
-
-def _start(comm: Comm, tensors: list[torch.Tensor], op: ReduceOp, group: GroupKey) -> Any:
-    return (
-        comm.all_reduce_async(tensors, op, group)
-        if isinstance(comm, AsyncComm)
-        else Done(comm.all_reduce(tensors, op, group))
-    )
 
 
 def _bucket_sums(

@@ -62,17 +62,11 @@ def check_chain(txs: Sequence[Any], *, name: str) -> None:
             continue
         where = "comes only after it" if any(plan is p for _, p in reduced) else "comes before it"
         raise ValueError(
-            f"{name}: member {i} computes a norm over the tied weights ({', '.join(plan.tied_paths)}) of a "
+            f"{name}: member {i} computes a norm over the tied weights ({', '.join(plan.leaf(i).path for idx in plan.tied.values() for i in idx)}) of a "
             f"mesh_groups plan, but no gradtx.pp_reduce(plan) {where}, so the tied copies' grads are not summed; "
             "put it first in the same chain: gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(..., "
             "mesh_groups=plan), ...) (see docs/distributed.md)"
         )
-
-
-def tie_order(txs: Sequence[Any], *, name: str) -> dict[str, tuple[Any, ...]]:
-    """:func:`check_chain` under the name ``gradtx.transforms.combine`` calls; returns what it used to declare."""
-    check_chain(txs, name=name)
-    return {"reduces": tuple(tx.mesh_groups for tx in txs if isinstance(tx, PPReduce))}
 
 
 @factory

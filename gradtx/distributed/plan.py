@@ -3,9 +3,8 @@
 On DTensors the placements *are* the plan: a grad's p-th power is summed over each mesh dim where it
 is ``Shard``/``_StridedShard``, never over a ``Replicate`` dim. What placements cannot say (plain
 tensors sharded by hand, the pipeline group, tied weights) is declared with :func:`mesh_groups`, as
-torchtitan's clip is passed ``pp_mesh``. An undeclared plain tensor is each rank's own (torch's
-semantics, no collective). A plan belongs to whoever holds it: the user, or a transform's
-:class:`~gradtx.distributed.global_norm.PlanSlot`.
+torchtitan's clip is passed ``pp_mesh``. An undeclared plain tensor is each rank's own (no collective).
+A plan belongs to the user, or to a transform's :class:`~gradtx.distributed.global_norm.PlanSlot`.
 """
 
 from __future__ import annotations
@@ -35,6 +34,8 @@ except ImportError:  # pragma: no cover
 
 # Labels for undeclared plain leaves (mesh_groups(..., plain=...)), shown by norm_audit; counted alike.
 PLAIN_KINDS = ("replicated", "local")
+# Mesh dim names read as a pipeline dim: stages hold different weights, which placements cannot say.
+_PP_NAMES = ("pp", "pipeline", "pipe")
 
 
 class Sharded(NamedTuple):
@@ -157,11 +158,6 @@ class MeshGroups:
                 tied.setdefault(leaf.tie_group, []).append(i)
         self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
 
-    @property
-    def tied_paths(self) -> list[str]:
-        """The dotted paths of the tied leaves (``tied=``), in flatten order."""
-        return [self._leaves[i].path for idx in self.tied.values() for i in idx]
-
     def __len__(self) -> int:
         return len(self._leaves)
 
@@ -218,8 +214,8 @@ class MeshGroups:
                 raise ValueError(
                     f"{what}: leaf at {info.where or info.path} is {kind}, but the mesh_groups plan says otherwise"
                 )
-            if is_dtensor and leaf.placements != info.placements:
-                placements = leaf.placements
+            if is_dtensor and leaf.placements != info.placements:  # type: ignore[attr-defined]
+                placements = leaf.placements  # type: ignore[attr-defined]
                 if any(p.is_partial() for p in placements):
                     raise ValueError(
                         f"{what}: leaf at {info.where or info.path} has Partial placements {placements}; a norm of a pending "
@@ -279,12 +275,10 @@ def mesh_groups(
 
     The rules (the argument is in ``docs/distributed.md``):
 
-    * A DTensor leaf is reduced over each mesh dim where its placement is
-      ``Shard`` or ``_StridedShard``; never over a ``Replicate`` dim, which holds
-      copies (summing them would count the grad once per replica). Size-1
-      dims are skipped.
-    * A ``Partial`` placement is an error: the norm of a pending sum is not
-      the sum of the parts' norms, so reduce such a grad first.
+    * A DTensor leaf is reduced over each mesh dim (of size > 1) where it is ``Shard``
+      or ``_StridedShard``, never over a ``Replicate`` dim (copies would count once per
+      replica); ``Partial`` is an error (the norm of a pending sum is no sum of norms).
+    * DTensors on a mesh with a pipeline dim (``"pp"``, ``"pipeline"``, ``"pipe"``) need ``pp_group``.
     * A plain tensor is counted once on each rank, with no collective, unless
       ``sharded`` declares its groups: torch's semantics, right for DDP's
       replicas, wrong for a pipeline stage (declare ``pp_group``);
@@ -363,6 +357,15 @@ def _build(
     if plain == "local" and pp_group is not None:
         raise ValueError(
             f"{what}: plain='local' keeps each rank's norm its own, pp_group adds the stages' norms; pass one of them"
+        )
+    roots = tu.root_meshes(flat_leaves) if pp_group is None else []
+    pipeline = [n for r in roots for d, n in enumerate(r.mesh_dim_names or ()) if n in _PP_NAMES and r.size(d) > 1]
+    if pipeline:
+        raise ValueError(
+            f"{what}: these DTensors live on a mesh with a pipeline dim {pipeline[0]!r}; a stage's norm must add "
+            "the other stages', which placements cannot say. Declare it once: plan = gtx.mesh_groups(params, "
+            f"pp_group={pipeline[0]!r}, tied={{...}}), then pass mesh_groups=plan (and gtx.pp_reduce(plan) for "
+            "tied weights)"
         )
     leaf_kind = "params" if what == "mesh_groups" else "updates"
     sharded = dict(sharded or {})
@@ -462,7 +465,7 @@ def default_comm(leaves: Sequence[Any]) -> Comm:
 NO_PLAN = object()  # what plan_read_by says of a transform that computes no norm
 
 
-def reads_plan(tx: Any, mesh_groups: MeshGroups | None) -> Any:
+def reads_plan(tx: Any, mesh_groups: Any) -> Any:
     """``tx``, marked as computing a norm over ``mesh_groups`` (``None``: its grads' placements); returns ``tx``.
 
     What :func:`gradtx.distributed.pipeline.check_chain` reads when a chain is

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx.comm.base import Comm, Done, GroupKey, PendingReduce, ReduceOp, as_comm, start_all_reduce
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
 from gradtx.comm.local import LocalComm
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, PyTree
@@ -111,30 +111,16 @@ class RecordingComm:
 
     Tests use it to assert how many collectives a step issues, over which
     groups; wrap a ``TorchComm`` to count real ones, or use it alone (it
-    forwards to a :class:`LocalComm`). It is an :class:`~gradtx.comm.AsyncComm`:
-    ``events`` logs ``("start", i)`` when collective ``calls[i]`` is started and
-    ``("wait", i)`` when its result is waited for, so a test can check that
-    every reduction was started before the first wait.
+    forwards to a :class:`LocalComm`).
     """
 
     def __init__(self, inner: Comm | None = None) -> None:
         self.inner: Comm = inner if inner is not None else LocalComm()
         self.calls: list[Collective] = []
-        self.events: list[tuple[str, int]] = []
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
         self._log(ReduceOp(op).value, group, tensors)
         return self.inner.all_reduce(tensors, op, group)
-
-    def all_reduce_async(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> PendingReduce:
-        index = len(self.calls)
-        if type(self).all_reduce is RecordingComm.all_reduce:  # forward the start, so a wrapped TorchComm overlaps
-            self._log(ReduceOp(op).value, group, tensors)
-            pending = start_all_reduce(self.inner, tensors, op, group)
-        else:  # a subclass that answers all_reduce itself (a simulated peer) answers now
-            pending = Done(self.all_reduce(tensors, op, group))
-        self.events.append(("start", index))
-        return _RecordedWait(self, index, pending)
 
     def _log(self, op: str, group: GroupKey, tensors: Sequence[torch.Tensor]) -> None:
         self.calls.append(Collective(op, group, len(tensors), tuple(tuple(t.shape) for t in tensors)))
@@ -160,16 +146,6 @@ class RecordingComm:
 
     def reset(self) -> None:
         self.calls.clear()
-        self.events.clear()
-
-
-class _RecordedWait:
-    def __init__(self, comm: RecordingComm, index: int, pending: PendingReduce) -> None:
-        self._comm, self._index, self._pending = comm, index, pending
-
-    def wait(self) -> list[torch.Tensor]:
-        self._comm.events.append(("wait", self._index))
-        return self._pending.wait()
 
 
 # --- simulated meshes: distributed transforms tested in one process (torch's LocalTensorMode) ----------
