@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 
+def updates_norm(updates: Any, norm_type: float, mesh_groups: Any, name: str, **kwargs: Any) -> torch.Tensor:
+    """The global norm of ``updates`` (:func:`global_norm_of`'s keywords), naming ``name`` on a non-tensor leaf."""
+    leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
+    return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, **kwargs)
+
+
 # --- ZClip ---------------------------------------------------------------------------------
 
 
@@ -173,11 +179,7 @@ def zclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, ZClipState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        device = state.mean.device
-        g = global_norm_of(
-            leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
-        )
+        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.mean.device)
         finite = torch.isfinite(g)
         ready = state.count >= window  # the EMA was seeded on an earlier step
 
@@ -301,11 +303,7 @@ def autoclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, AutoClipState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        device = state.norms.device
-        g = global_norm_of(
-            leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
-        )
+        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.norms.device)
         finite = torch.isfinite(g)
         slot = torch.remainder(state.count, size).reshape(1)
         recorded = torch.where(finite, state.norms.scatter(0, slot, g.reshape(1)), state.norms)

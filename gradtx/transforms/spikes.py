@@ -23,7 +23,8 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
-from gradtx.distributed.global_norm import check_plan, global_norm_of
+from gradtx.distributed.global_norm import check_plan
+from gradtx.transforms.adaptive import updates_norm
 
 __all__ = [
     "ShouldSkipUpdateFunction",
@@ -162,8 +163,7 @@ def skip_large_updates(
     if not isinstance(max_squared_norm, torch.Tensor):
         max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False)
     check_plan(mesh_groups, name=fn)
-    leaves, _ = tu.tensor_leaves(updates, what=f"{fn}: updates")
-    norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups, what=fn, tree=updates).square()
+    norm_sq = updates_norm(updates, 2.0, mesh_groups, fn).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
@@ -397,10 +397,7 @@ def skip_spikes(
 
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
-            leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-            return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
-                device=device, dtype=torch.float32
-            )
+            return updates_norm(updates, norm_type, mesh_groups, name, device=device)
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
