@@ -285,9 +285,7 @@ def autoclip(
       >>> tx = chain(autoclip(percentile=10, history=1000), adamw(3e-4))
     """
     name = "autoclip"
-    percentile = check.number(percentile, arg="percentile", name=name)
-    if not 0 <= percentile <= 100:
-        raise ValueError(f"{name}: percentile must be in [0, 100], got {percentile}")
+    percentile = check.within(percentile, lambda v: 0 <= v <= 100, "in [0, 100]", arg="percentile", name=name)
     if history is not None:
         history = check.integer(history, arg="history", name=name, minimum=1)
     size = AUTOCLIP_DEFAULT_HISTORY if history is None else history
