@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from gradtx.comm.base import ReduceOp
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
@@ -62,9 +63,7 @@ def normalize_by_update_norm(
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
         norm = updates_norm(updates, 2.0, mesh_groups, name, scale=scale)  # of the true updates, leaves * scale
-        sf = scale_factor.to(norm.device, norm.dtype) if isinstance(scale_factor, torch.Tensor) else scale_factor
-        shift = eps.to(norm.device, norm.dtype) if isinstance(eps, torch.Tensor) else eps
-        return sf / (norm + shift), state
+        return lw.as_tensor(scale_factor, norm) / (norm + lw.as_tensor(eps, norm)), state
 
     return plan.reads_tied(scalar_transformation(init_empty_state, factor_fn), mesh_groups)
 
