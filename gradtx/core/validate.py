@@ -61,7 +61,7 @@ def number(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool
     return value
 
 
-def _within(value: Any, ok: Callable[[float], bool], wanted: str, *, arg: str, name: str, **kw: Any) -> Any:
+def within(value: Any, ok: Callable[[float], bool], wanted: str, *, arg: str, name: str, **kw: Any) -> Any:
     """:func:`number`, then ``ok(value)`` or a ValueError saying it must be ``wanted``; a tensor is not read."""
     value = number(value, arg=arg, name=name, **kw)
     if not isinstance(value, torch.Tensor) and not ok(value):
@@ -71,17 +71,17 @@ def _within(value: Any, ok: Callable[[float], bool], wanted: str, *, arg: str, n
 
 def non_negative(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
     """A number ``>= 0``."""
-    return _within(value, lambda v: v >= 0, ">= 0", arg=arg, name=name, finite=finite, tensor=tensor)
+    return within(value, lambda v: v >= 0, ">= 0", arg=arg, name=name, finite=finite, tensor=tensor)
 
 
 def positive(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool = False) -> Any:
     """A number ``> 0``."""
-    return _within(value, lambda v: v > 0, "> 0", arg=arg, name=name, finite=finite, tensor=tensor)
+    return within(value, lambda v: v > 0, "> 0", arg=arg, name=name, finite=finite, tensor=tensor)
 
 
 def beta(value: Any, *, arg: str, name: str, tensor: bool = False) -> Any:
     """A decay rate in ``[0, 1)``."""
-    return _within(value, lambda v: 0.0 <= v < 1.0, "in [0, 1)", arg=arg, name=name, tensor=tensor)
+    return within(value, lambda v: 0.0 <= v < 1.0, "in [0, 1)", arg=arg, name=name, tensor=tensor)
 
 
 def integer(value: Any, *, arg: str, name: str, minimum: int | None = None) -> int:
@@ -110,7 +110,7 @@ def learning_rate(value: Any, *, name: str) -> float | torch.Tensor | Schedule:
 
 def norm_type(value: Any, *, name: str) -> float:
     """A norm order: a number ``> 0``, or ``inf``."""
-    return _within(value, lambda v: v > 0, "> 0 or inf", arg="norm_type", name=name, finite=False)
+    return within(value, lambda v: v > 0, "> 0 or inf", arg="norm_type", name=name, finite=False)
 
 
 
@@ -138,10 +138,7 @@ def function(value: Any, *, arg: str, name: str) -> Any:
 
 def open_unit(value: Any, *, arg: str, name: str) -> float:
     """A number in ``(0, 1)`` (an EMA decay or a reduction factor that must move)."""
-    value = number(value, arg=arg, name=name)
-    if not 0.0 < value < 1.0:
-        raise ValueError(f"{name}: {arg} must be in (0, 1), got {value}")
-    return value
+    return within(value, lambda v: 0.0 < v < 1.0, "in (0, 1)", arg=arg, name=name)
 
 
 def scalar(value: Any, *, arg: str, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

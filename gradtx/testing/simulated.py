@@ -150,17 +150,6 @@ def _mode() -> LocalTensorMode:
     return mode
 
 
-def _to_dtensor(full: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement]) -> DTensor:
-    coords, shape, full = _coords(mesh), tuple(mesh.shape), full.detach()
-    local = _mode().rank_map(lambda r: _local_shard(full, shape, placements, coords[r]))
-    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
-def _is_expert(path: str) -> bool:
-    return "expert" in path
-
-
 def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, mesh_ndim: int) -> list[Placement] | None:
     """The placements ``preset`` gives one leaf (``None``: a plain replicated tensor, as DDP holds it).
 
@@ -188,7 +177,7 @@ def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, me
         # FSDP2 over a TP Shard(0) splits each TP shard's rows again: a _StridedShard on the fsdp dim.
         return [_StridedShard(0, split_factor=1) if tp == Shard(0) else Shard(0), tp]
     # ep_fsdp: experts split over ep (dim 0, the expert dim) and FSDP-sharded over fsdp along dim 1.
-    if _is_expert(path) and leaf.ndim >= 1:
+    if "expert" in path and leaf.ndim >= 1:
         return [Shard(1) if leaf.ndim >= 2 else Replicate(), Shard(0)]
     return [fsdp, Replicate()]
 
@@ -263,7 +252,10 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
     def put(leaf: torch.Tensor, placements: list[Placement] | None) -> torch.Tensor:
         if placements is None:
             return _mode().rank_map(lambda r: leaf.detach().clone())  # one copy per rank, as DDP holds it
-        return _to_dtensor(leaf, mesh, placements)
+        full, coords = leaf.detach(), _coords(mesh)
+        local = _mode().rank_map(lambda r: _local_shard(full, tuple(mesh.shape), placements, coords[r]))
+        spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
+        return DTensor(local, spec, requires_grad=False)
 
     return _place(tree, mesh, layout, put)
 

@@ -47,6 +47,12 @@ __all__ = [
 ]
 
 
+def updates_norm(updates: Any, norm_type: float, mesh_groups: Any, name: str, **kwargs: Any) -> torch.Tensor:
+    """The global norm of ``updates`` (:func:`global_norm_of`'s keywords), naming ``name`` on a non-tensor leaf."""
+    leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
+    return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, **kwargs)
+
+
 # --- ZClip ---------------------------------------------------------------------------------
 
 
@@ -173,11 +179,7 @@ def zclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, ZClipState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        device = state.mean.device
-        g = global_norm_of(
-            leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
-        )
+        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.mean.device)
         finite = torch.isfinite(g)
         ready = state.count >= window  # the EMA was seeded on an earlier step
 
@@ -283,9 +285,7 @@ def autoclip(
       >>> tx = chain(autoclip(percentile=10, history=1000), adamw(3e-4))
     """
     name = "autoclip"
-    percentile = check.number(percentile, arg="percentile", name=name)
-    if not 0 <= percentile <= 100:
-        raise ValueError(f"{name}: percentile must be in [0, 100], got {percentile}")
+    percentile = check.within(percentile, lambda v: 0 <= v <= 100, "in [0, 100]", arg="percentile", name=name)
     if history is not None:
         history = check.integer(history, arg="history", name=name, minimum=1)
     size = AUTOCLIP_DEFAULT_HISTORY if history is None else history
@@ -301,11 +301,7 @@ def autoclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, AutoClipState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        device = state.norms.device
-        g = global_norm_of(
-            leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, scale=scale, device=device
-        )
+        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.norms.device)
         finite = torch.isfinite(g)
         slot = torch.remainder(state.count, size).reshape(1)
         recorded = torch.where(finite, state.norms.scatter(0, slot, g.reshape(1)), state.norms)

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from gradtx.core import foreach as fe
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
@@ -21,7 +22,7 @@ from gradtx.core.base import (
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 from gradtx.distributed import plan
-from gradtx.distributed.global_norm import PlanSlot, tree_norm, tree_unitwise_norms
+from gradtx.distributed.global_norm import PlanSlot, global_norm_of, tree_unitwise_norms
 from gradtx.distributed.plan import reads_plan
 
 # --- clip by value ---------------------------------------------------------------------
@@ -111,9 +112,10 @@ def clip_by_global_norm(
       >>> updates, state = tx.update(grads, tx.init(params))
       >>> state.grad_norm  # the norm before clipping
     """
-    max_norm = check.positive(max_norm, arg="max_norm", name="clip_by_global_norm", finite=False, tensor=True)
-    norm_type = check.norm_type(norm_type, name="clip_by_global_norm")
-    plan.check_plan(mesh_groups, name="clip_by_global_norm")
+    name = "clip_by_global_norm"
+    max_norm = check.positive(max_norm, arg="max_norm", name=name, finite=False, tensor=True)
+    norm_type = check.norm_type(norm_type, name=name)
+    plan.check_plan(mesh_groups, name=name)
     slot = PlanSlot()  # the plan read from the grads' placements, this transform's own
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
@@ -124,19 +126,17 @@ def clip_by_global_norm(
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del extra
-        tu.require_state(state, ClipByGlobalNormState, name="clip_by_global_norm")
-        leaves, _ = tu.tensor_leaves(updates, what="clip_by_global_norm: updates")
+        tu.require_state(state, ClipByGlobalNormState, name=name)
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         tree = updates
         if mesh_groups is not None and params is not None and len(leaves) != len(mesh_groups):
             # A declared plan covers every param; one with no gradient (None) joins the collectives as
             # zeros, so every rank still issues the same ones.
-            index, leaves, _ = tu.align(params, updates, what="clip_by_global_norm: updates", against="params")
+            index, leaves, _ = tu.align(params, updates, what=f"{name}: updates", against="params")
             leaves, tree = _zero_filled(index, leaves, tu.flatten(params)[0]), params
-        norm = tree_norm(leaves, norm_type, mesh_groups, what="clip_by_global_norm", tree=tree, slot=slot)
-        if scale is not None:
-            norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
-        limit = max_norm.to(norm.device, norm.dtype) if isinstance(max_norm, torch.Tensor) else max_norm
-        coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
+        # Of the true updates, leaves * scale.
+        norm = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, scale=scale, slot=slot)
+        coef = torch.clamp(lw.as_tensor(max_norm, norm) / (norm + 1e-6), max=1.0)
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 

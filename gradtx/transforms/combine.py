@@ -40,9 +40,6 @@ class Chain(GradientTransformation):
         self.names = None if names is None else tuple(names)
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
-        return (self.init, self.update, self.members, self.names)
-
     def member_states(self, state: OptState) -> list[OptState]:
         """The members' states, in member order, from this chain's state (checked like ``update`` checks it)."""
         if state is None:

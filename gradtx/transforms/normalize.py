@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from gradtx.comm.base import ReduceOp
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import (
@@ -18,8 +19,8 @@ from gradtx.core.base import (
     init_empty_state,
     scalar_transformation,
 )
-from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
+from gradtx.transforms.adaptive import updates_norm
 
 __all__ = ["centralize", "normalize_by_update_norm"]
 
@@ -61,13 +62,8 @@ def normalize_by_update_norm(
         del params, extra
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        norm = inferred.tree_norm(leaves, 2.0, mesh_groups, what=name, tree=updates)
-        if scale is not None:
-            norm = norm * scale.abs().to(norm.device, norm.dtype)  # the true updates are leaves * scale
-        sf = scale_factor.to(norm.device, norm.dtype) if isinstance(scale_factor, torch.Tensor) else scale_factor
-        shift = eps.to(norm.device, norm.dtype) if isinstance(eps, torch.Tensor) else eps
-        return sf / (norm + shift), state
+        norm = updates_norm(updates, 2.0, mesh_groups, name, scale=scale)  # of the true updates, leaves * scale
+        return lw.as_tensor(scale_factor, norm) / (norm + lw.as_tensor(eps, norm)), state
 
     return plan.reads_tied(scalar_transformation(init_empty_state, factor_fn), mesh_groups)
 

@@ -43,15 +43,11 @@ def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], An
     return leaves, spec
 
 
-def _example_norms(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of each example over ``leaves`` (a ``(batch,)`` tensor in fp32, fp64 for fp64 grads)."""
+def _clip_and_sum(leaves: list[torch.Tensor], limit: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    # Each example's L2 norm over all the leaves, in fp32 (fp64 for fp64 grads).
     acc = torch.float64 if any(tu.acc_dtype(t.dtype) == torch.float64 for t in leaves) else torch.float32
     squares = [torch.linalg.vector_norm(t.reshape(t.shape[0], -1), 2, dim=1, dtype=acc) ** 2 for t in leaves]
-    return torch.stack(squares).sum(0).sqrt()
-
-
-def _clip_and_sum(leaves: list[torch.Tensor], limit: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
-    norms = _example_norms(leaves)
+    norms = torch.stack(squares).sum(0).sqrt()
     limit = limit.to(norms.device, norms.dtype) if isinstance(limit, torch.Tensor) else limit
     # optax's multiplier: min(clip / norm, 1), and 1 where that is 0/0 (a zero gradient with a zero clip).
     multipliers = torch.nan_to_num(torch.clamp(limit / norms, max=1.0), nan=1.0)

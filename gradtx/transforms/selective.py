@@ -137,12 +137,6 @@ class ConditionallyMaskState(NamedTuple):
 ConditionFn = Callable[..., Any]
 
 
-def _check_inner(inner: Any, should_transform_fn: Any, forward_extra_args: Any, *, name: str) -> bool:
-    check.transform(inner, arg="inner", name=name)
-    check.function(should_transform_fn, arg="should_transform_fn", name=name)
-    return check.flag(forward_extra_args, arg="forward_extra_args", name=name)
-
-
 def _conditional(
     inner: GradientTransformation,
     should_transform_fn: ConditionFn,
@@ -151,6 +145,9 @@ def _conditional(
     name: str,
     zero_rejected: bool,
 ) -> GradientTransformation:
+    check.transform(inner, arg="inner", name=name)
+    check.function(should_transform_fn, arg="should_transform_fn", name=name)
+    forward_extra_args = check.flag(forward_extra_args, arg="forward_extra_args", name=name)
     state_type = ConditionallyMaskState if zero_rejected else ConditionallyTransformState
 
     def init_fn(params: Params) -> Any:
@@ -205,8 +202,7 @@ def conditionally_transform(
     Example:
       >>> tx = conditionally_transform(clip_by_global_norm(1.0), lambda step: step >= 100)
     """
-    forward = _check_inner(inner, should_transform_fn, forward_extra_args, name="conditionally_transform")
-    return _conditional(inner, should_transform_fn, forward, name="conditionally_transform", zero_rejected=False)
+    return _conditional(inner, should_transform_fn, forward_extra_args, name="conditionally_transform", zero_rejected=False)
 
 
 @factory
@@ -233,5 +229,4 @@ def conditionally_mask(
     Example:
       >>> tx = conditionally_mask(adam(1e-3), lambda step: step % 2 == 0)  # update every other step
     """
-    forward = _check_inner(inner, should_transform_fn, forward_extra_args, name="conditionally_mask")
-    return _conditional(inner, should_transform_fn, forward, name="conditionally_mask", zero_rejected=True)
+    return _conditional(inner, should_transform_fn, forward_extra_args, name="conditionally_mask", zero_rejected=True)

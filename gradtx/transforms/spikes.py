@@ -23,7 +23,8 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
-from gradtx.distributed.global_norm import check_plan, global_norm_of
+from gradtx.distributed.global_norm import check_plan
+from gradtx.transforms.adaptive import updates_norm
 
 __all__ = [
     "ShouldSkipUpdateFunction",
@@ -162,8 +163,7 @@ def skip_large_updates(
     if not isinstance(max_squared_norm, torch.Tensor):
         max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False)
     check_plan(mesh_groups, name=fn)
-    leaves, _ = tu.tensor_leaves(updates, what=f"{fn}: updates")
-    norm_sq = global_norm_of(leaves, 2.0, mesh_groups=mesh_groups, what=fn, tree=updates).square()
+    norm_sq = updates_norm(updates, 2.0, mesh_groups, fn).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
@@ -196,12 +196,13 @@ def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: Group
     return ~inferred.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
 
 
-def _select_step(accept: torch.Tensor, new_updates: Updates, new_inner: OptState, old_inner: OptState, *, name: str):
-    """The inner transform's result where ``accept``, else zero updates and the old inner state."""
+def _select_step(inner: GradientTransformation, accept: torch.Tensor, updates, state, params, extra, *, name: str):
+    """Run ``inner``; its result where ``accept``, else zero updates and the old inner state."""
+    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
     if new_updates is None:
         raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before it")
     zeros = tu.tree_map(torch.zeros_like, new_updates)
-    return lw.where_tree(accept, new_updates, zeros), lw.where_tree(accept, new_inner, old_inner)
+    return lw.where_tree(accept, new_updates, zeros), lw.where_tree(accept, new_inner, state.inner_state)
 
 
 @factory
@@ -257,16 +258,13 @@ def skip_if(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SkipIfState, name="skip_if")
-        should_skip, skip_state = should_skip_update_fn(updates, state.gradient_step, params)
-        verdict = should_skip
+        verdict, skip_state = should_skip_update_fn(updates, state.gradient_step, params)
         if not isinstance(verdict, torch.Tensor) or verdict.dtype != torch.bool or verdict.ndim != 0:
             got = f"{verdict.dtype} {tuple(verdict.shape)}" if isinstance(verdict, torch.Tensor) else type(verdict)
             raise ValueError(f"skip_if: should_skip_update_fn must return a 0-d bool tensor first, got {got}")
-        device = state.gradient_step.device
-        skip = _agree(should_skip.to(device), updates, comm, group)
+        skip = _agree(verdict.to(state.gradient_step.device), updates, comm, group)
         accept = ~skip
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        out, inner_state = _select_step(accept, new_updates, new_inner, state.inner_state, name="skip_if")
+        out, inner_state = _select_step(inner, accept, updates, state, params, extra, name="skip_if")
         return out, SkipIfState(
             gradient_step=state.gradient_step + accept.to(torch.int64),
             skipped=skip,
@@ -397,10 +395,7 @@ def skip_spikes(
 
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
-            leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-            return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates).to(
-                device=device, dtype=torch.float32
-            )
+            return updates_norm(updates, norm_type, mesh_groups, name, device=device)
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
@@ -436,8 +431,7 @@ def skip_spikes(
         mean = torch.where(fold, torch.where(warm, mean_w, mean_e), state.mean)
         var = torch.where(fold, torch.where(warm, var_w, var_e), state.var)
 
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        out, inner_state = _select_step(accept, new_updates, new_inner, state.inner_state, name=name)
+        out, inner_state = _select_step(inner, accept, updates, state, params, extra, name=name)
         skipped = ~accept
         return out, SkipSpikesState(
             count=state.count + fold.to(torch.int64),
