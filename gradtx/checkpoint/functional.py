@@ -56,7 +56,7 @@ from gradtx.checkpoint import layout as lo
 from gradtx.checkpoint.layout import param_names
 from gradtx.comm.base import ReduceOp
 from gradtx.core import tree as tu
-from gradtx.core.base import GradientTransformation, OptState, Params, PyTree
+from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import empty_sums
 
 __all__ = ["TransformState", "load_state_dict", "param_names", "state_dict", "to_torch_optimizer"]
@@ -305,20 +305,6 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
         if rest:
             state[pid] = rest
     return {"state": state, "param_groups": [dict(g) for g in optimizer_state_dict["param_groups"]]}
-
-
-def take_sums(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:
-    """``state`` with every window's running sum emptied (placeholders), and the sums taken out, in order."""
-    p_leaves, p_spec = tu.flatten(params)
-    taken: list[PyTree | None] = []
-
-    def rebuild(kind: str, old: Any, key: str) -> Any:
-        if kind == "acc":
-            taken.append(old)
-            return empty_sums(old)
-        return old
-
-    return lo.walk(state, (), p_spec, p_leaves, lo.Layout(), rebuild), taken
 
 
 class TransformState:

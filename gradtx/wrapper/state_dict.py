@@ -36,6 +36,7 @@ import torch
 from gradtx.checkpoint import functional as _ckpt
 from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
+from gradtx.transforms.window import empty_sums
 from gradtx.wrapper import amp, grads, rules
 
 GTX = "gradtx"  # the transform's entry in each param's state
@@ -368,7 +369,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
                 fresh.append(p)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
-        loaded = _ckpt.import_layout(
+        new_state = _ckpt.import_layout(
             layout,
             opt._live.tx_state,
             params,
@@ -379,8 +380,10 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             what=what,
             acc_dtype=lambda d: d,  # the wrapper's partial sums are autograd's .grad, in the params' dtype
         )
-        new_state, taken = _ckpt.take_sums(loaded, params)
-        sums = taken[0] if window and taken and saved_open else None
+        if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
+            states = opt._plan.states(new_state)
+            sums, states[0] = states[0].acc, states[0]._replace(acc=empty_sums(states[0].acc))
+            new_state = opt._plan.join(states)
         device = tu.local(flat[0]).device if flat else torch.device("cpu")
         record = amp.restore(first.get(AMP), device, what=what) if window else None
     # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
