@@ -123,11 +123,11 @@ def export_layout(
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
     for w, acc in zip(layout.windows, lo.windows_with_comm(layout, tx, what=what)):
         tokens_per_rank, sums_per_rank = lo.per_rank(acc)
-        if int(w.get("micro_step")) == 0 or not (tokens_per_rank or sums_per_rank):
+        if int(w.state.micro_step) == 0 or not (tokens_per_rank or sums_per_rank):
             continue
         comm, group = acc.window.comm, acc.window.group
         if tokens_per_rank:
-            tokens = w.get("tokens")
+            tokens = w.state.tokens
             (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
             globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
         if sums_per_rank:
@@ -222,7 +222,7 @@ def import_layout(
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     accs = lo.windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
     for w in layout.windows:
-        saved_k, k = int(globals_[w.key("k")]), int(w.get("k"))
+        saved_k, k = int(globals_[w.key("k")]), int(w.state.k)
         if saved_k != k:
             raise ValueError(
                 f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "

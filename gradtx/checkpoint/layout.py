@@ -58,9 +58,6 @@ class Window(NamedTuple):
     prefix: str
     state: Any
 
-    def get(self, field_name: str) -> Any:
-        return getattr(self.state, field_name)
-
     def key(self, field_name: str) -> str:
         return child(self.prefix, field_name)
 
@@ -179,7 +176,7 @@ def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what
     """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
     accs = [m for m in members(tx) if isinstance(m, Accumulation)]
     if tx is None:
-        if multi_process() and any(int(w.get("micro_step")) > 0 for w in layout.windows):
+        if multi_process() and any(int(w.state.micro_step) > 0 for w in layout.windows):
             raise ValueError(
                 f"{what}: an accumulation window is open in a run of several processes; pass tx= (the transform), "
                 "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "

@@ -274,19 +274,6 @@ def state_dict(opt: Any) -> dict[str, Any]:
 # --- load_state_dict -----------------------------------------------------------------------------------
 
 
-def _check_inner_state(state: dict[Any, Any], params_by_id: dict[Any, torch.Tensor], *, what: str) -> None:
-    """Raise before loading unless every saved param state belongs to a param and is shaped like it."""
-    for sid, s in state.items():
-        if sid not in params_by_id:
-            raise ValueError(f"{what}: the checkpoint has state for param {sid!r}, which no param group lists")
-        p = params_by_id[sid]
-        for key, value in s.items():
-            if key in _PARAM_SHAPED and isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"{what}: state[{sid!r}][{key!r}] has shape {tuple(value.shape)}, its param {tuple(p.shape)}"
-                )
-
-
 def _flag(entry: dict[str, Any], key: str, default: bool, *, what: str) -> bool:
     value = entry.get(key)
     if value is None:
@@ -325,14 +312,22 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     saved_of = _saved_ids(saved_groups, groups, what=what)
     names = grads.names(groups, params)
     saved_state = state_dict["state"]
+    params_by_id = {saved_of[id(p)]: p for g in groups for p in g["params"]}
     inner_state = {}
     for sid, s in saved_state.items():
         if not isinstance(s, dict):
             raise TypeError(f"{what}: state[{sid!r}] is a {type(s).__name__}, not a dict")
         rest = {k: v for k, v in s.items() if k != GTX}
-        if rest:
-            inner_state[sid] = rest
-    _check_inner_state(inner_state, {saved_of[id(p)]: p for g in groups for p in g["params"]}, what=what)
+        if not rest:
+            continue
+        # Every saved inner state must belong to a param and be shaped like it.
+        if sid not in params_by_id:
+            raise ValueError(f"{what}: the checkpoint has state for param {sid!r}, which no param group lists")
+        shape = tuple(params_by_id[sid].shape)
+        for key, value in rest.items():
+            if key in _PARAM_SHAPED and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+                raise ValueError(f"{what}: state[{sid!r}][{key!r}] has shape {tuple(value.shape)}, its param {shape}")
+        inner_state[sid] = rest
     entries = [saved_state.get(saved_of[id(p)], {}).get(GTX) for p in flat]
     has_grad = [True] * len(flat)
     fresh: list[torch.Tensor] = []
@@ -382,10 +377,10 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         )
         if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
             states = opt._plan.states(new_state)
-            sums, states[0] = states[0].acc, states[0]._replace(acc=empty_sums(states[0].acc))
+            sums = tu.flatten(states[0].acc)[0]
+            states[0] = states[0]._replace(acc=empty_sums(states[0].acc))
             new_state = opt._plan.join(states)
-        device = tu.local(flat[0]).device if flat else torch.device("cpu")
-        record = amp.restore(first.get(AMP), device, what=what) if window else None
+        record = amp.restore(first.get(AMP), opt._device, what=what) if window else None
     # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
     for p in fresh:
         inner_state.pop(saved_of[id(p)], None)
@@ -396,7 +391,6 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     live.window_open = window_open
     if record is not None and window_open:
         live.amp_scale, live.amp_inf = record
-    sum_leaves = tu.flatten(sums)[0] if sums is not None else None
     for i, p in enumerate(flat):
         # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
-        p.grad = sum_leaves[i] if sum_leaves is not None and window_open and has_grad[i] else None
+        p.grad = sums[i] if sums is not None and window_open and has_grad[i] else None
