@@ -132,7 +132,17 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     opt._live.tx_state = lo.walk(opt._live.tx_state, (), p_spec, p_leaves, lo.Layout(), rebuild)
 
 
-class ParamState(MutableMapping[str, Any]):
+class _View(MutableMapping[Any, Any]):
+    """A mapping computed from the live state on every access: counted and shown by iterating it."""
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class ParamState(_View):
     """One param's ``opt.state[p]``: the inner optimizer's state (or its stand-in) and the ``"gradtx"`` entry."""
 
     def __init__(self, opt: Any, p: torch.Tensor, i: int) -> None:
@@ -163,14 +173,8 @@ class ParamState(MutableMapping[str, Any]):
         yield from (k for k in self._inner() if k != GTX)
         yield GTX
 
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-
-class StateView(MutableMapping[torch.Tensor, Any]):
+class StateView(_View):
     """``opt.state``: a :class:`ParamState` for every param the transform sees; other params' inner state as is."""
 
     def __init__(self, opt: Any) -> None:
@@ -205,12 +209,6 @@ class StateView(MutableMapping[torch.Tensor, Any]):
         ours = self._opt._flat
         yield from ours
         yield from (p for p in self._opt.optimizer.state if self._index(p) is None)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
 
 
 # --- state_dict --------------------------------------------------------------------------------------
