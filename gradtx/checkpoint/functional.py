@@ -56,7 +56,7 @@ from gradtx.checkpoint import layout as lo
 from gradtx.checkpoint.layout import param_names
 from gradtx.comm.base import ReduceOp
 from gradtx.core import tree as tu
-from gradtx.core.base import GradientTransformation, OptState, Params, PyTree
+from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import empty_sums
 
 __all__ = ["TransformState", "load_state_dict", "param_names", "state_dict", "to_torch_optimizer"]
@@ -123,11 +123,11 @@ def export_layout(
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
     for w, acc in zip(layout.windows, lo.windows_with_comm(layout, tx, what=what)):
         tokens_per_rank, sums_per_rank = lo.per_rank(acc)
-        if int(w.get("micro_step")) == 0 or not (tokens_per_rank or sums_per_rank):
+        if int(w.state.micro_step) == 0 or not (tokens_per_rank or sums_per_rank):
             continue
         comm, group = acc.window.comm, acc.window.group
         if tokens_per_rank:
-            tokens = w.get("tokens")
+            tokens = w.state.tokens
             (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
             globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
         if sums_per_rank:
@@ -222,7 +222,7 @@ def import_layout(
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     accs = lo.windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
     for w in layout.windows:
-        saved_k, k = int(globals_[w.key("k")]), int(w.get("k"))
+        saved_k, k = int(globals_[w.key("k")]), int(w.state.k)
         if saved_k != k:
             raise ValueError(
                 f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "
@@ -305,20 +305,6 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
         if rest:
             state[pid] = rest
     return {"state": state, "param_groups": [dict(g) for g in optimizer_state_dict["param_groups"]]}
-
-
-def take_sums(state: OptState, params: Params) -> tuple[OptState, list[PyTree | None]]:
-    """``state`` with every window's running sum emptied (placeholders), and the sums taken out, in order."""
-    p_leaves, p_spec = tu.flatten(params)
-    taken: list[PyTree | None] = []
-
-    def rebuild(kind: str, old: Any, key: str) -> Any:
-        if kind == "acc":
-            taken.append(old)
-            return empty_sums(old)
-        return old
-
-    return lo.walk(state, (), p_spec, p_leaves, lo.Layout(), rebuild), taken
 
 
 class TransformState:

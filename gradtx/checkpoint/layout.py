@@ -58,9 +58,6 @@ class Window(NamedTuple):
     prefix: str
     state: Any
 
-    def get(self, field_name: str) -> Any:
-        return getattr(self.state, field_name)
-
     def key(self, field_name: str) -> str:
         return child(self.prefix, field_name)
 
@@ -145,11 +142,10 @@ def param_names(params: Params) -> list[str]:
 # --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
 
 
-def accumulations(tx: GradientTransformation | None) -> list[Accumulation]:
-    """The accumulation windows of ``tx`` (nested chains included), in chain order."""
-    if isinstance(tx, Chain):
-        return [a for member in tx.members for a in accumulations(member)]
-    return [tx] if isinstance(tx, Accumulation) else []
+# A gradtx optimizer alias (gtx.adamw) is not a Chain, so it stays whole (the wrapper refuses it by name).
+def members(tx: Any) -> list[Any]:
+    """The chain's members, nested chains flattened, in chain order (``[tx]`` for anything else)."""
+    return [m for member in tx.members for m in members(member)] if isinstance(tx, Chain) else [tx]
 
 
 def window_sum_keys(layout: Layout) -> list[str]:
@@ -178,9 +174,9 @@ def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tens
 
 def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
     """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
-    accs = accumulations(tx)
+    accs = [m for m in members(tx) if isinstance(m, Accumulation)]
     if tx is None:
-        if multi_process() and any(int(w.get("micro_step")) > 0 for w in layout.windows):
+        if multi_process() and any(int(w.state.micro_step) > 0 for w in layout.windows):
             raise ValueError(
                 f"{what}: an accumulation window is open in a run of several processes; pass tx= (the transform), "
                 "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from gradtx.checkpoint.layout import members as members_of
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
 from gradtx.transforms.accumulation import Accumulation
@@ -55,7 +56,7 @@ class Plan:
 
     def __init__(self, tx: GradientTransformation) -> None:
         self.tx = tx
-        members = _members(tx)
+        members = members_of(tx)  # _split_states and _join_states flatten alike
         self.members = members
         first = members[0] if members else None
         self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
@@ -399,12 +400,6 @@ def keep_on_skip(plan: Plan, skip: torch.Tensor, old: OptState, new: OptState) -
     start = 1 if plan.window is not None else 0
     news[start:] = [tu.tree_map(pick, n, o) for n, o in zip(news[start:], olds[start:])]
     return plan.join(news)
-
-
-# A gradtx optimizer alias (gtx.adamw) is not a Chain, so it stays whole: the wrapper refuses it by name.
-def _members(tx: GradientTransformation) -> list[GradientTransformation]:
-    """The chain's members, nested chains flattened (:func:`_split_states` and :func:`_join_states` follow suit)."""
-    return [m for member in tx.members for m in _members(member)] if isinstance(tx, Chain) else [tx]
 
 
 def _split_states(tx: GradientTransformation, state: OptState, out: list[OptState]) -> list[OptState]:

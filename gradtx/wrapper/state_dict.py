@@ -36,6 +36,7 @@ import torch
 from gradtx.checkpoint import functional as _ckpt
 from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
+from gradtx.transforms.window import empty_sums
 from gradtx.wrapper import amp, grads, rules
 
 GTX = "gradtx"  # the transform's entry in each param's state
@@ -131,7 +132,17 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     opt._live.tx_state = lo.walk(opt._live.tx_state, (), p_spec, p_leaves, lo.Layout(), rebuild)
 
 
-class ParamState(MutableMapping[str, Any]):
+class _View(MutableMapping[Any, Any]):
+    """A mapping computed from the live state on every access: counted and shown by iterating it."""
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class ParamState(_View):
     """One param's ``opt.state[p]``: the inner optimizer's state (or its stand-in) and the ``"gradtx"`` entry."""
 
     def __init__(self, opt: Any, p: torch.Tensor, i: int) -> None:
@@ -162,14 +173,8 @@ class ParamState(MutableMapping[str, Any]):
         yield from (k for k in self._inner() if k != GTX)
         yield GTX
 
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
 
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-
-class StateView(MutableMapping[torch.Tensor, Any]):
+class StateView(_View):
     """``opt.state``: a :class:`ParamState` for every param the transform sees; other params' inner state as is."""
 
     def __init__(self, opt: Any) -> None:
@@ -204,12 +209,6 @@ class StateView(MutableMapping[torch.Tensor, Any]):
         ours = self._opt._flat
         yield from ours
         yield from (p for p in self._opt.optimizer.state if self._index(p) is None)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
 
 
 # --- state_dict --------------------------------------------------------------------------------------
@@ -273,19 +272,6 @@ def state_dict(opt: Any) -> dict[str, Any]:
 # --- load_state_dict -----------------------------------------------------------------------------------
 
 
-def _check_inner_state(state: dict[Any, Any], params_by_id: dict[Any, torch.Tensor], *, what: str) -> None:
-    """Raise before loading unless every saved param state belongs to a param and is shaped like it."""
-    for sid, s in state.items():
-        if sid not in params_by_id:
-            raise ValueError(f"{what}: the checkpoint has state for param {sid!r}, which no param group lists")
-        p = params_by_id[sid]
-        for key, value in s.items():
-            if key in _PARAM_SHAPED and isinstance(value, torch.Tensor) and tuple(value.shape) != tuple(p.shape):
-                raise ValueError(
-                    f"{what}: state[{sid!r}][{key!r}] has shape {tuple(value.shape)}, its param {tuple(p.shape)}"
-                )
-
-
 def _flag(entry: dict[str, Any], key: str, default: bool, *, what: str) -> bool:
     value = entry.get(key)
     if value is None:
@@ -324,14 +310,22 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     saved_of = _saved_ids(saved_groups, groups, what=what)
     names = grads.names(groups, params)
     saved_state = state_dict["state"]
+    params_by_id = {saved_of[id(p)]: p for g in groups for p in g["params"]}
     inner_state = {}
     for sid, s in saved_state.items():
         if not isinstance(s, dict):
             raise TypeError(f"{what}: state[{sid!r}] is a {type(s).__name__}, not a dict")
         rest = {k: v for k, v in s.items() if k != GTX}
-        if rest:
-            inner_state[sid] = rest
-    _check_inner_state(inner_state, {saved_of[id(p)]: p for g in groups for p in g["params"]}, what=what)
+        if not rest:
+            continue
+        # Every saved inner state must belong to a param and be shaped like it.
+        if sid not in params_by_id:
+            raise ValueError(f"{what}: the checkpoint has state for param {sid!r}, which no param group lists")
+        shape = tuple(params_by_id[sid].shape)
+        for key, value in rest.items():
+            if key in _PARAM_SHAPED and isinstance(value, torch.Tensor) and tuple(value.shape) != shape:
+                raise ValueError(f"{what}: state[{sid!r}][{key!r}] has shape {tuple(value.shape)}, its param {shape}")
+        inner_state[sid] = rest
     entries = [saved_state.get(saved_of[id(p)], {}).get(GTX) for p in flat]
     has_grad = [True] * len(flat)
     fresh: list[torch.Tensor] = []
@@ -368,7 +362,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
                 fresh.append(p)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
-        loaded = _ckpt.import_layout(
+        new_state = _ckpt.import_layout(
             layout,
             opt._live.tx_state,
             params,
@@ -379,10 +373,12 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             what=what,
             acc_dtype=lambda d: d,  # the wrapper's partial sums are autograd's .grad, in the params' dtype
         )
-        new_state, taken = _ckpt.take_sums(loaded, params)
-        sums = taken[0] if window and taken and saved_open else None
-        device = tu.local(flat[0]).device if flat else torch.device("cpu")
-        record = amp.restore(first.get(AMP), device, what=what) if window else None
+        if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
+            states = opt._plan.states(new_state)
+            sums = tu.flatten(states[0].acc)[0]
+            states[0] = states[0]._replace(acc=empty_sums(states[0].acc))
+            new_state = opt._plan.join(states)
+        record = amp.restore(first.get(AMP), opt._device, what=what) if window else None
     # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
     for p in fresh:
         inner_state.pop(saved_of[id(p)], None)
@@ -393,7 +389,6 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     live.window_open = window_open
     if record is not None and window_open:
         live.amp_scale, live.amp_inf = record
-    sum_leaves = tu.flatten(sums)[0] if sums is not None else None
     for i, p in enumerate(flat):
         # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
-        p.grad = sum_leaves[i] if sum_leaves is not None and window_open and has_grad[i] else None
+        p.grad = sums[i] if sums is not None and window_open and has_grad[i] else None
