@@ -461,6 +461,3 @@ class OptimizerChain(GradientTransformation):
         self = super().__new__(cls, init, update)
         self.members, self.spec = tuple(members), spec
         return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
-        return (self.init, self.update, self.members, self.spec)

@@ -85,7 +85,7 @@ def ema(
         count = state.count + 1
 
         def average(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            d = lw.as_tensor(decay, m) if isinstance(decay, torch.Tensor) else decay
+            d = lw.as_tensor(decay, m)
             dtype = torch.promote_types(g.dtype, m.dtype)
             return (1 - d) * g.to(dtype) + d * m.to(dtype)
 
@@ -133,7 +133,7 @@ def incremental_update(new_tensors: Params, old_tensors: Params, step_size: floa
         if new is None:
             return None
         n, o = tu.local(new), tu.local(old)
-        s = lw.as_tensor(step_size, n) if isinstance(step_size, torch.Tensor) else step_size
+        s = lw.as_tensor(step_size, n)
         return tu.like(new, s * n + (1.0 - s) * o.to(n.dtype))
 
     return optree.tree_map(blend, new_tensors, old_tensors, none_is_leaf=True)
