@@ -142,8 +142,13 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
 # --- the Newton–Schulz iteration on local tensors ------------------------------------------------
 
 
-def _coeff_rows(ns_coeffs: Any, ns_steps: int, *, name: str) -> tuple[tuple[float, float, float], ...]:
-    """One ``(a, b, c)`` row per iteration, as optax reads ``ns_coeffs`` and ``ns_steps``."""
+def _coeff_rows(
+    ns_coeffs: Any, ns_steps: Any, preconditioning: Any, *, name: str
+) -> tuple[tuple[float, float, float], ...]:
+    """One ``(a, b, c)`` row per iteration, as optax reads ``ns_coeffs`` and ``ns_steps``; checks ``preconditioning``."""
+    ns_steps = check.integer(ns_steps, arg="ns_steps", name=name, minimum=0)
+    if preconditioning not in _PRECONDITIONINGS:
+        raise ValueError(f"{name}: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in _NS_COEFFS_PRESETS:
             raise ValueError(f"{name}: unknown ns_coeffs preset {ns_coeffs!r}; known: {sorted(_NS_COEFFS_PRESETS)}")
@@ -205,10 +210,7 @@ def newton_schulz(
       >>> o = newton_schulz(torch.randn(64, 32))
       >>> torch.linalg.svdvals(o)  # all close to 1 (within the iteration's 0.7..1.2 band)
     """
-    rows = _coeff_rows(ns_coeffs, check.integer(ns_steps, arg="ns_steps", name="newton_schulz", minimum=0),
-                       name="newton_schulz")  # fmt: skip
-    if preconditioning not in _PRECONDITIONINGS:
-        raise ValueError(f"newton_schulz: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
+    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name="newton_schulz")
     dn = dimension_numbers if dimension_numbers is not None else MuonDimensionNumbers()
     return _orthogonalize_full(x, rows, preconditioning, eps, _layout(x.shape, dn, where="<x>"), ns_dtype)
 
@@ -250,10 +252,8 @@ def _matrices(
     """``x`` as a ``(batch, rows, cols)`` stack on its wide side, in ``ns_dtype``; and whether it was transposed."""
     if x.is_complex():
         raise TypeError("muon: complex leaves are not supported (torch.optim.Muon refuses them too)")
-    dtype = ns_dtype if ns_dtype is not None else x.dtype
-    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat).to(dtype)
     transposed = _transposed(lay, preconditioning)
-    return (m.mT if transposed else m), transposed
+    return _oriented(x, lay, transposed).to(ns_dtype if ns_dtype is not None else x.dtype), transposed
 
 
 def _unmatrices(y: torch.Tensor, lay: _Layout, transposed: bool, shape: Sequence[int]) -> torch.Tensor:
@@ -264,8 +264,8 @@ def _unmatrices(y: torch.Tensor, lay: _Layout, transposed: bool, shape: Sequence
 
 
 def _oriented(x: torch.Tensor, lay: _Layout, tr: bool) -> torch.Tensor:
-    """A single-matrix leaf as the ``(rows, cols)`` view the iteration runs on (its wide side)."""
-    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat[1:])
+    """``x`` as the ``(batch, rows, cols)`` view the iteration runs on (its wide side)."""
+    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat)
     return m.mT if tr else m
 
 
@@ -283,7 +283,7 @@ def _stack_key(x: torch.Tensor, lay: _Layout, preconditioning: str) -> tuple[Any
     if lay.flat[0] != 1 or x.is_complex():
         return None
     tr = _transposed(lay, preconditioning)
-    v = _oriented(x, lay, tr)
+    v = _oriented(x, lay, tr)[0]
     return tuple(v.shape), _column_major(v), x.dtype, x.device
 
 
@@ -305,7 +305,7 @@ def _orthogonalize_stacked(
     """
     dtype = ns_dtype if ns_dtype is not None else xs[0].dtype
     trs = [_transposed(lay, preconditioning) for lay in lays]
-    views = [_oriented(x, lay, tr) for x, lay, tr in zip(xs, lays, trs)]
+    views = [_oriented(x, lay, tr)[0] for x, lay, tr in zip(xs, lays, trs)]
     if _column_major(views[0]):  # stack the transposes, so every matrix keeps its layout
         stack = torch.stack([v.mT for v in views]).mT
     else:

@@ -16,7 +16,6 @@ from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree,
 from gradtx.optimizers.muon.exchange import _make_orthogonalizer, cached
 from gradtx.optimizers.muon.iteration import (
     _DEFAULT_NS_COEFFS,
-    _PRECONDITIONINGS,
     Preconditioning,
     Scalar,
     _coeff_rows,
@@ -38,11 +37,8 @@ def _check_common(
         raise TypeError(
             f"{name}: ns_steps must be an int, got a tensor (under inject_hyperparams pass static_args=('ns_steps',))"
         )
-    ns_steps = check.integer(ns_steps, arg="ns_steps", name=name, minimum=0)
-    rows = _coeff_rows(ns_coeffs, ns_steps, name=name)
+    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name=name)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    if preconditioning not in _PRECONDITIONINGS:
-        raise ValueError(f"{name}: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
     check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
     if comm is not None:
         check_exchange_comm(comm, name=name)
