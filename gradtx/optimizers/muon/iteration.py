@@ -95,13 +95,12 @@ class _Layout(NamedTuple):
 
 
 def _split(
-    shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str
-) -> tuple[tuple[int, ...], MuonDimensionNumbers]:
-    """``shape`` with each split axis cut into ``(pieces, size / pieces)``, and the dimension numbers on that shape.
+    shape: Sequence[int], dn: MuonDimensionNumbers, red: tuple[int, ...], outp: tuple[int, ...], *, where: str
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``shape`` with each split axis cut into ``(pieces, size / pieces)``, and the reduction and output axes on it.
 
     The pieces become a batch axis just before the axis they cut.
     """
-    red, outp = _axes(len(shape), dn, where=where)
     cuts: dict[int, int] = {}
     for axes, k, name in ((red, dn.reduction_split, "reduction"), (outp, dn.output_split, "output")):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -114,7 +113,7 @@ def _split(
                 )
             cuts[axes[0]] = k
     if not cuts:
-        return tuple(shape), dn
+        return tuple(shape), red, outp
     new_shape: list[int] = []
     where_is: dict[int, int] = {}
     for ax, n in enumerate(shape):
@@ -123,14 +122,13 @@ def _split(
             n //= cuts[ax]
         where_is[ax] = len(new_shape)
         new_shape.append(n)
-    return tuple(new_shape), MuonDimensionNumbers(tuple(where_is[a] for a in red), tuple(where_is[a] for a in outp))
+    return tuple(new_shape), tuple(where_is[a] for a in red), tuple(where_is[a] for a in outp)
 
 
 def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _Layout:
     red0, out0 = _axes(len(shape), dn, where=where)
     own_batch = frozenset(ax for ax in range(len(shape)) if ax not in red0 and ax not in out0)
-    shape, dn = _split(shape, dn, where=where)
-    red, outp = _axes(len(shape), dn, where=where)
+    shape, red, outp = _split(shape, dn, red0, out0, where=where)
     batch = tuple(ax for ax in range(len(shape)) if ax not in red and ax not in outp)
     perm = batch + red + outp
     inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
