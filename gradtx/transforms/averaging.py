@@ -29,12 +29,6 @@ def _decay(value: Any, *, arg: str, name: str) -> Any:
     return value
 
 
-def _check_dtype(value: Any, *, arg: str, name: str) -> torch.dtype | None:
-    if value is not None and not isinstance(value, torch.dtype):
-        raise TypeError(f"{name}: {arg} must be a torch.dtype or None, got {type(value).__name__}")
-    return value
-
-
 class EmaState(NamedTuple):
     """The number of updates averaged (0-d int64) and the running average (a tree mirroring the params)."""
 
@@ -71,7 +65,7 @@ def ema(
     """
     decay = _decay(decay, arg="decay", name="ema")
     debias = check.flag(debias, arg="debias", name="ema")
-    accumulator_dtype = _check_dtype(accumulator_dtype, arg="accumulator_dtype", name="ema")
+    accumulator_dtype = check.dtype(accumulator_dtype, arg="accumulator_dtype", name="ema")
 
     def init_fn(params: Params) -> EmaState:
         tu.tensor_leaves(params, what="ema: params")
