@@ -215,8 +215,7 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     if not schedules:
         raise ValueError("join_schedules: schedules must not be empty")
     for i, s in enumerate(schedules):
-        if not callable(s):
-            raise TypeError(f"join_schedules: schedules[{i}] must be callable, got {type(s).__name__}")
+        check.function(s, arg=f"schedules[{i}]", name="join_schedules")
     if len(boundaries) != len(schedules) - 1:
         raise ValueError(
             f"join_schedules: boundaries must have one fewer entry than schedules, got {len(boundaries)} "
