@@ -132,9 +132,8 @@ def schedule_free(
             return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype)
 
         out = lw.lmap(step, params, state.z, z)
-        step_count = state.step_count + 1
         return out, state._replace(
-            weight_sum=total, step_count=step_count, max_lr=max_lr, base_optimizer_state=base_state, z=z
+            weight_sum=total, step_count=state.step_count + 1, max_lr=max_lr, base_optimizer_state=base_state, z=z
         )
 
     return GradientTransformation(init_fn, update_fn)
