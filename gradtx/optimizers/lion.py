@@ -16,8 +16,6 @@ from gradtx.transforms.combine import chain
 
 __all__ = ["ScaleByLionState", "lion", "scale_by_lion"]
 
-_MODES = ("hard", "smooth", "refined")
-
 
 class ScaleByLionState(NamedTuple):
     """Lion's step count (0-d int64) and momentum (a tree mirroring the params)."""
@@ -61,17 +59,15 @@ def scale_by_lion(
     b1 = check.beta(b1, arg="b1", name="scale_by_lion", tensor=True)
     b2 = check.beta(b2, arg="b2", name="scale_by_lion", tensor=True)
     mu_dtype = check.dtype(mu_dtype, arg="mu_dtype", name="scale_by_lion")
-    if mode not in _MODES:
-        raise ValueError(f"scale_by_lion: mode must be one of {list(_MODES)}, got {mode!r}")
+    directions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "hard": torch.sign,
+        "smooth": lambda x: torch.tanh(smooth_beta * x),  # the checked smooth_beta below
+        "refined": lambda x: torch.where(x.abs() < 1.0, x, torch.sign(x)),
+    }
+    if mode not in tuple(directions):
+        raise ValueError(f"scale_by_lion: mode must be one of {list(directions)}, got {mode!r}")
     smooth_beta = check.number(smooth_beta, arg="smooth_beta", name="scale_by_lion")
-
-    direction: Callable[[torch.Tensor], torch.Tensor]
-    if mode == "hard":
-        direction = torch.sign
-    elif mode == "smooth":
-        direction = lambda x: torch.tanh(smooth_beta * x)
-    else:
-        direction = lambda x: torch.where(x.abs() < 1.0, x, torch.sign(x))
+    direction = directions[mode]
 
     def init_fn(params: Params) -> ScaleByLionState:
         tu.tensor_leaves(params, what="scale_by_lion: params")

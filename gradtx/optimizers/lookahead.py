@@ -76,10 +76,7 @@ def lookahead(
       >>> updates, state = tx.update(grads_of_fast, state, params)
       >>> params = apply_updates(params, updates)
     """
-    if not isinstance(fast_optimizer, GradientTransformation):
-        raise TypeError(
-            f"lookahead: fast_optimizer must be a GradientTransformation, got {type(fast_optimizer).__name__}"
-        )
+    check.transform(fast_optimizer, arg="fast_optimizer", name="lookahead")
     sync_period = check.integer(sync_period, arg="sync_period", name="lookahead", minimum=1)
     slow_step_size = check.number(slow_step_size, arg="slow_step_size", name="lookahead", tensor=True)
     reset_state = check.flag(reset_state, arg="reset_state", name="lookahead")

@@ -87,14 +87,9 @@ def schedule_free(
       >>> updates, state = tx.update(grads, tx.init(params), params)
       >>> eval_params = schedule_free_eval_params(state, apply_updates(params, updates))
     """
-    if not isinstance(base_optimizer, GradientTransformation):
-        raise TypeError(
-            f"schedule_free: base_optimizer must be a GradientTransformation, got {type(base_optimizer).__name__}"
-        )
+    check.transform(base_optimizer, arg="base_optimizer", name="schedule_free")
     learning_rate = check.learning_rate(learning_rate, name="schedule_free")
-    b1 = check.number(b1, arg="b1", name="schedule_free")
-    if not 0.0 < b1 < 1.0:
-        raise ValueError(f"schedule_free: b1 must be in (0, 1), got {b1}")
+    b1 = check.open_unit(b1, arg="b1", name="schedule_free")
     weight_lr_power = check.number(weight_lr_power, arg="weight_lr_power", name="schedule_free")
     state_dtype = check.dtype(state_dtype, arg="state_dtype", name="schedule_free")
 
@@ -137,9 +132,8 @@ def schedule_free(
             return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype)
 
         out = lw.lmap(step, params, state.z, z)
-        step_count = state.step_count + 1
         return out, state._replace(
-            weight_sum=total, step_count=step_count, max_lr=max_lr, base_optimizer_state=base_state, z=z
+            weight_sum=total, step_count=state.step_count + 1, max_lr=max_lr, base_optimizer_state=base_state, z=z
         )
 
     return GradientTransformation(init_fn, update_fn)

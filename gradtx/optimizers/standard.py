@@ -173,8 +173,7 @@ def scale_by_schedule(step_size_fn: Schedule) -> ScalarTransformation:
 
 
 def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> ScalarTransformation:
-    if not callable(step_size_fn):
-        raise TypeError(f"{name}: the schedule must be callable, got {type(step_size_fn).__name__}")
+    check.function(step_size_fn, arg="step_size_fn", name=name)
 
     def init_fn(params: Params) -> ScaleByScheduleState:
         return ScaleByScheduleState(count=lw.zero_count(params))
@@ -461,6 +460,3 @@ class OptimizerChain(GradientTransformation):
         self = super().__new__(cls, init, update)
         self.members, self.spec = tuple(members), spec
         return self
-
-    def __getnewargs__(self) -> tuple[Any, ...]:  # pickle rebuilds it with every field
-        return (self.init, self.update, self.members, self.spec)

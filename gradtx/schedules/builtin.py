@@ -57,14 +57,6 @@ def _count(count: Any) -> torch.Tensor:
     return torch.tensor(count)
 
 
-def _value(x: Any, *, arg: str, name: str) -> float:
-    return check.number(x, arg=arg, name=name)
-
-
-def _steps(x: Any, *, arg: str, name: str) -> int:
-    return check.integer(x, arg=arg, name=name)
-
-
 def _values(name: str, **values: Any) -> list[float]:
     """Each keyword argument checked as a number, named in the error."""
     return [check.number(v, arg=arg, name=name) for arg, v in values.items()]
@@ -78,7 +70,7 @@ def _all_steps(name: str, **values: Any) -> list[int]:
 def _scales(boundaries_and_scales: Mapping[int, float] | None, *, name: str) -> list[tuple[int, float]]:
     """``{step: scale}`` as sorted ``(step, scale)`` pairs, every scale ``>= 0``."""
     items = sorted(
-        (_steps(b, arg="boundaries_and_scales", name=name), _value(s, arg="scale", name=name))
+        (check.integer(b, arg="boundaries_and_scales", name=name), check.number(s, arg="scale", name=name))
         for b, s in (boundaries_and_scales or {}).items()
     )
     if any(s < 0 for _, s in items):
@@ -122,7 +114,7 @@ def constant_schedule(value: float) -> Schedule:
       >>> constant_schedule(5.0)(100)
       tensor(5.)
     """
-    value = _value(value, arg="value", name="constant_schedule")
+    value = check.number(value, arg="value", name="constant_schedule")
 
     def schedule(count: Any) -> torch.Tensor:
         return _full(value, _count(count))
@@ -223,7 +215,7 @@ def piecewise_constant_schedule(
       (1.0, 0.10000000149011612, 0.01)
     """
     name = "piecewise_constant_schedule"
-    init_value = _value(init_value, arg="init_value", name=name)
+    init_value = check.number(init_value, arg="init_value", name=name)
     items = _scales(boundaries_and_scales, name=name)
 
     def schedule(count: Any) -> torch.Tensor:
@@ -272,7 +264,7 @@ def exponential_decay(
     )
     staircase = check.flag(staircase, arg="staircase", name=name)
     if end_value is not None:
-        end_value = _value(end_value, arg="end_value", name=name)
+        end_value = check.number(end_value, arg="end_value", name=name)
     if transition_steps <= 0 or decay_rate == 0:
         return constant_schedule(init_value)
     transition_begin = max(transition_begin, 0)
@@ -316,7 +308,7 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
     """
     name = "cosine_decay_schedule"
     init_value, alpha, exponent = _values(name, init_value=init_value, alpha=alpha, exponent=exponent)
-    decay_steps = _steps(decay_steps, arg="decay_steps", name=name)
+    decay_steps = check.integer(decay_steps, arg="decay_steps", name=name)
     if not decay_steps > 0:
         raise ValueError(f"{name}: decay_steps must be > 0, got {decay_steps}")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from gradtx.core import validate as check
 from gradtx.core.base import factory
 from gradtx.schedules.builtin import (
     Schedule,
@@ -21,8 +22,6 @@ from gradtx.schedules.builtin import (
     _count,
     _f32_const,
     _scales,
-    _steps,
-    _value,
     _values,
     cosine_decay_schedule,
     exponential_decay,
@@ -79,7 +78,7 @@ def piecewise_interpolate_schedule(
     interpolate = _linear_interpolate if interpolate_type == "linear" else _cosine_interpolate
     if interpolate_type not in ("linear", "cosine"):
         raise ValueError(f"{name}: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")
-    init_value = _value(init_value, arg="init_value", name=name)
+    init_value = check.number(init_value, arg="init_value", name=name)
     items = _scales(boundaries_and_scales, name=name)
     bounds = [0] + [b for b, _ in items]
     # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
@@ -103,10 +102,10 @@ def piecewise_interpolate_schedule(
 
 
 def _onecycle(transition_steps: Any, peak_value: Any, *, name: str) -> tuple[int, float]:
-    transition_steps = _steps(transition_steps, arg="transition_steps", name=name)
+    transition_steps = check.integer(transition_steps, arg="transition_steps", name=name)
     if transition_steps <= 0:
         raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
-    return transition_steps, _value(peak_value, arg="peak_value", name=name)
+    return transition_steps, check.number(peak_value, arg="peak_value", name=name)
 
 
 @factory
@@ -212,12 +211,11 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
       0.5
     """
     schedules = list(schedules)
-    boundaries = [_steps(b, arg="boundaries", name="join_schedules") for b in boundaries]
+    boundaries = [check.integer(b, arg="boundaries", name="join_schedules") for b in boundaries]
     if not schedules:
         raise ValueError("join_schedules: schedules must not be empty")
     for i, s in enumerate(schedules):
-        if not callable(s):
-            raise TypeError(f"join_schedules: schedules[{i}] must be callable, got {type(s).__name__}")
+        check.function(s, arg=f"schedules[{i}]", name="join_schedules")
     if len(boundaries) != len(schedules) - 1:
         raise ValueError(
             f"join_schedules: boundaries must have one fewer entry than schedules, got {len(boundaries)} "
@@ -255,7 +253,7 @@ def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps:
     """
     name = "warmup_constant_schedule"  # checked here, so an error names this schedule and its own arguments
     _values(name, init_value=init_value, peak_value=peak_value)
-    _steps(warmup_steps, arg="warmup_steps", name=name)
+    check.integer(warmup_steps, arg="warmup_steps", name=name)
     return linear_schedule(init_value, peak_value, warmup_steps)
 
 
@@ -337,7 +335,7 @@ def warmup_exponential_decay_schedule(
     Example:
       >>> lr = warmup_exponential_decay_schedule(0.0, 1e-3, 100, transition_steps=1000, decay_rate=0.5)
     """
-    warmup_steps = _steps(warmup_steps, arg="warmup_steps", name="warmup_exponential_decay_schedule")
+    warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name="warmup_exponential_decay_schedule")
     return join_schedules(
         [
             linear_schedule(init_value, peak_value, warmup_steps),

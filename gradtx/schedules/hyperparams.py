@@ -100,8 +100,7 @@ def inject_hyperparams(
       >>> state.hyperparams["weight_decay"] = torch.tensor(0.0)  # from the next update on
       >>> metrics(state)["learning_rate"]
     """
-    if not callable(inner_factory):
-        raise TypeError(f"inject_hyperparams: inner_factory must be callable, got {type(inner_factory).__name__}")
+    check.function(inner_factory, arg="inner_factory", name="inject_hyperparams")
     static = {static_args} if isinstance(static_args, str) else set(static_args)
     signature = inspect.signature(inner_factory)
     unknown = static - set(signature.parameters)

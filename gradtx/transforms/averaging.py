@@ -29,12 +29,6 @@ def _decay(value: Any, *, arg: str, name: str) -> Any:
     return value
 
 
-def _check_dtype(value: Any, *, arg: str, name: str) -> torch.dtype | None:
-    if value is not None and not isinstance(value, torch.dtype):
-        raise TypeError(f"{name}: {arg} must be a torch.dtype or None, got {type(value).__name__}")
-    return value
-
-
 class EmaState(NamedTuple):
     """The number of updates averaged (0-d int64) and the running average (a tree mirroring the params)."""
 
@@ -71,7 +65,7 @@ def ema(
     """
     decay = _decay(decay, arg="decay", name="ema")
     debias = check.flag(debias, arg="debias", name="ema")
-    accumulator_dtype = _check_dtype(accumulator_dtype, arg="accumulator_dtype", name="ema")
+    accumulator_dtype = check.dtype(accumulator_dtype, arg="accumulator_dtype", name="ema")
 
     def init_fn(params: Params) -> EmaState:
         tu.tensor_leaves(params, what="ema: params")
@@ -85,7 +79,7 @@ def ema(
         count = state.count + 1
 
         def average(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            d = lw.as_tensor(decay, m) if isinstance(decay, torch.Tensor) else decay
+            d = lw.as_tensor(decay, m)
             dtype = torch.promote_types(g.dtype, m.dtype)
             return (1 - d) * g.to(dtype) + d * m.to(dtype)
 
@@ -133,7 +127,7 @@ def incremental_update(new_tensors: Params, old_tensors: Params, step_size: floa
         if new is None:
             return None
         n, o = tu.local(new), tu.local(old)
-        s = lw.as_tensor(step_size, n) if isinstance(step_size, torch.Tensor) else step_size
+        s = lw.as_tensor(step_size, n)
         return tu.like(new, s * n + (1.0 - s) * o.to(n.dtype))
 
     return optree.tree_map(blend, new_tensors, old_tensors, none_is_leaf=True)

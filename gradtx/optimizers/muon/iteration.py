@@ -95,13 +95,12 @@ class _Layout(NamedTuple):
 
 
 def _split(
-    shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str
-) -> tuple[tuple[int, ...], MuonDimensionNumbers]:
-    """``shape`` with each split axis cut into ``(pieces, size / pieces)``, and the dimension numbers on that shape.
+    shape: Sequence[int], dn: MuonDimensionNumbers, red: tuple[int, ...], outp: tuple[int, ...], *, where: str
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``shape`` with each split axis cut into ``(pieces, size / pieces)``, and the reduction and output axes on it.
 
     The pieces become a batch axis just before the axis they cut.
     """
-    red, outp = _axes(len(shape), dn, where=where)
     cuts: dict[int, int] = {}
     for axes, k, name in ((red, dn.reduction_split, "reduction"), (outp, dn.output_split, "output")):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -114,7 +113,7 @@ def _split(
                 )
             cuts[axes[0]] = k
     if not cuts:
-        return tuple(shape), dn
+        return tuple(shape), red, outp
     new_shape: list[int] = []
     where_is: dict[int, int] = {}
     for ax, n in enumerate(shape):
@@ -123,14 +122,13 @@ def _split(
             n //= cuts[ax]
         where_is[ax] = len(new_shape)
         new_shape.append(n)
-    return tuple(new_shape), MuonDimensionNumbers(tuple(where_is[a] for a in red), tuple(where_is[a] for a in outp))
+    return tuple(new_shape), tuple(where_is[a] for a in red), tuple(where_is[a] for a in outp)
 
 
 def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _Layout:
     red0, out0 = _axes(len(shape), dn, where=where)
     own_batch = frozenset(ax for ax in range(len(shape)) if ax not in red0 and ax not in out0)
-    shape, dn = _split(shape, dn, where=where)
-    red, outp = _axes(len(shape), dn, where=where)
+    shape, red, outp = _split(shape, dn, red0, out0, where=where)
     batch = tuple(ax for ax in range(len(shape)) if ax not in red and ax not in outp)
     perm = batch + red + outp
     inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
@@ -142,8 +140,13 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
 # --- the Newton–Schulz iteration on local tensors ------------------------------------------------
 
 
-def _coeff_rows(ns_coeffs: Any, ns_steps: int, *, name: str) -> tuple[tuple[float, float, float], ...]:
-    """One ``(a, b, c)`` row per iteration, as optax reads ``ns_coeffs`` and ``ns_steps``."""
+def _coeff_rows(
+    ns_coeffs: Any, ns_steps: Any, preconditioning: Any, *, name: str
+) -> tuple[tuple[float, float, float], ...]:
+    """One ``(a, b, c)`` row per iteration, as optax reads ``ns_coeffs`` and ``ns_steps``; checks ``preconditioning``."""
+    ns_steps = check.integer(ns_steps, arg="ns_steps", name=name, minimum=0)
+    if preconditioning not in _PRECONDITIONINGS:
+        raise ValueError(f"{name}: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
     if isinstance(ns_coeffs, str):
         if ns_coeffs not in _NS_COEFFS_PRESETS:
             raise ValueError(f"{name}: unknown ns_coeffs preset {ns_coeffs!r}; known: {sorted(_NS_COEFFS_PRESETS)}")
@@ -205,10 +208,7 @@ def newton_schulz(
       >>> o = newton_schulz(torch.randn(64, 32))
       >>> torch.linalg.svdvals(o)  # all close to 1 (within the iteration's 0.7..1.2 band)
     """
-    rows = _coeff_rows(ns_coeffs, check.integer(ns_steps, arg="ns_steps", name="newton_schulz", minimum=0),
-                       name="newton_schulz")  # fmt: skip
-    if preconditioning not in _PRECONDITIONINGS:
-        raise ValueError(f"newton_schulz: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
+    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name="newton_schulz")
     dn = dimension_numbers if dimension_numbers is not None else MuonDimensionNumbers()
     return _orthogonalize_full(x, rows, preconditioning, eps, _layout(x.shape, dn, where="<x>"), ns_dtype)
 
@@ -250,10 +250,8 @@ def _matrices(
     """``x`` as a ``(batch, rows, cols)`` stack on its wide side, in ``ns_dtype``; and whether it was transposed."""
     if x.is_complex():
         raise TypeError("muon: complex leaves are not supported (torch.optim.Muon refuses them too)")
-    dtype = ns_dtype if ns_dtype is not None else x.dtype
-    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat).to(dtype)
     transposed = _transposed(lay, preconditioning)
-    return (m.mT if transposed else m), transposed
+    return _oriented(x, lay, transposed).to(ns_dtype if ns_dtype is not None else x.dtype), transposed
 
 
 def _unmatrices(y: torch.Tensor, lay: _Layout, transposed: bool, shape: Sequence[int]) -> torch.Tensor:
@@ -264,8 +262,8 @@ def _unmatrices(y: torch.Tensor, lay: _Layout, transposed: bool, shape: Sequence
 
 
 def _oriented(x: torch.Tensor, lay: _Layout, tr: bool) -> torch.Tensor:
-    """A single-matrix leaf as the ``(rows, cols)`` view the iteration runs on (its wide side)."""
-    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat[1:])
+    """``x`` as the ``(batch, rows, cols)`` view the iteration runs on (its wide side)."""
+    m = x.reshape(lay.split).permute(lay.perm).reshape(lay.flat)
     return m.mT if tr else m
 
 
@@ -283,7 +281,7 @@ def _stack_key(x: torch.Tensor, lay: _Layout, preconditioning: str) -> tuple[Any
     if lay.flat[0] != 1 or x.is_complex():
         return None
     tr = _transposed(lay, preconditioning)
-    v = _oriented(x, lay, tr)
+    v = _oriented(x, lay, tr)[0]
     return tuple(v.shape), _column_major(v), x.dtype, x.device
 
 
@@ -305,7 +303,7 @@ def _orthogonalize_stacked(
     """
     dtype = ns_dtype if ns_dtype is not None else xs[0].dtype
     trs = [_transposed(lay, preconditioning) for lay in lays]
-    views = [_oriented(x, lay, tr) for x, lay, tr in zip(xs, lays, trs)]
+    views = [_oriented(x, lay, tr)[0] for x, lay, tr in zip(xs, lays, trs)]
     if _column_major(views[0]):  # stack the transposes, so every matrix keeps its layout
         stack = torch.stack([v.mT for v in views]).mT
     else:

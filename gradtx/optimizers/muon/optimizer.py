@@ -161,7 +161,7 @@ def muon(
     adam_weight_decay = check.non_negative(adam_weight_decay, arg="adam_weight_decay", name="muon", tensor=True)
     dims_arg = muon_weight_dimension_numbers
     if isinstance(ns_coeffs, str):
-        _coeff_rows(ns_coeffs, ns_steps if isinstance(ns_steps, int) else 5, name="muon")
+        _coeff_rows(ns_coeffs, ns_steps if isinstance(ns_steps, int) else 5, preconditioning, name="muon")
         ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
 
     def labels(params: PyTree) -> PyTree:

@@ -16,7 +16,6 @@ from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree,
 from gradtx.optimizers.muon.exchange import _make_orthogonalizer, cached
 from gradtx.optimizers.muon.iteration import (
     _DEFAULT_NS_COEFFS,
-    _PRECONDITIONINGS,
     Preconditioning,
     Scalar,
     _coeff_rows,
@@ -38,11 +37,8 @@ def _check_common(
         raise TypeError(
             f"{name}: ns_steps must be an int, got a tensor (under inject_hyperparams pass static_args=('ns_steps',))"
         )
-    ns_steps = check.integer(ns_steps, arg="ns_steps", name=name, minimum=0)
-    rows = _coeff_rows(ns_coeffs, ns_steps, name=name)
+    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name=name)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    if preconditioning not in _PRECONDITIONINGS:
-        raise ValueError(f"{name}: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
     check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
     if comm is not None:
         check_exchange_comm(comm, name=name)
@@ -283,21 +279,17 @@ def scale_by_muon(
         out: list[torch.Tensor] = list(leaves)
         if idx:
             m0s = [tu.local(mu_leaves[index[j]]) for j in idx]
-            gls = [_cast(tu.local(leaves[j]), m0.dtype) for j, m0 in zip(idx, m0s)]
+            gls = [tu.local(leaves[j]).to(m0.dtype) for j, m0 in zip(idx, m0s)]
             ms, ds = _momentum(m0s, gls, beta, count, nesterov=nesterov, bias_correction=bias_correction)
             for j, m in zip(idx, ms):
                 new_mu[index[j]] = tu.like(mu_leaves[index[j]], m)
             directions = [tu.like(leaves[j], d) for j, d in zip(idx, ds)]
             sub_paths = lambda: [paths()[j] for j in idx]
             for j, o in zip(idx, run(directions, [dims[j] for j in idx], sub_paths, adaptive)):
-                out[j] = tu.like(leaves[j], _cast(tu.local(o), leaves[j].dtype))
+                out[j] = tu.like(leaves[j], tu.local(o).to(leaves[j].dtype))
         return tu.unflatten(spec, out), MuonState(count=count, mu=tu.unflatten(mu_spec, new_mu))
 
     return GradientTransformation(init_fn, update_fn)
-
-
-def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if x.dtype == dtype else x.to(dtype)
 
 
 @factory
