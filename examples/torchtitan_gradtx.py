@@ -6,7 +6,8 @@ factory that wraps torch's AdamW in a :class:`gradtx.TransformedOptimizer`.
 Everything else is torchtitan's own: its ``step``/``zero_grad``, its flattened
 FQN-keyed optimizer state dict, its DCP ``CheckpointManager``.
 
-The chain accumulates, so that the checkpoint is taken with a window open. In torchtitan's
+The chain accumulates; the checkpoint is taken at a window boundary (a mid-window one is refused
+when torchtitan loads it into its template: docs/torchtitan.md). In torchtitan's
 Trainer, accumulate with torchtitan instead and keep gradtx's clip; examples/torchtitan_trainer.py
 is how the Trainer builds this container (docs/torchtitan.md says why).
 
