@@ -143,7 +143,7 @@ PER_EXAMPLE = {
 def test_every_public_factory_is_covered():
     decorated = {
         name
-        for name in dir(gtx)
+        for name in gtx.__all__
         if inspect.isfunction(getattr(gtx, name))
         and inspect.signature(getattr(gtx, name)).return_annotation
         in ("GradientTransformation", "ScalarTransformation", "OptimizerChain", "Accumulation", "Guard", "Schedule")

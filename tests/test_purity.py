@@ -131,7 +131,7 @@ def test_every_public_transform_is_covered():
     """A new public transform must be added to CASES above."""
     factories = {
         name
-        for name in dir(gtx)
+        for name in gtx.__all__
         if inspect.isfunction(obj := getattr(gtx, name))
         and inspect.signature(obj).return_annotation in (gtx.GradientTransformation, "GradientTransformation")
     }
