@@ -130,7 +130,7 @@ def test_window_reduce_writes_into_the_donated_buffers():
     grad = torch.tensor([2.0, 4.0])
     comm = RecordingComm(PeerComm([torch.tensor([6.0, 6.0])]))
     window = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True).window
-    out = window.reduce([grad], inplace=True)
+    out = window.reduce([grad], write_back=True)
     assert out[0] is grad  # the .grad object (and a DTensor's metadata) is kept
     assert torch.equal(grad, torch.tensor([8.0, 10.0]))
 

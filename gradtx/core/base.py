@@ -227,7 +227,7 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
         if key is not None and key[1] in (torch.float32, torch.float64) and not _records(leaves, f):
             return tu.unflatten(spec, fe.mul(leaves, f.to(*key))), new_state  # one launch, no loop per leaf
         tu.check_tensors(leaves, tree=updates, what="updates")
-        return tu.unflatten(spec, tu.scale_leaves(leaves, f, inplace=False)), new_state
+        return tu.unflatten(spec, tu.scale_leaves(leaves, f, write_back=False)), new_state
 
     return ScalarTransformation(init, update_fn, factor)
 

@@ -242,17 +242,17 @@ def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:
 
 
 def all_reduce_leaves(
-    comm: Any, leaves: Sequence[torch.Tensor], op: Any, group: Any, *, inplace: bool = False
+    comm: Any, leaves: Sequence[torch.Tensor], op: Any, group: Any, *, write_back: bool = False
 ) -> list[Any]:
     """Reduce ``leaves`` over ``group`` through ``comm``, one coalesced collective on their local shards.
 
-    With ``inplace`` the results are written back into the leaves (the same
+    With ``write_back`` the results are written back into the leaves (the same
     objects, so ``.grad`` tensors and DTensor metadata are kept); otherwise new
     leaves are returned, wrapped like the inputs.
     """
     locals_ = [local(t) for t in leaves]
     reduced = comm.all_reduce(locals_, op, group)
-    if not inplace:
+    if not write_back:
         return [like(t, r) for t, r in zip(leaves, reduced)]
     for loc, r in zip(locals_, reduced):
         if r is not loc:  # a one-process comm hands its inputs back
@@ -288,10 +288,10 @@ def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.d
     return groups
 
 
-def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplace: bool = False) -> list[torch.Tensor]:
+def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, write_back: bool = False) -> list[torch.Tensor]:
     """Multiply every leaf by the 0-d tensor ``factor``, through local shards, keeping dtypes.
 
-    With ``inplace`` the leaves' storage is overwritten and the same objects
+    With ``write_back`` the leaves' storage is overwritten and the same objects
     are returned; otherwise new tensors are returned and the leaves are untouched.
     """
     locals_ = [local(t) for t in leaves]
@@ -300,7 +300,7 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, inplac
         group = [locals_[i] for i in idx]
         f = factor.to(device, acc_dtype(dtype), non_blocking=True)
         recording = torch.is_grad_enabled() and (f.requires_grad or any(t.requires_grad for t in group))
-        if inplace and not recording and not fe.under_vmap():
+        if write_back and not recording and not fe.under_vmap():
             fe.mul_(group, f)
         else:
             # Autograd records (a hypergradient, or grads through the step): always new tensors, which

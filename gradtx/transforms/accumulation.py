@@ -219,8 +219,8 @@ def accumulate(
             if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted
                 return None, stepped.state
             return None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
-        total = window.reduce([new[i] for i in index], inplace=True)  # the sums are ours
-        scaled = tu.scale_leaves(total, stepped.factor, inplace=True)  # the sums are ours: fp32 sum times 1/n
+        total = window.reduce([new[i] for i in index], write_back=True)  # the sums are ours
+        scaled = tu.scale_leaves(total, stepped.factor, write_back=True)  # the sums are ours: fp32 sum times 1/n
         return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), stepped.state
 
     # Whether the window emits is decided on the host: traced, that is a graph break inside the window's

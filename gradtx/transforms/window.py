@@ -311,12 +311,12 @@ class Window:
             ),
         )
 
-    def reduce(self, leaves: list[torch.Tensor], *, inplace: bool) -> list[torch.Tensor]:
+    def reduce(self, leaves: list[torch.Tensor], *, write_back: bool) -> list[torch.Tensor]:
         """Sum ``leaves`` over ``group`` in one coalesced collective, through their local shards (``reduce_grads``).
 
-        With ``inplace`` the sums are written back into the leaves (keeping the
+        With ``write_back`` the sums are written back into the leaves (keeping the
         ``.grad`` objects and their DTensor metadata); otherwise new leaves are returned.
         """
         if not self.reduce_grads or self.comm is None:
             return leaves
-        return tu.all_reduce_leaves(self.comm, leaves, ReduceOp.SUM, self.group, inplace=inplace)
+        return tu.all_reduce_leaves(self.comm, leaves, ReduceOp.SUM, self.group, write_back=write_back)

@@ -112,7 +112,7 @@ class Plan:
             if stepped.factor is None:
                 return Result(None, self.join(states), None, None)
             if self.window.window.reduce_grads:  # a functional data-parallel window: sum .grad over the ranks
-                self.window.window.reduce([g for group in grads for g in group], inplace=True)
+                self.window.window.reduce([g for group in grads for g in group], write_back=True)
             mean = stepped.factor.to(device, non_blocking=True)
             pending = mean if pending is None else pending * mean
             extra = self.window.downstream_extra(states[0], extra)
