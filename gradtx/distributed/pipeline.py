@@ -30,9 +30,6 @@ class PPReduce(GradientTransformation):
         self.mesh_groups = mesh_groups
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
-        return (self.init, self.update, self.mesh_groups)
-
 
 def check_chain(txs: Sequence[Any], *, name: str) -> None:
     """Refuse, when a chain is built, a norm that a pipeline chain computes over the wrong plan.

@@ -36,9 +36,6 @@ class Accumulation(GradientTransformation):
         self.window = window
         return self
 
-    def __getnewargs__(self) -> tuple[Any, ...]:  # copy, deepcopy and pickle rebuild it with every field
-        return (self.init, self.update, self.window)
-
     def downstream_extra(self, state: AccumulateState, extra: dict[str, Any]) -> dict[str, Any]:
         """The extras the members after the window see, once it has emitted with ``state``.
 
