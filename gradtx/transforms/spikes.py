@@ -25,6 +25,7 @@ from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
 from gradtx.distributed.global_norm import check_plan
 from gradtx.transforms.adaptive import updates_norm
+from gradtx.transforms.conditionals import select_step
 
 __all__ = [
     "ShouldSkipUpdateFunction",
@@ -196,15 +197,6 @@ def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: Group
     return ~inferred.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
 
 
-def _select_step(inner: GradientTransformation, accept: torch.Tensor, updates, state, params, extra, *, name: str):
-    """Run ``inner``; its result where ``accept``, else zero updates and the old inner state."""
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-    if new_updates is None:
-        raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before it")
-    zeros = tu.tree_map(torch.zeros_like, new_updates)
-    return lw.where_tree(accept, new_updates, zeros), lw.where_tree(accept, new_inner, state.inner_state)
-
-
 @factory
 def skip_if(
     inner: GradientTransformation,
@@ -264,7 +256,7 @@ def skip_if(
             raise ValueError(f"skip_if: should_skip_update_fn must return a 0-d bool tensor first, got {got}")
         skip = _agree(verdict.to(state.gradient_step.device), updates, comm, group)
         accept = ~skip
-        out, inner_state = _select_step(inner, accept, updates, state, params, extra, name="skip_if")
+        out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name="skip_if")
         return out, SkipIfState(
             gradient_step=state.gradient_step + accept.to(torch.int64),
             skipped=skip,
@@ -431,7 +423,7 @@ def skip_spikes(
         mean = torch.where(fold, torch.where(warm, mean_w, mean_e), state.mean)
         var = torch.where(fold, torch.where(warm, var_w, var_e), state.var)
 
-        out, inner_state = _select_step(inner, accept, updates, state, params, extra, name=name)
+        out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name=name)
         skipped = ~accept
         return out, SkipSpikesState(
             count=state.count + fold.to(torch.int64),
