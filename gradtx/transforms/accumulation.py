@@ -16,7 +16,7 @@ import torch
 from gradtx.comm.base import Comm, GroupKey, check_comm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, Params, factory
+from gradtx.core.base import GradientTransformation, factory
 from gradtx.transforms.window import AccumulateState, Window, WindowStep, _placeholder, empty_sums
 
 __all__ = ["AccumulateState", "Accumulation", "Window", "WindowStep", "accumulate", "empty_sums"]
@@ -164,9 +164,6 @@ def accumulate(
     if every_k_schedule is not None:
         window.window_k(window.init())  # a bad schedule fails here, not on the first micro-step
 
-    def init_fn(params: Params) -> AccumulateState:
-        return window.init(params)
-
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
         loss = extra.get("loss")
         window.check(state)
@@ -227,4 +224,4 @@ def accumulate(
         "gradtx.accumulate decides on the host whether its window emits (data-dependent control flow): "
         "compile the step without fullgraph=True, or leave the accumulation to TransformedOptimizer"
     )
-    return Accumulation(init_fn, torch.compiler.disable(update_fn, reason=reason), window)
+    return Accumulation(window.init, torch.compiler.disable(update_fn, reason=reason), window)

@@ -97,13 +97,11 @@ def _loss_value(loss: Any) -> torch.Tensor | None:
     """A micro-batch's loss as a detached fp32 0-d tensor (no host read), or ``None`` when none was given."""
     if loss is None:
         return None
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise ValueError(f"accumulate: loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
-        if not loss.dtype.is_floating_point:
-            raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
-        return loss.detach().reshape(()).to(torch.float32)
-    return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
+    if not isinstance(loss, torch.Tensor):
+        return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
+    if not loss.dtype.is_floating_point:
+        raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
+    return check.scalar(loss, arg="loss", name="accumulate", dtype=torch.float32, device=loss.device)
 
 
 def multi_process() -> int:
