@@ -165,7 +165,6 @@ def accumulate(
         window.window_k(window.init())  # a bad schedule fails here, not on the first micro-step
 
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
-        loss = extra.get("loss")
         window.check(state)
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="accumulate: updates")
@@ -183,14 +182,6 @@ def accumulate(
         p_leaves = tu.flatten(params)[0] if params is not None else []
         summed = [not _placeholder(a) for a in sums]
         sum_paths = tu.paths(held)
-        for j, i in enumerate(index):
-            e = sums[i] if summed[i] else p_leaves[i] if len(p_leaves) == len(sums) else None
-            g = leaves[j]
-            if isinstance(e, torch.Tensor) and tu.local(g).shape != tu.local(e).shape:
-                raise ValueError(
-                    f"accumulate: updates at {tu.path_str(sum_paths[i])} have shape {tuple(tu.local(g).shape)}, "
-                    f"expected {tuple(tu.local(e).shape)} ({against})"
-                )
         if opened:
             given = {i: j for j, i in enumerate(index)}
             for i, path in enumerate(sum_paths):
@@ -202,12 +193,19 @@ def accumulate(
             )
         new = list(sums)
         for j, i in enumerate(index):
-            g = leaves[j]
+            g = tu.local(leaves[j])
+            e = sums[i] if summed[i] else p_leaves[i] if len(p_leaves) == len(sums) else None
+            if isinstance(e, torch.Tensor) and g.shape != tu.local(e).shape:
+                raise ValueError(
+                    f"accumulate: updates at {tu.path_str(sum_paths[i])} have shape {tuple(g.shape)}, "
+                    f"expected {tuple(tu.local(e).shape)} ({against})"
+                )
             if summed[i]:
-                new[i] = tu.like(g, tu.local(sums[i]) + tu.local(g))
+                new[i] = tu.like(leaves[j], tu.local(sums[i]) + g)
             else:  # fp32 at least: bf16/fp16 sum in fp32, fp64 in fp64, complex keeps its imaginary part
-                new[i] = tu.like(g, tu.local(g).to(torch.promote_types(g.dtype, torch.float32), copy=True))
+                new[i] = tu.like(leaves[j], g.to(torch.promote_types(g.dtype, torch.float32), copy=True))
         device = tu.local(leaves[0]).device if leaves else None
+        loss = extra.get("loss")
         stepped = window.step(state._replace(acc=held), tokens=tokens, flush=flush, device=device, loss=loss)
         if stepped.factor is None:
             if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted

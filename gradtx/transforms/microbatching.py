@@ -92,7 +92,8 @@ def microbatch(
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
         check.integer(n, arg="argnums", name="microbatch", minimum=0)
-    keys: list[Any] = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]  # positions, then keyword names
+    # The batch arguments: positions, then keyword names.
+    keys: list[Any] = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]
     axes = (in_axes,) * len(keys) if isinstance(in_axes, int) else tuple(in_axes)
     if len(axes) != len(keys):
         raise ValueError(f"microbatch: in_axes needs one axis per batch argument ({len(keys)}), got {len(axes)}")
@@ -128,15 +129,11 @@ def microbatch(
         kinds: list[AccumulationType] = []
         spec = None
         for index in range(steps):
-            leaves, out_spec = optree.tree_flatten(call(index))
+            output = call(index)
+            leaves, out_spec = optree.tree_flatten(output)
             if carry is None:
                 spec = out_spec
-                kinds = tu.prefix_leaves(
-                    accumulator,
-                    optree.tree_unflatten(out_spec, leaves),
-                    what="microbatch: accumulator",
-                    against="fun's output",
-                )
+                kinds = tu.prefix_leaves(accumulator, output, what="microbatch: accumulator", against="fun's output")
                 for kind, leaf in zip(kinds, leaves):
                     if kind in (AccumulationType.MEAN, AccumulationType.RUNNING_MEAN) and not leaf.is_floating_point():
                         raise ValueError("microbatch: MEAN and RUNNING_MEAN accumulators need floating-point outputs")

@@ -28,10 +28,6 @@ class SAMState(NamedTuple):
     cache: PyTree | None
 
 
-def _negate(tree: PyTree) -> PyTree:
-    return lw.lmap(torch.neg, tree)
-
-
 @factory
 def sam(
     optimizer: GradientTransformation,
@@ -107,7 +103,7 @@ def sam(
         last = state.steps_since_sync == sync_period - 1
         adv_updates, adv_state = adv_optimizer.update(updates, state.adv_state, params, **extra)
         held(adv_updates, "adv_optimizer")
-        adv_updates = _negate(adv_updates)
+        adv_updates = lw.lmap(torch.neg, adv_updates)
         opt_updates, opt_state = optimizer.update(updates, state.opt_state, state.cache, **extra)
         held(opt_updates, "optimizer")
         opt_updates = lw.lmap(lambda c, p, u: c - p + u.to(c.dtype), state.cache, params, opt_updates)
@@ -129,7 +125,7 @@ def sam(
         for i in range(sync_period - 1):
             adv_updates, adv_state = adv_optimizer.update(adv_updates, adv_state, adv_params, **extra)
             held(adv_updates, "adv_optimizer")
-            adv_updates = _negate(adv_updates)
+            adv_updates = lw.lmap(torch.neg, adv_updates)
             adv_params = lw.lmap(lambda p, u: p + u.to(p.dtype), adv_params, adv_updates)
             adv_updates = grad_fn(adv_params, i)
         if reset_state:

@@ -161,8 +161,7 @@ def skip_large_updates(
     """
     del gradient_step, params
     fn = "skip_large_updates"
-    if not isinstance(max_squared_norm, torch.Tensor):
-        max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False)
+    max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False, tensor=True)
     check_plan(mesh_groups, name=fn)
     norm_sq = updates_norm(updates, 2.0, mesh_groups, fn).square()
     should_skip = ~(norm_sq < max_squared_norm)

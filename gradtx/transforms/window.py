@@ -71,8 +71,24 @@ class AccumulateState(NamedTuple):
     windows: torch.Tensor
 
 
-def _token_count(tokens: Any) -> int:
-    """Validate a micro-batch's token count and return it as an int (reads only host memory)."""
+def multi_process() -> int:
+    """The world size when torch.distributed runs several processes, else 0 (a query, no collective)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    world = torch.distributed.get_world_size()
+    return world if world > 1 else 0
+
+
+def _token_count(tokens: Any, comm: Comm | None) -> int:
+    """Validate a micro-batch's token count and return it as an int (reads only host memory); changes nothing."""
+    world = multi_process() if comm is None else 0
+    if world:
+        raise ValueError(
+            f"accumulate: token_weighted=True in a run of {world} processes needs comm= over the data-parallel "
+            "ranks (e.g. accumulate(k, token_weighted=True, comm=gtx.comm.TorchComm(mesh), group='dp')), so the "
+            "token total is the global batch's; pass comm=gtx.comm.LocalComm() if each rank's tokens are "
+            "already the global count"
+        )
     if tokens is None:
         raise ValueError("accumulate: token_weighted=True needs update(..., tokens=n), the micro-batch's valid tokens")
     if isinstance(tokens, torch.Tensor):
@@ -102,15 +118,6 @@ def _loss_value(loss: Any) -> torch.Tensor | None:
     if not loss.dtype.is_floating_point:
         raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
     return check.scalar(loss, arg="loss", name="accumulate", dtype=torch.float32, device=loss.device)
-
-
-def multi_process() -> int:
-    """The world size when torch.distributed runs several processes, else 0 (a query, no collective)."""
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0
-    world = dist.get_world_size()
-    return world if world > 1 else 0
 
 
 def _placeholder(leaf: Any) -> bool:
@@ -214,20 +221,6 @@ class Window:
         """Whether the next micro-step closes the window (the ``k``-th, or one passed ``flush=True``)."""
         return flush or int(state.micro_step) + 1 >= self.window_k(state)
 
-    def check_tokens(self, tokens: Any) -> int:
-        """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
-        if not self.token_weighted:
-            return 0
-        world = multi_process() if self.comm is None else 0
-        if world:
-            raise ValueError(
-                f"accumulate: token_weighted=True in a run of {world} processes needs comm= over the data-parallel "
-                "ranks (e.g. accumulate(k, token_weighted=True, comm=gtx.comm.TorchComm(mesh), group='dp')), so the "
-                "token total is the global batch's; pass comm=gtx.comm.LocalComm() if each rank's tokens are "
-                "already the global count"
-            )
-        return _token_count(tokens)
-
     def step(
         self,
         state: AccumulateState,
@@ -256,7 +249,7 @@ class Window:
             token mean), what the members after the window see as ``loss``.
         """
         self.check(state)
-        n = self.check_tokens(tokens)
+        n = _token_count(tokens, self.comm) if self.token_weighted else 0
         loss_value = _loss_value(loss)
         loss_sum, loss_weight = state.loss_sum, int(state.loss_weight)
         if loss_value is not None:
