@@ -35,14 +35,6 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: OptState
 
 
-def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """Whether every element of every (local) leaf is finite, as a 0-d bool tensor; no host sync."""
-    if not leaves:
-        return torch.ones((), dtype=torch.bool)
-    # The inf-norm is finite exactly when every element is (NaN propagates through max).
-    return torch.isfinite(norms.local_norm(leaves, float("inf")))
-
-
 def select_step(
     inner: GradientTransformation,
     accept: torch.Tensor | bool,
@@ -56,16 +48,19 @@ def select_step(
 ) -> tuple[Updates, OptState]:
     """Run ``inner``; its result where ``accept``, else ``rejected`` (zeros by default) and the old inner state.
 
-    A 0-d bool tensor ``accept`` is a ``torch.where`` (no host read); a Python bool, a Python choice.
+    A 0-d bool tensor ``accept`` is a ``torch.where`` (no host read); a Python bool (with ``rejected``
+    given), a Python choice.
     """
     new_updates, new_inner = inner.update(updates, inner_state, params, **extra)
     if new_updates is None:
         raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before it")
-    if rejected is None:
-        rejected = tu.tree_map(torch.zeros_like, new_updates)
-    if isinstance(accept, torch.Tensor):
-        return lw.where_tree(accept, new_updates, rejected), lw.where_tree(accept, new_inner, inner_state)
-    return (new_updates, new_inner) if accept else (rejected, inner_state)
+    if not isinstance(accept, torch.Tensor):
+        return (new_updates, new_inner) if accept else (rejected, inner_state)
+    if rejected is None:  # zeros: a Python 0 keeps each leaf's dtype and allocates nothing
+        out = lw.lmap(lambda u: torch.where(accept.to(u.device), u, 0), new_updates)
+    else:
+        out = lw.where_tree(accept, new_updates, rejected)
+    return out, lw.where_tree(accept, new_inner, inner_state)
 
 
 @factory
@@ -127,7 +122,9 @@ def apply_if_finite(
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
         leaves, _ = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="apply_if_finite: updates")
-        finite = inferred.agree_finite(all_finite(leaves), leaves, comm=comm, group=group)
+        # The inf-norm is finite exactly when every element is (NaN propagates through max); no host sync.
+        local = torch.isfinite(norms.local_norm(leaves, float("inf"))) if leaves else torch.ones((), dtype=torch.bool)
+        finite = inferred.agree_finite(local, leaves, comm=comm, group=group)
         finite = finite.to(state.notfinite_count.device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)
