@@ -147,10 +147,7 @@ def accumulate(
     if (k is None) == (every_k_schedule is None):
         raise ValueError("accumulate: give k (micro-steps per update) or every_k_schedule, exactly one of them")
     if every_k_schedule is not None:
-        if not callable(every_k_schedule):
-            raise TypeError(
-                f"accumulate: every_k_schedule must be a callable windows -> k, got {type(every_k_schedule).__name__}"
-            )
+        check.function(every_k_schedule, arg="every_k_schedule", name="accumulate")  # windows -> k
         k = 0  # recorded in the state: a scheduled window resumes only under a schedule
     else:
         k = check.integer(k, arg="k", name="accumulate", minimum=1)

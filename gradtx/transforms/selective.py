@@ -164,9 +164,8 @@ def _conditional(
         # The updates are read again when the step is rejected: the inner transform may not write into them.
         # A predicate that answers in Python gets a Python choice, as lax.cond would make.
         rejected = tu.tree_map(torch.zeros_like, updates) if zero_rejected else updates
-        accept = cond if isinstance(cond, torch.Tensor) else bool(cond)
         out, inner_state = select_step(
-            inner, accept, updates, state.inner_state, params, extra, name=name, rejected=rejected
+            inner, cond, updates, state.inner_state, params, extra, name=name, rejected=rejected
         )
         return out, state_type(step=state.step + 1, inner_state=inner_state)
 
