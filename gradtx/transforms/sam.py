@@ -109,10 +109,8 @@ def sam(
         opt_updates = lw.lmap(lambda c, p, u: c - p + u.to(c.dtype), state.cache, params, opt_updates)
         cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
         out = lw.where_tree(last, opt_updates, adv_updates)
-        if reset_state:
-            adv_state = lw.where_tree(last, adv_optimizer.init(params), adv_state)
-        else:
-            adv_state = lw.where_tree(last, state.adv_state, adv_state)
+        at_sync = adv_optimizer.init(params) if reset_state else state.adv_state  # the end of a period
+        adv_state = lw.where_tree(last, at_sync, adv_state)
         opt_state = lw.where_tree(last, opt_state, state.opt_state)
         steps = torch.remainder(state.steps_since_sync + 1, sync_period)
         return out, SAMState(steps_since_sync=steps, opt_state=opt_state, adv_state=adv_state, cache=cache)

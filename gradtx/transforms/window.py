@@ -133,16 +133,13 @@ def empty_sums(tree: Any) -> Any:
     placeholder, in the sum's dtype (at least fp32) on the leaf's (local)
     device, and costs no memory. ``None`` gives ``None``.
     """
-    if tree is None:
-        return None
-    return tu.tree_map(
-        lambda p: (
-            torch.empty(0, dtype=torch.promote_types(p.dtype, torch.float32), device=tu.local(p).device)
-            if isinstance(p, torch.Tensor)
-            else p
-        ),
-        tree,
-    )
+
+    def placeholder(p: Any) -> Any:
+        if not isinstance(p, torch.Tensor):
+            return p
+        return torch.empty(0, dtype=torch.promote_types(p.dtype, torch.float32), device=tu.local(p).device)
+
+    return tu.tree_map(placeholder, tree)
 
 
 class WindowStep(NamedTuple):
