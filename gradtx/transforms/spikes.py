@@ -82,7 +82,8 @@ def zero_nans() -> GradientTransformation:
         nans = [torch.isnan(tu.local(u)) for u in leaves]
         found = {path: nan.any() for path, nan in zip(tu.paths(updates), nans)}
         out = [tu.like(u, torch.where(nan, 0, tu.local(u))) for u, nan in zip(leaves, nans)]
-        unknown = [p for p in found if p not in set(optree.tree_paths(state.found_nan))]
+        known = set(optree.tree_paths(state.found_nan))  # built once, not once per leaf
+        unknown = [p for p in found if p not in known]
         if unknown:
             raise ValueError(
                 f"zero_nans: the update at {tu.path_str(unknown[0])} has no param in the state; "
