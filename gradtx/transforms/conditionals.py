@@ -15,6 +15,8 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.distributed import global_norm as inferred
 
+__all__ = ["ApplyIfFiniteState", "apply_if_finite"]
+
 
 @export_metrics(("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
 class ApplyIfFiniteState(NamedTuple):
