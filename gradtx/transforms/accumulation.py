@@ -163,8 +163,7 @@ def accumulate(
 
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
         window.check(state)
-        leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what="accumulate: updates")
+        leaves, spec = tu.tensor_leaves(updates, what="accumulate: updates")
         held = state.acc
         if held is None:  # a Window made without params: nothing summed yet
             held = empty_sums(params if params is not None else updates)

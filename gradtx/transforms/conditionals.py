@@ -122,12 +122,10 @@ def apply_if_finite(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
-        leaves, _ = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what="apply_if_finite: updates")
+        leaves, _ = tu.tensor_leaves(updates, what="apply_if_finite: updates")
         # The inf-norm is finite exactly when every element is (NaN propagates through max); no host sync.
         local = torch.isfinite(norms.local_norm(leaves, float("inf"))) if leaves else torch.ones((), dtype=torch.bool)
-        finite = inferred.agree_finite(local, leaves, comm=comm, group=group)
-        finite = finite.to(state.notfinite_count.device)
+        finite = inferred.agree_finite(local, leaves, comm=comm, group=group).to(state.notfinite_count.device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)
 
