@@ -16,7 +16,7 @@ import torch
 from gradtx.comm.base import Comm, GroupKey, check_comm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, Params, factory
+from gradtx.core.base import GradientTransformation, factory
 from gradtx.transforms.window import AccumulateState, Window, WindowStep, _placeholder, empty_sums
 
 __all__ = ["AccumulateState", "Accumulation", "Window", "WindowStep", "accumulate", "empty_sums"]
@@ -147,10 +147,7 @@ def accumulate(
     if (k is None) == (every_k_schedule is None):
         raise ValueError("accumulate: give k (micro-steps per update) or every_k_schedule, exactly one of them")
     if every_k_schedule is not None:
-        if not callable(every_k_schedule):
-            raise TypeError(
-                f"accumulate: every_k_schedule must be a callable windows -> k, got {type(every_k_schedule).__name__}"
-            )
+        check.function(every_k_schedule, arg="every_k_schedule", name="accumulate")  # windows -> k
         k = 0  # recorded in the state: a scheduled window resumes only under a schedule
     else:
         k = check.integer(k, arg="k", name="accumulate", minimum=1)
@@ -164,14 +161,9 @@ def accumulate(
     if every_k_schedule is not None:
         window.window_k(window.init())  # a bad schedule fails here, not on the first micro-step
 
-    def init_fn(params: Params) -> AccumulateState:
-        return window.init(params)
-
     def update_fn(updates, state, params=None, *, tokens=None, flush=False, **extra):
-        loss = extra.get("loss")
         window.check(state)
-        leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what="accumulate: updates")
+        leaves, spec = tu.tensor_leaves(updates, what="accumulate: updates")
         held = state.acc
         if held is None:  # a Window made without params: nothing summed yet
             held = empty_sums(params if params is not None else updates)
@@ -186,14 +178,6 @@ def accumulate(
         p_leaves = tu.flatten(params)[0] if params is not None else []
         summed = [not _placeholder(a) for a in sums]
         sum_paths = tu.paths(held)
-        for j, i in enumerate(index):
-            e = sums[i] if summed[i] else p_leaves[i] if len(p_leaves) == len(sums) else None
-            g = leaves[j]
-            if isinstance(e, torch.Tensor) and tu.local(g).shape != tu.local(e).shape:
-                raise ValueError(
-                    f"accumulate: updates at {tu.path_str(sum_paths[i])} have shape {tuple(tu.local(g).shape)}, "
-                    f"expected {tuple(tu.local(e).shape)} ({against})"
-                )
         if opened:
             given = {i: j for j, i in enumerate(index)}
             for i, path in enumerate(sum_paths):
@@ -205,12 +189,19 @@ def accumulate(
             )
         new = list(sums)
         for j, i in enumerate(index):
-            g = leaves[j]
+            g = tu.local(leaves[j])
+            e = sums[i] if summed[i] else p_leaves[i] if len(p_leaves) == len(sums) else None
+            if isinstance(e, torch.Tensor) and g.shape != tu.local(e).shape:
+                raise ValueError(
+                    f"accumulate: updates at {tu.path_str(sum_paths[i])} have shape {tuple(g.shape)}, "
+                    f"expected {tuple(tu.local(e).shape)} ({against})"
+                )
             if summed[i]:
-                new[i] = tu.like(g, tu.local(sums[i]) + tu.local(g))
+                new[i] = tu.like(leaves[j], tu.local(sums[i]) + g)
             else:  # fp32 at least: bf16/fp16 sum in fp32, fp64 in fp64, complex keeps its imaginary part
-                new[i] = tu.like(g, tu.local(g).to(torch.promote_types(g.dtype, torch.float32), copy=True))
+                new[i] = tu.like(leaves[j], g.to(torch.promote_types(g.dtype, torch.float32), copy=True))
         device = tu.local(leaves[0]).device if leaves else None
+        loss = extra.get("loss")
         stepped = window.step(state._replace(acc=held), tokens=tokens, flush=flush, device=device, loss=loss)
         if stepped.factor is None:
             if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted
@@ -227,4 +218,4 @@ def accumulate(
         "gradtx.accumulate decides on the host whether its window emits (data-dependent control flow): "
         "compile the step without fullgraph=True, or leave the accumulation to TransformedOptimizer"
     )
-    return Accumulation(init_fn, torch.compiler.disable(update_fn, reason=reason), window)
+    return Accumulation(window.init, torch.compiler.disable(update_fn, reason=reason), window)

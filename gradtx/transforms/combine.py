@@ -235,8 +235,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
       >>> tx = masked(add_decayed_weights(0.1), decay_matrices)
     """
     check.transform(inner, arg="inner", name="masked")
-    is_fn = _is_tree_fn(mask)
-    if not is_fn:
+    if not _is_tree_fn(mask):
         for leaf in optree.tree_leaves(cast(Any, mask)):
             if not check._is_bool(leaf):
                 raise TypeError(

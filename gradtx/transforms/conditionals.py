@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, check_comm
+from gradtx.core import leafwise as lw
 from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, Guard, OptState, Params, export_metrics, factory
+from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.distributed import global_norm as inferred
+
+__all__ = ["ApplyIfFiniteState", "apply_if_finite"]
 
 
 @export_metrics(("total_skipped", "skipped"), ("notfinite_count", "notfinite_count"))
@@ -34,12 +37,32 @@ class ApplyIfFiniteState(NamedTuple):
     inner_state: OptState
 
 
-def all_finite(leaves: list[torch.Tensor]) -> torch.Tensor:
-    """Whether every element of every (local) leaf is finite, as a 0-d bool tensor; no host sync."""
-    if not leaves:
-        return torch.ones((), dtype=torch.bool)
-    # The inf-norm is finite exactly when every element is (NaN propagates through max).
-    return torch.isfinite(norms.local_norm(leaves, float("inf")))
+def select_step(
+    inner: GradientTransformation,
+    accept: torch.Tensor | bool,
+    updates: Updates,
+    inner_state: OptState,
+    params: Params | None,
+    extra: dict[str, Any],
+    *,
+    name: str,
+    rejected: Updates = None,
+) -> tuple[Updates, OptState]:
+    """Run ``inner``; its result where ``accept``, else ``rejected`` (zeros by default) and the old inner state.
+
+    A 0-d bool tensor ``accept`` is a ``torch.where`` (no host read); a Python bool (with ``rejected``
+    given), a Python choice.
+    """
+    new_updates, new_inner = inner.update(updates, inner_state, params, **extra)
+    if new_updates is None:
+        raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before it")
+    if not isinstance(accept, torch.Tensor):
+        return (new_updates, new_inner) if accept else (rejected, inner_state)
+    if rejected is None:  # zeros: a Python 0 keeps each leaf's dtype and allocates nothing
+        out = lw.lmap(lambda u: torch.where(accept.to(u.device), u, 0), new_updates)
+    else:
+        out = lw.where_tree(accept, new_updates, rejected)
+    return out, lw.where_tree(accept, new_inner, inner_state)
 
 
 @factory
@@ -88,51 +111,31 @@ def apply_if_finite(
     max_consecutive_errors = check.integer(
         max_consecutive_errors, arg="max_consecutive_errors", name="apply_if_finite", minimum=0
     )
-    if not isinstance(inner, GradientTransformation):
-        raise TypeError(f"apply_if_finite: inner must be a GradientTransformation, got {type(inner).__name__}")
+    check.transform(inner, arg="inner", name="apply_if_finite")
     if comm is not None:
         check_comm(comm, name="apply_if_finite")
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
-        # The counters live where the grads do, so the per-step verdict never crosses to the host.
-        device = tu.device_of(params)
-        return ApplyIfFiniteState(
-            notfinite_count=torch.zeros((), dtype=torch.int64, device=device),
-            last_finite=torch.ones((), dtype=torch.bool, device=device),
-            skipped=torch.zeros((), dtype=torch.bool, device=device),
-            total_skipped=torch.zeros((), dtype=torch.int64, device=device),
-            inner_state=inner.init(params),
-        )
+        count = lw.zero_count(params)  # beside the grads, so the per-step verdict never crosses to the host
+        # notfinite_count, last_finite, skipped, total_skipped, inner_state
+        return ApplyIfFiniteState(count, ~count.bool(), count.bool(), count.clone(), inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
-        leaves, _ = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what="apply_if_finite: updates")
-        finite = inferred.agree_finite(all_finite(leaves), leaves, comm=comm, group=group)
-        device = state.notfinite_count.device
-        finite = finite.to(device)
+        leaves, _ = tu.tensor_leaves(updates, what="apply_if_finite: updates")
+        # The inf-norm is finite exactly when every element is (NaN propagates through max); no host sync.
+        local = torch.isfinite(norms.local_norm(leaves, float("inf"))) if leaves else torch.ones((), dtype=torch.bool)
+        finite = inferred.agree_finite(local, leaves, comm=comm, group=group).to(state.notfinite_count.device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)
 
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        if new_updates is None:
-            raise ValueError("apply_if_finite: the inner transform held (returned None); put accumulate() before it")
-
-        def pick(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
-            if not isinstance(new, torch.Tensor):
-                return new
-            return tu.like(new, torch.where(accept.to(tu.local(new).device), tu.local(new), tu.local(old)))
-
-        out_leaves, out_spec = tu.flatten(new_updates)
-        # A Python 0 keeps each leaf's dtype.
-        out = [tu.like(u, torch.where(accept.to(tu.local(u).device), tu.local(u), 0)) for u in out_leaves]
-        new_state = ApplyIfFiniteState(
+        out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name="apply_if_finite")
+        return out, ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,
             skipped=~accept,
             total_skipped=state.total_skipped + (~accept).to(torch.int64),
-            inner_state=tu.tree_map(pick, new_inner, state.inner_state),
+            inner_state=inner_state,
         )
-        return tu.unflatten(out_spec, out), new_state
 
     return Guard(init_fn, update_fn, operator.attrgetter("skipped"))

@@ -92,7 +92,8 @@ def microbatch(
     nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     for n in nums:
         check.integer(n, arg="argnums", name="microbatch", minimum=0)
-    keys: list[Any] = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]  # positions, then keyword names
+    # The batch arguments: positions, then keyword names.
+    keys: list[Any] = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]
     axes = (in_axes,) * len(keys) if isinstance(in_axes, int) else tuple(in_axes)
     if len(axes) != len(keys):
         raise ValueError(f"microbatch: in_axes needs one axis per batch argument ({len(keys)}), got {len(axes)}")
@@ -124,28 +125,23 @@ def microbatch(
                 (new_args if isinstance(k, int) else new_kwargs)[k] = sliced
             return fun(*new_args, **new_kwargs)
 
-        carry: list[Any] | None = None
-        kinds: list[AccumulationType] = []
-        spec = None
+        if steps == 0:
+            raise ValueError("microbatch: num_real_microbatches=0 runs nothing, so there is no output to return")
+        first = call(0)
+        leaves, spec = optree.tree_flatten(first)
+        kinds = tu.prefix_leaves(accumulator, first, what="microbatch: accumulator", against="fun's output")
+        for kind, leaf in zip(kinds, leaves):
+            if kind in (AccumulationType.MEAN, AccumulationType.RUNNING_MEAN) and not leaf.is_floating_point():
+                raise ValueError("microbatch: MEAN and RUNNING_MEAN accumulators need floating-point outputs")
+        carry = [
+            torch.zeros((num, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
+            if kind is AccumulationType.CONCAT
+            else torch.zeros_like(leaf)
+            for kind, leaf in zip(kinds, leaves)
+        ]
         for index in range(steps):
-            leaves, out_spec = optree.tree_flatten(call(index))
-            if carry is None:
-                spec = out_spec
-                kinds = tu.prefix_leaves(
-                    accumulator,
-                    optree.tree_unflatten(out_spec, leaves),
-                    what="microbatch: accumulator",
-                    against="fun's output",
-                )
-                for kind, leaf in zip(kinds, leaves):
-                    if kind in (AccumulationType.MEAN, AccumulationType.RUNNING_MEAN) and not leaf.is_floating_point():
-                        raise ValueError("microbatch: MEAN and RUNNING_MEAN accumulators need floating-point outputs")
-                carry = [
-                    torch.zeros((num, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
-                    if kind is AccumulationType.CONCAT
-                    else torch.zeros_like(leaf)
-                    for kind, leaf in zip(kinds, leaves)
-                ]
+            if index > 0:
+                leaves = optree.tree_leaves(call(index))
             for k, (kind, leaf) in enumerate(zip(kinds, leaves)):
                 if kind is AccumulationType.CONCAT:
                     carry[k] = carry[k].index_copy(0, torch.tensor([index], device=leaf.device), leaf.unsqueeze(0))
@@ -154,12 +150,10 @@ def microbatch(
                     carry[k] = carry[k] * p + leaf * (1 - p)
                 else:
                     carry[k] = carry[k] + leaf
-        if carry is None:
-            raise ValueError("microbatch: num_real_microbatches=0 runs nothing, so there is no output to return")
         finish = {
             AccumulationType.MEAN: lambda c: c / num,
             AccumulationType.CONCAT: lambda c: c.transpose(0, 1).reshape(-1, *c.shape[2:]),  # the batch's row order
         }
-        return optree.tree_unflatten(cast(Any, spec), [finish.get(k, lambda c: c)(c) for k, c in zip(kinds, carry)])
+        return optree.tree_unflatten(spec, [finish.get(k, lambda c: c)(c) for k, c in zip(kinds, carry)])
 
     return microbatched

@@ -27,6 +27,7 @@ from gradtx.core.base import (
     init_empty_state,
 )
 from gradtx.transforms.averaging import _decay, ema
+from gradtx.transforms.combine import chain
 
 __all__ = ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snapshot"]
 
@@ -194,15 +195,6 @@ def measure_with_ema(
     average = ema(decay, debias, accumulator_dtype)
 
     def init_fn(params: Params) -> tuple[EmptyState, Any]:
-        return (EmptyState(), average.init(measure(params)))
+        return (EmptyState(), average.init(measure(params)))  # the average mirrors the measurement, not the params
 
-    def update_fn(updates, state, params=None, **extra):
-        del params
-        if not (isinstance(state, tuple) and len(state) == 2):
-            raise ValueError(
-                "measure_with_ema: state must be the (EmptyState(), EmaState) pair this transform's init returns"
-            )
-        out, ema_state = average.update(measure(updates), state[1], None, **extra)
-        return out, (state[0], ema_state)
-
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, chain(_stateless_measure(measure), average).update)

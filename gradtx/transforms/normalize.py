@@ -120,9 +120,8 @@ def centralize() -> GradientTransformation:
         del params, extra
         if state is not None:
             tu.require_state(state, EmptyState, name="centralize")
-        leaves, spec = tu.flatten(updates)
+        leaves, spec = tu.tensor_leaves(updates, what="centralize: updates")
         leaf_paths = tu.paths(updates)
-        tu.check_tensors(leaves, leaf_paths, what="centralize: updates")
         out = list(leaves)
         cut: dict[Any, list[int]] = {}  # process group -> the leaves whose rows it cuts
         sums: dict[int, torch.Tensor] = {}

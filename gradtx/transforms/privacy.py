@@ -132,10 +132,6 @@ def per_example_layer_norm_clip(
 # --- noise ----------------------------------------------------------------------------------
 
 
-def _generator_state(seed: int) -> torch.Tensor:
-    return torch.Generator().manual_seed(seed).get_state()
-
-
 def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Standard normal noise shaped like each leaf (in its dtype, on its device), and the generator's next state.
 
@@ -187,7 +183,9 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
 
     def init_fn(params: Params) -> AddNoiseState:
         del params
-        return AddNoiseState(count=torch.zeros((), dtype=torch.int64), rng_state=_generator_state(seed))
+        return AddNoiseState(
+            count=torch.zeros((), dtype=torch.int64), rng_state=torch.Generator().manual_seed(seed).get_state()
+        )
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
@@ -249,7 +247,7 @@ def differentially_private_aggregate(l2_norm_clip: float, noise_multiplier: floa
 
     def init_fn(params: Params) -> DifferentiallyPrivateAggregateState:
         del params
-        return DifferentiallyPrivateAggregateState(rng_state=_generator_state(seed))
+        return DifferentiallyPrivateAggregateState(rng_state=torch.Generator().manual_seed(seed).get_state())
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra

@@ -28,10 +28,6 @@ class SAMState(NamedTuple):
     cache: PyTree | None
 
 
-def _negate(tree: PyTree) -> PyTree:
-    return lw.lmap(torch.neg, tree)
-
-
 @factory
 def sam(
     optimizer: GradientTransformation,
@@ -107,16 +103,14 @@ def sam(
         last = state.steps_since_sync == sync_period - 1
         adv_updates, adv_state = adv_optimizer.update(updates, state.adv_state, params, **extra)
         held(adv_updates, "adv_optimizer")
-        adv_updates = _negate(adv_updates)
+        adv_updates = lw.lmap(torch.neg, adv_updates)
         opt_updates, opt_state = optimizer.update(updates, state.opt_state, state.cache, **extra)
         held(opt_updates, "optimizer")
         opt_updates = lw.lmap(lambda c, p, u: c - p + u.to(c.dtype), state.cache, params, opt_updates)
         cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
         out = lw.where_tree(last, opt_updates, adv_updates)
-        if reset_state:
-            adv_state = lw.where_tree(last, adv_optimizer.init(params), adv_state)
-        else:
-            adv_state = lw.where_tree(last, state.adv_state, adv_state)
+        at_sync = adv_optimizer.init(params) if reset_state else state.adv_state  # the end of a period
+        adv_state = lw.where_tree(last, at_sync, adv_state)
         opt_state = lw.where_tree(last, opt_state, state.opt_state)
         steps = torch.remainder(state.steps_since_sync + 1, sync_period)
         return out, SAMState(steps_since_sync=steps, opt_state=opt_state, adv_state=adv_state, cache=cache)
@@ -129,7 +123,7 @@ def sam(
         for i in range(sync_period - 1):
             adv_updates, adv_state = adv_optimizer.update(adv_updates, adv_state, adv_params, **extra)
             held(adv_updates, "adv_optimizer")
-            adv_updates = _negate(adv_updates)
+            adv_updates = lw.lmap(torch.neg, adv_updates)
             adv_params = lw.lmap(lambda p, u: p + u.to(p.dtype), adv_params, adv_updates)
             adv_updates = grad_fn(adv_params, i)
         if reset_state:

@@ -20,6 +20,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, factory, init_empty_state
 from gradtx.transforms.combine import masked, partition
+from gradtx.transforms.conditionals import select_step
 
 __all__ = [
     "ConditionallyMaskState",
@@ -156,20 +157,16 @@ def _conditional(
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, state_type, name=name)
         cond = should_transform_fn(state.step, **(extra if forward_extra_args else {}))
-        # The updates are read again when the step is rejected: the inner transform may not write into them.
-        new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-        if new_updates is None:
-            raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before {name}")
-        rejected = tu.tree_map(torch.zeros_like, updates) if zero_rejected else updates
-        if isinstance(cond, torch.Tensor):
-            out = lw.where_tree(cond, new_updates, rejected)
-            inner_state = lw.where_tree(cond, new_inner, state.inner_state)
-        elif check._is_bool(cond):  # a predicate that answers in Python: a Python choice, as lax.cond would make
-            out, inner_state = (new_updates, new_inner) if cond else (rejected, state.inner_state)
-        else:
+        if not (isinstance(cond, torch.Tensor) or check._is_bool(cond)):
             raise TypeError(
                 f"{name}: should_transform_fn must return a bool or a 0-d bool tensor, got {type(cond).__name__}"
             )
+        # The updates are read again when the step is rejected: the inner transform may not write into them.
+        # A predicate that answers in Python gets a Python choice, as lax.cond would make.
+        rejected = tu.tree_map(torch.zeros_like, updates) if zero_rejected else updates
+        out, inner_state = select_step(
+            inner, cond, updates, state.inner_state, params, extra, name=name, rejected=rejected
+        )
         return out, state_type(step=state.step + 1, inner_state=inner_state)
 
     return GradientTransformation(init_fn, update_fn)
@@ -202,7 +199,9 @@ def conditionally_transform(
     Example:
       >>> tx = conditionally_transform(clip_by_global_norm(1.0), lambda step: step >= 100)
     """
-    return _conditional(inner, should_transform_fn, forward_extra_args, name="conditionally_transform", zero_rejected=False)
+    return _conditional(
+        inner, should_transform_fn, forward_extra_args, name="conditionally_transform", zero_rejected=False
+    )
 
 
 @factory

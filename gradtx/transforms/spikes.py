@@ -25,6 +25,7 @@ from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
 from gradtx.distributed.global_norm import check_plan
 from gradtx.transforms.adaptive import updates_norm
+from gradtx.transforms.conditionals import select_step
 
 __all__ = [
     "ShouldSkipUpdateFunction",
@@ -81,7 +82,8 @@ def zero_nans() -> GradientTransformation:
         nans = [torch.isnan(tu.local(u)) for u in leaves]
         found = {path: nan.any() for path, nan in zip(tu.paths(updates), nans)}
         out = [tu.like(u, torch.where(nan, 0, tu.local(u))) for u, nan in zip(leaves, nans)]
-        unknown = [p for p in found if p not in set(optree.tree_paths(state.found_nan))]
+        known = set(optree.tree_paths(state.found_nan))  # built once, not once per leaf
+        unknown = [p for p in found if p not in known]
         if unknown:
             raise ValueError(
                 f"zero_nans: the update at {tu.path_str(unknown[0])} has no param in the state; "
@@ -160,8 +162,7 @@ def skip_large_updates(
     """
     del gradient_step, params
     fn = "skip_large_updates"
-    if not isinstance(max_squared_norm, torch.Tensor):
-        max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False)
+    max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False, tensor=True)
     check_plan(mesh_groups, name=fn)
     norm_sq = updates_norm(updates, 2.0, mesh_groups, fn).square()
     should_skip = ~(norm_sq < max_squared_norm)
@@ -194,15 +195,6 @@ def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: Group
     """True on every rank when it is True on any rank: over ``group`` with ``comm``, else over DTensors' meshes."""
     leaves = [t for t in tu.flatten(updates)[0] if isinstance(t, torch.Tensor)]
     return ~inferred.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
-
-
-def _select_step(inner: GradientTransformation, accept: torch.Tensor, updates, state, params, extra, *, name: str):
-    """Run ``inner``; its result where ``accept``, else zero updates and the old inner state."""
-    new_updates, new_inner = inner.update(updates, state.inner_state, params, **extra)
-    if new_updates is None:
-        raise ValueError(f"{name}: the inner transform held (returned None); put accumulate() before it")
-    zeros = tu.tree_map(torch.zeros_like, new_updates)
-    return lw.where_tree(accept, new_updates, zeros), lw.where_tree(accept, new_inner, state.inner_state)
 
 
 @factory
@@ -264,7 +256,7 @@ def skip_if(
             raise ValueError(f"skip_if: should_skip_update_fn must return a 0-d bool tensor first, got {got}")
         skip = _agree(verdict.to(state.gradient_step.device), updates, comm, group)
         accept = ~skip
-        out, inner_state = _select_step(inner, accept, updates, state, params, extra, name="skip_if")
+        out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name="skip_if")
         return out, SkipIfState(
             gradient_step=state.gradient_step + accept.to(torch.int64),
             skipped=skip,
@@ -431,7 +423,7 @@ def skip_spikes(
         mean = torch.where(fold, torch.where(warm, mean_w, mean_e), state.mean)
         var = torch.where(fold, torch.where(warm, var_w, var_e), state.var)
 
-        out, inner_state = _select_step(inner, accept, updates, state, params, extra, name=name)
+        out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name=name)
         skipped = ~accept
         return out, SkipSpikesState(
             count=state.count + fold.to(torch.int64),

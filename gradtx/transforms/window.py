@@ -71,8 +71,24 @@ class AccumulateState(NamedTuple):
     windows: torch.Tensor
 
 
-def _token_count(tokens: Any) -> int:
-    """Validate a micro-batch's token count and return it as an int (reads only host memory)."""
+def multi_process() -> int:
+    """The world size when torch.distributed runs several processes, else 0 (a query, no collective)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return 0
+    world = torch.distributed.get_world_size()
+    return world if world > 1 else 0
+
+
+def _token_count(tokens: Any, comm: Comm | None) -> int:
+    """Validate a micro-batch's token count and return it as an int (reads only host memory); changes nothing."""
+    world = multi_process() if comm is None else 0
+    if world:
+        raise ValueError(
+            f"accumulate: token_weighted=True in a run of {world} processes needs comm= over the data-parallel "
+            "ranks (e.g. accumulate(k, token_weighted=True, comm=gtx.comm.TorchComm(mesh), group='dp')), so the "
+            "token total is the global batch's; pass comm=gtx.comm.LocalComm() if each rank's tokens are "
+            "already the global count"
+        )
     if tokens is None:
         raise ValueError("accumulate: token_weighted=True needs update(..., tokens=n), the micro-batch's valid tokens")
     if isinstance(tokens, torch.Tensor):
@@ -97,22 +113,11 @@ def _loss_value(loss: Any) -> torch.Tensor | None:
     """A micro-batch's loss as a detached fp32 0-d tensor (no host read), or ``None`` when none was given."""
     if loss is None:
         return None
-    if isinstance(loss, torch.Tensor):
-        if loss.numel() != 1:
-            raise ValueError(f"accumulate: loss must be a scalar, got a tensor of shape {tuple(loss.shape)}")
-        if not loss.dtype.is_floating_point:
-            raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
-        return loss.detach().reshape(()).to(torch.float32)
-    return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
-
-
-def multi_process() -> int:
-    """The world size when torch.distributed runs several processes, else 0 (a query, no collective)."""
-    dist = getattr(torch, "distributed", None)
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return 0
-    world = dist.get_world_size()
-    return world if world > 1 else 0
+    if not isinstance(loss, torch.Tensor):
+        return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
+    if not loss.dtype.is_floating_point:
+        raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
+    return check.scalar(loss, arg="loss", name="accumulate", dtype=torch.float32, device=loss.device)
 
 
 def _placeholder(leaf: Any) -> bool:
@@ -128,16 +133,13 @@ def empty_sums(tree: Any) -> Any:
     placeholder, in the sum's dtype (at least fp32) on the leaf's (local)
     device, and costs no memory. ``None`` gives ``None``.
     """
-    if tree is None:
-        return None
-    return tu.tree_map(
-        lambda p: (
-            torch.empty(0, dtype=torch.promote_types(p.dtype, torch.float32), device=tu.local(p).device)
-            if isinstance(p, torch.Tensor)
-            else p
-        ),
-        tree,
-    )
+
+    def placeholder(p: Any) -> Any:
+        if not isinstance(p, torch.Tensor):
+            return p
+        return torch.empty(0, dtype=torch.promote_types(p.dtype, torch.float32), device=tu.local(p).device)
+
+    return tu.tree_map(placeholder, tree)
 
 
 class WindowStep(NamedTuple):
@@ -218,17 +220,7 @@ class Window:
 
     def check_tokens(self, tokens: Any) -> int:
         """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
-        if not self.token_weighted:
-            return 0
-        world = multi_process() if self.comm is None else 0
-        if world:
-            raise ValueError(
-                f"accumulate: token_weighted=True in a run of {world} processes needs comm= over the data-parallel "
-                "ranks (e.g. accumulate(k, token_weighted=True, comm=gtx.comm.TorchComm(mesh), group='dp')), so the "
-                "token total is the global batch's; pass comm=gtx.comm.LocalComm() if each rank's tokens are "
-                "already the global count"
-            )
-        return _token_count(tokens)
+        return _token_count(tokens, self.comm) if self.token_weighted else 0
 
     def step(
         self,
