@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -124,7 +124,6 @@ class _Owned(NamedTuple):
 
 class _MeshPlan(NamedTuple):
     mesh: Any
-    group_of_mesh: tuple[int, ...]  # mesh-order position -> group rank
     items: tuple[_Owned, ...]
     flops: tuple[int, ...]  # Newton–Schulz work per group rank
 
@@ -166,27 +165,6 @@ def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], load: dict[int, i
     return owners
 
 
-def _plan_sharded(
-    leaves: Sequence[Any], lays: Sequence[_Layout], exchanged: Sequence[int], steps: int
-) -> tuple[_MeshPlan, ...]:
-    by_mesh: dict[int, tuple[Any, list[int]]] = {}
-    for j in exchanged:
-        by_mesh.setdefault(id(leaves[j].device_mesh), (leaves[j].device_mesh, []))[1].append(j)
-    plans = []
-    load: dict[int, int] = {}
-    for mesh, js in by_mesh.values():
-        ranks = mesh_ranks(mesh)  # in mesh order; a group ranks them by global rank
-        to_group = tuple(sorted(ranks).index(r) for r in ranks)
-        costs = [_ns_flops(lays[j], steps) for j in js]
-        items, flops = [], [0] * len(ranks)
-        for j, owner, cost in zip(js, _greedy_owners(costs, sorted(ranks), load), costs):
-            pieces = [p for _, p in sorted(zip(to_group, _pieces(leaves[j])), key=lambda t: t[0])]
-            items.append(_Owned(j, owner, tuple(pieces), tuple(leaves[j].shape)))
-            flops[owner] += cost
-        plans.append(_MeshPlan(mesh, to_group, tuple(items), tuple(flops)))
-    return tuple(plans)
-
-
 def _exchange(
     plan: _MeshPlan,
     comm: ExchangeComm,
@@ -202,8 +180,8 @@ def _exchange(
     """
     group = plan.mesh
     n = comm.size(group)
-    if n != len(plan.group_of_mesh):
-        raise ValueError(f"muon: the comm's group for a mesh of {len(plan.group_of_mesh)} ranks has {n} ranks")
+    if n != len(plan.flops):
+        raise ValueError(f"muon: the comm's group for a mesh of {len(plan.flops)} ranks has {n} ranks")
     me = comm.rank(group)
     out: dict[int, torch.Tensor] = {}
     dtypes: dict[torch.dtype, list[_Owned]] = {}
@@ -220,12 +198,8 @@ def _exchange(
 
 def _to_owners(items: list[_Owned], n: int, me: int, *shards: torch.Tensor) -> tuple[Any, ...]:
     """My shard of every leaf, to its owner, where I am the first holder of that shard; and what I receive."""
-    send: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for it, x in zip(items, shards):
-        if it.pieces[me].sends:
-            send[it.owner].append(x.reshape(-1))
-    recv = [sum(math.prod(it.pieces[r].shape) for it in items if it.owner == me and it.pieces[r].sends)
-            for r in range(n)]  # fmt: skip
+    send = [[x.reshape(-1) for it, x in zip(items, shards) if it.owner == r and it.pieces[me].sends] for r in range(n)]
+    recv = [_size(it.pieces[r] for it in items if it.owner == me and it.pieces[r].sends) for r in range(n)]
     return (*[_cat(s, shards[0]) for s in send], *recv)
 
 
@@ -233,36 +207,37 @@ def _at_owners(
     items: list[_Owned], n: int, fn: Callable[[int, torch.Tensor], torch.Tensor], me: int, *got: torch.Tensor
 ) -> tuple[Any, ...]:
     """Each leaf I own, whole; ``fn`` of it; every rank's shard of the result; and what I receive back."""
-    offsets = [0] * n
+    mine = [it for it in items if it.owner == me]
+    parts = [_unpack(got[r], [it.pieces[r] for it in mine if it.pieces[r].sends]) for r in range(n)]
     back: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for it in items:
-        if it.owner != me:
-            continue
+    for it in mine:
         full = got[0].new_empty(it.shape)
         for r, p in enumerate(it.pieces):
             if p.sends:
-                k = math.prod(p.shape)
-                part = got[r][offsets[r] : offsets[r] + k].view(p.shape)
-                offsets[r] += k
+                part = next(parts[r])
                 for where, local in p.blocks:
                     full[where] = part[local]
         result = fn(it.leaf, full)
         for r, p in enumerate(it.pieces):
             back[r].append(_cut(result, p))
-    recv = [sum(math.prod(it.pieces[me].shape) for it in items if it.owner == r) for r in range(n)]
+    recv = [_size(it.pieces[me] for it in items if it.owner == r) for r in range(n)]
     return (*[_cat(b, got[0]) for b in back], *recv)
 
 
 def _from_owners(items: list[_Owned], n: int, me: int, *got: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """My shard of every leaf's result, from its owner."""
-    offsets = [0] * n
-    shards = []
-    for it in items:
-        p, o = it.pieces[me], it.owner
-        k = math.prod(p.shape)
-        shards.append(got[o][offsets[o] : offsets[o] + k].view(p.shape))
-        offsets[o] += k
-    return tuple(shards)
+    parts = [_unpack(got[o], [it.pieces[me] for it in items if it.owner == o]) for o in range(n)]
+    return tuple(next(parts[it.owner]) for it in items)
+
+
+def _size(pieces: Iterable[_Piece]) -> int:
+    return sum(math.prod(p.shape) for p in pieces)
+
+
+def _unpack(flat: torch.Tensor, pieces: list[_Piece]) -> Iterator[torch.Tensor]:
+    """The pieces ``flat`` holds one after another, each viewed in its shape."""
+    sizes = [math.prod(p.shape) for p in pieces]
+    return (x.view(p.shape) for x, p in zip(flat.split(sizes), pieces))
 
 
 def _cut(full: torch.Tensor, p: _Piece) -> torch.Tensor:
@@ -283,24 +258,39 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 def _routes(
     leaves: Sequence[Any], mats: _Matrices, *, whole_leaf: bool, steps: int
-) -> tuple[list[int], tuple[_MeshPlan, ...]]:
-    """The leaves orthogonalized where they are, and the plans of those exchanged through owners.
+) -> tuple[list[int], list[_MeshPlan]]:
+    """The leaves orthogonalized where they are, and the plans of those exchanged through owners, by mesh.
 
     A leaf is exchanged when it is sharded across a matrix axis (any axis with ``whole_leaf``).
     """
-    exchanged = []
+    local: list[int] = []
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
     for j, (x, lay, where) in enumerate(zip(leaves, mats.layouts, mats.paths)):
+        sharded: set[int] = set()
         if DTensor is not None and isinstance(x, DTensor):
             if any(p.is_partial() for p in x.placements):
                 raise ValueError(
                     f"muon: the update at {where} is a Partial DTensor (a pending sum); reduce it before orthogonalizing"
                 )
             sharded = {cast(Any, p).dim % x.ndim for p in x.placements if _is_shard(p)}
-            if sharded and (whole_leaf or not sharded <= lay.batch_axes):
-                _check_shard_order(x, where=where)
-                exchanged.append(j)
-    local = [j for j in range(len(leaves)) if j not in exchanged]
-    return local, _plan_sharded(leaves, mats.layouts, exchanged, steps)
+        if sharded and (whole_leaf or not sharded <= lay.batch_axes):
+            _check_shard_order(x, where=where)
+            by_mesh.setdefault(id(x.device_mesh), (x.device_mesh, []))[1].append(j)
+        else:
+            local.append(j)
+    plans = []
+    load: dict[int, int] = {}  # by global rank, over every mesh
+    for mesh, js in by_mesh.values():
+        ranks = mesh_ranks(mesh)  # in mesh order; a group ranks them by global rank
+        to_group = [sorted(ranks).index(r) for r in ranks]
+        costs = [_ns_flops(mats.layouts[j], steps) for j in js]
+        items, flops = [], [0] * len(ranks)
+        for j, owner, cost in zip(js, _greedy_owners(costs, sorted(ranks), load), costs):
+            pieces = [p for _, p in sorted(zip(to_group, _pieces(leaves[j])), key=lambda t: t[0])]
+            items.append(_Owned(j, owner, tuple(pieces), tuple(leaves[j].shape)))
+            flops[owner] += cost
+        plans.append(_MeshPlan(mesh, tuple(items), tuple(flops)))
+    return local, plans
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -354,7 +344,7 @@ def _make_orthogonalizer(
     if comm is not None:
         check_exchange_comm(comm, name=name)
     ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
-    cache: dict[tuple[Any, ...], tuple[list[int], tuple[_MeshPlan, ...]]] = {}
+    cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan]]] = {}
     local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]]]] = {}
 
     def run(leaves: Sequence[Any], mats: _Matrices, adaptive: bool) -> list[torch.Tensor]:
