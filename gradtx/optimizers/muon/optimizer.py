@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from gradtx.comm.base import ExchangeComm
-from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Params, PyTree, factory
@@ -20,42 +19,9 @@ from gradtx.optimizers.muon.iteration import (
     Scalar,
     _resolve_dims,
 )
-from gradtx.optimizers.muon.transforms import _momentum, scale_by_muon, scale_by_shape
-from gradtx.optimizers.standard import ScaleByAdamState, _bias_correction, _zeros_moments
+from gradtx.optimizers.muon.transforms import scale_by_muon, scale_by_shape
+from gradtx.optimizers.standard import _scale_by_adam
 from gradtx.transforms.combine import chain, partition
-
-
-def scale_by_adam_eps_root(
-    b1: Scalar, b2: Scalar, eps: Scalar, eps_root: Scalar, mu_dtype: torch.dtype | None, nesterov: bool, *, name: str
-) -> GradientTransformation:
-    """optax's ``scale_by_adam`` with ``eps_root`` and ``nesterov``: Muon's fallback for the other leaves, and lamb's."""
-
-    def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, spec = tu.flatten(params)
-        zeros = lambda: tu.unflatten(spec, _zeros_moments(leaves, mu_dtype))
-        return ScaleByAdamState(count=lw.zero_count(params), mu=zeros(), nu=zeros())
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        tu.require_state(state, ScaleByAdamState, name=name)
-        ms = lw.Moments(updates, (state.mu, state.nu), name=name, against="the state's moments")
-        count = state.count + 1
-
-        def step(key, idx, g, trees):
-            (device, dtype), (mus, nus) = key, trees
-            # The first moment and its (Nesterov) bias-corrected direction are Muon's momentum.
-            m, m_hat = _momentum(mus, g, b1, count, nesterov=nesterov, bias_correction=True)
-            decay, outer_eps, inner_eps = (lw.as_tensor(x, nus[0]) for x in (b2, eps, eps_root))
-            v = [v0 * decay + (1 - decay) * gl * gl for v0, gl in zip(nus, g)]
-            bc2 = _bias_correction(b2, count.to(device, tu.acc_dtype(dtype))).to(dtype)
-            ms.put(0, idx, m)
-            ms.put(1, idx, v)
-            ms.put_updates(idx, [mh / (torch.sqrt(vi / bc2 + inner_eps) + outer_eps) for mh, vi in zip(m_hat, v)])
-
-        ms.each(step)
-        return ms.updates(), ScaleByAdamState(count, ms.tree(0), ms.tree(1))
-
-    return GradientTransformation(init_fn, update_fn)
 
 
 @factory
@@ -160,7 +126,9 @@ def muon(
         preconditioning=preconditioning, weight_dimension_numbers=inner_dims, bias_correction=bias_correction,
         ns_dtype=ns_dtype, comm=comm, ns_batch=ns_batch,
     )  # fmt: skip
-    adam_tx = scale_by_adam_eps_root(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, nesterov, name="muon (adam)")
+    adam_tx = _scale_by_adam(
+        adam_b1, adam_b2, eps, adam_eps_root, nesterov=nesterov, mu_dtype=mu_dtype, name="muon (adam)"
+    )
     shaped = [muon_tx, scale_by_shape(inner_dims, consistent_rms)]
     muon_chain = chain(*_decay_then_lr(shaped, weight_decay, learning_rate, weight_decay_mask))
     adam_chain = chain(*_decay_then_lr([adam_tx], adam_weight_decay, adam_lr))

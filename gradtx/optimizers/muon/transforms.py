@@ -15,7 +15,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.optimizers.muon.exchange import _make_orthogonalizer
 from gradtx.optimizers.muon.iteration import _DEFAULT_NS_COEFFS, Preconditioning, Scalar, _selector
-from gradtx.optimizers.standard import _bias_correction, _zeros_moments
+from gradtx.optimizers.standard import _debiased, _zeros_moments
 
 
 def _tensor_leaves(updates: PyTree, *, name: str) -> tuple[list[Any], Any]:
@@ -44,14 +44,10 @@ def _momentum(
         mu, g = [m0s[k] for k in ks], [gls[k] for k in ks]
         b = lw.as_tensor(beta, mu[0])  # a tensor beta (inject_hyperparams) stays on the device
         m = fe.lerp(mu, g, 1 - b)
-        if not bias_correction:
-            d = fe.lerp(g, m, b) if nesterov else m
-        elif nesterov:
-            t = count.to(dev, tu.acc_dtype(dt))
-            c1 = (b / _bias_correction(beta, t + 1)).to(dt)
-            d = fe.add(fe.mul(m, c1), fe.mul(g, ((1 - b) / _bias_correction(beta, t)).to(dt)))
+        if bias_correction:
+            d = _debiased(m, g, beta, count.to(dev, tu.acc_dtype(dt)), nesterov)
         else:
-            d = fe.div(m, _bias_correction(beta, count.to(dev, tu.acc_dtype(dt))).to(dt))
+            d = fe.lerp(g, m, b) if nesterov else m
         for k, mk, dk in zip(ks, m, d):
             ms[k], ds[k] = mk, dk
     return ms, ds
