@@ -20,12 +20,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
-from gradtx.optimizers.standard import (
-    _scale_by_adam,
-    add_decayed_weights,
-    scale_by_learning_rate,
-    trace,
-)
+from gradtx.optimizers.standard import _scale_by_adam, add_decayed_weights, scale_by_learning_rate, trace
 from gradtx.transforms.combine import chain, masked
 
 __all__ = ["lamb", "lars", "scale_by_trust_ratio"]

@@ -272,8 +272,9 @@ def _orthogonalize(
         y = _ns(stack[0], rows, preconditioning, eps).unsqueeze(0)
     else:
         y = _ns(stack, rows, preconditioning, eps)
+    y = y.to(xs[0].dtype)
     out = []
-    for yi, x, lay, tr in zip(y.to(xs[0].dtype).split([lay.flat[0] for lay in lays]), xs, lays, trs):
+    for yi, x, lay, tr in zip([y] if len(xs) == 1 else y.unbind(0), xs, lays, trs):  # a stack: one matrix each
         out.append((yi.mT if tr else yi).reshape(lay.unflat).permute(lay.inv).reshape(x.shape))
     return out
 
