@@ -25,34 +25,6 @@ def _tensor_leaves(updates: PyTree, *, name: str) -> tuple[list[Any], Any]:
     return leaves, spec
 
 
-def _momentum(
-    m0s: list[torch.Tensor],
-    gls: list[torch.Tensor],
-    beta: Any,
-    count: torch.Tensor,
-    *,
-    nesterov: bool,
-    bias_correction: bool,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The new momentum and the direction of every (local) leaf: foreach ops per device and dtype.
-
-    ``m = mu.lerp(g, 1 - beta)`` is ``(1 - beta) g + beta mu``, as torch.optim.Muon's buffer.
-    """
-    ms: list[Any] = [None] * len(m0s)
-    ds: list[Any] = [None] * len(m0s)
-    for (dev, dt), ks in fe.group_by_device_dtype(m0s):
-        mu, g = [m0s[k] for k in ks], [gls[k] for k in ks]
-        b = lw.as_tensor(beta, mu[0])  # a tensor beta (inject_hyperparams) stays on the device
-        m = fe.lerp(mu, g, 1 - b)
-        if bias_correction:
-            d = _debiased(m, g, beta, count.to(dev, tu.acc_dtype(dt)), nesterov)
-        else:
-            d = fe.lerp(g, m, b) if nesterov else m
-        for k, mk, dk in zip(ks, m, d):
-            ms[k], ds[k] = mk, dk
-    return ms, ds
-
-
 @factory
 def orthogonalize(
     ns_coeffs: Any = _DEFAULT_NS_COEFFS,
@@ -207,15 +179,22 @@ def scale_by_muon(
         count = state.count + 1
         new_mu = list(mu_leaves)
         out: list[torch.Tensor] = list(leaves)
-        if mats.idx:
-            m0s = [tu.local(mu_leaves[index[j]]) for j in mats.idx]
-            gls = [tu.local(leaves[j]).to(m0.dtype) for j, m0 in zip(mats.idx, m0s)]
-            ms, ds = _momentum(m0s, gls, beta, count, nesterov=nesterov, bias_correction=bias_correction)
-            for j, m in zip(mats.idx, ms):
-                new_mu[index[j]] = tu.like(mu_leaves[index[j]], m)
-            directions = [tu.like(leaves[j], d) for j, d in zip(mats.idx, ds)]
-            for j, o in zip(mats.idx, run(directions, mats, adaptive)):
-                out[j] = tu.like(leaves[j], tu.local(o).to(leaves[j].dtype))
+        directions: list[Any] = [None] * len(mats.idx)
+        m0s = [tu.local(mu_leaves[index[j]]) for j in mats.idx]
+        for (dev, dt), ks in fe.group_by_device_dtype(m0s):  # foreach ops per device and dtype
+            mu, g = [m0s[k] for k in ks], [tu.local(leaves[mats.idx[k]]).to(dt) for k in ks]
+            b = lw.as_tensor(beta, mu[0])  # a tensor beta (inject_hyperparams) stays on the device
+            m = fe.lerp(mu, g, 1 - b)  # (1 - beta) g + beta mu, as torch.optim.Muon's buffer
+            if bias_correction:
+                d = _debiased(m, g, beta, count.to(dev, tu.acc_dtype(dt)), nesterov)
+            else:
+                d = fe.lerp(g, m, b) if nesterov else m
+            for k, mk, dk in zip(ks, m, d):
+                j = mats.idx[k]
+                new_mu[index[j]] = tu.like(mu_leaves[index[j]], mk)
+                directions[k] = tu.like(leaves[j], dk)
+        for j, o in zip(mats.idx, run(directions, mats, adaptive)):
+            out[j] = tu.like(leaves[j], tu.local(o).to(leaves[j].dtype))
         return tu.unflatten(spec, out), MuonState(count=count, mu=tu.unflatten(mu_spec, new_mu))
 
     return GradientTransformation(init_fn, update_fn)
