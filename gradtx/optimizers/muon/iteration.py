@@ -63,10 +63,6 @@ class MuonDimensionNumbers(NamedTuple):
     output_split: int = 1
 
 
-def _is_dn(x: Any) -> bool:
-    return isinstance(x, MuonDimensionNumbers)
-
-
 class _Layout(NamedTuple):
     split: tuple[int, ...]  # the shape with split axes cut
     perm: tuple[int, ...]  # batch + reduction + output axes
@@ -358,9 +354,9 @@ def _resolve_dims(dims: Any, updates: PyTree, *, name: str) -> list[MuonDimensio
     """One dimension-numbers entry per (non-None) leaf of ``updates``; ``None`` where a leaf is not Muon's."""
     if dims is None:  # the default 2-d rule: every matrix is an (out, in) weight, the rest pass through
         return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(updates)[0]]
-    if callable(dims) and not _is_dn(dims):
+    if callable(dims):
         dims = dims(updates)
-    entry = lambda x: x is None or _is_dn(x)  # a None, or a MuonDimensionNumbers (a NamedTuple), is one leaf
+    entry = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # one leaf, though a NamedTuple
     try:
         spread = optree.tree_broadcast_prefix(dims, updates, is_leaf=entry)
     except (ValueError, TypeError) as e:
