@@ -241,11 +241,9 @@ def scale_by_shape(
             sizes = [math.sqrt(max(lay.flat[1:])) for lay in mats.layouts]
         out = list(leaves)
         locs = [tu.local(leaves[j]) for j in mats.idx]
-        if isinstance(consistent_rms, torch.Tensor):
-            scaled = [x * (consistent_rms.to(x.device, x.dtype) * f) for x, f in zip(locs, sizes)]
-        else:
-            rms = 1.0 if consistent_rms is None else consistent_rms
-            scaled = list(torch._foreach_mul(locs, [f * rms for f in sizes])) if locs else []
+        rms = 1.0 if consistent_rms is None else consistent_rms
+        factors = [lw.as_tensor(rms, x) * f for x, f in zip(locs, sizes)]  # a tensor rms stays on the device
+        scaled = fe.mul(locs, factors) if locs else []
         for j, y in zip(mats.idx, scaled):
             out[j] = tu.like(leaves[j], y)
         return tu.unflatten(spec, out), state
