@@ -326,7 +326,8 @@ def _scale_by_adam(
             if optax_form:
                 bc2 = _bias_correction(b2, t).to(real)
                 root, outer = _on(eps_root, device, real), _on(eps, device, real)
-                u = [mh / (torch.sqrt(vi / bc2 + root) + outer) for mh, vi in zip(_debiased(m, g, b1, t, nesterov), v)]
+                m_hat = _debiased(m, g, b1, t, nesterov)
+                u = [mh / (torch.sqrt(vi / bc2 + root) + outer) for mh, vi in zip(m_hat, v)]
             else:
                 # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1),
                 # in the one new buffer sqrt made (autograd keeps none of what is written into).
