@@ -45,6 +45,14 @@ def _alias(txs: list[GradientTransformation], kind: str, *args: Any, **kwargs: A
     return OptimizerChain(inner.init, inner.update, txs, OptimizerSpec(kind, *args, **kwargs))
 
 
+def _decay_then_lr(
+    txs: list[GradientTransformation], weight_decay: Any, learning_rate: Any, mask: Any = None
+) -> list[GradientTransformation]:
+    """``txs``, then ``add_decayed_weights(weight_decay, mask)`` unless the decay is 0, then the learning rate."""
+    decay = [] if _is_zero(weight_decay) else [add_decayed_weights(weight_decay, mask)]
+    return [*txs, *decay, scale_by_learning_rate(learning_rate)]
+
+
 @factory
 def sgd(
     learning_rate: ScalarOrSchedule, momentum: Scalar = 0.0, nesterov: bool = False, weight_decay: Scalar = 0.0
@@ -173,8 +181,5 @@ def adamw(
     """
     learning_rate, weight_decay = _checked("adamw", learning_rate, weight_decay)
     b1, b2, eps = _adam_checked("adamw", b1, b2, eps)
-    txs = [scale_by_adam(b1, b2, eps)]
-    if not _is_zero(weight_decay):
-        txs.append(add_decayed_weights(weight_decay, mask))
-    txs.append(scale_by_learning_rate(learning_rate))
+    txs = _decay_then_lr([scale_by_adam(b1, b2, eps)], weight_decay, learning_rate, mask)
     return _alias(txs, "adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)

@@ -238,6 +238,17 @@ def _bias_correction(beta: Scalar, t: torch.Tensor) -> torch.Tensor:
     return -torch.expm1(t * log_beta)
 
 
+def _debiased(m: list[torch.Tensor], g: list[torch.Tensor], beta: Scalar, t: torch.Tensor, nesterov: bool) -> Any:
+    """optax's bias-corrected first moment at step ``t``: ``m / (1 - beta**t)``, or with ``nesterov``
+    ``beta m / (1 - beta**(t+1)) + (1 - beta) g / (1 - beta**t)``; foreach ops on local tensors of one dtype."""
+    dtype = m[0].dtype
+    if not nesterov:
+        return fe.div(m, _bias_correction(beta, t).to(dtype))
+    b = lw.as_tensor(beta, m[0])
+    c1 = (b / _bias_correction(beta, t + 1)).to(dtype)
+    return fe.add(fe.mul(m, c1), fe.mul(g, ((1 - b) / _bias_correction(beta, t)).to(dtype)))
+
+
 @factory
 def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moment estimates.
@@ -267,18 +278,38 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
     b1 = check.beta(b1, arg="b1", name="scale_by_adam", tensor=True)
     b2 = check.beta(b2, arg="b2", name="scale_by_adam", tensor=True)
     eps = check.non_negative(eps, arg="eps", name="scale_by_adam", tensor=True)
+    return _scale_by_adam(b1, b2, eps)
+
+
+def _scale_by_adam(
+    b1: Scalar,
+    b2: Scalar,
+    eps: Scalar,
+    eps_root: Scalar = 0.0,
+    *,
+    nesterov: bool = False,
+    mu_dtype: torch.dtype | None = None,
+    name: str = "scale_by_adam",
+) -> GradientTransformation:
+    """:func:`scale_by_adam` with optax's ``eps_root``, ``nesterov`` and ``mu_dtype`` (Muon's fallback, lamb's).
+
+    With ``eps_root`` or ``nesterov`` the arithmetic is optax's,
+    ``m_hat / (sqrt(v_hat + eps_root) + eps)``, ``m_hat`` as :func:`_debiased`;
+    otherwise ``torch.optim.Adam``'s.
+    """
+    optax_form = nesterov or not _is_zero(eps_root)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, spec = tu.tensor_leaves(params, what="scale_by_adam: params")
+        leaves, spec = tu.tensor_leaves(params, what=f"{name}: params")
         return ScaleByAdamState(
             count=lw.zero_count(leaves),
-            mu=tu.unflatten(spec, _zeros_moments(leaves)),
-            nu=tu.unflatten(spec, _zeros_moments(leaves)),
+            mu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)),
+            nu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)),
         )
 
     def update_fn(updates, state, params=None, **extra):
-        tu.require_state(state, ScaleByAdamState, name="scale_by_adam")
-        ms = lw.Moments(updates, (state.mu, state.nu), name="scale_by_adam", against="its moments")
+        tu.require_state(state, ScaleByAdamState, name=name)
+        ms = lw.Moments(updates, (state.mu, state.nu), name=name, against="its moments")
         count = state.count + 1
 
         def step(key, idx, g, trees):
@@ -287,16 +318,22 @@ def scale_by_adam(b1: Scalar = 0.9, b2: Scalar = 0.999, eps: Scalar = 1e-8) -> G
                 g, mus, nus = ([torch.view_as_real(x) for x in xs] for xs in (g, mus, nus))
             real = mus[0].dtype
             t = count.to(device, tu.acc_dtype(dtype))  # fp64 bias corrections for fp64 params
-            bc1 = _bias_correction(b1, t)
             m = fe.lerp(mus, g, _on(1 - b1, device, real))
             if isinstance(b2, torch.Tensor):
                 v = fe.lerp(nus, fe.mul(g, g), (1 - b2).to(device, real))
             else:  # torch.optim.Adam's own arithmetic
                 v = fe.addcmul_(fe.mul(nus, _scalar(b2, device, real)), g, g, value=1 - b2)
-            # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1),
-            # in the one new buffer sqrt made (autograd keeps none of what is written into).
-            denom = fe.mul_(fe.sqrt(v), bc1 / torch.sqrt(_bias_correction(b2, t)))
-            u = fe.div(m, fe.add_(denom, [bc1 * _on(eps, device, bc1.dtype)] * len(denom)))
+            if optax_form:
+                bc2 = _bias_correction(b2, t).to(real)
+                root, outer = _on(eps_root, device, real), _on(eps, device, real)
+                m_hat = _debiased(m, g, b1, t, nesterov)
+                u = [mh / (torch.sqrt(vi / bc2 + root) + outer) for mh, vi in zip(m_hat, v)]
+            else:
+                # m / bc1 / (sqrt(v) / sqrt(bc2) + eps), computed as m / (sqrt(v) * (bc1 / sqrt(bc2)) + eps * bc1),
+                # in the one new buffer sqrt made (autograd keeps none of what is written into).
+                bc1 = _bias_correction(b1, t)
+                denom = fe.mul_(fe.sqrt(v), bc1 / torch.sqrt(_bias_correction(b2, t)))
+                u = fe.div(m, fe.add_(denom, [bc1 * _on(eps, device, bc1.dtype)] * len(denom)))
             if dtype.is_complex:
                 m, v, u = ([torch.view_as_complex(x) for x in xs] for xs in (m, v, u))
             ms.put(0, idx, m)

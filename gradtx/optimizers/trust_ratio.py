@@ -20,13 +20,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
-from gradtx.optimizers.muon.optimizer import scale_by_adam_eps_root
-from gradtx.optimizers.standard import (
-    add_decayed_weights,
-    scale_by_adam,
-    scale_by_learning_rate,
-    trace,
-)
+from gradtx.optimizers.standard import _scale_by_adam, add_decayed_weights, scale_by_learning_rate, trace
 from gradtx.transforms.combine import chain, masked
 
 __all__ = ["lamb", "lars", "scale_by_trust_ratio"]
@@ -204,12 +198,8 @@ def lamb(
     eps = check.non_negative(eps, arg="eps", name="lamb", tensor=True)
     eps_root = check.non_negative(eps_root, arg="eps_root", name="lamb")
     weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lamb", tensor=True)
-    if eps_root == 0.0:
-        adam_tx = scale_by_adam(b1=b1, b2=b2, eps=eps)
-    else:  # optax's: eps_root inside the square root, m_hat / (sqrt(v_hat + eps_root) + eps)
-        adam_tx = scale_by_adam_eps_root(b1, b2, eps, eps_root, None, False, name="lamb")
     return chain(
-        adam_tx,
+        _scale_by_adam(b1, b2, eps, eps_root, name="lamb"),
         add_decayed_weights(weight_decay=weight_decay, mask=mask),
         scale_by_trust_ratio(),
         scale_by_learning_rate(learning_rate),

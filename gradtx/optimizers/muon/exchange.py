@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, cast
 
 import torch
@@ -18,17 +18,19 @@ import torch
 from gradtx.comm.base import ExchangeComm, check_exchange_comm
 from gradtx.comm.local_ranks import per_rank
 from gradtx.core import tree as tu
+from gradtx.core import validate as check
 from gradtx.core.base import PyTree
 from gradtx.optimizers.muon.iteration import (
     MuonDimensionNumbers,
-    Scalar,
+    _coeff_rows,
     _Layout,
     _layout,
+    _Matrices,
+    _matrices,
     _ns_flops,
-    _orthogonalize_full,
-    _orthogonalize_stacked,
-    _resolve_dims,
+    _orthogonalize,
     _stack_key,
+    cached,
 )
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
@@ -117,11 +119,11 @@ class _Owned(NamedTuple):
     leaf: int  # position among the leaves the step orthogonalizes
     owner: int  # rank in the mesh's group (global-rank order)
     pieces: tuple[_Piece, ...]  # by group rank
+    shape: tuple[int, ...]  # the whole leaf's
 
 
 class _MeshPlan(NamedTuple):
     mesh: Any
-    group_of_mesh: tuple[int, ...]  # mesh-order position -> group rank
     items: tuple[_Owned, ...]
     flops: tuple[int, ...]  # Newton–Schulz work per group rank
 
@@ -163,32 +165,10 @@ def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], load: dict[int, i
     return owners
 
 
-def _plan_sharded(
-    leaves: Sequence[Any], lays: Sequence[_Layout], exchanged: Sequence[int], steps: int
-) -> tuple[_MeshPlan, ...]:
-    by_mesh: dict[int, tuple[Any, list[int]]] = {}
-    for j in exchanged:
-        by_mesh.setdefault(id(leaves[j].device_mesh), (leaves[j].device_mesh, []))[1].append(j)
-    plans = []
-    load: dict[int, int] = {}
-    for mesh, js in by_mesh.values():
-        ranks = mesh_ranks(mesh)  # in mesh order; a group ranks them by global rank
-        to_group = tuple(sorted(ranks).index(r) for r in ranks)
-        costs = [_ns_flops(lays[j], steps) for j in js]
-        items, flops = [], [0] * len(ranks)
-        for j, owner, cost in zip(js, _greedy_owners(costs, sorted(ranks), load), costs):
-            pieces = [p for _, p in sorted(zip(to_group, _pieces(leaves[j])), key=lambda t: t[0])]
-            items.append(_Owned(j, owner, tuple(pieces)))
-            flops[owner] += cost
-        plans.append(_MeshPlan(mesh, to_group, tuple(items), tuple(flops)))
-    return tuple(plans)
-
-
 def _exchange(
     plan: _MeshPlan,
     comm: ExchangeComm,
     inputs: Sequence[torch.Tensor],
-    templates: Sequence[Any],
     fn: Callable[[int, torch.Tensor], torch.Tensor],
 ) -> dict[int, torch.Tensor]:
     """Gather each leaf to its owner, run ``fn(leaf, full)`` there, and bring every rank its shard back.
@@ -200,18 +180,17 @@ def _exchange(
     """
     group = plan.mesh
     n = comm.size(group)
-    if n != len(plan.group_of_mesh):
-        raise ValueError(f"muon: the comm's group for a mesh of {len(plan.group_of_mesh)} ranks has {n} ranks")
+    if n != len(plan.flops):
+        raise ValueError(f"muon: the comm's group for a mesh of {len(plan.flops)} ranks has {n} ranks")
     me = comm.rank(group)
     out: dict[int, torch.Tensor] = {}
     dtypes: dict[torch.dtype, list[_Owned]] = {}
     for item in plan.items:
         dtypes.setdefault(inputs[item.leaf].dtype, []).append(item)
     for items in dtypes.values():
-        shapes = [tuple(templates[it.leaf].shape) for it in items]
         sent = per_rank(functools.partial(_to_owners, items, n))(me, *[inputs[it.leaf] for it in items])
         got = comm.all_to_all(sent[:n], sent[n:], group)
-        sent = per_rank(functools.partial(_at_owners, items, n, shapes, fn))(me, *got)
+        sent = per_rank(functools.partial(_at_owners, items, n, fn))(me, *got)
         got = comm.all_to_all(sent[:n], sent[n:], group)
         out.update(zip([it.leaf for it in items], per_rank(functools.partial(_from_owners, items, n))(me, *got)))
     return out
@@ -219,50 +198,46 @@ def _exchange(
 
 def _to_owners(items: list[_Owned], n: int, me: int, *shards: torch.Tensor) -> tuple[Any, ...]:
     """My shard of every leaf, to its owner, where I am the first holder of that shard; and what I receive."""
-    send: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for it, x in zip(items, shards):
-        if it.pieces[me].sends:
-            send[it.owner].append(x.reshape(-1))
-    recv = [sum(math.prod(it.pieces[r].shape) for it in items if it.owner == me and it.pieces[r].sends)
-            for r in range(n)]  # fmt: skip
+    send = [[x.reshape(-1) for it, x in zip(items, shards) if it.owner == r and it.pieces[me].sends] for r in range(n)]
+    recv = [_size(it.pieces[r] for it in items if it.owner == me and it.pieces[r].sends) for r in range(n)]
     return (*[_cat(s, shards[0]) for s in send], *recv)
 
 
 def _at_owners(
-    items: list[_Owned], n: int, shapes: list[tuple[int, ...]], fn: Callable[[int, torch.Tensor], torch.Tensor],
-    me: int, *got: torch.Tensor,
-) -> tuple[Any, ...]:  # fmt: skip
+    items: list[_Owned], n: int, fn: Callable[[int, torch.Tensor], torch.Tensor], me: int, *got: torch.Tensor
+) -> tuple[Any, ...]:
     """Each leaf I own, whole; ``fn`` of it; every rank's shard of the result; and what I receive back."""
-    offsets = [0] * n
+    mine = [it for it in items if it.owner == me]
+    parts = [_unpack(got[r], [it.pieces[r] for it in mine if it.pieces[r].sends]) for r in range(n)]
     back: list[list[torch.Tensor]] = [[] for _ in range(n)]
-    for it, shape in zip(items, shapes):
-        if it.owner != me:
-            continue
-        full = got[0].new_empty(shape)
+    for it in mine:
+        full = got[0].new_empty(it.shape)
         for r, p in enumerate(it.pieces):
             if p.sends:
-                k = math.prod(p.shape)
-                part = got[r][offsets[r] : offsets[r] + k].view(p.shape)
-                offsets[r] += k
+                part = next(parts[r])
                 for where, local in p.blocks:
                     full[where] = part[local]
         result = fn(it.leaf, full)
         for r, p in enumerate(it.pieces):
             back[r].append(_cut(result, p))
-    recv = [sum(math.prod(it.pieces[me].shape) for it in items if it.owner == r) for r in range(n)]
+    recv = [_size(it.pieces[me] for it in items if it.owner == r) for r in range(n)]
     return (*[_cat(b, got[0]) for b in back], *recv)
 
 
 def _from_owners(items: list[_Owned], n: int, me: int, *got: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """My shard of every leaf's result, from its owner."""
-    offsets = [0] * n
-    shards = []
-    for it in items:
-        p, o = it.pieces[me], it.owner
-        k = math.prod(p.shape)
-        shards.append(got[o][offsets[o] : offsets[o] + k].view(p.shape))
-        offsets[o] += k
-    return tuple(shards)
+    parts = [_unpack(got[o], [it.pieces[me] for it in items if it.owner == o]) for o in range(n)]
+    return tuple(next(parts[it.owner]) for it in items)
+
+
+def _size(pieces: Iterable[_Piece]) -> int:
+    return sum(math.prod(p.shape) for p in pieces)
+
+
+def _unpack(flat: torch.Tensor, pieces: list[_Piece]) -> Iterator[torch.Tensor]:
+    """The pieces ``flat`` holds one after another, each viewed in its shape."""
+    sizes = [math.prod(p.shape) for p in pieces]
+    return (x.view(p.shape) for x, p in zip(flat.split(sizes), pieces))
 
 
 def _cut(full: torch.Tensor, p: _Piece) -> torch.Tensor:
@@ -282,22 +257,40 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 
 def _routes(
-    leaves: Sequence[Any], dims: Sequence[MuonDimensionNumbers], leaf_paths: Sequence[str], *, whole_leaf: bool
-) -> tuple[list[_Layout], list[int]]:
-    """Each leaf's layout, and the leaves exchanged through owners (sharded across a matrix axis)."""
-    lays, exchanged = [], []
-    for j, (x, dn, where) in enumerate(zip(leaves, dims, leaf_paths)):
-        lays.append(_layout(tuple(x.shape), dn, where=where))
+    leaves: Sequence[Any], mats: _Matrices, *, whole_leaf: bool, steps: int
+) -> tuple[list[int], list[_MeshPlan]]:
+    """The leaves orthogonalized where they are, and the plans of those exchanged through owners, by mesh.
+
+    A leaf is exchanged when it is sharded across a matrix axis (any axis with ``whole_leaf``).
+    """
+    local: list[int] = []
+    by_mesh: dict[int, tuple[Any, list[int]]] = {}
+    for j, (x, lay, where) in enumerate(zip(leaves, mats.layouts, mats.paths)):
+        sharded: set[int] = set()
         if DTensor is not None and isinstance(x, DTensor):
             if any(p.is_partial() for p in x.placements):
                 raise ValueError(
                     f"muon: the update at {where} is a Partial DTensor (a pending sum); reduce it before orthogonalizing"
                 )
             sharded = {cast(Any, p).dim % x.ndim for p in x.placements if _is_shard(p)}
-            if sharded and (whole_leaf or not sharded <= lays[-1].batch_axes):
-                _check_shard_order(x, where=where)
-                exchanged.append(j)
-    return lays, exchanged
+        if sharded and (whole_leaf or not sharded <= lay.batch_axes):
+            _check_shard_order(x, where=where)
+            by_mesh.setdefault(id(x.device_mesh), (x.device_mesh, []))[1].append(j)
+        else:
+            local.append(j)
+    plans = []
+    load: dict[int, int] = {}  # by global rank, over every mesh
+    for mesh, js in by_mesh.values():
+        ranks = mesh_ranks(mesh)  # in mesh order; a group ranks them by global rank
+        to_group = [sorted(ranks).index(r) for r in ranks]
+        costs = [_ns_flops(mats.layouts[j], steps) for j in js]
+        items, flops = [], [0] * len(ranks)
+        for j, owner, cost in zip(js, _greedy_owners(costs, sorted(ranks), load), costs):
+            pieces = [p for _, p in sorted(zip(to_group, _pieces(leaves[j])), key=lambda t: t[0])]
+            items.append(_Owned(j, owner, tuple(pieces), tuple(leaves[j].shape)))
+            flops[owner] += cost
+        plans.append(_MeshPlan(mesh, tuple(items), tuple(flops)))
+    return local, plans
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -306,117 +299,86 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
     )
 
 
-class _Prepared(NamedTuple):
-    """What a step needs that depends only on the leaves' global shapes, dtypes and placements (cached)."""
-
-    layouts: list[_Layout]
-    local: list[int]  # the leaves orthogonalized where they are
-    paths: list[str]
-    mesh_plans: tuple[_MeshPlan, ...]
-
-
-def _local_plan(
+def _stacks(
     locs: Sequence[torch.Tensor], dims: Sequence[MuonDimensionNumbers], paths: Sequence[str], *,
     adaptive: bool, preconditioning: str, ns_batch: int,
-) -> tuple[list[_Layout], list[list[int]], list[int]]:  # fmt: skip
-    """The local tensors' layouts, the stacks (of at most ``ns_batch``) iterated as one, and the single ones."""
+) -> tuple[list[_Layout], list[list[int]]]:  # fmt: skip
+    """The local tensors' layouts, and the groups (of at most ``ns_batch``) iterated as one; most hold one tensor."""
     lays = [_layout(tuple(x.shape), dn, where=w) for x, dn, w in zip(locs, dims, paths)]
     groups: dict[Any, list[int]] = {}
-    singles: list[int] = []
     for k, (x, lay) in enumerate(zip(locs, lays)):
         key = None if adaptive or ns_batch < 2 else _stack_key(x, lay, preconditioning)
         groups.setdefault(k if key is None else key, []).append(k)  # a leaf never stacked: a group of its own
     stacks: list[list[int]] = []
-    for ks in groups.values():
-        if len(ks) == 1:
-            singles += ks
-        else:  # bounded stacks: ns_batch matrices at most, in near-equal parts
-            n = -(-len(ks) // ns_batch)
-            stacks += [ks[i::n] for i in range(n)]
-    return lays, stacks, sorted(singles)
-
-
-def cached(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
-    """``cache[key]``, made by ``make()`` when missing; the cache is emptied when it holds more than 8 entries."""
-    value = cache.get(key)
-    if value is None:
-        value = make()
-        if len(cache) > 8:
-            cache.clear()
-        cache[key] = value
-    return value
+    for ks in groups.values():  # bounded stacks: ns_batch matrices at most, in near-equal parts
+        n = -(-len(ks) // ns_batch)
+        stacks += [ks[i::n] for i in range(n)]
+    return lays, stacks
 
 
 def _make_orthogonalizer(
-    rows: Sequence[tuple[float, float, float]],
-    preconditioning: str,
-    eps: Scalar,
-    ns_dtype: torch.dtype | None,
-    comm: ExchangeComm | None,
+    ns_coeffs: Any,
+    ns_steps: Any,
+    eps: Any,
+    preconditioning: Any,
+    ns_dtype: Any,
+    comm: Any,
+    ns_batch: Any,
     *,
     name: str,
-    ns_batch: int = 1,
-) -> Callable[..., list[torch.Tensor]]:
-    """``run(leaves, dims, paths, adaptive)``: each leaf's orthogonalized value, wrapped like the leaf.
+) -> Callable[[Sequence[Any], _Matrices, bool], list[torch.Tensor]]:
+    """Check the arguments Muon's transforms share; return ``run(leaves, mats, adaptive)``.
 
-    ``paths`` is a function returning the leaves' path strings (for messages),
-    called only when the leaves' layout is new; everything that depends on
-    shapes and placements alone is computed then and cached.
+    ``run`` gives the orthogonalized value of each of ``leaves`` (the Muon
+    leaves ``mats`` describes), wrapped like the leaf. What depends on shapes
+    and placements alone (routes, owners, stacks) is computed on the first
+    step with those and cached.
     """
-    cache: dict[tuple[Any, ...], _Prepared] = {}
-    local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]], list[int]]] = {}
+    if isinstance(ns_steps, torch.Tensor):
+        raise TypeError(
+            f"{name}: ns_steps must be an int, got a tensor (under inject_hyperparams pass static_args=('ns_steps',))"
+        )
+    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name=name)
+    eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
+    check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
+    if comm is not None:
+        check_exchange_comm(comm, name=name)
+    ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
+    cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan]]] = {}
+    local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]]]] = {}
 
-    def run(
-        leaves: Sequence[Any],
-        dims: Sequence[MuonDimensionNumbers],
-        leaf_paths: Callable[[], Sequence[str]],
-        adaptive: bool,
-    ) -> list[torch.Tensor]:
-        key = (_signature(leaves), tuple(dims), adaptive)
+    def run(leaves: Sequence[Any], mats: _Matrices, adaptive: bool) -> list[torch.Tensor]:
+        key = (_signature(leaves), tuple(mats.dims), adaptive)
+        local, plans = cached(cache, key, lambda: _routes(leaves, mats, whole_leaf=adaptive, steps=len(rows)))
 
-        def prepare() -> _Prepared:
-            paths = list(leaf_paths())
-            lays, exchanged = _routes(leaves, dims, paths, whole_leaf=adaptive)
-            plans = _plan_sharded(leaves, lays, exchanged, len(rows))
-            return _Prepared(lays, [j for j in range(len(leaves)) if j not in exchanged], paths, plans)
-
-        prep = cached(cache, key, prepare)
-
-        def single(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
-            o = _orthogonalize_full(x, rows, preconditioning, eps, lay, ns_dtype)
-            if adaptive:  # scale by the dual norm <G, O> of the whole leaf, as optax
-                o = (x * o).sum() * o
-            return o
+        def orthogonalized(xs: list[torch.Tensor], lays: list[_Layout]) -> list[torch.Tensor]:
+            ys = _orthogonalize(xs, rows, preconditioning, eps, lays, ns_dtype)
+            # adaptive: scale by the dual norm <G, O> of the whole leaf, as optax
+            return [(x * y).sum() * y for x, y in zip(xs, ys)] if adaptive else ys
 
         def local_step(*locs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Per rank: a shard's shape is each rank's own (uneven experts), and so are its layout and stacks.
             lkey = (key, tuple((x.shape, x.stride(), x.device) for x in locs))
-            lays, stacks, singles = cached(local_cache, lkey, lambda: _local_plan(
-                locs, [dims[j] for j in prep.local], [prep.paths[j] for j in prep.local], adaptive=adaptive,
+            lays, stacks = cached(local_cache, lkey, lambda: _stacks(
+                locs, [mats.dims[j] for j in local], [mats.paths[j] for j in local], adaptive=adaptive,
                 preconditioning=preconditioning, ns_batch=ns_batch,
             ))  # fmt: skip
             res: list[Any] = [None] * len(locs)
             for ks in stacks:
-                ys = _orthogonalize_stacked([locs[k] for k in ks], rows, preconditioning, eps, [lays[k] for k in ks],
-                                            ns_dtype)  # fmt: skip
-                for k, y in zip(ks, ys):
+                for k, y in zip(ks, orthogonalized([locs[k] for k in ks], [lays[k] for k in ks])):
                     res[k] = y
-            for k in singles:
-                res[k] = single(locs[k], lays[k])
             return tuple(res)
 
         out: list[Any] = [None] * len(leaves)
-        if prep.local:
-            for j, o in zip(prep.local, per_rank(local_step)(*[tu.local(leaves[j]) for j in prep.local])):
+        if local:
+            for j, o in zip(local, per_rank(local_step)(*[tu.local(leaves[j]) for j in local])):
                 out[j] = tu.like(leaves[j], o)
-        if prep.mesh_plans:
+        if plans:
             c = comm if comm is not None else mesh_comm([x.device_mesh for x in leaves if isinstance(x, DTensor)])
-            check_exchange_comm(c, name=name)
             locals_ = [tu.local(x) for x in leaves]
-            for mesh_plan in prep.mesh_plans:
-                for j, shard in _exchange(
-                    mesh_plan, c, locals_, leaves, lambda j, full: single(full, prep.layouts[j])
-                ).items():
+            whole = lambda j, full: orthogonalized([full], [mats.layouts[j]])[0]
+            for plan in plans:
+                for j, shard in _exchange(plan, c, locals_, whole).items():
                     out[j] = tu.like(leaves[j], shard)
         return out
 
@@ -450,21 +412,19 @@ def exchange_plan(
       >>> plan = exchange_plan(grads)
       >>> plan.received_bytes / plan.all_gather_bytes  # 2 / world size for evenly sharded matrices
     """
-    leaves, _ = tu.flatten(updates)
-    dims = _resolve_dims(weight_dimension_numbers, updates, name="exchange_plan")
-    all_paths = [tu.path_str(p) for p in tu.paths(updates)]
-    keep = [j for j, d in enumerate(dims) if d is not None]
-    leaves = [leaves[j] for j in keep]
-    lays, exchanged = _routes(leaves, [dims[j] for j in keep], [all_paths[j] for j in keep], whole_leaf=adaptive)  # type: ignore[misc]
+    all_leaves, _ = tu.flatten(updates)
+    mats = _matrices(weight_dimension_numbers, updates, all_leaves, name="exchange_plan")
+    leaves = [all_leaves[j] for j in mats.idx]
+    _, plans = _routes(leaves, mats, whole_leaf=adaptive, steps=ns_steps)
     sent = received = gather = collectives = 0
     flops: dict[int, int] = {}
     owners: dict[int, int] = {}
-    for plan in _plan_sharded(leaves, lays, exchanged, ns_steps):
+    for plan in plans:
         ranks = sorted(mesh_ranks(plan.mesh))
         for g, f in zip(ranks, plan.flops):
             flops[g] = flops.get(g, 0) + f
         for it in plan.items:
-            owners[keep[it.leaf]] = ranks[it.owner]
+            owners[mats.idx[it.leaf]] = ranks[it.owner]
         if rank not in ranks:
             continue
         me = ranks.index(rank)
@@ -480,5 +440,5 @@ def exchange_plan(
                 sent += sum(math.prod(p.shape) * size for r, p in enumerate(it.pieces) if r != me)
             gather += (leaves[it.leaf].numel() - math.prod(it.pieces[me].shape)) * size
     by_rank = tuple(flops.get(r, 0) for r in range(max(flops, default=-1) + 1))
-    total = sum(_ns_flops(lay, ns_steps) for lay in lays)
+    total = sum(_ns_flops(lay, ns_steps) for lay in mats.layouts)
     return ExchangePlan(collectives, sent, received, gather, by_rank, total, owners)

@@ -8,7 +8,7 @@ Everything here works on local (whole) tensors; the sharded exchange is in
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import optree
@@ -63,28 +63,6 @@ class MuonDimensionNumbers(NamedTuple):
     output_split: int = 1
 
 
-def _is_dn(x: Any) -> bool:
-    return isinstance(x, MuonDimensionNumbers)
-
-
-def _axes(ndim: int, dn: MuonDimensionNumbers, *, where: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The reduction and output axes of an ``ndim``-d leaf, as non-negative ints; checks they are valid."""
-    if ndim < 2:
-        raise ValueError(f"muon: the leaf at {where} has {ndim} dims; a Muon leaf needs at least 2 (give it None)")
-    out: list[tuple[int, ...]] = []
-    for name in ("reduction_axis", "output_axis"):
-        value = getattr(dn, name)
-        items = (value,) if isinstance(value, int) else tuple(value)
-        for ax in items:
-            if isinstance(ax, bool) or not isinstance(ax, int) or not -ndim <= ax < ndim:
-                raise ValueError(f"muon: {name}={value!r} at {where} is not an axis of a {ndim}-d leaf")
-        out.append(tuple(ax % ndim for ax in items))
-    red, outp = out
-    if not red or not outp or set(red) & set(outp) or len(set(red)) < len(red) or len(set(outp)) < len(outp):
-        raise ValueError(f"muon: the reduction and output axes at {where} must be non-empty and disjoint, got {dn}")
-    return red, outp
-
-
 class _Layout(NamedTuple):
     split: tuple[int, ...]  # the shape with split axes cut
     perm: tuple[int, ...]  # batch + reduction + output axes
@@ -94,47 +72,53 @@ class _Layout(NamedTuple):
     batch_axes: frozenset[int]  # in the leaf's own axes (a split axis is not one)
 
 
-def _split(
-    shape: Sequence[int], dn: MuonDimensionNumbers, red: tuple[int, ...], outp: tuple[int, ...], *, where: str
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-    """``shape`` with each split axis cut into ``(pieces, size / pieces)``, and the reduction and output axes on it.
+def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _Layout:
+    """How a leaf of ``shape`` is read as a ``(batch, rows, cols)`` stack of matrices; checks ``dn`` against it.
 
-    The pieces become a batch axis just before the axis they cut.
+    A split axis is cut into ``(pieces, size / pieces)``, the pieces a batch
+    axis just before the axis they cut.
     """
+    ndim = len(shape)
+    if ndim < 2:
+        raise ValueError(f"muon: the leaf at {where} has {ndim} dims; a Muon leaf needs at least 2 (give it None)")
+    axes: list[tuple[int, ...]] = []
+    for name in ("reduction_axis", "output_axis"):
+        value = getattr(dn, name)
+        items = (value,) if isinstance(value, int) else tuple(value)
+        for ax in items:
+            if isinstance(ax, bool) or not isinstance(ax, int) or not -ndim <= ax < ndim:
+                raise ValueError(f"muon: {name}={value!r} at {where} is not an axis of a {ndim}-d leaf")
+        axes.append(tuple(ax % ndim for ax in items))
+    red, outp = axes
+    if not red or not outp or set(red) & set(outp) or len(set(red)) < len(red) or len(set(outp)) < len(outp):
+        raise ValueError(f"muon: the reduction and output axes at {where} must be non-empty and disjoint, got {dn}")
     cuts: dict[int, int] = {}
-    for axes, k, name in ((red, dn.reduction_split, "reduction"), (outp, dn.output_split, "output")):
+    for group, k, name in ((red, dn.reduction_split, "reduction"), (outp, dn.output_split, "output")):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"muon: {name}_split at {where} must be an int >= 1, got {k!r}")
         if k > 1:
-            if len(axes) != 1 or shape[axes[0]] % k:
+            if len(group) != 1 or shape[group[0]] % k:
                 raise ValueError(
                     f"muon: {name}_split={k} at {where} needs one {name} axis whose size it divides, "
-                    f"got axes {axes} of shape {tuple(shape)}"
+                    f"got axes {group} of shape {tuple(shape)}"
                 )
-            cuts[axes[0]] = k
-    if not cuts:
-        return tuple(shape), red, outp
-    new_shape: list[int] = []
-    where_is: dict[int, int] = {}
+            cuts[group[0]] = k
+    split: list[int] = []
+    moved: dict[int, int] = {}  # each axis of the leaf -> its axis in the split shape
     for ax, n in enumerate(shape):
         if ax in cuts:
-            new_shape.append(cuts[ax])
+            split.append(cuts[ax])
             n //= cuts[ax]
-        where_is[ax] = len(new_shape)
-        new_shape.append(n)
-    return tuple(new_shape), tuple(where_is[a] for a in red), tuple(where_is[a] for a in outp)
-
-
-def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _Layout:
-    red0, out0 = _axes(len(shape), dn, where=where)
-    own_batch = frozenset(ax for ax in range(len(shape)) if ax not in red0 and ax not in out0)
-    shape, red, outp = _split(shape, dn, red0, out0, where=where)
-    batch = tuple(ax for ax in range(len(shape)) if ax not in red and ax not in outp)
+        moved[ax] = len(split)
+        split.append(n)
+    own_batch = frozenset(ax for ax in range(ndim) if ax not in red and ax not in outp)
+    red, outp = tuple(moved[ax] for ax in red), tuple(moved[ax] for ax in outp)
+    batch = tuple(ax for ax in range(len(split)) if ax not in red and ax not in outp)
     perm = batch + red + outp
-    inv = tuple(sorted(range(len(shape)), key=lambda i: perm[i]))
-    size = lambda axes: math.prod(shape[ax] for ax in axes)
+    inv = tuple(sorted(range(len(split)), key=lambda i: perm[i]))
+    size = lambda group: math.prod(split[ax] for ax in group)
     flat = (size(batch), size(red), size(outp))
-    return _Layout(shape, perm, inv, flat, tuple(shape[ax] for ax in perm), own_batch)
+    return _Layout(tuple(split), perm, inv, flat, tuple(split[ax] for ax in perm), own_batch)
 
 
 # --- the Newton–Schulz iteration on local tensors ------------------------------------------------
@@ -210,23 +194,7 @@ def newton_schulz(
     """
     rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name="newton_schulz")
     dn = dimension_numbers if dimension_numbers is not None else MuonDimensionNumbers()
-    return _orthogonalize_full(x, rows, preconditioning, eps, _layout(x.shape, dn, where="<x>"), ns_dtype)
-
-
-def _orthogonalize_full(
-    x: torch.Tensor,
-    rows: Sequence[tuple[float, float, float]],
-    preconditioning: str,
-    eps: Scalar,
-    lay: _Layout,
-    ns_dtype: torch.dtype | None,
-) -> torch.Tensor:
-    m, transposed = _matrices(x, lay, preconditioning, ns_dtype)
-    if lay.flat[0] == 1:  # one matrix: the 2-d ops torch.optim.Muon uses, so bf16 results agree bit for bit
-        y = _ns(m[0], rows, preconditioning, eps).unsqueeze(0)
-    else:
-        y = _ns(m, rows, preconditioning, eps)
-    return _unmatrices(y.to(x.dtype), lay, transposed, x.shape)
+    return _orthogonalize([x], rows, preconditioning, eps, [_layout(x.shape, dn, where="<x>")], ns_dtype)[0]
 
 
 def _transposed(lay: _Layout, preconditioning: str) -> bool:
@@ -242,23 +210,6 @@ def _transposed(lay: _Layout, preconditioning: str) -> bool:
     if rows != cols or preconditioning != "aol":
         return rows >= cols
     return lay.perm == (1, 0)
-
-
-def _matrices(
-    x: torch.Tensor, lay: _Layout, preconditioning: str, ns_dtype: torch.dtype | None
-) -> tuple[torch.Tensor, bool]:
-    """``x`` as a ``(batch, rows, cols)`` stack on its wide side, in ``ns_dtype``; and whether it was transposed."""
-    if x.is_complex():
-        raise TypeError("muon: complex leaves are not supported (torch.optim.Muon refuses them too)")
-    transposed = _transposed(lay, preconditioning)
-    return _oriented(x, lay, transposed).to(ns_dtype if ns_dtype is not None else x.dtype), transposed
-
-
-def _unmatrices(y: torch.Tensor, lay: _Layout, transposed: bool, shape: Sequence[int]) -> torch.Tensor:
-    """The inverse of :func:`_matrices` (but the dtype): the leaf's shape and axis order again."""
-    if transposed:
-        y = y.mT
-    return y.reshape(lay.unflat).permute(lay.inv).reshape(shape)
 
 
 def _oriented(x: torch.Tensor, lay: _Layout, tr: bool) -> torch.Tensor:
@@ -285,7 +236,7 @@ def _stack_key(x: torch.Tensor, lay: _Layout, preconditioning: str) -> tuple[Any
     return tuple(v.shape), _column_major(v), x.dtype, x.device
 
 
-def _orthogonalize_stacked(
+def _orthogonalize(
     xs: Sequence[torch.Tensor],
     rows: Sequence[tuple[float, float, float]],
     preconditioning: str,
@@ -293,24 +244,35 @@ def _orthogonalize_stacked(
     lays: Sequence[_Layout],
     ns_dtype: torch.dtype | None,
 ) -> list[torch.Tensor]:
-    """:func:`_orthogonalize_full` of single-matrix leaves of one :func:`_stack_key`, as one batched iteration.
+    """The iteration on each (local, whole) tensor ``xs[i]``, read with ``lays[i]``; each result in its shape and dtype.
 
-    The same operations on every matrix, as ``bmm`` over the stack: a few
-    kernels for the group instead of a few per matrix. Costs a transient copy
-    of the group in its own dtype (the stack, before the cast to ``ns_dtype``),
+    Several tensors are single matrices of one :func:`_stack_key`, iterated as
+    one stack: the same operations on every matrix, as ``bmm``, a few kernels
+    for the group instead of a few per matrix. That costs a transient copy of
+    the group in its own dtype (the stack, before the cast to ``ns_dtype``),
     and the iteration's working set for the whole group at once; the results
     are views of one buffer.
     """
-    dtype = ns_dtype if ns_dtype is not None else xs[0].dtype
+    if any(x.is_complex() for x in xs):
+        raise TypeError("muon: complex leaves are not supported (torch.optim.Muon refuses them too)")
     trs = [_transposed(lay, preconditioning) for lay in lays]
-    views = [_oriented(x, lay, tr)[0] for x, lay, tr in zip(xs, lays, trs)]
-    if _column_major(views[0]):  # stack the transposes, so every matrix keeps its layout
-        stack = torch.stack([v.mT for v in views]).mT
+    views = [_oriented(x, lay, tr) for x, lay, tr in zip(xs, lays, trs)]  # (batch, rows, cols), on the wide side
+    if len(views) == 1:
+        stack = views[0]
+    elif _column_major(views[0][0]):  # stack the transposes, so every matrix keeps its layout
+        stack = torch.cat([v.mT for v in views]).mT
     else:
-        stack = torch.stack(views)
-    stack = stack.to(dtype)  # rebound: a copy in the leaves' own dtype is freed before the iteration
-    y = _ns(stack, rows, preconditioning, eps).to(xs[0].dtype)
-    return [_unmatrices(yi, lay, tr, x.shape) for yi, x, lay, tr in zip(y.unbind(0), xs, lays, trs)]
+        stack = torch.cat(views)
+    stack = stack.to(ns_dtype if ns_dtype is not None else xs[0].dtype)  # rebound: the stack's copy is freed
+    if stack.shape[0] == 1:  # one matrix: the 2-d ops torch.optim.Muon uses, so bf16 results agree bit for bit
+        y = _ns(stack[0], rows, preconditioning, eps).unsqueeze(0)
+    else:
+        y = _ns(stack, rows, preconditioning, eps)
+    y = y.to(xs[0].dtype)
+    out = []
+    for yi, x, lay, tr in zip([y] if len(xs) == 1 else y.unbind(0), xs, lays, trs):  # a stack: one matrix each
+        out.append((yi.mT if tr else yi).reshape(lay.unflat).permute(lay.inv).reshape(x.shape))
+    return out
 
 
 def _ns(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, eps: Scalar) -> torch.Tensor:
@@ -345,34 +307,65 @@ def _ns_flops(lay: _Layout, steps: int) -> int:
 # --- which leaves are Muon's, and with which dimension numbers ------------------------------------
 
 
-class _Dn:
-    """A leaf wrapper, so optree treats a MuonDimensionNumbers (a NamedTuple) or None as one leaf."""
+class _Matrices(NamedTuple):
+    """An updates tree's Muon leaves: their positions among its leaves, dimension numbers, paths and layouts."""
 
-    __slots__ = ("dn",)
+    idx: list[int]
+    dims: list[MuonDimensionNumbers]
+    paths: list[str]
+    layouts: list[_Layout]  # of the global (unsharded) shapes
 
-    def __init__(self, dn: MuonDimensionNumbers | None) -> None:
-        self.dn = dn
+
+def _matrices(dims_arg: Any, updates: PyTree, leaves: Sequence[Any], *, name: str) -> _Matrices:
+    dims = _resolve_dims(dims_arg, updates, name=name)
+    paths = [tu.path_str(p) for p in tu.paths(updates)]
+    idx = [j for j, d in enumerate(dims) if d is not None]
+    lays = [_layout(tuple(leaves[j].shape), dims[j], where=paths[j]) for j in idx]  # type: ignore[arg-type]
+    return _Matrices(idx, [dims[j] for j in idx], [paths[j] for j in idx], lays)  # type: ignore[misc]
+
+
+def _selector(dims_arg: Any, *, name: str) -> Callable[[PyTree, list[Any], Any], _Matrices]:
+    """``select(updates, leaves, spec)``: :func:`_matrices`, computed once per tree structure and shapes.
+
+    So a function given as the dimension numbers is called once per structure
+    and shapes, as optax's is once per trace, and a step does not rebuild it.
+    """
+    cache: dict[Any, _Matrices] = {}
+
+    def select(updates: PyTree, leaves: list[Any], spec: Any) -> _Matrices:
+        key = (spec, tuple(x.shape for x in leaves))
+        return cached(cache, key, lambda: _matrices(dims_arg, updates, leaves, name=name))
+
+    return select
+
+
+def cached(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` when missing; the cache is emptied when it holds more than 8 entries."""
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if len(cache) > 8:
+            cache.clear()
+        cache[key] = value
+    return value
 
 
 def _resolve_dims(dims: Any, updates: PyTree, *, name: str) -> list[MuonDimensionNumbers | None]:
     """One dimension-numbers entry per (non-None) leaf of ``updates``; ``None`` where a leaf is not Muon's."""
     if dims is None:  # the default 2-d rule: every matrix is an (out, in) weight, the rest pass through
         return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(updates)[0]]
-    if callable(dims) and not _is_dn(dims):
+    if callable(dims):
         dims = dims(updates)
-    wrapped = optree.tree_map(_Dn, dims, is_leaf=lambda x: x is None or _is_dn(x), none_is_leaf=True)
-    full = optree.tree_map(lambda x: x, updates, none_is_leaf=True)
+    entry = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # one leaf, though a NamedTuple
     try:
-        spread = optree.tree_broadcast_prefix(wrapped, full, none_is_leaf=True)
+        spread = optree.tree_broadcast_prefix(dims, updates, is_leaf=entry)
     except (ValueError, TypeError) as e:
         raise ValueError(f"{name}: the dimension numbers are not a prefix of the updates tree: {e!s:.300}") from None
-    leaves = optree.tree_leaves(full, none_is_leaf=True)
-    per_leaf = optree.tree_leaves(spread, none_is_leaf=True, is_leaf=lambda x: isinstance(x, _Dn))
     out = []
-    for leaf, d in zip(leaves, per_leaf):
+    for leaf, d in zip(optree.tree_leaves(updates, is_leaf=entry), optree.tree_leaves(spread, is_leaf=entry)):
         if leaf is None:
             continue
-        if not isinstance(d, _Dn) or not (d.dn is None or _is_dn(d.dn)):
+        if not entry(d):
             raise TypeError(f"{name}: dimension numbers must be MuonDimensionNumbers or None, got {d!r:.100}")
-        out.append(d.dn)
+        out.append(d)
     return out

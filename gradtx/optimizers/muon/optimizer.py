@@ -8,67 +8,20 @@ from typing import Any
 import torch
 
 from gradtx.comm.base import ExchangeComm
-from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Params, PyTree, factory
-from gradtx.optimizers.aliases import _alias
+from gradtx.optimizers.aliases import _alias, _decay_then_lr
 from gradtx.optimizers.muon.iteration import (
     _DEFAULT_NS_COEFFS,
-    _NS_COEFFS_PRESETS,
     MuonDimensionNumbers,
     Preconditioning,
     Scalar,
-    _coeff_rows,
-    _is_dn,
     _resolve_dims,
 )
-from gradtx.optimizers.muon.transforms import _momentum, scale_by_muon, scale_by_shape
-from gradtx.optimizers.standard import (
-    ScaleByAdamState,
-    _bias_correction,
-    _is_zero,
-    _zeros_moments,
-    add_decayed_weights,
-    scale_by_learning_rate,
-)
+from gradtx.optimizers.muon.transforms import scale_by_muon, scale_by_shape
+from gradtx.optimizers.standard import _scale_by_adam
 from gradtx.transforms.combine import chain, partition
-
-
-def scale_by_adam_eps_root(
-    b1: Scalar, b2: Scalar, eps: Scalar, eps_root: Scalar, mu_dtype: torch.dtype | None, nesterov: bool, *, name: str
-) -> GradientTransformation:
-    """optax's ``scale_by_adam`` with ``eps_root`` and ``nesterov``: Muon's fallback for the other leaves, and lamb's."""
-
-    def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, spec = tu.flatten(params)
-        zeros = lambda: tu.unflatten(spec, _zeros_moments(leaves, mu_dtype))
-        return ScaleByAdamState(count=lw.zero_count(params), mu=zeros(), nu=zeros())
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        tu.require_state(state, ScaleByAdamState, name=name)
-        index, leaves, spec = tu.align(state.mu, updates, what=f"{name}: updates", against="the state's moments")
-        mu_leaves, mu_spec = tu.flatten(state.mu)
-        nu_leaves, nu_spec = tu.flatten(state.nu)
-        count = state.count + 1
-        new_mu, new_nu, out = list(mu_leaves), list(nu_leaves), list(leaves)
-        m0s = [tu.local(mu_leaves[i]) for i in index]
-        gls = [tu.local(g).to(m0.dtype) for g, m0 in zip(leaves, m0s)]
-        # The first moment and its (Nesterov) bias-corrected direction are Muon's momentum.
-        ms, m_hats = _momentum(m0s, gls, b1, count, nesterov=nesterov, bias_correction=True)
-        for j, (g, i, gl, m, m_hat) in enumerate(zip(leaves, index, gls, ms, m_hats)):
-            v0 = tu.local(nu_leaves[i])
-            v = v0 * lw.as_tensor(b2, v0) + (1 - lw.as_tensor(b2, v0)) * gl * gl
-            v_hat = v / _bias_correction(b2, count.to(v0.device, tu.acc_dtype(v0.dtype))).to(v0.dtype)
-            u = m_hat / (torch.sqrt(v_hat + lw.as_tensor(eps_root, v0)) + lw.as_tensor(eps, v0))
-            new_mu[i], new_nu[i] = tu.like(mu_leaves[i], m), tu.like(nu_leaves[i], v)
-            out[j] = tu.like(g, u.to(g.dtype))
-        return tu.unflatten(spec, out), ScaleByAdamState(
-            count, tu.unflatten(mu_spec, new_mu), tu.unflatten(nu_spec, new_nu)
-        )
-
-    return GradientTransformation(init_fn, update_fn)
 
 
 @factory
@@ -160,37 +113,26 @@ def muon(
     adam_eps_root = check.non_negative(adam_eps_root, arg="adam_eps_root", name="muon", tensor=True)
     adam_weight_decay = check.non_negative(adam_weight_decay, arg="adam_weight_decay", name="muon", tensor=True)
     dims_arg = muon_weight_dimension_numbers
-    if isinstance(ns_coeffs, str):
-        _coeff_rows(ns_coeffs, ns_steps if isinstance(ns_steps, int) else 5, preconditioning, name="muon")
-        ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
 
     def labels(params: PyTree) -> PyTree:
         _, spec = tu.flatten(params)
         dims = _resolve_dims(dims_arg, params, name="muon")  # None: every 2-d leaf
         return tu.unflatten(spec, ["muon" if d is not None else "adam" for d in dims])
 
-    def inner_dims(updates: PyTree) -> PyTree:
-        # The Muon member sees None at the Adam leaves; what remains are Muon leaves.
-        if dims_arg is None:
-            return MuonDimensionNumbers()
-        return dims_arg(updates) if callable(dims_arg) and not _is_dn(dims_arg) else dims_arg
-
+    # The Muon member sees None at the Adam leaves: every leaf it sees is a Muon leaf.
+    inner_dims = MuonDimensionNumbers() if dims_arg is None else dims_arg
     muon_tx = scale_by_muon(
         ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov, adaptive=adaptive,
         preconditioning=preconditioning, weight_dimension_numbers=inner_dims, bias_correction=bias_correction,
         ns_dtype=ns_dtype, comm=comm, ns_batch=ns_batch,
     )  # fmt: skip
-    members = [muon_tx, scale_by_shape(inner_dims, consistent_rms)]
-    if not _is_zero(weight_decay):
-        members.append(add_decayed_weights(weight_decay, weight_decay_mask))
-    members.append(scale_by_learning_rate(learning_rate))
-    adam_members = [
-        scale_by_adam_eps_root(adam_b1, adam_b2, eps, adam_eps_root, mu_dtype, nesterov, name="muon (adam)")
-    ]
-    if not _is_zero(adam_weight_decay):
-        adam_members.append(add_decayed_weights(adam_weight_decay))
-    adam_members.append(scale_by_learning_rate(adam_lr))
-    inner = partition({"muon": chain(*members), "adam": chain(*adam_members)}, labels)
+    adam_tx = _scale_by_adam(
+        adam_b1, adam_b2, eps, adam_eps_root, nesterov=nesterov, mu_dtype=mu_dtype, name="muon (adam)"
+    )
+    shaped = [muon_tx, scale_by_shape(inner_dims, consistent_rms)]
+    muon_chain = chain(*_decay_then_lr(shaped, weight_decay, learning_rate, weight_decay_mask))
+    adam_chain = chain(*_decay_then_lr([adam_tx], adam_weight_decay, adam_lr))
+    inner = partition({"muon": muon_chain, "adam": adam_chain}, labels)
     # An OptimizerChain: its output is an update (-learning_rate times a direction), so the wrapper refuses
     # it in front of a torch optimizer.
     return _alias([inner], "muon", learning_rate, weight_decay, b1=adam_b1, b2=adam_b2, eps=eps)

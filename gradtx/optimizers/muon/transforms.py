@@ -3,118 +3,26 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from gradtx.comm.base import ExchangeComm, check_exchange_comm
+from gradtx.comm.base import ExchangeComm
+from gradtx.core import foreach as fe
 from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
-from gradtx.optimizers.muon.exchange import _make_orthogonalizer, cached
-from gradtx.optimizers.muon.iteration import (
-    _DEFAULT_NS_COEFFS,
-    Preconditioning,
-    Scalar,
-    _coeff_rows,
-    _layout,
-    _resolve_dims,
-)
-from gradtx.optimizers.standard import (
-    _bias_correction,
-    _zeros_moments,
-)
-
-# --- the transforms ------------------------------------------------------------------------------
+from gradtx.optimizers.muon.exchange import _make_orthogonalizer
+from gradtx.optimizers.muon.iteration import _DEFAULT_NS_COEFFS, Preconditioning, Scalar, _selector
+from gradtx.optimizers.standard import _debiased, _zeros_moments
 
 
-def _check_common(
-    ns_coeffs: Any, ns_steps: Any, eps: Any, preconditioning: Any, ns_dtype: Any, comm: Any, *, name: str
-):
-    if isinstance(ns_steps, torch.Tensor):
-        raise TypeError(
-            f"{name}: ns_steps must be an int, got a tensor (under inject_hyperparams pass static_args=('ns_steps',))"
-        )
-    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name=name)
-    eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
-    if comm is not None:
-        check_exchange_comm(comm, name=name)
-    return rows, eps
-
-
-def _dims_resolver(dims_arg: Any, *, name: str) -> Callable[..., tuple[list[Any], Callable[[], list[str]]]]:
-    """``resolve(updates, leaves, spec)``: each leaf's dimension numbers (None: not Muon's), and its paths lazily.
-
-    The answer depends on the tree's structure and shapes alone (a function
-    given as the dimension numbers is called once per structure and shapes, as
-    optax's is once per trace), so it is cached: a step does not rebuild it.
-    """
-    cache: dict[Any, list[Any]] = {}
-
-    def resolve(updates: PyTree, leaves: list[Any], spec: Any) -> tuple[list[Any], Callable[[], list[str]]]:
-        paths = lambda: [tu.path_str(p) for p in tu.paths(updates)]
-        key = (spec, tuple(x.shape for x in leaves))
-        return cached(cache, key, lambda: _resolve_dims(dims_arg, updates, name=name)), paths
-
-    return resolve
-
-
-def _muon_leaves(updates: PyTree, resolve: Callable[..., Any], *, name: str):
-    """The updates' leaves with their dimension numbers; a leaf whose entry is None passes through."""
+def _tensor_leaves(updates: PyTree, *, name: str) -> tuple[list[Any], Any]:
     leaves, spec = tu.flatten(updates)
     if not all(isinstance(x, torch.Tensor) for x in leaves):
         tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
-    dims, paths = resolve(updates, leaves, spec)
-    return leaves, spec, dims, paths
-
-
-def _momentum(
-    m0s: list[torch.Tensor],
-    gls: list[torch.Tensor],
-    beta: Any,
-    count: torch.Tensor,
-    *,
-    nesterov: bool,
-    bias_correction: bool,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The new momentum and the direction of every (local) leaf: foreach ops per device and dtype.
-
-    ``m = mu.lerp(g, 1 - beta)`` is ``(1 - beta) g + beta mu``, as torch.optim.Muon's buffer.
-    """
-    ms: list[Any] = [None] * len(m0s)
-    ds: list[Any] = [None] * len(m0s)
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for k, m0 in enumerate(m0s):
-        groups.setdefault((m0.device, m0.dtype), []).append(k)
-    for (dev, dt), ks in groups.items():
-        mu, g = [m0s[k] for k in ks], [gls[k] for k in ks]
-        # A tensor beta (inject_hyperparams) stays on the device: foreach's scalar weight would read it on the host.
-        b = lw.as_tensor(beta, mu[0])
-        if isinstance(b, torch.Tensor):
-            m = [x.lerp(y, 1 - b) for x, y in zip(mu, g)]
-        else:
-            m = list(torch._foreach_lerp(mu, g, 1 - b))
-        if not bias_correction:
-            if not nesterov:
-                d = m
-            elif isinstance(b, torch.Tensor):
-                d = [y.lerp(x, b) for x, y in zip(m, g)]
-            else:
-                d = list(torch._foreach_lerp(g, m, b))
-        else:
-            t = count.to(dev, tu.acc_dtype(dt))
-            if nesterov:
-                c1 = (b / _bias_correction(beta, t + 1)).to(dt)
-                c2 = ((1 - b) / _bias_correction(beta, t)).to(dt)
-                d = list(torch._foreach_add(torch._foreach_mul(m, c1), torch._foreach_mul(g, c2)))
-            else:
-                d = list(torch._foreach_div(m, _bias_correction(beta, t).to(dt)))
-        for k, mk, dk in zip(ks, m, d):
-            ms[k], ds[k] = mk, dk
-    return ms, ds
+    return leaves, spec
 
 
 @factory
@@ -162,19 +70,17 @@ def orthogonalize(
       >>> tx = chain(trace(0.95), orthogonalize(), scale_by_learning_rate(0.02))
       >>> updates, state = tx.update(grads, tx.init(params))
     """
-    rows, eps = _check_common(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, name="orthogonalize")
-    ns_batch = check.integer(ns_batch, arg="ns_batch", name="orthogonalize", minimum=1)
-    run = _make_orthogonalizer(rows, preconditioning, eps, ns_dtype, comm, name="orthogonalize", ns_batch=ns_batch)
-    resolve = _dims_resolver(weight_dimension_numbers, name="orthogonalize")
+    name = "orthogonalize"
+    run = _make_orthogonalizer(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, ns_batch, name=name)
+    select = _selector(weight_dimension_numbers, name=name)
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
-        tu.require_state(state, EmptyState, name="orthogonalize")
-        leaves, spec, dims, paths = _muon_leaves(updates, resolve, name="orthogonalize")
-        idx = [j for j, d in enumerate(dims) if d is not None]
+        tu.require_state(state, EmptyState, name=name)
+        leaves, spec = _tensor_leaves(updates, name=name)
+        mats = select(updates, leaves, spec)
         out = list(leaves)
-        sub_paths = lambda: [paths()[j] for j in idx]
-        for j, o in zip(idx, run([leaves[j] for j in idx], [dims[j] for j in idx], sub_paths, False)):
+        for j, o in zip(mats.idx, run([leaves[j] for j in mats.idx], mats, False)):
             out[j] = o
         return tu.unflatten(spec, out), state
 
@@ -249,19 +155,16 @@ def scale_by_muon(
       >>> updates, state = tx.update(grads, tx.init(params))
     """
     name = "scale_by_muon"
-    rows, eps = _check_common(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, name=name)
+    run = _make_orthogonalizer(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, ns_batch, name=name)
     beta = check.beta(beta, arg="beta", name=name, tensor=True)
     nesterov = check.flag(nesterov, arg="nesterov", name=name)
     adaptive = check.flag(adaptive, arg="adaptive", name=name)
     bias_correction = check.flag(bias_correction, arg="bias_correction", name=name)
     check.dtype(mu_dtype, arg="mu_dtype", name=name, floating=True)
-    ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
-    run = _make_orthogonalizer(rows, preconditioning, eps, ns_dtype, comm, name=name, ns_batch=ns_batch)
-    resolve = _dims_resolver(weight_dimension_numbers, name=name)
+    select = _selector(weight_dimension_numbers, name=name)
 
     def init_fn(params: Params) -> MuonState:
-        leaves, spec = tu.flatten(params)
-        tu.check_tensors(leaves, tree=params, what=f"{name}: params")
+        leaves, spec = tu.tensor_leaves(params, what=f"{name}: params")
         return MuonState(count=lw.zero_count(params), mu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)))
 
     def update_fn(updates, state, params=None, **extra):
@@ -272,21 +175,26 @@ def scale_by_muon(
         tu.check_devices(
             [mu_leaves[i] for i in index], leaves, updates, what=f"{name}: updates", against="its momentum"
         )
-        dims, paths = resolve(updates, leaves, spec)
+        mats = select(updates, leaves, spec)
         count = state.count + 1
-        idx = [j for j, d in enumerate(dims) if d is not None]
         new_mu = list(mu_leaves)
         out: list[torch.Tensor] = list(leaves)
-        if idx:
-            m0s = [tu.local(mu_leaves[index[j]]) for j in idx]
-            gls = [tu.local(leaves[j]).to(m0.dtype) for j, m0 in zip(idx, m0s)]
-            ms, ds = _momentum(m0s, gls, beta, count, nesterov=nesterov, bias_correction=bias_correction)
-            for j, m in zip(idx, ms):
-                new_mu[index[j]] = tu.like(mu_leaves[index[j]], m)
-            directions = [tu.like(leaves[j], d) for j, d in zip(idx, ds)]
-            sub_paths = lambda: [paths()[j] for j in idx]
-            for j, o in zip(idx, run(directions, [dims[j] for j in idx], sub_paths, adaptive)):
-                out[j] = tu.like(leaves[j], tu.local(o).to(leaves[j].dtype))
+        directions: list[Any] = [None] * len(mats.idx)
+        m0s = [tu.local(mu_leaves[index[j]]) for j in mats.idx]
+        for (dev, dt), ks in fe.group_by_device_dtype(m0s):  # foreach ops per device and dtype
+            mu, g = [m0s[k] for k in ks], [tu.local(leaves[mats.idx[k]]).to(dt) for k in ks]
+            b = lw.as_tensor(beta, mu[0])  # a tensor beta (inject_hyperparams) stays on the device
+            m = fe.lerp(mu, g, 1 - b)  # (1 - beta) g + beta mu, as torch.optim.Muon's buffer
+            if bias_correction:
+                d = _debiased(m, g, beta, count.to(dev, tu.acc_dtype(dt)), nesterov)
+            else:
+                d = fe.lerp(g, m, b) if nesterov else m
+            for k, mk, dk in zip(ks, m, d):
+                j = mats.idx[k]
+                new_mu[index[j]] = tu.like(mu_leaves[index[j]], mk)
+                directions[k] = tu.like(leaves[j], dk)
+        for j, o in zip(mats.idx, run(directions, mats, adaptive)):
+            out[j] = tu.like(leaves[j], tu.local(o).to(leaves[j].dtype))
         return tu.unflatten(spec, out), MuonState(count=count, mu=tu.unflatten(mu_spec, new_mu))
 
     return GradientTransformation(init_fn, update_fn)
@@ -320,31 +228,23 @@ def scale_by_shape(
     if consistent_rms is not None:
         consistent_rms = check.non_negative(consistent_rms, arg="consistent_rms", name="scale_by_shape", tensor=True)
 
-    resolve = _dims_resolver(weight_dimension_numbers, name="scale_by_shape")
-    factors_cache: dict[Any, list[float]] = {}
+    select = _selector(weight_dimension_numbers, name="scale_by_shape")
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, EmptyState, name="scale_by_shape")
-        leaves, spec, dims, paths = _muon_leaves(updates, resolve, name="scale_by_shape")
-        idx = [j for j, dn in enumerate(dims) if dn is not None]
-
-        def factors() -> list[float]:  # the width factors depend on the shapes alone
-            where = paths()
-            lays = [_layout(tuple(leaves[j].shape), dims[j], where=where[j]) for j in idx]
-            if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
-                return [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in lays]
-            return [math.sqrt(max(lay.flat[1:])) for lay in lays]
-
-        sizes = cached(factors_cache, (spec, tuple(x.shape for x in leaves)), factors)
-        out = list(leaves)
-        locs = [tu.local(leaves[j]) for j in idx]
-        if isinstance(consistent_rms, torch.Tensor):
-            scaled = [x * (consistent_rms.to(x.device, x.dtype) * f) for x, f in zip(locs, sizes)]
+        leaves, spec = _tensor_leaves(updates, name="scale_by_shape")
+        mats = select(updates, leaves, spec)
+        if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
+            sizes = [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in mats.layouts]
         else:
-            rms = 1.0 if consistent_rms is None else consistent_rms
-            scaled = list(torch._foreach_mul(locs, [f * rms for f in sizes])) if locs else []
-        for j, y in zip(idx, scaled):
+            sizes = [math.sqrt(max(lay.flat[1:])) for lay in mats.layouts]
+        out = list(leaves)
+        locs = [tu.local(leaves[j]) for j in mats.idx]
+        rms = 1.0 if consistent_rms is None else consistent_rms
+        factors = [lw.as_tensor(rms, x) * f for x, f in zip(locs, sizes)]  # a tensor rms stays on the device
+        scaled = fe.mul(locs, factors) if locs else []
+        for j, y in zip(mats.idx, scaled):
             out[j] = tu.like(leaves[j], y)
         return tu.unflatten(spec, out), state
 
