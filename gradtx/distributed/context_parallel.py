@@ -6,7 +6,7 @@ from typing import Any
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.core import tree as tu
-from gradtx.core.base import EmptyState, GradientTransformation, Params, factory
+from gradtx.core.base import GradientTransformation, factory, init_empty_state
 
 
 def _resolve(group: Any, comm: Comm | None) -> tuple[Comm, GroupKey]:
@@ -78,14 +78,10 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     """
     comm, key = _resolve(group, comm)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)

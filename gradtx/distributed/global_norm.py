@@ -1,6 +1,6 @@
 """The global norm every transform reads: a declared plan, else the placements' plan, else the local norm.
 
-:func:`tree_norm` is the one entry point (what :func:`gradtx.clip_by_global_norm`,
+:func:`global_norm_of` is the one entry point (what :func:`gradtx.clip_by_global_norm`,
 :func:`gradtx.global_norm`, the spike guards and AGC call):
 
 * with ``mesh_groups`` (a plan the user holds): that plan's reductions;
@@ -23,7 +23,7 @@ import torch
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.comm.groups import reduce_over_groups
-from gradtx.core import norms
+from gradtx.core import norms, validate
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
 from gradtx.distributed.plan import (
@@ -31,29 +31,23 @@ from gradtx.distributed.plan import (
     MeshGroups,
     _Bucket,
     _build,
-    check_norm_type,
     check_plan,
     default_comm,
 )
-
-__all__ = [
-    "agree_finite",
-    "check_plan",
-    "global_norm",
-    "global_norm_of",
-    "leaf_norms_of",
-    "tree_norm",
-    "tree_unitwise_norms",
-    "unitwise_norms",
-]
 
 
 def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
     """The plan the placements of ``leaves`` define, over the DTensors' own process groups; ``None`` without DTensors.
 
     Plain tensors among them are each rank's own (counted once, no collective).
-    Every DTensor on one root mesh over the whole world: one reduction in all
-    (see :attr:`MeshGroups.flat`); else one per sharded mesh dim.
+    Every DTensor on one root mesh (or its sub-meshes) over the whole world:
+    one reduction in all (see :attr:`MeshGroups.flat`); else one per sharded
+    mesh dim. A leaf is sharded over some dims of the root and held alike by
+    the ranks that differ only in the others (a leaf on a sub-mesh, as FSDP2
+    puts a layer norm on the ``dp`` dim of a TP x FSDP mesh, is replicated
+    over the dims it does not name, which the per-dim reductions assume too),
+    so its replica count is known. Two root meshes, or a root smaller than the
+    world, keep the per-dim reductions.
     """
     if not tu.has_dtensor(leaves):
         return None
@@ -61,7 +55,8 @@ def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = N
     if paths is None or len(paths) != len(leaves):
         paths = [(i,) for i in range(len(leaves))]
     comm = default_comm(leaves)
-    flat = _one_mesh_group(leaves, comm)
+    roots = tu.root_meshes(leaves)
+    flat = "world" if len(roots) == 1 and 1 < roots[0].size() == comm.size("world") else None
     return _build(paths, list(leaves), comm, sharded=None, pp_group=None, tied=None, device=None, what=what, flat=flat)
 
 
@@ -91,23 +86,6 @@ class PlanSlot:
         return {"key": None, "plan": None}
 
 
-def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
-    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
-
-    Then a norm's parts can be reduced in one collective. A leaf is sharded
-    over some dims of the root and held alike by the ranks that differ only in
-    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
-    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
-    which the per-dim reductions assume too), so its replica count is known.
-    Two root meshes, or a root smaller than the world, keep the per-dim
-    reductions.
-    """
-    roots = tu.root_meshes(leaves)
-    if len(roots) != 1 or roots[0].size() == 1 or roots[0].size() != comm.size("world"):
-        return None
-    return "world"
-
-
 def _plan(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: str, tree: PyTree) -> Any:
     if mesh_groups is not None:
         check_plan(mesh_groups, name=what)
@@ -116,35 +94,6 @@ def _plan(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: 
     if slot is not None:
         return slot.get(leaves, what=what, tree=tree)
     return from_placements(leaves, what=what, tree=tree)
-
-
-def tree_norm(
-    leaves: Sequence[torch.Tensor],
-    norm_type: float,
-    mesh_groups: MeshGroups | None = None,
-    *,
-    what: str = "global_norm",
-    tree: PyTree | None = None,
-    slot: PlanSlot | None = None,
-) -> torch.Tensor:
-    """The ``norm_type``-norm of the whole model's grads, as one device would compute it.
-
-    Args:
-      leaves: the grads, in flatten order.
-      norm_type: any ``p > 0`` or ``inf`` (checked by the caller).
-      mesh_groups: a plan from :func:`gradtx.mesh_groups`, or ``None`` to read the placements.
-      what: the caller's name, for error messages.
-      tree: the tree the leaves came from, only to name paths in errors.
-      slot: where the caller keeps the plan read from placements, from one call to the next.
-
-    Returns:
-      A 0-d fp32 tensor (fp64 if a leaf is fp64), equal on every rank that holds part of
-      the model; no host sync. Every such rank must call it when it communicates.
-    """
-    plan = _plan(leaves, mesh_groups, slot, what, tree)
-    if plan is None:
-        return norms.local_norm(leaves, norm_type)
-    return plan_norm(plan, leaves, norm_type)
 
 
 def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups | None = None) -> torch.Tensor:
@@ -169,7 +118,7 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
       >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
       tensor(5.)
     """
-    norm_type = check_norm_type(norm_type, name="global_norm")
+    norm_type = validate.norm_type(norm_type, name="global_norm")
     # A list of plain tensors is its own leaves: optree's registry lookup per leaf costs a tenth of the norm.
     plain = type(tree) is list and set(map(type, tree)) <= _PLAIN
     leaves = tree if plain else optree.tree_leaves(tree)
@@ -182,7 +131,7 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
             tu.check_tensors(leaves, tree=tree, what="global_norm: tree")  # names the leaf that failed
             raise
     tu.check_tensors(leaves, tree=tree, what="global_norm: tree")
-    return tree_norm(leaves, norm_type, mesh_groups, what="global_norm", tree=tree)
+    return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, tree=tree)
 
 
 _PLAIN = frozenset({torch.Tensor})
@@ -193,14 +142,31 @@ def global_norm_of(
     norm_type: float = 2.0,
     *,
     mesh_groups: Any = None,
-    what: str,
-    tree: Any = None,
+    what: str = "global_norm",
+    tree: PyTree | None = None,
     scale: torch.Tensor | None = None,
     device: torch.device | None = None,
     slot: PlanSlot | None = None,
 ) -> torch.Tensor:
-    """:func:`tree_norm`, of the true updates ``leaves * scale`` when ``scale`` is given; as fp32 on ``device`` if given."""
-    norm = tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree, slot=slot)
+    """The ``norm_type``-norm of the whole model's grads, as one device would compute it.
+
+    Args:
+      leaves: the grads, in flatten order.
+      norm_type: any ``p > 0`` or ``inf`` (checked by the caller).
+      mesh_groups: a plan from :func:`gradtx.mesh_groups`, or ``None`` to read the placements.
+      what: the caller's name, for error messages.
+      tree: the tree the leaves came from, only to name paths in errors.
+      scale: a pending multiplier: the norm is that of the true updates ``leaves * scale``.
+      device: where to return the norm, as fp32; default: where it was computed.
+      slot: where the caller keeps the plan read from placements, from one call to the next.
+
+    Returns:
+      A 0-d fp32 tensor (fp64 if a leaf is fp64, unless ``device`` is given), equal on every
+      rank that holds part of the model; no host sync. Every such rank must call it when it
+      communicates.
+    """
+    plan = _plan(leaves, mesh_groups, slot, what, tree)
+    norm = norms.local_norm(leaves, norm_type) if plan is None else plan_norm(plan, leaves, norm_type)
     if device is not None:
         norm = norm.to(device=device, dtype=torch.float32)
     if scale is not None:
@@ -301,25 +267,41 @@ def agree_finite(
     Returns:
       A 0-d bool tensor, equal on every rank that agreed; no host sync.
     """
-    if comm is not None:
-        check_comm(comm, name="apply_if_finite")
-        plan: tuple[Any, tuple[GroupKey, ...]] | None = (comm, (group,))
-    else:
-        plan = _agreement(leaves)
-    if plan is None:
-        return finite
-    agree_comm, groups = plan
     notfinite = (~finite).to(torch.float32)
+    return all_max(notfinite, leaves, comm=comm, group=group, name="apply_if_finite") == 0
+
+
+def all_max(
+    x: torch.Tensor, leaves: Sequence[Any], *, comm: Comm | None, group: GroupKey, name: str, world: bool = False
+) -> torch.Tensor:
+    """``x``'s elementwise MAX over every rank that holds part of the model, or ``x`` with no one to agree with.
+
+    Over ``comm``'s ``group`` when ``comm`` is given; else over the root meshes
+    of ``leaves``' DTensors (the default group when every root spans it, else
+    each of their dims); else, with ``world``, over the default group when
+    ``torch.distributed`` is initialised.
+    """
+    if comm is not None:
+        check_comm(comm, name=name)
+        over: tuple[Any, tuple[GroupKey, ...]] = (comm, (group,))
+    else:
+        roots = tu.root_meshes(leaves)
+        if roots:
+            over = _root_groups(roots)
+        elif world and torch.distributed.is_available() and torch.distributed.is_initialized():
+            from gradtx.comm.torch_dist import TorchComm
+
+            over = (TorchComm(), ("world",))
+        else:
+            return x
+    reduce_comm, groups = over
     for g in groups:
-        (notfinite,) = agree_comm.all_reduce([notfinite], ReduceOp.MAX, g)
-    return notfinite == 0
+        (x,) = reduce_comm.all_reduce([x], ReduceOp.MAX, g)
+    return x
 
 
-def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None:
-    """The comm and groups that span every rank holding ``leaves``' DTensors: the world, or each dim of their root meshes."""
-    roots = tu.root_meshes(leaves)
-    if not roots:
-        return None
+def _root_groups(roots: list[Any]) -> tuple[Any, tuple[GroupKey, ...]]:
+    """The comm and groups that span every rank of the root meshes ``roots``: the world, or each of their dims."""
     from gradtx.comm.torch_dist import mesh_comm
 
     world = torch.distributed.get_world_size()

@@ -16,7 +16,7 @@ from typing import Any, Self
 
 from gradtx.comm.base import ReduceOp
 from gradtx.core import tree as tu
-from gradtx.core.base import EmptyState, GradientTransformation, Params, factory
+from gradtx.core.base import GradientTransformation, factory, init_empty_state
 from gradtx.distributed.plan import NO_PLAN, MeshGroups, check_plan, plan_read_by
 
 
@@ -107,10 +107,6 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     check_plan(mesh_groups, name="pp_reduce", required=True)
     comm = mesh_groups.comm
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         leaves, spec = tu.flatten(updates)
@@ -121,4 +117,4 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
                 out[i] = s
         return tu.unflatten(spec, out), state
 
-    return PPReduce(init_fn, update_fn, mesh_groups)
+    return PPReduce(init_empty_state, update_fn, mesh_groups)

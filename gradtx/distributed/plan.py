@@ -20,7 +20,6 @@ import torch
 from gradtx.comm.base import Comm, GroupKey, as_comm
 from gradtx.comm.local import LocalComm
 from gradtx.core import tree as tu
-from gradtx.core import validate
 from gradtx.core.base import PyTree
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
@@ -493,8 +492,3 @@ def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
         raise TypeError(
             f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
-
-
-def check_norm_type(norm_type: Any, *, name: str) -> float:
-    """``norm_type`` as a float, or ``ValueError`` naming ``name``: any ``p > 0`` or ``inf``."""
-    return validate.norm_type(norm_type, name=name)
