@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from gradtx.comm.local_ranks import per_rank
+from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
 
 # A CPU tensor of 128K elements or more is split into rows of 64K elements, whose fp32 norms are
@@ -185,7 +186,7 @@ def _grouped(
 ) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
     """``locals_`` by (device, dtype), as torch's optimizers group them (in C++; in Python for dynamo)."""
     if torch.compiler.is_compiling():
-        return {k: ([locals_[i] for i in idx], idx) for k, idx in tu.group_by_device_dtype(locals_).items()}
+        return {k: ([locals_[i] for i in idx], idx) for k, idx in fe.group_by_device_dtype(locals_)}
     grouped = torch._C._group_tensors_by_device_and_dtype([list(locals_)], with_indices)  # type: ignore[list-item]
     return {k: (ts, idx) for k, ([ts], idx) in grouped.items()}  # type: ignore[misc]
 

@@ -137,10 +137,14 @@ class MeshGroups:
         self.group_order: tuple[GroupKey, ...] = tuple(order)
         sizes = {leaf.tie_group: comm.size(leaf.tie_group) for leaf in leaves if leaf.tie_group is not None}
         buckets: dict[tuple[tuple[GroupKey, ...], float], list[int]] = {}
+        tied: dict[GroupKey, list[int]] = {}
         for i, leaf in enumerate(leaves):
             groups = tuple(g for g in self.group_order if any(g == s for s, _ in leaf.shards))
             weight = 1.0 / sizes[leaf.tie_group] if leaf.tie_group is not None else 1.0
             buckets.setdefault((groups, weight), []).append(i)
+            if leaf.tie_group is not None:
+                tied.setdefault(leaf.tie_group, []).append(i)
+        self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
         self._buckets = [_Bucket(groups, weight, tuple(idx)) for (groups, weight), idx in buckets.items()]
         # One reduction for the whole norm (one per mesh, not per mesh dim), when every sharded leaf lives on
         # one mesh over all the ranks of ``flat``: each bucket's part is divided by the number of ranks holding
@@ -151,11 +155,6 @@ class MeshGroups:
             replicas = [ranks // math.prod(comm.size(g) for g in b.groups) for b in self._buckets]
             if all(r * math.prod(comm.size(g) for g in b.groups) == ranks for r, b in zip(replicas, self._buckets)):
                 self.flat = (flat, tuple(replicas))
-        tied: dict[GroupKey, list[int]] = {}
-        for i, leaf in enumerate(leaves):
-            if leaf.tie_group is not None:
-                tied.setdefault(leaf.tie_group, []).append(i)
-        self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
 
     def __len__(self) -> int:
         return len(self._leaves)
