@@ -50,10 +50,8 @@ def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[torch.Tensor], Any]:
 
 def device_of(tree: PyTree) -> torch.device:
     """The device of ``tree``'s first tensor (a DTensor's local shard's), or the CPU when it holds none."""
-    for leaf in flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return local(leaf).device
-    return torch.device("cpu")
+    tensors = (leaf for leaf in flatten(tree)[0] if isinstance(leaf, torch.Tensor))
+    return next((local(t).device for t in tensors), torch.device("cpu"))
 
 
 def dotted(path: tuple[Any, ...]) -> str:
@@ -131,16 +129,12 @@ def check_tensors(
         and set(map(_LAYOUT, leaves)) <= {torch.strided}
     ):
         return
-    strided = torch.strided
     for i, leaf in enumerate(leaves):
-        # (one dtype check per distinct dtype: the loop runs on every step, over every leaf)
-        if not isinstance(leaf, torch.Tensor) or leaf.layout is not strided or leaf.dtype not in _GRAD_DTYPES:
-            if (
-                isinstance(leaf, torch.Tensor)
-                and leaf.layout is strided
-                and (leaf.is_floating_point() or leaf.is_complex())
-            ):
-                continue  # a floating or complex dtype the table does not list
+        if not (
+            isinstance(leaf, torch.Tensor)
+            and leaf.layout is torch.strided
+            and (leaf.is_floating_point() or leaf.is_complex())
+        ):
             path = path_str(leaf_paths[i] if leaf_paths is not None else paths(tree)[i])
             _refuse_leaf(leaf, path, what=what)
 

@@ -250,9 +250,7 @@ def norm_audit(
     plain_as = ""
     if plan is None:  # each rank's local norm: a plan with no groups, whose comm is never asked
         source, plain_as = "none (local norm)", "plain"
-        plan = plans._build(
-            list(paths), leaves, LocalComm(), sharded=None, pp_group=None, tied=None, device=None, what="norm_audit"
-        )
+        plan = plans._build(list(paths), leaves, LocalComm(), what="norm_audit")
     plan.check(leaves, what="norm_audit")
     notes: list[str] = []
     same: bool | None = None

@@ -57,7 +57,7 @@ def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = N
     comm = default_comm(leaves)
     roots = tu.root_meshes(leaves)
     flat = "world" if len(roots) == 1 and 1 < roots[0].size() == comm.size("world") else None
-    return _build(paths, list(leaves), comm, sharded=None, pp_group=None, tied=None, device=None, what=what, flat=flat)
+    return _build(paths, list(leaves), comm, what=what, flat=flat)
 
 
 class PlanSlot:
@@ -234,23 +234,19 @@ def tree_unitwise_norms(
     mesh_groups: MeshGroups | None = None,
     tree: PyTree | None = None,
     slot: PlanSlot | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+) -> list[list[torch.Tensor]]:
     """Per-unit fp32 L2 norms of grads and weights (AGC), reduced where a unit spans ranks.
 
     The plan is ``mesh_groups``, else the one the grads' placements define, else none
     (every unit is local). Units follow PyTorch layouts: see :func:`gradtx.unitwise_norm`.
 
     Returns:
-      ``(grad_norms, weight_norms)``, each broadcastable to its leaf's local shard.
+      ``[grad_norms, weight_norms]``, each broadcastable to its leaf's local shard.
     """
     plan = _plan(grads, mesh_groups, slot, "adaptive_clip", tree)
     if plan is None:
-        return (
-            [norms.unitwise_norm(g, unitwise=unitwise) for g in grads],
-            [norms.unitwise_norm(w, unitwise=unitwise) for w in weights],
-        )
-    g_norms, w_norms = unitwise_norms(plan, [grads, weights], unitwise=unitwise)
-    return g_norms, w_norms
+        return [[norms.unitwise_norm(x, unitwise=unitwise) for x in leaves] for leaves in (grads, weights)]
+    return unitwise_norms(plan, [grads, weights], unitwise=unitwise)
 
 
 def agree_finite(
@@ -346,8 +342,6 @@ def _bucket_sums(
     buckets: Sequence[_Bucket], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
 ) -> list[torch.Tensor]:
     """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), in one dtype."""
-    if not buckets:
-        return []
     index = [i for b in buckets for i in b.leaves]
     per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
     out = []
