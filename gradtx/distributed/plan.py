@@ -382,7 +382,7 @@ def _build(
         # key seen for it.
         return seen.setdefault(comm.group_id(group), group)
 
-    used: set[int] = set()
+    matched: set[Any] = set()  # the keys of sharded and tied that name a leaf
     checked: set[GroupKey] = set()
     infos: list[_Leaf] = []
     for path, where, leaf in zip(dotted, map(tu.path_str, paths), flat_leaves):
@@ -408,30 +408,26 @@ def _build(
                             )
                         checked.add(group_key)
                     shards.append((group_key, placement.dim))
-        for n, (key, decl) in enumerate(sharded.items()):
+        for key, decl in sharded.items():
             if _match(key, path, leaf):
-                used.add(n)
+                matched.add(key)
                 for group, dim in _shard_decls(decl, where=f"sharded[{key!r}] (leaf {where})"):
                     if dim is not None and not -max(leaf.ndim, 1) <= dim < max(leaf.ndim, 1):
                         raise ValueError(
                             f"{what}: sharded[{key!r}]: dim {dim} is out of range for leaf {where} of shape {tuple(leaf.shape)}"
                         )
-                    shards.append((canonical(group), dim))
-        deduped: list[tuple[GroupKey, int | None]] = []
-        for group, dim in shards:
-            if any(group == g for g, _ in deduped):
-                raise ValueError(f"{what}: leaf at {where} is sharded over group {group!r} twice")
-            deduped.append((group, dim))
+                    group = canonical(group)
+                    if any(group == g for g, _ in shards):  # (a mesh dim, or a declaration before this one)
+                        raise ValueError(f"{what}: leaf at {where} is sharded over group {group!r} twice")
+                    shards.append((group, dim))
         tie_keys = [key for key in tied if _match(key, path, leaf)]
+        matched.update(tie_keys)
         if len(tie_keys) > 1:
             raise ValueError(f"{what}: leaf at {where} matches several tied keys: {tie_keys}")
         tie_group = canonical(tied[tie_keys[0]]) if tie_keys else None
-        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(deduped), tie_group, where))
+        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(shards), tie_group, where))
 
-    unused = [key for n, key in enumerate(sharded) if n not in used and isinstance(key, str)]
-    unused += [
-        key for key in tied if isinstance(key, str) and not any(_match(key, p, x) for p, x in zip(dotted, flat_leaves))
-    ]
+    unused = [key for key in [*sharded, *tied] if isinstance(key, str) and key not in matched]
     if unused:
         example = ", ".join(repr(p) for p in dotted[:3])
         raise ValueError(f"{what}: keys {unused} match no leaf; paths look like {example or '(no leaves)'}")
