@@ -110,6 +110,7 @@ class TorchComm:
         pg = self.resolve(group)
         tensors = list(tensors)
         device = tensors[0].device if tensors else None
+        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                 raise TypeError(
@@ -118,8 +119,6 @@ class TorchComm:
                 )
             if t.device != device:
                 raise ValueError(f"TorchComm.all_reduce: tensors[{i}] is on {t.device}, tensors[0] on {device}")
-        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
-        for i, t in enumerate(tensors):
             by_dtype[t.dtype].append(i)
         out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for idx in by_dtype.values():

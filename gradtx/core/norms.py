@@ -44,13 +44,8 @@ def norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return torch.float32 if _FP64.isdisjoint({t.dtype for t in tensors}) else torch.float64
 
 
-def norm_to_power(norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The additive form of a norm: ``norm**p``, or the norm itself for ``inf`` (combined with MAX)."""
-    return norm if math.isinf(norm_type) else norm.pow(norm_type)
-
-
 def power_to_norm(power: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """Invert :func:`norm_to_power`."""
+    """A norm from its additive form (``norm**p``, or the norm itself for ``inf``, combined with MAX)."""
     return power if math.isinf(norm_type) else power.pow(1.0 / norm_type)
 
 
@@ -80,7 +75,8 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     device without fp64); an empty shard contributes 0; complex tensors are
     measured by magnitude.
     """
-    return [norm_to_power(n, norm_type) for n in _tensor_norms([tu.local(t) for t in tensors], norm_type)]
+    local_norms = _tensor_norms([tu.local(t) for t in tensors], norm_type)
+    return local_norms if math.isinf(norm_type) else [n.pow(norm_type) for n in local_norms]
 
 
 def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:

@@ -32,10 +32,13 @@ def path_str(path: Path) -> str:
     return "".join(f"[{key!r}]" for key in path)
 
 
-# optree's own functions, under the names every transform uses: ``flatten(tree) -> (leaves, spec)`` (``None``
-# is an empty subtree), ``unflatten(spec, leaves)``, ``paths(tree)`` (each leaf's path, in flatten order) and
-# ``tree_map(fn, tree, *rest)``.
-flatten = optree.tree_flatten
+def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flatten ``tree`` into its leaves and treespec (``None`` is an empty subtree)."""
+    return optree.tree_flatten(tree)
+
+
+# optree's own functions, under the names every transform uses: ``unflatten(spec, leaves)``, ``paths(tree)``
+# (each leaf's path, in flatten order) and ``tree_map(fn, tree, *rest)``.
 unflatten = optree.tree_unflatten
 paths = optree.tree_paths
 tree_map = optree.tree_map

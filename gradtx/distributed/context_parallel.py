@@ -69,7 +69,6 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     comm, key = _resolve(group, comm)
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key)), state

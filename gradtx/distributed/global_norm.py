@@ -91,9 +91,7 @@ def _plan(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: 
         check_plan(mesh_groups, name=what)
         mesh_groups.check(leaves, what=what)
         return mesh_groups
-    if slot is not None:
-        return slot.get(leaves, what=what, tree=tree)
-    return from_placements(leaves, what=what, tree=tree)
+    return (slot if slot is not None else PlanSlot()).get(leaves, what=what, tree=tree)
 
 
 def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups | None = None) -> torch.Tensor:

@@ -96,7 +96,6 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     comm = mesh_groups.comm
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         leaves, spec = tu.flatten(updates)
         mesh_groups.check(leaves, what="pp_reduce")
         out = list(leaves)

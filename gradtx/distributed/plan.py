@@ -368,10 +368,9 @@ def _build(
     leaf_kind = "params" if what == "mesh_groups" else "updates"
     sharded = dict(sharded or {})
     tied = dict(tied or {})
-    for key in sharded:
-        _check_matcher(key, arg="sharded")
-    for key in tied:
-        _check_matcher(key, arg="tied")
+    for arg, keys in (("sharded", sharded), ("tied", tied)):
+        for key in keys:
+            _check_matcher(key, arg=arg)
 
     dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
