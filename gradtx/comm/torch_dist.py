@@ -284,21 +284,19 @@ def ddp_sum_hook(state, bucket):  # unannotated: DDP compares hook annotations b
     Example:
       >>> ddp_model.register_comm_hook(DDPSumState(None), ddp_sum_hook)
     """
-    if isinstance(state, DDPSumState):
-        group = state.process_group if state.process_group is not None else dist.group.WORLD
+    summing = isinstance(state, DDPSumState)
+    if summing:
         # A param no backward touched since the last sync still holds that sum in this bucket.
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             if id(param) in state.holds_sum:
                 state.holds_sum.discard(id(param))
                 grad.div_(state.world_size)
-        params = [id(p) for p in bucket.parameters()]
-    else:
-        group = state if state is not None else dist.group.WORLD
-        params = None
+    group = state.process_group if summing else state  # None: the default group
+    params = [id(p) for p in bucket.parameters()]
     future = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
     def done(fut):
-        if params is not None:
+        if summing:
             state.holds_sum.update(params)
         return fut.value()[0]
 

@@ -29,7 +29,6 @@ from gradtx.core.base import PyTree
 from gradtx.distributed.plan import (
     DTensor,
     MeshGroups,
-    _Bucket,
     _build,
     check_plan,
     default_comm,
@@ -280,8 +279,18 @@ def all_max(
         over: tuple[Any, tuple[GroupKey, ...]] = (comm, (group,))
     else:
         roots = tu.root_meshes(leaves)
-        if roots:
-            over = _root_groups(roots)
+        if roots:  # every rank of the root meshes: the world, or each of their dims
+            from gradtx.comm.torch_dist import mesh_comm
+
+            dims: list[Any] = ["world"]
+            if any(root.size() != torch.distributed.get_world_size() for root in roots):
+                dims = []
+                for root in roots:
+                    for dim in range(root.ndim):
+                        pg = root.get_group(dim)
+                        if root.size(dim) > 1 and all(pg is not g for g in dims):
+                            dims.append(pg)
+            over = (mesh_comm(roots), tuple(dims))
         elif world and torch.distributed.is_available() and torch.distributed.is_initialized():
             from gradtx.comm.torch_dist import TorchComm
 
@@ -292,22 +301,6 @@ def all_max(
     for g in groups:
         (x,) = reduce_comm.all_reduce([x], ReduceOp.MAX, g)
     return x
-
-
-def _root_groups(roots: list[Any]) -> tuple[Any, tuple[GroupKey, ...]]:
-    """The comm and groups that span every rank of the root meshes ``roots``: the world, or each of their dims."""
-    from gradtx.comm.torch_dist import mesh_comm
-
-    world = torch.distributed.get_world_size()
-    if all(root.size() == world for root in roots):
-        return mesh_comm(roots), ("world",)
-    groups: list[Any] = []
-    for root in roots:
-        for dim in range(root.ndim):
-            pg = root.get_group(dim)
-            if root.size(dim) > 1 and all(pg is not g for g in groups):
-                groups.append(pg)
-    return mesh_comm(roots), tuple(groups)
 
 
 # --- the norm on a plan -------------------------------------------------------------------------
@@ -323,7 +316,11 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
     part = norms.partial_dtype(device)
-    parts = _bucket_sums(plan._buckets, leaves, norm_type, device)
+    powsums = norms.tensor_powsums(leaves, norm_type)
+    parts = []
+    for b in plan._buckets:  # one part per bucket, its tied copies weighted
+        s = norms.total([powsums[i] for i in b.leaves], norm_type, device).to(part)
+        parts.append(s if b.weight == 1.0 or inf else s * b.weight)
     if plan.flat is not None:  # divided by its replica count, a part counts once in a sum over the whole mesh
         group, replicas = plan.flat
         parts = [p if inf or r == 1 else p / r for p, r in zip(parts, replicas)]
@@ -334,16 +331,3 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
     if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
         (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
     return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
-
-
-def _bucket_sums(
-    buckets: Sequence[_Bucket], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
-) -> list[torch.Tensor]:
-    """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), in one dtype."""
-    index = [i for b in buckets for i in b.leaves]
-    per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
-    out = []
-    for b in buckets:
-        s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))
-        out.append(s if b.weight == 1.0 or math.isinf(norm_type) else s * b.weight)
-    return out

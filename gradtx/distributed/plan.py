@@ -80,14 +80,6 @@ def _match(matcher: Matcher, path: str, leaf: torch.Tensor) -> bool:
     return path == matcher or fnmatch.fnmatchcase(path, matcher)
 
 
-def _check_matcher(matcher: Any, *, arg: str) -> None:
-    if not (isinstance(matcher, str) or callable(matcher)):
-        raise TypeError(
-            f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
-            f"got {type(matcher).__name__}"
-        )
-
-
 def _shard_decls(value: Any, *, where: str) -> list[tuple[GroupKey, int | None]]:
     items = list(value) if isinstance(value, (list, tuple)) and not isinstance(value, Sharded) else [value]
     if not items:
@@ -370,7 +362,11 @@ def _build(
     tied = dict(tied or {})
     for arg, keys in (("sharded", sharded), ("tied", tied)):
         for key in keys:
-            _check_matcher(key, arg=arg)
+            if not (isinstance(key, str) or callable(key)):
+                raise TypeError(
+                    f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
+                    f"got {type(key).__name__}"
+                )
 
     dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
