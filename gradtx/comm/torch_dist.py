@@ -204,17 +204,13 @@ def mesh_comm(meshes: Iterable[DeviceMesh]) -> TorchComm:
     """
     groups: dict[str, dist.ProcessGroup] = {}
     ambiguous: set[str] = {"world"}
-    seen: set[int] = set()
-    for mesh in meshes:
-        for m in (mesh, mesh._get_root_mesh()):
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            for dim, name in enumerate(m.mesh_dim_names or ()):
-                group = m.get_group(dim)
-                if groups.get(name, group) is not group:
-                    ambiguous.add(name)
-                groups[name] = group
+    unique = {id(m): m for mesh in meshes for m in (mesh, mesh._get_root_mesh())}
+    for m in unique.values():
+        for dim, name in enumerate(m.mesh_dim_names or ()):
+            group = m.get_group(dim)
+            if groups.get(name, group) is not group:
+                ambiguous.add(name)
+            groups[name] = group
     return TorchComm(groups={n: g for n, g in groups.items() if n not in ambiguous})
 
 

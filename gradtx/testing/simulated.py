@@ -119,12 +119,6 @@ def _mode_off() -> contextlib.AbstractContextManager:
     return mode.disable() if mode is not None else contextlib.nullcontext()
 
 
-def _chunk(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    """torch's ``Shard`` split (``torch.chunk``): ranks past the last chunk hold an empty shard."""
-    chunks = torch.chunk(t, parts, dim)
-    return chunks[index] if index < len(chunks) else t.narrow(dim, 0, 0)
-
-
 def _local_shard(
     full: torch.Tensor,
     mesh_shape: tuple[int, ...],
@@ -138,8 +132,10 @@ def _local_shard(
     local = full
     for d in order:
         p = placements[d]
-        if isinstance(p, (Shard, _StridedShard)):
-            local = _chunk(local, p.dim % max(full.ndim, 1), mesh_shape[d], coord[d])
+        if isinstance(p, (Shard, _StridedShard)):  # torch's split: ranks past the last chunk hold an empty shard
+            dim = p.dim % max(full.ndim, 1)
+            chunks = torch.chunk(local, mesh_shape[d], dim)
+            local = chunks[coord[d]] if coord[d] < len(chunks) else local.narrow(dim, 0, 0)
     return local.clone() if copy else local
 
 
