@@ -274,20 +274,15 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
     """
     real = local_tensor_mode() is None and dist.is_initialized()
     if isinstance(x, DTensor):
-        mesh, local = x.device_mesh, _unwrap(x._local_tensor)
-        shape, placements = tuple(mesh.shape), tuple(x.placements)
+        mesh, value = x.device_mesh, _unwrap(x._local_tensor)
         coords = {dist.get_rank(): tuple(mesh.get_coordinate() or ())} if real else _coords(mesh)
-        held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
-        return {
-            r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False))
-            for r, t in sorted(held.items())
-        }
-    x = _unwrap(x)
-    if isinstance(x, LocalTensor):
-        return {r: (t.detach(), ref) for r, t in sorted(x._local_tensors.items())}
-    if real:
-        return {dist.get_rank(): (x.detach(), ref)}
-    return {r: (x.detach(), ref) for r in range(world)}
+        shape, placements = tuple(mesh.shape), tuple(x.placements)
+        parts = {r: _local_shard(ref, shape, placements, c, copy=False) for r, c in coords.items()}
+    else:
+        value = _unwrap(x)
+        parts = dict.fromkeys([dist.get_rank()] if real else range(world), ref)
+    held = value._local_tensors if isinstance(value, LocalTensor) else dict.fromkeys(parts, value)
+    return {r: (t.detach(), parts[r]) for r, t in sorted(held.items())}
 
 
 def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: float, atol: float) -> None:
