@@ -26,13 +26,7 @@ from gradtx.comm.groups import reduce_over_groups
 from gradtx.core import norms, validate
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
-from gradtx.distributed.plan import (
-    DTensor,
-    MeshGroups,
-    _build,
-    check_plan,
-    default_comm,
-)
+from gradtx.distributed.plan import DTensor, MeshGroups, _build, check_plan, default_comm
 
 
 def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:

@@ -315,15 +315,7 @@ def mesh_groups(
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
     comm = default_comm(flat_leaves) if comm is None else as_comm(comm, name="mesh_groups")
     return _build(
-        list(flat_paths),
-        flat_leaves,
-        comm,
-        sharded=sharded,
-        pp_group=pp_group,
-        tied=tied,
-        device=device,
-        what="mesh_groups",
-        plain=plain,
+        list(flat_paths), flat_leaves, comm, sharded=sharded, pp_group=pp_group, tied=tied, device=device, plain=plain
     )
 
 
@@ -336,7 +328,7 @@ def _build(
     pp_group: GroupKey | None = None,
     tied: Mapping[Matcher, GroupKey] | None = None,
     device: torch.device | str | None = None,
-    what: str,
+    what: str = "mesh_groups",
     plain: str | None = None,
     flat: GroupKey | None = None,
 ) -> MeshGroups:
