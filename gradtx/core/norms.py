@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch._C import _functorch
 
 from gradtx.comm.local_ranks import per_rank
 from gradtx.core import foreach as fe
@@ -51,9 +52,7 @@ def power_to_norm(power: torch.Tensor, norm_type: float) -> torch.Tensor:
 
 def magnitudes(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the precision its norms are taken in (fp32, fp64 for fp64/complex128); ``|x|`` for complex ``x``."""
-    if x.is_complex():
-        return x.abs().to(tu.acc_dtype(x.dtype))
-    return x.to(tu.acc_dtype(x.dtype))
+    return (x.abs() if x.is_complex() else x).to(tu.acc_dtype(x.dtype))
 
 
 def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
@@ -217,10 +216,7 @@ def _plain_ops_only(locals_: Sequence[torch.Tensor]) -> bool:
 
     (Autograd and ``torch.func.grad`` go through the foreach norm: it has a derivative.)
     """
-    if torch.compiler.is_compiling():
-        return False
-    is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
-    return is_batched is not None and is_batched(locals_[0])
+    return not torch.compiler.is_compiling() and _functorch.is_batchedtensor(locals_[0])
 
 
 def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:

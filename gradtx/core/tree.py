@@ -205,12 +205,10 @@ def root_meshes(leaves: Sequence[Any]) -> list[Any]:
 
 def local(x: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the shard itself, not a view autograd records), or the tensor itself."""
-    if DTensor is not None and isinstance(x, DTensor):
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return x.to_local()
+    if DTensor is None or not isinstance(x, DTensor):
+        return x
+    with torch.no_grad():
         return x.to_local()
-    return x
 
 
 def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:

@@ -190,9 +190,7 @@ def unitwise_norms(
     Returns:
       For each list, the per-leaf norms, broadcastable to the leaf's local shard.
     """
-    items: list[torch.Tensor] = []
-    groups: list[tuple[GroupKey, ...]] = []
-    where: list[tuple[int, int]] = []
+    spanning: list[tuple[int, int, tuple[GroupKey, ...]]] = []  # (list, leaf, the groups its units span)
     out: list[list[torch.Tensor]] = []
     for t, leaves in enumerate(trees):
         plan.check(leaves, what="adaptive_clip")
@@ -204,15 +202,14 @@ def unitwise_norms(
                 continue
             x = norms.magnitudes(tu.local(leaf))
             one_unit = x.ndim <= 1 or not unitwise
-            sq = x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True)
-            row.append(sq)
-            items.append(sq)
-            groups.append(spans)
-            where.append((t, i))
+            row.append(x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True))
+            spanning.append((t, i, spans))
         out.append(row)
-    if any(t.dtype == torch.float64 for t in items):  # one dtype: one collective per group
-        items = [t.to(torch.float64) for t in items]
-    for (t, i), sq in zip(where, reduce_over_groups(plan.comm, items, groups, plan.group_order, ReduceOp.SUM)):
+    items = [out[t][i] for t, i, _ in spanning]
+    if any(sq.dtype == torch.float64 for sq in items):  # one dtype: one collective per group
+        items = [sq.to(torch.float64) for sq in items]
+    groups = [spans for _, _, spans in spanning]
+    for (t, i, _), sq in zip(spanning, reduce_over_groups(plan.comm, items, groups, plan.group_order, ReduceOp.SUM)):
         out[t][i] = sq.sqrt()
     return out
 
