@@ -172,8 +172,7 @@ def leaf_norms_of(
     plan = _plan(leaves, mesh_groups, None, what, tree)
     if plan is None:
         return norms.tensor_norms(leaves, 2.0)
-    (out,) = unitwise_norms(plan, [list(leaves)], unitwise=False)
-    return [n.reshape(()) for n in out]
+    return unitwise_norms(plan, [leaves], unitwise=False)[0]  # one unit per leaf: 0-d each
 
 
 def unitwise_norms(

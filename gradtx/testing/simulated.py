@@ -434,7 +434,7 @@ def assert_matches_single_device(
         for i in range(steps):
             u, ref_state = tx.update(grads_seq[i % len(grads_seq)], ref_state, ref_params, **extra)
             ref_params = apply_updates(ref_params, u)
-            expected.append((u, ref_params, ref_state, _metrics(ref_state)))
+            expected.append({"updates": u, "metrics": _metrics(ref_state), "state": ref_state, "params": ref_params})
 
     put = _real_distribute if real else distribute
     with mesh_cm as on:
@@ -445,14 +445,9 @@ def assert_matches_single_device(
             u, d_state = tx.update(grads, d_state, d_params, **extra)
             _check_placements(f"step {i}: updates", u, grads)
             d_params = apply_updates(d_params, u)
-            e_u, e_params, e_state, e_metrics = expected[i]
-            for what, got, exp in (
-                ("updates", u, e_u),
-                ("metrics", _metrics(d_state), e_metrics),
-                ("state", d_state, e_state),
-                ("params", d_params, e_params),
-            ):
-                _compare(f"step {i}: {what}", got, exp, world=world, rtol=rtol, atol=atol)
+            got = {"updates": u, "metrics": _metrics(d_state), "state": d_state, "params": d_params}
+            for what, exp in expected[i].items():
+                _compare(f"step {i}: {what}", got[what], exp, world=world, rtol=rtol, atol=atol)
 
 
 def _real_distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
