@@ -370,7 +370,6 @@ def _build(
         return seen.setdefault(comm.group_id(group), group)
 
     matched: set[Any] = set()  # the keys of sharded and tied that name a leaf
-    checked: set[GroupKey] = set()
     infos: list[_Leaf] = []
     for path, where, leaf in zip(dotted, map(tu.path_str, paths), flat_leaves):
         shards: list[tuple[GroupKey, int | None]] = []
@@ -386,14 +385,12 @@ def _build(
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
                     group_key = canonical(_mesh_dim_key(mesh, mesh_dim, comm))
-                    if group_key not in checked:  # a LocalComm here would silently drop the other shards
-                        if comm.size(group_key) != mesh.size(mesh_dim):
-                            raise ValueError(
-                                f"{what}: leaf at {where} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
-                                f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
-                                "same process groups, e.g. TorchComm(mesh)"
-                            )
-                        checked.add(group_key)
+                    if comm.size(group_key) != mesh.size(mesh_dim):  # a LocalComm would drop the other shards
+                        raise ValueError(
+                            f"{what}: leaf at {where} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
+                            f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
+                            "same process groups, e.g. TorchComm(mesh)"
+                        )
                     shards.append((group_key, placement.dim))
         for key, decl in sharded.items():
             if _match(key, path, leaf):
