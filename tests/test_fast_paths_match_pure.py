@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.core import tree as tu
+from gradtx.core import foreach as fe
 from gradtx.testing import assert_trees_close
 from tests.fork_server import run_script
 
@@ -264,13 +264,13 @@ def test_hot_paths_read_no_tensor_value_on_the_host(no_host_reads):
 def test_grouping_follows_the_tree():
     a = [torch.zeros(2), torch.zeros(3, dtype=torch.float64), torch.zeros(4)]
     b = [torch.zeros(2, dtype=torch.float64), torch.zeros(3), torch.zeros(4, dtype=torch.float64)]
-    first = tu.group_by_device_dtype(a)
-    assert tu.group_by_device_dtype(b) == {
+    first = dict(fe.group_by_device_dtype(a))
+    assert dict(fe.group_by_device_dtype(b)) == {
         (torch.device("cpu"), torch.float64): [0, 2],
         (torch.device("cpu"), torch.float32): [1],
     }
     assert (
-        tu.group_by_device_dtype(a)
+        dict(fe.group_by_device_dtype(a))
         == first
         == {
             (torch.device("cpu"), torch.float32): [0, 2],
@@ -279,7 +279,7 @@ def test_grouping_follows_the_tree():
     )
     # What a caller was given is its own to edit.
     first[(torch.device("cpu"), torch.float32)].append(99)
-    assert tu.group_by_device_dtype(a)[(torch.device("cpu"), torch.float32)] == [0, 2]
+    assert dict(fe.group_by_device_dtype(a))[(torch.device("cpu"), torch.float32)] == [0, 2]
 
 
 def test_transforms_give_fresh_results_when_the_tree_changes():

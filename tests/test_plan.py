@@ -13,7 +13,7 @@ import torch
 
 import gradtx as gtx
 from gradtx.comm import LocalComm
-from gradtx.distributed.global_norm import from_placements, tree_norm
+from gradtx.distributed.global_norm import from_placements, global_norm_of
 from gradtx.testing import RecordingComm, assert_pure
 
 NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
@@ -63,7 +63,7 @@ def test_clip_agc_and_finite_check_on_an_empty_shard(p):
 def test_plain_tensors_need_no_plan_and_no_collective():
     tree = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
     assert from_placements(list(tree.values()), what="test") is None
-    torch.testing.assert_close(tree_norm(list(tree.values()), 2.0), torch.tensor(5.0))
+    torch.testing.assert_close(global_norm_of(list(tree.values()), 2.0), torch.tensor(5.0))
 
 
 def test_mesh_groups_needs_no_comm_in_one_process():
@@ -71,9 +71,9 @@ def test_mesh_groups_needs_no_comm_in_one_process():
     assert isinstance(plan.comm, LocalComm) and plan.num_collectives() == 0
 
 
-def test_tree_norm_refuses_something_that_is_not_a_plan():
+def test_global_norm_of_refuses_something_that_is_not_a_plan():
     with pytest.raises(TypeError, match="mesh_groups must be a plan"):
-        tree_norm([torch.ones(2)], 2.0, mesh_groups={"a": "dp"})
+        global_norm_of([torch.ones(2)], 2.0, mesh_groups={"a": "dp"})
 
 
 def test_cp_reduce_sums_every_leaf_in_one_collective_and_is_pure():

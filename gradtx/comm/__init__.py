@@ -1,13 +1,6 @@
 """The communication layer: the only code in gradtx that issues collectives."""
 
-from gradtx.comm.base import (
-    Comm,
-    ExchangeComm,
-    GroupKey,
-    MinimalComm,
-    ReduceOp,
-    as_comm,
-)
+from gradtx.comm.base import Comm, ExchangeComm, GroupKey, MinimalComm, ReduceOp, as_comm
 from gradtx.comm.groups import reduce_over_groups
 from gradtx.comm.local import LocalComm
 

@@ -13,21 +13,17 @@ class LocalComm:
     """A :class:`~gradtx.comm.Comm` for one process: every reduction is the identity."""
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
-        del op, group
         return list(tensors)
 
     def size(self, group: GroupKey) -> int:
-        del group
         return 1
 
     def rank(self, group: GroupKey) -> int:
-        del group
         return 0
 
     def all_to_all(
         self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
     ) -> list[torch.Tensor]:
-        del group
         if len(tensors) != 1 or len(recv_numels) != 1 or tensors[0].numel() != recv_numels[0]:
             raise ValueError(
                 "LocalComm.all_to_all: one process sends one tensor to itself; got "

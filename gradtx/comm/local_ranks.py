@@ -25,11 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 try:
-    from torch.distributed._local_tensor import (
-        LocalTensor,
-        enabled_local_tensor_mode,
-        maybe_run_for_local_tensor,
-    )
+    from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode, maybe_run_for_local_tensor
 except ImportError:  # pragma: no cover - a build without local tensors simulates nothing
     LocalTensor = None  # type: ignore[assignment,misc]
 

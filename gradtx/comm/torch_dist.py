@@ -110,6 +110,7 @@ class TorchComm:
         pg = self.resolve(group)
         tensors = list(tensors)
         device = tensors[0].device if tensors else None
+        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
                 raise TypeError(
@@ -118,8 +119,6 @@ class TorchComm:
                 )
             if t.device != device:
                 raise ValueError(f"TorchComm.all_reduce: tensors[{i}] is on {t.device}, tensors[0] on {device}")
-        by_dtype: dict[torch.dtype, list[int]] = defaultdict(list)
-        for i, t in enumerate(tensors):
             by_dtype[t.dtype].append(i)
         out: list[torch.Tensor] = [None] * len(tensors)  # type: ignore[list-item]
         for idx in by_dtype.values():
@@ -205,17 +204,13 @@ def mesh_comm(meshes: Iterable[DeviceMesh]) -> TorchComm:
     """
     groups: dict[str, dist.ProcessGroup] = {}
     ambiguous: set[str] = {"world"}
-    seen: set[int] = set()
-    for mesh in meshes:
-        for m in (mesh, mesh._get_root_mesh()):
-            if id(m) in seen:
-                continue
-            seen.add(id(m))
-            for dim, name in enumerate(m.mesh_dim_names or ()):
-                group = m.get_group(dim)
-                if groups.get(name, group) is not group:
-                    ambiguous.add(name)
-                groups[name] = group
+    unique = {id(m): m for mesh in meshes for m in (mesh, mesh._get_root_mesh())}
+    for m in unique.values():
+        for dim, name in enumerate(m.mesh_dim_names or ()):
+            group = m.get_group(dim)
+            if groups.get(name, group) is not group:
+                ambiguous.add(name)
+            groups[name] = group
     return TorchComm(groups={n: g for n, g in groups.items() if n not in ambiguous})
 
 
@@ -285,21 +280,19 @@ def ddp_sum_hook(state, bucket):  # unannotated: DDP compares hook annotations b
     Example:
       >>> ddp_model.register_comm_hook(DDPSumState(None), ddp_sum_hook)
     """
-    if isinstance(state, DDPSumState):
-        group = state.process_group if state.process_group is not None else dist.group.WORLD
+    summing = isinstance(state, DDPSumState)
+    if summing:
         # A param no backward touched since the last sync still holds that sum in this bucket.
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
             if id(param) in state.holds_sum:
                 state.holds_sum.discard(id(param))
                 grad.div_(state.world_size)
-        params = [id(p) for p in bucket.parameters()]
-    else:
-        group = state if state is not None else dist.group.WORLD
-        params = None
+    group = state.process_group if summing else state  # None: the default group
+    params = [id(p) for p in bucket.parameters()]
     future = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
     def done(fut):
-        if params is not None:
+        if summing:
             state.holds_sum.update(params)
         return fut.value()[0]
 

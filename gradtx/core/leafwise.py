@@ -72,7 +72,7 @@ def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
 
 def plain(leaves: Sequence[Any]) -> bool:
     """Whether no leaf is a DTensor, so local shards and results need no wrapping."""
-    return tu.DTensor is None or not any(issubclass(t, tu.DTensor) for t in set(map(type, leaves)))  # no loop per leaf
+    return not tu.has_dtensor(leaves)
 
 
 def attrs(xs: Sequence[Any], name: str) -> Any:

@@ -12,8 +12,10 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch._C import _functorch
 
 from gradtx.comm.local_ranks import per_rank
+from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
 
 # A CPU tensor of 128K elements or more is split into rows of 64K elements, whose fp32 norms are
@@ -43,21 +45,14 @@ def norm_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
     return torch.float32 if _FP64.isdisjoint({t.dtype for t in tensors}) else torch.float64
 
 
-def norm_to_power(norm: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """The additive form of a norm: ``norm**p``, or the norm itself for ``inf`` (combined with MAX)."""
-    return norm if math.isinf(norm_type) else norm.pow(norm_type)
-
-
 def power_to_norm(power: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """Invert :func:`norm_to_power`."""
+    """A norm from its additive form (``norm**p``, or the norm itself for ``inf``, combined with MAX)."""
     return power if math.isinf(norm_type) else power.pow(1.0 / norm_type)
 
 
 def magnitudes(x: torch.Tensor) -> torch.Tensor:
     """``x`` in the precision its norms are taken in (fp32, fp64 for fp64/complex128); ``|x|`` for complex ``x``."""
-    if x.is_complex():
-        return x.abs().to(tu.acc_dtype(x.dtype))
-    return x.to(tu.acc_dtype(x.dtype))
+    return (x.abs() if x.is_complex() else x).to(tu.acc_dtype(x.dtype))
 
 
 def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
@@ -79,7 +74,8 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     device without fp64); an empty shard contributes 0; complex tensors are
     measured by magnitude.
     """
-    return [norm_to_power(n, norm_type) for n in _tensor_norms([tu.local(t) for t in tensors], norm_type)]
+    local_norms = _tensor_norms([tu.local(t) for t in tensors], norm_type)
+    return local_norms if math.isinf(norm_type) else [n.pow(norm_type) for n in local_norms]
 
 
 def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -185,7 +181,7 @@ def _grouped(
 ) -> dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]]:
     """``locals_`` by (device, dtype), as torch's optimizers group them (in C++; in Python for dynamo)."""
     if torch.compiler.is_compiling():
-        return {k: ([locals_[i] for i in idx], idx) for k, idx in tu.group_by_device_dtype(locals_).items()}
+        return {k: ([locals_[i] for i in idx], idx) for k, idx in fe.group_by_device_dtype(locals_)}
     grouped = torch._C._group_tensors_by_device_and_dtype([list(locals_)], with_indices)  # type: ignore[list-item]
     return {k: (ts, idx) for k, ([ts], idx) in grouped.items()}  # type: ignore[misc]
 
@@ -220,10 +216,7 @@ def _plain_ops_only(locals_: Sequence[torch.Tensor]) -> bool:
 
     (Autograd and ``torch.func.grad`` go through the foreach norm: it has a derivative.)
     """
-    if torch.compiler.is_compiling():
-        return False
-    is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", None)
-    return is_batched is not None and is_batched(locals_[0])
+    return not torch.compiler.is_compiling() and _functorch.is_batchedtensor(locals_[0])
 
 
 def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ which names the first pytree path that differs.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import optree
@@ -37,13 +37,11 @@ def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
     return optree.tree_flatten(tree)
 
 
-def paths(tree: PyTree) -> list[Path]:
-    """The path of every leaf of ``tree``, in flatten order."""
-    return optree.tree_paths(tree)
-
-
-def unflatten(spec: optree.PyTreeSpec, leaves: Iterable[Any]) -> PyTree:
-    return optree.tree_unflatten(spec, list(leaves))
+# optree's own functions, under the names every transform uses: ``unflatten(spec, leaves)``, ``paths(tree)``
+# (each leaf's path, in flatten order) and ``tree_map(fn, tree, *rest)``.
+unflatten = optree.tree_unflatten
+paths = optree.tree_paths
+tree_map = optree.tree_map
 
 
 def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[torch.Tensor], Any]:
@@ -55,10 +53,8 @@ def tensor_leaves(tree: PyTree, *, what: str) -> tuple[list[torch.Tensor], Any]:
 
 def device_of(tree: PyTree) -> torch.device:
     """The device of ``tree``'s first tensor (a DTensor's local shard's), or the CPU when it holds none."""
-    for leaf in flatten(tree)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return local(leaf).device
-    return torch.device("cpu")
+    tensors = (leaf for leaf in flatten(tree)[0] if isinstance(leaf, torch.Tensor))
+    return next((local(t).device for t in tensors), torch.device("cpu"))
 
 
 def dotted(path: tuple[Any, ...]) -> str:
@@ -66,17 +62,12 @@ def dotted(path: tuple[Any, ...]) -> str:
     return ".".join(str(k) for k in path) if path else "<root>"
 
 
-def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
-    return optree.tree_map(fn, tree, *rest)
-
-
-def _same_shapes(expected: Sequence[Any], got: Sequence[Any]) -> bool:
-    for e, g in zip(expected, got):
-        e_shape = getattr(e, "shape", None)
-        g_shape = getattr(g, "shape", None)
-        if e_shape is not None and g_shape is not None and e_shape != g_shape:
-            return False
-    return True
+def _shape_mismatch(expected: Any, got: Any) -> str | None:
+    """How ``got``'s shape differs from ``expected``'s, or ``None`` (also when either has no shape)."""
+    e_shape, g_shape = getattr(expected, "shape", None), getattr(got, "shape", None)
+    if e_shape is None or g_shape is None or e_shape == g_shape:
+        return None
+    return f"expected shape {tuple(e_shape)}, got {tuple(g_shape)}"
 
 
 def first_mismatch(expected: PyTree, got: PyTree) -> str | None:
@@ -84,16 +75,15 @@ def first_mismatch(expected: PyTree, got: PyTree) -> str | None:
     # Every step checks its trees and almost always they match: settle that without building paths.
     exp_leaves, exp_spec = optree.tree_flatten(expected)
     got_leaves, got_spec = optree.tree_flatten(got)
-    if exp_spec == got_spec and _same_shapes(exp_leaves, got_leaves):
+    if exp_spec == got_spec and not any(map(_shape_mismatch, exp_leaves, got_leaves)):
         return None
     exp_paths, exp_leaves, exp_spec = optree.tree_flatten_with_path(expected)
     got_paths, got_leaves, got_spec = optree.tree_flatten_with_path(got)
     if exp_spec == got_spec:
         for path, e, g in zip(exp_paths, exp_leaves, got_leaves):
-            e_shape = getattr(e, "shape", None)
-            g_shape = getattr(g, "shape", None)
-            if e_shape is not None and g_shape is not None and tuple(e_shape) != tuple(g_shape):
-                return f"{path_str(path)}: expected shape {tuple(e_shape)}, got {tuple(g_shape)}"
+            shape = _shape_mismatch(e, g)
+            if shape is not None:
+                return f"{path_str(path)}: {shape}"
         return None
     for e, g in zip(exp_paths, got_paths):
         if e != g:
@@ -142,16 +132,12 @@ def check_tensors(
         and set(map(_LAYOUT, leaves)) <= {torch.strided}
     ):
         return
-    strided = torch.strided
     for i, leaf in enumerate(leaves):
-        # (one dtype check per distinct dtype: the loop runs on every step, over every leaf)
-        if not isinstance(leaf, torch.Tensor) or leaf.layout is not strided or leaf.dtype not in _GRAD_DTYPES:
-            if (
-                isinstance(leaf, torch.Tensor)
-                and leaf.layout is strided
-                and (leaf.is_floating_point() or leaf.is_complex())
-            ):
-                continue  # a floating or complex dtype the table does not list
+        if not (
+            isinstance(leaf, torch.Tensor)
+            and leaf.layout is torch.strided
+            and (leaf.is_floating_point() or leaf.is_complex())
+        ):
             path = path_str(leaf_paths[i] if leaf_paths is not None else paths(tree)[i])
             _refuse_leaf(leaf, path, what=what)
 
@@ -219,12 +205,10 @@ def root_meshes(leaves: Sequence[Any]) -> list[Any]:
 
 def local(x: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (the shard itself, not a view autograd records), or the tensor itself."""
-    if DTensor is not None and isinstance(x, DTensor):
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return x.to_local()
+    if DTensor is None or not isinstance(x, DTensor):
+        return x
+    with torch.no_grad():
         return x.to_local()
-    return x
 
 
 def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:
@@ -260,35 +244,9 @@ def all_reduce_leaves(
     return list(leaves)
 
 
-def group_by_device_dtype(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    """Indices of ``tensors`` grouped by (device, dtype), the unit a foreach kernel takes.
-
-    Groups come in order of first appearance, indices in ascending order.
-
-    Args:
-      tensors: local tensors (not DTensors).
-
-    Returns:
-      ``{(device, dtype): [indices]}``, new lists on every call.
-
-    Example:
-      >>> group_by_device_dtype([torch.zeros(1), torch.zeros(1, dtype=torch.float64), torch.zeros(2)])
-      {(device(type='cpu'), torch.float32): [0, 2], (device(type='cpu'), torch.float64): [1]}
-    """
-    # Not cached: a cache key needs the same per-leaf reads as the grouping itself (measured:
-    # no faster at 2000 leaves), and a lock around a shared cache would break torch.compile.
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        key = (t.device, t.dtype)
-        group = groups.get(key)
-        if group is None:
-            groups[key] = [i]
-        else:
-            group.append(i)
-    return groups
-
-
-def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, write_back: bool = False) -> list[torch.Tensor]:
+def scale_leaves(
+    leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, write_back: bool = False
+) -> list[torch.Tensor]:
     """Multiply every leaf by the 0-d tensor ``factor``, through local shards, keeping dtypes.
 
     With ``write_back`` the leaves' storage is overwritten and the same objects
@@ -296,7 +254,7 @@ def scale_leaves(leaves: Sequence[torch.Tensor], factor: torch.Tensor, *, write_
     """
     locals_ = [local(t) for t in leaves]
     out: list[torch.Tensor] = list(leaves)
-    for (device, dtype), idx in group_by_device_dtype(locals_).items():
+    for (device, dtype), idx in fe.group_by_device_dtype(locals_):
         group = [locals_[i] for i in idx]
         f = factor.to(device, acc_dtype(dtype), non_blocking=True)
         recording = torch.is_grad_enabled() and (f.requires_grad or any(t.requires_grad for t in group))
@@ -349,7 +307,7 @@ def align(
     if tensors:
         check_tensors(leaves, tree=updates, what=what)
     if spec == ref_spec:
-        if not _same_shapes(ref_leaves, leaves):
+        if any(map(_shape_mismatch, ref_leaves, leaves)):
             check_structure(reference, updates, what=what, against=against)
         return list(range(len(leaves))), leaves, spec
     ref_paths = optree.tree_paths(reference)
@@ -359,12 +317,9 @@ def align(
         i = where.get(path)
         if i is None:
             raise ValueError(f"{what} does not match {against} at {path_str(path)}: unexpected")
-        e_shape, g_shape = getattr(ref_leaves[i], "shape", None), getattr(leaf, "shape", None)
-        if e_shape is not None and g_shape is not None and tuple(e_shape) != tuple(g_shape):
-            raise ValueError(
-                f"{what} does not match {against} at {path_str(path)}: "
-                f"expected shape {tuple(e_shape)}, got {tuple(g_shape)}"
-            )
+        shape = _shape_mismatch(ref_leaves[i], leaf)
+        if shape is not None:
+            raise ValueError(f"{what} does not match {against} at {path_str(path)}: {shape}")
         index.append(i)
     all_paths, all_leaves, _ = optree.tree_flatten_with_path(updates, none_is_leaf=True)
     absent = {p for p, leaf in zip(all_paths, all_leaves) if leaf is None}

@@ -17,15 +17,16 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
+from gradtx.comm.base import Comm, GroupKey, ReduceOp
 from gradtx.comm.groups import reduce_over_groups
+from gradtx.comm.local import LocalComm
 from gradtx.comm.local_ranks import per_rank, rank_values
 from gradtx.core import norms
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
 from gradtx.distributed import plan as plans
-from gradtx.distributed.global_norm import _agreement, from_placements
+from gradtx.distributed.global_norm import all_max, from_placements
 from gradtx.distributed.plan import DTensor
 
 Number = float | tuple[float, ...]
@@ -151,16 +152,6 @@ def _replicas_agree(plain: list[torch.Tensor], leaves: list[Any], comm: Comm | N
     rank holds the same). Over ``comm``'s ``group``, else the DTensors' root
     meshes, else the world; read to the host. Every rank must call it.
     """
-    if comm is not None:
-        reduce_over: Any = (as_comm(comm, name="norm_audit"), (group,))
-    else:
-        reduce_over = _agreement(leaves)
-        if reduce_over is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-            from gradtx.comm.torch_dist import TorchComm
-
-            reduce_over = (TorchComm(), ("world",))
-    if reduce_over is None:  # one process: nothing to compare with
-        return True
     device = tu.local(plain[0]).device if plain else torch.device("cpu")
     stats = [
         torch.tensor([float(len(plain)), float(sum(t.numel() for t in plain))], dtype=torch.float64, device=device)
@@ -170,10 +161,8 @@ def _replicas_agree(plain: list[torch.Tensor], leaves: list[Any], comm: Comm | N
         stats.append(norms.total(per_leaf, 1.0, device).to(torch.float64).reshape(1))
     # NaN compares unequal to itself and infinities overflow the negation's meaning: map both to numbers.
     fingerprint = torch.nan_to_num(torch.cat(stats), nan=-1.0, posinf=1e300, neginf=-1e300)
-    both = torch.cat([fingerprint, -fingerprint])
-    red_comm, groups = reduce_over
-    for g in groups:
-        (both,) = red_comm.all_reduce([both], ReduceOp.MAX, g)
+    both = torch.cat([fingerprint, -fingerprint])  # one process, nothing to compare with: equal to itself
+    both = all_max(both, leaves, comm=comm, group=group, name="norm_audit", world=True)
     n = fingerprint.numel()
     return all(v == 1.0 for v in rank_values((both[:n] == -both[n:]).all().to(torch.float32)))
 
@@ -253,19 +242,21 @@ def norm_audit(
     norm_type = check.norm_type(norm_type, name="norm_audit")
     plans.check_plan(plan, name="norm_audit")
     paths, leaves, _ = optree.tree_flatten_with_path(grads)
-    dotted = [tu.dotted(p) for p in paths]
     tu.check_tensors(leaves, paths, what="norm_audit: grads")
+    dotted = [tu.dotted(p) for p in paths]
     source = "declared" if plan is not None else "placements"
-    notes: list[str] = []
     if plan is None:
         plan = from_placements(leaves, what="norm_audit", tree=grads)
-    plain_as = "plain" if plan is None else ""
+    plain_as = ""
+    if plan is None:  # each rank's local norm: a plan with no groups, whose comm is never asked
+        source, plain_as = "none (local norm)", "plain"
+        plan = plans._build(list(paths), leaves, LocalComm(), what="norm_audit")
+    plan.check(leaves, what="norm_audit")
+    notes: list[str] = []
     same: bool | None = None
     if check_replicas:
-        undeclared = [
-            i for i, x in enumerate(leaves) if not isinstance(x, DTensor) and (plan is None or not plan.leaf(i).shards)
-        ]
-        same = _replicas_agree([leaves[i] for i in undeclared], leaves, comm, group)
+        undeclared = [x for i, x in enumerate(leaves) if not isinstance(x, DTensor) and not plan.leaf(i).shards]
+        same = _replicas_agree(undeclared, leaves, comm, group)
         plain_as = "plain (replicas)" if same else "plain (differs across ranks)"
         if same:
             notes.append("plain tensors equal on every rank: replicas (DDP's layout), each rank's norm is the model's")
@@ -276,44 +267,27 @@ def norm_audit(
             )
     inf = math.isinf(norm_type)
     local_norms = norms.tensor_norms(leaves, norm_type)
-    powers = [n if inf else n.pow(norm_type) for n in local_norms]
-    if plan is None:
-        source = "none (local norm)"
-        comm = None
-        stage = powers
-        rows_info: list[tuple[tuple[str, ...], str | None, str | None]]
-        total = norms.total(powers, norm_type)
-        rows_info = [((), None, None) for _ in leaves]
-        collectives = 0
-    else:
-        plan.check(leaves, what="norm_audit")
-        comm = plan.comm
-        acc = torch.float64 if any(p.dtype == torch.float64 for p in powers) else torch.float32
-        device = tu.local(leaves[0]).device if leaves else plan.device
-        values = [p.to(device, acc) for p in powers]
-        groups = [plan.groups_of(i) for i in range(len(leaves))]
-        op = ReduceOp.MAX if inf else ReduceOp.SUM
-        reduced = reduce_over_groups(comm, values, groups, plan.group_order, op)
-        stage = [r if inf else r * plan.weight_of(i) for i, r in enumerate(reduced)]
-        total = norms.total(stage, norm_type, device)
-        if plan.pp_group is not None:
-            (total,) = comm.all_reduce([total], op, plan.pp_group)
-        rows_info = []
-        for i, leaf in enumerate(leaves):
-            info = plan.leaf(i)
-            tied = None
-            if info.tie_group is not None:
-                copies = round(1 / plan.weight_of(i))
-                tied = f"{_group_name(info.tie_group, leaf, comm)}: 1/{copies}"
-            pp = _group_name(plan.pp_group, leaf, comm) if plan.pp_group is not None else None
-            rows_info.append((tuple(_group_name(g, leaf, comm) for g in plan.groups_of(i)), tied, pp))
-        collectives = plan.num_collectives()
+    acc = torch.float64 if any(n.dtype == torch.float64 for n in local_norms) else torch.float32
+    device = tu.local(leaves[0]).device if leaves else plan.device
+    values = [(n if inf else n.pow(norm_type)).to(device, acc) for n in local_norms]
+    groups = [plan.groups_of(i) for i in range(len(leaves))]
+    op = ReduceOp.MAX if inf else ReduceOp.SUM
+    reduced = reduce_over_groups(plan.comm, values, groups, plan.group_order, op)
+    stage = [r if inf else r * plan.weight_of(i) for i, r in enumerate(reduced)]
+    total = norms.total(stage, norm_type, device)
+    if plan.pp_group is not None:
+        (total,) = plan.comm.all_reduce([total], op, plan.pp_group)
     rows = []
     for i, leaf in enumerate(leaves):
-        summed, tied, pp = rows_info[i]
+        info = plan.leaf(i)
+        tied = None
+        if info.tie_group is not None:
+            tied = f"{_group_name(info.tie_group, leaf, plan.comm)}: 1/{round(1 / plan.weight_of(i))}"
+        pp = _group_name(plan.pp_group, leaf, plan.comm) if plan.pp_group is not None else None
+        summed = tuple(_group_name(g, leaf, plan.comm) for g in groups[i])
         shown, skipped = _placements(leaf)
         if shown == "plain":
-            shown = _plain_as(plan, i) if plan is not None and (plan.leaf(i).shards or not plain_as) else plain_as
+            shown = "plain (sharded)" if info.shards else plain_as or _PLAIN_AS.get(plan.plain or "", "plain")
         share = stage[i] / total.clamp_min(torch.finfo(total.dtype).tiny)
         rows.append(
             AuditRow(dotted[i], shown, _numel(leaf), int(leaf.numel()), summed, skipped, tied, pp, _values(share))
@@ -321,14 +295,7 @@ def norm_audit(
     norm = total if inf else total.pow(1.0 / norm_type)
     if any(isinstance(r.share, tuple) for r in rows) or isinstance(_values(norm), tuple):
         notes.append("the ranks disagree on some values (shown per rank): this norm is not the same on every rank")
-    return NormAudit(tuple(rows), _values(norm), norm_type, source, collectives, tuple(notes), same)
+    return NormAudit(tuple(rows), _values(norm), norm_type, source, plan.num_collectives(), tuple(notes), same)
 
 
 _PLAIN_AS = {"pipeline": "plain (pipeline stage)", "replicated": "plain (replicated)", "local": "plain (local)"}
-
-
-def _plain_as(plan: plans.MeshGroups, index: int) -> str:
-    """What the plan takes plain leaf ``index`` for: sharded by hand, a stage, replicated, local, checked replicas."""
-    if plan.leaf(index).shards:
-        return "plain (sharded)"
-    return _PLAIN_AS.get(plan.plain or "", "plain")

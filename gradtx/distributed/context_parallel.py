@@ -6,38 +6,28 @@ from typing import Any
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.core import tree as tu
-from gradtx.core.base import EmptyState, GradientTransformation, Params, factory
+from gradtx.core.base import GradientTransformation, factory, init_empty_state
 
 
 def _resolve(group: Any, comm: Comm | None) -> tuple[Comm, GroupKey]:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover
-        DeviceMesh = None  # type: ignore[assignment,misc]
-    if DeviceMesh is not None and isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"cp_reduce: group must be a 1-D DeviceMesh (e.g. mesh['cp']), got {group.ndim} dims")
-        if comm is not None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh) and group.ndim != 1:
+        raise ValueError(f"cp_reduce: group must be a 1-D DeviceMesh (e.g. mesh['cp']), got {group.ndim} dims")
+    if comm is not None:
+        if isinstance(group, DeviceMesh):
             raise ValueError("cp_reduce: pass either a DeviceMesh as group, or a group key with comm, not both")
+        check_comm(comm, name="cp_reduce")
+        return comm, group
+    if isinstance(group, (DeviceMesh, dist.ProcessGroup)):
         from gradtx.comm.torch_dist import TorchComm
 
-        names = group.mesh_dim_names
-        if names:
-            return TorchComm(group), names[0]
-        return TorchComm(), group.get_group()
-    if comm is None:
-        import torch.distributed as dist
-
-        if isinstance(group, dist.ProcessGroup):
-            from gradtx.comm.torch_dist import TorchComm
-
-            return TorchComm(), group
-        raise ValueError(
-            f"cp_reduce: group {group!r} needs a comm that names it: pass the mesh dim itself "
-            "(cp_reduce(mesh['cp'])), a ProcessGroup, or comm=gtx.comm.TorchComm(mesh)"
-        )
-    check_comm(comm, name="cp_reduce")
-    return comm, group
+        return TorchComm(), group  # TorchComm resolves a 1-D mesh to its own process group
+    raise ValueError(
+        f"cp_reduce: group {group!r} needs a comm that names it: pass the mesh dim itself "
+        "(cp_reduce(mesh['cp'])), a ProcessGroup, or comm=gtx.comm.TorchComm(mesh)"
+    )
 
 
 @factory
@@ -78,14 +68,9 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     """
     comm, key = _resolve(group, comm)
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key)), state
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_empty_state, update_fn)

@@ -1,6 +1,6 @@
 """The global norm every transform reads: a declared plan, else the placements' plan, else the local norm.
 
-:func:`tree_norm` is the one entry point (what :func:`gradtx.clip_by_global_norm`,
+:func:`global_norm_of` is the one entry point (what :func:`gradtx.clip_by_global_norm`,
 :func:`gradtx.global_norm`, the spike guards and AGC call):
 
 * with ``mesh_groups`` (a plan the user holds): that plan's reductions;
@@ -23,37 +23,24 @@ import torch
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
 from gradtx.comm.groups import reduce_over_groups
-from gradtx.core import norms
+from gradtx.core import norms, validate
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
-from gradtx.distributed.plan import (
-    DTensor,
-    MeshGroups,
-    _Bucket,
-    _build,
-    check_norm_type,
-    check_plan,
-    default_comm,
-)
-
-__all__ = [
-    "agree_finite",
-    "check_plan",
-    "global_norm",
-    "global_norm_of",
-    "leaf_norms_of",
-    "tree_norm",
-    "tree_unitwise_norms",
-    "unitwise_norms",
-]
+from gradtx.distributed.plan import DTensor, MeshGroups, _build, check_plan, default_comm
 
 
 def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
     """The plan the placements of ``leaves`` define, over the DTensors' own process groups; ``None`` without DTensors.
 
     Plain tensors among them are each rank's own (counted once, no collective).
-    Every DTensor on one root mesh over the whole world: one reduction in all
-    (see :attr:`MeshGroups.flat`); else one per sharded mesh dim.
+    Every DTensor on one root mesh (or its sub-meshes) over the whole world:
+    one reduction in all (see :attr:`MeshGroups.flat`); else one per sharded
+    mesh dim. A leaf is sharded over some dims of the root and held alike by
+    the ranks that differ only in the others (a leaf on a sub-mesh, as FSDP2
+    puts a layer norm on the ``dp`` dim of a TP x FSDP mesh, is replicated
+    over the dims it does not name, which the per-dim reductions assume too),
+    so its replica count is known. Two root meshes, or a root smaller than the
+    world, keep the per-dim reductions.
     """
     if not tu.has_dtensor(leaves):
         return None
@@ -61,8 +48,9 @@ def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = N
     if paths is None or len(paths) != len(leaves):
         paths = [(i,) for i in range(len(leaves))]
     comm = default_comm(leaves)
-    flat = _one_mesh_group(leaves, comm)
-    return _build(paths, list(leaves), comm, sharded=None, pp_group=None, tied=None, device=None, what=what, flat=flat)
+    roots = tu.root_meshes(leaves)
+    flat = "world" if len(roots) == 1 and 1 < roots[0].size() == comm.size("world") else None
+    return _build(paths, list(leaves), comm, what=what, flat=flat)
 
 
 class PlanSlot:
@@ -91,60 +79,12 @@ class PlanSlot:
         return {"key": None, "plan": None}
 
 
-def _one_mesh_group(leaves: Sequence[Any], comm: Comm) -> GroupKey | None:
-    """``"world"`` when every DTensor of ``leaves`` lives on one root mesh (or its sub-meshes) over the whole world.
-
-    Then a norm's parts can be reduced in one collective. A leaf is sharded
-    over some dims of the root and held alike by the ranks that differ only in
-    the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the ``dp``
-    dim of a TP x FSDP mesh, is replicated over the dims it does not name,
-    which the per-dim reductions assume too), so its replica count is known.
-    Two root meshes, or a root smaller than the world, keep the per-dim
-    reductions.
-    """
-    roots = tu.root_meshes(leaves)
-    if len(roots) != 1 or roots[0].size() == 1 or roots[0].size() != comm.size("world"):
-        return None
-    return "world"
-
-
 def _plan(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: str, tree: PyTree) -> Any:
     if mesh_groups is not None:
         check_plan(mesh_groups, name=what)
         mesh_groups.check(leaves, what=what)
         return mesh_groups
-    if slot is not None:
-        return slot.get(leaves, what=what, tree=tree)
-    return from_placements(leaves, what=what, tree=tree)
-
-
-def tree_norm(
-    leaves: Sequence[torch.Tensor],
-    norm_type: float,
-    mesh_groups: MeshGroups | None = None,
-    *,
-    what: str = "global_norm",
-    tree: PyTree | None = None,
-    slot: PlanSlot | None = None,
-) -> torch.Tensor:
-    """The ``norm_type``-norm of the whole model's grads, as one device would compute it.
-
-    Args:
-      leaves: the grads, in flatten order.
-      norm_type: any ``p > 0`` or ``inf`` (checked by the caller).
-      mesh_groups: a plan from :func:`gradtx.mesh_groups`, or ``None`` to read the placements.
-      what: the caller's name, for error messages.
-      tree: the tree the leaves came from, only to name paths in errors.
-      slot: where the caller keeps the plan read from placements, from one call to the next.
-
-    Returns:
-      A 0-d fp32 tensor (fp64 if a leaf is fp64), equal on every rank that holds part of
-      the model; no host sync. Every such rank must call it when it communicates.
-    """
-    plan = _plan(leaves, mesh_groups, slot, what, tree)
-    if plan is None:
-        return norms.local_norm(leaves, norm_type)
-    return plan_norm(plan, leaves, norm_type)
+    return (slot if slot is not None else PlanSlot()).get(leaves, what=what, tree=tree)
 
 
 def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups | None = None) -> torch.Tensor:
@@ -169,7 +109,7 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
       >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])})
       tensor(5.)
     """
-    norm_type = check_norm_type(norm_type, name="global_norm")
+    norm_type = validate.norm_type(norm_type, name="global_norm")
     # A list of plain tensors is its own leaves: optree's registry lookup per leaf costs a tenth of the norm.
     plain = type(tree) is list and set(map(type, tree)) <= _PLAIN
     leaves = tree if plain else optree.tree_leaves(tree)
@@ -182,7 +122,7 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
             tu.check_tensors(leaves, tree=tree, what="global_norm: tree")  # names the leaf that failed
             raise
     tu.check_tensors(leaves, tree=tree, what="global_norm: tree")
-    return tree_norm(leaves, norm_type, mesh_groups, what="global_norm", tree=tree)
+    return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, tree=tree)
 
 
 _PLAIN = frozenset({torch.Tensor})
@@ -193,14 +133,31 @@ def global_norm_of(
     norm_type: float = 2.0,
     *,
     mesh_groups: Any = None,
-    what: str,
-    tree: Any = None,
+    what: str = "global_norm",
+    tree: PyTree | None = None,
     scale: torch.Tensor | None = None,
     device: torch.device | None = None,
     slot: PlanSlot | None = None,
 ) -> torch.Tensor:
-    """:func:`tree_norm`, of the true updates ``leaves * scale`` when ``scale`` is given; as fp32 on ``device`` if given."""
-    norm = tree_norm(leaves, norm_type, mesh_groups, what=what, tree=tree, slot=slot)
+    """The ``norm_type``-norm of the whole model's grads, as one device would compute it.
+
+    Args:
+      leaves: the grads, in flatten order.
+      norm_type: any ``p > 0`` or ``inf`` (checked by the caller).
+      mesh_groups: a plan from :func:`gradtx.mesh_groups`, or ``None`` to read the placements.
+      what: the caller's name, for error messages.
+      tree: the tree the leaves came from, only to name paths in errors.
+      scale: a pending multiplier: the norm is that of the true updates ``leaves * scale``.
+      device: where to return the norm, as fp32; default: where it was computed.
+      slot: where the caller keeps the plan read from placements, from one call to the next.
+
+    Returns:
+      A 0-d fp32 tensor (fp64 if a leaf is fp64, unless ``device`` is given), equal on every
+      rank that holds part of the model; no host sync. Every such rank must call it when it
+      communicates.
+    """
+    plan = _plan(leaves, mesh_groups, slot, what, tree)
+    norm = norms.local_norm(leaves, norm_type) if plan is None else plan_norm(plan, leaves, norm_type)
     if device is not None:
         norm = norm.to(device=device, dtype=torch.float32)
     if scale is not None:
@@ -215,8 +172,7 @@ def leaf_norms_of(
     plan = _plan(leaves, mesh_groups, None, what, tree)
     if plan is None:
         return norms.tensor_norms(leaves, 2.0)
-    (out,) = unitwise_norms(plan, [list(leaves)], unitwise=False)
-    return [n.reshape(()) for n in out]
+    return unitwise_norms(plan, [leaves], unitwise=False)[0]  # one unit per leaf: 0-d each
 
 
 def unitwise_norms(
@@ -233,9 +189,7 @@ def unitwise_norms(
     Returns:
       For each list, the per-leaf norms, broadcastable to the leaf's local shard.
     """
-    items: list[torch.Tensor] = []
-    groups: list[tuple[GroupKey, ...]] = []
-    where: list[tuple[int, int]] = []
+    spanning: list[tuple[int, int, tuple[GroupKey, ...]]] = []  # (list, leaf, the groups its units span)
     out: list[list[torch.Tensor]] = []
     for t, leaves in enumerate(trees):
         plan.check(leaves, what="adaptive_clip")
@@ -247,15 +201,14 @@ def unitwise_norms(
                 continue
             x = norms.magnitudes(tu.local(leaf))
             one_unit = x.ndim <= 1 or not unitwise
-            sq = x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True)
-            row.append(sq)
-            items.append(sq)
-            groups.append(spans)
-            where.append((t, i))
+            row.append(x.square().sum() if one_unit else x.square().sum(dim=tuple(range(1, x.ndim)), keepdim=True))
+            spanning.append((t, i, spans))
         out.append(row)
-    if any(t.dtype == torch.float64 for t in items):  # one dtype: one collective per group
-        items = [t.to(torch.float64) for t in items]
-    for (t, i), sq in zip(where, reduce_over_groups(plan.comm, items, groups, plan.group_order, ReduceOp.SUM)):
+    items = [out[t][i] for t, i, _ in spanning]
+    if any(sq.dtype == torch.float64 for sq in items):  # one dtype: one collective per group
+        items = [sq.to(torch.float64) for sq in items]
+    groups = [spans for _, _, spans in spanning]
+    for (t, i, _), sq in zip(spanning, reduce_over_groups(plan.comm, items, groups, plan.group_order, ReduceOp.SUM)):
         out[t][i] = sq.sqrt()
     return out
 
@@ -268,23 +221,19 @@ def tree_unitwise_norms(
     mesh_groups: MeshGroups | None = None,
     tree: PyTree | None = None,
     slot: PlanSlot | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+) -> list[list[torch.Tensor]]:
     """Per-unit fp32 L2 norms of grads and weights (AGC), reduced where a unit spans ranks.
 
     The plan is ``mesh_groups``, else the one the grads' placements define, else none
     (every unit is local). Units follow PyTorch layouts: see :func:`gradtx.unitwise_norm`.
 
     Returns:
-      ``(grad_norms, weight_norms)``, each broadcastable to its leaf's local shard.
+      ``[grad_norms, weight_norms]``, each broadcastable to its leaf's local shard.
     """
     plan = _plan(grads, mesh_groups, slot, "adaptive_clip", tree)
     if plan is None:
-        return (
-            [norms.unitwise_norm(g, unitwise=unitwise) for g in grads],
-            [norms.unitwise_norm(w, unitwise=unitwise) for w in weights],
-        )
-    g_norms, w_norms = unitwise_norms(plan, [grads, weights], unitwise=unitwise)
-    return g_norms, w_norms
+        return [[norms.unitwise_norm(x, unitwise=unitwise) for x in leaves] for leaves in (grads, weights)]
+    return unitwise_norms(plan, [grads, weights], unitwise=unitwise)
 
 
 def agree_finite(
@@ -301,37 +250,47 @@ def agree_finite(
     Returns:
       A 0-d bool tensor, equal on every rank that agreed; no host sync.
     """
-    if comm is not None:
-        check_comm(comm, name="apply_if_finite")
-        plan: tuple[Any, tuple[GroupKey, ...]] | None = (comm, (group,))
-    else:
-        plan = _agreement(leaves)
-    if plan is None:
-        return finite
-    agree_comm, groups = plan
     notfinite = (~finite).to(torch.float32)
+    return all_max(notfinite, leaves, comm=comm, group=group, name="apply_if_finite") == 0
+
+
+def all_max(
+    x: torch.Tensor, leaves: Sequence[Any], *, comm: Comm | None, group: GroupKey, name: str, world: bool = False
+) -> torch.Tensor:
+    """``x``'s elementwise MAX over every rank that holds part of the model, or ``x`` with no one to agree with.
+
+    Over ``comm``'s ``group`` when ``comm`` is given; else over the root meshes
+    of ``leaves``' DTensors (the default group when every root spans it, else
+    each of their dims); else, with ``world``, over the default group when
+    ``torch.distributed`` is initialised.
+    """
+    if comm is not None:
+        check_comm(comm, name=name)
+        over: tuple[Any, tuple[GroupKey, ...]] = (comm, (group,))
+    else:
+        roots = tu.root_meshes(leaves)
+        if roots:  # every rank of the root meshes: the world, or each of their dims
+            from gradtx.comm.torch_dist import mesh_comm
+
+            dims: list[Any] = ["world"]
+            if any(root.size() != torch.distributed.get_world_size() for root in roots):
+                dims = []
+                for root in roots:
+                    for dim in range(root.ndim):
+                        pg = root.get_group(dim)
+                        if root.size(dim) > 1 and all(pg is not g for g in dims):
+                            dims.append(pg)
+            over = (mesh_comm(roots), tuple(dims))
+        elif world and torch.distributed.is_available() and torch.distributed.is_initialized():
+            from gradtx.comm.torch_dist import TorchComm
+
+            over = (TorchComm(), ("world",))
+        else:
+            return x
+    reduce_comm, groups = over
     for g in groups:
-        (notfinite,) = agree_comm.all_reduce([notfinite], ReduceOp.MAX, g)
-    return notfinite == 0
-
-
-def _agreement(leaves: Sequence[Any]) -> tuple[Any, tuple[GroupKey, ...]] | None:
-    """The comm and groups that span every rank holding ``leaves``' DTensors: the world, or each dim of their root meshes."""
-    roots = tu.root_meshes(leaves)
-    if not roots:
-        return None
-    from gradtx.comm.torch_dist import mesh_comm
-
-    world = torch.distributed.get_world_size()
-    if all(root.size() == world for root in roots):
-        return mesh_comm(roots), ("world",)
-    groups: list[Any] = []
-    for root in roots:
-        for dim in range(root.ndim):
-            pg = root.get_group(dim)
-            if root.size(dim) > 1 and all(pg is not g for g in groups):
-                groups.append(pg)
-    return mesh_comm(roots), tuple(groups)
+        (x,) = reduce_comm.all_reduce([x], ReduceOp.MAX, g)
+    return x
 
 
 # --- the norm on a plan -------------------------------------------------------------------------
@@ -347,7 +306,11 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
     part = norms.partial_dtype(device)
-    parts = _bucket_sums(plan._buckets, leaves, norm_type, device)
+    powsums = norms.tensor_powsums(leaves, norm_type)
+    parts = []
+    for b in plan._buckets:  # one part per bucket, its tied copies weighted
+        s = norms.total([powsums[i] for i in b.leaves], norm_type, device).to(part)
+        parts.append(s if b.weight == 1.0 or inf else s * b.weight)
     if plan.flat is not None:  # divided by its replica count, a part counts once in a sum over the whole mesh
         group, replicas = plan.flat
         parts = [p if inf or r == 1 else p / r for p, r in zip(parts, replicas)]
@@ -358,18 +321,3 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
     if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
         (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
     return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))
-
-
-def _bucket_sums(
-    buckets: Sequence[_Bucket], leaves: Sequence[torch.Tensor], norm_type: float, device: torch.device
-) -> list[torch.Tensor]:
-    """One contribution per bucket, its leaves' local powsums added (weighted for tied copies), in one dtype."""
-    if not buckets:
-        return []
-    index = [i for b in buckets for i in b.leaves]
-    per_leaf = dict(zip(index, norms.tensor_powsums([leaves[i] for i in index], norm_type)))
-    out = []
-    for b in buckets:
-        s = norms.total([per_leaf[i] for i in b.leaves], norm_type, device).to(norms.partial_dtype(device))
-        out.append(s if b.weight == 1.0 or math.isinf(norm_type) else s * b.weight)
-    return out

@@ -12,23 +12,12 @@ stages' contributions and count the tied weight once.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Self
+from typing import Any
 
 from gradtx.comm.base import ReduceOp
 from gradtx.core import tree as tu
-from gradtx.core.base import EmptyState, GradientTransformation, Params, factory
+from gradtx.core.base import GradientTransformation, factory, init_empty_state
 from gradtx.distributed.plan import NO_PLAN, MeshGroups, check_plan, plan_read_by
-
-
-class PPReduce(GradientTransformation):
-    """What :func:`pp_reduce` returns: a transform that sums tied grads over a pipeline plan, ``mesh_groups``."""
-
-    mesh_groups: MeshGroups
-
-    def __new__(cls, init: Any, update: Any, mesh_groups: MeshGroups) -> Self:
-        self = super().__new__(cls, init, update)
-        self.mesh_groups = mesh_groups
-        return self
 
 
 def check_chain(txs: Sequence[Any], *, name: str) -> None:
@@ -41,9 +30,8 @@ def check_chain(txs: Sequence[Any], *, name: str) -> None:
     weights needs a ``pp_reduce`` of that plan before it, which sums the tied
     copies' grads. Nested chains are checked as they are built.
     """
-    reduced: list[tuple[int, MeshGroups]] = [
-        (i, tx.mesh_groups) for i, tx in enumerate(txs) if isinstance(tx, PPReduce)
-    ]
+    declared = [(i, getattr(tx, "__dict__", {}).get("pp_reduce_plan")) for i, tx in enumerate(txs)]
+    reduced: list[tuple[int, MeshGroups]] = [(i, plan) for i, plan in declared if plan is not None]
     for i, tx in enumerate(txs):
         plan = plan_read_by(tx)
         if plan is NO_PLAN:
@@ -92,7 +80,7 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
         and ``tied`` set, built from this stage's params.
 
     Returns:
-      A stateless :class:`PPReduce` (a :class:`GradientTransformation`).
+      A stateless :class:`GradientTransformation`, which carries its plan (as ``pp_reduce_plan``) for :func:`check_chain`.
 
     References:
       Press & Wolf, "Using the Output Embedding to Improve Language Models", 2017;
@@ -107,12 +95,7 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     check_plan(mesh_groups, name="pp_reduce", required=True)
     comm = mesh_groups.comm
 
-    def init_fn(params: Params) -> EmptyState:
-        del params
-        return EmptyState()
-
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         leaves, spec = tu.flatten(updates)
         mesh_groups.check(leaves, what="pp_reduce")
         out = list(leaves)
@@ -121,4 +104,6 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
                 out[i] = s
         return tu.unflatten(spec, out), state
 
-    return PPReduce(init_fn, update_fn, mesh_groups)
+    tx = GradientTransformation(init_empty_state, update_fn)
+    vars(tx)["pp_reduce_plan"] = mesh_groups
+    return tx

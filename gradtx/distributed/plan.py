@@ -20,7 +20,6 @@ import torch
 from gradtx.comm.base import Comm, GroupKey, as_comm
 from gradtx.comm.local import LocalComm
 from gradtx.core import tree as tu
-from gradtx.core import validate
 from gradtx.core.base import PyTree
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
@@ -81,14 +80,6 @@ def _match(matcher: Matcher, path: str, leaf: torch.Tensor) -> bool:
     return path == matcher or fnmatch.fnmatchcase(path, matcher)
 
 
-def _check_matcher(matcher: Any, *, arg: str) -> None:
-    if not (isinstance(matcher, str) or callable(matcher)):
-        raise TypeError(
-            f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
-            f"got {type(matcher).__name__}"
-        )
-
-
 def _shard_decls(value: Any, *, where: str) -> list[tuple[GroupKey, int | None]]:
     items = list(value) if isinstance(value, (list, tuple)) and not isinstance(value, Sharded) else [value]
     if not items:
@@ -138,10 +129,14 @@ class MeshGroups:
         self.group_order: tuple[GroupKey, ...] = tuple(order)
         sizes = {leaf.tie_group: comm.size(leaf.tie_group) for leaf in leaves if leaf.tie_group is not None}
         buckets: dict[tuple[tuple[GroupKey, ...], float], list[int]] = {}
+        tied: dict[GroupKey, list[int]] = {}
         for i, leaf in enumerate(leaves):
             groups = tuple(g for g in self.group_order if any(g == s for s, _ in leaf.shards))
             weight = 1.0 / sizes[leaf.tie_group] if leaf.tie_group is not None else 1.0
             buckets.setdefault((groups, weight), []).append(i)
+            if leaf.tie_group is not None:
+                tied.setdefault(leaf.tie_group, []).append(i)
+        self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
         self._buckets = [_Bucket(groups, weight, tuple(idx)) for (groups, weight), idx in buckets.items()]
         # One reduction for the whole norm (one per mesh, not per mesh dim), when every sharded leaf lives on
         # one mesh over all the ranks of ``flat``: each bucket's part is divided by the number of ranks holding
@@ -152,11 +147,6 @@ class MeshGroups:
             replicas = [ranks // math.prod(comm.size(g) for g in b.groups) for b in self._buckets]
             if all(r * math.prod(comm.size(g) for g in b.groups) == ranks for r, b in zip(replicas, self._buckets)):
                 self.flat = (flat, tuple(replicas))
-        tied: dict[GroupKey, list[int]] = {}
-        for i, leaf in enumerate(leaves):
-            if leaf.tie_group is not None:
-                tied.setdefault(leaf.tie_group, []).append(i)
-        self.tied: dict[GroupKey, tuple[int, ...]] = {g: tuple(idx) for g, idx in tied.items()}
 
     def __len__(self) -> int:
         return len(self._leaves)
@@ -325,15 +315,7 @@ def mesh_groups(
     tu.check_tensors(flat_leaves, flat_paths, what="mesh_groups: params")
     comm = default_comm(flat_leaves) if comm is None else as_comm(comm, name="mesh_groups")
     return _build(
-        list(flat_paths),
-        flat_leaves,
-        comm,
-        sharded=sharded,
-        pp_group=pp_group,
-        tied=tied,
-        device=device,
-        what="mesh_groups",
-        plain=plain,
+        list(flat_paths), flat_leaves, comm, sharded=sharded, pp_group=pp_group, tied=tied, device=device, plain=plain
     )
 
 
@@ -342,11 +324,11 @@ def _build(
     flat_leaves: list[Any],
     comm: Comm,
     *,
-    sharded: Mapping[Matcher, ShardDecl] | None,
-    pp_group: GroupKey | None,
-    tied: Mapping[Matcher, GroupKey] | None,
-    device: torch.device | str | None,
-    what: str,
+    sharded: Mapping[Matcher, ShardDecl] | None = None,
+    pp_group: GroupKey | None = None,
+    tied: Mapping[Matcher, GroupKey] | None = None,
+    device: torch.device | str | None = None,
+    what: str = "mesh_groups",
     plain: str | None = None,
     flat: GroupKey | None = None,
 ) -> MeshGroups:
@@ -370,10 +352,13 @@ def _build(
     leaf_kind = "params" if what == "mesh_groups" else "updates"
     sharded = dict(sharded or {})
     tied = dict(tied or {})
-    for key in sharded:
-        _check_matcher(key, arg="sharded")
-    for key in tied:
-        _check_matcher(key, arg="tied")
+    for arg, keys in (("sharded", sharded), ("tied", tied)):
+        for key in keys:
+            if not (isinstance(key, str) or callable(key)):
+                raise TypeError(
+                    f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
+                    f"got {type(key).__name__}"
+                )
 
     dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
@@ -384,8 +369,7 @@ def _build(
         # key seen for it.
         return seen.setdefault(comm.group_id(group), group)
 
-    used: set[int] = set()
-    checked: set[GroupKey] = set()
+    matched: set[Any] = set()  # the keys of sharded and tied that name a leaf
     infos: list[_Leaf] = []
     for path, where, leaf in zip(dotted, map(tu.path_str, paths), flat_leaves):
         shards: list[tuple[GroupKey, int | None]] = []
@@ -401,39 +385,33 @@ def _build(
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
                     group_key = canonical(_mesh_dim_key(mesh, mesh_dim, comm))
-                    if group_key not in checked:  # a LocalComm here would silently drop the other shards
-                        if comm.size(group_key) != mesh.size(mesh_dim):
-                            raise ValueError(
-                                f"{what}: leaf at {where} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
-                                f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
-                                "same process groups, e.g. TorchComm(mesh)"
-                            )
-                        checked.add(group_key)
+                    if comm.size(group_key) != mesh.size(mesh_dim):  # a LocalComm would drop the other shards
+                        raise ValueError(
+                            f"{what}: leaf at {where} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
+                            f"ranks, but comm reports {comm.size(group_key)} for its group; pass a comm over the "
+                            "same process groups, e.g. TorchComm(mesh)"
+                        )
                     shards.append((group_key, placement.dim))
-        for n, (key, decl) in enumerate(sharded.items()):
+        for key, decl in sharded.items():
             if _match(key, path, leaf):
-                used.add(n)
+                matched.add(key)
                 for group, dim in _shard_decls(decl, where=f"sharded[{key!r}] (leaf {where})"):
                     if dim is not None and not -max(leaf.ndim, 1) <= dim < max(leaf.ndim, 1):
                         raise ValueError(
                             f"{what}: sharded[{key!r}]: dim {dim} is out of range for leaf {where} of shape {tuple(leaf.shape)}"
                         )
-                    shards.append((canonical(group), dim))
-        deduped: list[tuple[GroupKey, int | None]] = []
-        for group, dim in shards:
-            if any(group == g for g, _ in deduped):
-                raise ValueError(f"{what}: leaf at {where} is sharded over group {group!r} twice")
-            deduped.append((group, dim))
+                    group = canonical(group)
+                    if any(group == g for g, _ in shards):  # (a mesh dim, or a declaration before this one)
+                        raise ValueError(f"{what}: leaf at {where} is sharded over group {group!r} twice")
+                    shards.append((group, dim))
         tie_keys = [key for key in tied if _match(key, path, leaf)]
+        matched.update(tie_keys)
         if len(tie_keys) > 1:
             raise ValueError(f"{what}: leaf at {where} matches several tied keys: {tie_keys}")
         tie_group = canonical(tied[tie_keys[0]]) if tie_keys else None
-        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(deduped), tie_group, where))
+        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(shards), tie_group, where))
 
-    unused = [key for n, key in enumerate(sharded) if n not in used and isinstance(key, str)]
-    unused += [
-        key for key in tied if isinstance(key, str) and not any(_match(key, p, x) for p, x in zip(dotted, flat_leaves))
-    ]
+    unused = [key for key in [*sharded, *tied] if isinstance(key, str) and key not in matched]
     if unused:
         example = ", ".join(repr(p) for p in dotted[:3])
         raise ValueError(f"{what}: keys {unused} match no leaf; paths look like {example or '(no leaves)'}")
@@ -493,8 +471,3 @@ def check_plan(mesh_groups: Any, *, name: str, required: bool = False) -> None:
         raise TypeError(
             f"{name}: mesh_groups must be a plan from gradtx.mesh_groups(...), got {type(mesh_groups).__name__}"
         )
-
-
-def check_norm_type(norm_type: Any, *, name: str) -> float:
-    """``norm_type`` as a float, or ``ValueError`` naming ``name``: any ``p > 0`` or ``inf``."""
-    return validate.norm_type(norm_type, name=name)

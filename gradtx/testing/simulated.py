@@ -119,12 +119,6 @@ def _mode_off() -> contextlib.AbstractContextManager:
     return mode.disable() if mode is not None else contextlib.nullcontext()
 
 
-def _chunk(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    """torch's ``Shard`` split (``torch.chunk``): ranks past the last chunk hold an empty shard."""
-    chunks = torch.chunk(t, parts, dim)
-    return chunks[index] if index < len(chunks) else t.narrow(dim, 0, 0)
-
-
 def _local_shard(
     full: torch.Tensor,
     mesh_shape: tuple[int, ...],
@@ -138,8 +132,10 @@ def _local_shard(
     local = full
     for d in order:
         p = placements[d]
-        if isinstance(p, (Shard, _StridedShard)):
-            local = _chunk(local, p.dim % max(full.ndim, 1), mesh_shape[d], coord[d])
+        if isinstance(p, (Shard, _StridedShard)):  # torch's split: ranks past the last chunk hold an empty shard
+            dim = p.dim % max(full.ndim, 1)
+            chunks = torch.chunk(local, mesh_shape[d], dim)
+            local = chunks[coord[d]] if coord[d] < len(chunks) else local.narrow(dim, 0, 0)
     return local.clone() if copy else local
 
 
@@ -278,20 +274,15 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
     """
     real = local_tensor_mode() is None and dist.is_initialized()
     if isinstance(x, DTensor):
-        mesh, local = x.device_mesh, _unwrap(x._local_tensor)
-        shape, placements = tuple(mesh.shape), tuple(x.placements)
+        mesh, value = x.device_mesh, _unwrap(x._local_tensor)
         coords = {dist.get_rank(): tuple(mesh.get_coordinate() or ())} if real else _coords(mesh)
-        held = local._local_tensors if isinstance(local, LocalTensor) else dict.fromkeys(coords, local)
-        return {
-            r: (t.detach(), _local_shard(ref, shape, placements, coords[r], copy=False))
-            for r, t in sorted(held.items())
-        }
-    x = _unwrap(x)
-    if isinstance(x, LocalTensor):
-        return {r: (t.detach(), ref) for r, t in sorted(x._local_tensors.items())}
-    if real:
-        return {dist.get_rank(): (x.detach(), ref)}
-    return {r: (x.detach(), ref) for r in range(world)}
+        shape, placements = tuple(mesh.shape), tuple(x.placements)
+        parts = {r: _local_shard(ref, shape, placements, c, copy=False) for r, c in coords.items()}
+    else:
+        value = _unwrap(x)
+        parts = dict.fromkeys([dist.get_rank()] if real else range(world), ref)
+    held = value._local_tensors if isinstance(value, LocalTensor) else dict.fromkeys(parts, value)
+    return {r: (t.detach(), parts[r]) for r, t in sorted(held.items())}
 
 
 def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: float, atol: float) -> None:
@@ -443,7 +434,7 @@ def assert_matches_single_device(
         for i in range(steps):
             u, ref_state = tx.update(grads_seq[i % len(grads_seq)], ref_state, ref_params, **extra)
             ref_params = apply_updates(ref_params, u)
-            expected.append((u, ref_params, ref_state, _metrics(ref_state)))
+            expected.append({"updates": u, "metrics": _metrics(ref_state), "state": ref_state, "params": ref_params})
 
     put = _real_distribute if real else distribute
     with mesh_cm as on:
@@ -454,14 +445,9 @@ def assert_matches_single_device(
             u, d_state = tx.update(grads, d_state, d_params, **extra)
             _check_placements(f"step {i}: updates", u, grads)
             d_params = apply_updates(d_params, u)
-            e_u, e_params, e_state, e_metrics = expected[i]
-            for what, got, exp in (
-                ("updates", u, e_u),
-                ("metrics", _metrics(d_state), e_metrics),
-                ("state", d_state, e_state),
-                ("params", d_params, e_params),
-            ):
-                _compare(f"step {i}: {what}", got, exp, world=world, rtol=rtol, atol=atol)
+            got = {"updates": u, "metrics": _metrics(d_state), "state": d_state, "params": d_params}
+            for what, exp in expected[i].items():
+                _compare(f"step {i}: {what}", got[what], exp, world=world, rtol=rtol, atol=atol)
 
 
 def _real_distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:

@@ -32,8 +32,8 @@ from gradtx.core.base import (
     init_empty_state,
     scalar_transformation,
 )
-from gradtx.distributed.global_norm import check_plan, global_norm_of, leaf_norms_of
-from gradtx.distributed.plan import reads_tied
+from gradtx.distributed.global_norm import global_norm_of, leaf_norms_of
+from gradtx.distributed.plan import check_plan, reads_tied
 
 __all__ = [
     "AUTOCLIP_DEFAULT_HISTORY",

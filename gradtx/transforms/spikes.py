@@ -23,7 +23,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
-from gradtx.distributed.global_norm import check_plan
+from gradtx.distributed.plan import check_plan
 from gradtx.transforms.adaptive import updates_norm
 from gradtx.transforms.conditionals import select_step
 
