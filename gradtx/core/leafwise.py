@@ -85,7 +85,10 @@ def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
 
     Read without a Python loop per leaf: the check a fast path makes before one foreach launch over all leaves.
     """
-    if not leaves or not plain(leaves) or not all(issubclass(t, torch.Tensor) for t in set(map(type, leaves))):
+    if not leaves:
+        return None
+    types = set(map(type, leaves))
+    if not all(issubclass(t, torch.Tensor) and not (tu.DTensor and issubclass(t, tu.DTensor)) for t in types):
         return None
     dtypes, devices = set(attrs(leaves, "dtype")), set(attrs(leaves, "device"))
     if len(dtypes) == 1 and len(devices) == 1 and set(attrs(leaves, "layout")) == {torch.strided}:

@@ -345,11 +345,17 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     if updates is None:
         return params
     p_leaves, spec = tu.flatten(params)
-    u_leaves, u_spec = tu.flatten(updates)
     key = lw.one_group(p_leaves)
-    floats = key is not None and (key[1].is_floating_point or key[1].is_complex)
-    if u_spec == spec and floats and lw.one_group(u_leaves) == key and lw.same_shapes(u_leaves, p_leaves):
-        return tu.unflatten(spec, fe.add(p_leaves, u_leaves))  # the common case: one launch, no loop per leaf
+    if key is not None and (key[1].is_floating_point or key[1].is_complex):
+        # The common case, read with no loop per leaf and one launch. The updates are read through the params'
+        # structure (several times faster than flattening them anew); a None or a subtree where the params have
+        # a tensor comes out as a leaf that one_group refuses, and a structure that differs raises.
+        try:
+            u_leaves = spec.flatten_up_to(updates)
+        except (ValueError, TypeError):
+            u_leaves = None
+        if u_leaves is not None and lw.one_group(u_leaves) == key and lw.same_shapes(u_leaves, p_leaves):
+            return tu.unflatten(spec, fe.add(p_leaves, u_leaves))
     index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
     present = [p_leaves[i] for i in index]
     if lw.plain(p_leaves) and lw.plain(u_leaves):  # one foreach call: torch groups by device and dtype itself

@@ -672,12 +672,13 @@ def _every_transform(rank: int) -> dict[str, Any]:
     return out
 
 
-# --- functional accumulation on DTensor grads (FSDP2 and TP), pure and donated, with a flushed short window ---
+# --- functional accumulation on DTensor grads (FSDP2 and TP), update + apply_updates and update_and_apply, with a
+# flushed short window ---
 
 ACC_SCHEDULE = ((0, False), (1, False), (2, True))  # k=2: micro-steps 0+1 emit, then 2 alone is flushed
 
 
-def _accumulate_run(make, local, *, token_weighted: bool, tokens_comm: Any, sum_grads: bool, donate: bool) -> dict:
+def _accumulate_run(make, local, *, token_weighted: bool, tokens_comm: Any, sum_grads: bool, one_call: bool) -> dict:
     model, ref = make()
     if token_weighted and sum_grads:
         gtx.sum_grad_reduction(model)  # FSDP2 sums over dp; gradtx divides by the global token total
@@ -695,8 +696,8 @@ def _accumulate_run(make, local, *, token_weighted: bool, tokens_comm: Any, sum_
         extra: dict[str, Any] = {"tokens": y.numel()} if token_weighted else {}
         if flush:
             extra["flush"] = True
-        if donate:
-            params, state = gtx.update_and_apply(tx, grads, state, params, donate=True, **extra)
+        if one_call:
+            params, state = gtx.update_and_apply(tx, grads, state, params, **extra)
         else:
             updates, state = tx.update(grads, state, params, **extra)
             emitted.append(updates is not None)
@@ -747,10 +748,10 @@ def _accumulate_layouts(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, (make, local, comm, sum_grads) in layouts.items():
         for token_weighted in (False, True):
-            for donate in (False, True):
-                key = f"{name}-{'tokens' if token_weighted else 'mean'}-{'donated' if donate else 'pure'}"
+            for one_call in (False, True):
+                key = f"{name}-{'tokens' if token_weighted else 'mean'}-{'one-call' if one_call else 'pure'}"
                 out[key] = _accumulate_run(
-                    make, local, token_weighted=token_weighted, tokens_comm=comm, sum_grads=sum_grads, donate=donate
+                    make, local, token_weighted=token_weighted, tokens_comm=comm, sum_grads=sum_grads, one_call=one_call
                 )
     # The misuse: token-weighted without a comm in a multi-process run.
     try:
@@ -959,7 +960,7 @@ def test_every_public_transform_matches_single_device_or_raises(ranks):
 
 
 ACC_CASES = [
-    f"{lay}-{mode}-{path}" for lay in ("fsdp", "tp") for mode in ("mean", "tokens") for path in ("pure", "donated")
+    f"{lay}-{mode}-{path}" for lay in ("fsdp", "tp") for mode in ("mean", "tokens") for path in ("pure", "one-call")
 ]
 
 
