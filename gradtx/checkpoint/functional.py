@@ -262,7 +262,7 @@ def import_layout(
         leaves, spec = tu.flatten(old)
         return tu.unflatten(spec, [lo.onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])
 
-    return lo.walk(state, (), p_spec, p_leaves, lo.Layout(), rebuild)
+    return lo.walk(state, params, rebuild)[1]
 
 
 def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -37,19 +37,11 @@ except ImportError:  # pragma: no cover
 # --- walking a state: which subtrees are per parameter -------------------------------------------
 
 
-def key_of(path: tuple[Any, ...]) -> str:
-    # DCP joins nested keys with "." and torch's flattened optimizer dicts split on it: keep it out.
-    return "/".join(str(c).replace(".", ":").replace("/", ":") for c in path) or "<root>"
-
-
-def children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]] | None:
-    """A container node's (name, child) pairs and a function rebuilding it from new children; None for a leaf."""
-    if node is None or optree.treespec_is_leaf(optree.tree_structure(node)):
-        return None
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # keyed by field name ("1/mu"), not position
-        return [(f, getattr(node, f)) for f in node._fields], lambda cs: type(node)(*cs)
-    kids, meta, entries, unflatten = optree.tree_flatten_one_level(node)
-    return list(zip(entries, kids)), lambda cs: unflatten(meta, cs)
+def key_of(accessor: optree.PyTreeAccessor) -> str:
+    # A NamedTuple's field is keyed by its name ("1/mu"), not its position. DCP joins nested keys with "."
+    # and torch's flattened optimizer dicts split on it: keep it out.
+    parts = (e.field if isinstance(e, optree.NamedTupleEntry) else e.entry for e in accessor)
+    return "/".join(str(c).replace(".", ":").replace("/", ":") for c in parts) or "<root>"
 
 
 class Window(NamedTuple):
@@ -79,51 +71,46 @@ def is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
 
 
 def walk(
-    node: Any,
-    path: tuple[Any, ...],
-    p_spec: Any,
-    p_leaves: list[torch.Tensor],
-    layout: Layout,
-    rebuild: Callable[[str, Any, str], Any] | None,
-) -> Any:
-    """Classify ``node``'s pieces into ``layout``; with ``rebuild``, return the node with every piece replaced.
+    state: OptState, params: Params, rebuild: Callable[[str, Any, str], Any] | None = None
+) -> tuple[Layout, OptState]:
+    """Classify ``state``'s pieces into a :class:`Layout`; with ``rebuild``, also the state with every piece replaced.
 
     ``rebuild(kind, old, key)`` gives the new value of a piece (``kind`` is
     ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
-    for an accumulation window's running sum).
+    for an accumulation window's running sum). Without it, the state is returned as it is.
     """
-    if isinstance(node, AccumulateState):
-        layout.windows.append(Window(key_of(path), node))
-        fields = []
-        for name, child in zip(node._fields, node):
-            if name == "acc":
-                key = key_of((*path, name))
-                layout.per_param[key] = child  # placeholders where it holds nothing
-                fields.append(rebuild("acc", child, key) if rebuild else child)
-            else:
-                fields.append(walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
-        return type(node)(*fields)
-    if is_per_param(node, p_spec, p_leaves):
-        key = key_of(path)
-        layout.per_param[key] = node
-        return rebuild("param", node, key) if rebuild else node
-    parts = children(node)
-    if parts is None:
-        if node is None:
-            return None
-        key = key_of(path)
-        layout.globals_[key] = node
-        return rebuild("global", node, key) if rebuild else node
-    named, make = parts
-    new = [walk(child, (*path, name), p_spec, p_leaves, layout, rebuild) for name, child in named]
-    return make(new) if rebuild else node
+    p_leaves, p_spec = tu.flatten(params)
+    layout = Layout()
+
+    def piece(kind: str, node: Any, key: str) -> Any:
+        (layout.globals_ if kind == "global" else layout.per_param)[key] = node
+        return rebuild(kind, node, key) if rebuild else node
+
+    def is_piece(node: Any) -> bool:
+        return isinstance(node, AccumulateState) or is_per_param(node, p_spec, p_leaves)
+
+    accessors, nodes, spec = optree.tree_flatten_with_accessor(state, is_leaf=is_piece)
+    new = []
+    for accessor, node in zip(accessors, nodes):
+        key = key_of(accessor)
+        if not isinstance(node, AccumulateState):
+            new.append(piece("param" if is_per_param(node, p_spec, p_leaves) else "global", node, key))
+            continue
+        # A window is walked field by field, its running sum kept apart (placeholders where it holds nothing).
+        window = Window(key, node)
+        layout.windows.append(window)
+        fields = [
+            piece("acc" if name == "acc" else "global", value, window.key(name))
+            if value is not None or name == "acc"
+            else None
+            for name, value in zip(node._fields, node)
+        ]
+        new.append(type(node)(*fields))
+    return layout, (tu.unflatten(spec, new) if rebuild else state)
 
 
 def layout_of(state: OptState, params: Params) -> Layout:
-    p_leaves, p_spec = tu.flatten(params)
-    layout = Layout()
-    walk(state, (), p_spec, p_leaves, layout, None)
-    return layout
+    return walk(state, params)[0]
 
 
 def param_names(params: Params) -> list[str]:

@@ -49,7 +49,6 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     old_layout = lo.layout_of(state, old)
     index = {id(p): i for i, p in enumerate(flat(old))}
     new_flat = flat(new)
-    p_leaves, p_spec = tu.flatten(new)
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -64,7 +63,7 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
             spec, [prev_leaves[index[id(p)]] if id(p) in index else t for p, t in zip(new_flat, leaves)]
         )
 
-    return lo.walk(fresh, (), p_spec, p_leaves, lo.Layout(), rebuild)
+    return lo.walk(fresh, new, rebuild)[1]
 
 
 def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:

@@ -123,9 +123,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self.tx = chain(self._user_tx)
         self._plan = rules.Plan(self.tx)
         loop_checks.check_no_optimizer(self._plan.members, self.optimizer)
-        self._attach()
-
-    def _attach(self) -> None:
         self._fused = rules.FusedAdam(self.optimizer) if rules.FusedAdam.fits(self.optimizer) else None
         self._state_view = _sd.StateView(self)
 
@@ -182,14 +179,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # copies: pickle and deepcopy --------------------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
-        return copies.getstate(self)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        copies.setstate(self, state)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> TransformedOptimizer:
-        return copies.deepcopy(self, memo)
+    __getstate__ = copies.getstate
+    __setstate__ = copies.setstate
+    __deepcopy__ = copies.deepcopy
 
     # the params the transform sees -------------------------------------------------------------------
 

@@ -118,7 +118,6 @@ def entry(opt: Any, i: int) -> dict[str, Any]:
 def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     """Write param ``i``'s ``"gradtx"`` entry back into the live state (e.g. a state moved to another device)."""
     glob = value.get(GLOBAL, {}) if i == 0 else {}
-    p_leaves, p_spec = tu.flatten(opt._tree)
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -129,7 +128,7 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
             return tu.unflatten(spec, leaves)
         return node
 
-    opt._live.tx_state = lo.walk(opt._live.tx_state, (), p_spec, p_leaves, lo.Layout(), rebuild)
+    opt._live.tx_state = lo.walk(opt._live.tx_state, opt._tree, rebuild)[1]
 
 
 class _View(MutableMapping[Any, Any]):
