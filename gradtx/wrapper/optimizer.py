@@ -261,14 +261,14 @@ class TransformedOptimizer(torch.optim.Optimizer):
           inner optimizer stepped is :attr:`emitted`.
         """
         if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or rules.global_hooks():
-            return rules.with_hooks(self, self._step_closure, closure, extra)
-        return self._step_closure(closure, extra)
+            return self._step_with_hooks(closure, **extra)
+        return self._step_closure(closure, **extra)
 
     # torch.optim.Optimizer.__init__ wraps a class's step with its profiling and hook runner unless it is
-    # marked; those wrappers cost a graph break under torch.compile, so step runs the hooks itself.
+    # marked; those wrappers cost a graph break under torch.compile, so step calls the runner only for hooks.
     step.hooked = True  # type: ignore[attr-defined]
 
-    def _step_closure(self, closure: Callable[[], Any] | None, extra: dict[str, Any]) -> Any:
+    def _step_closure(self, closure: Callable[[], Any] | None = None, **extra: Any) -> Any:
         if closure is not None and not callable(closure):
             raise TypeError(f"TransformedOptimizer.step: closure must be callable, got {type(closure).__name__}")
         if self._needs_closure:
@@ -287,6 +287,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._step(extra)
         return loss
+
+    # torch's own runner of the step hooks (registered on the wrapper, and global ones), in its profiler range.
+    _step_with_hooks = torch.optim.Optimizer.profile_hook_step(_step_closure)
 
     def _prepare(self) -> None:
         grads.check_groups(self.optimizer.param_groups, self._tree)

@@ -232,24 +232,6 @@ def global_hooks() -> bool:
     return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
-def with_hooks(optimizer: Any, step: Any, closure: Any, extra: dict[str, Any]) -> Any:
-    """``step(closure, extra)`` between the step hooks registered on ``optimizer`` and globally, as torch runs them."""
-    args: tuple[Any, ...] = (optimizer, closure)
-    for pre in (*torch_optimizer._global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
-        result = pre(optimizer, args, extra)
-        if result is not None:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"{pre} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
-            args, extra = result
-    out = step(args[1] if len(args) > 1 else None, extra)
-    for post in (
-        *optimizer._optimizer_step_post_hooks.values(),
-        *torch_optimizer._global_optimizer_post_hooks.values(),
-    ):
-        post(optimizer, args, extra)
-    return out
-
-
 _HYPER = ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
 
 
