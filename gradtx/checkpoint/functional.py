@@ -228,39 +228,27 @@ def import_layout(
                 f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "
                 f"k={k}; resume with the same k (or save at a boundary and start a fresh state)"
             )
-    # Everything checked: build the new state.
-    opened = {w.prefix: int(globals_[w.key("micro_step")]) > 0 for w in layout.windows}
-    first_rank = {}
+    # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
+    first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
     for w, acc in zip(layout.windows, accs):
-        tokens_per_rank, sums_per_rank = lo.per_rank(acc)
-        on_first: bool | torch.Tensor = True
-        if tokens_per_rank or sums_per_rank:
-            on_first = lo.on_first_rank(acc.window.comm, acc.window.group)
-        first_rank[w.prefix] = (tokens_per_rank, sums_per_rank, on_first)
+        for name, per_rank in zip(("tokens", "acc"), lo.per_rank(acc)):
+            if per_rank:
+                first[w.key(name)] = lo.on_first_rank(acc.window.comm, acc.window.group)
+
+    def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
+        restored = lo.onto(value, template, what=f"{what}: {label}")
+        return lo.first_only(restored, first[key]) if key in first else restored
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "global":
             value = globals_[key]
-            if not isinstance(old, torch.Tensor):
-                return value
-            prefix, fieldname = lo.parent(key)
-            tokens_per_rank, _, on_first = first_rank.get(prefix, (False, False, True))
-            restored = lo.onto(value, old, what=f"{what}: global state {key!r}")
-            if fieldname == "tokens" and tokens_per_rank:
-                return lo.first_only(restored, on_first)
-            return restored
-        if kind == "acc":
-            prefix = lo.parent(key)[0]
-            if not opened[prefix]:
-                return empty_sums(params)
-            _, sums_per_rank, on_first = first_rank[prefix]
+            return restore(value, old, key, f"global state {key!r}") if isinstance(old, torch.Tensor) else value
+        if kind == "acc" and not lo.saved_window_open(globals_, key):
+            return empty_sums(params)
+        templates = tu.flatten(old)[0]  # placed like the live state's tensors
+        if kind == "acc":  # the live state holds placeholders: the sums are placed like the params
             templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
-            values = [lo.onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
-            if sums_per_rank:
-                values = [lo.first_only(v, on_first) for v in values]
-            return tu.unflatten(p_spec, values)
-        leaves, spec = tu.flatten(old)
-        return tu.unflatten(spec, [lo.onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])
+        return tu.unflatten(p_spec, [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], templates)])
 
     return lo.walk(state, params, rebuild)[1]
 

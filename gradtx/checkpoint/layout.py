@@ -223,11 +223,11 @@ def check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
         raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
 
 
-def check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
+def check_keys(got: Any, expected: list[str], *, what: str, hint: str, optional: tuple[str, ...] = ()) -> None:
     if not isinstance(got, dict):
         raise TypeError(f"{what}: expected a dict, got {type(got).__name__}")
     missing = [k for k in expected if k not in got]
-    extra = [k for k in got if k not in expected]
+    extra = [k for k in got if k not in expected and k not in optional]
     if missing:
         raise ValueError(f"{what}: the checkpoint has no {missing[0]!r} (this state has {expected}); {hint}")
     if extra:

@@ -347,17 +347,19 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                     "is True), or end the window with opt.step(flush=True) before saving; torch.save/torch.load "
                     "carries an open window"
                 )
-            else:
-                layout.per_param[key] = None  # the partial sums: shaped and typed like the params
-        expected = list(layout.per_param)
-        optional = [INNER_FRESH, HAS_GRAD]
-        per_param: dict[str, list[Any]] = {key: [] for key in expected}
+        # An open window's partial sums are shaped and typed like the params (the live state holds placeholders).
+        per_param: dict[str, list[Any]] = {key: [] for key in layout.per_param}
         for i, (p, name, e) in enumerate(zip(flat, names, entries)):
             top = ([GLOBAL, AMP] if window else [GLOBAL]) if i == 0 else []
-            present = [k for k in optional if isinstance(e, dict) and k in e]
-            lo.check_keys(e, expected + present + top, what=f"{what}: gradtx state of {name}", hint=lo.HINT)
-            for key in expected:
-                per_param[key].append(e[key])
+            lo.check_keys(
+                e,
+                [*per_param, *top],
+                optional=(INNER_FRESH, HAS_GRAD),
+                what=f"{what}: gradtx state of {name}",
+                hint=lo.HINT,
+            )
+            for key, values in per_param.items():
+                values.append(e[key])
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
                 fresh.append(p)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
