@@ -142,12 +142,12 @@ def not_holding(updates: ParamTree, held: Any) -> ParamTree:
 
 def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:
     """How messages name each param of ``params``: its place in the param groups and its shape."""
-    where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g["params"])}
-    out = []
-    for p in flat(params):
-        i, j = where[id(p)]
-        out.append(f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})")
-    return out
+    where = {
+        id(p): f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})"
+        for i, g in enumerate(groups)
+        for j, p in enumerate(g["params"])
+    }
+    return [where[id(p)] for p in flat(params)]
 
 
 def pids(groups: list[dict[str, Any]], params: ParamTree) -> list[int]:

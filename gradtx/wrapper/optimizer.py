@@ -317,14 +317,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
         grad_scale: torch.Tensor | None = self.__dict__.get("grad_scale")
         found_inf: torch.Tensor | None = self.__dict__.get("found_inf")
         plan = self._plan
-        windowed = plan.window is not None
-        emitting = not windowed or plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
-        amp.check_unscale(found_inf, grad_scale, accumulates=windowed, emitting=emitting)
+        emitting = plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
+        amp.check_unscale(found_inf, grad_scale, emitting=emitting)
         tree = self._read(emitting)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
         emitted = result.updates is not None
-        window_open = windowed and not emitted and plan.window_open(new_state)
+        window_open = not emitted and plan.window_open(new_state)
         verdict = amp.verdict(
             found_inf, grad_scale, self._live.amp_scale, self._live.amp_inf, emitted=emitted, window_open=window_open
         )
@@ -482,6 +481,4 @@ class TransformedOptimizer(torch.optim.Optimizer):
         open when saved is open again, its partial sums in ``.grad``; one saved
         at a boundary leaves every ``.grad`` ``None``.
         """
-        _sd.load_state_dict(self, state_dict)
-        if self._fused is not None:
-            self._fused.forget()
+        _sd.load_state_dict(self, state_dict)  # the fused rule sees the inner optimizer's new state dict

@@ -69,8 +69,7 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     wanted = {id(p) for p in missing}
     every = [p for g in optimizer.param_groups for p in g["params"]]
     saved_grads = [p.grad for p in every]
-    lrs = [g.get("lr") for g in optimizer.param_groups]
-    made: dict[torch.Tensor, dict[str, Any]] = {}
+    saved_groups = [dict(g) for g in optimizer.param_groups]
     try:
         for p in every:
             p.grad = torch.zeros_like(p) if id(p) in wanted else None
@@ -84,11 +83,9 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     finally:
         for p, grad in zip(every, saved_grads):
             p.grad = grad
-        for g, lr in zip(optimizer.param_groups, lrs):
-            if lr is not None:
-                g["lr"] = lr
-        for p in missing:
-            made[p] = optimizer.state.pop(p, None) or {}
+        for g, saved in zip(optimizer.param_groups, saved_groups):
+            g.update(saved)
+        made = {p: optimizer.state.pop(p, None) or {} for p in missing}
     opt._live.stand_ins = {**opt._live.stand_ins, **made}
     return opt._live.stand_ins
 
