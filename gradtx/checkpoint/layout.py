@@ -99,12 +99,12 @@ def walk(
         # A window is walked field by field, its running sum kept apart (placeholders where it holds nothing).
         window = Window(key, node)
         layout.windows.append(window)
-        fields = [
-            piece("acc" if name == "acc" else "global", value, window.key(name))
-            if value is not None or name == "acc"
-            else None
-            for name, value in zip(node._fields, node)
-        ]
+        fields: list[Any] = []
+        for name, value in zip(node._fields, node):
+            if name == "acc":
+                fields.append(piece("acc", value, window.key(name)))
+            else:
+                fields.append(None if value is None else piece("global", value, window.key(name)))
         new.append(type(node)(*fields))
     return layout, (tu.unflatten(spec, new) if rebuild else state)
 
