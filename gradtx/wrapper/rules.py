@@ -331,14 +331,12 @@ class FusedAdam:
     ) -> bool:  # fmt: skip
         """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply."""
         opt = self.optimizer
-        if _hooked(opt) or torch.compiler.is_compiling():
+        if _hooked(opt) or torch.compiler.is_compiling() or has_none(grads):
             return False
-        if self.key is None or self.key != self._key(tree):
-            if has_none(grads) or any(g.is_sparse for g in grads):
+        if self.key != self._key(tree):
+            if any(g.is_sparse for g in grads):
                 return False
             self._build(tree)
-        elif has_none(grads):
-            return False
         # Each group's hyperparameters are read at every step, as Adam.step reads them.
         hyper: list[list[Any]] = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
         if any(isinstance(h[1][0], torch.Tensor) or isinstance(h[1][1], torch.Tensor) for h in hyper):

@@ -233,7 +233,6 @@ def state_dict(opt: Any) -> dict[str, Any]:
     layout = lo.layout_of(opt._live.tx_state, opt._tree)
     window = lo.window_sum_keys(layout)
     open_ = opt._live.window_open
-    has_grad = [float(open_ and p.grad is not None) for p in flat]
     for key in window:
         if open_:
             check_sums_visible(opt, what)
@@ -256,7 +255,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
         gtx: dict[str, Any] = {key: values[i] for key, values in per_param.items()}
         gtx[INNER_FRESH] = torch.tensor(float(fresh))
         if window and open_:
-            gtx[HAS_GRAD] = torch.tensor(has_grad[i])
+            gtx[HAS_GRAD] = torch.tensor(float(p.grad is not None))
         if i == 0:
             gtx[GLOBAL] = globals_
             if window:
