@@ -54,7 +54,8 @@ import torch
 
 from gradtx.checkpoint import layout as lo
 from gradtx.checkpoint.layout import param_names
-from gradtx.comm.base import ReduceOp
+from gradtx.comm.base import ReduceOp, as_comm
+from gradtx.comm.local_ranks import rank_equals
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import empty_sums
@@ -233,7 +234,10 @@ def import_layout(
     for w, acc in zip(layout.windows, accs):
         for name, per_rank in zip(("tokens", "acc"), lo.per_rank(acc)):
             if per_rank:
-                first[w.key(name)] = lo.on_first_rank(acc.window.comm, acc.window.group)
+                # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
+                # size is rank 0 of a one-rank group, and raises in a larger one.
+                rank = as_comm(acc.window.comm, name="gradtx.checkpoint.functional").rank(acc.window.group)
+                first[w.key(name)] = rank_equals(rank, 0)
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
         restored = lo.onto(value, template, what=f"{what}: {label}")

@@ -18,8 +18,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from gradtx.comm.base import as_comm
-from gradtx.comm.local_ranks import rank_equals
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import AccumulateState, Accumulation
@@ -51,7 +49,7 @@ class Window(NamedTuple):
     state: Any
 
     def key(self, field_name: str) -> str:
-        return child(self.prefix, field_name)
+        return field_name if self.prefix == "<root>" else f"{self.prefix}/{field_name}"
 
 
 @dataclass
@@ -120,10 +118,7 @@ def param_names(params: Params) -> list[str]:
       >>> param_names({"fc.weight": w, "fc.bias": b})
       ['fc.weight', 'fc.bias']
     """
-    out = []
-    for path in tu.paths(params):
-        out.append(str(path[0]) if len(path) == 1 else "/".join(str(c) for c in path))
-    return out
+    return ["/".join(str(c) for c in path) for path in tu.paths(params)]
 
 
 # --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
@@ -142,14 +137,9 @@ def window_sum_keys(layout: Layout) -> list[str]:
 
 def saved_window_open(globals_: Any, sum_key: str) -> bool:
     """Whether the saved global state says the window whose running sum is ``sum_key`` was open."""
-    value = globals_.get(child(parent(sum_key)[0], "micro_step")) if isinstance(globals_, dict) else None
+    micro_step = sum_key.removesuffix("acc") + "micro_step"  # the window's field beside its sum: "0/micro_step"
+    value = globals_.get(micro_step) if isinstance(globals_, dict) else None
     return isinstance(value, torch.Tensor) and int(value) > 0
-
-
-def on_first_rank(comm: Any, group: Any) -> bool | torch.Tensor:
-    """Whether this rank is rank 0 of ``group``: a bool, or on a simulated mesh a per-rank 0-d bool tensor."""
-    # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
-    return rank_equals(as_comm(comm, name="gradtx.checkpoint.functional").rank(group), 0)
 
 
 def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tensor:
@@ -235,13 +225,3 @@ def check_keys(got: Any, expected: list[str], *, what: str, hint: str, optional:
 
 
 HINT = "the checkpoint was made by a different chain; build the same transform (members, order, k) to load it"
-
-
-def child(prefix: str, name: str) -> str:
-    """The key of field ``name`` of the node whose key is ``prefix``."""
-    return name if prefix == "<root>" else f"{prefix}/{name}"
-
-
-def parent(key: str) -> tuple[str, str]:
-    prefix, _, name = key.rpartition("/")
-    return prefix or "<root>", name
