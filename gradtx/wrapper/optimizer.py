@@ -363,7 +363,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                     factor = keep if factor is None else factor * keep.to(factor.device)
                 grads.write(self._tree, grads.not_holding(result.updates, (result.state, self._flat)))
                 if factor is not None:
-                    rules.scale_in_place([p.grad for p in self._flat if p.grad is not None], factor)
+                    tu.scale_leaves([p.grad for p in self._flat if p.grad is not None], factor, write_back=True)
                 self._commit(result.state, False, True)
             return loss
 
