@@ -133,8 +133,7 @@ def export_layout(
             globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
         if sums_per_rank:
             key = w.key("acc")
-            sums = comm.all_reduce([tu.local(t) for t in per_param[key]], ReduceOp.SUM, group)
-            per_param[key] = [tu.like(t, s) for t, s in zip(per_param[key], sums)]
+            per_param[key] = tu.all_reduce_leaves(comm, per_param[key], ReduceOp.SUM, group)
     return per_param, globals_
 
 
