@@ -323,7 +323,6 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         inner_state[sid] = rest
     entries = [saved_state.get(saved_of[id(p)], {}).get(GTX) for p in flat]
     has_grad = [True] * len(flat)
-    fresh: list[torch.Tensor] = []
     sums = record = None
     if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
         new_state = opt.tx.init(params)
@@ -356,8 +355,9 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             )
             for key, values in per_param.items():
                 values.append(e[key])
+            # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
-                fresh.append(p)
+                inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         new_state = _ckpt.import_layout(
             layout,
@@ -376,9 +376,6 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             states[0] = states[0]._replace(acc=empty_sums(states[0].acc))
             new_state = opt._plan.join(states)
         record = amp.restore(first.get(AMP), opt._device, what=what) if window else None
-    # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
-    for p in fresh:
-        inner_state.pop(saved_of[id(p)], None)
     # Everything checked; the inner optimizer validates its own part before it changes anything.
     optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
     window_open = opt._plan.window_open(new_state)
