@@ -116,7 +116,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer's own set-up (hooks, step profiling); the groups are then the inner optimizer's list.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._set_tree(grads.trainable(optimizer.param_groups))
-        self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
         self._live = _Live(self.tx.init(self._tree))
 
     def _setup_tx(self) -> None:
@@ -131,6 +130,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._flat = grads.flat(self._tree)
         self._sizes = [len(g) for g in self._tree]
         self._position = {id(p): i for i, p in enumerate(self._flat)}
+        # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
+        self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self._position]
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
         self._device = tu.local(self._flat[0]).device if self._flat else torch.device("cpu")
         if self._fused is not None:
@@ -212,7 +213,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         except Exception:
             self.optimizer.param_groups.pop()  # atomic: the inner optimizer is as it was
             raise
-        self._frozen = [*self._frozen, *(p for p in group["params"] if not p.requires_grad)]
         self._set_tree(tree)
         self._live.tx_state = new_state
 
@@ -235,8 +235,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
             return
         tree = grads.joined(self._tree, self.optimizer.param_groups)
         new_state = grads.regrow(self.tx, self._live.tx_state, self._tree, tree)
-        members = {id(p) for p in grads.flat(tree)}
-        self._frozen = [p for p in self._frozen if id(p) not in members]
         self._set_tree(tree)
         self._live.tx_state = new_state
 
