@@ -143,10 +143,8 @@ def _per_param_leaves(layout: lo.Layout, key: str, n: int) -> list[Any]:
     A window's running sum holds nothing where it is a 0-element placeholder
     (:func:`gradtx.transforms.accumulation.empty_sums`; all of it at a boundary).
     """
-    subtree = layout.per_param[key]
-    if subtree is None:
-        return [None] * n
-    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in tu.flatten(subtree)[0]]
+    leaves = tu.flatten(layout.per_param[key])[0] or [None] * n  # a window made without params has None
+    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in leaves]
 
 
 def load_state_dict(

@@ -165,7 +165,7 @@ def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what
             f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
             "window states; pass the transform this state was made by"
         )
-    return list(accs)
+    return accs
 
 
 def per_rank(acc: Accumulation | None) -> tuple[bool, bool]:
