@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import gradtx as gtx
 from gradtx.testing import assert_trees_close
@@ -128,5 +129,39 @@ def test_sparse_adam_wraps_and_steps_as_in_torch():
         assert opt.emitted
     assert_trees_close(emb.weight.detach(), ref.weight.detach(), rtol=0, atol=0)
     assert_trees_close(
-        {k: v for k, v in opt.state[emb.weight].items() if k != "gradtx"}, dict(ref_opt.state[ref.weight]), rtol=0, atol=0
+        {k: v for k, v in opt.state[emb.weight].items() if k != "gradtx"},
+        dict(ref_opt.state[ref.weight]),
+        rtol=0,
+        atol=0,
     )
+
+
+def test_step_hooks_on_the_wrapper_and_global_ones_run_as_torch_runs_them():
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(2))
+    seen = []
+
+    def pre(optimizer, args, kwargs):
+        seen.append(("pre", optimizer is opt, kwargs))
+        return args, {**kwargs, "flush": True}  # a pre hook may replace the step's arguments
+
+    handles = [
+        opt.register_step_pre_hook(pre),
+        opt.register_step_post_hook(lambda optimizer, args, kwargs: seen.append(("post", kwargs))),
+        register_optimizer_step_post_hook(lambda optimizer, *_: seen.append(("global", type(optimizer).__name__))),
+    ]
+    try:
+        x, y = data()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    # the inner SGD's own step runs the global hook too, as it does without the wrapper
+    assert seen == [
+        ("pre", True, {}),
+        ("global", "SGD"),
+        ("post", {"flush": True}),
+        ("global", "TransformedOptimizer"),
+    ]
+    assert opt.emitted  # the pre hook's flush=True reached the step: a window of 2 emitted after one micro-step

@@ -54,7 +54,8 @@ import torch
 
 from gradtx.checkpoint import layout as lo
 from gradtx.checkpoint.layout import param_names
-from gradtx.comm.base import ReduceOp
+from gradtx.comm.base import ReduceOp, as_comm
+from gradtx.comm.local_ranks import rank_equals
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import empty_sums
@@ -132,8 +133,7 @@ def export_layout(
             globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
         if sums_per_rank:
             key = w.key("acc")
-            sums = comm.all_reduce([tu.local(t) for t in per_param[key]], ReduceOp.SUM, group)
-            per_param[key] = [tu.like(t, s) for t, s in zip(per_param[key], sums)]
+            per_param[key] = tu.all_reduce_leaves(comm, per_param[key], ReduceOp.SUM, group)
     return per_param, globals_
 
 
@@ -143,10 +143,8 @@ def _per_param_leaves(layout: lo.Layout, key: str, n: int) -> list[Any]:
     A window's running sum holds nothing where it is a 0-element placeholder
     (:func:`gradtx.transforms.accumulation.empty_sums`; all of it at a boundary).
     """
-    subtree = layout.per_param[key]
-    if subtree is None:
-        return [None] * n
-    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in tu.flatten(subtree)[0]]
+    leaves = tu.flatten(layout.per_param[key])[0] or [None] * n  # a window made without params has None
+    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in leaves]
 
 
 def load_state_dict(
@@ -228,41 +226,32 @@ def import_layout(
                 f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "
                 f"k={k}; resume with the same k (or save at a boundary and start a fresh state)"
             )
-    # Everything checked: build the new state.
-    opened = {w.prefix: int(globals_[w.key("micro_step")]) > 0 for w in layout.windows}
-    first_rank = {}
+    # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
+    first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
     for w, acc in zip(layout.windows, accs):
-        tokens_per_rank, sums_per_rank = lo.per_rank(acc)
-        on_first: bool | torch.Tensor = True
-        if tokens_per_rank or sums_per_rank:
-            on_first = lo.on_first_rank(acc.window.comm, acc.window.group)
-        first_rank[w.prefix] = (tokens_per_rank, sums_per_rank, on_first)
+        for name, per_rank in zip(("tokens", "acc"), lo.per_rank(acc)):
+            if per_rank:
+                # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
+                # size is rank 0 of a one-rank group, and raises in a larger one.
+                rank = as_comm(acc.window.comm, name="gradtx.checkpoint.functional").rank(acc.window.group)
+                first[w.key(name)] = rank_equals(rank, 0)
+
+    def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
+        restored = lo.onto(value, template, what=f"{what}: {label}")
+        return lo.first_only(restored, first[key]) if key in first else restored
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "global":
             value = globals_[key]
-            if not isinstance(old, torch.Tensor):
-                return value
-            prefix, fieldname = lo.parent(key)
-            tokens_per_rank, _, on_first = first_rank.get(prefix, (False, False, True))
-            restored = lo.onto(value, old, what=f"{what}: global state {key!r}")
-            if fieldname == "tokens" and tokens_per_rank:
-                return lo.first_only(restored, on_first)
-            return restored
-        if kind == "acc":
-            prefix = lo.parent(key)[0]
-            if not opened[prefix]:
-                return empty_sums(params)
-            _, sums_per_rank, on_first = first_rank[prefix]
+            return restore(value, old, key, f"global state {key!r}") if isinstance(old, torch.Tensor) else value
+        if kind == "acc" and not lo.saved_window_open(globals_, key):
+            return empty_sums(params)
+        templates = tu.flatten(old)[0]  # placed like the live state's tensors
+        if kind == "acc":  # the live state holds placeholders: the sums are placed like the params
             templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
-            values = [lo.onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], templates)]
-            if sums_per_rank:
-                values = [lo.first_only(v, on_first) for v in values]
-            return tu.unflatten(p_spec, values)
-        leaves, spec = tu.flatten(old)
-        return tu.unflatten(spec, [lo.onto(v, t, what=f"{what}: {key!r}") for v, t in zip(per_param[key], leaves)])
+        return tu.unflatten(p_spec, [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], templates)])
 
-    return lo.walk(state, (), p_spec, p_leaves, lo.Layout(), rebuild)
+    return lo.walk(state, params, rebuild)[1]
 
 
 def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -18,8 +18,6 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from gradtx.comm.base import as_comm
-from gradtx.comm.local_ranks import rank_equals
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import AccumulateState, Accumulation
@@ -37,19 +35,11 @@ except ImportError:  # pragma: no cover
 # --- walking a state: which subtrees are per parameter -------------------------------------------
 
 
-def key_of(path: tuple[Any, ...]) -> str:
-    # DCP joins nested keys with "." and torch's flattened optimizer dicts split on it: keep it out.
-    return "/".join(str(c).replace(".", ":").replace("/", ":") for c in path) or "<root>"
-
-
-def children(node: Any) -> tuple[list[tuple[Any, Any]], Callable[[list[Any]], Any]] | None:
-    """A container node's (name, child) pairs and a function rebuilding it from new children; None for a leaf."""
-    if node is None or optree.treespec_is_leaf(optree.tree_structure(node)):
-        return None
-    if isinstance(node, tuple) and hasattr(node, "_fields"):  # keyed by field name ("1/mu"), not position
-        return [(f, getattr(node, f)) for f in node._fields], lambda cs: type(node)(*cs)
-    kids, meta, entries, unflatten = optree.tree_flatten_one_level(node)
-    return list(zip(entries, kids)), lambda cs: unflatten(meta, cs)
+def key_of(accessor: optree.PyTreeAccessor) -> str:
+    # A NamedTuple's field is keyed by its name ("1/mu"), not its position. DCP joins nested keys with "."
+    # and torch's flattened optimizer dicts split on it: keep it out.
+    parts = (e.field if isinstance(e, optree.NamedTupleEntry) else e.entry for e in accessor)
+    return "/".join(str(c).replace(".", ":").replace("/", ":") for c in parts) or "<root>"
 
 
 class Window(NamedTuple):
@@ -59,7 +49,7 @@ class Window(NamedTuple):
     state: Any
 
     def key(self, field_name: str) -> str:
-        return child(self.prefix, field_name)
+        return field_name if self.prefix == "<root>" else f"{self.prefix}/{field_name}"
 
 
 @dataclass
@@ -79,51 +69,46 @@ def is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
 
 
 def walk(
-    node: Any,
-    path: tuple[Any, ...],
-    p_spec: Any,
-    p_leaves: list[torch.Tensor],
-    layout: Layout,
-    rebuild: Callable[[str, Any, str], Any] | None,
-) -> Any:
-    """Classify ``node``'s pieces into ``layout``; with ``rebuild``, return the node with every piece replaced.
+    state: OptState, params: Params, rebuild: Callable[[str, Any, str], Any] | None = None
+) -> tuple[Layout, OptState]:
+    """Classify ``state``'s pieces into a :class:`Layout`; with ``rebuild``, also the state with every piece replaced.
 
     ``rebuild(kind, old, key)`` gives the new value of a piece (``kind`` is
     ``"param"`` for a per-parameter subtree, ``"global"`` for a leaf, ``"acc"``
-    for an accumulation window's running sum).
+    for an accumulation window's running sum). Without it, the state is returned as it is.
     """
-    if isinstance(node, AccumulateState):
-        layout.windows.append(Window(key_of(path), node))
-        fields = []
-        for name, child in zip(node._fields, node):
+    p_leaves, p_spec = tu.flatten(params)
+    layout = Layout()
+
+    def piece(kind: str, node: Any, key: str) -> Any:
+        (layout.globals_ if kind == "global" else layout.per_param)[key] = node
+        return rebuild(kind, node, key) if rebuild else node
+
+    def is_piece(node: Any) -> bool:
+        return isinstance(node, AccumulateState) or is_per_param(node, p_spec, p_leaves)
+
+    accessors, nodes, spec = optree.tree_flatten_with_accessor(state, is_leaf=is_piece)
+    new = []
+    for accessor, node in zip(accessors, nodes):
+        key = key_of(accessor)
+        if not isinstance(node, AccumulateState):
+            new.append(piece("param" if is_per_param(node, p_spec, p_leaves) else "global", node, key))
+            continue
+        # A window is walked field by field, its running sum kept apart (placeholders where it holds nothing).
+        window = Window(key, node)
+        layout.windows.append(window)
+        fields: list[Any] = []
+        for name, value in zip(node._fields, node):
             if name == "acc":
-                key = key_of((*path, name))
-                layout.per_param[key] = child  # placeholders where it holds nothing
-                fields.append(rebuild("acc", child, key) if rebuild else child)
+                fields.append(piece("acc", value, window.key(name)))
             else:
-                fields.append(walk(child, (*path, name), p_spec, p_leaves, layout, rebuild))
-        return type(node)(*fields)
-    if is_per_param(node, p_spec, p_leaves):
-        key = key_of(path)
-        layout.per_param[key] = node
-        return rebuild("param", node, key) if rebuild else node
-    parts = children(node)
-    if parts is None:
-        if node is None:
-            return None
-        key = key_of(path)
-        layout.globals_[key] = node
-        return rebuild("global", node, key) if rebuild else node
-    named, make = parts
-    new = [walk(child, (*path, name), p_spec, p_leaves, layout, rebuild) for name, child in named]
-    return make(new) if rebuild else node
+                fields.append(None if value is None else piece("global", value, window.key(name)))
+        new.append(type(node)(*fields))
+    return layout, (tu.unflatten(spec, new) if rebuild else state)
 
 
 def layout_of(state: OptState, params: Params) -> Layout:
-    p_leaves, p_spec = tu.flatten(params)
-    layout = Layout()
-    walk(state, (), p_spec, p_leaves, layout, None)
-    return layout
+    return walk(state, params)[0]
 
 
 def param_names(params: Params) -> list[str]:
@@ -133,10 +118,7 @@ def param_names(params: Params) -> list[str]:
       >>> param_names({"fc.weight": w, "fc.bias": b})
       ['fc.weight', 'fc.bias']
     """
-    out = []
-    for path in tu.paths(params):
-        out.append(str(path[0]) if len(path) == 1 else "/".join(str(c) for c in path))
-    return out
+    return ["/".join(str(c) for c in path) for path in tu.paths(params)]
 
 
 # --- per-rank state: reduce on save, hand to one rank on load ------------------------------------
@@ -155,14 +137,9 @@ def window_sum_keys(layout: Layout) -> list[str]:
 
 def saved_window_open(globals_: Any, sum_key: str) -> bool:
     """Whether the saved global state says the window whose running sum is ``sum_key`` was open."""
-    value = globals_.get(child(parent(sum_key)[0], "micro_step")) if isinstance(globals_, dict) else None
+    micro_step = sum_key.removesuffix("acc") + "micro_step"  # the window's field beside its sum: "0/micro_step"
+    value = globals_.get(micro_step) if isinstance(globals_, dict) else None
     return isinstance(value, torch.Tensor) and int(value) > 0
-
-
-def on_first_rank(comm: Any, group: Any) -> bool | torch.Tensor:
-    """Whether this rank is rank 0 of ``group``: a bool, or on a simulated mesh a per-rank 0-d bool tensor."""
-    # A comm with only all_reduce and size is rank 0 of a one-rank group, and raises in a larger one.
-    return rank_equals(as_comm(comm, name="gradtx.checkpoint.functional").rank(group), 0)
 
 
 def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tensor:
@@ -188,7 +165,7 @@ def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what
             f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
             "window states; pass the transform this state was made by"
         )
-    return list(accs)
+    return accs
 
 
 def per_rank(acc: Accumulation | None) -> tuple[bool, bool]:
@@ -236,11 +213,11 @@ def check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
         raise ValueError(f"{what}: the checkpoint has dtype {value.dtype}, this state {template.dtype}")
 
 
-def check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
+def check_keys(got: Any, expected: list[str], *, what: str, hint: str, optional: tuple[str, ...] = ()) -> None:
     if not isinstance(got, dict):
         raise TypeError(f"{what}: expected a dict, got {type(got).__name__}")
     missing = [k for k in expected if k not in got]
-    extra = [k for k in got if k not in expected]
+    extra = [k for k in got if k not in expected and k not in optional]
     if missing:
         raise ValueError(f"{what}: the checkpoint has no {missing[0]!r} (this state has {expected}); {hint}")
     if extra:
@@ -248,13 +225,3 @@ def check_keys(got: Any, expected: list[str], *, what: str, hint: str) -> None:
 
 
 HINT = "the checkpoint was made by a different chain; build the same transform (members, order, k) to load it"
-
-
-def child(prefix: str, name: str) -> str:
-    """The key of field ``name`` of the node whose key is ``prefix``."""
-    return name if prefix == "<root>" else f"{prefix}/{name}"
-
-
-def parent(key: str) -> tuple[str, str]:
-    prefix, _, name = key.rpartition("/")
-    return prefix or "<root>", name

@@ -34,11 +34,9 @@ class AmpVerdict(NamedTuple):
     drop_partial_sum: bool
 
 
-def check_unscale(
-    found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None, *, accumulates: bool, emitting: bool
-) -> None:
+def check_unscale(found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None, *, emitting: bool) -> None:
     """Refuse ``scaler.unscale_(opt)`` on a micro-step that does not emit (it would unscale a partial sum)."""
-    if found_inf is not None and grad_scale is None and accumulates and not emitting:
+    if found_inf is not None and grad_scale is None and not emitting:
         raise ValueError(
             "TransformedOptimizer.step: scaler.unscale_(opt) was called on a micro-step that does not emit, "
             "so it unscaled the partial sum in .grad that the next micro-steps add scaled grads to. Let the "

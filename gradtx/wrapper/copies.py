@@ -13,8 +13,6 @@ import copy
 import pickle
 from typing import Any
 
-import torch
-
 from gradtx.wrapper import state_dict as _sd
 
 _PICKLED_GRADS = "_pickled_window_grads"
@@ -22,17 +20,13 @@ _PICKLED_GRADS = "_pickled_window_grads"
 _REBUILT = ("grad_scale", "found_inf", "step", "tx", "_plan", "_fused", "_state_view")
 
 
-def _window_grads(opt: Any, what: str) -> list[torch.Tensor | None] | None:
-    if not opt._live.window_open:
-        return None
-    _sd.check_sums_visible(opt, what)
-    return [None if p.grad is None else p.grad.detach() for p in opt._flat]
-
-
-def _put_grads(params: list[torch.Tensor], window: list[torch.Tensor | None]) -> None:
-    for p, g in zip(params, window):
-        if p.grad is None:
-            p.grad = g
+def _copied(opt: Any, what: str) -> dict[str, Any]:
+    """What a copy carries: the instance's attributes but the rebuilt ones, and an open window's partial sums."""
+    state = {k: v for k, v in opt.__dict__.items() if k not in _REBUILT}
+    if opt._live.window_open:
+        _sd.check_sums_visible(opt, what)
+        state[_PICKLED_GRADS] = [None if p.grad is None else p.grad.detach() for p in opt._flat]
+    return state
 
 
 def getstate(opt: Any) -> dict[str, Any]:
@@ -43,31 +37,24 @@ def getstate(opt: Any) -> dict[str, Any]:
             f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
             "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
         ) from None
-    state = {k: v for k, v in opt.__dict__.items() if k not in _REBUILT}
-    window = _window_grads(opt, "pickle")
-    if window is not None:
-        state[_PICKLED_GRADS] = window
-    return state
+    return _copied(opt, "pickle")
 
 
 def setstate(opt: Any, state: dict[str, Any]) -> None:
-    window = state.pop(_PICKLED_GRADS, None)
+    window = state.pop(_PICKLED_GRADS, [])
     opt.__dict__.update(state)
     opt._setup_tx()
-    if window is not None:
-        _put_grads(opt._flat, window)
+    for p, g in zip(opt._flat, window):
+        if p.grad is None:
+            p.grad = g
 
 
 def deepcopy(opt: Any, memo: dict[int, Any]) -> Any:
-    """An in-process copy: shares the transform and its plan (pure functions), copies everything else."""
+    """An in-process copy: shares the user's transform (pure functions), copies everything else."""
     cls: Any = type(opt)
     new = cls.__new__(cls)
     memo[id(opt)] = new
     memo[id(opt._user_tx)] = opt._user_tx
-    new.__dict__.update(copy.deepcopy({k: v for k, v in opt.__dict__.items() if k not in _REBUILT}, memo))
+    setstate(new, copy.deepcopy(_copied(opt, "deepcopy"), memo))
     new.tx, new._plan = opt.tx, opt._plan
-    new._attach()
-    window = _window_grads(opt, "deepcopy")
-    if window is not None:
-        _put_grads(new._flat, copy.deepcopy(window, memo))
     return new

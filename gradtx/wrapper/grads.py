@@ -49,7 +49,6 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     old_layout = lo.layout_of(state, old)
     index = {id(p): i for i, p in enumerate(flat(old))}
     new_flat = flat(new)
-    p_leaves, p_spec = tu.flatten(new)
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -64,7 +63,7 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
             spec, [prev_leaves[index[id(p)]] if id(p) in index else t for p, t in zip(new_flat, leaves)]
         )
 
-    return lo.walk(fresh, (), p_spec, p_leaves, lo.Layout(), rebuild)
+    return lo.walk(fresh, new, rebuild)[1]
 
 
 def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:
@@ -143,12 +142,12 @@ def not_holding(updates: ParamTree, held: Any) -> ParamTree:
 
 def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:
     """How messages name each param of ``params``: its place in the param groups and its shape."""
-    where = {id(p): (i, j) for i, g in enumerate(groups) for j, p in enumerate(g["params"])}
-    out = []
-    for p in flat(params):
-        i, j = where[id(p)]
-        out.append(f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})")
-    return out
+    where = {
+        id(p): f"param_groups[{i}]['params'][{j}] (shape {tuple(p.shape)})"
+        for i, g in enumerate(groups)
+        for j, p in enumerate(g["params"])
+    }
+    return [where[id(p)] for p in flat(params)]
 
 
 def pids(groups: list[dict[str, Any]], params: ParamTree) -> list[int]:

@@ -116,16 +116,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer's own set-up (hooks, step profiling); the groups are then the inner optimizer's list.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._set_tree(grads.trainable(optimizer.param_groups))
-        self._frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
         self._live = _Live(self.tx.init(self._tree))
 
     def _setup_tx(self) -> None:
         self.tx = chain(self._user_tx)
         self._plan = rules.Plan(self.tx)
         loop_checks.check_no_optimizer(self._plan.members, self.optimizer)
-        self._attach()
-
-    def _attach(self) -> None:
         self._fused = rules.FusedAdam(self.optimizer) if rules.FusedAdam.fits(self.optimizer) else None
         self._state_view = _sd.StateView(self)
 
@@ -134,6 +130,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._flat = grads.flat(self._tree)
         self._sizes = [len(g) for g in self._tree]
         self._position = {id(p): i for i, p in enumerate(self._flat)}
+        # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
+        self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self._position]
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
         self._device = tu.local(self._flat[0]).device if self._flat else torch.device("cpu")
         if self._fused is not None:
@@ -182,14 +180,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # copies: pickle and deepcopy --------------------------------------------------------------------
 
-    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
-        return copies.getstate(self)
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        copies.setstate(self, state)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> TransformedOptimizer:
-        return copies.deepcopy(self, memo)
+    __getstate__ = copies.getstate
+    __setstate__ = copies.setstate
+    __deepcopy__ = copies.deepcopy
 
     # the params the transform sees -------------------------------------------------------------------
 
@@ -220,7 +213,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         except Exception:
             self.optimizer.param_groups.pop()  # atomic: the inner optimizer is as it was
             raise
-        self._frozen = [*self._frozen, *(p for p in group["params"] if not p.requires_grad)]
         self._set_tree(tree)
         self._live.tx_state = new_state
 
@@ -243,8 +235,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
             return
         tree = grads.joined(self._tree, self.optimizer.param_groups)
         new_state = grads.regrow(self.tx, self._live.tx_state, self._tree, tree)
-        members = {id(p) for p in grads.flat(tree)}
-        self._frozen = [p for p in self._frozen if id(p) not in members]
         self._set_tree(tree)
         self._live.tx_state = new_state
 
@@ -269,14 +259,14 @@ class TransformedOptimizer(torch.optim.Optimizer):
           inner optimizer stepped is :attr:`emitted`.
         """
         if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or rules.global_hooks():
-            return rules.with_hooks(self, self._step_closure, closure, extra)
-        return self._step_closure(closure, extra)
+            return self._step_with_hooks(closure, **extra)
+        return self._step_closure(closure, **extra)
 
     # torch.optim.Optimizer.__init__ wraps a class's step with its profiling and hook runner unless it is
-    # marked; those wrappers cost a graph break under torch.compile, so step runs the hooks itself.
+    # marked; those wrappers cost a graph break under torch.compile, so step calls the runner only for hooks.
     step.hooked = True  # type: ignore[attr-defined]
 
-    def _step_closure(self, closure: Callable[[], Any] | None, extra: dict[str, Any]) -> Any:
+    def _step_closure(self, closure: Callable[[], Any] | None = None, **extra: Any) -> Any:
         if closure is not None and not callable(closure):
             raise TypeError(f"TransformedOptimizer.step: closure must be callable, got {type(closure).__name__}")
         if self._needs_closure:
@@ -295,6 +285,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._step(extra)
         return loss
+
+    # torch's own runner of the step hooks (registered on the wrapper, and global ones), in its profiler range.
+    _step_with_hooks = torch.optim.Optimizer.profile_hook_step(_step_closure)
 
     def _prepare(self) -> None:
         grads.check_groups(self.optimizer.param_groups, self._tree)
@@ -322,14 +315,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
         grad_scale: torch.Tensor | None = self.__dict__.get("grad_scale")
         found_inf: torch.Tensor | None = self.__dict__.get("found_inf")
         plan = self._plan
-        windowed = plan.window is not None
-        emitting = not windowed or plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
-        amp.check_unscale(found_inf, grad_scale, accumulates=windowed, emitting=emitting)
+        emitting = plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
+        amp.check_unscale(found_inf, grad_scale, emitting=emitting)
         tree = self._read(emitting)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
         emitted = result.updates is not None
-        window_open = windowed and not emitted and plan.window_open(new_state)
+        window_open = not emitted and plan.window_open(new_state)
         verdict = amp.verdict(
             found_inf, grad_scale, self._live.amp_scale, self._live.amp_inf, emitted=emitted, window_open=window_open
         )
@@ -369,7 +361,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                     factor = keep if factor is None else factor * keep.to(factor.device)
                 grads.write(self._tree, grads.not_holding(result.updates, (result.state, self._flat)))
                 if factor is not None:
-                    rules.scale_in_place([p.grad for p in self._flat if p.grad is not None], factor)
+                    tu.scale_leaves([p.grad for p in self._flat if p.grad is not None], factor, write_back=True)
                 self._commit(result.state, False, True)
             return loss
 
@@ -487,6 +479,4 @@ class TransformedOptimizer(torch.optim.Optimizer):
         open when saved is open again, its partial sums in ``.grad``; one saved
         at a boundary leaves every ``.grad`` ``None``.
         """
-        _sd.load_state_dict(self, state_dict)
-        if self._fused is not None:
-            self._fused.forget()
+        _sd.load_state_dict(self, state_dict)  # the fused rule sees the inner optimizer's new state dict

@@ -138,26 +138,10 @@ def has_none(items: list[Any]) -> bool:
     return any(map(is_, items, repeat(None)))
 
 
-def _by_device_dtype(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[int]]:
-    out: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        out.setdefault((t.device, t.dtype), []).append(i)
-    return out
-
-
-def scale_in_place(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply every tensor (a DTensor through its local shard) by the 0-d ``factor``, in place."""
-    locals_ = [tu.local(t) for t in tensors]
-    for (device, dtype), idx in _by_device_dtype(locals_).items():
-        f = factor.to(device, torch.float64 if dtype == torch.float64 else torch.float32, non_blocking=True)
-        torch._foreach_mul_([locals_[i] for i in idx], f)
-
-
 def scaled(tree: list[list[torch.Tensor]], factor: torch.Tensor) -> list[list[torch.Tensor]]:
     """A new tree: every leaf times the 0-d ``factor``, in its own dtype (the leaves are not written)."""
-    out = [[g.clone() for g in group] for group in tree]
-    scale_in_place([g for group in out for g in group], factor)
-    return out
+    leaves, spec = tu.flatten(tree)
+    return tu.unflatten(spec, tu.scale_leaves(leaves, factor))
 
 
 # --- torch.optim.Adam/AdamW(fused=True), stepped directly ----------------------------------------
@@ -183,7 +167,7 @@ def step_inner(
     kernel_scales = fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)
     if factor is not None and fp64 and kernel_scales:
         # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
-        scale_in_place([g for g in grads if g is not None], factor)
+        tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
         factor = None
     if fused is not None and fused.step(tree, grads, factor, skip):
         return
@@ -199,7 +183,7 @@ def step_inner(
     if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
         return
     if factor is not None:
-        scale_in_place([g for g in grads if g is not None], factor)
+        tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
     if torch.compiler.is_compiling() and not (
         optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
     ):
@@ -230,24 +214,6 @@ def _hooked(optimizer: torch.optim.Optimizer) -> bool:
 
 def global_hooks() -> bool:
     return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
-
-
-def with_hooks(optimizer: Any, step: Any, closure: Any, extra: dict[str, Any]) -> Any:
-    """``step(closure, extra)`` between the step hooks registered on ``optimizer`` and globally, as torch runs them."""
-    args: tuple[Any, ...] = (optimizer, closure)
-    for pre in (*torch_optimizer._global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
-        result = pre(optimizer, args, extra)
-        if result is not None:
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise RuntimeError(f"{pre} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
-            args, extra = result
-    out = step(args[1] if len(args) > 1 else None, extra)
-    for post in (
-        *optimizer._optimizer_step_post_hooks.values(),
-        *torch_optimizer._global_optimizer_post_hooks.values(),
-    ):
-        post(optimizer, args, extra)
-    return out
 
 
 _HYPER = ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
@@ -303,7 +269,7 @@ class FusedAdam:
         offset = 0
         for group, params in zip(opt.param_groups, tree):
             buckets = []
-            for (device, _), idx in _by_device_dtype(params).items():
+            for (device, _), idx in tu.group_by_device_dtype(params).items():
                 ps = [params[i] for i in idx]
                 for p in ps:
                     if not state[p]:  # as Adam._init_group makes it, for fused=True
@@ -349,14 +315,12 @@ class FusedAdam:
     ) -> bool:  # fmt: skip
         """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply."""
         opt = self.optimizer
-        if _hooked(opt) or torch.compiler.is_compiling():
+        if _hooked(opt) or torch.compiler.is_compiling() or has_none(grads):
             return False
-        if self.key is None or self.key != self._key(tree):
-            if has_none(grads) or any(g.is_sparse for g in grads):
+        if self.key != self._key(tree):
+            if any(g.is_sparse for g in grads):
                 return False
             self._build(tree)
-        elif has_none(grads):
-            return False
         # Each group's hyperparameters are read at every step, as Adam.step reads them.
         hyper: list[list[Any]] = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
         if any(isinstance(h[1][0], torch.Tensor) or isinstance(h[1][1], torch.Tensor) for h in hyper):

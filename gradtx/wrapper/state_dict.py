@@ -69,8 +69,7 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     wanted = {id(p) for p in missing}
     every = [p for g in optimizer.param_groups for p in g["params"]]
     saved_grads = [p.grad for p in every]
-    lrs = [g.get("lr") for g in optimizer.param_groups]
-    made: dict[torch.Tensor, dict[str, Any]] = {}
+    saved_groups = [dict(g) for g in optimizer.param_groups]
     try:
         for p in every:
             p.grad = torch.zeros_like(p) if id(p) in wanted else None
@@ -84,11 +83,9 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     finally:
         for p, grad in zip(every, saved_grads):
             p.grad = grad
-        for g, lr in zip(optimizer.param_groups, lrs):
-            if lr is not None:
-                g["lr"] = lr
-        for p in missing:
-            made[p] = optimizer.state.pop(p, None) or {}
+        for g, saved in zip(optimizer.param_groups, saved_groups):
+            g.update(saved)
+        made = {p: optimizer.state.pop(p, None) or {} for p in missing}
     opt._live.stand_ins = {**opt._live.stand_ins, **made}
     return opt._live.stand_ins
 
@@ -118,7 +115,6 @@ def entry(opt: Any, i: int) -> dict[str, Any]:
 def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     """Write param ``i``'s ``"gradtx"`` entry back into the live state (e.g. a state moved to another device)."""
     glob = value.get(GLOBAL, {}) if i == 0 else {}
-    p_leaves, p_spec = tu.flatten(opt._tree)
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -129,7 +125,7 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
             return tu.unflatten(spec, leaves)
         return node
 
-    opt._live.tx_state = lo.walk(opt._live.tx_state, (), p_spec, p_leaves, lo.Layout(), rebuild)
+    opt._live.tx_state = lo.walk(opt._live.tx_state, opt._tree, rebuild)[1]
 
 
 class _View(MutableMapping[Any, Any]):
@@ -237,7 +233,6 @@ def state_dict(opt: Any) -> dict[str, Any]:
     layout = lo.layout_of(opt._live.tx_state, opt._tree)
     window = lo.window_sum_keys(layout)
     open_ = opt._live.window_open
-    has_grad = [float(open_ and p.grad is not None) for p in flat]
     for key in window:
         if open_:
             check_sums_visible(opt, what)
@@ -260,7 +255,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
         gtx: dict[str, Any] = {key: values[i] for key, values in per_param.items()}
         gtx[INNER_FRESH] = torch.tensor(float(fresh))
         if window and open_:
-            gtx[HAS_GRAD] = torch.tensor(has_grad[i])
+            gtx[HAS_GRAD] = torch.tensor(float(p.grad is not None))
         if i == 0:
             gtx[GLOBAL] = globals_
             if window:
@@ -328,7 +323,6 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         inner_state[sid] = rest
     entries = [saved_state.get(saved_of[id(p)], {}).get(GTX) for p in flat]
     has_grad = [True] * len(flat)
-    fresh: list[torch.Tensor] = []
     sums = record = None
     if all(e is None for e in entries):  # a plain torch.optim checkpoint: adopt it, transform fresh
         new_state = opt.tx.init(params)
@@ -348,19 +342,22 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                     "is True), or end the window with opt.step(flush=True) before saving; torch.save/torch.load "
                     "carries an open window"
                 )
-            else:
-                layout.per_param[key] = None  # the partial sums: shaped and typed like the params
-        expected = list(layout.per_param)
-        optional = [INNER_FRESH, HAS_GRAD]
-        per_param: dict[str, list[Any]] = {key: [] for key in expected}
+        # An open window's partial sums are shaped and typed like the params (the live state holds placeholders).
+        per_param: dict[str, list[Any]] = {key: [] for key in layout.per_param}
         for i, (p, name, e) in enumerate(zip(flat, names, entries)):
             top = ([GLOBAL, AMP] if window else [GLOBAL]) if i == 0 else []
-            present = [k for k in optional if isinstance(e, dict) and k in e]
-            lo.check_keys(e, expected + present + top, what=f"{what}: gradtx state of {name}", hint=lo.HINT)
-            for key in expected:
-                per_param[key].append(e[key])
+            lo.check_keys(
+                e,
+                [*per_param, *top],
+                optional=(INNER_FRESH, HAS_GRAD),
+                what=f"{what}: gradtx state of {name}",
+                hint=lo.HINT,
+            )
+            for key, values in per_param.items():
+                values.append(e[key])
+            # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
-                fresh.append(p)
+                inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         new_state = _ckpt.import_layout(
             layout,
@@ -379,9 +376,6 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             states[0] = states[0]._replace(acc=empty_sums(states[0].acc))
             new_state = opt._plan.join(states)
         record = amp.restore(first.get(AMP), opt._device, what=what) if window else None
-    # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
-    for p in fresh:
-        inner_state.pop(saved_of[id(p)], None)
     # Everything checked; the inner optimizer validates its own part before it changes anything.
     optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
     window_open = opt._plan.window_open(new_state)

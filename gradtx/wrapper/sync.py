@@ -33,14 +33,10 @@ def data_parallel_modules(model: torch.nn.Module) -> tuple[list[Any], list[Any]]
     """
     fsdp: list[Any] = []
     ddp: list[Any] = []
-    for m in model.modules():
-        if (FSDPModule is not None and isinstance(m, FSDPModule)) or callable(
-            getattr(m, "set_requires_gradient_sync", None)
-        ):
+    for m in model.modules():  # FSDPModule and DDP have these methods too
+        if callable(getattr(m, "set_requires_gradient_sync", None)):
             fsdp.append(m)
-        elif (DistributedDataParallel is not None and isinstance(m, DistributedDataParallel)) or callable(
-            getattr(m, "no_sync", None)
-        ):
+        elif callable(getattr(m, "no_sync", None)):
             ddp.append(m)
     return fsdp, ddp
 
