@@ -113,7 +113,6 @@ def norm_type(value: Any, *, name: str) -> float:
     return within(value, lambda v: v > 0, "> 0 or inf", arg="norm_type", name=name, finite=False)
 
 
-
 def dtype(value: Any, *, arg: str, name: str, floating: bool = False) -> torch.dtype | None:
     """A ``torch.dtype`` (a floating one with ``floating=True``) or ``None``."""
     if value is not None and not (isinstance(value, torch.dtype) and (value.is_floating_point or not floating)):

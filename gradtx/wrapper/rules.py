@@ -30,6 +30,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from gradtx.checkpoint.layout import members as members_of
+from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
 from gradtx.transforms.accumulation import Accumulation
@@ -269,7 +270,7 @@ class FusedAdam:
         offset = 0
         for group, params in zip(opt.param_groups, tree):
             buckets = []
-            for (device, _), idx in tu.group_by_device_dtype(params).items():
+            for (device, _), idx in fe.group_by_device_dtype(params):
                 ps = [params[i] for i in idx]
                 for p in ps:
                     if not state[p]:  # as Adam._init_group makes it, for fused=True
