@@ -111,6 +111,20 @@ def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
     return list(attrs(leaves, "shape")) == list(attrs(reference, "shape"))
 
 
+def _flatten_alike(trees: Sequence[PyTree]) -> list[tuple[list[Any], Any]]:
+    """Each tree's leaves and structure. A transform's state trees mirror one another (its ``init`` made them
+    together), so the later ones are read through the first's structure, several times faster than a flatten; one
+    whose structure differs is flattened on its own."""
+    first = tu.flatten(trees[0])
+    out = [first]
+    for tree in trees[1:]:
+        try:
+            out.append((first[1].flatten_up_to(tree), first[1]))
+        except (ValueError, TypeError):
+            out.append(tu.flatten(tree))
+    return out
+
+
 class Moments:
     """The updates aligned with a transform's per-param trees (moments, params), grouped for foreach kernels.
 
@@ -131,9 +145,12 @@ class Moments:
     """
 
     def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str):
-        self.flat = [tu.flatten(t) for t in trees]
+        self.flat = _flatten_alike(trees)
         ref, ref_spec = self.flat[0]
         leaves, spec = tu.flatten(updates)
+        self._check = lambda: tu.check_devices(ref, leaves, updates, what=f"{name}: updates", against=against)
+        if spec == ref_spec and self._one_group(leaves):
+            return
         self.full = spec == ref_spec and _like_tensors(leaves, ref)  # every leaf has an update, checked
         if self.full:
             self.index, self.leaves, self.spec = list(range(len(leaves))), leaves, spec
@@ -156,6 +173,34 @@ class Moments:
         for key, idx in fe.group_by_device_dtype(trees_local[0]):
             g = [g_all[j] if g_all[j].dtype == key[1] else g_all[j].to(key[1]) for j in idx]
             self.groups.append((key, idx, g, [[xs[j] for j in idx] for xs in trees_local]))
+
+    def _one_group(self, leaves: list[Any]) -> bool:
+        """The common case, set up with one C-level pass per check and no loop per leaf: every leaf has an
+        update, all are plain dense tensors of one shape each as the first tree's, which is on one device in one
+        dtype. ``False`` (nothing set) sends the caller to the general path."""
+        trees = [xs for xs, _ in self.flat]
+        types = set(map(type, leaves)).union(*(map(type, xs) for xs in trees))
+        if not all(issubclass(t, torch.Tensor) and not (tu.DTensor and issubclass(t, tu.DTensor)) for t in types):
+            return False
+        dtypes, ref_dtypes = set(attrs(leaves, "dtype")), set(attrs(trees[0], "dtype"))
+        if (
+            not leaves
+            or len(ref_dtypes) != 1
+            or not all(d.is_floating_point or d.is_complex for d in dtypes)
+            or len(set(attrs(trees[0], "device"))) != 1
+            or set(attrs(leaves, "layout")) != {torch.strided}
+            or set(attrs(trees[0], "layout")) != {torch.strided}
+            or not same_shapes(leaves, trees[0])
+        ):
+            return False
+        key = (trees[0][0].device, ref_dtypes.pop())
+        self.full = self.plain = True
+        self.index, self.leaves, self.spec = list(range(len(leaves))), leaves, self.flat[0][1]
+        self.new, self.out = [list(xs) for xs in trees], list(leaves)
+        self.cast = dtypes != {key[1]}
+        g = [x if x.dtype == key[1] else x.to(key[1]) for x in leaves] if self.cast else leaves
+        self.groups = [(key, self.index, g, trees)]
+        return True
 
     def each(self, step: Callable[..., None]) -> None:
         """``step(key, idx, g, trees)`` for every group; a leaf on another device is reported by its path."""
