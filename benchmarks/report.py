@@ -146,7 +146,7 @@ API_NOTES = """\
   the window's `1/k` become one factor, which a fused `torch.optim.Adam/AdamW` receives as
   `grad_scale`, with `apply_if_finite`'s verdict as `found_inf`. A clip costs one read of the grads
   (its norm) instead of three passes.
-* **The compiled functional step**: `torch.compile(step, fullgraph=True)` of
+* **The compiled functional step**: `torch.compile(step)` (as a user writes it) of
   `update_and_apply(chain(clip_by_global_norm, adamw), grads, state, params)` traces with no
   graph break (optree's flatten and unflatten are understood by dynamo), and inductor fuses the
   norm, Adam and `apply_updates` into a few loops over memory.
