@@ -88,7 +88,7 @@ def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
     if not leaves:
         return None
     types = set(map(type, leaves))
-    if not all(issubclass(t, torch.Tensor) and not (tu.DTensor and issubclass(t, tu.DTensor)) for t in types):
+    if not all(issubclass(t, torch.Tensor) and not (tu.DTensor is not None and issubclass(t, tu.DTensor)) for t in types):
         return None
     dtypes, devices = set(attrs(leaves, "dtype")), set(attrs(leaves, "device"))
     if len(dtypes) == 1 and len(devices) == 1 and set(attrs(leaves, "layout")) == {torch.strided}:
@@ -180,7 +180,7 @@ class Moments:
         dtype. ``False`` (nothing set) sends the caller to the general path."""
         trees = [xs for xs, _ in self.flat]
         types = set(map(type, leaves)).union(*(map(type, xs) for xs in trees))
-        if not all(issubclass(t, torch.Tensor) and not (tu.DTensor and issubclass(t, tu.DTensor)) for t in types):
+        if not all(issubclass(t, torch.Tensor) and not (tu.DTensor is not None and issubclass(t, tu.DTensor)) for t in types):
             return False
         dtypes, ref_dtypes = set(attrs(leaves, "dtype")), set(attrs(trees[0], "dtype"))
         if (

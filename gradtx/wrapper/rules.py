@@ -24,7 +24,7 @@ import functools
 from collections.abc import Callable, Iterator
 from itertools import repeat
 from operator import is_, itemgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -142,7 +142,7 @@ def has_none(items: list[Any]) -> bool:
 def scaled(tree: list[list[torch.Tensor]], factor: torch.Tensor) -> list[list[torch.Tensor]]:
     """A new tree: every leaf times the 0-d ``factor``, in its own dtype (the leaves are not written)."""
     leaves, spec = tu.flatten(tree)
-    return tu.unflatten(spec, tu.scale_leaves(leaves, factor))
+    return cast("list[list[torch.Tensor]]", tu.unflatten(spec, tu.scale_leaves(leaves, factor)))
 
 
 # --- torch.optim.Adam/AdamW(fused=True), stepped directly ----------------------------------------
