@@ -108,7 +108,15 @@ def _like_tensors(leaves: list[Any], reference: list[Any]) -> bool:
 
 
 def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
-    return list(attrs(leaves, "shape")) == list(attrs(reference, "shape"))
+    """Whether each of ``leaves`` has its ``reference``'s shape.
+
+    Eagerly ``is_same_size`` answers with a bool, where reading ``.shape`` makes a
+    ``torch.Size`` per leaf: one allocation the garbage collector counts, which on
+    a model of many small tensors sets off collections every step.
+    """
+    if torch.compiler.is_compiling() or not plain(leaves) or not plain(reference):
+        return [x.shape for x in leaves] == [x.shape for x in reference]
+    return len(leaves) == len(reference) and all(map(torch.Tensor.is_same_size, leaves, reference))
 
 
 def _flatten_alike(trees: Sequence[PyTree]) -> list[tuple[list[Any], Any]]:
