@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import optree
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,6 +49,7 @@ TORCH_FOREACH = "torch clip + AdamW(foreach)"
 GTX_WRAPPER = "gradtx TransformedOptimizer(AdamW(fused), chain(clip))"
 GTX_PURE = "gradtx functional, pure: update + apply_updates"
 GTX_COMPILED = "gradtx functional, pure, torch.compile"
+GTX_DONATED = "gradtx functional, torch.compile, params and state donated"
 TORCHOPT_PURE = "torchopt chain(clip_grad_norm, adamw), pure"
 TORCHOPT_INPLACE = "torchopt chain(clip_grad_norm, adamw), in place"
 OPTAX_JIT = "optax chain(clip_by_global_norm, adamw), jit + donation"
@@ -243,14 +245,21 @@ def optax_clip_contender(jo: tuple[Any, Any], grads: dict[str, torch.Tensor]) ->
 # --- b, c, e: a full step -----------------------------------------------------------------------
 
 
-OURS = (TORCH_FUSED, TORCH_FOREACH, GTX_WRAPPER, GTX_PURE, GTX_COMPILED)
+OURS = (TORCH_FUSED, TORCH_FOREACH, GTX_WRAPPER, GTX_PURE, GTX_COMPILED, GTX_DONATED)
 PEERS = (TORCH_FUSED, GTX_PURE, GTX_COMPILED, TORCHOPT_PURE, TORCHOPT_INPLACE, OPTAX_JIT)
 FUNCTIONAL = (GTX_COMPILED, GTX_PURE)
 
 
-def compiled_step(ctx: Context, params: Any, state: Any, grads: Any) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
-    """The compiled functional step, compiled once per run and reused (no recompile)."""
-    key = "compiled"
+def compiled_step(
+    ctx: Context, params: Any, state: Any, grads: Any, *, donate: bool = False
+) -> Callable[[Any, Any, Any], Any]:
+    """The compiled functional step, compiled once per run and reused (no recompile).
+
+    ``donate``: the step writes its results into the params and state it was given, as
+    ``jax.jit(..., donate_argnums=...)`` lets XLA reuse its inputs' buffers (what optax's row does).
+    The pure step returns fresh buffers, whose pages a CPU faults in on first touch every step.
+    """
+    key = "donated" if donate else "compiled"
     cached = ctx.info.get(key)
     if cached is not None:
         return cached["step"]
@@ -261,9 +270,16 @@ def compiled_step(ctx: Context, params: Any, state: Any, grads: Any) -> Callable
     def functional_step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
         return gtx.update_and_apply(tx, g, s, p)
 
-    torch.compiler.reset()
+    def donated_step(p: Any, s: Any, g: Any) -> None:
+        new = gtx.update_and_apply(tx, g, s, p)
+        for old, result in zip(optree.tree_leaves((p, s)), optree.tree_leaves(new)):
+            old.copy_(result)  # inductor writes the result straight into the old buffer
+
+    if not donate:
+        torch.compiler.reset()
     breaks, graphs = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
-    step = torch.compile(functional_step)  # as a user writes it: no fullgraph; the graph breaks are counted
+    # As a user writes it: no fullgraph; the graph breaks are counted.
+    step = torch.compile(donated_step if donate else functional_step)
     ctx.log("    compiling the functional step (torch.compile) ...")
     t0 = time.perf_counter()
     step(params, state, grads)
@@ -276,6 +292,15 @@ def compiled_step(ctx: Context, params: Any, state: Any, grads: Any) -> Callable
         "unique_graphs": counters["stats"]["unique_graphs"] - graphs,
     }
     return step
+
+
+def page_faults_per_step(step: Callable[[], None], steps: int = 3) -> float:
+    """Minor page faults (first touches of fresh memory pages) per call of ``step``, after one warm-up call."""
+    step()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        step()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
 
 
 def step_contenders(
@@ -328,7 +353,19 @@ def step_contenders(
             def gtx_compiled(box: dict[str, Any] = box, step: Callable[..., Any] = step) -> None:
                 box["params"], box["state"] = step(box["params"], box["state"], grads)
 
+            ctx.info["compiled"]["faults"] = page_faults_per_step(gtx_compiled)
             contenders.append(Contender(row, gtx_compiled, "inductor fuses the chain and apply_updates"))
+        elif row == GTX_DONATED:
+            if "e" not in ctx.cases:
+                skipped.append(Skipped(row, "case e not selected"))
+                continue
+            own = {k: v.clone() for k, v in params.items()}  # its own buffers, written in place
+            own_state = tx.init(own)
+            donated = compiled_step(ctx, own, own_state, grads, donate=True)
+            ctx.info["donated"]["faults"] = page_faults_per_step(partial(donated, own, own_state, grads))
+            contenders.append(
+                Contender(row, partial(donated, own, own_state, grads), "the results written into the old buffers")
+            )
         elif row in (TORCHOPT_PURE, TORCHOPT_INPLACE):
             topt, why = ctx.torchopt()
             if topt is None:
@@ -543,7 +580,7 @@ def case_c(ctx: Context) -> CaseResult:
     """The same step on ~2000 tensors of 1-4K elements: the per-tensor (Python and launch) overhead regime."""
     shapes = small_shapes(count=200 if ctx.quick else 2000)
     ctx.log(f"  case c: {describe(shapes)}")
-    rows = [r for r in OURS if r != GTX_COMPILED] + [
+    rows = [r for r in OURS if r not in (GTX_COMPILED, GTX_DONATED)] + [
         TORCHOPT_PURE,
         TORCHOPT_INPLACE,
         OPTAX_JIT,
@@ -570,13 +607,14 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
     if b is None or "compile_seconds" not in info:
         result.notes.append("not run (case b was not run with case e selected)")
         return result
-    for name in (GTX_COMPILED, GTX_PURE, TORCH_FUSED):
+    for name in (GTX_COMPILED, GTX_DONATED, GTX_PURE, TORCH_FUSED):
         t = b.timing(name)
         if t is not None:
             result.timings.append(t)
     result.contention = b.contention
     result.ratios = [
         (f"{GTX_COMPILED} / torch fused", GTX_COMPILED, TORCH_FUSED),
+        (f"{GTX_DONATED} / torch fused", GTX_DONATED, TORCH_FUSED),
         (f"{GTX_COMPILED} / eager pure", GTX_COMPILED, GTX_PURE),
     ]
     result.notes.append(
@@ -585,6 +623,14 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
         f"compile time {info['compile_seconds']:.1f} s (inductor's on-disk cache makes later runs faster). "
         "The timings are the case-b rows, measured side by side in that run."
     )
+    donated = ctx.info.get("donated", {})
+    if "faults" in donated:
+        result.notes.append(
+            f"Minor page faults per step: {info['faults']:,.0f} for the pure step, whose fresh result buffers the "
+            f"kernel maps and zeroes on first touch, and {donated['faults']:,.0f} for the donated one "
+            f"(graph breaks {donated['graph_breaks']}), which writes into the old buffers as "
+            "`jax.jit(donate_argnums=...)` lets XLA do; torch's in-place step takes none. See docs/functional.md."
+        )
     return result
 
 

@@ -8,6 +8,7 @@ the compiled step must also give the eager numbers.
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,3 +126,29 @@ def test_adam_step_reads_nothing_to_the_host():
     state = tx.init(params)
     updates, state = tx.update(gtx.tree.tree_map(torch.ones_like, params), state, params)
     assert updates["w"].device.type == "meta"
+
+
+def test_donated_compiled_step_writes_the_eager_results_into_the_old_buffers():
+    # docs/functional.md's donated step: the results copied into the caller's params and state inside the
+    # compiled step. It must give the eager pure step's numbers, with no graph break and no new buffer.
+    tx = CHAINS["clip+adamw"]()
+    params = _params("plain")
+    state = tx.init(params)
+    ref_params, ref_state = {k: v.clone() for k, v in params.items()}, tx.init(params)
+    storages = [t.untyped_storage().data_ptr() for t in optree.tree_leaves((params, state))]
+
+    @torch.compile
+    def donated_step(params, state, grads):
+        new = gtx.update_and_apply(tx, grads, state, params)
+        for old, result in zip(optree.tree_leaves((params, state)), optree.tree_leaves(new)):
+            old.copy_(result)
+
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        grads = {k: torch.randn(v.shape, generator=g) for k, v in params.items()}
+        donated_step(params, state, grads)
+        ref_params, ref_state = gtx.update_and_apply(tx, grads, ref_state, ref_params)
+    assert _breaks() == 0, dict(counters["graph_break"])
+    assert [t.untyped_storage().data_ptr() for t in optree.tree_leaves((params, state))] == storages
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6)
+    assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
