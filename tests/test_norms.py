@@ -60,6 +60,21 @@ def test_global_norm_matches_torch(norm_type):
     torch.testing.assert_close(gtx.global_norm(grads, norm_type), expected, rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+@pytest.mark.parametrize("shape", [(256,), (16, 30), (3,)])
+def test_global_norm_of_many_small_fp32_tensors_is_as_close_to_fp64_as_torchs(norm_type, shape):
+    # Many small fp32 tensors are reduced from one flat copy: its sums must stay as short as per-tensor
+    # norms keep them, so the norm is no further from the fp64 one than torch's get_total_norm.
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=g) * (1 + i % 7) for i in range(600)]
+    exact = torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in grads]), norm_type)
+    ours = gtx.global_norm(grads, norm_type=norm_type)
+    theirs = torch.nn.utils.get_total_norm(grads, norm_type, foreach=True)
+    assert ours.dtype == torch.float32
+    # (up to one fp32 ulp of its own: the 0-d result is rounded to fp32 once more)
+    assert abs(ours.double() / exact - 1) <= max(abs(theirs.double() / exact - 1), torch.finfo(torch.float32).eps)
+
+
 def test_global_norm_bad_input():
     with pytest.raises(ValueError, match="norm_type must be > 0"):
         gtx.global_norm(tree(), 0.0)

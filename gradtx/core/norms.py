@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 from torch._C import _functorch
+from torch._utils import _flatten_dense_tensors
 
 from gradtx.comm.local_ranks import per_rank
 from gradtx.core import foreach as fe
@@ -21,18 +22,17 @@ from gradtx.core import tree as tu
 # A CPU tensor of 128K elements or more is split into rows of 64K elements, whose fp32 norms are
 # combined in fp64: the norm kernel's sums over rows that short stay within about 2e-7 of fp64, where
 # one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off).
-# The rows go to one foreach norm, which reduces them one after another: 1.1x to 1.3x the time of
-# one whole pass over GPT-2's grads. A bf16/fp16 tensor of more than 32K elements is split into rows
-# of 32K, upcast inside the kernel: a row's upcast copy then stays within torch's parallel grain and
-# runs on the calling thread. Ops that torch's pool runs (one ``dim=1`` norm over all the rows, a
-# longer upcast) are as fast on idle cores, but on busy ones they stall waiting for it (8 ms per op
-# measured on a shared 2-core machine, torch 2.13; 30x torch's time on GPT-2's bf16 grads with 64K
-# rows). On a GPU the foreach kernel adds its block partials by a tree already, so there every
-# tensor goes to it whole.
+# fp32 rows go to one ``vector_norm(rows, dim=1)``, one parallel region for the whole tensor. A
+# bf16/fp16 tensor of more than 32K elements is split into rows of 32K for a foreach norm, which
+# upcasts as it reads (a ``dtype=`` reduction would first copy the tensor to fp32). A group of
+# many small fp32 tensors is copied into one buffer and reduced in rows of 1K (see ``_small``). On a
+# GPU the foreach kernel adds its block partials by a tree already, so there every tensor goes to
+# it whole.
 _ROW = 1 << 16
 _MIN_ROWS = 2 * _ROW
 _LOW_ROW = 1 << 15
 _FP64 = frozenset({torch.float64, torch.complex128})
+_SMALL = 1 << 10  # mean elements a tensor up to which a group's norm is taken over a flat copy (see _small)
 
 
 def partial_dtype(device: torch.device) -> torch.dtype:
@@ -171,9 +171,28 @@ def _group_norms(
                 out.append(([idx[i] for i in special] if with_indices else [], torch.stack(norms)))
                 keep = sorted(set(range(len(ts))) - set(special))
                 ts, idx = [ts[i] for i in keep], [idx[i] for i in keep] if with_indices else idx
-        if ts:
+        if ts and not with_indices and _small(ts, device, dtype):
+            out.append((idx, _rows_norm(_flatten_dense_tensors(ts), norm_type, _SMALL).reshape(1)))
+        elif ts:
             out.append((idx, _foreach_norms(ts, norm_type)))
     return out
+
+
+def _small(ts: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the norms of 1K-element rows of a flat copy of ``ts`` (eager, CPU, fp32) beat a foreach norm.
+
+    Below about 1K elements a tensor, copying the group into one buffer takes a third of the time of a
+    foreach norm, which runs a kernel and makes a 0-d tensor for each (1,000 tensors of 256 elements:
+    0.7 against 1.9 ms, one thread); from a few thousand elements up the copy costs more than it saves.
+    Rows as short as the tensors keep the sums as close to fp64 as per-tensor norms are. fp64 keeps
+    torch's per-tensor order, which code that checks fp64 steps against torch's to 1e-9 relies on.
+    """
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and not torch.compiler.is_compiling()
+        and sum(map(torch.Tensor.numel, ts)) <= _SMALL * len(ts)
+    )
 
 
 def _grouped(
@@ -194,11 +213,11 @@ def _foreach_norms(tensors: list[torch.Tensor], norm_type: float) -> torch.Tenso
     return torch.stack(torch._foreach_norm(tensors, norm_type, **kwargs))
 
 
-def _rows_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+def _rows_norm(t: torch.Tensor, norm_type: float, row: int | None = None) -> torch.Tensor:
     """The norm of a big CPU tensor (0-d fp64): fp32 norms of rows of ``_ROW`` (``_LOW_ROW``) elements, combined in fp64."""
     flat = t.reshape(-1)
     acc = tu.acc_dtype(t.dtype)
-    row = _ROW if t.dtype == acc else _LOW_ROW
+    row = row or (_ROW if t.dtype == acc else _LOW_ROW)
     whole = flat.numel() // row * row
     rows = flat[:whole].view(-1, row)
     kwargs = {} if t.dtype == acc else {"dtype": acc}
