@@ -348,7 +348,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
         out = []
         for u, n in zip(leaves, l2):
             local = tu.local(u)
-            rms = n / math.sqrt(u.numel()) if u.numel() else n * float("nan")
+            rms = n / math.sqrt(u.numel())  # NaN (0 / 0) for an empty tensor
             denom = torch.clamp(rms.to(local.device) / threshold, min=1.0)
             out.append(tu.like(u, (local / denom).to(local.dtype)))
         return tu.unflatten(spec, out), state
