@@ -121,11 +121,10 @@ def centralize() -> GradientTransformation:
         if state is not None:
             tu.require_state(state, EmptyState, name="centralize")
         leaves, spec = tu.tensor_leaves(updates, what="centralize: updates")
-        leaf_paths = tu.paths(updates)
         out = list(leaves)
         cut: dict[Any, list[int]] = {}  # process group -> the leaves whose rows it cuts
         sums: dict[int, torch.Tensor] = {}
-        for i, (path, g) in enumerate(zip(leaf_paths, leaves)):
+        for i, (path, g) in enumerate(zip(tu.paths(updates), leaves)):
             if g.ndim <= 1:
                 continue
             local, dims = tu.local(g), tuple(range(1, g.ndim))
