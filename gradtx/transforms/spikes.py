@@ -397,8 +397,7 @@ def skip_spikes(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SkipSpikesState, name=name)
-        device = state.mean.device
-        x = watched(updates, extra, device)
+        x = watched(updates, extra, state.mean.device)
         finite = torch.isfinite(x)
         warm = state.count < warmup_steps
         z = (x - state.mean) / (state.var.sqrt() + eps)
