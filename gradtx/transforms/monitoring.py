@@ -34,6 +34,10 @@ __all__ = ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snap
 Measure = Callable[[PyTree], PyTree]
 
 
+def _zeros_like(tree: PyTree) -> PyTree:
+    return tu.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
 @export_metrics(("measurement", "*"))
 class SnapshotState(NamedTuple):
     """The last measurement, as ``{measure_name: value}``."""
@@ -142,8 +146,7 @@ def monitor(measures: Mapping[str, GradientTransformation | Measure]) -> Gradien
     def init_fn(params: Params) -> MonitorState:
         states = tuple(txs[n].init(params) for n in names)
         # A zero of each measurement, shaped by measuring the params, so the state's structure is fixed from the start.
-        measured = {n: txs[n].update(params, s, params)[0] for n, s in zip(names, states)}
-        measurements = tu.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, measured)
+        measurements = {n: _zeros_like(txs[n].update(params, s, params)[0]) for n, s in zip(names, states)}
         return MonitorState(measurements, states)
 
     def update_fn(updates, state, params=None, **extra):
