@@ -264,12 +264,13 @@ class Window:
                     loss_weight=torch.tensor(loss_weight),
                 ),
             )
-        # A closed window is a fresh one (nothing summed, not emitted) that keeps the run's counters.
-        closed = self.init(state.acc)._replace(
-            last_tokens=state.last_tokens,
-            empty_windows=state.empty_windows,
+        closed = state._replace(
+            micro_step=torch.zeros((), dtype=torch.int64),
+            tokens=torch.zeros((), dtype=torch.int64),
+            acc=empty_sums(state.acc),
+            loss_sum=torch.zeros((), dtype=torch.float32),
+            loss_weight=torch.zeros((), dtype=torch.int64),
             last_loss=loss_sum / loss_weight if loss_weight > 0 else state.last_loss,
-            windows=state.windows,
         )
         if self.token_weighted:
             total = window_tokens
@@ -280,7 +281,9 @@ class Window:
             if total == 0:
                 # No valid token anywhere: the token mean is undefined, so every rank skips the window
                 # alike (the total is global), before any grad collective: no rank is left waiting.
-                return WindowStep(None, closed._replace(empty_windows=state.empty_windows + 1))
+                return WindowStep(
+                    None, closed._replace(emitted=torch.tensor(False), empty_windows=state.empty_windows + 1)
+                )
             denom = total
         else:
             total = 0
