@@ -17,7 +17,7 @@ from gradtx.comm.base import Comm, GroupKey, check_comm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, factory
-from gradtx.transforms.window import AccumulateState, Window, WindowStep, _placeholder, empty_sums
+from gradtx.transforms.window import AccumulateState, Window, WindowStep, empty_sums
 
 __all__ = ["AccumulateState", "Accumulation", "Window", "WindowStep", "accumulate", "empty_sums"]
 
@@ -176,7 +176,7 @@ def accumulate(
             what="accumulate: updates", against=against, tensors=False,
         )  # fmt: skip
         p_leaves = tu.flatten(params)[0] if params is not None else []
-        summed = [not _placeholder(a) for a in sums]
+        summed = [isinstance(a, torch.Tensor) and a.numel() > 0 for a in sums]  # else an empty_sums placeholder
         sum_paths = tu.paths(held)
         if opened:
             given = {i: j for j, i in enumerate(index)}

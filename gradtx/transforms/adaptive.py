@@ -203,12 +203,9 @@ def zclip(
                 threshold = (state.mean + (z_thresh * std) / (z / z_thresh)) * clip_factor
             else:
                 threshold = state.mean
-        limit = torch.where(spike, threshold, g)
-        if max_grad_norm is not None:
-            limit = torch.clamp(limit, max=max_grad_norm)
+        x = torch.where(spike, threshold, g)  # the clipped norm: what the EMA sees
+        limit = x if max_grad_norm is None else torch.clamp(x, max=max_grad_norm)
         ready_coef = torch.where(g > limit, limit / (g + 1e-6), 1.0)
-
-        x = torch.where(spike, threshold, g)
         ema_mean = alpha * state.mean + (1 - alpha) * x
         ema_var = alpha * state.var + (1 - alpha) * (x - ema_mean).square()
         moves = ready & finite
@@ -351,7 +348,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
         out = []
         for u, n in zip(leaves, l2):
             local = tu.local(u)
-            rms = n / math.sqrt(u.numel()) if u.numel() else n * float("nan")
+            rms = n / math.sqrt(u.numel())  # NaN (0 / 0) for an empty tensor
             denom = torch.clamp(rms.to(local.device) / threshold, min=1.0)
             out.append(tu.like(u, (local / denom).to(local.dtype)))
         return tu.unflatten(spec, out), state

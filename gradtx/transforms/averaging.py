@@ -83,17 +83,14 @@ def ema(
             dtype = torch.promote_types(g.dtype, m.dtype)
             return (1 - d) * g.to(dtype) + d * m.to(dtype)
 
-        new_ema = lw.lmap(average, updates, state.ema)
-        out = new_ema
-        if debias:
-
-            def correct(m: torch.Tensor) -> torch.Tensor:
+        def output(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+            if debias:
                 t = count.to(m.device, tu.acc_dtype(m.dtype))
-                d = decay.to(m.device, t.dtype) if isinstance(decay, torch.Tensor) else decay
-                return m / (1 - d**t).to(m.dtype)
+                m = m / (1 - lw.as_tensor(decay, t) ** t).to(m.dtype)
+            return m.to(g.dtype)
 
-            out = lw.lmap(correct, new_ema)
-        out = tu.tree_map(lambda o, g: o.to(g.dtype), out, updates)
+        new_ema = lw.lmap(average, updates, state.ema)
+        out = lw.lmap(output, new_ema, updates)
         stored = tu.tree_map(lambda m, old: m.to(old.dtype), new_ema, state.ema)
         return out, EmaState(count=count, ema=stored)
 

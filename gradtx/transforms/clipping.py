@@ -206,18 +206,14 @@ def adaptive_clip(
         # A None update (a param with no gradient) stays None; its weight is not read.
         index, leaves, spec = tu.align(params, updates, what="adaptive_clip: updates", against="params")
         all_weights = tu.flatten(params)[0]
-        weights = [all_weights[i] for i in index]
-        if mesh_groups is not None and len(index) != len(all_weights):
+        if mesh_groups is not None:
             # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
             full = _zero_filled(index, leaves, all_weights)
-            g_all, w_all = tree_unitwise_norms(
-                full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=params
-            )
+            g_all, w_all = tree_unitwise_norms(full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups)
             g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
         else:
-            g_norms, w_norms = tree_unitwise_norms(
-                leaves, weights, unitwise=unitwise, mesh_groups=mesh_groups, tree=updates, slot=slot
-            )
+            weights = [all_weights[i] for i in index]
+            g_norms, w_norms = tree_unitwise_norms(leaves, weights, unitwise=unitwise, tree=updates, slot=slot)
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
             limit = clipping.to(w_norm.device, torch.float32) if isinstance(clipping, torch.Tensor) else clipping

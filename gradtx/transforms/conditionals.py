@@ -124,7 +124,7 @@ def apply_if_finite(
         tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
         leaves, _ = tu.tensor_leaves(updates, what="apply_if_finite: updates")
         # The inf-norm is finite exactly when every element is (NaN propagates through max); no host sync.
-        local = torch.isfinite(norms.local_norm(leaves, float("inf"))) if leaves else torch.ones((), dtype=torch.bool)
+        local = torch.isfinite(norms.local_norm(leaves, float("inf")))  # no leaves: a norm of 0
         finite = inferred.agree_finite(local, leaves, comm=comm, group=group).to(state.notfinite_count.device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)

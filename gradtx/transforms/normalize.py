@@ -121,11 +121,10 @@ def centralize() -> GradientTransformation:
         if state is not None:
             tu.require_state(state, EmptyState, name="centralize")
         leaves, spec = tu.tensor_leaves(updates, what="centralize: updates")
-        leaf_paths = tu.paths(updates)
         out = list(leaves)
         cut: dict[Any, list[int]] = {}  # process group -> the leaves whose rows it cuts
         sums: dict[int, torch.Tensor] = {}
-        for i, (path, g) in enumerate(zip(leaf_paths, leaves)):
+        for i, (path, g) in enumerate(zip(tu.paths(updates), leaves)):
             if g.ndim <= 1:
                 continue
             local, dims = tu.local(g), tuple(range(1, g.ndim))
@@ -136,11 +135,10 @@ def centralize() -> GradientTransformation:
             sums[i] = local.sum(dim=dims, keepdim=True, dtype=tu.acc_dtype(local.dtype))
             for d in mesh_dims:
                 cut.setdefault(g.device_mesh.get_group(d), []).append(i)
-        if cut:  # DTensors whose rows are split across ranks: torch.distributed is there
-            from gradtx.comm.torch_dist import TorchComm
         for group, idx in cut.items():  # in leaf order on every rank
-            for i, total in zip(idx, TorchComm().all_reduce([sums[i] for i in idx], ReduceOp.SUM, group)):
-                sums[i] = total
+            from gradtx.comm.torch_dist import TorchComm  # DTensors whose rows are split: torch.distributed is there
+
+            sums.update(zip(idx, TorchComm().all_reduce([sums[i] for i in idx], ReduceOp.SUM, group)))
         for i, total in sums.items():
             g, local = leaves[i], tu.local(leaves[i])
             out[i] = tu.like(g, local - (total / math.prod(g.shape[1:])).to(local.dtype))

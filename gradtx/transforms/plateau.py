@@ -80,12 +80,10 @@ def reduce_on_plateau(
     name = "reduce_on_plateau"
     factor = check.open_unit(factor, arg="factor", name=name)
     patience = check.integer(patience, arg="patience", name=name, minimum=0)
-    rtol = check.non_negative(rtol, arg="rtol", name=name)
+    rtol = check.within(rtol, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", arg="rtol", name=name)
     atol = check.non_negative(atol, arg="atol", name=name)
     if rtol == 0.0 and atol == 0.0:
         raise ValueError(f"{name}: rtol and atol cannot both be 0 (one must be > 0)")
-    if rtol > 1.0:
-        raise ValueError(f"{name}: rtol must be <= 1, got {rtol}")
     cooldown = check.integer(cooldown, arg="cooldown", name=name, minimum=0)
     accumulation_size = check.integer(accumulation_size, arg="accumulation_size", name=name, minimum=1)
     min_scale = check.non_negative(min_scale, arg="min_scale", name=name)
@@ -119,7 +117,7 @@ def reduce_on_plateau(
         hit = plateau == patience
         cooling = state.cooldown_count > 0
         reduced = torch.clamp(torch.where(hit, state.scale * factor, state.scale), min=min_scale)
-        new_plateau = torch.where(cooling, 0, torch.where(hit, 0, plateau))
+        new_plateau = torch.where(cooling | hit, 0, plateau)
         new_scale = torch.where(cooling, state.scale, reduced).to(state.scale.dtype)
         new_cooldown = torch.where(cooling, state.cooldown_count - 1, torch.where(hit, cooldown, 0))
 

@@ -163,7 +163,6 @@ def skip_large_updates(
     del gradient_step, params
     fn = "skip_large_updates"
     max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False, tensor=True)
-    check_plan(mesh_groups, name=fn)
     norm_sq = updates_norm(updates, 2.0, mesh_groups, fn).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
@@ -193,8 +192,7 @@ class SkipIfState(NamedTuple):
 
 def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: GroupKey) -> torch.Tensor:
     """True on every rank when it is True on any rank: over ``group`` with ``comm``, else over DTensors' meshes."""
-    leaves = [t for t in tu.flatten(updates)[0] if isinstance(t, torch.Tensor)]
-    return ~inferred.agree_finite(~flag, leaves, comm=comm, group=group).to(flag.device)
+    return ~inferred.agree_finite(~flag, tu.flatten(updates)[0], comm=comm, group=group).to(flag.device)
 
 
 @factory
@@ -399,8 +397,7 @@ def skip_spikes(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SkipSpikesState, name=name)
-        device = state.mean.device
-        x = watched(updates, extra, device)
+        x = watched(updates, extra, state.mean.device)
         finite = torch.isfinite(x)
         warm = state.count < warmup_steps
         z = (x - state.mean) / (state.var.sqrt() + eps)

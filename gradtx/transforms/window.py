@@ -120,11 +120,6 @@ def _loss_value(loss: Any) -> torch.Tensor | None:
     return check.scalar(loss, arg="loss", name="accumulate", dtype=torch.float32, device=loss.device)
 
 
-def _placeholder(leaf: Any) -> bool:
-    """Whether a leaf of a window's running sum holds nothing (an :func:`empty_sums` placeholder)."""
-    return not isinstance(leaf, torch.Tensor) or leaf.numel() == 0
-
-
 def empty_sums(tree: Any) -> Any:
     """The running sum of a window that holds nothing: ``tree``'s structure, every tensor leaf a 0-element tensor.
 
