@@ -80,8 +80,9 @@ def orthogonalize(
         leaves, spec = _tensor_leaves(updates, name=name)
         mats = select(updates, leaves, spec)
         out = list(leaves)
-        for j, o in zip(mats.idx, run([leaves[j] for j in mats.idx], mats, False)):
-            out[j] = o
+        muon_leaves = [leaves[j] for j in mats.idx]
+        for j, o in zip(mats.idx, run(muon_leaves, [tu.local(x) for x in muon_leaves], mats, False)):
+            out[j] = tu.like(leaves[j], o)
         return tu.unflatten(spec, out), state
 
     return GradientTransformation(init_empty_state, update_fn)
@@ -190,11 +191,11 @@ def scale_by_muon(
             else:
                 d = fe.lerp(g, m, b) if nesterov else m
             for k, mk, dk in zip(ks, m, d):
-                j = mats.idx[k]
-                new_mu[index[j]] = tu.like(mu_leaves[index[j]], mk)
-                directions[k] = tu.like(leaves[j], dk)
-        for j, o in zip(mats.idx, run(directions, mats, adaptive)):
-            out[j] = tu.like(leaves[j], tu.local(o).to(leaves[j].dtype))
+                i = index[mats.idx[k]]
+                new_mu[i] = tu.like(mu_leaves[i], mk)
+                directions[k] = dk
+        for j, o in zip(mats.idx, run([leaves[j] for j in mats.idx], directions, mats, adaptive)):
+            out[j] = tu.like(leaves[j], o.to(leaves[j].dtype))
         return tu.unflatten(spec, out), MuonState(count=count, mu=tu.unflatten(mu_spec, new_mu))
 
     return GradientTransformation(init_fn, update_fn)
