@@ -64,9 +64,13 @@ def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _zeros_moments(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def _zeros_moments(params: PyTree, dtype: torch.dtype | None = None, *, what: str) -> PyTree:
+    """Zeros mirroring ``params`` (checked to be tensors; ``what`` names them), in ``dtype`` or :func:`_moment_dtype`."""
+    leaves, spec = tu.tensor_leaves(params, what=what)
     # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
-    return [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+    return tu.unflatten(
+        spec, [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+    )
 
 
 def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
@@ -300,12 +304,8 @@ def _scale_by_adam(
     optax_form = nesterov or not _is_zero(eps_root)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, spec = tu.tensor_leaves(params, what=f"{name}: params")
-        return ScaleByAdamState(
-            count=lw.zero_count(leaves),
-            mu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)),
-            nu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)),
-        )
+        mu = _zeros_moments(params, mu_dtype, what=f"{name}: params")
+        return ScaleByAdamState(count=lw.zero_count(params), mu=mu, nu=lw.zeros_like_tree(mu))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ScaleByAdamState, name=name)
@@ -435,8 +435,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
     nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
-        leaves, spec = tu.tensor_leaves(params, what="trace: params")
-        return TraceState(trace=tu.unflatten(spec, _zeros_moments(leaves)))
+        return TraceState(trace=_zeros_moments(params, what="trace: params"))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, TraceState, name="trace")

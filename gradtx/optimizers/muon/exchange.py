@@ -21,7 +21,6 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
 from gradtx.optimizers.muon.iteration import (
-    MuonDimensionNumbers,
     _coeff_rows,
     _Layout,
     _layout,
@@ -68,7 +67,7 @@ class _Piece(NamedTuple):
 def _chunks(pos: list[int], n: int) -> list[list[int]]:
     """``torch.chunk``'s split of ``pos`` into ``n`` parts (as ``Shard``), empty parts past the last."""
     c = -(-len(pos) // n)
-    return [pos[i * c : (i + 1) * c] for i in range(n)] if c else [[] for _ in range(n)]
+    return [pos[i * c : (i + 1) * c] for i in range(n)]
 
 
 def _split(pos: list[int], p: Any, n: int) -> list[list[int]]:
@@ -296,14 +295,14 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _stacks(
-    locs: Sequence[torch.Tensor], dims: Sequence[MuonDimensionNumbers], paths: Sequence[str], *,
-    adaptive: bool, preconditioning: str, ns_batch: int,
-) -> tuple[list[_Layout], list[list[int]]]:  # fmt: skip
-    """The local tensors' layouts, and the groups (of at most ``ns_batch``) iterated as one; most hold one tensor."""
-    lays = [_layout(tuple(x.shape), dn, where=w) for x, dn, w in zip(locs, dims, paths)]
+    xs: Sequence[torch.Tensor], mats: _Matrices, local: list[int], preconditioning: str, ns_batch: int
+) -> tuple[list[_Layout], list[list[int]]]:
+    """The layouts of the local tensors ``xs`` of the leaves ``local``, and the groups (of at most ``ns_batch``)
+    iterated as one; most hold one tensor."""
+    lays = [_layout(tuple(x.shape), mats.dims[j], where=mats.paths[j]) for x, j in zip(xs, local)]
     groups: dict[Any, list[int]] = {}
-    for k, (x, lay) in enumerate(zip(locs, lays)):
-        key = None if adaptive or ns_batch < 2 else _stack_key(x, lay, preconditioning)
+    for k, (x, lay) in enumerate(zip(xs, lays)):
+        key = None if ns_batch < 2 else _stack_key(x, lay, preconditioning)
         groups.setdefault(k if key is None else key, []).append(k)  # a leaf never stacked: a group of its own
     stacks: list[list[int]] = []
     for ks in groups.values():  # bounded stacks: ns_batch matrices at most, in near-equal parts
@@ -355,10 +354,8 @@ def _make_orthogonalizer(
         def local_step(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Per rank: a shard's shape is each rank's own (uneven experts), and so are its layout and stacks.
             lkey = (key, tuple((x.shape, x.stride(), x.dtype, x.device) for x in xs))
-            lays, stacks = cached(local_cache, lkey, lambda: _stacks(
-                xs, [mats.dims[j] for j in local], [mats.paths[j] for j in local], adaptive=adaptive,
-                preconditioning=preconditioning, ns_batch=ns_batch,
-            ))  # fmt: skip
+            batch = 1 if adaptive else ns_batch  # adaptive leaves are iterated one at a time
+            lays, stacks = cached(local_cache, lkey, lambda: _stacks(xs, mats, local, preconditioning, batch))
             res: list[Any] = [None] * len(xs)
             for ks in stacks:
                 for k, y in zip(ks, orthogonalized([xs[k] for k in ks], [lays[k] for k in ks])):

@@ -165,8 +165,7 @@ def scale_by_muon(
     select = _selector(weight_dimension_numbers, name=name)
 
     def init_fn(params: Params) -> MuonState:
-        leaves, spec = tu.tensor_leaves(params, what=f"{name}: params")
-        return MuonState(count=lw.zero_count(params), mu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)))
+        return MuonState(count=lw.zero_count(params), mu=_zeros_moments(params, mu_dtype, what=f"{name}: params"))
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
