@@ -83,10 +83,7 @@ def piecewise_interpolate_schedule(
     bounds = [0] + [b for b, _ in items]
     # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
-    segments = [
-        (bounds[i], bounds[i + 1], max(bounds[i + 1] - bounds[i], 1), values[i], values[i + 1])
-        for i in range(len(bounds) - 1)
-    ]
+    segments = [(lo, hi, max(hi - lo, 1), v0, v1) for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])]
 
     def schedule(count: Any) -> torch.Tensor:
         c = _count(count)

@@ -235,14 +235,14 @@ def scale_by_shape(
         tu.require_state(state, EmptyState, name="scale_by_shape")
         leaves, spec = _tensor_leaves(updates, name="scale_by_shape")
         mats = select(updates, leaves, spec)
-        if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
-            sizes = [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in mats.layouts]
-        else:
-            sizes = [math.sqrt(max(lay.flat[1:])) for lay in mats.layouts]
         out = list(leaves)
         locs = [tu.local(leaves[j]) for j in mats.idx]
-        rms = 1.0 if consistent_rms is None else consistent_rms
-        factors = [lw.as_tensor(rms, x) * f for x, f in zip(locs, sizes)]  # a tensor rms stays on the device
+        if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
+            factors = [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in mats.layouts]
+        else:  # a tensor rms stays on the device
+            factors = [
+                lw.as_tensor(consistent_rms, x) * math.sqrt(max(lay.flat[1:])) for x, lay in zip(locs, mats.layouts)
+            ]
         scaled = fe.mul(locs, factors) if locs else []
         for j, y in zip(mats.idx, scaled):
             out[j] = tu.like(leaves[j], y)
