@@ -92,18 +92,6 @@ def _is_zero(value: Scalar) -> bool:
     return not isinstance(value, torch.Tensor) and value == 0.0
 
 
-def _to_factor(value: Any, sign: float) -> torch.Tensor:
-    # A schedule should return a tensor computed from the count; a Python number is
-    # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
-    # Python numbers become fp64, so fp64 params step by exactly the learning rate given;
-    # lower-precision grads take the factor in fp32 (see gradtx.core.tree.scale_leaves).
-    if isinstance(value, torch.Tensor):
-        factor = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.float32)
-    else:
-        factor = torch.tensor(float(value), dtype=torch.float64)
-    return -factor if sign < 0 else factor
-
-
 # --- scale ---------------------------------------------------------------------------------
 
 
@@ -185,7 +173,16 @@ def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> Sca
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
         tu.require_state(state, ScaleByScheduleState, name=name)
-        return _to_factor(step_size_fn(state.count), sign), ScaleByScheduleState(count=state.count + 1)
+        value = step_size_fn(state.count)
+        # A schedule should return a tensor computed from the count; a Python number is
+        # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
+        # Python numbers become fp64, so fp64 params step by exactly the learning rate given;
+        # lower-precision grads take the factor in fp32 (see gradtx.core.tree.scale_leaves).
+        if isinstance(value, torch.Tensor):
+            factor = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.float32)
+        else:
+            factor = torch.tensor(float(value), dtype=torch.float64)
+        return (-factor if sign < 0 else factor), ScaleByScheduleState(count=state.count + 1)
 
     return scalar_transformation(init_fn, factor_fn)
 
