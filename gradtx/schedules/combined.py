@@ -7,6 +7,7 @@ optax's names, formulas and numbers, and no host sync.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -360,9 +361,7 @@ def sgdr_schedule(cosine_kwargs: Iterable[Mapping[str, Any]]) -> Schedule:
       >>> cycle = dict(init_value=0.0, peak_value=1e-3, warmup_steps=10, decay_steps=100)
       >>> lr = sgdr_schedule([cycle, cycle])
     """
-    boundaries, schedules, step = [], [], 0
-    for kwargs in cosine_kwargs:
-        schedules.append(warmup_cosine_decay_schedule(**kwargs))
-        step += kwargs["decay_steps"]
-        boundaries.append(step)
-    return join_schedules(schedules, boundaries[:-1])
+    cycles = list(cosine_kwargs)
+    schedules = [warmup_cosine_decay_schedule(**kwargs) for kwargs in cycles]
+    ends = list(itertools.accumulate(kwargs["decay_steps"] for kwargs in cycles))  # where each cycle ends and the next begins
+    return join_schedules(schedules, ends[:-1])
