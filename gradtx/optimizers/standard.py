@@ -68,9 +68,8 @@ def _zeros_moments(params: PyTree, dtype: torch.dtype | None = None, *, what: st
     """Zeros mirroring ``params`` (checked to be tensors; ``what`` names them), in ``dtype`` or :func:`_moment_dtype`."""
     leaves, spec = tu.tensor_leaves(params, what=what)
     # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
-    return tu.unflatten(
-        spec, [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
-    )
+    zeros = [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+    return tu.unflatten(spec, zeros)
 
 
 def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
@@ -80,11 +79,8 @@ def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
 
 def _scalar(value: Scalar, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``value`` as a 0-d tensor: a foreach multiply by a Python number wraps it in a new tensor for every leaf."""
-    return (
-        value.to(device, dtype, non_blocking=True)
-        if isinstance(value, torch.Tensor)
-        else torch.full((), value, dtype=dtype, device=device)
-    )
+    value = _on(value, device, dtype)
+    return value if isinstance(value, torch.Tensor) else torch.full((), value, dtype=dtype, device=device)
 
 
 def _is_zero(value: Scalar) -> bool:
