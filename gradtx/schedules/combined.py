@@ -363,5 +363,6 @@ def sgdr_schedule(cosine_kwargs: Iterable[Mapping[str, Any]]) -> Schedule:
     """
     cycles = list(cosine_kwargs)
     schedules = [warmup_cosine_decay_schedule(**kwargs) for kwargs in cycles]
-    ends = list(itertools.accumulate(kwargs["decay_steps"] for kwargs in cycles))  # where each cycle ends and the next begins
+    # Where each cycle ends and the next begins.
+    ends = list(itertools.accumulate(kwargs["decay_steps"] for kwargs in cycles))
     return join_schedules(schedules, ends[:-1])
