@@ -412,7 +412,7 @@ def exchange_plan(
     flops: dict[int, int] = {}
     owners: dict[int, int] = {}
     for plan in plans:
-        flops.update({r: flops.get(r, 0) for r in plan.ranks})
+        flops.update({r: flops.get(r, 0) for r in plan.ranks})  # a rank that owns nothing is reported with 0
         for it in plan.items:
             owner = plan.ranks[it.owner]
             owners[mats.idx[it.leaf]] = owner
