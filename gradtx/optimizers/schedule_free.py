@@ -9,7 +9,6 @@ computes it from the state and ``y``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import optree
@@ -20,7 +19,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, export_metrics, factory
 from gradtx.optimizers.aliases import sgd
-from gradtx.optimizers.standard import add_decayed_weights, scale_by_learning_rate
+from gradtx.optimizers.standard import ScalarOrSchedule, add_decayed_weights, scale_by_learning_rate
 from gradtx.schedules.combined import warmup_constant_schedule
 from gradtx.transforms.combine import chain
 
@@ -32,8 +31,6 @@ __all__ = [
     "schedule_free_eval_params",
     "schedule_free_sgd",
 ]
-
-ScalarOrSchedule = float | torch.Tensor | Callable[[torch.Tensor], Any]
 
 
 @export_metrics(("max_lr", "max_lr"))

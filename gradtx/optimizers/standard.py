@@ -64,9 +64,12 @@ def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def _zeros_moments(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+def _zeros_moments(params: PyTree, dtype: torch.dtype | None = None, *, what: str) -> PyTree:
+    """Zeros mirroring ``params`` (checked to be tensors; ``what`` names them), in ``dtype`` or :func:`_moment_dtype`."""
+    leaves, spec = tu.tensor_leaves(params, what=what)
     # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
-    return [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+    zeros = [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+    return tu.unflatten(spec, zeros)
 
 
 def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
@@ -76,28 +79,13 @@ def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
 
 def _scalar(value: Scalar, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``value`` as a 0-d tensor: a foreach multiply by a Python number wraps it in a new tensor for every leaf."""
-    return (
-        value.to(device, dtype, non_blocking=True)
-        if isinstance(value, torch.Tensor)
-        else torch.full((), value, dtype=dtype, device=device)
-    )
+    value = _on(value, device, dtype)
+    return value if isinstance(value, torch.Tensor) else torch.full((), value, dtype=dtype, device=device)
 
 
 def _is_zero(value: Scalar) -> bool:
     # A tensor hyperparameter may change between steps, so its member is always kept.
     return not isinstance(value, torch.Tensor) and value == 0.0
-
-
-def _to_factor(value: Any, sign: float) -> torch.Tensor:
-    # A schedule should return a tensor computed from the count; a Python number is
-    # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
-    # Python numbers become fp64, so fp64 params step by exactly the learning rate given;
-    # lower-precision grads take the factor in fp32 (see gradtx.core.tree.scale_leaves).
-    if isinstance(value, torch.Tensor):
-        factor = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.float32)
-    else:
-        factor = torch.tensor(float(value), dtype=torch.float64)
-    return -factor if sign < 0 else factor
 
 
 # --- scale ---------------------------------------------------------------------------------
@@ -181,7 +169,16 @@ def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> Sca
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del updates, params, scale, extra
         tu.require_state(state, ScaleByScheduleState, name=name)
-        return _to_factor(step_size_fn(state.count), sign), ScaleByScheduleState(count=state.count + 1)
+        value = step_size_fn(state.count)
+        # A schedule should return a tensor computed from the count; a Python number is
+        # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
+        # Python numbers become fp64, so fp64 params step by exactly the learning rate given;
+        # lower-precision grads take the factor in fp32 (see gradtx.core.tree.scale_leaves).
+        if isinstance(value, torch.Tensor):
+            factor = value if value.dtype in (torch.float32, torch.float64) else value.to(torch.float32)
+        else:
+            factor = torch.tensor(float(value), dtype=torch.float64)
+        return (-factor if sign < 0 else factor), ScaleByScheduleState(count=state.count + 1)
 
     return scalar_transformation(init_fn, factor_fn)
 
@@ -300,12 +297,8 @@ def _scale_by_adam(
     optax_form = nesterov or not _is_zero(eps_root)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        leaves, spec = tu.tensor_leaves(params, what=f"{name}: params")
-        return ScaleByAdamState(
-            count=lw.zero_count(leaves),
-            mu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)),
-            nu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)),
-        )
+        mu = _zeros_moments(params, mu_dtype, what=f"{name}: params")
+        return ScaleByAdamState(count=lw.zero_count(params), mu=mu, nu=lw.zeros_like_tree(mu))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ScaleByAdamState, name=name)
@@ -435,8 +428,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
     nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
-        leaves, spec = tu.tensor_leaves(params, what="trace: params")
-        return TraceState(trace=tu.unflatten(spec, _zeros_moments(leaves)))
+        return TraceState(trace=_zeros_moments(params, what="trace: params"))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, TraceState, name="trace")

@@ -7,6 +7,7 @@ optax's names, formulas and numbers, and no host sync.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -83,10 +84,7 @@ def piecewise_interpolate_schedule(
     bounds = [0] + [b for b, _ in items]
     # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
-    segments = [
-        (bounds[i], bounds[i + 1], max(bounds[i + 1] - bounds[i], 1), values[i], values[i + 1])
-        for i in range(len(bounds) - 1)
-    ]
+    segments = [(lo, hi, max(hi - lo, 1), v0, v1) for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])]
 
     def schedule(count: Any) -> torch.Tensor:
         c = _count(count)
@@ -363,9 +361,8 @@ def sgdr_schedule(cosine_kwargs: Iterable[Mapping[str, Any]]) -> Schedule:
       >>> cycle = dict(init_value=0.0, peak_value=1e-3, warmup_steps=10, decay_steps=100)
       >>> lr = sgdr_schedule([cycle, cycle])
     """
-    boundaries, schedules, step = [], [], 0
-    for kwargs in cosine_kwargs:
-        schedules.append(warmup_cosine_decay_schedule(**kwargs))
-        step += kwargs["decay_steps"]
-        boundaries.append(step)
-    return join_schedules(schedules, boundaries[:-1])
+    cycles = list(cosine_kwargs)
+    schedules = [warmup_cosine_decay_schedule(**kwargs) for kwargs in cycles]
+    # Where each cycle ends and the next begins.
+    ends = list(itertools.accumulate(kwargs["decay_steps"] for kwargs in cycles))
+    return join_schedules(schedules, ends[:-1])

@@ -135,15 +135,11 @@ def inject_hyperparams(
         zero = torch.zeros((), dtype=torch.int64)
         inner_factory(**fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()})
 
-        def dtype_for(params: Params) -> torch.dtype:
-            if hyperparam_dtype is not None:
-                return hyperparam_dtype
-            leaves = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
-            return torch.float64 if any(t.dtype in (torch.float64, torch.complex128) for t in leaves) else torch.float32
-
         def init_fn(params: Params) -> InjectHyperparamsState:
             device = tu.device_of(params)
-            dtype = dtype_for(params)
+            tensors = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
+            wide = any(t.dtype in (torch.float64, torch.complex128) for t in tensors)
+            dtype = hyperparam_dtype or (torch.float64 if wide else torch.float32)
             count = torch.zeros((), dtype=torch.int64, device=device)
             hparams = {k: _as_tensor(v, dtype, device) for k, v in numeric.items()}
             hparams.update({k: _as_tensor(f(count), dtype, device) for k, f in schedules.items()})

@@ -21,7 +21,6 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
 from gradtx.optimizers.muon.iteration import (
-    MuonDimensionNumbers,
     _coeff_rows,
     _Layout,
     _layout,
@@ -68,7 +67,7 @@ class _Piece(NamedTuple):
 def _chunks(pos: list[int], n: int) -> list[list[int]]:
     """``torch.chunk``'s split of ``pos`` into ``n`` parts (as ``Shard``), empty parts past the last."""
     c = -(-len(pos) // n)
-    return [pos[i * c : (i + 1) * c] for i in range(n)] if c else [[] for _ in range(n)]
+    return [pos[i * c : (i + 1) * c] for i in range(n)]
 
 
 def _split(pos: list[int], p: Any, n: int) -> list[list[int]]:
@@ -93,7 +92,7 @@ def _runs(pos: list[int]) -> list[tuple[slice, slice]]:
 
 
 def _pieces(x: Any) -> list[_Piece]:
-    """Every mesh rank's shard of the DTensor ``x`` (in mesh order), by replaying its placements on positions.
+    """Every mesh rank's shard of the DTensor ``x`` (by global rank), by replaying its placements on positions.
 
     DTensor splits in mesh-dim order, each ``Shard``/``_StridedShard`` cutting
     one tensor dim as ``torch.chunk`` does; replaying that on the positions of
@@ -101,8 +100,9 @@ def _pieces(x: Any) -> list[_Piece]:
     gives the positions each rank holds, with no communication.
     """
     mesh, placements, shape = x.device_mesh, x.placements, tuple(x.shape)
+    coords = itertools.product(*[range(s) for s in mesh.shape])
     out = []
-    for coord in itertools.product(*[range(s) for s in mesh.shape]):
+    for _, coord in sorted(zip(mesh_ranks(mesh), coords)):  # by global rank, as the mesh's group ranks them
         pos = [list(range(n)) for n in shape]
         for mdim, p in enumerate(placements):
             if _is_shard(p):
@@ -124,8 +124,8 @@ class _Owned(NamedTuple):
 
 class _MeshPlan(NamedTuple):
     mesh: Any
+    ranks: list[int]  # the global ranks, by group rank
     items: tuple[_Owned, ...]
-    flops: tuple[int, ...]  # Newton–Schulz work per group rank
 
 
 class ExchangePlan(NamedTuple):
@@ -180,8 +180,8 @@ def _exchange(
     """
     group = plan.mesh
     n = comm.size(group)
-    if n != len(plan.flops):
-        raise ValueError(f"muon: the comm's group for a mesh of {len(plan.flops)} ranks has {n} ranks")
+    if n != len(plan.ranks):
+        raise ValueError(f"muon: the comm's group for a mesh of {len(plan.ranks)} ranks has {n} ranks")
     me = comm.rank(group)
     out: dict[int, torch.Tensor] = {}
     dtypes: dict[torch.dtype, list[_Owned]] = {}
@@ -281,15 +281,10 @@ def _routes(
     plans = []
     load: dict[int, int] = {}  # by global rank, over every mesh
     for mesh, js in by_mesh.values():
-        ranks = mesh_ranks(mesh)  # in mesh order; a group ranks them by global rank
-        to_group = [sorted(ranks).index(r) for r in ranks]
-        costs = [_ns_flops(mats.layouts[j], steps) for j in js]
-        items, flops = [], [0] * len(ranks)
-        for j, owner, cost in zip(js, _greedy_owners(costs, sorted(ranks), load), costs):
-            pieces = [p for _, p in sorted(zip(to_group, _pieces(leaves[j])), key=lambda t: t[0])]
-            items.append(_Owned(j, owner, tuple(pieces), tuple(leaves[j].shape)))
-            flops[owner] += cost
-        plans.append(_MeshPlan(mesh, tuple(items), tuple(flops)))
+        ranks = sorted(mesh_ranks(mesh))
+        owners = _greedy_owners([_ns_flops(mats.layouts[j], steps) for j in js], ranks, load)
+        items = [_Owned(j, o, tuple(_pieces(leaves[j])), tuple(leaves[j].shape)) for j, o in zip(js, owners)]
+        plans.append(_MeshPlan(mesh, ranks, tuple(items)))
     return local, plans
 
 
@@ -300,14 +295,14 @@ def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def _stacks(
-    locs: Sequence[torch.Tensor], dims: Sequence[MuonDimensionNumbers], paths: Sequence[str], *,
-    adaptive: bool, preconditioning: str, ns_batch: int,
-) -> tuple[list[_Layout], list[list[int]]]:  # fmt: skip
-    """The local tensors' layouts, and the groups (of at most ``ns_batch``) iterated as one; most hold one tensor."""
-    lays = [_layout(tuple(x.shape), dn, where=w) for x, dn, w in zip(locs, dims, paths)]
+    xs: Sequence[torch.Tensor], mats: _Matrices, local: list[int], preconditioning: str, ns_batch: int
+) -> tuple[list[_Layout], list[list[int]]]:
+    """The layouts of the local tensors ``xs`` of the leaves ``local``, and the groups (of at most ``ns_batch``)
+    iterated as one; most hold one tensor."""
+    lays = [_layout(tuple(x.shape), mats.dims[j], where=mats.paths[j]) for x, j in zip(xs, local)]
     groups: dict[Any, list[int]] = {}
-    for k, (x, lay) in enumerate(zip(locs, lays)):
-        key = None if adaptive or ns_batch < 2 else _stack_key(x, lay, preconditioning)
+    for k, (x, lay) in enumerate(zip(xs, lays)):
+        key = None if ns_batch < 2 else _stack_key(x, lay, preconditioning)
         groups.setdefault(k if key is None else key, []).append(k)  # a leaf never stacked: a group of its own
     stacks: list[list[int]] = []
     for ks in groups.values():  # bounded stacks: ns_batch matrices at most, in near-equal parts
@@ -326,13 +321,13 @@ def _make_orthogonalizer(
     ns_batch: Any,
     *,
     name: str,
-) -> Callable[[Sequence[Any], _Matrices, bool], list[torch.Tensor]]:
-    """Check the arguments Muon's transforms share; return ``run(leaves, mats, adaptive)``.
+) -> Callable[[Sequence[Any], Sequence[torch.Tensor], _Matrices, bool], list[Any]]:
+    """Check the arguments Muon's transforms share; return ``run(leaves, locs, mats, adaptive)``.
 
-    ``run`` gives the orthogonalized value of each of ``leaves`` (the Muon
-    leaves ``mats`` describes), wrapped like the leaf. What depends on shapes
-    and placements alone (routes, owners, stacks) is computed on the first
-    step with those and cached.
+    ``run`` gives the orthogonalized local value of each of ``locs``, the local
+    values of ``leaves`` (the Muon leaves ``mats`` describes, whose placements
+    route them). What depends on shapes and placements alone (routes, owners,
+    stacks) is computed on the first step with those and cached.
     """
     if isinstance(ns_steps, torch.Tensor):
         raise TypeError(
@@ -347,7 +342,7 @@ def _make_orthogonalizer(
     cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan]]] = {}
     local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]]]] = {}
 
-    def run(leaves: Sequence[Any], mats: _Matrices, adaptive: bool) -> list[torch.Tensor]:
+    def run(leaves: Sequence[Any], locs: Sequence[torch.Tensor], mats: _Matrices, adaptive: bool) -> list[Any]:
         key = (_signature(leaves), tuple(mats.dims), adaptive)
         local, plans = cached(cache, key, lambda: _routes(leaves, mats, whole_leaf=adaptive, steps=len(rows)))
 
@@ -356,30 +351,27 @@ def _make_orthogonalizer(
             # adaptive: scale by the dual norm <G, O> of the whole leaf, as optax
             return [(x * y).sum() * y for x, y in zip(xs, ys)] if adaptive else ys
 
-        def local_step(*locs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def local_step(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Per rank: a shard's shape is each rank's own (uneven experts), and so are its layout and stacks.
-            lkey = (key, tuple((x.shape, x.stride(), x.device) for x in locs))
-            lays, stacks = cached(local_cache, lkey, lambda: _stacks(
-                locs, [mats.dims[j] for j in local], [mats.paths[j] for j in local], adaptive=adaptive,
-                preconditioning=preconditioning, ns_batch=ns_batch,
-            ))  # fmt: skip
-            res: list[Any] = [None] * len(locs)
+            lkey = (key, tuple((x.shape, x.stride(), x.dtype, x.device) for x in xs))
+            batch = 1 if adaptive else ns_batch  # adaptive leaves are iterated one at a time
+            lays, stacks = cached(local_cache, lkey, lambda: _stacks(xs, mats, local, preconditioning, batch))
+            res: list[Any] = [None] * len(xs)
             for ks in stacks:
-                for k, y in zip(ks, orthogonalized([locs[k] for k in ks], [lays[k] for k in ks])):
+                for k, y in zip(ks, orthogonalized([xs[k] for k in ks], [lays[k] for k in ks])):
                     res[k] = y
             return tuple(res)
 
         out: list[Any] = [None] * len(leaves)
         if local:
-            for j, o in zip(local, per_rank(local_step)(*[tu.local(leaves[j]) for j in local])):
-                out[j] = tu.like(leaves[j], o)
+            for j, o in zip(local, per_rank(local_step)(*[locs[j] for j in local])):
+                out[j] = o
         if plans:
             c = comm if comm is not None else mesh_comm([x.device_mesh for x in leaves if isinstance(x, DTensor)])
-            locals_ = [tu.local(x) for x in leaves]
             whole = lambda j, full: orthogonalized([full], [mats.layouts[j]])[0]
             for plan in plans:
-                for j, shard in _exchange(plan, c, locals_, whole).items():
-                    out[j] = tu.like(leaves[j], shard)
+                for j, shard in _exchange(plan, c, locs, whole).items():
+                    out[j] = shard
         return out
 
     return run
@@ -420,14 +412,14 @@ def exchange_plan(
     flops: dict[int, int] = {}
     owners: dict[int, int] = {}
     for plan in plans:
-        ranks = sorted(mesh_ranks(plan.mesh))
-        for g, f in zip(ranks, plan.flops):
-            flops[g] = flops.get(g, 0) + f
+        flops.update({r: flops.get(r, 0) for r in plan.ranks})  # a rank that owns nothing is reported with 0
         for it in plan.items:
-            owners[mats.idx[it.leaf]] = ranks[it.owner]
-        if rank not in ranks:
+            owner = plan.ranks[it.owner]
+            owners[mats.idx[it.leaf]] = owner
+            flops[owner] += _ns_flops(mats.layouts[it.leaf], ns_steps)
+        if rank not in plan.ranks:
             continue
-        me = ranks.index(rank)
+        me = plan.ranks.index(rank)
         collectives += 2 * len({leaves[it.leaf].dtype for it in plan.items})
         for it in plan.items:
             size = leaves[it.leaf].element_size()

@@ -143,11 +143,9 @@ def _coeff_rows(
         ) from None
     if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
         raise ValueError(f"{name}: ns_coeffs must have shape (3,) or (n, 3), got {tuple(rows.shape)}")
-    if rows.ndim == 1:
-        return (tuple(float(v) for v in rows),) * ns_steps  # type: ignore[return-value]
-    if rows.shape[0] > ns_steps:
+    if rows.ndim == 2 and rows.shape[0] > ns_steps:
         raise ValueError(f"{name}: {rows.shape[0]} rows of ns_coeffs need ns_steps >= {rows.shape[0]}, got {ns_steps}")
-    return tuple(tuple(float(v) for v in row) for row in rows)  # type: ignore[misc]
+    return tuple(map(tuple, (rows.expand(ns_steps, 3) if rows.ndim == 1 else rows).tolist()))  # type: ignore[return-value]
 
 
 def newton_schulz(

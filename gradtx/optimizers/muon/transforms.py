@@ -80,8 +80,9 @@ def orthogonalize(
         leaves, spec = _tensor_leaves(updates, name=name)
         mats = select(updates, leaves, spec)
         out = list(leaves)
-        for j, o in zip(mats.idx, run([leaves[j] for j in mats.idx], mats, False)):
-            out[j] = o
+        muon_leaves = [leaves[j] for j in mats.idx]
+        for j, o in zip(mats.idx, run(muon_leaves, [tu.local(x) for x in muon_leaves], mats, False)):
+            out[j] = tu.like(leaves[j], o)
         return tu.unflatten(spec, out), state
 
     return GradientTransformation(init_empty_state, update_fn)
@@ -164,8 +165,7 @@ def scale_by_muon(
     select = _selector(weight_dimension_numbers, name=name)
 
     def init_fn(params: Params) -> MuonState:
-        leaves, spec = tu.tensor_leaves(params, what=f"{name}: params")
-        return MuonState(count=lw.zero_count(params), mu=tu.unflatten(spec, _zeros_moments(leaves, mu_dtype)))
+        return MuonState(count=lw.zero_count(params), mu=_zeros_moments(params, mu_dtype, what=f"{name}: params"))
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
@@ -190,11 +190,11 @@ def scale_by_muon(
             else:
                 d = fe.lerp(g, m, b) if nesterov else m
             for k, mk, dk in zip(ks, m, d):
-                j = mats.idx[k]
-                new_mu[index[j]] = tu.like(mu_leaves[index[j]], mk)
-                directions[k] = tu.like(leaves[j], dk)
-        for j, o in zip(mats.idx, run(directions, mats, adaptive)):
-            out[j] = tu.like(leaves[j], tu.local(o).to(leaves[j].dtype))
+                i = index[mats.idx[k]]
+                new_mu[i] = tu.like(mu_leaves[i], mk)
+                directions[k] = dk
+        for j, o in zip(mats.idx, run([leaves[j] for j in mats.idx], directions, mats, adaptive)):
+            out[j] = tu.like(leaves[j], o.to(leaves[j].dtype))
         return tu.unflatten(spec, out), MuonState(count=count, mu=tu.unflatten(mu_spec, new_mu))
 
     return GradientTransformation(init_fn, update_fn)
@@ -235,14 +235,14 @@ def scale_by_shape(
         tu.require_state(state, EmptyState, name="scale_by_shape")
         leaves, spec = _tensor_leaves(updates, name="scale_by_shape")
         mats = select(updates, leaves, spec)
-        if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
-            sizes = [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in mats.layouts]
-        else:
-            sizes = [math.sqrt(max(lay.flat[1:])) for lay in mats.layouts]
         out = list(leaves)
         locs = [tu.local(leaves[j]) for j in mats.idx]
-        rms = 1.0 if consistent_rms is None else consistent_rms
-        factors = [lw.as_tensor(rms, x) * f for x, f in zip(locs, sizes)]  # a tensor rms stays on the device
+        if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
+            factors = [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in mats.layouts]
+        else:  # a tensor rms stays on the device
+            factors = [
+                lw.as_tensor(consistent_rms, x) * math.sqrt(max(lay.flat[1:])) for x, lay in zip(locs, mats.layouts)
+            ]
         scaled = fe.mul(locs, factors) if locs else []
         for j, y in zip(mats.idx, scaled):
             out[j] = tu.like(leaves[j], y)
