@@ -17,9 +17,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp
-from gradtx.comm.groups import reduce_over_groups
-from gradtx.comm.local import LocalComm
+from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, reduce_over_groups
 from gradtx.comm.local_ranks import per_rank, rank_values
 from gradtx.core import norms
 from gradtx.core import tree as tu

@@ -21,8 +21,7 @@ from typing import Any
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.comm.groups import reduce_over_groups
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm, reduce_over_groups
 from gradtx.core import norms, validate
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree

@@ -17,8 +17,7 @@ from typing import Any, NamedTuple, TypeGuard
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, as_comm
-from gradtx.comm.local import LocalComm
+from gradtx.comm.base import Comm, GroupKey, LocalComm, as_comm
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
 
