@@ -264,10 +264,8 @@ def norm_audit(
                 "mesh_groups(params, pp_group=...); unsynced data-parallel grads need their all-reduce first"
             )
     inf = math.isinf(norm_type)
-    local_norms = norms.tensor_norms(leaves, norm_type)
-    acc = torch.float64 if any(n.dtype == torch.float64 for n in local_norms) else torch.float32
     device = tu.local(leaves[0]).device if leaves else plan.device
-    values = [(n if inf else n.pow(norm_type)).to(device, acc) for n in local_norms]
+    values = [v.to(device) for v in norms.tensor_powsums(leaves, norm_type)]  # as the plan's norm adds them
     groups = [plan.groups_of(i) for i in range(len(leaves))]
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     reduced = reduce_over_groups(plan.comm, values, groups, plan.group_order, op)
