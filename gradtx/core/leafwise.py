@@ -70,11 +70,6 @@ def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
     return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def plain(leaves: Sequence[Any]) -> bool:
-    """Whether no leaf is a DTensor, so local shards and results need no wrapping."""
-    return not tu.has_dtensor(leaves)
-
-
 def attrs(xs: Sequence[Any], name: str) -> Any:
     """``xs``' attribute ``name``: read in C (``map`` with ``attrgetter``) eagerly; traced once under compile."""
     return [getattr(x, name) for x in xs] if torch.compiler.is_compiling() else map(attrgetter(name), xs)
