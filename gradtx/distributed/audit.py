@@ -288,7 +288,7 @@ def norm_audit(
         rows.append(
             AuditRow(dotted[i], shown, _numel(leaf), int(leaf.numel()), summed, skipped, tied, pp, _values(share))
         )
-    norm = total if inf else total.pow(1.0 / norm_type)
+    norm = norms.power_to_norm(total, norm_type)
     if any(isinstance(r.share, tuple) for r in rows) or isinstance(_values(norm), tuple):
         notes.append("the ranks disagree on some values (shown per rank): this norm is not the same on every rank")
     return NormAudit(tuple(rows), _values(norm), norm_type, source, plan.num_collectives(), tuple(notes), same)
