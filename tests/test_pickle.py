@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradtx as gtx
-from gradtx.comm.local import LocalComm
+from gradtx.comm import LocalComm
 from gradtx.core.base import factory
 from gradtx.testing import assert_trees_equal
 

@@ -1,8 +1,6 @@
 """The communication layer: the only code in gradtx that issues collectives."""
 
-from gradtx.comm.base import Comm, ExchangeComm, GroupKey, MinimalComm, ReduceOp, as_comm
-from gradtx.comm.groups import reduce_over_groups
-from gradtx.comm.local import LocalComm
+from gradtx.comm.base import Comm, ExchangeComm, GroupKey, LocalComm, MinimalComm, ReduceOp, as_comm, reduce_over_groups
 
 try:  # a torch build without distributed support still has LocalComm
     from gradtx.comm.torch_dist import TorchComm

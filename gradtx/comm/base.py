@@ -3,6 +3,7 @@
 A transform never imports ``torch.distributed``. It asks a :class:`Comm` to
 reduce a list of tensors over a named group, and a :class:`LocalComm` answers
 in one process, so every transform can be unit-tested without a process group.
+:func:`reduce_over_groups` reduces values that need more than one group.
 """
 
 from __future__ import annotations
@@ -131,3 +132,54 @@ def check_exchange_comm(comm: object, *, name: str) -> None:
             f"{name}: comm must implement gradtx.comm.ExchangeComm (all_reduce, size, rank, group_id, all_to_all), "
             f"got {type(comm).__name__}"
         )
+
+
+class LocalComm:
+    """A :class:`~gradtx.comm.Comm` for one process: every reduction is the identity."""
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        return list(tensors)
+
+    def size(self, group: GroupKey) -> int:
+        return 1
+
+    def rank(self, group: GroupKey) -> int:
+        return 0
+
+    def all_to_all(
+        self, tensors: Sequence[torch.Tensor], recv_numels: Sequence[int], group: GroupKey
+    ) -> list[torch.Tensor]:
+        if len(tensors) != 1 or len(recv_numels) != 1 or tensors[0].numel() != recv_numels[0]:
+            raise ValueError(
+                "LocalComm.all_to_all: one process sends one tensor to itself; got "
+                f"{len(tensors)} tensors and recv_numels={list(recv_numels)}"
+            )
+        return [tensors[0]]
+
+    def group_id(self, group: GroupKey) -> tuple:
+        return ("key", group)
+
+    def __repr__(self) -> str:
+        return "LocalComm()"
+
+
+def reduce_over_groups(
+    comm: Comm,
+    values: Sequence[torch.Tensor],
+    groups: Sequence[tuple[GroupKey, ...]],
+    order: Sequence[GroupKey],
+    op: ReduceOp,
+) -> list[torch.Tensor]:
+    """Reduce ``values[i]`` over every group in ``groups[i]``: one coalesced collective per group, in ``order``.
+
+    Sums and maxima over different groups commute, so the groups go one after
+    another; every rank issues the same collectives in the same order, because
+    ``order`` and ``groups`` come from the plan.
+    """
+    out = list(values)
+    for group in order:
+        idx = [i for i, gs in enumerate(groups) if group in gs]
+        if idx:
+            for i, r in zip(idx, comm.all_reduce([out[i] for i in idx], op, group)):
+                out[i] = r
+    return out

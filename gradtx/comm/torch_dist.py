@@ -258,12 +258,14 @@ class DDPSumState:
         self.world_size = dist.get_world_size(process_group)
         self.holds_sum: set[int] = set()  # id() of params whose .grad is a synced (replicated) sum
 
-    def rescale(self, param: torch.Tensor) -> None:
-        """Divide ``param.grad`` by the group size if it still holds a synced sum (a local op, no collective)."""
+    def rescale(self, param: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """Divide ``grad`` (default ``param.grad``) by the group size if the param's grad still holds a synced sum (a
+        local op, no collective)."""
         if id(param) in self.holds_sum:
             self.holds_sum.discard(id(param))
-            if param.grad is not None:
-                param.grad.div_(self.world_size)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                grad.div_(self.world_size)
 
 
 def ddp_sum_hook(state, bucket):  # unannotated: DDP compares hook annotations by identity
@@ -284,9 +286,7 @@ def ddp_sum_hook(state, bucket):  # unannotated: DDP compares hook annotations b
     if summing:
         # A param no backward touched since the last sync still holds that sum in this bucket.
         for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            if id(param) in state.holds_sum:
-                state.holds_sum.discard(id(param))
-                grad.div_(state.world_size)
+            state.rescale(param, grad)
     group = state.process_group if summing else state  # None: the default group
     params = [id(p) for p in bucket.parameters()]
     future = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()

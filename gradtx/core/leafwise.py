@@ -70,11 +70,6 @@ def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
     return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def plain(leaves: Sequence[Any]) -> bool:
-    """Whether no leaf is a DTensor, so local shards and results need no wrapping."""
-    return not tu.has_dtensor(leaves)
-
-
 def attrs(xs: Sequence[Any], name: str) -> Any:
     """``xs``' attribute ``name``: read in C (``map`` with ``attrgetter``) eagerly; traced once under compile."""
     return [getattr(x, name) for x in xs] if torch.compiler.is_compiling() else map(attrgetter(name), xs)
@@ -88,23 +83,14 @@ def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
     if not leaves:
         return None
     types = set(map(type, leaves))
-    if not all(issubclass(t, torch.Tensor) and not (tu.DTensor is not None and issubclass(t, tu.DTensor)) for t in types):
+    if not all(
+        issubclass(t, torch.Tensor) and not (tu.DTensor is not None and issubclass(t, tu.DTensor)) for t in types
+    ):
         return None
     dtypes, devices = set(attrs(leaves, "dtype")), set(attrs(leaves, "device"))
     if len(dtypes) == 1 and len(devices) == 1 and set(attrs(leaves, "layout")) == {torch.strided}:
         return devices.pop(), dtypes.pop()
     return None
-
-
-def _like_tensors(leaves: list[Any], reference: list[Any]) -> bool:
-    """Whether ``leaves`` are dense float or complex tensors shaped as ``reference``'s, checked without a Python
-    loop per leaf (``map`` with C getters); ``False`` sends the caller to :func:`gradtx.core.tree.align`."""
-    return (
-        all(issubclass(t, torch.Tensor) for t in {*map(type, leaves), *map(type, reference)})
-        and (not leaves or set(attrs(leaves, "layout")) == {torch.strided})
-        and all(d.is_floating_point or d.is_complex for d in set(attrs(leaves, "dtype")))
-        and same_shapes(leaves, reference)
-    )
 
 
 def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
@@ -156,24 +142,33 @@ class Moments:
         self.flat = _flatten_alike(trees)
         ref, ref_spec = self.flat[0]
         leaves, spec = tu.flatten(updates)
-        self._check = lambda: tu.check_devices(ref, leaves, updates, what=f"{name}: updates", against=against)
-        if spec == ref_spec and self._one_group(leaves):
-            return
-        self.full = spec == ref_spec and _like_tensors(leaves, ref)  # every leaf has an update, checked
+        held = [xs for xs, _ in self.flat]
+        # Read without a Python loop per leaf (``map`` with C getters): every step sets up the common case, every
+        # leaf a plain dense tensor with an update shaped as its moments', in one (device, dtype), this way.
+        types = set(map(type, leaves)).union(*(map(type, xs) for xs in held))
+        tensors = all(issubclass(t, torch.Tensor) for t in types)
+        dtypes = set(attrs(leaves, "dtype")) if tensors else set()
+        self.plain = tu.DTensor is None or not any(issubclass(t, tu.DTensor) for t in types)
+        self.full = (  # every leaf has an update, checked; else tu.align matches them and names a bad one
+            tensors
+            and spec == ref_spec
+            and (not leaves or set(attrs(leaves, "layout")) == {torch.strided})
+            and all(d.is_floating_point or d.is_complex for d in dtypes)
+            and same_shapes(leaves, ref)
+        )
         if self.full:
             self.index, self.leaves, self.spec = list(range(len(leaves))), leaves, spec
-        else:
+        else:  # (the present leaves of the updates, as flattened above)
             self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
-        self.new = [list(leaves) for leaves, _ in self.flat]
+        self.new = [list(xs) for xs in held]
         self.out = list(self.leaves)
-        kept = [xs if self.full else [xs[i] for i in self.index] for xs, _ in self.flat]  # those with an update
-        self.plain = plain(self.leaves) and all(plain(leaves) for leaves, _ in self.flat)
+        kept = held if self.full else [[xs[i] for i in self.index] for xs in held]  # those with an update
         local = (lambda xs: xs) if self.plain else (lambda xs: [tu.local(x) for x in xs])
         g_all, trees_local = local(self.leaves), [local(xs) for xs in kept]
         self._check = lambda: tu.check_devices(kept[0], self.leaves, updates, what=f"{name}: updates", against=against)
         key = one_group(trees_local[0])
         if key is not None:
-            self.cast = set(attrs(g_all, "dtype")) != {key[1]}
+            self.cast = dtypes != {key[1]}
             g = [x if x.dtype == key[1] else x.to(key[1]) for x in g_all] if self.cast else g_all
             self.groups = [(key, list(range(len(g_all))), g, trees_local)]
             return
@@ -181,34 +176,6 @@ class Moments:
         for key, idx in fe.group_by_device_dtype(trees_local[0]):
             g = [g_all[j] if g_all[j].dtype == key[1] else g_all[j].to(key[1]) for j in idx]
             self.groups.append((key, idx, g, [[xs[j] for j in idx] for xs in trees_local]))
-
-    def _one_group(self, leaves: list[Any]) -> bool:
-        """The common case, set up with one C-level pass per check and no loop per leaf: every leaf has an
-        update, all are plain dense tensors of one shape each as the first tree's, which is on one device in one
-        dtype. ``False`` (nothing set) sends the caller to the general path."""
-        trees = [xs for xs, _ in self.flat]
-        types = set(map(type, leaves)).union(*(map(type, xs) for xs in trees))
-        if not all(issubclass(t, torch.Tensor) and not (tu.DTensor is not None and issubclass(t, tu.DTensor)) for t in types):
-            return False
-        dtypes, ref_dtypes = set(attrs(leaves, "dtype")), set(attrs(trees[0], "dtype"))
-        if (
-            not leaves
-            or len(ref_dtypes) != 1
-            or not all(d.is_floating_point or d.is_complex for d in dtypes)
-            or len(set(attrs(trees[0], "device"))) != 1
-            or set(attrs(leaves, "layout")) != {torch.strided}
-            or set(attrs(trees[0], "layout")) != {torch.strided}
-            or not same_shapes(leaves, trees[0])
-        ):
-            return False
-        key = (trees[0][0].device, ref_dtypes.pop())
-        self.full = self.plain = True
-        self.index, self.leaves, self.spec = list(range(len(leaves))), leaves, self.flat[0][1]
-        self.new, self.out = [list(xs) for xs in trees], list(leaves)
-        self.cast = dtypes != {key[1]}
-        g = [x if x.dtype == key[1] else x.to(key[1]) for x in leaves] if self.cast else leaves
-        self.groups = [(key, self.index, g, trees)]
-        return True
 
     def each(self, step: Callable[..., None]) -> None:
         """``step(key, idx, g, trees)`` for every group; a leaf on another device is reported by its path."""

@@ -77,8 +77,7 @@ def first_mismatch(expected: PyTree, got: PyTree) -> str | None:
     got_leaves, got_spec = optree.tree_flatten(got)
     if exp_spec == got_spec and not any(map(_shape_mismatch, exp_leaves, got_leaves)):
         return None
-    exp_paths, exp_leaves, exp_spec = optree.tree_flatten_with_path(expected)
-    got_paths, got_leaves, got_spec = optree.tree_flatten_with_path(got)
+    exp_paths, got_paths = exp_spec.paths(), got_spec.paths()
     if exp_spec == got_spec:
         for path, e, g in zip(exp_paths, exp_leaves, got_leaves):
             shape = _shape_mismatch(e, g)
@@ -310,10 +309,10 @@ def align(
         if any(map(_shape_mismatch, ref_leaves, leaves)):
             check_structure(reference, updates, what=what, against=against)
         return list(range(len(leaves))), leaves, spec
-    ref_paths = optree.tree_paths(reference)
+    ref_paths = ref_spec.paths()
     where = {p: i for i, p in enumerate(ref_paths)}
     index: list[int] = []
-    for path, leaf in zip(optree.tree_paths(updates), leaves):
+    for path, leaf in zip(spec.paths(), leaves):
         i = where.get(path)
         if i is None:
             raise ValueError(f"{what} does not match {against} at {path_str(path)}: unexpected")

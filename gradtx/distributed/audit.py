@@ -17,9 +17,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp
-from gradtx.comm.groups import reduce_over_groups
-from gradtx.comm.local import LocalComm
+from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, reduce_over_groups
 from gradtx.comm.local_ranks import per_rank, rank_values
 from gradtx.core import norms
 from gradtx.core import tree as tu
@@ -266,10 +264,8 @@ def norm_audit(
                 "mesh_groups(params, pp_group=...); unsynced data-parallel grads need their all-reduce first"
             )
     inf = math.isinf(norm_type)
-    local_norms = norms.tensor_norms(leaves, norm_type)
-    acc = torch.float64 if any(n.dtype == torch.float64 for n in local_norms) else torch.float32
     device = tu.local(leaves[0]).device if leaves else plan.device
-    values = [(n if inf else n.pow(norm_type)).to(device, acc) for n in local_norms]
+    values = [v.to(device) for v in norms.tensor_powsums(leaves, norm_type)]  # as the plan's norm adds them
     groups = [plan.groups_of(i) for i in range(len(leaves))]
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     reduced = reduce_over_groups(plan.comm, values, groups, plan.group_order, op)
@@ -292,7 +288,7 @@ def norm_audit(
         rows.append(
             AuditRow(dotted[i], shown, _numel(leaf), int(leaf.numel()), summed, skipped, tied, pp, _values(share))
         )
-    norm = total if inf else total.pow(1.0 / norm_type)
+    norm = norms.power_to_norm(total, norm_type)
     if any(isinstance(r.share, tuple) for r in rows) or isinstance(_values(norm), tuple):
         notes.append("the ranks disagree on some values (shown per rank): this norm is not the same on every rank")
     return NormAudit(tuple(rows), _values(norm), norm_type, source, plan.num_collectives(), tuple(notes), same)

@@ -21,8 +21,7 @@ from typing import Any
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
-from gradtx.comm.groups import reduce_over_groups
+from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm, reduce_over_groups
 from gradtx.core import norms, validate
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
@@ -266,30 +265,22 @@ def all_max(
     """
     if comm is not None:
         check_comm(comm, name=name)
-        over: tuple[Any, tuple[GroupKey, ...]] = (comm, (group,))
+        groups: list[GroupKey] = [group]
     else:
         roots = tu.root_meshes(leaves)
-        if roots:  # every rank of the root meshes: the world, or each of their dims
-            from gradtx.comm.torch_dist import mesh_comm
-
-            dims: list[Any] = ["world"]
-            if any(root.size() != torch.distributed.get_world_size() for root in roots):
-                dims = []
-                for root in roots:
-                    for dim in range(root.ndim):
-                        pg = root.get_group(dim)
-                        if root.size(dim) > 1 and all(pg is not g for g in dims):
-                            dims.append(pg)
-            over = (mesh_comm(roots), tuple(dims))
-        elif world and torch.distributed.is_available() and torch.distributed.is_initialized():
-            from gradtx.comm.torch_dist import TorchComm
-
-            over = (TorchComm(), ("world",))
-        else:
+        if not (roots or world):
             return x
-    reduce_comm, groups = over
+        comm = default_comm(leaves)  # the DTensors' own meshes, else the world, else one process (no collective)
+        groups = ["world"]
+        if any(root.size() != comm.size("world") for root in roots):  # each dim of the root meshes
+            groups = []
+            for root in roots:
+                for dim in range(root.ndim):
+                    pg = root.get_group(dim)
+                    if root.size(dim) > 1 and all(pg is not g for g in groups):
+                        groups.append(pg)
     for g in groups:
-        (x,) = reduce_comm.all_reduce([x], ReduceOp.MAX, g)
+        (x,) = comm.all_reduce([x], ReduceOp.MAX, g)
     return x
 
 

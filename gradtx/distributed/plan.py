@@ -17,8 +17,7 @@ from typing import Any, NamedTuple, TypeGuard
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, as_comm
-from gradtx.comm.local import LocalComm
+from gradtx.comm.base import Comm, GroupKey, LocalComm, as_comm
 from gradtx.core import tree as tu
 from gradtx.core.base import PyTree
 
@@ -121,12 +120,9 @@ class MeshGroups:
         # What the plain leaves no `sharded` entry names are: "pipeline" (a stage, with pp_group),
         # "replicated" or "local" (declared), "local" (undeclared), or None when there are none.
         self.plain = plain
-        order: list[GroupKey] = []
-        for leaf in leaves:
-            order += [g for g, _ in leaf.shards if g not in order]
         # The one order every rank reduces in: first appearance in the params, the same on every member
         # of a group because its members hold the same part of the model.
-        self.group_order: tuple[GroupKey, ...] = tuple(order)
+        self.group_order: tuple[GroupKey, ...] = tuple(dict.fromkeys(g for leaf in leaves for g, _ in leaf.shards))
         sizes = {leaf.tie_group: comm.size(leaf.tie_group) for leaf in leaves if leaf.tie_group is not None}
         buckets: dict[tuple[tuple[GroupKey, ...], float], list[int]] = {}
         tied: dict[GroupKey, list[int]] = {}

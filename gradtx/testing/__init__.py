@@ -17,8 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, as_comm
-from gradtx.comm.local import LocalComm
+from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, as_comm
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, PyTree
 

@@ -192,8 +192,14 @@ def _lookup(layout: Mapping[str, Sequence[Placement]], path: str) -> Sequence[Pl
     return next((p for key, p in layout.items() if path == key or fnmatch.fnmatchcase(path, key)), None)
 
 
-def _place(tree: PyTree, mesh: DeviceMesh, layout: Layout, put: Callable[..., Any]) -> PyTree:
-    """``tree`` with each tensor leaf replaced by ``put(leaf, placements)`` (``None``: a plain replica per rank)."""
+def _place(tree: PyTree, mesh: DeviceMesh, layout: Layout, *, real: bool = False) -> PyTree:
+    """:func:`distribute`, or with ``real`` its counterpart in a multi-process run (each rank builds its own part)."""
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"distribute: mesh must be a DeviceMesh from simulated_mesh, got {type(mesh).__name__}")
+    if not (isinstance(layout, (str, Mapping)) or callable(layout)):
+        raise TypeError(
+            f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
+        )
     paths, leaves, spec = optree.tree_flatten_with_path(tree)
     out: list[Any] = []
     matrices = 0
@@ -212,8 +218,22 @@ def _place(tree: PyTree, mesh: DeviceMesh, layout: Layout, put: Callable[..., An
                 raise ValueError(
                     f"distribute: layout gives {dotted} {len(placements)} placements for a {mesh.ndim}-D mesh"
                 )
-        out.append(put(leaf, None if placements is None else _strided(list(placements), mesh)))
+        out.append(_put(leaf.detach(), mesh, None if placements is None else _strided(list(placements), mesh), real))
     return optree.tree_unflatten(spec, out)
+
+
+def _put(full: torch.Tensor, mesh: DeviceMesh, placements: list[Placement] | None, real: bool) -> torch.Tensor:
+    """``full`` as a DTensor of ``placements`` on ``mesh`` (``None``: a plain replica), every rank holding its own copy
+    of its part: one per simulated rank, or in a real run this rank's (split as torch's ``Shard`` splits)."""
+    if placements is None:  # one copy per rank, as DDP holds it
+        return full.clone() if real else _mode().rank_map(lambda r: full.clone())
+    if real:
+        local = _local_shard(full, tuple(mesh.shape), placements, tuple(mesh.get_coordinate() or ()))
+    else:
+        coords = _coords(mesh)
+        local = _mode().rank_map(lambda r: _local_shard(full, tuple(mesh.shape), placements, coords[r]))
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
@@ -238,22 +258,7 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
       >>> with gtx.testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
       ...     grads = gtx.testing.distribute({"w": torch.randn(5, 3)}, mesh, "tp_fsdp")
     """
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"distribute: mesh must be a DeviceMesh from simulated_mesh, got {type(mesh).__name__}")
-    if not (isinstance(layout, (str, Mapping)) or callable(layout)):
-        raise TypeError(
-            f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
-        )
-
-    def put(leaf: torch.Tensor, placements: list[Placement] | None) -> torch.Tensor:
-        if placements is None:
-            return _mode().rank_map(lambda r: leaf.detach().clone())  # one copy per rank, as DDP holds it
-        full, coords = leaf.detach(), _coords(mesh)
-        local = _mode().rank_map(lambda r: _local_shard(full, tuple(mesh.shape), placements, coords[r]))
-        spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
-        return DTensor(local, spec, requires_grad=False)
-
-    return _place(tree, mesh, layout, put)
+    return _place(tree, mesh, layout)
 
 
 # --- the check -----------------------------------------------------------------------------------
@@ -288,9 +293,7 @@ def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple
 def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: float, atol: float) -> None:
     if (got is None) != (expected is None):
         raise AssertionError(f"{what}: one device gave {type(expected).__name__}, the mesh {type(got).__name__}")
-    if got is None:
-        return
-    where = tu.first_mismatch(expected, got)
+    where = tu.first_mismatch(expected, got)  # (two Nones match, with no leaf to compare)
     if where is not None:
         raise AssertionError(f"{what}: the mesh's tree differs from one device's at {where}")
     e_paths, e_leaves, _ = optree.tree_flatten_with_path(expected, none_is_leaf=True)
@@ -436,28 +439,14 @@ def assert_matches_single_device(
             ref_params = apply_updates(ref_params, u)
             expected.append({"updates": u, "metrics": _metrics(ref_state), "state": ref_state, "params": ref_params})
 
-    put = _real_distribute if real else distribute
     with mesh_cm as on:
-        d_params = put(params, on, layout)
+        d_params = _place(params, on, layout, real=real)
         d_state = tx.init(d_params)
         for i in range(steps):
-            grads = put(grads_seq[i % len(grads_seq)], on, layout)
+            grads = _place(grads_seq[i % len(grads_seq)], on, layout, real=real)
             u, d_state = tx.update(grads, d_state, d_params, **extra)
             _check_placements(f"step {i}: updates", u, grads)
             d_params = apply_updates(d_params, u)
             got = {"updates": u, "metrics": _metrics(d_state), "state": d_state, "params": d_params}
             for what, exp in expected[i].items():
                 _compare(f"step {i}: {what}", got[what], exp, world=world, rtol=rtol, atol=atol)
-
-
-def _real_distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
-    """:func:`distribute` in a real multi-process run: each rank keeps its own shard (split as torch's ``Shard``)."""
-    coord = tuple(mesh.get_coordinate() or ())
-
-    def put(leaf: torch.Tensor, placements: list[Placement] | None) -> torch.Tensor:
-        if placements is None:
-            return leaf.detach().clone()
-        local = _local_shard(leaf.detach(), tuple(mesh.mesh.shape), placements, coord)
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=leaf.shape, stride=leaf.stride())
-
-    return _place(tree, mesh, layout, put)
