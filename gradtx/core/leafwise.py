@@ -100,7 +100,7 @@ def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
     ``torch.Size`` per leaf: one allocation the garbage collector counts, which on
     a model of many small tensors sets off collections every step.
     """
-    if torch.compiler.is_compiling() or not plain(leaves) or not plain(reference):
+    if torch.compiler.is_compiling() or tu.has_dtensor(leaves) or tu.has_dtensor(reference):
         return [x.shape for x in leaves] == [x.shape for x in reference]
     return len(leaves) == len(reference) and all(map(torch.Tensor.is_same_size, leaves, reference))
 
