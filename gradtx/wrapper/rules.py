@@ -170,12 +170,14 @@ def step_inner(
         # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
         tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
         factor = None
-    if fused is not None and fused.step(tree, grads, factor, skip):
-        return
     if kernel_scales and not torch.compiler.is_compiling():
+        grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
+        found_inf = None if skip is None else skip.to(torch.float32)
+        if fused is not None and fused.step(tree, grads, grad_scale, found_inf):
+            return
         opt: Any = optimizer
-        opt.grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
-        opt.found_inf = None if skip is None else skip.to(torch.float32)
+        opt.grad_scale = grad_scale
+        opt.found_inf = found_inf
         try:
             opt.step()
         finally:
@@ -311,12 +313,15 @@ class FusedAdam:
         self.buckets = []
 
     def step(
-        self, tree: list[list[torch.Tensor]], grads: list[torch.Tensor], factor: torch.Tensor | None,
-        skip: torch.Tensor | None,
+        self, tree: list[list[torch.Tensor]], grads: list[torch.Tensor], grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
     ) -> bool:  # fmt: skip
-        """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply."""
+        """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply.
+
+        ``grad_scale`` and ``found_inf`` are the kernel's (fp32; the grads are divided by ``grad_scale``).
+        """
         opt = self.optimizer
-        if _hooked(opt) or torch.compiler.is_compiling() or has_none(grads):
+        if _hooked(opt) or has_none(grads):
             return False
         if self.key != self._key(tree):
             if any(g.is_sparse for g in grads):
@@ -326,8 +331,6 @@ class FusedAdam:
         hyper: list[list[Any]] = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
         if any(isinstance(h[1][0], torch.Tensor) or isinstance(h[1][1], torch.Tensor) for h in hyper):
             return False  # tensor betas: torch's own step converts them
-        grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
-        found_inf = None if skip is None else skip.to(torch.float32)
         adamw = type(opt) is torch.optim.AdamW
         for (lr, (beta1, beta2), wd, eps, amsgrad, maximize, decoupled), (_, buckets) in zip(hyper, self.buckets):
             kernel = torch._fused_adamw_ if decoupled or adamw else torch._fused_adam_

@@ -176,16 +176,12 @@ class StateView(_View):
     def __init__(self, opt: Any) -> None:
         self._opt = opt
 
-    def _index(self, p: Any) -> int | None:
-        i = self._opt._position.get(id(p))
-        return i if i is not None and self._opt._flat[i] is p else None
-
     def __getitem__(self, p: torch.Tensor) -> Any:
-        i = self._index(p)
+        i = self._opt._position.get(p)
         return ParamState(self._opt, p, i) if i is not None else self._opt.optimizer.state[p]
 
     def __setitem__(self, p: torch.Tensor, value: Any) -> None:
-        i = self._index(p)
+        i = self._opt._position.get(p)
         if i is None:
             self._opt.optimizer.state[p] = value
             return
@@ -199,12 +195,11 @@ class StateView(_View):
         del self._opt.optimizer.state[p]
 
     def __contains__(self, p: object) -> bool:
-        return self._index(p) is not None or p in self._opt.optimizer.state
+        return p in self._opt._position or p in self._opt.optimizer.state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        ours = self._opt._flat
-        yield from ours
-        yield from (p for p in self._opt.optimizer.state if self._index(p) is None)
+        yield from self._opt._flat
+        yield from (p for p in self._opt.optimizer.state if p not in self._opt._position)
 
 
 # --- state_dict --------------------------------------------------------------------------------------
@@ -248,7 +243,9 @@ def state_dict(opt: Any) -> dict[str, Any]:
     # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
     out: dict[Any, Any] = {pid: dict(s) for pid, s in inner["state"].items()}
     shown = stand_ins(opt)
-    for i, (pid, p) in enumerate(zip(grads.pids(optimizer.param_groups, opt._tree), flat)):
+    pid_of = _saved_ids(inner["param_groups"], optimizer.param_groups, what=what)  # torch's index of each param
+    for i, p in enumerate(flat):
+        pid = pid_of[id(p)]
         fresh = not optimizer.state.get(p)
         if fresh:
             out[pid] = dict(shown.get(p, {}))  # the keys the inner optimizer's state will have
@@ -279,16 +276,15 @@ def _flag(entry: dict[str, Any], key: str, default: bool, *, what: str) -> bool:
 def _saved_ids(saved_groups: list[Any], groups: list[dict[str, Any]], *, what: str) -> dict[int, Any]:
     if len(saved_groups) != len(groups):
         raise ValueError(f"{what}: the checkpoint has {len(saved_groups)} param groups, this optimizer {len(groups)}")
-    saved_of: dict[int, Any] = {}
     for i, (saved, group) in enumerate(zip(saved_groups, groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"{what}: param group {i} has {len(saved['params'])} params in the checkpoint, "
                 f"{len(group['params'])} here"
             )
-        for sid, p in zip(saved["params"], group["params"]):
-            saved_of[id(p)] = sid
-    return saved_of
+    return {
+        id(p): sid for saved, group in zip(saved_groups, groups) for sid, p in zip(saved["params"], group["params"])
+    }
 
 
 def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
