@@ -149,9 +149,13 @@ def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tens
     return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
 
 
-def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
-    """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
-    accs = [m for m in members(tx) if isinstance(m, Accumulation)]
+def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any]]:
+    """The per-rank pieces of ``layout``'s windows: (key, window, its windowed member of ``tx``).
+
+    A window with a ``comm`` counts its tokens per rank (``token_weighted``)
+    and sums its grads per rank (``reduce_grads``). Without ``tx`` there are
+    none to find, which is refused while a window is open in several processes.
+    """
     if tx is None:
         if multi_process() and any(int(w.state.micro_step) > 0 for w in layout.windows):
             raise ValueError(
@@ -159,20 +163,19 @@ def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what
                 "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "
                 "or save at a window boundary"
             )
-        return [None] * len(layout.windows)
+        return []
+    accs = [m for m in members(tx) if isinstance(m, Accumulation)]
     if len(accs) != len(layout.windows):
         raise ValueError(
             f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
             "window states; pass the transform this state was made by"
         )
-    return accs
-
-
-def per_rank(acc: Accumulation | None) -> tuple[bool, bool]:
-    """(tokens are per rank, the running sum is per rank) for an accumulation window with a ``comm``."""
-    if acc is None or acc.window.comm is None:
-        return False, False
-    return acc.window.token_weighted, acc.window.reduce_grads
+    return [
+        (w.key(name), w, acc)
+        for w, acc in zip(layout.windows, accs)
+        for name, flag in (("tokens", acc.window.token_weighted), ("acc", acc.window.reduce_grads))
+        if flag and acc.window.comm is not None
+    ]
 
 
 # --- tensors onto a template ---------------------------------------------------------------------

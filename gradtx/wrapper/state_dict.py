@@ -237,7 +237,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
             ]
         else:
             del layout.per_param[key]  # between windows nothing gradient-sized is saved
-    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what, acc_dtype=lambda d: d)
+    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what)
     optimizer = opt.optimizer
     inner = optimizer.state_dict()
     # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
@@ -338,7 +338,8 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                     "is True), or end the window with opt.step(flush=True) before saving; torch.save/torch.load "
                     "carries an open window"
                 )
-        # An open window's partial sums are shaped and typed like the params (the live state holds placeholders).
+            else:  # the partial sums are autograd's .grad: checked and placed like the params, in their dtype
+                layout.per_param[key] = flat
         per_param: dict[str, list[Any]] = {key: [] for key in layout.per_param}
         for i, (p, name, e) in enumerate(zip(flat, names, entries)):
             top = ([GLOBAL, AMP] if window else [GLOBAL]) if i == 0 else []
@@ -356,15 +357,7 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                 inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         new_state = _ckpt.import_layout(
-            layout,
-            opt._live.tx_state,
-            params,
-            per_param,
-            first[GLOBAL],
-            opt.tx,
-            names,
-            what=what,
-            acc_dtype=lambda d: d,  # the wrapper's partial sums are autograd's .grad, in the params' dtype
+            layout, opt._live.tx_state, params, per_param, first[GLOBAL], opt.tx, names, what=what
         )
         if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
             states = opt._plan.states(new_state)
