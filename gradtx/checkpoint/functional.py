@@ -183,14 +183,12 @@ def load_state_dict(
             f"{what}: expected the dict gradtx.checkpoint.functional.state_dict made ('state' and 'global')"
         )
     lo.check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
-    per_param: dict[str, list[Any]] = {}
     layout = lo.layout_of(state, params)
-    expected = list(layout.per_param)
-    for i, name in enumerate(names):
-        entry = saved["state"][name]
-        lo.check_keys(entry, expected, what=f"{what}: state of param {name!r}", hint=lo.HINT)
-        for key in expected:
-            per_param.setdefault(key, []).append(entry[key])
+    for name in names:
+        lo.check_keys(
+            saved["state"][name], list(layout.per_param), what=f"{what}: state of param {name!r}", hint=lo.HINT
+        )
+    per_param = {key: [saved["state"][name][key] for name in names] for key in layout.per_param}
     return import_layout(layout, state, params, per_param, saved["global"], tx, names, what=what)
 
 

@@ -80,9 +80,7 @@ class Plan:
 
     def emits_next(self, state: OptState, *, flush: bool = False) -> bool:
         """Whether the next step closes the window (always True without one); host counters only."""
-        if flush or self.window is None:
-            return True
-        return self.window.window.emits_next(self.window_state(state), flush=flush)
+        return self.window is None or self.window.window.emits_next(self.window_state(state), flush=flush)
 
     def window_open(self, state: OptState) -> bool:
         return self.window is not None and self.window.window.is_open(self.window_state(state))

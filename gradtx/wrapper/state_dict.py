@@ -340,22 +340,20 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                 )
             else:  # the partial sums are autograd's .grad: checked and placed like the params, in their dtype
                 layout.per_param[key] = flat
-        per_param: dict[str, list[Any]] = {key: [] for key in layout.per_param}
         for i, (p, name, e) in enumerate(zip(flat, names, entries)):
             top = ([GLOBAL, AMP] if window else [GLOBAL]) if i == 0 else []
             lo.check_keys(
                 e,
-                [*per_param, *top],
+                [*layout.per_param, *top],
                 optional=(INNER_FRESH, HAS_GRAD),
                 what=f"{what}: gradtx state of {name}",
                 hint=lo.HINT,
             )
-            for key, values in per_param.items():
-                values.append(e[key])
             # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
                 inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
+        per_param = {key: [e[key] for e in entries] for key in layout.per_param}
         new_state = _ckpt.import_layout(
             layout, opt._live.tx_state, params, per_param, first[GLOBAL], opt.tx, names, what=what
         )
