@@ -2,7 +2,7 @@
 
 Its parts: :mod:`gradtx.wrapper.rules` (the chain read by type, and the speed
 rules), :mod:`gradtx.wrapper.amp` (GradScaler across a window),
-:mod:`gradtx.wrapper.state_dict` (the checkpoint format and ``opt.state``),
+:mod:`gradtx.wrapper.state_dict` (the checkpoint format, ``opt.state``, copies),
 :mod:`gradtx.wrapper.grads` (which params, their ``.grad``) and
 :mod:`gradtx.wrapper.sync` (data-parallel sync).
 """
@@ -18,7 +18,7 @@ import torch
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.transforms.combine import chain
-from gradtx.wrapper import amp, copies, grads, loop_checks, rules
+from gradtx.wrapper import amp, grads, loop_checks, rules
 from gradtx.wrapper import state_dict as _sd
 from gradtx.wrapper.sync import data_parallel_modules, no_sync
 
@@ -179,9 +179,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # copies: pickle and deepcopy --------------------------------------------------------------------
 
-    __getstate__ = copies.getstate
-    __setstate__ = copies.setstate
-    __deepcopy__ = copies.deepcopy
+    __getstate__ = _sd.getstate
+    __setstate__ = _sd.setstate
+    __deepcopy__ = _sd.deepcopy
 
     # the params the transform sees -------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The wrapper's checkpoint format, and its ``opt.state``.
+"""The wrapper's checkpoint format, its ``opt.state``, and its copies (pickle, deepcopy).
 
 A :class:`gradtx.TransformedOptimizer` checkpoint is ``torch.optim``'s layout:
 ``{"state": {param_id: {...}}, "param_groups": [...]}``. Each param's entry
@@ -28,6 +28,8 @@ initialises its own state at its first real step, as without the wrapper.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -145,11 +147,9 @@ class ParamState(_View):
         self._opt, self._p, self._i = opt, p, i
 
     def _inner(self) -> dict[str, Any]:
-        own = self._opt.optimizer.state.get(self._p)
-        if own:
-            return own
-        stand_in = stand_ins(self._opt).get(self._p)
-        return stand_in if stand_in else self._opt.optimizer.state[self._p]
+        """The inner optimizer's own state, or else its stand-in, or else its (empty) entry."""
+        inner_state = self._opt.optimizer.state
+        return inner_state.get(self._p) or stand_ins(self._opt).get(self._p) or inner_state[self._p]
 
     def __getitem__(self, key: str) -> Any:
         return entry(self._opt, self._i) if key == GTX else self._inner()[key]
@@ -373,3 +373,55 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     for i, p in enumerate(flat):
         # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
         p.grad = sums[i] if sums is not None and window_open and has_grad[i] else None
+
+
+# --- copies: pickle and deepcopy, as for any torch.optim optimizer -------------------------------------
+#
+# A copy carries everything but what is rebuilt from the user's transform (the chain around it, its plan,
+# the fused rule's cache) and what belongs to the moment (GradScaler's flags, an lr scheduler's patched
+# ``step``). An open accumulation window's partial sums are the params' ``.grad``, which pickle leaves out
+# of a Parameter, so they travel beside it.
+
+_PICKLED_GRADS = "_pickled_window_grads"
+# Rebuilt rather than copied; an lr scheduler patches `step` on the instance with a wrapper bound to the original.
+_REBUILT = ("grad_scale", "found_inf", "step", "tx", "_plan", "_fused", "_state_view")
+
+
+def _copied(opt: Any, what: str) -> dict[str, Any]:
+    """What a copy carries: the instance's attributes but the rebuilt ones, and an open window's partial sums."""
+    state = {k: v for k, v in opt.__dict__.items() if k not in _REBUILT}
+    if opt._live.window_open:
+        check_sums_visible(opt, what)
+        state[_PICKLED_GRADS] = [None if p.grad is None else p.grad.detach() for p in opt._flat]
+    return state
+
+
+def getstate(opt: Any) -> dict[str, Any]:
+    try:
+        pickle.dumps(opt._user_tx)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(
+            f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
+            "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
+        ) from None
+    return _copied(opt, "pickle")
+
+
+def setstate(opt: Any, state: dict[str, Any]) -> None:
+    window = state.pop(_PICKLED_GRADS, [])
+    opt.__dict__.update(state)
+    opt._setup_tx()
+    for p, g in zip(opt._flat, window):
+        if p.grad is None:
+            p.grad = g
+
+
+def deepcopy(opt: Any, memo: dict[int, Any]) -> Any:
+    """An in-process copy: shares the user's transform (pure functions), copies everything else."""
+    cls: Any = type(opt)
+    new = cls.__new__(cls)
+    memo[id(opt)] = new
+    memo[id(opt._user_tx)] = opt._user_tx
+    setstate(new, copy.deepcopy(_copied(opt, "deepcopy"), memo))
+    new.tx, new._plan = opt.tx, opt._plan
+    return new
