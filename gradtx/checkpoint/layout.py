@@ -12,7 +12,6 @@ kept apart. Keys are the pieces' paths joined with ``/``. Used by
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import optree
@@ -52,13 +51,12 @@ class Window(NamedTuple):
         return field_name if self.prefix == "<root>" else f"{self.prefix}/{field_name}"
 
 
-@dataclass
-class Layout:
+class Layout(NamedTuple):
     """Where every piece of a state goes: per-parameter subtrees and global leaves, by key."""
 
-    per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
-    globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
-    windows: list[Window] = field(default_factory=list)
+    per_param: dict[str, Any]  # key -> subtree shaped like the params
+    globals_: dict[str, Any]  # key -> leaf
+    windows: list[Window]
 
 
 def is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
@@ -78,7 +76,7 @@ def walk(
     for an accumulation window's running sum). Without it, the state is returned as it is.
     """
     p_leaves, p_spec = tu.flatten(params)
-    layout = Layout()
+    layout = Layout({}, {}, [])
 
     def piece(kind: str, node: Any, key: str) -> Any:
         (layout.globals_ if kind == "global" else layout.per_param)[key] = node
