@@ -65,16 +65,15 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     shows no stand-ins.
     """
     optimizer = opt.optimizer
-    missing = [p for p in opt._flat if not optimizer.state.get(p) and p not in opt._live.stand_ins]
+    missing = {p for p in opt._flat if not optimizer.state.get(p) and p not in opt._live.stand_ins}  # by identity
     if not missing:
         return opt._live.stand_ins
-    wanted = {id(p) for p in missing}
     every = [p for g in optimizer.param_groups for p in g["params"]]
     saved_grads = [p.grad for p in every]
     saved_groups = [dict(g) for g in optimizer.param_groups]
     try:
         for p in every:
-            p.grad = torch.zeros_like(p) if id(p) in wanted else None
+            p.grad = torch.zeros_like(p) if p in missing else None
         for g in optimizer.param_groups:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
