@@ -250,7 +250,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
           The closure's return value, or ``None`` without a closure. Whether the
           inner optimizer stepped is :attr:`emitted`.
         """
-        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or rules.global_hooks():
+        if rules.has_hooks(self):
             return self._step_with_hooks(closure, **extra)
         return self._step_closure(closure, **extra)
 

@@ -203,18 +203,14 @@ def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     return functools.partial(raw, optimizer)
 
 
-def _hooked(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether stepping the optimizer runs more than its kernel: hooks, or a step patched on the instance."""
+def has_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping the optimizer runs step hooks: its own, or global ones."""
     return bool(
         optimizer._optimizer_step_pre_hooks
         or optimizer._optimizer_step_post_hooks
-        or global_hooks()
-        or "step" in optimizer.__dict__  # an lr scheduler's step counter
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
     )
-
-
-def global_hooks() -> bool:
-    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 _HYPER = ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
@@ -319,7 +315,9 @@ class FusedAdam:
         ``grad_scale`` and ``found_inf`` are the kernel's (fp32; the grads are divided by ``grad_scale``).
         """
         opt = self.optimizer
-        if _hooked(opt) or has_none(grads):
+        # Not when stepping runs more than the kernel: hooks, or a step patched on the instance (an lr scheduler's
+        # step counter).
+        if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads):
             return False
         if self.key != self._key(tree):
             if any(g.is_sparse for g in grads):
