@@ -47,7 +47,6 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -112,39 +111,41 @@ def export_layout(
     tx: GradientTransformation | None,
     *,
     what: str,
-    acc_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: torch.promote_types(d, torch.float32),
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
     """Per-parameter leaves (key -> one tensor per param) and global leaves of ``layout``, per-rank parts reduced."""
-    per_param: dict[str, list[torch.Tensor]] = {}
-    for key in layout.per_param:
-        per_param[key] = [
-            torch.zeros_like(p, dtype=acc_dtype(p.dtype)) if t is None else t.detach()
-            for p, t in zip(p_leaves, _per_param_leaves(layout, key, len(p_leaves)))
+    per_param = {
+        key: [
+            torch.zeros_like(p, dtype=_sum_dtype(p)) if t is None else t.detach()
+            for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
         ]
+        for key in layout.per_param
+    }
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
-    for w, acc in zip(layout.windows, lo.windows_with_comm(layout, tx, what=what)):
-        tokens_per_rank, sums_per_rank = lo.per_rank(acc)
-        if int(w.state.micro_step) == 0 or not (tokens_per_rank or sums_per_rank):
-            continue
-        comm, group = acc.window.comm, acc.window.group
-        if tokens_per_rank:
-            tokens = w.state.tokens
-            (total,) = comm.all_reduce([tokens.clone()], ReduceOp.SUM, group)
-            globals_[w.key("tokens")] = total.to(tokens.dtype).cpu()
-        if sums_per_rank:
-            key = w.key("acc")
-            per_param[key] = tu.all_reduce_leaves(comm, per_param[key], ReduceOp.SUM, group)
+    for key, w, acc in lo.per_rank(layout, tx, what=what):
+        if int(w.state.micro_step) == 0:
+            continue  # a window at a boundary holds nothing
+        if key == w.key("acc"):
+            per_param[key] = tu.all_reduce_leaves(acc.window.comm, per_param[key], ReduceOp.SUM, acc.window.group)
+        else:
+            (total,) = acc.window.comm.all_reduce([w.state.tokens.clone()], ReduceOp.SUM, acc.window.group)
+            globals_[key] = total.to(w.state.tokens.dtype).cpu()
     return per_param, globals_
 
 
-def _per_param_leaves(layout: lo.Layout, key: str, n: int) -> list[Any]:
-    """The ``n`` leaves of ``layout``'s per-parameter subtree ``key``, ``None`` for each that holds nothing.
+def _per_param_leaves(layout: lo.Layout, key: str, p_leaves: list[torch.Tensor]) -> list[Any]:
+    """The leaves of ``layout``'s per-parameter subtree ``key``, one per param, ``None`` for each that holds nothing.
 
     A window's running sum holds nothing where it is a 0-element placeholder
-    (:func:`gradtx.transforms.accumulation.empty_sums`; all of it at a boundary).
+    (:func:`gradtx.transforms.accumulation.empty_sums`; all of it at a boundary),
+    not shaped like its param.
     """
-    leaves = tu.flatten(layout.per_param[key])[0] or [None] * n  # a window made without params has None
-    return [None if isinstance(t, torch.Tensor) and t.numel() == 0 else t for t in leaves]
+    leaves = tu.flatten(layout.per_param[key])[0] or [None] * len(p_leaves)  # a window made without params has None
+    return [t if isinstance(t, torch.Tensor) and t.shape == p.shape else None for p, t in zip(p_leaves, leaves)]
+
+
+def _sum_dtype(p: torch.Tensor) -> torch.dtype:
+    """A window's running sum's dtype for param ``p`` (at least fp32, as accumulate sums)."""
+    return torch.promote_types(p.dtype, torch.float32)
 
 
 def load_state_dict(
@@ -182,14 +183,12 @@ def load_state_dict(
             f"{what}: expected the dict gradtx.checkpoint.functional.state_dict made ('state' and 'global')"
         )
     lo.check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
-    per_param: dict[str, list[Any]] = {}
     layout = lo.layout_of(state, params)
-    expected = list(layout.per_param)
-    for i, name in enumerate(names):
-        entry = saved["state"][name]
-        lo.check_keys(entry, expected, what=f"{what}: state of param {name!r}", hint=lo.HINT)
-        for key in expected:
-            per_param.setdefault(key, []).append(entry[key])
+    for name in names:
+        lo.check_keys(
+            saved["state"][name], list(layout.per_param), what=f"{what}: state of param {name!r}", hint=lo.HINT
+        )
+    per_param = {key: [saved["state"][name][key] for name in names] for key in layout.per_param}
     return import_layout(layout, state, params, per_param, saved["global"], tx, names, what=what)
 
 
@@ -203,9 +202,12 @@ def import_layout(
     names: list[str],
     *,
     what: str,
-    acc_dtype: Callable[[torch.dtype], torch.dtype] = lambda d: torch.promote_types(d, torch.float32),
 ) -> OptState:
-    """Validate everything, then build the new state (the caller commits it)."""
+    """Validate everything, then build the new state (the caller commits it).
+
+    Where a window's running sum holds nothing in ``layout``, the saved sums are
+    checked and placed like the params, in the sum's dtype (at least fp32).
+    """
     p_leaves, p_spec = tu.flatten(params)
     lo.check_keys(globals_, list(layout.globals_), what=f"{what}: global state", hint=lo.HINT)
     for key, template in layout.globals_.items():
@@ -213,12 +215,12 @@ def import_layout(
             lo.check_tensor(globals_[key], template, what=f"{what}: global state {key!r}")
     for key in layout.per_param:
         templates = [
-            torch.empty(p.shape, dtype=acc_dtype(p.dtype), device="meta") if t is None else t
-            for p, t in zip(p_leaves, _per_param_leaves(layout, key, len(p_leaves)))
+            torch.empty(p.shape, dtype=_sum_dtype(p), device="meta") if t is None else t
+            for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
         ]
         for name, value, template in zip(names, per_param[key], templates):
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
-    accs = lo.windows_with_comm(layout, tx, what=what) if tx is not None else [None] * len(layout.windows)
+    per_rank = lo.per_rank(layout, tx, what=what) if tx is not None else []
     for w in layout.windows:
         saved_k, k = int(globals_[w.key("k")]), int(w.state.k)
         if saved_k != k:
@@ -228,13 +230,11 @@ def import_layout(
             )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
     first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
-    for w, acc in zip(layout.windows, accs):
-        for name, per_rank in zip(("tokens", "acc"), lo.per_rank(acc)):
-            if per_rank:
-                # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
-                # size is rank 0 of a one-rank group, and raises in a larger one.
-                rank = as_comm(acc.window.comm, name="gradtx.checkpoint.functional").rank(acc.window.group)
-                first[w.key(name)] = rank_equals(rank, 0)
+    for key, _, acc in per_rank:
+        # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
+        # size is rank 0 of a one-rank group, and raises in a larger one.
+        rank = as_comm(acc.window.comm, name="gradtx.checkpoint.functional").rank(acc.window.group)
+        first[key] = rank_equals(rank, 0)
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
         restored = lo.onto(value, template, what=f"{what}: {label}")
@@ -246,9 +246,11 @@ def import_layout(
             return restore(value, old, key, f"global state {key!r}") if isinstance(old, torch.Tensor) else value
         if kind == "acc" and not lo.saved_window_open(globals_, key):
             return empty_sums(params)
-        templates = tu.flatten(old)[0]  # placed like the live state's tensors
-        if kind == "acc":  # the live state holds placeholders: the sums are placed like the params
-            templates = [torch.zeros_like(p, dtype=acc_dtype(p.dtype)) for p in p_leaves]
+        # Placed like the live state's tensors; a window's sum that holds nothing, like the params.
+        templates = [
+            torch.zeros_like(p, dtype=_sum_dtype(p)) if t is None else t
+            for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
+        ]
         return tu.unflatten(p_spec, [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], templates)])
 
     return lo.walk(state, params, rebuild)[1]

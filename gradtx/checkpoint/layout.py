@@ -12,7 +12,6 @@ kept apart. Keys are the pieces' paths joined with ``/``. Used by
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import optree
@@ -52,13 +51,12 @@ class Window(NamedTuple):
         return field_name if self.prefix == "<root>" else f"{self.prefix}/{field_name}"
 
 
-@dataclass
-class Layout:
+class Layout(NamedTuple):
     """Where every piece of a state goes: per-parameter subtrees and global leaves, by key."""
 
-    per_param: dict[str, Any] = field(default_factory=dict)  # key -> subtree shaped like the params
-    globals_: dict[str, Any] = field(default_factory=dict)  # key -> leaf
-    windows: list[Window] = field(default_factory=list)
+    per_param: dict[str, Any]  # key -> subtree shaped like the params
+    globals_: dict[str, Any]  # key -> leaf
+    windows: list[Window]
 
 
 def is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
@@ -78,7 +76,7 @@ def walk(
     for an accumulation window's running sum). Without it, the state is returned as it is.
     """
     p_leaves, p_spec = tu.flatten(params)
-    layout = Layout()
+    layout = Layout({}, {}, [])
 
     def piece(kind: str, node: Any, key: str) -> Any:
         (layout.globals_ if kind == "global" else layout.per_param)[key] = node
@@ -149,9 +147,13 @@ def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tens
     return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
 
 
-def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[Any]:
-    """The windowed member of each window state in ``layout`` (``None`` without ``tx``)."""
-    accs = [m for m in members(tx) if isinstance(m, Accumulation)]
+def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any]]:
+    """The per-rank pieces of ``layout``'s windows: (key, window, its windowed member of ``tx``).
+
+    A window with a ``comm`` counts its tokens per rank (``token_weighted``)
+    and sums its grads per rank (``reduce_grads``). Without ``tx`` there are
+    none to find, which is refused while a window is open in several processes.
+    """
     if tx is None:
         if multi_process() and any(int(w.state.micro_step) > 0 for w in layout.windows):
             raise ValueError(
@@ -159,20 +161,19 @@ def windows_with_comm(layout: Layout, tx: GradientTransformation | None, *, what
                 "so the window's per-rank token counts and sums are summed over the data-parallel ranks, "
                 "or save at a window boundary"
             )
-        return [None] * len(layout.windows)
+        return []
+    accs = [m for m in members(tx) if isinstance(m, Accumulation)]
     if len(accs) != len(layout.windows):
         raise ValueError(
             f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
             "window states; pass the transform this state was made by"
         )
-    return accs
-
-
-def per_rank(acc: Accumulation | None) -> tuple[bool, bool]:
-    """(tokens are per rank, the running sum is per rank) for an accumulation window with a ``comm``."""
-    if acc is None or acc.window.comm is None:
-        return False, False
-    return acc.window.token_weighted, acc.window.reduce_grads
+    return [
+        (w.key(name), w, acc)
+        for w, acc in zip(layout.windows, accs)
+        for name, flag in (("tokens", acc.window.token_weighted), ("acc", acc.window.reduce_grads))
+        if flag and acc.window.comm is not None
+    ]
 
 
 # --- tensors onto a template ---------------------------------------------------------------------

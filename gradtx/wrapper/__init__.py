@@ -4,8 +4,7 @@
 * :mod:`gradtx.wrapper.rules`: the chain read by type, and the speed rules.
 * :mod:`gradtx.wrapper.grads`: which params the transform sees, their ``.grad`` buffers.
 * :mod:`gradtx.wrapper.amp`: ``torch.amp.GradScaler`` across an accumulation window.
-* :mod:`gradtx.wrapper.state_dict`: the checkpoint format, and ``opt.state``.
-* :mod:`gradtx.wrapper.copies`: pickle and deepcopy.
+* :mod:`gradtx.wrapper.state_dict`: the checkpoint format, ``opt.state``, pickle and deepcopy.
 * :mod:`gradtx.wrapper.loop_checks`: what the wrapper refuses (an optimizer in the chain, a per-call scheduler).
 * :mod:`gradtx.wrapper.sync`: data-parallel sync (:func:`no_sync`, :func:`sum_grad_reduction`).
 """

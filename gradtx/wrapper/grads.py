@@ -148,9 +148,3 @@ def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:
         for j, p in enumerate(g["params"])
     }
     return [where[id(p)] for p in flat(params)]
-
-
-def pids(groups: list[dict[str, Any]], params: ParamTree) -> list[int]:
-    """torch.optim's state_dict index of each param of ``params``, in order."""
-    index = {id(p): i for i, p in enumerate(p for g in groups for p in g["params"])}
-    return [index[id(p)] for p in flat(params)]

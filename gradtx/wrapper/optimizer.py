@@ -2,7 +2,7 @@
 
 Its parts: :mod:`gradtx.wrapper.rules` (the chain read by type, and the speed
 rules), :mod:`gradtx.wrapper.amp` (GradScaler across a window),
-:mod:`gradtx.wrapper.state_dict` (the checkpoint format and ``opt.state``),
+:mod:`gradtx.wrapper.state_dict` (the checkpoint format, ``opt.state``, copies),
 :mod:`gradtx.wrapper.grads` (which params, their ``.grad``) and
 :mod:`gradtx.wrapper.sync` (data-parallel sync).
 """
@@ -18,7 +18,7 @@ import torch
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.transforms.combine import chain
-from gradtx.wrapper import amp, copies, grads, loop_checks, rules
+from gradtx.wrapper import amp, grads, loop_checks, rules
 from gradtx.wrapper import state_dict as _sd
 from gradtx.wrapper.sync import data_parallel_modules, no_sync
 
@@ -128,10 +128,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def _set_tree(self, tree: grads.ParamTree) -> None:
         self._tree = [list(g) for g in tree]
         self._flat = grads.flat(self._tree)
-        self._sizes = [len(g) for g in self._tree]
-        self._position = {id(p): i for i, p in enumerate(self._flat)}
+        self._position = {p: i for i, p in enumerate(self._flat)}  # by identity: a tensor hashes by id
         # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
-        self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in self._position]
+        self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
         self._device = tu.local(self._flat[0]).device if self._flat else torch.device("cpu")
         if self._fused is not None:
@@ -180,9 +179,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # copies: pickle and deepcopy --------------------------------------------------------------------
 
-    __getstate__ = copies.getstate
-    __setstate__ = copies.setstate
-    __deepcopy__ = copies.deepcopy
+    __getstate__ = _sd.getstate
+    __setstate__ = _sd.setstate
+    __deepcopy__ = _sd.deepcopy
 
     # the params the transform sees -------------------------------------------------------------------
 
@@ -207,14 +206,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
         try:
             grads.check_unique(self.optimizer.param_groups)
-            group = self.optimizer.param_groups[-1]
-            tree = [*self._tree, [p for p in group["params"] if p.requires_grad]]
-            new_state = grads.regrow(self.tx, self._live.tx_state, self._tree, tree)
+            self._grow([*self._tree, grads.trainable(self.optimizer.param_groups[-1:])[0]])
         except Exception:
             self.optimizer.param_groups.pop()  # atomic: the inner optimizer is as it was
             raise
-        self._set_tree(tree)
-        self._live.tx_state = new_state
 
     def param_tree(self) -> list[list[torch.Tensor]]:
         """The params tree the transform sees: one list per param group.
@@ -229,11 +224,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """
         return [list(g) for g in self._tree]
 
-    def _join_unfrozen(self) -> None:
-        """Params unfrozen since the tree was built, now holding a grad, join it with a fresh transform state."""
-        if not any(p.requires_grad and p.grad is not None for p in self._frozen):
-            return
-        tree = grads.joined(self._tree, self.optimizer.param_groups)
+    def _grow(self, tree: grads.ParamTree) -> None:
+        """Make ``tree`` the transform's: its params already there keep their state, new ones start fresh."""
         new_state = grads.regrow(self.tx, self._live.tx_state, self._tree, tree)
         self._set_tree(tree)
         self._live.tx_state = new_state
@@ -258,7 +250,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
           The closure's return value, or ``None`` without a closure. Whether the
           inner optimizer stepped is :attr:`emitted`.
         """
-        if self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or rules.global_hooks():
+        if rules.has_hooks(self):
             return self._step_with_hooks(closure, **extra)
         return self._step_closure(closure, **extra)
 
@@ -291,21 +283,20 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     def _prepare(self) -> None:
         grads.check_groups(self.optimizer.param_groups, self._tree)
-        if self._frozen:
-            self._join_unfrozen()
+        if self._frozen and any(p.requires_grad and p.grad is not None for p in self._frozen):
+            # Params unfrozen since the tree was built, now holding a grad, join it with a fresh transform state.
+            self._grow(grads.joined(self._tree, self.optimizer.param_groups))
         if self._plan.window is not None:
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
     def _read(self, emitting: bool) -> Any:
         """The grads as the transform's tree (zeros for a missing one on an emitting step)."""
-        flat = [p.grad for p in self._flat]
-        leaves = flat
-        if rules.has_none(flat):
-            leaves = [g if g is not None else grads.missing(p, emitting) for p, g in zip(self._flat, flat)]
-        tree, start = [], 0
-        for n in self._sizes:
-            tree.append(leaves[start : start + n])
-            start += n
+        tree = [[p.grad for p in group] for group in self._tree]
+        if any(map(rules.has_none, tree)):
+            return [
+                [g if g is not None else grads.missing(p, emitting) for p, g in zip(params, group)]
+                for params, group in zip(self._tree, tree)
+            ]
         return tree
 
     def _step(self, extra: dict[str, Any]) -> None:

@@ -80,9 +80,7 @@ class Plan:
 
     def emits_next(self, state: OptState, *, flush: bool = False) -> bool:
         """Whether the next step closes the window (always True without one); host counters only."""
-        if flush or self.window is None:
-            return True
-        return self.window.window.emits_next(self.window_state(state), flush=flush)
+        return self.window is None or self.window.window.emits_next(self.window_state(state), flush=flush)
 
     def window_open(self, state: OptState) -> bool:
         return self.window is not None and self.window.window.is_open(self.window_state(state))
@@ -170,12 +168,14 @@ def step_inner(
         # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
         tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
         factor = None
-    if fused is not None and fused.step(tree, grads, factor, skip):
-        return
     if kernel_scales and not torch.compiler.is_compiling():
+        grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
+        found_inf = None if skip is None else skip.to(torch.float32)
+        if fused is not None and fused.step(tree, grads, grad_scale, found_inf):
+            return
         opt: Any = optimizer
-        opt.grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
-        opt.found_inf = None if skip is None else skip.to(torch.float32)
+        opt.grad_scale = grad_scale
+        opt.found_inf = found_inf
         try:
             opt.step()
         finally:
@@ -203,18 +203,14 @@ def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
     return functools.partial(raw, optimizer)
 
 
-def _hooked(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether stepping the optimizer runs more than its kernel: hooks, or a step patched on the instance."""
+def has_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether stepping the optimizer runs step hooks: its own, or global ones."""
     return bool(
         optimizer._optimizer_step_pre_hooks
         or optimizer._optimizer_step_post_hooks
-        or global_hooks()
-        or "step" in optimizer.__dict__  # an lr scheduler's step counter
+        or torch_optimizer._global_optimizer_pre_hooks
+        or torch_optimizer._global_optimizer_post_hooks
     )
-
-
-def global_hooks() -> bool:
-    return bool(torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks)
 
 
 _HYPER = ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
@@ -311,12 +307,17 @@ class FusedAdam:
         self.buckets = []
 
     def step(
-        self, tree: list[list[torch.Tensor]], grads: list[torch.Tensor], factor: torch.Tensor | None,
-        skip: torch.Tensor | None,
+        self, tree: list[list[torch.Tensor]], grads: list[torch.Tensor], grad_scale: torch.Tensor | None,
+        found_inf: torch.Tensor | None,
     ) -> bool:  # fmt: skip
-        """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply."""
+        """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply.
+
+        ``grad_scale`` and ``found_inf`` are the kernel's (fp32; the grads are divided by ``grad_scale``).
+        """
         opt = self.optimizer
-        if _hooked(opt) or torch.compiler.is_compiling() or has_none(grads):
+        # Not when stepping runs more than the kernel: hooks, or a step patched on the instance (an lr scheduler's
+        # step counter).
+        if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads):
             return False
         if self.key != self._key(tree):
             if any(g.is_sparse for g in grads):
@@ -326,8 +327,6 @@ class FusedAdam:
         hyper: list[list[Any]] = [[group.get(k) for k in _HYPER] for group, _ in self.buckets]
         if any(isinstance(h[1][0], torch.Tensor) or isinstance(h[1][1], torch.Tensor) for h in hyper):
             return False  # tensor betas: torch's own step converts them
-        grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
-        found_inf = None if skip is None else skip.to(torch.float32)
         adamw = type(opt) is torch.optim.AdamW
         for (lr, (beta1, beta2), wd, eps, amsgrad, maximize, decoupled), (_, buckets) in zip(hyper, self.buckets):
             kernel = torch._fused_adamw_ if decoupled or adamw else torch._fused_adam_

@@ -1,4 +1,4 @@
-"""The wrapper's checkpoint format, and its ``opt.state``.
+"""The wrapper's checkpoint format, its ``opt.state``, and its copies (pickle, deepcopy).
 
 A :class:`gradtx.TransformedOptimizer` checkpoint is ``torch.optim``'s layout:
 ``{"state": {param_id: {...}}, "param_groups": [...]}``. Each param's entry
@@ -28,6 +28,8 @@ initialises its own state at its first real step, as without the wrapper.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -63,16 +65,15 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     shows no stand-ins.
     """
     optimizer = opt.optimizer
-    missing = [p for p in opt._flat if not optimizer.state.get(p) and p not in opt._live.stand_ins]
+    missing = {p for p in opt._flat if not optimizer.state.get(p) and p not in opt._live.stand_ins}  # by identity
     if not missing:
         return opt._live.stand_ins
-    wanted = {id(p) for p in missing}
     every = [p for g in optimizer.param_groups for p in g["params"]]
     saved_grads = [p.grad for p in every]
     saved_groups = [dict(g) for g in optimizer.param_groups]
     try:
         for p in every:
-            p.grad = torch.zeros_like(p) if id(p) in wanted else None
+            p.grad = torch.zeros_like(p) if p in missing else None
         for g in optimizer.param_groups:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
@@ -145,11 +146,9 @@ class ParamState(_View):
         self._opt, self._p, self._i = opt, p, i
 
     def _inner(self) -> dict[str, Any]:
-        own = self._opt.optimizer.state.get(self._p)
-        if own:
-            return own
-        stand_in = stand_ins(self._opt).get(self._p)
-        return stand_in if stand_in else self._opt.optimizer.state[self._p]
+        """The inner optimizer's own state, or else its stand-in, or else its (empty) entry."""
+        inner_state = self._opt.optimizer.state
+        return inner_state.get(self._p) or stand_ins(self._opt).get(self._p) or inner_state[self._p]
 
     def __getitem__(self, key: str) -> Any:
         return entry(self._opt, self._i) if key == GTX else self._inner()[key]
@@ -176,16 +175,12 @@ class StateView(_View):
     def __init__(self, opt: Any) -> None:
         self._opt = opt
 
-    def _index(self, p: Any) -> int | None:
-        i = self._opt._position.get(id(p))
-        return i if i is not None and self._opt._flat[i] is p else None
-
     def __getitem__(self, p: torch.Tensor) -> Any:
-        i = self._index(p)
+        i = self._opt._position.get(p)
         return ParamState(self._opt, p, i) if i is not None else self._opt.optimizer.state[p]
 
     def __setitem__(self, p: torch.Tensor, value: Any) -> None:
-        i = self._index(p)
+        i = self._opt._position.get(p)
         if i is None:
             self._opt.optimizer.state[p] = value
             return
@@ -199,12 +194,11 @@ class StateView(_View):
         del self._opt.optimizer.state[p]
 
     def __contains__(self, p: object) -> bool:
-        return self._index(p) is not None or p in self._opt.optimizer.state
+        return p in self._opt._position or p in self._opt.optimizer.state
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        ours = self._opt._flat
-        yield from ours
-        yield from (p for p in self._opt.optimizer.state if self._index(p) is None)
+        yield from self._opt._flat
+        yield from (p for p in self._opt.optimizer.state if p not in self._opt._position)
 
 
 # --- state_dict --------------------------------------------------------------------------------------
@@ -242,13 +236,15 @@ def state_dict(opt: Any) -> dict[str, Any]:
             ]
         else:
             del layout.per_param[key]  # between windows nothing gradient-sized is saved
-    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what, acc_dtype=lambda d: d)
+    per_param, globals_ = _ckpt.export_layout(layout, flat, opt.tx, what=what)
     optimizer = opt.optimizer
     inner = optimizer.state_dict()
     # torch's state_dict hands out the live per-param dicts: copy them before adding to them.
     out: dict[Any, Any] = {pid: dict(s) for pid, s in inner["state"].items()}
     shown = stand_ins(opt)
-    for i, (pid, p) in enumerate(zip(grads.pids(optimizer.param_groups, opt._tree), flat)):
+    pid_of = _saved_ids(inner["param_groups"], optimizer.param_groups, what=what)  # torch's index of each param
+    for i, p in enumerate(flat):
+        pid = pid_of[id(p)]
         fresh = not optimizer.state.get(p)
         if fresh:
             out[pid] = dict(shown.get(p, {}))  # the keys the inner optimizer's state will have
@@ -279,16 +275,15 @@ def _flag(entry: dict[str, Any], key: str, default: bool, *, what: str) -> bool:
 def _saved_ids(saved_groups: list[Any], groups: list[dict[str, Any]], *, what: str) -> dict[int, Any]:
     if len(saved_groups) != len(groups):
         raise ValueError(f"{what}: the checkpoint has {len(saved_groups)} param groups, this optimizer {len(groups)}")
-    saved_of: dict[int, Any] = {}
     for i, (saved, group) in enumerate(zip(saved_groups, groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"{what}: param group {i} has {len(saved['params'])} params in the checkpoint, "
                 f"{len(group['params'])} here"
             )
-        for sid, p in zip(saved["params"], group["params"]):
-            saved_of[id(p)] = sid
-    return saved_of
+    return {
+        id(p): sid for saved, group in zip(saved_groups, groups) for sid, p in zip(saved["params"], group["params"])
+    }
 
 
 def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
@@ -342,33 +337,24 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                     "is True), or end the window with opt.step(flush=True) before saving; torch.save/torch.load "
                     "carries an open window"
                 )
-        # An open window's partial sums are shaped and typed like the params (the live state holds placeholders).
-        per_param: dict[str, list[Any]] = {key: [] for key in layout.per_param}
+            else:  # the partial sums are autograd's .grad: checked and placed like the params, in their dtype
+                layout.per_param[key] = flat
         for i, (p, name, e) in enumerate(zip(flat, names, entries)):
             top = ([GLOBAL, AMP] if window else [GLOBAL]) if i == 0 else []
             lo.check_keys(
                 e,
-                [*per_param, *top],
+                [*layout.per_param, *top],
                 optional=(INNER_FRESH, HAS_GRAD),
                 what=f"{what}: gradtx state of {name}",
                 hint=lo.HINT,
             )
-            for key, values in per_param.items():
-                values.append(e[key])
             # A stand-in saved for a param the inner optimizer had not stepped is not its state: it starts fresh.
             if _flag(e, INNER_FRESH, saved_of[id(p)] not in inner_state, what=f"{what}: {name}"):
                 inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
+        per_param = {key: [e[key] for e in entries] for key in layout.per_param}
         new_state = _ckpt.import_layout(
-            layout,
-            opt._live.tx_state,
-            params,
-            per_param,
-            first[GLOBAL],
-            opt.tx,
-            names,
-            what=what,
-            acc_dtype=lambda d: d,  # the wrapper's partial sums are autograd's .grad, in the params' dtype
+            layout, opt._live.tx_state, params, per_param, first[GLOBAL], opt.tx, names, what=what
         )
         if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
             states = opt._plan.states(new_state)
@@ -386,3 +372,55 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     for i, p in enumerate(flat):
         # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
         p.grad = sums[i] if sums is not None and window_open and has_grad[i] else None
+
+
+# --- copies: pickle and deepcopy, as for any torch.optim optimizer -------------------------------------
+#
+# A copy carries everything but what is rebuilt from the user's transform (the chain around it, its plan,
+# the fused rule's cache) and what belongs to the moment (GradScaler's flags, an lr scheduler's patched
+# ``step``). An open accumulation window's partial sums are the params' ``.grad``, which pickle leaves out
+# of a Parameter, so they travel beside it.
+
+_PICKLED_GRADS = "_pickled_window_grads"
+# Rebuilt rather than copied; an lr scheduler patches `step` on the instance with a wrapper bound to the original.
+_REBUILT = ("grad_scale", "found_inf", "step", "tx", "_plan", "_fused", "_state_view")
+
+
+def _copied(opt: Any, what: str) -> dict[str, Any]:
+    """What a copy carries: the instance's attributes but the rebuilt ones, and an open window's partial sums."""
+    state = {k: v for k, v in opt.__dict__.items() if k not in _REBUILT}
+    if opt._live.window_open:
+        check_sums_visible(opt, what)
+        state[_PICKLED_GRADS] = [None if p.grad is None else p.grad.detach() for p in opt._flat]
+    return state
+
+
+def getstate(opt: Any) -> dict[str, Any]:
+    try:
+        pickle.dumps(opt._user_tx)
+    except (pickle.PicklingError, AttributeError, TypeError) as e:
+        raise TypeError(
+            f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
+            "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
+        ) from None
+    return _copied(opt, "pickle")
+
+
+def setstate(opt: Any, state: dict[str, Any]) -> None:
+    window = state.pop(_PICKLED_GRADS, [])
+    opt.__dict__.update(state)
+    opt._setup_tx()
+    for p, g in zip(opt._flat, window):
+        if p.grad is None:
+            p.grad = g
+
+
+def deepcopy(opt: Any, memo: dict[int, Any]) -> Any:
+    """An in-process copy: shares the user's transform (pure functions), copies everything else."""
+    cls: Any = type(opt)
+    new = cls.__new__(cls)
+    memo[id(opt)] = new
+    memo[id(opt._user_tx)] = opt._user_tx
+    setstate(new, copy.deepcopy(_copied(opt, "deepcopy"), memo))
+    new.tx, new._plan = opt.tx, opt._plan
+    return new

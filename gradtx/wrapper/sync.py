@@ -9,7 +9,8 @@ accumulation divides by the global token total itself).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -141,32 +142,24 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
             f"sum_grad_reduction: model must be DistributedDataParallel or contain fully_shard (FSDP2) or DDP modules, "
             f"got {type(model).__name__} with neither; a one-process model needs no call"
         )
+    from gradtx.comm.torch_dist import DDPSumState, ddp_sum_hook  # the comm layer communicates
+
     # Both setters act on one module's own state, not recursively, so each is visited.
     for module in fsdp:
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     for module in ddp:
-        _sum_ddp(module)
+        state = DDPSumState(module.process_group)
+        module.register_comm_hook(state, ddp_sum_hook)
+        for param in module.module.parameters():
+            if param.requires_grad:
+                # A leaf's tensor hook runs before autograd adds the new grad into .grad: the moment to
+                # turn a synced sum back into its 1/W share.
+                param.register_hook(functools.partial(_rescale, state, param))
     return model
 
 
-def _sum_ddp(module: Any) -> Any:
-    """Register the summing hook on one DDP module; returns its state."""
-    from gradtx.comm.torch_dist import DDPSumState, ddp_sum_hook  # the comm layer communicates
-
-    state = DDPSumState(module.process_group)
-    module.register_comm_hook(state, ddp_sum_hook)
-
-    def hook_for(param: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            state.rescale(param)
-            return grad
-
-        return hook
-
-    for param in module.module.parameters():
-        if param.requires_grad:
-            # A leaf's tensor hook runs before autograd adds the new grad into .grad: the moment to
-            # turn a synced sum back into its 1/W share.
-            param.register_hook(hook_for(param))
-    return state
+def _rescale(state: Any, param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A param's grad hook: the DDP sum state turns a synced ``.grad`` back into this rank's share."""
+    state.rescale(param)
+    return grad
