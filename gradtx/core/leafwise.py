@@ -106,9 +106,11 @@ def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
 
 
 def _flatten_alike(trees: Sequence[PyTree]) -> list[tuple[list[Any], Any]]:
-    """Each tree's leaves and structure. A transform's state trees mirror one another (its ``init`` made them
-    together), so the later ones are read through the first's structure, several times faster than a flatten; one
-    whose structure differs is flattened on its own."""
+    """Each tree's leaves and structure. The updates and a transform's state trees mirror one another (its
+    ``init`` made them together), so the later ones are read through the first's structure, several times faster
+    than a flatten (which sorts every dict's keys). A later tree with ``None`` or a subtree where the first has a
+    leaf gets that as its leaf, which the callers' type checks refuse; one whose structure differs otherwise is
+    flattened on its own."""
     first = tu.flatten(trees[0])
     out = [first]
     for tree in trees[1:]:
@@ -139,9 +141,8 @@ class Moments:
     """
 
     def __init__(self, updates: PyTree, trees: Sequence[PyTree], *, name: str, against: str):
-        self.flat = _flatten_alike(trees)
+        *self.flat, (leaves, spec) = _flatten_alike([*trees, updates])
         ref, ref_spec = self.flat[0]
-        leaves, spec = tu.flatten(updates)
         held = [xs for xs, _ in self.flat]
         # Read without a Python loop per leaf (``map`` with C getters): every step sets up the common case, every
         # leaf a plain dense tensor with an update shaped as its moments', in one (device, dtype), this way.
