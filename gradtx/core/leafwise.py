@@ -164,7 +164,7 @@ class Moments:
         self.new = [list(xs) for xs in held]
         self.out = list(self.leaves)
         kept = held if self.full else [[xs[i] for i in self.index] for xs in held]  # those with an update
-        local = (lambda xs: xs) if self.plain else (lambda xs: [tu.local(x) for x in xs])
+        local = (lambda xs: xs) if self.plain else tu.local_shards
         g_all, trees_local = local(self.leaves), [local(xs) for xs in kept]
         self._check = lambda: tu.check_devices(kept[0], self.leaves, updates, what=f"{name}: updates", against=against)
         key = one_group(trees_local[0])

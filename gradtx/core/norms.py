@@ -74,8 +74,7 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[to
     device without fp64); an empty shard contributes 0; complex tensors are
     measured by magnitude.
     """
-    local_norms = _tensor_norms([tu.local(t) for t in tensors], norm_type)
-    return local_norms if math.isinf(norm_type) else [n.pow(norm_type) for n in local_norms]
+    return _tensor_norms(tu.local_shards(tensors), norm_type, not math.isinf(norm_type))
 
 
 def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -87,7 +86,7 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
     each leaf is sharded.
     """
     # (C-level passes over the leaves, no Python loop: this is most of a small model's host work)
-    locals_ = list(leaves) if set(map(type, leaves)) <= {torch.Tensor} else [tu.local(t) for t in leaves]
+    locals_ = tu.local_shards(leaves)
     if not locals_:
         return torch.zeros(())
     return _local_norm(locals_, norm_type)
@@ -110,20 +109,25 @@ def _local_norm(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
 
 def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """The ``norm_type``-norm of each tensor's local shard: fp32, or fp64 for fp64/complex128; an empty shard has 0."""
-    locals_ = [tu.local(t) for t in tensors]
+    locals_ = tu.local_shards(tensors)
     return [n.to(tu.acc_dtype(t.dtype)) for n, t in zip(_tensor_norms(locals_, norm_type), locals_)]
 
 
 @per_rank
-def _tensor_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Each tensor's norm, 0-d in the partial dtype of its device."""
+def _tensor_norms(locals_: list[torch.Tensor], norm_type: float, power: bool = False) -> list[torch.Tensor]:
+    """Each tensor's norm (its ``norm_type``-th power with ``power``), 0-d in the partial dtype of its device.
+
+    The power is taken on each group's norms at once, not on a 0-d tensor per tensor.
+    """
     if not locals_:
         return []
     if _plain_ops_only(locals_):
-        return [_plain_norm(t, norm_type) for t in locals_]
+        plain = [_plain_norm(t, norm_type) for t in locals_]
+        return [n.pow(norm_type) for n in plain] if power else plain
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for idx, norms in _group_norms(locals_, norm_type, with_indices=True):
-        for i, n in zip(idx, norms.to(partial_dtype(norms.device)).unbind()):
+        norms = norms.to(partial_dtype(norms.device))
+        for i, n in zip(idx, (norms.pow(norm_type) if power else norms).unbind()):
             out[i] = n
     return out
 

@@ -210,6 +210,15 @@ def local(x: torch.Tensor) -> torch.Tensor:
         return x.to_local()
 
 
+def local_shards(xs: Sequence[Any]) -> list[Any]:
+    """:func:`local` of each of ``xs``, under one ``no_grad`` for all of them (entering it costs 4 us, a
+    ``to_local()`` inside it 0.4 us: per leaf, most of a norm's host work on a sharded model)."""
+    if not has_dtensor(xs):
+        return list(xs)
+    with torch.no_grad():
+        return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
+
+
 def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:
     """Wrap ``local_result`` the way ``template`` is wrapped (a DTensor with the same spec), with no communication."""
     if DTensor is not None and isinstance(template, DTensor):
