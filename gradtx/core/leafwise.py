@@ -96,11 +96,12 @@ def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
 def same_shapes(leaves: Sequence[Any], reference: Sequence[Any]) -> bool:
     """Whether each of ``leaves`` has its ``reference``'s shape.
 
-    Eagerly ``is_same_size`` answers with a bool, where reading ``.shape`` makes a
-    ``torch.Size`` per leaf: one allocation the garbage collector counts, which on
-    a model of many small tensors sets off collections every step.
+    Eagerly ``is_same_size`` answers with a bool (a DTensor's compares global shapes),
+    where reading ``.shape`` makes a ``torch.Size`` per leaf: one allocation the
+    garbage collector counts, which on a model of many small tensors sets off
+    collections every step.
     """
-    if torch.compiler.is_compiling() or tu.has_dtensor(leaves) or tu.has_dtensor(reference):
+    if torch.compiler.is_compiling():
         return [x.shape for x in leaves] == [x.shape for x in reference]
     return len(leaves) == len(reference) and all(map(torch.Tensor.is_same_size, leaves, reference))
 
