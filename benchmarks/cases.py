@@ -15,6 +15,7 @@ import ctypes
 import gc
 import json
 import math
+import os
 import resource
 import subprocess
 import sys
@@ -32,7 +33,7 @@ from torch import nn
 
 import gradtx as gtx
 from benchmarks import peers
-from benchmarks.harness import CaseResult, Contender, Skipped, measure
+from benchmarks.harness import CaseResult, Contender, Skipped, Timing, measure
 from gradtx.core import norms
 
 LR = 1e-3
@@ -50,6 +51,8 @@ GTX_WRAPPER = "gradtx TransformedOptimizer(AdamW(fused), chain(clip))"
 GTX_PURE = "gradtx functional, pure: update + apply_updates"
 GTX_COMPILED = "gradtx functional, pure, torch.compile"
 GTX_DONATED = "gradtx functional, torch.compile, params and state donated"
+GTX_COMPILED_KEPT = "gradtx functional, pure, torch.compile, freed memory kept"
+TORCH_FUSED_KEPT = "torch clip + AdamW(fused), freed memory kept"
 TORCHOPT_PURE = "torchopt chain(clip_grad_norm, adamw), pure"
 TORCHOPT_INPLACE = "torchopt chain(clip_grad_norm, adamw), in place"
 OPTAX_JIT = "optax chain(clip_by_global_norm, adamw), jit + donation"
@@ -600,6 +603,38 @@ def case_c(ctx: Context) -> CaseResult:
     return result
 
 
+# glibc's settings for a process whose allocator keeps the memory it frees, as a GPU's caching allocator
+# does: no buffer gets an mmap of its own (by default one of 32 MB or more does, unmapped when freed), and
+# the heap is never trimmed. jemalloc and tcmalloc, which torch's CPU launcher preloads, behave alike.
+KEEP_FREED = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**42)}
+
+
+def e_child(quick: bool, threads: int, reps: int, warmup: int) -> None:
+    """Time case b's torch baseline and compiled pure step side by side in this process; print them as JSON.
+
+    Started by :func:`e_freed_memory_kept` with :data:`KEEP_FREED` in its environment.
+    """
+    torch.set_num_threads(threads)
+    ctx = Context(torch.device("cpu"), quick, reps=reps, warmup=warmup, cases="e", peers=False)
+    contenders, _ = step_contenders(ctx, gpt2_shapes(**gpt2_config(ctx)), (TORCH_FUSED, GTX_COMPILED))
+    timings, contention = measure(contenders, reps=reps, warmup=warmup, device=ctx.device, log=lambda _: None)
+    seconds = {t.name: t.seconds for t in timings}
+    print(json.dumps({"seconds": seconds, "contention": contention, "faults": ctx.info["compiled"]["faults"]}))
+
+
+def e_freed_memory_kept(ctx: Context) -> dict[str, Any] | None:
+    """Case e's pure step against torch's in a fresh process whose allocator keeps freed memory (Linux, glibc)."""
+    if ctx.device.type != "cpu" or not sys.platform.startswith("linux"):
+        return None
+    script = Path(__file__).resolve().parent / "run.py"
+    cmd = [sys.executable, str(script), "--child-e", "--threads", str(torch.get_num_threads()), "--reps", str(ctx.reps)]
+    cmd += ["--quick"] if ctx.quick else []
+    env = {**os.environ, **KEEP_FREED}
+    ctx.log("  case e, in a process whose allocator keeps freed memory")
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
     """The compiled functional step: no graph breaks, and its ratios from case b's run."""
     result = CaseResult("e", "e. torch.compile of a gradtx functional step (GPT-2-small shapes)")
@@ -623,6 +658,22 @@ def case_e(ctx: Context, b: CaseResult | None) -> CaseResult:
         f"compile time {info['compile_seconds']:.1f} s (inductor's on-disk cache makes later runs faster). "
         "The timings are the case-b rows, measured side by side in that run."
     )
+    kept = e_freed_memory_kept(ctx)
+    if kept is not None:
+        seconds = kept["seconds"]
+        result.timings += [
+            Timing(GTX_COMPILED_KEPT, seconds[GTX_COMPILED]),
+            Timing(TORCH_FUSED_KEPT, seconds[TORCH_FUSED]),
+        ]
+        result.ratios.append((f"{GTX_COMPILED_KEPT} / its torch fused", GTX_COMPILED_KEPT, TORCH_FUSED_KEPT))
+        settings = " ".join(f"{k}={v}" for k, v in KEEP_FREED.items())
+        result.notes.append(
+            f"The two *freed memory kept* rows ran side by side in a fresh process started with `{settings}`: "
+            "glibc then gives no buffer an mmap of its own and never trims its heap, so the pure step's new buffers "
+            f"reuse the pages of last step's ({kept['faults']:,.0f} minor page faults per step there)."
+        )
+        if kept["contention"] is not None:
+            result.notes[-1] += f" Other processes used {kept['contention']:.0%} of the CPUs while they were timed."
     donated = ctx.info.get("donated", {})
     if "faults" in donated:
         result.notes.append(

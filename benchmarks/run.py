@@ -95,6 +95,8 @@ def targets(results: dict[str, CaseResult], compiled: dict[str, Any]) -> list[Ta
         Target("e", f"e: compiled pure step (graph breaks = {breaks}) / torch clip + AdamW(fused)",
                "<= 1.0 and 0 breaks", ratio(b, cases.GTX_COMPILED, cases.TORCH_FUSED) if breaks is not None else None,
                1.0 if breaks == 0 else None, passed=False if breaks not in (0, None) else None),
+        Target("e-kept", "e: the same step, in a process whose allocator keeps freed memory (see case e)",
+               "<= 1.0", ratio(results.get("e"), cases.GTX_COMPILED_KEPT, cases.TORCH_FUSED_KEPT), 1.0),
         Target("f", "f: assert_matches_single_device, simulated 2x2 mesh / 4 gloo processes", "<= 0.2",
                ratio(f, simulated.F_SIM, simulated.F_GLOO), 0.2),
     ]  # fmt: skip
@@ -120,8 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         "--slow-compiles", action="store_true", help="also jit optax over case c's 2000 leaves (~6 min of XLA compile)"
     )
     parser.add_argument("--child-d", default=None, help=argparse.SUPPRESS)  # one case-d memory run
+    parser.add_argument("--child-e", action="store_true", help=argparse.SUPPRESS)  # case e, freed memory kept
     args = parser.parse_args(argv)
 
+    if args.child_e:
+        cases.e_child(args.quick, args.threads, args.reps or (3 if args.quick else 15), 1 if args.quick else 2)
+        return 0
     if args.child_d is not None:
         cases.d_child(args.child_d, args.quick, args.threads)
         return 0

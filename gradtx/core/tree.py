@@ -273,7 +273,7 @@ def scale_leaves(
             # every pure caller reads from the result (the donated paths run under no_grad).
             # aot autograd (torch 2.13) cannot trace foreach_mul by a tensor scalar while autograd records.
             # Under vmap foreach has no batching rule: one multiply per tensor there too.
-            scaled = [t * f for t in group] if recording or fe.under_vmap() else torch._foreach_mul(group, f)
+            scaled = [t * f for t in group] if recording or fe.under_vmap() else fe.mul(group, f)
             for i, r in zip(idx, scaled):
                 # A 0-d low-precision leaf times a 0-d fp32 factor would promote to fp32.
                 out[i] = like(leaves[i], r if r.dtype == locals_[i].dtype else r.to(locals_[i].dtype))

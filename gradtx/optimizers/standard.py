@@ -317,7 +317,7 @@ def _scale_by_adam(
             else:  # torch.optim.Adam's own arithmetic
                 v = fe.addcmul_(fe.mul(nus, _scalar(b2, device, real)), g, g, value=1 - b2)
             if optax_form:
-                bc2 = _bias_correction(b2, t).to(real)
+                bc2 = fe.computed_once(_bias_correction(b2, t).to(real))  # the per-tensor ops below skip fe
                 root, outer = _on(eps_root, device, real), _on(eps, device, real)
                 m_hat = _debiased(m, g, b1, t, nesterov)
                 u = [mh / (torch.sqrt(vi / bc2 + root) + outer) for mh, vi in zip(m_hat, v)]
