@@ -267,5 +267,3 @@ def test_complex_clip_matches_torch(norm_type):
     finite_tx = gtx.apply_if_finite(gtx.identity(), 1)
     _, fstate = finite_tx.update(grads, finite_tx.init(grads))
     assert not bool(fstate.skipped)
-
-

@@ -56,4 +56,3 @@ def test_a_rank_with_its_own_model_clips_by_its_local_norm_and_does_not_hang():
         assert r["params_match"], rank
     assert results[0]["norms"] == results[1]["norms"]  # DDP's replicas: one norm
     assert results[2]["norms"] != results[0]["norms"]  # rank 2's own
-
