@@ -127,6 +127,30 @@ def test_tokens_too_large_names_tokens():
         tx.update(_params(), tx.init(_params()), tokens=2**70)
 
 
+@pytest.mark.parametrize("flush", ["no", 0, None, torch.tensor(True)])
+def test_flush_must_be_a_bool_functional_and_wrapped(flush):
+    # bool("no") is True: taken as it came, a string would close a window of 4 after 2 micro-steps.
+    tx = gtx.accumulate(4)
+    params = _params()
+    _, state = tx.update(params, tx.init(params))
+    before = copy.deepcopy(state)
+    with pytest.raises(TypeError, match="flush must be True or False"):
+        tx.update(params, state, flush=flush)
+    assert_trees_equal(state, before)
+
+    model = torch.nn.Linear(3, 1)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(4))
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    grads, tx_state = [p.grad.clone() for p in model.parameters()], copy.deepcopy(opt.tx_state)
+    model(torch.ones(2, 3)).sum().backward()
+    with pytest.raises(TypeError, match="flush must be True or False"):
+        opt.step(flush=flush)
+    assert_trees_equal(opt.tx_state, tx_state)
+    assert not opt.emitted
+    assert_trees_equal([p.grad for p in model.parameters()], [2 * g for g in grads])  # the window's sum, kept
+
+
 # --- the factories added with schedules, hyperparameters and spike handling --------------------------
 
 MORE_FACTORIES = {

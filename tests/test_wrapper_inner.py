@@ -1,4 +1,6 @@
-"""The inner optimizer: its stand-in state, SparseAdam, and closure-driven inner optimizers (LBFGS)."""
+"""The inner optimizer: its stand-in state, SparseAdam, closure-driven inner optimizers (LBFGS), hooks, resets."""
+
+from collections import defaultdict
 
 import pytest
 import torch
@@ -165,3 +167,90 @@ def test_step_hooks_on_the_wrapper_and_global_ones_run_as_torch_runs_them():
         ("global", "TransformedOptimizer"),
     ]
     assert opt.emitted  # the pre hook's flush=True reached the step: a window of 2 emitted after one micro-step
+
+
+def test_state_dict_hooks_on_the_wrapper_run_as_torch_runs_them():
+    """The four state-dict hooks torch.optim.Optimizer offers, registered on the wrapper and on a bare AdamW."""
+    calls = {}
+    for name in ("wrapper", "torch"):
+        model = make_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+        opt = gtx.TransformedOptimizer(inner, gtx.clip_by_global_norm(1.0)) if name == "wrapper" else inner
+        seen = calls[name] = []
+        opt.register_state_dict_pre_hook(lambda o, seen=seen, opt=opt: seen.append(("sd_pre", o is opt)))
+        opt.register_state_dict_post_hook(lambda o, sd, seen=seen: seen.append("sd_post") or {**sd, "note": 7})
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd, seen=seen: (
+                seen.append(("load_pre", sd.get("note"))) or {k: v for k, v in sd.items() if k != "note"}
+            )
+        )
+        opt.register_load_state_dict_post_hook(lambda o, seen=seen: seen.append("load_post"))
+        x, y = data()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        sd = opt.state_dict()
+        assert sd["note"] == 7  # what the post hook returned is the checkpoint
+        opt.load_state_dict(sd)  # the load pre hook took "note" out again: a plain torch.optim dict loads
+        assert "note" in sd  # the caller's dict is left as it was
+    assert calls["wrapper"] == calls["torch"] == [("sd_pre", True), "sd_post", ("load_pre", 7), "load_post"]
+
+
+RESETS = {
+    "opt.state.clear()": lambda opt, params: opt.state.clear(),
+    "opt.state = defaultdict(dict)": lambda opt, params: setattr(opt, "state", defaultdict(dict)),
+    "opt.state[p] = {}": lambda opt, params: [opt.state.__setitem__(p, {}) for p in params],
+    "del opt.state[p]": lambda opt, params: [opt.state.__delitem__(p) for p in params],
+    "a new exp_avg": lambda opt, params: [opt.state[p].__setitem__("exp_avg", torch.zeros_like(p)) for p in params],
+    # behind the wrapper's back: the inner optimizer's own state, as torch.optim code that holds it would write
+    "a new exp_avg in opt.optimizer.state": lambda opt, params: [
+        getattr(opt, "optimizer", opt).state[p].__setitem__("exp_avg", torch.zeros_like(p)) for p in params
+    ],
+}
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("reset", list(RESETS))
+def test_resetting_the_inner_state_midway_steps_as_torch_does(reset, fused):
+    """The ways torch users reset or replace an optimizer's state, each done to the wrapper and to a bare Adam."""
+    runs = {}
+    for name in ("wrapper", "torch"):
+        model = make_model()
+        inner = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused)
+        opt = gtx.TransformedOptimizer(inner, gtx.identity()) if name == "wrapper" else inner
+        x, y = data()
+        for step in range(6):
+            if step == 3:
+                RESETS[reset](opt, list(model.parameters()))
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[name] = (model, inner)
+    (model, inner), (ref, ref_inner) = runs["wrapper"], runs["torch"]
+    assert_trees_close(list(model.parameters()), list(ref.parameters()), rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert_trees_close(dict(inner.state[p]), dict(ref_inner.state[q]), rtol=0, atol=0)
+
+
+def test_sparse_adam_behind_a_window_and_another_member_steps_on_the_window_mean():
+    """SparseAdam's sparse grads pass a chain with no norm (accumulate, then identity) as torch would take them."""
+
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Embedding(10, 4, sparse=True)
+
+    emb, ref = make(), make()
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SparseAdam(emb.parameters(), lr=0.1), gtx.chain(gtx.accumulate(2), gtx.identity())
+    )
+    ref_opt = torch.optim.SparseAdam(ref.parameters(), lr=0.1)
+    for step in range(3):
+        for micro in range(2):
+            idx = torch.tensor([step, 3 + micro, 7])
+            emb(idx).pow(2).sum().backward()
+            opt.step()
+            (ref(idx).pow(2).sum() / 2).backward()  # torch's own accumulation: each micro-batch's loss / k
+        ref_opt.step()
+        assert opt.emitted
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_trees_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-6, atol=1e-7)

@@ -79,6 +79,12 @@ def multi_process() -> int:
     return world if world > 1 else 0
 
 
+def _flush(flush: Any) -> bool:
+    if not isinstance(flush, bool):  # bool("no") is True: a string would close the window
+        raise TypeError(f"accumulate: flush must be True or False, got {flush!r}")
+    return flush
+
+
 def _token_count(tokens: Any, comm: Comm | None) -> int:
     """Validate a micro-batch's token count and return it as an int (reads only host memory); changes nothing."""
     world = multi_process() if comm is None else 0
@@ -211,7 +217,7 @@ class Window:
 
     def emits_next(self, state: AccumulateState, *, flush: bool = False) -> bool:
         """Whether the next micro-step closes the window (the ``k``-th, or one passed ``flush=True``)."""
-        return flush or int(state.micro_step) + 1 >= self.window_k(state)
+        return _flush(flush) or int(state.micro_step) + 1 >= self.window_k(state)
 
     def check_tokens(self, tokens: Any) -> int:
         """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
@@ -245,6 +251,7 @@ class Window:
             token mean), what the members after the window see as ``loss``.
         """
         self.check(state)
+        _flush(flush)
         n = self.check_tokens(tokens)
         loss_value = _loss_value(loss)
         loss_sum, loss_weight = state.loss_sum, int(state.loss_weight)

@@ -134,10 +134,14 @@ def not_holding(updates: ParamTree, held: Any) -> ParamTree:
     """
     if torch.compiler.is_compiling():
         return updates
-    storages = {tu.local(t).untyped_storage().data_ptr() for t in tu.flatten(held)[0] if isinstance(t, torch.Tensor)}
-    return [
-        [u.clone() if tu.local(u).untyped_storage().data_ptr() in storages else u for u in group] for group in updates
-    ]
+    storages = {_storage(t) for t in tu.flatten(held)[0] if isinstance(t, torch.Tensor)} - {None}
+    return [[u.clone() if _storage(u) in storages else u for u in group] for group in updates]
+
+
+def _storage(t: torch.Tensor) -> int | None:
+    """Where ``t``'s (local) data lives; ``None`` for a sparse tensor (SparseAdam's grads), which has no storage."""
+    t = tu.local(t)
+    return t.untyped_storage().data_ptr() if t.layout == torch.strided else None
 
 
 def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:

@@ -153,7 +153,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value: Any) -> None:
-        pass  # torch.optim.Optimizer.__init__ sets an empty dict; the state is the view above
+        # torch.optim.Optimizer.__init__ sets an empty dict first: ignored. After that, as for a torch optimizer,
+        # assigning a mapping (``defaultdict(dict)`` to reset) replaces every param's state with the mapping's.
+        if "_live" in self.__dict__ and value is not self._state_view:
+            entries = dict(value)
+            self._state_view.clear()
+            self._state_view.update(entries)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -306,7 +311,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         grad_scale: torch.Tensor | None = self.__dict__.get("grad_scale")
         found_inf: torch.Tensor | None = self.__dict__.get("found_inf")
         plan = self._plan
-        emitting = plan.emits_next(self._live.tx_state, flush=bool(extra.get("flush", False)))
+        emitting = plan.emits_next(self._live.tx_state, flush=extra.get("flush", False))
         amp.check_unscale(found_inf, grad_scale, emitting=emitting)
         tree = self._read(emitting)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
@@ -457,7 +462,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
             (they sit inside DDP/FSDP2 after a :meth:`maybe_no_sync` backward
             that did not sync).
         """
-        return _sd.state_dict(self)
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # hooks registered on the wrapper, as torch
+            pre_hook(self)
+        state_dict = _sd.state_dict(self)
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         """Restore a :meth:`state_dict`, or adopt a plain ``torch.optim`` checkpoint; checks everything first.
@@ -470,4 +481,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         open when saved is open again, its partial sums in ``.grad``; one saved
         at a boundary leaves every ``.grad`` ``None``.
         """
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()  # as torch: a pre-hook may change the dict, never the caller's
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
         _sd.load_state_dict(self, state_dict)  # the fused rule sees the inner optimizer's new state dict
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)

@@ -105,7 +105,7 @@ class Plan:
         if self.window is not None:
             loss = {"loss": extra["loss"]} if extra.get("loss") is not None else {}
             stepped = self.window.window.step(
-                states[0], tokens=extra.get("tokens"), flush=bool(extra.get("flush", False)), device=device, **loss
+                states[0], tokens=extra.get("tokens"), flush=extra.get("flush", False), device=device, **loss
             )
             states[0] = stepped.state
             if stepped.factor is None:
@@ -301,6 +301,24 @@ class FusedAdam:
         self.state_ref = state
         self.key = self._key(tree)
 
+    def _holds_state(self) -> bool:
+        """Whether the cached lists still hold the optimizer's own state tensors, as ``Adam.step`` would read them
+        (after ``opt.state[p] = {}``, or a new ``exp_avg``): checked by identity at each step, in C-level passes."""
+        state = self.optimizer.state
+        try:
+            for _, buckets in self.buckets:
+                for b in buckets:
+                    sts = list(map(state.get, b.params))
+                    for key, held in (
+                        ("step", b.steps), ("exp_avg", b.exp_avgs), ("exp_avg_sq", b.exp_avg_sqs),
+                        ("max_exp_avg_sq", b.max_exp_avg_sqs),
+                    ):  # fmt: skip
+                        if held and not all(map(is_, map(itemgetter(key), sts), held)):
+                            return False
+        except (KeyError, TypeError):  # a param with no state (None), or an entry gone
+            return False
+        return True
+
     def forget(self) -> None:
         """Drop the cached lists (the optimizer's state or groups were replaced)."""
         self.key = None
@@ -319,7 +337,7 @@ class FusedAdam:
         # step counter).
         if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads):
             return False
-        if self.key != self._key(tree):
+        if self.key != self._key(tree) or not self._holds_state():
             if any(g.is_sparse for g in grads):
                 return False
             self._build(tree)

@@ -158,8 +158,6 @@ class ParamState(_View):
             set_entry(self._opt, self._i, value)
         else:
             self._inner()[key] = value
-        if self._opt._fused is not None:
-            self._opt._fused.forget()
 
     def __delitem__(self, key: str) -> None:
         del self._inner()[key]
@@ -192,6 +190,14 @@ class StateView(_View):
 
     def __delitem__(self, p: torch.Tensor) -> None:
         del self._opt.optimizer.state[p]
+
+    def clear(self) -> None:
+        """Drop every param's inner-optimizer state, as ``del opt.state[p]`` drops one's; the transform's stays.
+
+        (Every param the transform sees keeps its ``"gradtx"`` entry, so the
+        mapping's own ``clear``, which deletes until it is empty, would not end.)
+        """
+        self._opt.optimizer.state.clear()
 
     def __contains__(self, p: object) -> bool:
         return p in self._opt._position or p in self._opt.optimizer.state
