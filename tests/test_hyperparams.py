@@ -164,6 +164,22 @@ def test_which_arguments_are_injected():
     assert tx.init({"w": torch.ones(2, dtype=torch.float64)}).hyperparams["learning_rate"].dtype == torch.float64
 
 
+@pytest.mark.parametrize("factory", [gtx.adam, gtx.sgd])
+def test_an_injected_default_weight_decay_needs_params_unless_static(factory):
+    """The injected default weight_decay (0) may be changed in the state, so the L2 term stays and needs params."""
+    params, grads = _problem()
+    tx = gtx.inject_hyperparams(factory)(learning_rate=0.1)
+    with pytest.raises(ValueError, match="needs params.*static_args"):
+        tx.update(grads[0], tx.init(params))
+    fixed = gtx.inject_hyperparams(factory, static_args="weight_decay")(learning_rate=0.1)
+    ref = factory(0.1)
+    state, ref_state = fixed.init(params), ref.init(params)
+    for g in grads[:3]:
+        updates, state = fixed.update(g, state)  # no params: as factory(0.1) runs
+        ref_updates, ref_state = ref.update(g, ref_state)
+        assert_trees_close(updates, ref_updates, rtol=1e-6, atol=1e-7)  # tensor betas: optax's arithmetic, to rounding
+
+
 def test_injected_adamw_with_a_mask_matches_optax():
     params, grads = _problem()
     mask = {"w": True, "b": False, "s": False}

@@ -312,6 +312,16 @@ ALL_TRANSFORMS = {
         lambda: gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adamw(0.1)),
         lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(0.1, weight_decay=0.01)),
     ),
+    "lion": (lambda: gtx.lion(0.1), lambda: optax.lion(0.1)),
+    "ema": (lambda: gtx.ema(0.9), lambda: optax.ema(0.9)),
+    "schedule_free_adamw": (
+        lambda: gtx.schedule_free_adamw(0.1, warmup_steps=2),
+        lambda: optax.contrib.schedule_free_adamw(0.1, warmup_steps=2),
+    ),
+    "schedule_free_sgd": (
+        lambda: gtx.schedule_free_sgd(0.1, warmup_steps=2),
+        lambda: optax.contrib.schedule_free_sgd(0.1, warmup_steps=2),
+    ),
 }
 
 

@@ -14,20 +14,20 @@ A = gtx.AccumulationType
 B = optax.microbatching.AccumulationType
 
 
-def _fun(x, y, scale=1.0):
-    return {"rows": x * 2 + y, "total": (x * y).sum() * scale, "mean": x.mean(0)}
+def _fun(x, y, scale=1.0):  # "losses": one 0-d value per micro-batch, concatenated
+    return {"rows": x * 2 + y, "total": (x * y).sum() * scale, "mean": x.mean(0), "losses": (x - y).sum()}
 
 
 def _fun_jax(x, y, scale=1.0):
-    return {"rows": x * 2 + y, "total": (x * y).sum() * scale, "mean": x.mean(0)}
+    return {"rows": x * 2 + y, "total": (x * y).sum() * scale, "mean": x.mean(0), "losses": (x - y).sum()}
 
 
 @pytest.mark.parametrize("num_real", [None, 2])
 def test_microbatch_matches_optax(num_real):
     x = torch.randn(12, 3, generator=torch.Generator().manual_seed(0))
     y = torch.randn(12, 3, generator=torch.Generator().manual_seed(1))
-    acc = {"rows": A.CONCAT, "total": A.SUM, "mean": A.RUNNING_MEAN}
-    acc_jax = {"rows": B.CONCAT, "total": B.SUM, "mean": B.RUNNING_MEAN}
+    acc = {"rows": A.CONCAT, "total": A.SUM, "mean": A.RUNNING_MEAN, "losses": A.CONCAT}
+    acc_jax = {"rows": B.CONCAT, "total": B.SUM, "mean": B.RUNNING_MEAN, "losses": B.CONCAT}
     got = gtx.microbatch(_fun, argnums=(0, 1), microbatch_size=3, accumulator=acc, num_real_microbatches=num_real)(x, y)
     want = optax.microbatch(
         _fun_jax, argnums=(0, 1), microbatch_size=3, accumulator=acc_jax, num_real_microbatches=num_real

@@ -29,6 +29,26 @@ def lmap(fn: Callable[..., torch.Tensor], tree: PyTree, *rest: PyTree) -> PyTree
     return tu.tree_map(lambda x, *ys: tu.like(x, fn(tu.local(x), *(tu.local(y) for y in ys))), tree, *rest)
 
 
+def lmap_updates(
+    fn: Callable[..., tuple[torch.Tensor, ...]], updates: PyTree, trees: Sequence[PyTree], *, what: str, against: str
+) -> tuple[PyTree, list[PyTree]]:
+    """``fn(g, *leaves) -> (update, *new_leaves)`` over each update leaf and its leaves in ``trees`` (which
+    mirror the params), on local shards, each result wrapped like its template; the first ``len(new_leaves)``
+    trees get the new leaves. A ``None`` update (a param with no gradient) stays ``None`` and leaves its
+    leaves as they were. Returns the updates and those trees."""
+    index, leaves, spec = tu.align(trees[0], updates, what=what, against=against)
+    flat = [tu.flatten(tree) for tree in trees]
+    new = [list(xs) for xs, _ in flat]
+    out = []
+    for j, g in zip(index, leaves):
+        olds = [xs[j] for xs, _ in flat]
+        u, *results = fn(tu.local(g), *map(tu.local, olds))
+        out.append(tu.like(g, u))
+        for k, r in enumerate(results):
+            new[k][j] = tu.like(olds[k], r)
+    return tu.unflatten(spec, out), [tu.unflatten(s, xs) for xs, (_, s) in zip(new, flat)]
+
+
 def zeros_like_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     """Zeros mirroring ``tree`` (a DTensor stays one, with its placements), in ``dtype`` or each leaf's own."""
     return tu.tree_map(lambda x: torch.zeros_like(x, dtype=dtype or x.dtype, requires_grad=False), tree)

@@ -76,15 +76,15 @@ def scale_by_lion(
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, ScaleByLionState, name="scale_by_lion")
-        tu.tensor_leaves(updates, what="scale_by_lion: updates")
-        tu.check_structure(state.mu, updates, what="scale_by_lion: updates", against="the state's momentum")
 
         def mix(b: Any, g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
             c, dtype = lw.as_tensor(b, m), torch.promote_types(g.dtype, m.dtype)
             return (1.0 - c) * g.to(dtype) + c * m.to(dtype)
 
-        out = lw.lmap(lambda g, m: direction(mix(b1, g, m)).to(g.dtype), updates, state.mu)
-        mu = lw.lmap(lambda g, m: mix(b2, g, m).to(m.dtype), updates, state.mu)
+        out, (mu,) = lw.lmap_updates(
+            lambda g, m: (direction(mix(b1, g, m)).to(g.dtype), mix(b2, g, m).to(m.dtype)),
+            updates, [state.mu], what="scale_by_lion: updates", against="the state's momentum",
+        )  # fmt: skip
         return out, ScaleByLionState(count=state.count + 1, mu=mu)
 
     return GradientTransformation(init_fn, update_fn)

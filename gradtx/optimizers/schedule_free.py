@@ -120,15 +120,17 @@ def schedule_free(
         base_updates, base_state = base_optimizer.update(updates, state.base_optimizer_state, params, **extra)
         if base_updates is None:
             raise ValueError("schedule_free: the base optimizer held (returned None); put accumulate() before it")
-        z = lw.lmap(lambda zi, ui: (zi + ui).to(zi.dtype), state.z, base_updates)
 
-        def step(y: torch.Tensor, z_old: torch.Tensor, z_new: torch.Tensor) -> torch.Tensor:
+        def step(u: torch.Tensor, z_old: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             c = ck.to(y.device)
+            z_new = (z_old + u).to(z_old.dtype)
             prev_x = (y - (1.0 - b1) * z_old) / b1
             x = (1.0 - c) * prev_x + c * z_new
-            return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype)
+            return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype), z_new
 
-        out = lw.lmap(step, params, state.z, z)
+        out, (z, _) = lw.lmap_updates(
+            step, base_updates, [state.z, params], what="schedule_free: updates", against="the state's z"
+        )
         return out, state._replace(
             weight_sum=total, step_count=state.step_count + 1, max_lr=max_lr, base_optimizer_state=base_state, z=z
         )
@@ -184,16 +186,18 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, ScaleByRmsWithCountState, name="schedule_free_adamw")
-        tu.tensor_leaves(updates, what="schedule_free_adamw: updates")
         count = state.count + 1
-        nu = lw.lmap(lambda g, v: (1 - decay) * g * g + decay * v, updates, state.nu)
 
-        def scaled(g: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            t = count.to(v.device, tu.acc_dtype(v.dtype))
-            v_hat = v / (1 - decay**t).to(v.dtype)
-            return g * (1 / (torch.sqrt(v_hat) + eps))
+        def step(g: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            nu = (1 - decay) * g * g + decay * v
+            t = count.to(nu.device, tu.acc_dtype(nu.dtype))
+            v_hat = nu / (1 - decay**t).to(nu.dtype)
+            return g * (1 / (torch.sqrt(v_hat) + eps)), nu
 
-        return lw.lmap(scaled, updates, nu), ScaleByRmsWithCountState(count=count, nu=nu)
+        out, (nu,) = lw.lmap_updates(
+            step, updates, [state.nu], what="schedule_free_adamw: updates", against="its second moment"
+        )
+        return out, ScaleByRmsWithCountState(count=count, nu=nu)
 
     return GradientTransformation(init_fn, update_fn)
 

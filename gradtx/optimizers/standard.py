@@ -375,7 +375,15 @@ def add_decayed_weights(
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, EmptyState, name="add_decayed_weights")
         if params is None:
-            raise ValueError("add_decayed_weights: update() needs params (the weights to decay), got params=None")
+            hint = ""
+            if isinstance(weight_decay, torch.Tensor):  # its value may change (injected): never read on the host
+                hint = (
+                    "; weight_decay is a tensor (inject_hyperparams injects gtx.adam's and gtx.sgd's default 0 too): "
+                    "pass params, or name it in static_args to keep it a fixed number"
+                )
+            raise ValueError(
+                f"add_decayed_weights: update() needs params (the weights to decay), got params=None{hint}"
+            )
         ms = lw.Moments(updates, (params,), name="add_decayed_weights", against="the params")
         if _is_zero(weight_decay):
             return updates, state

@@ -74,8 +74,6 @@ def ema(
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, EmaState, name="ema")
-        tu.tensor_leaves(updates, what="ema: updates")
-        tu.check_structure(state.ema, updates, what="ema: updates", against="the state's average")
         count = state.count + 1
 
         def average(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -83,15 +81,15 @@ def ema(
             dtype = torch.promote_types(g.dtype, m.dtype)
             return (1 - d) * g.to(dtype) + d * m.to(dtype)
 
-        def output(m: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        def step(g: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            m = average(g, old)
+            out = m
             if debias:
                 t = count.to(m.device, tu.acc_dtype(m.dtype))
-                m = m / (1 - lw.as_tensor(decay, t) ** t).to(m.dtype)
-            return m.to(g.dtype)
+                out = m / (1 - lw.as_tensor(decay, t) ** t).to(m.dtype)
+            return out.to(g.dtype), m.to(old.dtype)
 
-        new_ema = lw.lmap(average, updates, state.ema)
-        out = lw.lmap(output, new_ema, updates)
-        stored = tu.tree_map(lambda m, old: m.to(old.dtype), new_ema, state.ema)
+        out, (stored,) = lw.lmap_updates(step, updates, [state.ema], what="ema: updates", against="the state's average")
         return out, EmaState(count=count, ema=stored)
 
     return GradientTransformation(init_fn, update_fn)

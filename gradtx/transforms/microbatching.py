@@ -152,7 +152,8 @@ def microbatch(
                     carry[k] = carry[k] + leaf
         finish = {
             AccumulationType.MEAN: lambda c: c / num,
-            AccumulationType.CONCAT: lambda c: c.transpose(0, 1).reshape(-1, *c.shape[2:]),  # the batch's row order
+            # the batch's row order; one value per micro-batch (a 0-d output, e.g. a loss) stays in micro-batch order
+            AccumulationType.CONCAT: lambda c: c.transpose(0, 1).reshape(-1, *c.shape[2:]) if c.ndim > 1 else c,
         }
         return optree.tree_unflatten(spec, [finish.get(k, lambda c: c)(c) for k, c in zip(kinds, carry)])
 
