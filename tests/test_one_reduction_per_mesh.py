@@ -272,6 +272,19 @@ def test_what_keeps_one_collective_per_dim(calls):
             assert len(calls) == plan.num_collectives() == 2, calls
 
 
+@pytest.mark.parametrize("p", [2.0, float("inf")])
+def test_plain_leaves_beside_two_sharded_dims_stay_each_ranks_own(calls, p):
+    """An undeclared plain grad is each rank's own (no collective): one sum over the mesh would average it."""
+    full = {"w": _randn(71, (4, 2)), "v": _randn(72, (2, 4))}
+    with testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        grads = testing.distribute(full, mesh, {"w": [Shard(0), Replicate()], "v": [Replicate(), Shard(1)]})
+        grads["x"] = local_tensor_mode().rank_map(lambda r: torch.full((2,), 3.0 * (r + 1)))
+        norm = _values(gtx.global_norm(grads, p))
+        for r, value in norm.items():  # each rank: the sharded leaves' global norm with its own plain leaf
+            torch.testing.assert_close(value.double(), _reference({**full, "x": torch.full((2,), 3.0 * (r + 1))}, p))
+        assert calls == [("world", 1)], calls  # still one reduction over the mesh, x added after it
+
+
 class _SizedComm:
     """A picklable comm that only knows group sizes (no reduction is run here)."""
 

@@ -153,3 +153,14 @@ def test_a_checkpointed_open_token_window_goes_to_each_groups_first_simulated_ra
     restored = _per_rank(resumed.acc["w"])
     torch.testing.assert_close(restored[0], micro[0]["w"] + micro[1]["w"])
     torch.testing.assert_close(restored[1], torch.zeros(3, 2))
+
+
+def test_a_replica_check_with_no_plain_tensor_says_there_was_nothing_to_compare():
+    from torch.distributed.tensor import Shard
+
+    full = _tree(5, w=(4, 2))
+    with testing.simulated_mesh(2, ("dp",)) as mesh:
+        grads = testing.distribute(full, mesh, {"w": [Shard(0)]})
+        audit = gtx.norm_audit(grads, check_replicas=True)
+    assert any("no plain tensors" in n for n in audit.notes)
+    assert not any("replicas (DDP" in n for n in audit.notes)

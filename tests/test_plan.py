@@ -71,6 +71,26 @@ def test_mesh_groups_needs_no_comm_in_one_process():
     assert isinstance(plan.comm, LocalComm) and plan.num_collectives() == 0
 
 
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"sharded": {"b": "tpp"}}, r"sharded\['b'\]"),
+        ({"pp_group": "ppp"}, "pp_group"),
+        ({"pp_group": "world", "tied": {"a": "ppx"}}, r"tied\['a'\]"),
+    ],
+)
+def test_a_misspelt_group_key_names_the_argument_that_gave_it(kwargs, arg):
+    from gradtx.comm.torch_dist import TorchComm
+
+    pytest.importorskip("torch.distributed._local_tensor")
+    from gradtx import testing
+
+    with testing.simulated_mesh(2, ("tp",)) as mesh:
+        tree = {"a": torch.ones(2), "b": torch.ones(2)}
+        with pytest.raises(ValueError, match=rf"mesh_groups: {arg} names group '\w+', which the comm does not know"):
+            gtx.mesh_groups(tree, comm=TorchComm(mesh), **kwargs)
+
+
 def test_global_norm_of_refuses_something_that_is_not_a_plan():
     with pytest.raises(TypeError, match="mesh_groups must be a plan"):
         global_norm_of([torch.ones(2)], 2.0, mesh_groups={"a": "dp"})

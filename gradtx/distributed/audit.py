@@ -254,11 +254,14 @@ def norm_audit(
     same: bool | None = None
     if check_replicas:
         undeclared = [x for i, x in enumerate(leaves) if not isinstance(x, DTensor) and not plan.leaf(i).shards]
-        same = _replicas_agree(undeclared, leaves, comm, group)
-        plain_as = "plain (replicas)" if same else "plain (differs across ranks)"
-        if same:
+        same = _replicas_agree(undeclared, leaves, comm, group)  # issued on every rank alike, plain tensors or not
+        if not undeclared:
+            notes.append("check_replicas: no plain tensors here, so nothing to compare across ranks")
+        elif same:
+            plain_as = "plain (replicas)"
             notes.append("plain tensors equal on every rank: replicas (DDP's layout), each rank's norm is the model's")
         else:
+            plain_as = "plain (differs across ranks)"
             notes.append(
                 "plain tensors that differ across ranks: each rank's norm is its own. A pipeline stage needs "
                 "mesh_groups(params, pp_group=...); unsynced data-parallel grads need their all-reduce first"

@@ -171,11 +171,11 @@ def leaf_norms_of(
     plan = _plan(leaves, mesh_groups, None, what, tree)
     if plan is None:
         return norms.tensor_norms(leaves, 2.0)
-    return unitwise_norms(plan, [leaves], unitwise=False)[0]  # one unit per leaf: 0-d each
+    return unitwise_norms(plan, [leaves], unitwise=False, what=what)[0]  # one unit per leaf: 0-d each
 
 
 def unitwise_norms(
-    plan: MeshGroups, trees: Sequence[Sequence[torch.Tensor]], *, unitwise: bool
+    plan: MeshGroups, trees: Sequence[Sequence[torch.Tensor]], *, unitwise: bool, what: str = "adaptive_clip"
 ) -> list[list[torch.Tensor]]:
     """The fp32 L2 norm of each output unit of every leaf under ``plan``, for several aligned leaf lists at once.
 
@@ -191,7 +191,7 @@ def unitwise_norms(
     spanning: list[tuple[int, int, tuple[GroupKey, ...]]] = []  # (list, leaf, the groups its units span)
     out: list[list[torch.Tensor]] = []
     for t, leaves in enumerate(trees):
-        plan.check(leaves, what="adaptive_clip")
+        plan.check(leaves, what=f"{what}: {('updates', 'params')[t]}" if len(trees) > 1 else what)
         row: list[torch.Tensor] = []
         for i, leaf in enumerate(leaves):
             spans = plan.unit_groups(i, unitwise=unitwise)
@@ -220,8 +220,9 @@ def tree_unitwise_norms(
     mesh_groups: MeshGroups | None = None,
     tree: PyTree | None = None,
     slot: PlanSlot | None = None,
+    what: str = "adaptive_clip",
 ) -> list[list[torch.Tensor]]:
-    """Per-unit fp32 L2 norms of grads and weights (AGC), reduced where a unit spans ranks.
+    """Per-unit fp32 L2 norms of grads and weights (AGC, lamb, lars), reduced where a unit spans ranks.
 
     The plan is ``mesh_groups``, else the one the grads' placements define, else none
     (every unit is local). Units follow PyTorch layouts: see :func:`gradtx.unitwise_norm`.
@@ -229,10 +230,10 @@ def tree_unitwise_norms(
     Returns:
       ``[grad_norms, weight_norms]``, each broadcastable to its leaf's local shard.
     """
-    plan = _plan(grads, mesh_groups, slot, "adaptive_clip", tree)
+    plan = _plan(grads, mesh_groups, slot, what, tree)
     if plan is None:
         return [[norms.unitwise_norm(x, unitwise=unitwise) for x in leaves] for leaves in (grads, weights)]
-    return unitwise_norms(plan, [grads, weights], unitwise=unitwise)
+    return unitwise_norms(plan, [grads, weights], unitwise=unitwise, what=what)
 
 
 def agree_finite(
@@ -304,8 +305,11 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
         parts.append(s if b.weight == 1.0 or inf else s * b.weight)
     if plan.flat is not None:  # divided by its replica count, a part counts once in a sum over the whole mesh
         group, replicas = plan.flat
-        parts = [p if inf or r == 1 else p / r for p, r in zip(parts, replicas)]
-        (stage,) = plan.comm.all_reduce([norms.total(parts, norm_type, device).to(part)], op, group)
+        buckets = plan._buckets
+        summed = [p if inf or r == 1 else p / r for p, r, b in zip(parts, replicas, buckets) if b.groups]
+        (stage,) = plan.comm.all_reduce([norms.total(summed, norm_type, device).to(part)], op, group)
+        # Plain leaves (a bucket of no group) are each rank's own: added after, never averaged over the ranks.
+        stage = norms.total([stage, *(p for p, b in zip(parts, buckets) if not b.groups)], norm_type, device).to(part)
     else:
         parts = reduce_over_groups(plan.comm, parts, [b.groups for b in plan._buckets], plan.group_order, op)
         stage = norms.total(parts, norm_type, device).to(part)

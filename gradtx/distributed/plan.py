@@ -359,11 +359,15 @@ def _build(
     dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
 
-    def canonical(group: GroupKey) -> GroupKey:
+    def canonical(group: GroupKey, arg: str) -> GroupKey:
         # Two keys for one process group (the string "tp" and the mesh's ProcessGroup, or two meshes'
         # groups over the same ranks) must share one collective, so each group is named by the first
         # key seen for it.
-        return seen.setdefault(comm.group_id(group), group)
+        try:
+            group_id = comm.group_id(group)
+        except (ValueError, KeyError, TypeError) as e:  # a misspelt key: say which argument gave it
+            raise ValueError(f"{what}: {arg} names group {group!r}, which the comm does not know: {e}") from None
+        return seen.setdefault(group_id, group)
 
     matched: set[Any] = set()  # the keys of sharded and tied that name a leaf
     infos: list[_Leaf] = []
@@ -380,7 +384,7 @@ def _build(
                         "pending sum is not the sum of norms, so reduce it first (redistribute to Replicate or Shard)"
                     )
                 if _is_shard(placement) and mesh.size(mesh_dim) > 1:
-                    group_key = canonical(_mesh_dim_key(mesh, mesh_dim, comm))
+                    group_key = canonical(_mesh_dim_key(mesh, mesh_dim, comm), f"leaf at {where}")
                     if comm.size(group_key) != mesh.size(mesh_dim):  # a LocalComm would drop the other shards
                         raise ValueError(
                             f"{what}: leaf at {where} is sharded over a mesh dim of {mesh.size(mesh_dim)} "
@@ -396,7 +400,7 @@ def _build(
                         raise ValueError(
                             f"{what}: sharded[{key!r}]: dim {dim} is out of range for leaf {where} of shape {tuple(leaf.shape)}"
                         )
-                    group = canonical(group)
+                    group = canonical(group, f"sharded[{key!r}]")
                     if any(group == g for g, _ in shards):  # (a mesh dim, or a declaration before this one)
                         raise ValueError(f"{what}: leaf at {where} is sharded over group {group!r} twice")
                     shards.append((group, dim))
@@ -404,7 +408,7 @@ def _build(
         matched.update(tie_keys)
         if len(tie_keys) > 1:
             raise ValueError(f"{what}: leaf at {where} matches several tied keys: {tie_keys}")
-        tie_group = canonical(tied[tie_keys[0]]) if tie_keys else None
+        tie_group = canonical(tied[tie_keys[0]], f"tied[{tie_keys[0]!r}]") if tie_keys else None
         infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(shards), tie_group, where))
 
     unused = [key for key in [*sharded, *tied] if isinstance(key, str) and key not in matched]
@@ -414,7 +418,7 @@ def _build(
 
     if device is None:
         device = tu.local(flat_leaves[0]).device if flat_leaves else torch.device("cpu")
-    pp = canonical(pp_group) if pp_group is not None else None
+    pp = canonical(pp_group, "pp_group") if pp_group is not None else None
     if pp is None and any(info.tie_group is not None for info in infos):
         raise ValueError(f"{what}: tied weights need pp_group, the group over which the stages' norms add up")
     undeclared = any(info.placements is None and not info.shards for info in infos)

@@ -81,12 +81,12 @@ def scale_by_trust_ratio(
             full = tu.scatter(len(all_params), index, leaves)
             full = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
             u_all, p_all = inferred.tree_unitwise_norms(
-                full, all_params, unitwise=False, mesh_groups=mesh_groups, tree=params
+                full, all_params, unitwise=False, mesh_groups=mesh_groups, tree=params, what=name
             )
             u_norms, p_norms = [u_all[i] for i in index], [p_all[i] for i in index]
         else:
             u_norms, p_norms = inferred.tree_unitwise_norms(
-                leaves, [all_params[i] for i in index], unitwise=False, mesh_groups=mesh_groups, tree=updates
+                leaves, [all_params[i] for i in index], unitwise=False, mesh_groups=mesh_groups, tree=updates, what=name
             )
         out = []
         for u, u_norm, p_norm in zip(leaves, u_norms, p_norms):
