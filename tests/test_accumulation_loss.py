@@ -122,6 +122,24 @@ def test_window_loss_is_the_mean_or_the_token_mean_of_the_micro_step_losses():
         assert float(state[0].last_loss) == pytest.approx(want)
 
 
+def test_a_window_nested_in_a_chain_hands_its_loss_on_as_a_flat_one_does():
+    """chain(chain(accumulate, clip), guard): what follows the inner chain sees the window's loss, not the last one."""
+    seen = []
+
+    def record(updates, state, params=None, **extra):
+        seen.append(float(extra["loss"]))
+        return updates, state
+
+    spy = gtx.GradientTransformation(lambda p: gtx.EmptyState(), record)
+    flat = gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0), spy)
+    nested = gtx.chain(gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(1.0)), spy)
+    for tx in (flat, nested):
+        state = tx.init({"w": torch.zeros(2)})
+        for loss in (1.0, 3.0):
+            _, state = tx.update({"w": torch.ones(2)}, state, loss=torch.tensor(loss))
+    assert seen == [2.0, 2.0]
+
+
 def test_a_loss_given_on_some_micro_steps_only_is_their_mean():
     params = {"w": torch.zeros(2)}
     tx = gtx.accumulate(3)

@@ -99,6 +99,9 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     p_leaves, _ = tu.flatten(params)
     layout = lo.layout_of(state, params)
     per_param, globals_ = export_layout(layout, p_leaves, tx, what="gradtx.checkpoint.functional.state_dict")
+    for w in layout.windows:  # 1 where the open window holds a sum (a param whose grads were None holds none)
+        sums = _per_param_leaves(layout, w.key("acc"), p_leaves)
+        per_param[w.key("held")] = [torch.tensor(float(t is not None)) for t in sums]
     return {
         "state": {n: {k: v[i] for k, v in per_param.items()} for i, n in enumerate(names)},
         "global": globals_,
@@ -184,12 +187,18 @@ def load_state_dict(
         )
     lo.check_keys(saved["state"], names, what=f"{what}: parameter names", hint="the params differ from the saved run's")
     layout = lo.layout_of(state, params)
+    held_keys = [w.key("held") for w in layout.windows]
     for name in names:
         lo.check_keys(
-            saved["state"][name], list(layout.per_param), what=f"{what}: state of param {name!r}", hint=lo.HINT
+            saved["state"][name], [*layout.per_param, *held_keys], what=f"{what}: state of param {name!r}", hint=lo.HINT
         )
     per_param = {key: [saved["state"][name][key] for name in names] for key in layout.per_param}
-    return import_layout(layout, state, params, per_param, saved["global"], tx, names, what=what)
+    held = {
+        key.removesuffix("held") + "acc": [lo.flag(saved["state"][name][key], what=f"{what}: {key!r} of param {name!r}")
+                                           for name in names]
+        for key in held_keys
+    }  # fmt: skip
+    return import_layout(layout, state, params, per_param, saved["global"], tx, names, what=what, held=held)
 
 
 def import_layout(
@@ -202,11 +211,14 @@ def import_layout(
     names: list[str],
     *,
     what: str,
+    held: dict[str, list[bool]] | None = None,
 ) -> OptState:
     """Validate everything, then build the new state (the caller commits it).
 
     Where a window's running sum holds nothing in ``layout``, the saved sums are
     checked and placed like the params, in the sum's dtype (at least fp32).
+    ``held`` (sum key -> one flag per param) marks the params an open window
+    held no sum for: they get the placeholder back.
     """
     p_leaves, p_spec = tu.flatten(params)
     lo.check_keys(globals_, list(layout.globals_), what=f"{what}: global state", hint=lo.HINT)
@@ -251,7 +263,10 @@ def import_layout(
             torch.zeros_like(p, dtype=_sum_dtype(p)) if t is None else t
             for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
         ]
-        return tu.unflatten(p_spec, [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], templates)])
+        restored = [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], templates)]
+        if kind == "acc" and held is not None and key in held:
+            restored = [r if h else e for r, h, e in zip(restored, held[key], tu.flatten(empty_sums(params))[0])]
+        return tu.unflatten(p_spec, restored)
 
     return lo.walk(state, params, rebuild)[1]
 

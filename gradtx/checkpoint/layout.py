@@ -225,4 +225,11 @@ def check_keys(got: Any, expected: list[str], *, what: str, hint: str, optional:
         raise ValueError(f"{what}: the checkpoint has {extra[0]!r}, which this state lacks (it has {expected}); {hint}")
 
 
+def flag(value: Any, *, what: str) -> bool:
+    """A saved 0/1 flag (a one-element tensor) as a bool."""
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        raise ValueError(f"{what} must be a one-element tensor")
+    return bool(value.reshape(()) != 0)
+
+
 HINT = "the checkpoint was made by a different chain; build the same transform (members, order, k) to load it"

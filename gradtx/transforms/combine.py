@@ -110,6 +110,14 @@ def _chain(txs: Sequence[GradientTransformation], names: Sequence[str] | None = 
         return updates, out.join_states(new_states)
 
     out = Chain(init_fn, update_fn, txs, names)
+    if any(hands_on):  # nested in another chain, this one hands on what its members hand on
+
+        def downstream_extra(state: OptState, extra: dict[str, Any]) -> dict[str, Any]:
+            for hand_on, member_state in zip(hands_on, out.member_states(state)):
+                extra = hand_on(member_state, extra) if hand_on is not None else extra
+            return extra
+
+        out.downstream_extra = downstream_extra  # type: ignore[attr-defined]
     return out
 
 

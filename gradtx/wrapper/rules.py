@@ -308,7 +308,7 @@ class FusedAdam:
         try:
             for _, buckets in self.buckets:
                 for b in buckets:
-                    sts = list(map(state.get, b.params))
+                    sts: list[Any] = list(map(state.get, b.params))
                     for key, held in (
                         ("step", b.steps), ("exp_avg", b.exp_avgs), ("exp_avg_sq", b.exp_avg_sqs),
                         ("max_exp_avg_sq", b.max_exp_avg_sqs),

@@ -256,8 +256,8 @@ def state_dict(opt: Any) -> dict[str, Any]:
             out[pid] = dict(shown.get(p, {}))  # the keys the inner optimizer's state will have
         gtx: dict[str, Any] = {key: values[i] for key, values in per_param.items()}
         gtx[INNER_FRESH] = torch.tensor(float(fresh))
-        if window and open_:
-            gtx[HAS_GRAD] = torch.tensor(float(p.grad is not None))
+        if window:  # at a boundary too, so a template holds the key (torch's full_state_dict loads need it)
+            gtx[HAS_GRAD] = torch.tensor(float(open_ and p.grad is not None))
         if i == 0:
             gtx[GLOBAL] = globals_
             if window:
@@ -271,11 +271,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
 
 def _flag(entry: dict[str, Any], key: str, default: bool, *, what: str) -> bool:
     value = entry.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise ValueError(f"{what}: {key!r} must be a one-element tensor")
-    return bool(value.reshape(()) != 0)
+    return default if value is None else lo.flag(value, what=f"{what}: {key!r}")
 
 
 def _saved_ids(saved_groups: list[Any], groups: list[dict[str, Any]], *, what: str) -> dict[int, Any]:
