@@ -225,6 +225,7 @@ class _Bucket(NamedTuple):
     steps: list[torch.Tensor]
     counter: torch.Tensor  # the steps' one buffer: each state["step"] is a 0-d view into it
     device: torch.device
+    states: list[dict[str, Any]]  # the params' state dicts the lists were read from
 
 
 class FusedAdam:
@@ -246,6 +247,7 @@ class FusedAdam:
         self.key: Any = None
         self.state_ref: Any = None
         self.buckets: list[tuple[dict[str, Any], list[_Bucket]]] = []
+        self.entries: list[Any] = []
 
     @staticmethod
     def fits(optimizer: torch.optim.Optimizer) -> bool:
@@ -294,28 +296,32 @@ class FusedAdam:
                         [s["step"] for s in sts],
                         counter,
                         device,
+                        sts,
                     )
                 )
             self.buckets.append((group, buckets))
             offset += len(params)
         self.state_ref = state
+        self.entries = list(state.values())  # every param's state dict, in the state's order
         self.key = self._key(tree)
 
     def _holds_state(self) -> bool:
-        """Whether the cached lists still hold the optimizer's own state tensors, as ``Adam.step`` would read them
-        (after ``opt.state[p] = {}``, or a new ``exp_avg``): checked by identity at each step, in C-level passes."""
-        state = self.optimizer.state
+        """Whether the cached lists still hold the optimizer's own state, as ``Adam.step`` would read it (after
+        ``opt.state[p] = {}``, or a new ``exp_avg``): checked by identity at each step, in C-level passes over the
+        state's dicts (a lookup by param would call ``Tensor.__hash__``, Python, once per param)."""
+        entries = self.entries
+        if len(self.optimizer.state) != len(entries) or not all(map(is_, self.optimizer.state.values(), entries)):
+            return False
         try:
             for _, buckets in self.buckets:
                 for b in buckets:
-                    sts: list[Any] = list(map(state.get, b.params))
                     for key, held in (
                         ("step", b.steps), ("exp_avg", b.exp_avgs), ("exp_avg_sq", b.exp_avg_sqs),
                         ("max_exp_avg_sq", b.max_exp_avg_sqs),
                     ):  # fmt: skip
-                        if held and not all(map(is_, map(itemgetter(key), sts), held)):
+                        if held and not all(map(is_, map(itemgetter(key), b.states), held)):
                             return False
-        except (KeyError, TypeError):  # a param with no state (None), or an entry gone
+        except KeyError:  # an entry gone
             return False
         return True
 
