@@ -151,6 +151,73 @@ def test_flush_must_be_a_bool_functional_and_wrapped(flush):
     assert_trees_equal([p.grad for p in model.parameters()], [2 * g for g in grads])  # the window's sum, kept
 
 
+NAN = float("nan")
+REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed later naming something else
+    "onecycle pct_start": (
+        lambda: gtx.linear_onecycle_schedule(100, 1.0, pct_start=-1.0),
+        r"linear_onecycle_schedule: pct_start must be in \[0, 1\]",
+    ),
+    "onecycle pct_start bool": (
+        lambda: gtx.cosine_onecycle_schedule(100, 1.0, pct_start=True),
+        "cosine_onecycle_schedule: pct_start must be a number",
+    ),
+    "onecycle div_factor": (
+        lambda: gtx.cosine_onecycle_schedule(100, 1.0, div_factor=0.0),
+        "cosine_onecycle_schedule: div_factor must be > 0",
+    ),
+    "onecycle final_div_factor": (
+        lambda: gtx.linear_onecycle_schedule(100, 1.0, final_div_factor=NAN),
+        "linear_onecycle_schedule: final_div_factor must not be NaN",
+    ),
+    "warmup peak_value": (
+        lambda: gtx.warmup_exponential_decay_schedule(0.0, NAN, 10, 100, 0.5),
+        "warmup_exponential_decay_schedule: peak_value",
+    ),
+    "exponential_decay rate": (
+        lambda: gtx.exponential_decay(1.0, 10, -0.5),
+        "exponential_decay: decay_rate must be >= 0",
+    ),
+    "polynomial power": (
+        lambda: gtx.polynomial_schedule(1.0, 0.0, -1.0, 10),
+        "polynomial_schedule: power must be >= 0",
+    ),
+    "cosine exponent": (
+        lambda: gtx.cosine_decay_schedule(1.0, 10, exponent=-1.0),
+        "cosine_decay_schedule: exponent must be >= 0",
+    ),
+    "ema int accumulator": (
+        lambda: gtx.ema(0.9, accumulator_dtype=torch.int32),
+        "ema: accumulator_dtype must be a floating",
+    ),
+    "ema decay 1 debiased": (lambda: gtx.ema(1.0), "ema: decay must be < 1 with debias=True"),
+    "schedule_free int state": (
+        lambda: gtx.schedule_free_sgd(0.1, state_dtype=torch.int64),
+        "state_dtype must be a floating",
+    ),
+    "lion int moment": (lambda: gtx.lion(0.1, mu_dtype=torch.int32), "scale_by_lion: mu_dtype must be a floating"),
+    "dpsgd momentum": (lambda: gtx.dpsgd(0.1, 1.0, 1.0, seed=0, momentum=-0.5), "dpsgd: momentum must be >= 0"),
+    "add_noise seed": (lambda: gtx.add_noise(0.01, 0.55, seed=2**70), r"add_noise: seed must be < 2\*\*64"),
+    "muon ns_coeffs NaN": (lambda: gtx.muon(0.02, ns_coeffs=(NAN, 1.0, 1.0)), "ns_coeffs must be finite"),
+    "muon ns_coeffs bools": (lambda: gtx.muon(0.02, ns_coeffs=(True, False, True)), "ns_coeffs must be three numbers"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED_AT_CONSTRUCTION))
+def test_more_bad_arguments_are_refused_at_construction_naming_them(case):
+    build, match = REFUSED_AT_CONSTRUCTION[case]
+    with pytest.raises((ValueError, TypeError), match=match):
+        build()
+
+
+def test_update_time_contracts_found_by_review():
+    bad_verdict = gtx.skip_if(gtx.identity(), lambda updates, step, params: torch.tensor(False))
+    with pytest.raises(TypeError, match="should_skip_update_fn must return \\(verdict, state\\)"):
+        bad_verdict.init({"w": torch.ones(2)})
+    for tx in (gtx.scale_by_shape(), gtx.orthogonalize()):
+        with pytest.raises(TypeError, match=r"updates leaf at \['w'\] has dtype torch.int64"):
+            tx.update({"w": torch.ones(3, 4, dtype=torch.int64)}, tx.init({"w": torch.ones(3, 4)}))
+
+
 # --- the factories added with schedules, hyperparameters and spike handling --------------------------
 
 MORE_FACTORIES = {

@@ -509,3 +509,31 @@ def test_mesh_groups_plans_count_a_param_without_a_gradient_as_zeros():
         r, _ = ref.update(zeros, ref.init(params), params)
         assert u["n"] is None
         assert_trees_close({k: u[k] for k in ("a", "b")}, {k: r[k] for k in ("a", "b")}, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sam", "sam_opaque", "lookahead"])
+def test_sam_and_lookahead_leave_a_param_without_a_gradient_alone(name):
+    """As every transform: a None update stays None, and the other leaves get what the tree without it gets."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(3, 2), "b": torch.randn(2)}
+    if name == "sam":
+        make = lambda: gtx.sam(gtx.adam(0.1), gtx.scale(0.05), sync_period=2)
+    elif name == "sam_opaque":
+        make = lambda: gtx.sam(gtx.adam(0.1), gtx.scale(0.05), sync_period=2, opaque_mode=True)
+    else:
+        make = lambda: gtx.lookahead(gtx.adam(0.1), sync_period=2, slow_step_size=0.5)
+    wrap = gtx.LookaheadParams.init_synced if name == "lookahead" else (lambda p: p)
+    one = {"w": params["w"]}  # the same run on the tree without "b"
+    tx, ref = make(), make()
+    p, rp = wrap(params), wrap(one)
+    state, ref_state = tx.init(p), ref.init(rp)
+    for i in range(4):
+        g = {"w": torch.randn(3, 2, generator=torch.Generator().manual_seed(i)), "b": None}
+        extra = {"grad_fn": lambda q, j: {"w": q["w"] * 0.5, "b": None}} if name == "sam_opaque" else {}
+        ref_extra = {"grad_fn": lambda q, j: {"w": q["w"] * 0.5}} if name == "sam_opaque" else {}
+        u, state = tx.update(g, state, p, **extra)
+        ru, ref_state = ref.update({"w": g["w"]}, ref_state, rp, **ref_extra)
+        for got, want in ([u.fast, ru.fast], [u.slow, ru.slow]) if name == "lookahead" else ([u, ru],):
+            assert got["b"] is None
+            assert_trees_equal(got["w"], want["w"])
+        p, rp = gtx.apply_updates(p, u), gtx.apply_updates(rp, ru)

@@ -58,7 +58,7 @@ def scale_by_lion(
     """
     b1 = check.beta(b1, arg="b1", name="scale_by_lion", tensor=True)
     b2 = check.beta(b2, arg="b2", name="scale_by_lion", tensor=True)
-    mu_dtype = check.dtype(mu_dtype, arg="mu_dtype", name="scale_by_lion")
+    mu_dtype = check.dtype(mu_dtype, arg="mu_dtype", name="scale_by_lion", floating=True)
     directions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         "hard": torch.sign,
         "smooth": lambda x: torch.tanh(smooth_beta * x),  # the checked smooth_beta below

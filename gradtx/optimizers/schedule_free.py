@@ -88,7 +88,7 @@ def schedule_free(
     learning_rate = check.learning_rate(learning_rate, name="schedule_free")
     b1 = check.open_unit(b1, arg="b1", name="schedule_free")
     weight_lr_power = check.number(weight_lr_power, arg="weight_lr_power", name="schedule_free")
-    state_dtype = check.dtype(state_dtype, arg="state_dtype", name="schedule_free")
+    state_dtype = check.dtype(state_dtype, arg="state_dtype", name="schedule_free", floating=True)
 
     def init_fn(params: Params) -> ScheduleFreeState:
         tu.tensor_leaves(params, what="schedule_free: params")

@@ -150,7 +150,8 @@ def polynomial_schedule(
       0.01...
     """
     name = "polynomial_schedule"
-    init_value, end_value, power = _values(name, init_value=init_value, end_value=end_value, power=power)
+    init_value, end_value = _values(name, init_value=init_value, end_value=end_value)
+    power = check.non_negative(power, arg="power", name=name)  # a negative power climbs to inf at the end
     transition_steps, transition_begin = _all_steps(
         name, transition_steps=transition_steps, transition_begin=transition_begin
     )
@@ -258,7 +259,8 @@ def exponential_decay(
       0.25
     """
     name = "exponential_decay"
-    init_value, decay_rate = _values(name, init_value=init_value, decay_rate=decay_rate)
+    init_value = check.number(init_value, arg="init_value", name=name)
+    decay_rate = check.non_negative(decay_rate, arg="decay_rate", name=name)  # a negative rate: NaN between steps
     transition_steps, transition_begin = _all_steps(
         name, transition_steps=transition_steps, transition_begin=transition_begin
     )
@@ -307,7 +309,8 @@ def cosine_decay_schedule(init_value: float, decay_steps: int, alpha: float = 0.
       0.5
     """
     name = "cosine_decay_schedule"
-    init_value, alpha, exponent = _values(name, init_value=init_value, alpha=alpha, exponent=exponent)
+    init_value, alpha = _values(name, init_value=init_value, alpha=alpha)
+    exponent = check.non_negative(exponent, arg="exponent", name=name)
     decay_steps = check.integer(decay_steps, arg="decay_steps", name=name)
     if not decay_steps > 0:
         raise ValueError(f"{name}: decay_steps must be > 0, got {decay_steps}")

@@ -99,10 +99,15 @@ def piecewise_interpolate_schedule(
     return schedule
 
 
-def _onecycle(transition_steps: Any, peak_value: Any, *, name: str) -> tuple[int, float]:
+def _onecycle(transition_steps: Any, peak_value: Any, *, name: str, **fractions_and_factors: Any) -> tuple[int, float]:
     transition_steps = check.integer(transition_steps, arg="transition_steps", name=name)
     if transition_steps <= 0:
         raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
+    for arg, value in fractions_and_factors.items():  # pct_* in [0, 1], *div_factor > 0
+        if arg.startswith("pct_"):
+            check.within(value, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", arg=arg, name=name)
+        else:
+            check.positive(value, arg=arg, name=name)
     return transition_steps, check.number(peak_value, arg="peak_value", name=name)
 
 
@@ -135,7 +140,10 @@ def linear_onecycle_schedule(
       >>> round(float(linear_onecycle_schedule(100, 1.0)(30)), 6)
       1.0
     """
-    transition_steps, peak_value = _onecycle(transition_steps, peak_value, name="linear_onecycle_schedule")
+    transition_steps, peak_value = _onecycle(
+        transition_steps, peak_value, name="linear_onecycle_schedule",
+        pct_start=pct_start, pct_final=pct_final, div_factor=div_factor, final_div_factor=final_div_factor,
+    )  # fmt: skip
     return piecewise_interpolate_schedule(
         "linear",
         peak_value / div_factor,
@@ -176,7 +184,10 @@ def cosine_onecycle_schedule(
     Example:
       >>> lr = cosine_onecycle_schedule(1000, peak_value=1e-3)
     """
-    transition_steps, peak_value = _onecycle(transition_steps, peak_value, name="cosine_onecycle_schedule")
+    transition_steps, peak_value = _onecycle(
+        transition_steps, peak_value, name="cosine_onecycle_schedule",
+        pct_start=pct_start, div_factor=div_factor, final_div_factor=final_div_factor,
+    )  # fmt: skip
     return piecewise_interpolate_schedule(
         "cosine",
         peak_value / div_factor,
@@ -333,7 +344,9 @@ def warmup_exponential_decay_schedule(
     Example:
       >>> lr = warmup_exponential_decay_schedule(0.0, 1e-3, 100, transition_steps=1000, decay_rate=0.5)
     """
-    warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name="warmup_exponential_decay_schedule")
+    name = "warmup_exponential_decay_schedule"  # checked here, so an error names this schedule and its own arguments
+    _values(name, init_value=init_value, peak_value=peak_value)
+    warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name)
     return join_schedules(
         [
             linear_schedule(init_value, peak_value, warmup_steps),

@@ -48,7 +48,7 @@ def ema(
     ``ema``.
 
     Args:
-      decay: the weight of the past; in ``[0, 1]``, or a 0-d tensor.
+      decay: the weight of the past; in ``[0, 1]`` (``< 1`` with ``debias``), or a 0-d tensor.
       debias: divide by ``1 - decay**t``.
       accumulator_dtype: the dtype the average is kept in; ``None``: each leaf's own.
 
@@ -65,7 +65,9 @@ def ema(
     """
     decay = _decay(decay, arg="decay", name="ema")
     debias = check.flag(debias, arg="debias", name="ema")
-    accumulator_dtype = check.dtype(accumulator_dtype, arg="accumulator_dtype", name="ema")
+    if debias and not isinstance(decay, torch.Tensor) and decay == 1.0:
+        raise ValueError("ema: decay must be < 1 with debias=True (the correction divides by 1 - decay**t = 0)")
+    accumulator_dtype = check.dtype(accumulator_dtype, arg="accumulator_dtype", name="ema", floating=True)
 
     def init_fn(params: Params) -> EmaState:
         tu.tensor_leaves(params, what="ema: params")

@@ -176,7 +176,7 @@ def measure_with_ema(
 
     Args:
       measure: a function of the updates, returning a float tensor (or a tree of them).
-      decay: the EMA's decay; in ``[0, 1]``.
+      decay: the EMA's decay; in ``[0, 1]`` (``< 1`` with ``debias``).
       debias: divide by ``1 - decay**t``.
       accumulator_dtype: the dtype the average is kept in; ``None``: the measurement's.
 

@@ -152,6 +152,13 @@ class AddNoiseState(NamedTuple):
     rng_state: torch.Tensor
 
 
+def _seed(seed: Any, *, name: str) -> int:
+    seed = check.integer(seed, arg="seed", name=name, minimum=0)  # optax takes a key here
+    if seed >= 2**64:  # what torch.Generator.manual_seed takes
+        raise ValueError(f"{name}: seed must be < 2**64, got {seed}")
+    return seed
+
+
 @factory
 def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     """Add annealed Gaussian noise to the updates: variance ``eta / (1 + t)**gamma`` at step ``t`` (from 0).
@@ -179,7 +186,7 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     name = "add_noise"
     eta = check.non_negative(eta, arg="eta", name=name)
     gamma = check.non_negative(gamma, arg="gamma", name=name)
-    seed = check.integer(seed, arg="seed", name=name, minimum=0)  # optax takes a key here
+    seed = _seed(seed, name=name)
 
     def init_fn(params: Params) -> AddNoiseState:
         del params
@@ -242,7 +249,7 @@ def differentially_private_aggregate(l2_norm_clip: float, noise_multiplier: floa
     name = "differentially_private_aggregate"
     l2_norm_clip = check.positive(l2_norm_clip, arg="l2_norm_clip", name=name)
     noise_multiplier = check.non_negative(noise_multiplier, arg="noise_multiplier", name=name)
-    seed = check.integer(seed, arg="seed", name=name, minimum=0)  # optax takes a key here
+    seed = _seed(seed, name=name)
     noise_std = l2_norm_clip * noise_multiplier
 
     def init_fn(params: Params) -> DifferentiallyPrivateAggregateState:
@@ -295,6 +302,8 @@ def dpsgd(
       >>> per_example_grads = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x, y)
       >>> updates, state = tx.update(per_example_grads, state, params)
     """
+    if momentum is not None:  # checked here, so an error names dpsgd's own argument
+        check.non_negative(momentum, arg="momentum", name="dpsgd")
     return chain(
         differentially_private_aggregate(l2_norm_clip, noise_multiplier, seed),
         trace(momentum, nesterov=nesterov) if momentum is not None else identity(),

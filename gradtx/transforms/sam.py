@@ -106,7 +106,10 @@ def sam(
         adv_updates = lw.lmap(torch.neg, adv_updates)
         opt_updates, opt_state = optimizer.update(updates, state.opt_state, state.cache, **extra)
         held(opt_updates, "optimizer")
-        opt_updates = lw.lmap(lambda c, p, u: c - p + u.to(c.dtype), state.cache, params, opt_updates)
+        opt_updates, _ = lw.lmap_updates(  # a None update (no grad) stays None
+            lambda u, c, p: (c - p + u.to(c.dtype),), opt_updates, [state.cache, params],
+            what="sam: updates", against="the params",
+        )  # fmt: skip
         cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
         out = lw.where_tree(last, opt_updates, adv_updates)
         at_sync = adv_optimizer.init(params) if reset_state else state.adv_state  # the end of a period
@@ -124,7 +127,9 @@ def sam(
             adv_updates, adv_state = adv_optimizer.update(adv_updates, adv_state, adv_params, **extra)
             held(adv_updates, "adv_optimizer")
             adv_updates = lw.lmap(torch.neg, adv_updates)
-            adv_params = lw.lmap(lambda p, u: p + u.to(p.dtype), adv_params, adv_updates)
+            _, (adv_params,) = lw.lmap_updates(
+                lambda u, p: (u, p + u.to(p.dtype)), adv_updates, [adv_params], what="sam: updates", against="params"
+            )
             adv_updates = grad_fn(adv_params, i)
         if reset_state:
             adv_state = adv_optimizer.init(params)

@@ -240,15 +240,23 @@ def skip_if(
     if comm is not None:
         check_comm(comm, name="skip_if")
 
+    def judge(updates: Updates, step: torch.Tensor, params: Params) -> tuple[Any, Any]:
+        out = should_skip_update_fn(updates, step, params)
+        if not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                f"skip_if: should_skip_update_fn must return (verdict, state), as optax's does; got {type(out).__name__}"
+            )
+        return out
+
     def init_fn(params: Params) -> SkipIfState:
         step = lw.zero_count(params)
         # As optax's MultiSteps does: the skip state's structure comes from a call on zero updates.
-        _, skip_state = should_skip_update_fn(tu.tree_map(torch.zeros_like, params), step, params)
+        _, skip_state = judge(tu.tree_map(torch.zeros_like, params), step, params)
         return SkipIfState(step, step.bool(), step.clone(), skip_state, inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SkipIfState, name="skip_if")
-        verdict, skip_state = should_skip_update_fn(updates, state.gradient_step, params)
+        verdict, skip_state = judge(updates, state.gradient_step, params)
         if not isinstance(verdict, torch.Tensor) or verdict.dtype != torch.bool or verdict.ndim != 0:
             got = f"{verdict.dtype} {tuple(verdict.shape)}" if isinstance(verdict, torch.Tensor) else type(verdict)
             raise ValueError(f"skip_if: should_skip_update_fn must return a 0-d bool tensor first, got {got}")

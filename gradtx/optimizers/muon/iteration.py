@@ -136,11 +136,14 @@ def _coeff_rows(
             raise ValueError(f"{name}: unknown ns_coeffs preset {ns_coeffs!r}; known: {sorted(_NS_COEFFS_PRESETS)}")
         ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
     try:
+        has_bool = torch.as_tensor(ns_coeffs).dtype == torch.bool  # (True, False, True) would read as 1, 0, 1
         rows = torch.as_tensor(ns_coeffs, dtype=torch.float64)
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(
-            f"{name}: ns_coeffs must be three numbers or a sequence of triples, got {ns_coeffs!r}"
-        ) from None
+        has_bool, rows = True, torch.empty(0)
+    if has_bool:
+        raise TypeError(f"{name}: ns_coeffs must be three numbers or a sequence of triples, got {ns_coeffs!r}")
+    if not bool(rows.isfinite().all()):
+        raise ValueError(f"{name}: ns_coeffs must be finite, got {ns_coeffs!r}")
     if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
         raise ValueError(f"{name}: ns_coeffs must have shape (3,) or (n, 3), got {tuple(rows.shape)}")
     if rows.ndim == 2 and rows.shape[0] > ns_steps:

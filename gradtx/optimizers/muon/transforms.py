@@ -20,8 +20,7 @@ from gradtx.optimizers.standard import _debiased, _zeros_moments
 
 def _tensor_leaves(updates: PyTree, *, name: str) -> tuple[list[Any], Any]:
     leaves, spec = tu.flatten(updates)
-    if not all(isinstance(x, torch.Tensor) for x in leaves):
-        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")
+    tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")  # integer, bool and sparse grads too
     return leaves, spec
 
 
