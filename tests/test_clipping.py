@@ -197,6 +197,16 @@ def test_agc_keeps_dtype_and_needs_params():
         gtx.adaptive_clip(0.01).update(g, gtx.EmptyState(), {"w": torch.randn(3, 4)})
 
 
+def test_agc_reads_a_tensor_clipping_in_its_own_precision():
+    """fp64 params with an fp64 tensor threshold (inject_hyperparams makes one) clip as with the Python number."""
+    g = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64, generator=g)}
+    grads = {"w": 10 * torch.randn(4, 3, dtype=torch.float64, generator=g)}  # every row clipped
+    want, _ = gtx.adaptive_clip(0.1).update(grads, gtx.EmptyState(), params)
+    got, _ = gtx.adaptive_clip(torch.tensor(0.1, dtype=torch.float64)).update(grads, gtx.EmptyState(), params)
+    torch.testing.assert_close(got["w"], want["w"], rtol=1e-15, atol=0)
+
+
 # --- bad hyperparameters -------------------------------------------------------------
 
 

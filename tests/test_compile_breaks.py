@@ -26,6 +26,11 @@ CHAINS = {
     "injected-scheduled-adamw": lambda: gtx.inject_hyperparams(gtx.adamw)(
         learning_rate=gtx.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10), b1=0.8, weight_decay=0.1
     ),
+    # interpolated schedules: each segment's constants are computed when the schedule is built
+    "onecycle-sgd": lambda: gtx.chain(
+        gtx.sgd(gtx.cosine_onecycle_schedule(4, 0.1), momentum=0.9),
+        gtx.scale_by_schedule(gtx.linear_onecycle_schedule(4, 1.0)),
+    ),
 }
 
 
@@ -80,6 +85,22 @@ def test_compiled_step_on_plain_tensors_has_no_graph_break(name, fullgraph):
     # the first call (a guard on a tensor's identity recompiles on every step).
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert_trees_close(got, _run(CHAINS[name](), _params("plain"), compiled=False, steps=3), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_zero_nans_reports_the_nans_eager_reports(fullgraph):
+    tx = gtx.chain(gtx.zero_nans(), gtx.clip_by_global_norm(1.0))
+    params = _params("plain")
+    grads = {"w": params["w"].clone(), "b": params["b"].clone()}
+    grads["w"][0, 0] = float("nan")
+
+    def step(grads, state):
+        return tx.update(grads, state, params)
+
+    want = step(grads, tx.init(params))
+    got = torch.compile(step, fullgraph=fullgraph)(grads, tx.init(params))
+    assert bool(want[1][0].found_nan["w"]) and not bool(want[1][0].found_nan["b"])
+    assert_trees_close(got, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("fullgraph", [False, True])

@@ -41,12 +41,14 @@ __all__ = [
 ]
 
 
-def _linear_interpolate(start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
-    return _f32_const(end - start) * pct + start
+# ``delta`` is the segment's fp32 difference, as optax holds it (``end - start`` for linear, ``start - end`` for
+# cosine), computed when the schedule is built: read back at each call, it would be a graph break under compile.
+def _linear_interpolate(start: float, end: float, delta: float, pct: torch.Tensor) -> torch.Tensor:
+    return delta * pct + start
 
 
-def _cosine_interpolate(start: float, end: float, pct: torch.Tensor) -> torch.Tensor:
-    return end + _f32_const(start - end) / 2.0 * (torch.cos(math.pi * pct) + 1)
+def _cosine_interpolate(start: float, end: float, delta: float, pct: torch.Tensor) -> torch.Tensor:
+    return end + delta / 2.0 * (torch.cos(math.pi * pct) + 1)
 
 
 @factory
@@ -84,16 +86,20 @@ def piecewise_interpolate_schedule(
     bounds = [0] + [b for b, _ in items]
     # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
-    segments = [(lo, hi, max(hi - lo, 1), v0, v1) for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])]
+    sign = 1.0 if interpolate_type == "linear" else -1.0
+    segments = [
+        (lo, hi, max(hi - lo, 1), v0, v1, _f32_const(sign * (v1 - v0)))
+        for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])
+    ]
 
     def schedule(count: Any) -> torch.Tensor:
         c = _count(count)
         # The selected segment contributes its value, the others exactly 0 (optax's indicator.dot).
         out = torch.where(bounds[-1] <= c, values[-1], 0.0).to(torch.float32)
-        for lo, hi, size, v0, v1 in segments:
+        for lo, hi, size, v0, v1, delta in segments:
             pct = (c - lo).float() / size
             inside = (lo <= c) & (c < hi)
-            out = out + torch.where(inside, interpolate(v0, v1, pct), 0.0)
+            out = out + torch.where(inside, interpolate(v0, v1, delta, pct), 0.0)
         return out
 
     return schedule

@@ -216,7 +216,7 @@ def adaptive_clip(
             g_norms, w_norms = tree_unitwise_norms(leaves, weights, unitwise=unitwise, tree=updates, slot=slot)
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
-            limit = clipping.to(w_norm.device, torch.float32) if isinstance(clipping, torch.Tensor) else clipping
+            limit = clipping.to(w_norm.device) if isinstance(clipping, torch.Tensor) else clipping  # its own dtype
             max_norm = limit * torch.clamp(w_norm, min=eps)
             factor = torch.where(g_norm > max_norm, max_norm / torch.clamp(g_norm, min=1e-6), 1.0)
             out.append(_apply_factor(g, factor))

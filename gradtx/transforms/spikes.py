@@ -13,7 +13,6 @@ from collections.abc import Callable
 from operator import attrgetter
 from typing import Any, Literal, NamedTuple
 
-import optree
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
@@ -82,16 +81,17 @@ def zero_nans() -> GradientTransformation:
         nans = [torch.isnan(tu.local(u)) for u in leaves]
         found = {path: nan.any() for path, nan in zip(tu.paths(updates), nans)}
         out = [tu.like(u, torch.where(nan, 0, tu.local(u))) for u, nan in zip(leaves, nans)]
-        known = set(optree.tree_paths(state.found_nan))  # built once, not once per leaf
-        unknown = [p for p in found if p not in known]
+        olds, old_spec = tu.flatten(state.found_nan)
+        known = tu.paths(state.found_nan)  # optree's paths, read the same eager and traced
+        unknown = [p for p in found if p not in set(known)]
         if unknown:
             raise ValueError(
                 f"zero_nans: the update at {tu.path_str(unknown[0])} has no param in the state; "
                 "pass the state init() built for this tree"
             )
         # A param with no grad (a None update) found no NaN; the state keeps the params' structure.
-        found_nan = optree.tree_map_with_path(
-            lambda path, old: found[path].to(old.device) if path in found else torch.zeros_like(old), state.found_nan
+        found_nan = tu.unflatten(
+            old_spec, [found[p].to(o.device) if p in found else torch.zeros_like(o) for p, o in zip(known, olds)]
         )
         return tu.unflatten(spec, out), ZeroNansState(found_nan=found_nan)
 
