@@ -97,21 +97,22 @@ def lookahead(
         if fast_updates is None:
             raise ValueError("lookahead: the fast optimizer held (returned None); put accumulate() before lookahead")
         sync_next = state.steps_since_sync == (sync_period - 1)
+        # A param with no grad (a None update) is left alone, fast and slow: its difference stays None.
+        last_difference, _ = lw.lmap_updates(
+            lambda u, f, s: (f + u.to(f.dtype) - s,), fast_updates, [params.fast, params.slow],
+            what="lookahead: updates", against="the fast params",
+        )  # fmt: skip
 
+        def slow_update(diff: torch.Tensor) -> torch.Tensor:
+            alpha = lw.as_tensor(slow_step_size, diff)
+            return torch.where(sync_next.to(diff.device), alpha * diff, torch.zeros_like(diff))
 
-        def slow_update(u: torch.Tensor, f: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor]:
-            diff, alpha = f + u.to(f.dtype) - s, lw.as_tensor(slow_step_size, f)
-            return (torch.where(sync_next.to(diff.device), alpha * diff, torch.zeros_like(diff)),)
+        def fast_update(u: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
+            alpha = lw.as_tensor(slow_step_size, diff)
+            return torch.where(sync_next.to(u.device), u - (1 - alpha) * diff, u)
 
-        def fast_update(u: torch.Tensor, f: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor]:
-            diff, alpha = f + u.to(f.dtype) - s, lw.as_tensor(slow_step_size, f)
-            return (torch.where(sync_next.to(u.device), u - (1 - alpha) * diff, u),)
-
-        # A param with no grad (a None update) is left alone, fast and slow.
-        trees, names = [params.fast, params.slow], {"what": "lookahead: updates", "against": "the fast params"}
         out = LookaheadParams(
-            fast=lw.lmap_updates(fast_update, fast_updates, trees, **names)[0],
-            slow=lw.lmap_updates(slow_update, fast_updates, trees, **names)[0],
+            fast=lw.lmap(fast_update, fast_updates, last_difference), slow=lw.lmap(slow_update, last_difference)
         )
         if reset_state:
             fast_state = lw.where_tree(sync_next, fast_optimizer.init(params.fast), fast_state)

@@ -83,7 +83,8 @@ def zero_nans() -> GradientTransformation:
         out = [tu.like(u, torch.where(nan, 0, tu.local(u))) for u, nan in zip(leaves, nans)]
         olds, old_spec = tu.flatten(state.found_nan)
         known = tu.paths(state.found_nan)  # optree's paths, read the same eager and traced
-        unknown = [p for p in found if p not in set(known)]
+        known_set = set(known)  # built once, not once per leaf
+        unknown = [p for p in found if p not in known_set]
         if unknown:
             raise ValueError(
                 f"zero_nans: the update at {tu.path_str(unknown[0])} has no param in the state; "
