@@ -116,13 +116,7 @@ def export_layout(
     what: str,
 ) -> tuple[dict[str, list[torch.Tensor]], dict[str, Any]]:
     """Per-parameter leaves (key -> one tensor per param) and global leaves of ``layout``, per-rank parts reduced."""
-    per_param = {
-        key: [
-            torch.zeros_like(p, dtype=_sum_dtype(p)) if t is None else t.detach()
-            for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
-        ]
-        for key in layout.per_param
-    }
+    per_param = {key: [t.detach() for t in _templates(layout, key, p_leaves)] for key in layout.per_param}
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
     for key, w, acc in lo.per_rank(layout, tx, what=what):
         if int(w.state.micro_step) == 0:
@@ -146,9 +140,16 @@ def _per_param_leaves(layout: lo.Layout, key: str, p_leaves: list[torch.Tensor])
     return [t if isinstance(t, torch.Tensor) and t.shape == p.shape else None for p, t in zip(p_leaves, leaves)]
 
 
-def _sum_dtype(p: torch.Tensor) -> torch.dtype:
-    """A window's running sum's dtype for param ``p`` (at least fp32, as accumulate sums)."""
-    return torch.promote_types(p.dtype, torch.float32)
+def _templates(layout: lo.Layout, key: str, p_leaves: list[torch.Tensor], device: str | None = None) -> list[Any]:
+    """:func:`_per_param_leaves`, with zeros like the param where a window's running sum holds nothing.
+
+    The zeros are in the sum's dtype (at least fp32, as accumulate sums), on the param's device, or on
+    ``device`` (``"meta"`` for templates read only for their shapes and dtypes).
+    """
+    return [
+        torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32), device=device) if t is None else t
+        for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
+    ]
 
 
 def load_state_dict(
@@ -226,11 +227,7 @@ def import_layout(
         if isinstance(template, torch.Tensor):
             lo.check_tensor(globals_[key], template, what=f"{what}: global state {key!r}")
     for key in layout.per_param:
-        templates = [
-            torch.empty(p.shape, dtype=_sum_dtype(p), device="meta") if t is None else t
-            for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
-        ]
-        for name, value, template in zip(names, per_param[key], templates):
+        for name, value, template in zip(names, per_param[key], _templates(layout, key, p_leaves, device="meta")):
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     per_rank = lo.per_rank(layout, tx, what=what) if tx is not None else []
     for w in layout.windows:
@@ -259,11 +256,7 @@ def import_layout(
         if kind == "acc" and not lo.saved_window_open(globals_, key):
             return empty_sums(params)
         # Placed like the live state's tensors; a window's sum that holds nothing, like the params.
-        templates = [
-            torch.zeros_like(p, dtype=_sum_dtype(p)) if t is None else t
-            for p, t in zip(p_leaves, _per_param_leaves(layout, key, p_leaves))
-        ]
-        restored = [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], templates)]
+        restored = [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], _templates(layout, key, p_leaves))]
         if kind == "acc" and held is not None and key in held:
             restored = [r if h else e for r, h, e in zip(restored, held[key], tu.flatten(empty_sums(params))[0])]
         return tu.unflatten(p_spec, restored)
@@ -299,8 +292,7 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("to_torch_optimizer: expected an optimizer state dict ('state', 'param_groups')")
     state = {}
     for pid, entry in optimizer_state_dict["state"].items():
-        gtx_entry = entry.get("gradtx") if isinstance(entry, dict) else None
-        for key, value in ((gtx_entry or {}).get("global") or {}).items():
+        for key, value in entry.get("gradtx", {}).get("global", {}).items():  # the first param's entry has it
             if key.rpartition("/")[2] == "micro_step" and int(value) > 0:
                 raise ValueError(
                     f"to_torch_optimizer: the checkpoint was saved with an accumulation window open ({key} = "
