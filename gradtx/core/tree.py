@@ -72,18 +72,16 @@ def _shape_mismatch(expected: Any, got: Any) -> str | None:
 
 def first_mismatch(expected: PyTree, got: PyTree) -> str | None:
     """Describe where ``got`` first differs in structure from ``expected``, or ``None``."""
-    # Every step checks its trees and almost always they match: settle that without building paths.
     exp_leaves, exp_spec = optree.tree_flatten(expected)
     got_leaves, got_spec = optree.tree_flatten(got)
-    if exp_spec == got_spec and not any(map(_shape_mismatch, exp_leaves, got_leaves)):
-        return None
-    exp_paths, got_paths = exp_spec.paths(), got_spec.paths()
     if exp_spec == got_spec:
-        for path, e, g in zip(exp_paths, exp_leaves, got_leaves):
-            shape = _shape_mismatch(e, g)
-            if shape is not None:
-                return f"{path_str(path)}: {shape}"
-        return None
+        # Every step checks its trees and almost always they match: settle that without building paths.
+        shapes = list(map(_shape_mismatch, exp_leaves, got_leaves))
+        if not any(shapes):
+            return None
+        i = next(i for i, shape in enumerate(shapes) if shape is not None)
+        return f"{path_str(exp_spec.paths()[i])}: {shapes[i]}"
+    exp_paths, got_paths = exp_spec.paths(), got_spec.paths()
     for e, g in zip(exp_paths, got_paths):
         if e != g:
             return f"{path_str(g)}: expected a leaf at {path_str(e)}"
@@ -338,18 +336,20 @@ def align(
     return index, leaves, spec
 
 
-def scatter(size: int, index: Sequence[int], values: Sequence[Any], fill: Any = None) -> list[Any]:
-    """A list of ``size`` items: ``values[j]`` at ``index[j]``, ``fill`` elsewhere."""
-    out = [fill] * size
+def scatter(size: int, index: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    """A list of ``size`` items: ``values[j]`` at ``index[j]``, ``None`` elsewhere."""
+    out: list[Any] = [None] * size
     for i, v in zip(index, values):
         out[i] = v
     return out
 
 
 def _prefix_mismatch(prefix: PyTree, full: PyTree, path: Path = ()) -> Path:
-    """The first path at which ``prefix`` stops being a prefix of ``full`` (best effort, for messages)."""
-    if optree.tree_is_leaf(prefix):
-        return path
+    """The first path at which ``prefix`` stops being a prefix of ``full`` (best effort, for messages).
+
+    Called only where ``prefix`` is not a prefix of ``full``, so ``prefix`` is never a leaf (a leaf is a
+    prefix of any tree).
+    """
     if optree.tree_is_leaf(full) or type(prefix) is not type(full):
         return path
     p_children, _, p_entries, _ = optree.tree_flatten_one_level(prefix)
