@@ -56,6 +56,7 @@ from gradtx.checkpoint.layout import param_names
 from gradtx.comm.base import ReduceOp, as_comm
 from gradtx.comm.local_ranks import rank_equals
 from gradtx.core import tree as tu
+from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params
 from gradtx.transforms.accumulation import empty_sums
 
@@ -325,9 +326,8 @@ class TransformState:
     """
 
     def __init__(self, tx: GradientTransformation, state: OptState, params: Params) -> None:
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"TransformState: tx must be a GradientTransformation, got {type(tx).__name__}")
-        self.tx, self.state, self.params = tx, state, params
+        self.tx = check.transform(tx, arg="tx", name="TransformState")
+        self.state, self.params = state, params
 
     def state_dict(self) -> dict[str, Any]:
         return state_dict(self.state, self.params, tx=self.tx)
