@@ -133,8 +133,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
         self._device = tu.local(self._flat[0]).device if self._flat else torch.device("cpu")
-        if self._fused is not None:
-            self._fused.forget()
 
     # torch.optim.Optimizer surface ----------------------------------------------------------------
 

@@ -223,8 +223,7 @@ class _Bucket(NamedTuple):
     exp_avg_sqs: list[torch.Tensor]
     max_exp_avg_sqs: list[torch.Tensor]
     steps: list[torch.Tensor]
-    counter: torch.Tensor  # the steps' one buffer: each state["step"] is a 0-d view into it
-    device: torch.device
+    counter: torch.Tensor  # the steps' one buffer, on the bucket's device: each state["step"] is a 0-d view into it
     states: list[dict[str, Any]]  # the params' state dicts the lists were read from
 
 
@@ -245,7 +244,6 @@ class FusedAdam:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.key: Any = None
-        self.state_ref: Any = None
         self.buckets: list[tuple[dict[str, Any], list[_Bucket]]] = []
         self.entries: list[Any] = []
 
@@ -256,10 +254,9 @@ class FusedAdam:
         )
 
     def _key(self, tree: list[list[torch.Tensor]]) -> Any:
-        # The state dict object is held by self.state_ref, so its id cannot be reused while the key lives.
-        opt = self.optimizer
-        groups = tuple((id(g), id(g["params"]), len(g["params"])) for g in opt.param_groups)
-        return id(opt.state), len(opt.state), groups, tuple(map(len, tree))
+        # The groups and the tree; a replaced or reset state is caught by _holds_state.
+        groups = tuple((id(g), id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups)
+        return groups, tuple(map(len, tree))
 
     def _build(self, tree: list[list[torch.Tensor]]) -> None:
         opt = self.optimizer
@@ -295,13 +292,11 @@ class FusedAdam:
                         [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
                         [s["step"] for s in sts],
                         counter,
-                        device,
                         sts,
                     )
                 )
             self.buckets.append((group, buckets))
             offset += len(params)
-        self.state_ref = state
         self.entries = list(state.values())  # every param's state dict, in the state's order
         self.key = self._key(tree)
 
@@ -324,11 +319,6 @@ class FusedAdam:
         except KeyError:  # an entry gone
             return False
         return True
-
-    def forget(self) -> None:
-        """Drop the cached lists (the optimizer's state or groups were replaced)."""
-        self.key = None
-        self.buckets = []
 
     def step(
         self, tree: list[list[torch.Tensor]], grads: list[torch.Tensor], grad_scale: torch.Tensor | None,
@@ -355,7 +345,7 @@ class FusedAdam:
         for (lr, (beta1, beta2), wd, eps, amsgrad, maximize, decoupled), (_, buckets) in zip(hyper, self.buckets):
             kernel = torch._fused_adamw_ if decoupled or adamw else torch._fused_adam_
             for b in buckets:
-                device = b.device
+                device = b.counter.device
                 gs = None if grad_scale is None else grad_scale.to(device, non_blocking=True)
                 fi = None if found_inf is None else found_inf.to(device, non_blocking=True)
                 step_lr = lr
