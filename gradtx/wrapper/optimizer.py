@@ -381,18 +381,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """Zero the grads, except while an accumulation window is open (they are the accumulator)."""
         if self._live.window_open:
             return
-        if not torch.compiler.is_compiling():
+        if torch.compiler.is_compiling():
+            # torch.optim's zero_grad is marked not traceable; its own body traces, for a compiled step.
+            rules.unwrapped(self.optimizer, "zero_grad")(set_to_none=set_to_none)
+        else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
-            return
-        # torch.optim's zero_grad is marked not traceable; this is its body, for a compiled step.
-        for p in self._flat:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_() if p.grad.grad_fn is not None else p.grad.requires_grad_(False)
-                p.grad.zero_()
 
     @property
     def emitted(self) -> bool:

@@ -163,12 +163,15 @@ def step_inner(
     multiplied in place, and a skip decided on the host (one scalar read).
     """
     grads: Any = [p.grad for p in params]
-    kernel_scales = fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)
-    if factor is not None and fp64 and kernel_scales:
-        # torch's fused kernels read grad_scale as fp32: fp64 grads take the factor in fp64.
+    compiling = torch.compiler.is_compiling()
+    kernel_scales = (fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)) and not compiling
+    if not kernel_scales and skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
+        return
+    if factor is not None and (fp64 or not kernel_scales):
+        # Into .grad where the kernel cannot take it: torch's fused kernels read grad_scale as fp32.
         tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
         factor = None
-    if kernel_scales and not torch.compiler.is_compiling():
+    if kernel_scales:
         grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
         found_inf = None if skip is None else skip.to(torch.float32)
         if fused is not None and fused.step(tree, grads, grad_scale, found_inf):
@@ -181,23 +184,17 @@ def step_inner(
         finally:
             opt.grad_scale = opt.found_inf = None
         return
-    if skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
-        return
-    if factor is not None:
-        tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
-    if torch.compiler.is_compiling() and not (
-        optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks
-    ):
+    if compiling and not has_hooks(optimizer):
         # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
         # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
-        raw_step(optimizer)()
+        unwrapped(optimizer)()
         return
     optimizer.step()
 
 
-def raw_step(optimizer: torch.optim.Optimizer) -> Callable[..., Any]:
-    """The optimizer's own ``step``, bound, without torch's wrappers (profiling, hooks)."""
-    raw: Any = type(optimizer).step
+def unwrapped(optimizer: torch.optim.Optimizer, name: str = "step") -> Callable[..., Any]:
+    """The optimizer's own method ``name``, bound, without torch's wrappers (profiling, hooks, dynamo's opt-out)."""
+    raw: Any = getattr(type(optimizer), name)
     while hasattr(raw, "__wrapped__"):
         raw = raw.__wrapped__
     return functools.partial(raw, optimizer)

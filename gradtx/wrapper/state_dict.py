@@ -78,7 +78,7 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
             if "lr" in g:
                 g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
         with torch.no_grad():
-            rules.raw_step(optimizer)((lambda: torch.zeros(())) if opt._needs_closure else None)
+            rules.unwrapped(optimizer)((lambda: torch.zeros(())) if opt._needs_closure else None)
     except RuntimeError:  # e.g. SparseAdam refuses dense grads: no stand-ins to show
         pass
     finally:
