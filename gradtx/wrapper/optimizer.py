@@ -132,7 +132,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
         self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
-        self._device = tu.local(self._flat[0]).device if self._flat else torch.device("cpu")
+        self._device = tu.device_of(self._flat)
 
     # torch.optim.Optimizer surface ----------------------------------------------------------------
 

@@ -185,8 +185,7 @@ class StateView(_View):
         view = ParamState(self._opt, p, i)
         for key in [k for k in view if k != GTX and k not in value]:
             del view[key]
-        for key, v in value.items():
-            view[key] = v
+        view.update(value)
 
     def __delitem__(self, p: torch.Tensor) -> None:
         del self._opt.optimizer.state[p]
