@@ -28,13 +28,9 @@ def trainable(groups: list[dict[str, Any]]) -> ParamTree:
     return [[p for p in g["params"] if p.requires_grad] for g in groups]
 
 
-def flat(tree: ParamTree) -> list[torch.Tensor]:
-    return [p for group in tree for p in group]
-
-
 def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree:
     """The tree grown by the params unfrozen since it was built (requires_grad and a grad)."""
-    seen = {id(p) for p in flat(tree)}
+    seen = {id(p) for p in tu.flatten(tree)[0]}
     return [[p for p in g["params"] if id(p) in seen or (p.requires_grad and p.grad is not None)] for g in groups]
 
 
@@ -47,8 +43,8 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     """
     fresh = tx.init(new)
     old_layout = lo.layout_of(state, old)
-    index = {id(p): i for i, p in enumerate(flat(old))}
-    new_flat = flat(new)
+    index = {id(p): i for i, p in enumerate(tu.flatten(old)[0])}
+    new_flat = tu.flatten(new)[0]
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -151,4 +147,4 @@ def names(groups: list[dict[str, Any]], params: ParamTree) -> list[str]:
         for i, g in enumerate(groups)
         for j, p in enumerate(g["params"])
     }
-    return [where[id(p)] for p in flat(params)]
+    return [where[id(p)] for p in tu.flatten(params)[0]]

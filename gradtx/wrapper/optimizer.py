@@ -127,7 +127,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     def _set_tree(self, tree: grads.ParamTree) -> None:
         self._tree = [list(g) for g in tree]
-        self._flat = grads.flat(self._tree)
+        self._flat = tu.flatten(self._tree)[0]
         self._position = {p: i for i, p in enumerate(self._flat)}  # by identity: a tensor hashes by id
         # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
         self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]

@@ -51,6 +51,7 @@ class Plan:
 
     Attributes:
       window: the leading :class:`Accumulation`, or ``None``.
+      start: the index of the first member after it (0 without one).
       body: the members run as they are, with their indices.
       tail: the trailing :class:`ScalarTransformation` s, with their indices.
     """
@@ -62,11 +63,11 @@ class Plan:
         first = members[0] if members else None
         self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
         self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
-        start = 1 if self.window is not None else 0
+        self.start = 1 if self.window is not None else 0
         tail = len(members)
-        while tail > start and isinstance(members[tail - 1], ScalarTransformation):
+        while tail > self.start and isinstance(members[tail - 1], ScalarTransformation):
             tail -= 1
-        self.body = [(i, members[i]) for i in range(start, tail)]
+        self.body = [(i, members[i]) for i in range(self.start, tail)]
         self.tail: list[tuple[int, Any]] = [(i, members[i]) for i in range(tail, len(members))]
 
     def states(self, state: OptState) -> list[OptState]:
@@ -372,8 +373,7 @@ def keep_on_skip(plan: Plan, skip: torch.Tensor, old: OptState, new: OptState) -
         return tu.like(n, torch.where(skip.to(ln.device), tu.local(o), ln))
 
     olds, news = plan.states(old), plan.states(new)
-    start = 1 if plan.window is not None else 0
-    news[start:] = [tu.tree_map(pick, n, o) for n, o in zip(news[start:], olds[start:])]
+    news[plan.start :] = [tu.tree_map(pick, n, o) for n, o in zip(news[plan.start :], olds[plan.start :])]
     return plan.join(news)
 
 
