@@ -164,8 +164,9 @@ def step_inner(
     multiplied in place, and a skip decided on the host (one scalar read).
     """
     grads: Any = [p.grad for p in params]
-    compiling = torch.compiler.is_compiling()
-    kernel_scales = (fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)) and not compiling
+    kernel_scales = (
+        fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)
+    ) and not torch.compiler.is_compiling()
     if not kernel_scales and skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
         return
     if factor is not None and (fp64 or not kernel_scales):
@@ -185,7 +186,7 @@ def step_inner(
         finally:
             opt.grad_scale = opt.found_inf = None
         return
-    if compiling and not has_hooks(optimizer):
+    if torch.compiler.is_compiling() and not has_hooks(optimizer):
         # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
         # graph, which the surrounding no_grad already makes it), so fullgraph=True could never hold.
         unwrapped(optimizer)()
