@@ -319,15 +319,17 @@ def _make_orthogonalizer(
     ns_dtype: Any,
     comm: Any,
     ns_batch: Any,
+    adaptive: bool,
     *,
     name: str,
-) -> Callable[[Sequence[Any], Sequence[torch.Tensor], _Matrices, bool], list[Any]]:
-    """Check the arguments Muon's transforms share; return ``run(leaves, locs, mats, adaptive)``.
+) -> Callable[[Sequence[Any], Sequence[torch.Tensor], _Matrices], list[Any]]:
+    """Check the arguments Muon's transforms share; return ``run(leaves, locs, mats)``.
 
     ``run`` gives the orthogonalized local value of each of ``locs``, the local
     values of ``leaves`` (the Muon leaves ``mats`` describes, whose placements
-    route them). What depends on shapes and placements alone (routes, owners,
-    stacks) is computed on the first step with those and cached.
+    route them); with ``adaptive``, each scaled by its dual norm. What depends
+    on shapes and placements alone (routes, owners, stacks) is computed on the
+    first step with those and cached.
     """
     if isinstance(ns_steps, torch.Tensor):
         raise TypeError(
@@ -339,11 +341,12 @@ def _make_orthogonalizer(
     if comm is not None:
         check_exchange_comm(comm, name=name)
     ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
+    batch = 1 if adaptive else ns_batch  # adaptive leaves are iterated one at a time
     cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan]]] = {}
     local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]]]] = {}
 
-    def run(leaves: Sequence[Any], locs: Sequence[torch.Tensor], mats: _Matrices, adaptive: bool) -> list[Any]:
-        key = (_signature(leaves), tuple(mats.dims), adaptive)
+    def run(leaves: Sequence[Any], locs: Sequence[torch.Tensor], mats: _Matrices) -> list[Any]:
+        key = (_signature(leaves), tuple(mats.dims))
         local, plans = cached(cache, key, lambda: _routes(leaves, mats, whole_leaf=adaptive, steps=len(rows)))
 
         def orthogonalized(xs: list[torch.Tensor], lays: list[_Layout]) -> list[torch.Tensor]:
@@ -354,7 +357,6 @@ def _make_orthogonalizer(
         def local_step(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
             # Per rank: a shard's shape is each rank's own (uneven experts), and so are its layout and stacks.
             lkey = (key, tuple((x.shape, x.stride(), x.dtype, x.device) for x in xs))
-            batch = 1 if adaptive else ns_batch  # adaptive leaves are iterated one at a time
             lays, stacks = cached(local_cache, lkey, lambda: _stacks(xs, mats, local, preconditioning, batch))
             res: list[Any] = [None] * len(xs)
             for ks in stacks:

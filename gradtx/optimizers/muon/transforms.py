@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -14,14 +15,33 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.optimizers.muon.exchange import _make_orthogonalizer
-from gradtx.optimizers.muon.iteration import _DEFAULT_NS_COEFFS, Preconditioning, Scalar, _selector
+from gradtx.optimizers.muon.iteration import _DEFAULT_NS_COEFFS, Preconditioning, Scalar, _Matrices, _selector
 from gradtx.optimizers.standard import _debiased, _zeros_moments
 
 
-def _tensor_leaves(updates: PyTree, *, name: str) -> tuple[list[Any], Any]:
-    leaves, spec = tu.flatten(updates)
-    tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")  # integer, bool and sparse grads too
-    return leaves, spec
+def _on_matrices(
+    fn: Callable[[list[Any], list[torch.Tensor], _Matrices], Sequence[torch.Tensor]], dims: Any, *, name: str
+) -> GradientTransformation:
+    """The stateless transform that replaces the Muon leaves (``dims`` selects them) by ``fn(leaves, locals, mats)``.
+
+    ``fn`` gets the Muon leaves, their local values and their :class:`_Matrices`,
+    and returns the new local values; the other leaves pass through.
+    """
+    select = _selector(dims, name=name)
+
+    def update_fn(updates, state, params=None, **extra):
+        del params, extra
+        tu.require_state(state, EmptyState, name=name)
+        leaves, spec = tu.flatten(updates)
+        tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")  # integer, bool and sparse grads too
+        mats = select(updates, leaves, spec)
+        xs = [leaves[j] for j in mats.idx]
+        out = list(leaves)
+        for j, y in zip(mats.idx, fn(xs, [tu.local(x) for x in xs], mats)):
+            out[j] = tu.like(leaves[j], y)
+        return tu.unflatten(spec, out), state
+
+    return GradientTransformation(init_empty_state, update_fn)
 
 
 @factory
@@ -70,21 +90,8 @@ def orthogonalize(
       >>> updates, state = tx.update(grads, tx.init(params))
     """
     name = "orthogonalize"
-    run = _make_orthogonalizer(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, ns_batch, name=name)
-    select = _selector(weight_dimension_numbers, name=name)
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        tu.require_state(state, EmptyState, name=name)
-        leaves, spec = _tensor_leaves(updates, name=name)
-        mats = select(updates, leaves, spec)
-        out = list(leaves)
-        muon_leaves = [leaves[j] for j in mats.idx]
-        for j, o in zip(mats.idx, run(muon_leaves, [tu.local(x) for x in muon_leaves], mats, False)):
-            out[j] = tu.like(leaves[j], o)
-        return tu.unflatten(spec, out), state
-
-    return GradientTransformation(init_empty_state, update_fn)
+    run = _make_orthogonalizer(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, ns_batch, False, name=name)
+    return _on_matrices(run, weight_dimension_numbers, name=name)
 
 
 class MuonState(NamedTuple):
@@ -155,10 +162,10 @@ def scale_by_muon(
       >>> updates, state = tx.update(grads, tx.init(params))
     """
     name = "scale_by_muon"
-    run = _make_orthogonalizer(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, ns_batch, name=name)
+    adaptive = check.flag(adaptive, arg="adaptive", name=name)
+    run = _make_orthogonalizer(ns_coeffs, ns_steps, eps, preconditioning, ns_dtype, comm, ns_batch, adaptive, name=name)
     beta = check.beta(beta, arg="beta", name=name, tensor=True)
     nesterov = check.flag(nesterov, arg="nesterov", name=name)
-    adaptive = check.flag(adaptive, arg="adaptive", name=name)
     bias_correction = check.flag(bias_correction, arg="bias_correction", name=name)
     check.dtype(mu_dtype, arg="mu_dtype", name=name, floating=True)
     select = _selector(weight_dimension_numbers, name=name)
@@ -169,32 +176,30 @@ def scale_by_muon(
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         tu.require_state(state, MuonState, name=name)
-        index, leaves, spec = tu.align(state.mu, updates, what=f"{name}: updates", against="the state's momentum")
-        mu_leaves, mu_spec = tu.flatten(state.mu)
-        tu.check_devices(
-            [mu_leaves[i] for i in index], leaves, updates, what=f"{name}: updates", against="its momentum"
-        )
-        mats = select(updates, leaves, spec)
+        ms = lw.Moments(updates, (state.mu,), name=name, against="its momentum")
+        mats = select(updates, ms.leaves, ms.spec)
         count = state.count + 1
-        new_mu = list(mu_leaves)
-        out: list[torch.Tensor] = list(leaves)
+        slot = {j: k for k, j in enumerate(mats.idx)}  # an update leaf's place among the Muon leaves
         directions: list[Any] = [None] * len(mats.idx)
-        m0s = [tu.local(mu_leaves[index[j]]) for j in mats.idx]
-        for (dev, dt), ks in fe.group_by_device_dtype(m0s):  # foreach ops per device and dtype
-            mu, g = [m0s[k] for k in ks], [tu.local(leaves[mats.idx[k]]).to(dt) for k in ks]
+
+        def step(key, idx, g, trees):  # foreach ops per device and dtype, on the group's Muon leaves
+            ks = [i for i, j in enumerate(idx) if j in slot]
+            if not ks:
+                return
+            mu, g = [trees[0][i] for i in ks], [g[i] for i in ks]
             b = lw.as_tensor(beta, mu[0])  # a tensor beta (inject_hyperparams) stays on the device
             m = fe.lerp(mu, g, 1 - b)  # (1 - beta) g + beta mu, as torch.optim.Muon's buffer
             if bias_correction:
-                d = _debiased(m, g, beta, count.to(dev, tu.acc_dtype(dt)), nesterov)
+                d = _debiased(m, g, beta, count.to(key[0], tu.acc_dtype(key[1])), nesterov)
             else:
                 d = fe.lerp(g, m, b) if nesterov else m
-            for k, mk, dk in zip(ks, m, d):
-                i = index[mats.idx[k]]
-                new_mu[i] = tu.like(mu_leaves[i], mk)
-                directions[k] = dk
-        for j, o in zip(mats.idx, run([leaves[j] for j in mats.idx], directions, mats, adaptive)):
-            out[j] = tu.like(leaves[j], o.to(leaves[j].dtype))
-        return tu.unflatten(spec, out), MuonState(count=count, mu=tu.unflatten(mu_spec, new_mu))
+            ms.put(0, [idx[i] for i in ks], m)
+            for i, dk in zip(ks, d):
+                directions[slot[idx[i]]] = dk
+
+        ms.each(step)
+        ms.put_updates(mats.idx, run([ms.leaves[j] for j in mats.idx], directions, mats))
+        return ms.updates(), MuonState(count=count, mu=ms.tree(0))
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -227,24 +232,13 @@ def scale_by_shape(
     if consistent_rms is not None:
         consistent_rms = check.non_negative(consistent_rms, arg="consistent_rms", name="scale_by_shape", tensor=True)
 
-    select = _selector(weight_dimension_numbers, name="scale_by_shape")
-
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        tu.require_state(state, EmptyState, name="scale_by_shape")
-        leaves, spec = _tensor_leaves(updates, name="scale_by_shape")
-        mats = select(updates, leaves, spec)
-        out = list(leaves)
-        locs = [tu.local(leaves[j]) for j in mats.idx]
+    def scaled(xs: list[Any], locs: list[torch.Tensor], mats: _Matrices) -> list[torch.Tensor]:
         if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
             factors = [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in mats.layouts]
         else:  # a tensor rms stays on the device
             factors = [
                 lw.as_tensor(consistent_rms, x) * math.sqrt(max(lay.flat[1:])) for x, lay in zip(locs, mats.layouts)
             ]
-        scaled = fe.mul(locs, factors) if locs else []
-        for j, y in zip(mats.idx, scaled):
-            out[j] = tu.like(leaves[j], y)
-        return tu.unflatten(spec, out), state
+        return fe.mul(locs, factors) if locs else []
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return _on_matrices(scaled, weight_dimension_numbers, name="scale_by_shape")
