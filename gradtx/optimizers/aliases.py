@@ -45,12 +45,9 @@ def _alias(txs: list[GradientTransformation], kind: str, *args: Any, **kwargs: A
     return OptimizerChain(inner.init, inner.update, txs, OptimizerSpec(kind, *args, **kwargs))
 
 
-def _decay_then_lr(
-    txs: list[GradientTransformation], weight_decay: Any, learning_rate: Any, mask: Any = None
-) -> list[GradientTransformation]:
-    """``txs``, then ``add_decayed_weights(weight_decay, mask)`` unless the decay is 0, then the learning rate."""
-    decay = [] if _is_zero(weight_decay) else [add_decayed_weights(weight_decay, mask)]
-    return [*txs, *decay, scale_by_learning_rate(learning_rate)]
+def _decay(weight_decay: Any, mask: Any = None) -> list[GradientTransformation]:
+    """``[add_decayed_weights(weight_decay, mask)]``, or no member when the decay is 0 (a no-op)."""
+    return [] if _is_zero(weight_decay) else [add_decayed_weights(weight_decay, mask)]
 
 
 @factory
@@ -87,9 +84,7 @@ def sgd(
     nesterov = check.flag(nesterov, arg="nesterov", name="sgd")
     if nesterov and _is_zero(momentum):
         raise ValueError("sgd: nesterov=True needs momentum > 0, got momentum=0.0")
-    txs = []
-    if not _is_zero(weight_decay):
-        txs.append(add_decayed_weights(weight_decay))
+    txs = _decay(weight_decay)
     if not _is_zero(momentum):
         txs.append(trace(momentum, nesterov))
     txs.append(scale_by_learning_rate(learning_rate))
@@ -130,8 +125,7 @@ def adam(
     """
     learning_rate, weight_decay = _checked("adam", learning_rate, weight_decay)
     b1, b2, eps = _adam_checked("adam", b1, b2, eps)
-    txs = [add_decayed_weights(weight_decay)] if not _is_zero(weight_decay) else []
-    txs += [scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
+    txs = [*_decay(weight_decay), scale_by_adam(b1, b2, eps), scale_by_learning_rate(learning_rate)]
     return _alias(txs, "adam", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)
 
 
@@ -181,5 +175,5 @@ def adamw(
     """
     learning_rate, weight_decay = _checked("adamw", learning_rate, weight_decay)
     b1, b2, eps = _adam_checked("adamw", b1, b2, eps)
-    txs = _decay_then_lr([scale_by_adam(b1, b2, eps)], weight_decay, learning_rate, mask)
+    txs = [scale_by_adam(b1, b2, eps), *_decay(weight_decay, mask), scale_by_learning_rate(learning_rate)]
     return _alias(txs, "adamw", learning_rate, weight_decay, b1=b1, b2=b2, eps=eps)

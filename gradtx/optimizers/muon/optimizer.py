@@ -11,7 +11,7 @@ from gradtx.comm.base import ExchangeComm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Params, PyTree, factory
-from gradtx.optimizers.aliases import _alias, _decay_then_lr
+from gradtx.optimizers.aliases import _alias, _decay
 from gradtx.optimizers.muon.iteration import (
     _DEFAULT_NS_COEFFS,
     MuonDimensionNumbers,
@@ -20,7 +20,7 @@ from gradtx.optimizers.muon.iteration import (
     _resolve_dims,
 )
 from gradtx.optimizers.muon.transforms import scale_by_muon, scale_by_shape
-from gradtx.optimizers.standard import _scale_by_adam
+from gradtx.optimizers.standard import _scale_by_adam, scale_by_learning_rate
 from gradtx.transforms.combine import chain, partition
 
 
@@ -130,8 +130,8 @@ def muon(
         adam_b1, adam_b2, eps, adam_eps_root, nesterov=nesterov, mu_dtype=mu_dtype, name="muon (adam)"
     )
     shaped = [muon_tx, scale_by_shape(inner_dims, consistent_rms)]
-    muon_chain = chain(*_decay_then_lr(shaped, weight_decay, learning_rate, weight_decay_mask))
-    adam_chain = chain(*_decay_then_lr([adam_tx], adam_weight_decay, adam_lr))
+    muon_chain = chain(*shaped, *_decay(weight_decay, weight_decay_mask), scale_by_learning_rate(learning_rate))
+    adam_chain = chain(adam_tx, *_decay(adam_weight_decay), scale_by_learning_rate(adam_lr))
     inner = partition({"muon": muon_chain, "adam": adam_chain}, labels)
     # An OptimizerChain: its output is an update (-learning_rate times a direction), so the wrapper refuses
     # it in front of a torch optimizer.
