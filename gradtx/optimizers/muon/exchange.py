@@ -11,7 +11,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,6 +20,7 @@ from gradtx.comm.local_ranks import per_rank
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
+from gradtx.distributed.plan import _is_shard  # Shard or _StridedShard (FSDP2 over TP): the placements with a dim
 from gradtx.optimizers.muon.iteration import (
     _coeff_rows,
     _Layout,
@@ -41,11 +42,6 @@ except ImportError:  # pragma: no cover
 
 
 # --- sharded leaves: placements, owners and the exchange ---------------------------------------
-
-
-def _is_shard(p: Any) -> bool:
-    """``Shard`` or ``_StridedShard`` (FSDP2 over TP; not a ``Shard`` to ``is_shard()``): the placements with a dim."""
-    return getattr(p, "dim", None) is not None
 
 
 def _check_shard_order(x: Any, *, where: str) -> None:
@@ -158,10 +154,11 @@ def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], load: dict[int, i
     the work already given out on other meshes, so several meshes share it too.
     """
     owners = [0] * len(costs)
+    load.update({r: load.get(r, 0) for r in ranks})  # a rank that owns nothing carries 0
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(len(ranks)), key=lambda r: (load.get(ranks[r], 0), ranks[r]))
+        r = min(range(len(ranks)), key=lambda r: (load[ranks[r]], ranks[r]))
         owners[i] = r
-        load[ranks[r]] = load.get(ranks[r], 0) + costs[i]
+        load[ranks[r]] += costs[i]
     return owners
 
 
@@ -258,8 +255,9 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 def _routes(
     leaves: Sequence[Any], mats: _Matrices, *, whole_leaf: bool, steps: int
-) -> tuple[list[int], list[_MeshPlan]]:
-    """The leaves orthogonalized where they are, and the plans of those exchanged through owners, by mesh.
+) -> tuple[list[int], list[_MeshPlan], dict[int, int]]:
+    """The leaves orthogonalized where they are, the plans of those exchanged through owners, by mesh,
+    and the Newton–Schulz flops each mesh rank owns (by global rank).
 
     A leaf is exchanged when it is sharded across a matrix axis (any axis with ``whole_leaf``).
     """
@@ -272,7 +270,7 @@ def _routes(
                 raise ValueError(
                     f"muon: the update at {where} is a Partial DTensor (a pending sum); reduce it before orthogonalizing"
                 )
-            sharded = {cast(Any, p).dim % x.ndim for p in x.placements if _is_shard(p)}
+            sharded = {p.dim % x.ndim for p in x.placements if _is_shard(p)}
         if sharded and (whole_leaf or not sharded <= lay.batch_axes):
             _check_shard_order(x, where=where)
             by_mesh.setdefault(id(x.device_mesh), (x.device_mesh, []))[1].append(j)
@@ -285,7 +283,7 @@ def _routes(
         owners = _greedy_owners([_ns_flops(mats.layouts[j], steps) for j in js], ranks, load)
         items = [_Owned(j, o, tuple(_pieces(leaves[j])), tuple(leaves[j].shape)) for j, o in zip(js, owners)]
         plans.append(_MeshPlan(mesh, ranks, tuple(items)))
-    return local, plans
+    return local, plans, load
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -342,12 +340,12 @@ def _make_orthogonalizer(
         check_exchange_comm(comm, name=name)
     ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
     batch = 1 if adaptive else ns_batch  # adaptive leaves are iterated one at a time
-    cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan]]] = {}
+    cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan], dict[int, int]]] = {}
     local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]]]] = {}
 
     def run(leaves: Sequence[Any], locs: Sequence[torch.Tensor], mats: _Matrices) -> list[Any]:
         key = (_signature(leaves), tuple(mats.dims))
-        local, plans = cached(cache, key, lambda: _routes(leaves, mats, whole_leaf=adaptive, steps=len(rows)))
+        local, plans, _ = cached(cache, key, lambda: _routes(leaves, mats, whole_leaf=adaptive, steps=len(rows)))
 
         def orthogonalized(xs: list[torch.Tensor], lays: list[_Layout]) -> list[torch.Tensor]:
             ys = _orthogonalize(xs, rows, preconditioning, eps, lays, ns_dtype)
@@ -409,16 +407,11 @@ def exchange_plan(
     all_leaves, _ = tu.flatten(updates)
     mats = _matrices(weight_dimension_numbers, updates, all_leaves, name="exchange_plan")
     leaves = [all_leaves[j] for j in mats.idx]
-    _, plans = _routes(leaves, mats, whole_leaf=adaptive, steps=ns_steps)
+    _, plans, flops = _routes(leaves, mats, whole_leaf=adaptive, steps=ns_steps)
     sent = received = gather = collectives = 0
-    flops: dict[int, int] = {}
     owners: dict[int, int] = {}
     for plan in plans:
-        flops.update({r: flops.get(r, 0) for r in plan.ranks})  # a rank that owns nothing is reported with 0
-        for it in plan.items:
-            owner = plan.ranks[it.owner]
-            owners[mats.idx[it.leaf]] = owner
-            flops[owner] += _ns_flops(mats.layouts[it.leaf], ns_steps)
+        owners.update({mats.idx[it.leaf]: plan.ranks[it.owner] for it in plan.items})
         if rank not in plan.ranks:
             continue
         me = plan.ranks.index(rank)
