@@ -78,13 +78,10 @@ def ema(
         tu.require_state(state, EmaState, name="ema")
         count = state.count + 1
 
-        def average(g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-            d = lw.as_tensor(decay, m)
-            dtype = torch.promote_types(g.dtype, m.dtype)
-            return (1 - d) * g.to(dtype) + d * m.to(dtype)
-
         def step(g: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            m = average(g, old)
+            d = lw.as_tensor(decay, old)
+            dtype = torch.promote_types(g.dtype, old.dtype)
+            m = (1 - d) * g.to(dtype) + d * old.to(dtype)
             out = m
             if debias:
                 t = count.to(m.device, tu.acc_dtype(m.dtype))
