@@ -192,10 +192,8 @@ def _injected(options: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str,
 
 def _as_tensor(value: Any, dtype: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
     """A 0-d tensor for a hyperparameter value: floats in ``dtype``, integers as int64; no host sync."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype.is_floating_point and dtype is not None:
-            return value.to(device=device, dtype=dtype)
-        return value.to(device=device) if device is not None else value
+    if isinstance(value, torch.Tensor):  # None (device or dtype) keeps the tensor's own
+        return value.to(device=device, dtype=dtype if value.dtype.is_floating_point else None)
     if isinstance(value, numbers.Integral):
         return torch.tensor(int(value), dtype=torch.int64, device=device)
     return torch.tensor(float(value), dtype=dtype or torch.float32, device=device)
