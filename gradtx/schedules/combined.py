@@ -227,8 +227,6 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
     """
     schedules = list(schedules)
     boundaries = [check.integer(b, arg="boundaries", name="join_schedules") for b in boundaries]
-    if not schedules:
-        raise ValueError("join_schedules: schedules must not be empty")
     for i, s in enumerate(schedules):
         check.function(s, arg=f"schedules[{i}]", name="join_schedules")
     if len(boundaries) != len(schedules) - 1:
