@@ -160,6 +160,15 @@ def _is_tree_fn(labels: Any) -> bool:
     return len(leaves) > 0 and all(callable(leaf) for leaf in leaves)
 
 
+def check_mask(mask: Any, *, arg: str, name: str, wanted: str = "a tree of bools or a function of the params") -> None:
+    """Raise ``TypeError`` naming ``name``'s ``arg`` when a mask tree (not a function) has a leaf that is not a bool."""
+    if _is_tree_fn(mask):
+        return
+    for leaf in optree.tree_leaves(cast(Any, mask)):
+        if not check._is_bool(leaf):
+            raise TypeError(f"{name}: {arg} must be {wanted}, got a {type(leaf).__name__} leaf")
+
+
 def _resolve(labels: Any, tree: PyTree, *, name: str, what: str) -> list[Any]:
     resolved = labels(tree) if _is_tree_fn(labels) else labels
     return tu.prefix_leaves(resolved, tree, what=f"{name}: {what}", against="the params/updates tree")
@@ -243,12 +252,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
       >>> tx = masked(add_decayed_weights(0.1), decay_matrices)
     """
     check.transform(inner, arg="inner", name="masked")
-    if not _is_tree_fn(mask):
-        for leaf in optree.tree_leaves(cast(Any, mask)):
-            if not check._is_bool(leaf):
-                raise TypeError(
-                    f"masked: mask must be a tree of bools or a function of the params, got a {type(leaf).__name__} leaf"
-                )
+    check_mask(mask, arg="mask", name="masked")
 
     def keep_of(tree: PyTree) -> list[bool]:
         flags = _resolve(mask, tree, name="masked", what="mask")

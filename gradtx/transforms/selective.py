@@ -19,7 +19,7 @@ from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, factory, init_empty_state
-from gradtx.transforms.combine import masked, partition
+from gradtx.transforms.combine import check_mask, masked, partition
 from gradtx.transforms.conditionals import select_step
 
 __all__ = [
@@ -57,14 +57,6 @@ def set_to_zero() -> GradientTransformation:
     return GradientTransformation(init_empty_state, update_fn)
 
 
-def _check_mask(mask: Any, *, arg: str, name: str) -> None:
-    if callable(mask) and not isinstance(mask, torch.Tensor):
-        return
-    for leaf in optree.tree_leaves(mask):
-        if not check._is_bool(leaf):
-            raise TypeError(f"{name}: {arg} must be a bool or a tree of bools, got a {type(leaf).__name__} leaf")
-
-
 @factory
 def freeze(mask: bool | PyTree) -> GradientTransformation:
     """Zero the updates of the leaves where ``mask`` is True (freeze them); pass the others through.
@@ -86,7 +78,7 @@ def freeze(mask: bool | PyTree) -> GradientTransformation:
     Example:
       >>> tx = chain(adam(1e-3), freeze({"encoder": True, "head": False}))
     """
-    _check_mask(mask, arg="mask", name="freeze")
+    check_mask(mask, arg="mask", name="freeze", wanted="a bool or a tree of bools")
     return masked(set_to_zero(), mask)
 
 
@@ -114,7 +106,7 @@ def selective_transform(optimizer: GradientTransformation, *, freeze_mask: bool 
       >>> tx = selective_transform(adam(1e-3), freeze_mask={"encoder": True, "head": False})
     """
     check.transform(optimizer, arg="optimizer", name="selective_transform")
-    _check_mask(freeze_mask, arg="freeze_mask", name="selective_transform")
+    check_mask(freeze_mask, arg="freeze_mask", name="selective_transform", wanted="a bool or a tree of bools")
     if callable(freeze_mask):
         raise TypeError("selective_transform: freeze_mask must be a bool or a tree of bools, got a function")
     labels = optree.tree_map(lambda m: "freeze" if m else "train", cast(Any, freeze_mask))
