@@ -27,7 +27,7 @@ import optree
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, enabled_local_tensor_mode, local_tensor_mode
+from torch.distributed._local_tensor import LocalTensor, LocalTensorMode, local_tensor_mode, rank_map
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -115,7 +115,7 @@ _COORDS: weakref.WeakKeyDictionary[DeviceMesh, dict[int, tuple[int, ...]]] = wea
 
 
 def _mode_off() -> contextlib.AbstractContextManager:
-    mode = enabled_local_tensor_mode()
+    mode = local_tensor_mode()  # (disabling a disabled mode leaves it disabled)
     return mode.disable() if mode is not None else contextlib.nullcontext()
 
 
@@ -137,13 +137,6 @@ def _local_shard(
             chunks = torch.chunk(local, mesh_shape[d], dim)
             local = chunks[coord[d]] if coord[d] < len(chunks) else local.narrow(dim, 0, 0)
     return local.clone() if copy else local
-
-
-def _mode() -> LocalTensorMode:
-    mode = local_tensor_mode()
-    if mode is None:
-        raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...)")
-    return mode
 
 
 def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, mesh_ndim: int) -> list[Placement] | None:
@@ -192,52 +185,10 @@ def _lookup(layout: Mapping[str, Sequence[Placement]], path: str) -> Sequence[Pl
     return next((p for key, p in layout.items() if path == key or fnmatch.fnmatchcase(path, key)), None)
 
 
-def _place(tree: PyTree, mesh: DeviceMesh, layout: Layout, *, real: bool = False) -> PyTree:
-    """:func:`distribute`, or with ``real`` its counterpart in a multi-process run (each rank builds its own part)."""
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"distribute: mesh must be a DeviceMesh from simulated_mesh, got {type(mesh).__name__}")
-    if not (isinstance(layout, (str, Mapping)) or callable(layout)):
-        raise TypeError(
-            f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
-        )
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    out: list[Any] = []
-    matrices = 0
-    for path, leaf in zip(paths, leaves):
-        if not isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-            continue
-        dotted = ".".join(str(k) for k in path) if path else "<root>"
-        if isinstance(layout, str):
-            placements = preset_placements(layout, dotted, leaf, matrices, mesh.ndim)
-            matrices += leaf.ndim >= 2
-        else:
-            found = layout(dotted, leaf) if callable(layout) else _lookup(layout, dotted)
-            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
-            if len(placements) != mesh.ndim:
-                raise ValueError(
-                    f"distribute: layout gives {dotted} {len(placements)} placements for a {mesh.ndim}-D mesh"
-                )
-        out.append(_put(leaf.detach(), mesh, None if placements is None else _strided(list(placements), mesh), real))
-    return optree.tree_unflatten(spec, out)
-
-
-def _put(full: torch.Tensor, mesh: DeviceMesh, placements: list[Placement] | None, real: bool) -> torch.Tensor:
-    """``full`` as a DTensor of ``placements`` on ``mesh`` (``None``: a plain replica), every rank holding its own copy
-    of its part: one per simulated rank, or in a real run this rank's (split as torch's ``Shard`` splits)."""
-    if placements is None:  # one copy per rank, as DDP holds it
-        return full.clone() if real else _mode().rank_map(lambda r: full.clone())
-    if real:
-        local = _local_shard(full, tuple(mesh.shape), placements, tuple(mesh.get_coordinate() or ()))
-    else:
-        coords = _coords(mesh)
-        local = _mode().rank_map(lambda r: _local_shard(full, tuple(mesh.shape), placements, coords[r]))
-    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
 def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
     """Full tensors to DTensors on a simulated ``mesh``, laid out as a parallelism lays out params and grads.
+
+    On a real mesh (a multi-process run) each rank builds its own part the same way.
 
     Args:
       tree: a pytree of full (single-device) tensors.
@@ -258,7 +209,44 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
       >>> with gtx.testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
       ...     grads = gtx.testing.distribute({"w": torch.randn(5, 3)}, mesh, "tp_fsdp")
     """
-    return _place(tree, mesh, layout)
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"distribute: mesh must be a DeviceMesh from simulated_mesh, got {type(mesh).__name__}")
+    if not (isinstance(layout, (str, Mapping)) or callable(layout)):
+        raise TypeError(
+            f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
+        )
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    out: list[Any] = []
+    matrices = 0
+    for path, leaf in zip(paths, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        dotted = tu.dotted(path)
+        if isinstance(layout, str):
+            placements = preset_placements(layout, dotted, leaf, matrices, mesh.ndim)
+            matrices += leaf.ndim >= 2
+        else:
+            found = layout(dotted, leaf) if callable(layout) else _lookup(layout, dotted)
+            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
+            if len(placements) != mesh.ndim:
+                raise ValueError(
+                    f"distribute: layout gives {dotted} {len(placements)} placements for a {mesh.ndim}-D mesh"
+                )
+        out.append(_put(leaf.detach(), mesh, None if placements is None else _strided(list(placements), mesh)))
+    return optree.tree_unflatten(spec, out)
+
+
+def _put(full: torch.Tensor, mesh: DeviceMesh, placements: list[Placement] | None) -> torch.Tensor:
+    """``full`` as a DTensor of ``placements`` on ``mesh`` (``None``: a plain replica), every rank holding its own copy
+    of its part (split as torch's ``Shard`` splits): torch's ``rank_map`` makes one per simulated rank, or in a real
+    run this rank's."""
+    if placements is None:  # one copy per rank, as DDP holds it
+        return rank_map(lambda r: full.clone())
+    coords = _coords(mesh)
+    local = rank_map(lambda r: _local_shard(full, tuple(mesh.shape), placements, coords[r]))
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(full.shape, full.stride(), full.dtype))
+    return DTensor(local, spec, requires_grad=False)
 
 
 # --- the check -----------------------------------------------------------------------------------
@@ -271,26 +259,27 @@ def _unwrap(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _per_rank(x: torch.Tensor, ref: torch.Tensor, world: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Each rank's part of ``x``, beside the same part of the single-device ``ref``.
+def _per_rank(x: torch.Tensor, ref: torch.Tensor) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Each rank's part of ``x``, beside the same part of the single-device ``ref``: every simulated rank, or this one.
 
     A DTensor is compared shard by shard (no gather: ``ref`` is split as the DTensor is), anything else
     as a whole; a value every simulated rank shares is compared once per rank.
     """
-    real = local_tensor_mode() is None and dist.is_initialized()
+    mode = local_tensor_mode()
+    ranks = sorted(mode.ranks) if mode is not None else [dist.get_rank()]
     if isinstance(x, DTensor):
         mesh, value = x.device_mesh, _unwrap(x._local_tensor)
-        coords = {dist.get_rank(): tuple(mesh.get_coordinate() or ())} if real else _coords(mesh)
+        coords = _coords(mesh)
         shape, placements = tuple(mesh.shape), tuple(x.placements)
-        parts = {r: _local_shard(ref, shape, placements, c, copy=False) for r, c in coords.items()}
+        parts = {r: _local_shard(ref, shape, placements, coords[r], copy=False) for r in ranks}
     else:
         value = _unwrap(x)
-        parts = dict.fromkeys([dist.get_rank()] if real else range(world), ref)
+        parts = dict.fromkeys(ranks, ref)
     held = value._local_tensors if isinstance(value, LocalTensor) else dict.fromkeys(parts, value)
     return {r: (t.detach(), parts[r]) for r, t in sorted(held.items())}
 
 
-def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: float, atol: float) -> None:
+def _compare(what: str, got: PyTree, expected: PyTree, *, rtol: float, atol: float) -> None:
     if (got is None) != (expected is None):
         raise AssertionError(f"{what}: one device gave {type(expected).__name__}, the mesh {type(got).__name__}")
     where = tu.first_mismatch(expected, got)  # (two Nones match, with no leaf to compare)
@@ -307,7 +296,7 @@ def _compare(what: str, got: PyTree, expected: PyTree, *, world: int, rtol: floa
         if not isinstance(g, torch.Tensor):
             raise AssertionError(f"{name}: one device has a tensor, the mesh {type(g).__name__}")  # noqa: TRY004
         with _mode_off():  # plain per-rank tensors from here on: no per-op dispatch through the mode
-            _check_ranks(name, _per_rank(g, tu.local(e).detach(), world), rtol=rtol, atol=atol)
+            _check_ranks(name, _per_rank(g, tu.local(e).detach()), rtol=rtol, atol=atol)
 
 
 def _placements(x: DTensor) -> str:
@@ -413,11 +402,9 @@ def assert_matches_single_device(
     steps = len(grads_seq) if steps is None else steps
     real = dist.is_initialized() and local_tensor_mode() is None
     mesh_cm: Any = contextlib.nullcontext(mesh)
-    if mesh is not None:
-        shape = tuple(mesh.shape)
-    elif mesh_shape is None:
-        raise ValueError("assert_matches_single_device: pass mesh_shape=(...) (or a mesh= to reuse)")
-    else:
+    if mesh is None:
+        if mesh_shape is None:
+            raise ValueError("assert_matches_single_device: pass mesh_shape=(...) (or a mesh= to reuse)")
         shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
         if real and dist.get_world_size() != math.prod(shape):
             raise ValueError(
@@ -429,7 +416,6 @@ def assert_matches_single_device(
             mesh_cm = contextlib.nullcontext(init_device_mesh("cpu", shape, mesh_dim_names=names))
         else:
             mesh_cm = simulated_mesh(shape, names)
-    world = math.prod(shape)
 
     expected = []
     with _mode_off():  # inside a reused simulated mesh, one device is plain tensors with the mode off
@@ -440,13 +426,13 @@ def assert_matches_single_device(
             expected.append({"updates": u, "metrics": _metrics(ref_state), "state": ref_state, "params": ref_params})
 
     with mesh_cm as on:
-        d_params = _place(params, on, layout, real=real)
+        d_params = distribute(params, on, layout)
         d_state = tx.init(d_params)
         for i in range(steps):
-            grads = _place(grads_seq[i % len(grads_seq)], on, layout, real=real)
+            grads = distribute(grads_seq[i % len(grads_seq)], on, layout)
             u, d_state = tx.update(grads, d_state, d_params, **extra)
             _check_placements(f"step {i}: updates", u, grads)
             d_params = apply_updates(d_params, u)
             got = {"updates": u, "metrics": _metrics(d_state), "state": d_state, "params": d_params}
             for what, exp in expected[i].items():
-                _compare(f"step {i}: {what}", got[what], exp, world=world, rtol=rtol, atol=atol)
+                _compare(f"step {i}: {what}", got[what], exp, rtol=rtol, atol=atol)
