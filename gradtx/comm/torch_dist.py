@@ -227,13 +227,10 @@ def mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup | None:
     (``DeviceMesh._flatten``, cached by the mesh), which every rank of the
     world must reach together, as the mesh's creation did.
     """
-    ranks = mesh_ranks(mesh)
-    if dist.is_initialized() and len(ranks) == dist.get_world_size():
+    if dist.is_initialized() and mesh.size() == dist.get_world_size():
         return None
-    pg = mesh.get_group(0) if mesh.ndim == 1 else mesh._flatten().get_group()
-    if tuple(dist.get_process_group_ranks(pg)) != tuple(sorted(ranks)):  # pragma: no cover - torch's own rule
-        raise ValueError("TorchComm: a mesh's process group must rank its members by global rank")
-    return pg
+    # new_group and split_group rank a group's members by global rank: torch's rule, not checked here.
+    return mesh.get_group(0) if mesh.ndim == 1 else mesh._flatten().get_group()
 
 
 class DDPSumState:
@@ -275,25 +272,20 @@ def ddp_sum_hook(state, bucket):  # unannotated: DDP compares hook annotations b
     needs the raw sum (see :func:`gradtx.sum_grad_reduction`). The all-reduce
     stays asynchronous, so DDP still overlaps it with the backward pass.
 
-    ``state`` is a :class:`DDPSumState` (what :func:`gradtx.sum_grad_reduction`
-    registers: correct whatever the sync pattern), or a ``ProcessGroup``/``None``
-    for a bare sum, correct only when each window syncs exactly once.
+    ``state`` is the :class:`DDPSumState` that :func:`gradtx.sum_grad_reduction`
+    registers, which makes the sum correct whatever the sync pattern.
 
     Example:
       >>> ddp_model.register_comm_hook(DDPSumState(None), ddp_sum_hook)
     """
-    summing = isinstance(state, DDPSumState)
-    if summing:
-        # A param no backward touched since the last sync still holds that sum in this bucket.
-        for param, grad in zip(bucket.parameters(), bucket.gradients()):
-            state.rescale(param, grad)
-    group = state.process_group if summing else state  # None: the default group
+    # A param no backward touched since the last sync still holds that sum in this bucket.
+    for param, grad in zip(bucket.parameters(), bucket.gradients()):
+        state.rescale(param, grad)
     params = [id(p) for p in bucket.parameters()]
-    future = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+    work = dist.all_reduce(bucket.buffer(), op=dist.ReduceOp.SUM, group=state.process_group, async_op=True)
 
     def done(fut):
-        if summing:
-            state.holds_sum.update(params)
+        state.holds_sum.update(params)
         return fut.value()[0]
 
-    return future.then(done)
+    return work.get_future().then(done)
