@@ -55,11 +55,10 @@ ShardDecl = GroupKey | Sharded | Sequence[GroupKey | Sharded]
 class _Leaf(NamedTuple):
     path: str  # dotted, for matching and the audit: "layers.0.attn.wq.weight"
     shape: torch.Size  # global (logical) shape
-    ndim: int
     placements: tuple[Any, ...] | None  # None for a plain tensor
     shards: tuple[tuple[GroupKey, int | None], ...]  # (group, tensor dim split over it), no duplicates
     tie_group: GroupKey | None
-    where: str = ""  # the path as errors write it: "['layers'][0]['wq']"
+    where: str  # the path as errors write it: "['layers'][0]['wq']"
 
 
 class _Bucket(NamedTuple):
@@ -186,30 +185,26 @@ class MeshGroups:
             )
         for leaf, info in zip(leaves, self._leaves):
             if not isinstance(leaf, torch.Tensor):
-                raise TypeError(
-                    f"{what}: leaf at {info.where or info.path} is a {type(leaf).__name__}, not a torch.Tensor"
-                )
+                raise TypeError(f"{what}: leaf at {info.where} is a {type(leaf).__name__}, not a torch.Tensor")
             if leaf.shape != info.shape:
                 raise ValueError(
-                    f"{what}: leaf at {info.where or info.path} has shape {tuple(leaf.shape)}, the mesh_groups plan has "
+                    f"{what}: leaf at {info.where} has shape {tuple(leaf.shape)}, the mesh_groups plan has "
                     f"{tuple(info.shape)}; build the plan from the same params tree the transform sees"
                 )
             is_dtensor = DTensor is not None and isinstance(leaf, DTensor)
             if is_dtensor != (info.placements is not None):
                 kind = "a DTensor" if is_dtensor else "a plain tensor"
-                raise ValueError(
-                    f"{what}: leaf at {info.where or info.path} is {kind}, but the mesh_groups plan says otherwise"
-                )
+                raise ValueError(f"{what}: leaf at {info.where} is {kind}, but the mesh_groups plan says otherwise")
             if is_dtensor and leaf.placements != info.placements:  # type: ignore[attr-defined]
                 placements = leaf.placements  # type: ignore[attr-defined]
                 if any(p.is_partial() for p in placements):
                     raise ValueError(
-                        f"{what}: leaf at {info.where or info.path} has Partial placements {placements}; a norm of a pending "
+                        f"{what}: leaf at {info.where} has Partial placements {placements}; a norm of a pending "
                         "sum is not the sum of norms, so reduce it first (e.g. grad.redistribute(placements="
                         f"{info.placements})) or let the parallelism wrapper reduce it"
                     )
                 raise ValueError(
-                    f"{what}: leaf at {info.where or info.path} has placements {placements}, the mesh_groups plan was built "
+                    f"{what}: leaf at {info.where} has placements {placements}, the mesh_groups plan was built "
                     f"for {info.placements}; rebuild the plan after re-sharding"
                 )
 
@@ -220,16 +215,16 @@ class MeshGroups:
         unit, which spans every group the leaf is sharded over.
         """
         leaf = self._leaves[index]
-        if leaf.ndim <= 1 or not unitwise:
+        if len(leaf.shape) <= 1 or not unitwise:
             return tuple(g for g, _ in leaf.shards)
         out = []
         for group, dim in leaf.shards:
             if dim is None:
                 raise ValueError(
-                    f"adaptive_clip: leaf at {leaf.where or leaf.path} is declared sharded over {group!r} with no dim; "
+                    f"adaptive_clip: leaf at {leaf.where} is declared sharded over {group!r} with no dim; "
                     "declare it as gradtx.Sharded(group, dim=...) so AGC knows whether its units are local"
                 )
-            if dim % leaf.ndim != 0:
+            if dim % len(leaf.shape) != 0:
                 out.append(group)
         return tuple(out)
 
@@ -409,7 +404,7 @@ def _build(
         if len(tie_keys) > 1:
             raise ValueError(f"{what}: leaf at {where} matches several tied keys: {tie_keys}")
         tie_group = canonical(tied[tie_keys[0]], f"tied[{tie_keys[0]!r}]") if tie_keys else None
-        infos.append(_Leaf(path, leaf.shape, leaf.ndim, placements, tuple(shards), tie_group, where))
+        infos.append(_Leaf(path, leaf.shape, placements, tuple(shards), tie_group, where))
 
     unused = [key for key in [*sharded, *tied] if isinstance(key, str) and key not in matched]
     if unused:
