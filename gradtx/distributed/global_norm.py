@@ -39,13 +39,12 @@ def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = N
     puts a layer norm on the ``dp`` dim of a TP x FSDP mesh, is replicated
     over the dims it does not name, which the per-dim reductions assume too),
     so its replica count is known. Two root meshes, or a root smaller than the
-    world, keep the per-dim reductions.
+    world, keep the per-dim reductions. ``tree``, the tree ``leaves`` were
+    flattened from (every caller's), names their paths in errors.
     """
     if not tu.has_dtensor(leaves):
         return None
-    paths = tu.paths(tree) if tree is not None else None
-    if paths is None or len(paths) != len(leaves):
-        paths = [(i,) for i in range(len(leaves))]
+    paths = tu.paths(tree) if tree is not None else [(i,) for i in range(len(leaves))]
     comm = default_comm(leaves)
     roots = tu.root_meshes(leaves)
     flat = "world" if len(roots) == 1 and 1 < roots[0].size() == comm.size("world") else None
@@ -237,7 +236,7 @@ def tree_unitwise_norms(
 
 
 def agree_finite(
-    finite: torch.Tensor, leaves: Sequence[Any], *, comm: Comm | None = None, group: GroupKey = "world", **_: Any
+    finite: torch.Tensor, leaves: Sequence[Any], *, comm: Comm | None = None, group: GroupKey = "world"
 ) -> torch.Tensor:
     """Agree on a finite-check verdict over every rank that holds part of the model (MAX of the not-finite flag).
 
