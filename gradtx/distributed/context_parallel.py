@@ -4,30 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm
+from gradtx.comm.base import Comm, ReduceOp, check_comm
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, factory, init_empty_state
-
-
-def _resolve(group: Any, comm: Comm | None) -> tuple[Comm, GroupKey]:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(group, DeviceMesh) and group.ndim != 1:
-        raise ValueError(f"cp_reduce: group must be a 1-D DeviceMesh (e.g. mesh['cp']), got {group.ndim} dims")
-    if comm is not None:
-        if isinstance(group, DeviceMesh):
-            raise ValueError("cp_reduce: pass either a DeviceMesh as group, or a group key with comm, not both")
-        check_comm(comm, name="cp_reduce")
-        return comm, group
-    if isinstance(group, (DeviceMesh, dist.ProcessGroup)):
-        from gradtx.comm.torch_dist import TorchComm
-
-        return TorchComm(), group  # TorchComm resolves a 1-D mesh to its own process group
-    raise ValueError(
-        f"cp_reduce: group {group!r} needs a comm that names it: pass the mesh dim itself "
-        "(cp_reduce(mesh['cp'])), a ProcessGroup, or comm=gtx.comm.TorchComm(mesh)"
-    )
 
 
 @factory
@@ -66,11 +45,28 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
       >>> fully_shard(model, mesh=mesh["dp"])   # CP not folded into FSDP2
       >>> tx = gtx.chain(gtx.cp_reduce(mesh["cp"]), gtx.clip_by_global_norm(1.0), gtx.adamw(3e-4))
     """
-    comm, key = _resolve(group, comm)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh) and group.ndim != 1:
+        raise ValueError(f"cp_reduce: group must be a 1-D DeviceMesh (e.g. mesh['cp']), got {group.ndim} dims")
+    if comm is not None:
+        if isinstance(group, DeviceMesh):
+            raise ValueError("cp_reduce: pass either a DeviceMesh as group, or a group key with comm, not both")
+        check_comm(comm, name="cp_reduce")
+    elif isinstance(group, (DeviceMesh, dist.ProcessGroup)):
+        from gradtx.comm.torch_dist import TorchComm
+
+        comm = TorchComm()  # it resolves a 1-D mesh to its own process group
+    else:
+        raise ValueError(
+            f"cp_reduce: group {group!r} needs a comm that names it: pass the mesh dim itself "
+            "(cp_reduce(mesh['cp'])), a ProcessGroup, or comm=gtx.comm.TorchComm(mesh)"
+        )
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
-        return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, key)), state
+        return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, group)), state
 
     return GradientTransformation(init_empty_state, update_fn)
