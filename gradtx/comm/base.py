@@ -50,9 +50,6 @@ class Comm(Protocol):
         ...
 
 
-_REQUIRED = ("all_reduce", "size")
-
-
 @runtime_checkable
 class ExchangeComm(Comm, Protocol):
     """A :class:`Comm` that can also move tensors between ranks: what sharded orthogonalization needs.
@@ -77,7 +74,7 @@ class ExchangeComm(Comm, Protocol):
 
 def check_comm(comm: object, *, name: str) -> None:
     """Raise ``TypeError`` unless ``comm`` has what every comm needs: ``all_reduce`` and ``size``."""
-    missing = [m for m in _REQUIRED if not callable(getattr(comm, m, None))]
+    missing = [m for m in ("all_reduce", "size") if not callable(getattr(comm, m, None))]
     if missing:
         raise TypeError(
             f"{name}: comm must implement gradtx.comm.Comm (all_reduce, size), got {type(comm).__name__} "
