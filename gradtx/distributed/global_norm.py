@@ -235,6 +235,35 @@ def tree_unitwise_norms(
     return unitwise_norms(plan, [grads, weights], unitwise=unitwise, what=what)
 
 
+def zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> list[Any]:
+    """An update for every param: the ``leaves`` at ``index``, zeros for the params that got none."""
+    full = tu.scatter(len(all_params), index, leaves)
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
+
+
+def paired_norms(
+    updates: PyTree, params: PyTree, *, unitwise: bool, mesh_groups: MeshGroups | None, slot: PlanSlot, what: str
+) -> tuple[list[torch.Tensor], Any, list[torch.Tensor], list[torch.Tensor]]:
+    """:func:`tree_unitwise_norms` of each update and its param, the updates aligned to the params.
+
+    A ``None`` update (a param with no gradient) is left out, and its param is not read. A declared plan
+    covers every param: one with no update joins its collectives as zeros, so every rank issues the same ones.
+
+    Returns:
+      The updates' leaves and treespec (as :func:`gradtx.core.tree.align` gives them), their norms and
+      their params' norms.
+    """
+    index, leaves, spec = tu.align(params, updates, what=f"{what}: updates", against="params")
+    all_params = tu.flatten(params)[0]
+    if mesh_groups is None:
+        params_ = [all_params[i] for i in index]
+        u_norms, p_norms = tree_unitwise_norms(leaves, params_, unitwise=unitwise, tree=updates, slot=slot, what=what)
+        return leaves, spec, u_norms, p_norms
+    full = zero_filled(index, leaves, all_params)
+    u_all, p_all = tree_unitwise_norms(full, all_params, unitwise=unitwise, mesh_groups=mesh_groups, what=what)
+    return leaves, spec, [u_all[i] for i in index], [p_all[i] for i in index]
+
+
 def agree_finite(
     finite: torch.Tensor, leaves: Sequence[Any], *, comm: Comm | None = None, group: GroupKey = "world"
 ) -> torch.Tensor:

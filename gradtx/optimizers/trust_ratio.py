@@ -67,6 +67,7 @@ def scale_by_trust_ratio(
     trust_coefficient = check.non_negative(trust_coefficient, arg="trust_coefficient", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
     plan.check_plan(mesh_groups, name=name)
+    slot = inferred.PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def update_fn(updates, state, params=None, **extra):
         del extra
@@ -74,20 +75,9 @@ def scale_by_trust_ratio(
             tu.require_state(state, EmptyState, name=name)
         if params is None:
             raise ValueError(f"{name}: update() needs params (the weights whose norms set the ratio), got params=None")
-        index, leaves, spec = tu.align(params, updates, what=f"{name}: updates", against="params")
-        all_params = tu.flatten(params)[0]
-        if mesh_groups is not None and len(index) != len(all_params):
-            # A declared plan covers every leaf: a param with no update joins the collectives with zeros.
-            full = tu.scatter(len(all_params), index, leaves)
-            full = [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
-            u_all, p_all = inferred.tree_unitwise_norms(
-                full, all_params, unitwise=False, mesh_groups=mesh_groups, tree=params, what=name
-            )
-            u_norms, p_norms = [u_all[i] for i in index], [p_all[i] for i in index]
-        else:
-            u_norms, p_norms = inferred.tree_unitwise_norms(
-                leaves, [all_params[i] for i in index], unitwise=False, mesh_groups=mesh_groups, tree=updates, what=name
-            )
+        leaves, spec, u_norms, p_norms = inferred.paired_norms(
+            updates, params, unitwise=False, mesh_groups=mesh_groups, slot=slot, what=name
+        )
         out = []
         for u, u_norm, p_norm in zip(leaves, u_norms, p_norms):
             p_norm = torch.clamp(p_norm, min=lw.as_tensor(min_norm, p_norm))

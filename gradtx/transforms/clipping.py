@@ -22,7 +22,7 @@ from gradtx.core.base import (
 )
 from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 from gradtx.distributed import plan
-from gradtx.distributed.global_norm import PlanSlot, global_norm_of, tree_unitwise_norms
+from gradtx.distributed.global_norm import PlanSlot, global_norm_of, paired_norms, zero_filled
 from gradtx.distributed.plan import reads_plan
 
 # --- clip by value ---------------------------------------------------------------------
@@ -56,12 +56,6 @@ def clip(max_delta: float) -> GradientTransformation:
         return tu.unflatten(spec, [tu.like(t, c) for t, c in zip(leaves, clamped)]), state
 
     return GradientTransformation(init_empty_state, update_fn)
-
-
-def _zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> list[Any]:
-    """An update for every param: the ``leaves`` at ``index``, zeros for the params that got none."""
-    full = tu.scatter(len(all_params), index, leaves)
-    return [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
 
 
 # --- clip by global norm -----------------------------------------------------------------
@@ -133,7 +127,7 @@ def clip_by_global_norm(
             # A declared plan covers every param; one with no gradient (None) joins the collectives as
             # zeros, so every rank still issues the same ones.
             index, leaves, _ = tu.align(params, updates, what=f"{name}: updates", against="params")
-            leaves, tree = _zero_filled(index, leaves, tu.flatten(params)[0]), params
+            leaves, tree = zero_filled(index, leaves, tu.flatten(params)[0]), params
         # Of the true updates, leaves * scale.
         norm = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, scale=scale, slot=slot)
         coef = torch.clamp(lw.as_tensor(max_norm, norm) / (norm + 1e-6), max=1.0)
@@ -204,16 +198,9 @@ def adaptive_clip(
         if params is None:
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")
         # A None update (a param with no gradient) stays None; its weight is not read.
-        index, leaves, spec = tu.align(params, updates, what="adaptive_clip: updates", against="params")
-        all_weights = tu.flatten(params)[0]
-        if mesh_groups is not None:
-            # A declared plan covers every leaf: a param with no gradient joins the collectives with zeros.
-            full = _zero_filled(index, leaves, all_weights)
-            g_all, w_all = tree_unitwise_norms(full, all_weights, unitwise=unitwise, mesh_groups=mesh_groups)
-            g_norms, w_norms = [g_all[i] for i in index], [w_all[i] for i in index]
-        else:
-            weights = [all_weights[i] for i in index]
-            g_norms, w_norms = tree_unitwise_norms(leaves, weights, unitwise=unitwise, tree=updates, slot=slot)
+        leaves, spec, g_norms, w_norms = paired_norms(
+            updates, params, unitwise=unitwise, mesh_groups=mesh_groups, slot=slot, what="adaptive_clip"
+        )
         out = []
         for g, w_norm, g_norm in zip(leaves, w_norms, g_norms):
             limit = clipping.to(w_norm.device) if isinstance(clipping, torch.Tensor) else clipping  # its own dtype
