@@ -111,3 +111,42 @@ def test_cp_reduce_needs_a_group_it_can_resolve():
         gtx.cp_reduce("cp")
     with pytest.raises(TypeError, match="comm must implement"):
         gtx.cp_reduce("cp", comm=object())
+
+
+PLACEMENT_READERS = {
+    "clip_by_global_norm": lambda: gtx.clip_by_global_norm(1.0),
+    "adaptive_clip": lambda: gtx.adaptive_clip(0.1),
+    "scale_by_trust_ratio": lambda: gtx.scale_by_trust_ratio(),
+    "zclip": lambda: gtx.zclip(),
+    "autoclip": lambda: gtx.autoclip(),
+    "skip_spikes": lambda: gtx.skip_spikes(gtx.identity()),
+    "normalize_by_update_norm": lambda: gtx.normalize_by_update_norm(),
+    "clip_by_block_rms": lambda: gtx.clip_by_block_rms(1.0),
+    "track_norms": lambda: gtx.track_norms(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENT_READERS))
+def test_a_transform_reads_the_placements_plan_once_per_layout(name, monkeypatch):
+    # The plan is a pure function of the meshes, placements and shapes: a transform builds it when it first
+    # sees them and again only when they change, not on every step (it costs Python work per leaf).
+    from torch.distributed.tensor import Replicate, Shard
+
+    import gradtx.distributed.global_norm as gn
+    from gradtx.testing import distribute, simulated_mesh
+
+    built = []
+    real = gn.from_placements
+    monkeypatch.setattr(gn, "from_placements", lambda *a, **k: built.append(1) or real(*a, **k))
+    full = {"w": torch.randn(4, 6), "b": torch.randn(4)}
+    first, second = {"w": (Shard(0),), "b": (Replicate(),)}, {"w": (Shard(1),), "b": (Shard(0),)}
+    with simulated_mesh(2) as mesh:
+        tx = PLACEMENT_READERS[name]()
+        params = distribute(full, mesh, first)
+        state = tx.init(params)
+        for step in range(3):
+            grads = distribute({k: v * (step + 1) for k, v in full.items()}, mesh, first)
+            _, state = tx.update(grads, state, params)
+        assert len(built) == 1
+        tx.update(distribute(full, mesh, second), state, distribute(full, mesh, second))
+        assert len(built) == 2

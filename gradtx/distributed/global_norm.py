@@ -164,10 +164,15 @@ def global_norm_of(
 
 
 def leaf_norms_of(
-    leaves: Sequence[torch.Tensor], *, mesh_groups: Any = None, what: str, tree: Any = None
+    leaves: Sequence[torch.Tensor],
+    *,
+    mesh_groups: Any = None,
+    what: str,
+    tree: Any = None,
+    slot: PlanSlot | None = None,
 ) -> list[torch.Tensor]:
     """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank."""
-    plan = _plan(leaves, mesh_groups, None, what, tree)
+    plan = _plan(leaves, mesh_groups, slot, what, tree)
     if plan is None:
         return norms.tensor_norms(leaves, 2.0)
     return unitwise_norms(plan, [leaves], unitwise=False, what=what)[0]  # one unit per leaf: 0-d each

@@ -32,7 +32,7 @@ from gradtx.core.base import (
     init_empty_state,
     scalar_transformation,
 )
-from gradtx.distributed.global_norm import global_norm_of, leaf_norms_of
+from gradtx.distributed.global_norm import PlanSlot, global_norm_of, leaf_norms_of
 from gradtx.distributed.plan import check_plan, reads_tied
 
 __all__ = [
@@ -170,6 +170,7 @@ def zclip(
     norm_type = check.norm_type(norm_type, name=name)
     check_plan(mesh_groups, name=name)
     window = max(1, warmup_steps)
+    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def init_fn(params: Params) -> ZClipState:
         count = lw.zero_count(params)
@@ -179,7 +180,7 @@ def zclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, ZClipState, name=name)
-        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.mean.device)
+        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.mean.device, slot=plans)
         finite = torch.isfinite(g)
         ready = state.count >= window  # the EMA was seeded on an earlier step
 
@@ -289,6 +290,7 @@ def autoclip(
     norm_type = check.norm_type(norm_type, name=name)
     check_plan(mesh_groups, name=name)
     q = percentile / 100.0
+    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def init_fn(params: Params) -> AutoClipState:
         count = lw.zero_count(params)
@@ -298,7 +300,7 @@ def autoclip(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         tu.require_state(state, AutoClipState, name=name)
-        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.norms.device)
+        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.norms.device, slot=plans)
         finite = torch.isfinite(g)
         slot = torch.remainder(state.count, size).reshape(1)
         recorded = torch.where(finite, state.norms.scatter(0, slot, g.reshape(1)), state.norms)
@@ -340,11 +342,12 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
     name = "clip_by_block_rms"
     threshold = check.positive(threshold, arg="threshold", name=name)
     check_plan(mesh_groups, name=name)
+    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def update_fn(updates, state, params=None, **extra):
         del params, extra
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates)
+        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans)
         out = []
         for u, n in zip(leaves, l2):
             local = tu.local(u)
@@ -396,6 +399,7 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
     if group_by is not None and not callable(group_by):
         raise TypeError(f"{name}: group_by must be callable or None, got {type(group_by).__name__}")
     check_plan(mesh_groups, name=name)
+    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def names_of(tree: Any) -> list[str]:
         names = [tu.dotted(p) for p in tu.paths(tree)]
@@ -415,7 +419,7 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         tu.require_state(state, TrackNormsState, name=name)
         leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         names = names_of(updates)
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates)
+        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans)
         grouped: dict[str, list[torch.Tensor]] = {}
         for n, v in zip(names, l2):
             grouped.setdefault(n, []).append(v)

@@ -20,6 +20,7 @@ from gradtx.core.base import (
     scalar_transformation,
 )
 from gradtx.distributed import plan
+from gradtx.distributed.global_norm import PlanSlot
 from gradtx.transforms.adaptive import updates_norm
 
 __all__ = ["centralize", "normalize_by_update_norm"]
@@ -57,12 +58,14 @@ def normalize_by_update_norm(
     scale_factor = check.number(scale_factor, arg="scale_factor", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
     plan.check_plan(mesh_groups, name=name)
+    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         del params, extra
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
-        norm = updates_norm(updates, 2.0, mesh_groups, name, scale=scale)  # of the true updates, leaves * scale
+        # Of the true updates, leaves * scale.
+        norm = updates_norm(updates, 2.0, mesh_groups, name, scale=scale, slot=plans)
         return lw.as_tensor(scale_factor, norm) / (norm + lw.as_tensor(eps, norm)), state
 
     return plan.reads_tied(scalar_transformation(init_empty_state, factor_fn), mesh_groups)

@@ -386,6 +386,7 @@ def skip_spikes(
     check_plan(mesh_groups, name=name)
     if comm is not None:
         check_comm(comm, name=name)
+    plan_slot = inferred.PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def init_fn(params: Params) -> SkipSpikesState:
         count = lw.zero_count(params)
@@ -394,7 +395,7 @@ def skip_spikes(
 
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
-            return updates_norm(updates, norm_type, mesh_groups, name, device=device)
+            return updates_norm(updates, norm_type, mesh_groups, name, device=device, slot=plan_slot)
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
