@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import gradtx as gtx
 from gradtx.testing import assert_trees_close
@@ -132,3 +133,34 @@ def test_compiled_accumulation_equals_eager(opt_name):
     assert_trees_close(params_of(model), params_of(eager_model), rtol=1e-5, atol=1e-6)
     assert_trees_close(opt.metrics, eager_opt.metrics, rtol=1e-5, atol=1e-6)
     assert not opt.window_open
+
+
+def test_compiled_step_runs_global_step_hooks_and_zero_grad_zeroes_every_group():
+    """As eager: a global step pre-hook runs on each compiled step, and compiled zero_grad zeroes all groups' grads."""
+
+    def run(compiled):
+        model = make_model()
+        first, second = list(model[0].parameters()), list(model[2].parameters())
+        inner = torch.optim.SGD([{"params": first}, {"params": second, "lr": 0.05}], lr=0.1)
+        opt = gtx.TransformedOptimizer(inner, gtx.clip_by_global_norm(MAX_NORM))
+        calls = []
+        handle = register_optimizer_step_pre_hook(lambda o, args, kwargs: calls.append(type(o).__name__))
+        try:
+
+            def optimizer_step():
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+
+            step = torch.compile(optimizer_step) if compiled else optimizer_step
+            for x, y in batches(2):
+                F.cross_entropy(model(x), y).backward()
+                step()
+        finally:
+            handle.remove()
+        assert all(p.grad is not None and not p.grad.any() for p in first + second)
+        return calls, params_of(model)
+
+    eager_calls, eager_params = run(compiled=False)
+    calls, params = run(compiled=True)
+    assert calls == eager_calls and calls.count("TransformedOptimizer") == 2  # one a step (the inner SGD runs them too)
+    assert_trees_close(params, eager_params, rtol=1e-5, atol=1e-6)
