@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+from torch._C import _functorch
 from torch._utils import _flatten_dense_tensors
 
 from gradtx.comm.local_ranks import per_rank
@@ -94,7 +95,7 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
 @per_rank  # simulated ranks hold shards of different sizes, empty ones included
 def _local_norm(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     device = locals_[0].device
-    if fe.under_vmap():
+    if _plain_ops_only(locals_):
         norms = [_plain_norm(t, norm_type).to(device) for t in locals_]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(norm_dtype(locals_))
     parts = [norms for _, norms in _group_norms(locals_, norm_type, with_indices=False)]
@@ -120,7 +121,7 @@ def _tensor_norms(locals_: list[torch.Tensor], norm_type: float, power: bool = F
     """
     if not locals_:
         return []
-    if fe.under_vmap():
+    if _plain_ops_only(locals_):
         plain = [_plain_norm(t, norm_type) for t in locals_]
         return [n.pow(norm_type) for n in plain] if power else plain
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
@@ -236,11 +237,14 @@ def _rows_norm(t: torch.Tensor, norm_type: float, row: int | None = None) -> tor
     return torch.linalg.vector_norm(torch.cat(parts), norm_type, dtype=torch.float64)
 
 
-def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """One tensor's norm with ops that have batching rules, in the partial dtype.
+def _plain_ops_only(locals_: Sequence[torch.Tensor]) -> bool:
+    """Under ``torch.func.vmap``: the foreach norm has no batching rule (torch 2.13); ``vector_norm`` has one.
 
-    Under ``torch.func.vmap`` (``fe.under_vmap()``) every norm is taken this way: the foreach norm
-    has no batching rule (torch 2.13), ``vector_norm`` has one. (Autograd and ``torch.func.grad``
-    go through the foreach norm: it has a derivative.)
+    (Autograd and ``torch.func.grad`` go through the foreach norm: it has a derivative.)
     """
+    return not torch.compiler.is_compiling() and _functorch.is_batchedtensor(locals_[0])
+
+
+def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """One tensor's norm with ops that have batching rules, in the partial dtype."""
     return torch.linalg.vector_norm(magnitudes(t), norm_type).to(partial_dtype(t.device))

@@ -71,7 +71,7 @@ def microbatch(
       argnames: the names of keyword arguments that have a batch axis.
       in_axes: the batch axis of each batch argument (``argnums`` then
         ``argnames``), or one int for all.
-      num_real_microbatches: run only the first this many micro-batches, ``>= 1``
+      num_real_microbatches: run only the first this many micro-batches
         (``MEAN`` still divides by the total; ``RUNNING_MEAN`` by this).
 
     Returns:
@@ -99,7 +99,7 @@ def microbatch(
         raise ValueError(f"microbatch: in_axes needs one axis per batch argument ({len(keys)}), got {len(axes)}")
     if num_real_microbatches is not None:
         num_real_microbatches = check.integer(
-            num_real_microbatches, arg="num_real_microbatches", name="microbatch", minimum=1
+            num_real_microbatches, arg="num_real_microbatches", name="microbatch", minimum=0
         )
     for acc in optree.tree_leaves(cast(Any, accumulator)):
         if not isinstance(acc, AccumulationType):
@@ -125,6 +125,8 @@ def microbatch(
                 (new_args if isinstance(k, int) else new_kwargs)[k] = sliced
             return fun(*new_args, **new_kwargs)
 
+        if steps == 0:
+            raise ValueError("microbatch: num_real_microbatches=0 runs nothing, so there is no output to return")
         first = call(0)
         leaves, spec = optree.tree_flatten(first)
         kinds = tu.prefix_leaves(accumulator, first, what="microbatch: accumulator", against="fun's output")

@@ -219,6 +219,10 @@ class Window:
         """Whether the next micro-step closes the window (the ``k``-th, or one passed ``flush=True``)."""
         return _flush(flush) or int(state.micro_step) + 1 >= self.window_k(state)
 
+    def check_tokens(self, tokens: Any) -> int:
+        """Validate ``tokens`` for this window (the count, or 0 when not token-weighted); changes nothing."""
+        return _token_count(tokens, self.comm) if self.token_weighted else 0
+
     def step(
         self,
         state: AccumulateState,
@@ -248,7 +252,7 @@ class Window:
         """
         self.check(state)
         _flush(flush)
-        n = _token_count(tokens, self.comm) if self.token_weighted else 0
+        n = self.check_tokens(tokens)
         loss_value = _loss_value(loss)
         loss_sum, loss_weight = state.loss_sum, int(state.loss_weight)
         if loss_value is not None:
