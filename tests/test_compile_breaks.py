@@ -178,3 +178,18 @@ def test_donated_compiled_step_writes_the_eager_results_into_the_old_buffers():
     assert [t.untyped_storage().data_ptr() for t in optree.tree_leaves((params, state))] == storages
     assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6)
     assert_trees_close(state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_norm_inside_torch_func_grad_compiles_with_no_graph_break(fullgraph):
+    """A hypergradient-style step: the clip's norm under torch.func.grad, compiled, against eager."""
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(0))
+
+    def clipped_sum(w):
+        tx = gtx.clip_by_global_norm(0.5)
+        (u,), _ = tx.update([w * 2], tx.init([w]))
+        return u.sum() + gtx.global_norm([w * 2, w.sum(0)])
+
+    got = torch.compile(torch.func.grad(clipped_sum), fullgraph=fullgraph)(w)
+    assert sum(counters["graph_break"].values()) == 0
+    torch.testing.assert_close(got, torch.func.grad(clipped_sum)(w), rtol=1e-5, atol=1e-6)

@@ -443,6 +443,13 @@ def test_combinators_are_checked_when_built():
         gtx.masked(gtx.sgd(1.0), "x")
     with pytest.raises(TypeError, match="masked: mask must be a tree of bools.*int"):
         gtx.masked(gtx.sgd(1.0), {"w": 1})
+    functions = {"w": lambda p: True, "b": lambda p: False}  # a tree of functions: neither a function nor a mask
+    with pytest.raises(TypeError, match="masked: mask must be a tree of bools.*function leaf"):
+        gtx.masked(gtx.sgd(1.0), functions)
+    with pytest.raises(TypeError, match="freeze: mask must be a bool or a tree of bools.*function leaf"):
+        gtx.freeze(functions)
+    with pytest.raises(TypeError, match="selective_transform: freeze_mask must be .*function leaf"):
+        gtx.selective_transform(gtx.sgd(1.0), freeze_mask=functions)
     with pytest.raises(TypeError, match=r"partition: transforms\['a'\] is a str"):
         gtx.partition({"a": "x"}, "a")
     with pytest.raises(TypeError, match="partition: transforms must be a mapping"):

@@ -68,3 +68,11 @@ def test_microbatched_grad_is_the_full_batch_grad():
 def test_microbatch_refuses_an_indivisible_batch():
     with pytest.raises(ValueError, match="not divisible by microbatch_size=5"):
         gtx.microbatch(lambda x: x.sum(), argnums=0, microbatch_size=5)(torch.ones(12))
+
+
+@pytest.mark.parametrize("batch_size, num_real", [(0, None), (4, 0)])
+def test_a_call_that_runs_no_microbatch_is_refused_naming_why(batch_size, num_real):
+    fn = gtx.microbatch(lambda x: x.sum(0), argnums=0, microbatch_size=2, num_real_microbatches=num_real)
+    why = "an empty batch" if batch_size == 0 else "num_real_microbatches=0"
+    with pytest.raises(ValueError, match=f"microbatch: {why}"):
+        fn(torch.zeros(batch_size, 3))

@@ -41,6 +41,8 @@ def test_simulated_mesh_yields_the_mesh_and_leaves_no_process_group_behind():
     with pytest.raises(ZeroDivisionError), testing.simulated_mesh(2):
         raise ZeroDivisionError  # an error in the block still tears the world down
     assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"distribute: call it inside gtx.testing.simulated_mesh"):
+        testing.distribute({"w": torch.ones(4, 3)}, mesh, "fsdp")  # the mesh outlived its world
 
 
 def test_simulated_mesh_refuses_bad_shapes_and_nesting():

@@ -211,6 +211,8 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
     """
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"distribute: mesh must be a DeviceMesh from simulated_mesh, got {type(mesh).__name__}")
+    if local_tensor_mode() is None and (not dist.is_initialized() or dist.get_backend() == "fake"):
+        raise RuntimeError("distribute: call it inside gtx.testing.simulated_mesh(...), or on every rank of a real run")
     if not (isinstance(layout, (str, Mapping)) or callable(layout)):
         raise TypeError(
             f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"

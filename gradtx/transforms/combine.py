@@ -162,7 +162,7 @@ def _is_tree_fn(labels: Any) -> bool:
 
 def check_mask(mask: Any, *, arg: str, name: str, wanted: str = "a tree of bools or a function of the params") -> None:
     """Raise ``TypeError`` naming ``name``'s ``arg`` when a mask tree (not a function) has a leaf that is not a bool."""
-    if _is_tree_fn(mask):
+    if callable(mask) and _is_tree_fn(mask):  # a dict of functions is neither a function nor a tree of bools
         return
     for leaf in optree.tree_leaves(cast(Any, mask)):
         if not check._is_bool(leaf):

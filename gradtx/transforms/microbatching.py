@@ -126,7 +126,8 @@ def microbatch(
             return fun(*new_args, **new_kwargs)
 
         if steps == 0:
-            raise ValueError("microbatch: num_real_microbatches=0 runs nothing, so there is no output to return")
+            why = "num_real_microbatches=0" if num else f"an empty batch (batch size {batch_size})"
+            raise ValueError(f"microbatch: {why} runs nothing, so there is no output to return")
         first = call(0)
         leaves, spec = optree.tree_flatten(first)
         kinds = tu.prefix_leaves(accumulator, first, what="microbatch: accumulator", against="fun's output")

@@ -382,7 +382,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if self._live.window_open:
             return
         if torch.compiler.is_compiling():
-            # torch.optim's zero_grad is marked not traceable; its own body traces, for a compiled step.
+            # torch.optim's zero_grad is marked not traceable; its own body traces, for a compiled step. A subclass's
+            # override runs as in eager (where it calls torch's, the graph breaks, as it does in plain torch).
             rules.unwrapped(self.optimizer, "zero_grad")(set_to_none=set_to_none)
         else:
             self.optimizer.zero_grad(set_to_none=set_to_none)
