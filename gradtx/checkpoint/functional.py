@@ -195,11 +195,10 @@ def load_state_dict(
             saved["state"][name], [*layout.per_param, *held_keys], what=f"{what}: state of param {name!r}", hint=lo.HINT
         )
     per_param = {key: [saved["state"][name][key] for name in names] for key in layout.per_param}
-    held = {
-        key.removesuffix("held") + "acc": [lo.flag(saved["state"][name][key], what=f"{what}: {key!r} of param {name!r}")
-                                           for name in names]
-        for key in held_keys
-    }  # fmt: skip
+    held: dict[str, list[bool]] = {}  # a window's sum key -> per param, whether the open window held a sum for it
+    for w in layout.windows:
+        key = w.key("held")
+        held[w.key("acc")] = [lo.flag(saved["state"][n][key], what=f"{what}: {key!r} of param {n!r}") for n in names]
     return import_layout(layout, state, params, per_param, saved["global"], tx, names, what=what, held=held)
 
 
@@ -258,7 +257,7 @@ def import_layout(
             return empty_sums(params)
         # Placed like the live state's tensors; a window's sum that holds nothing, like the params.
         restored = [restore(v, t, key, repr(key)) for v, t in zip(per_param[key], _templates(layout, key, p_leaves))]
-        if kind == "acc" and held is not None and key in held:
+        if kind == "acc" and held is not None:  # a window of this layout: held has its key
             restored = [r if h else e for r, h, e in zip(restored, held[key], tu.flatten(empty_sums(params))[0])]
         return tu.unflatten(p_spec, restored)
 

@@ -207,8 +207,8 @@ def norm_audit(
     The plan is ``plan`` (a :func:`gradtx.mesh_groups` plan), else the one the DTensor placements define (what
     ``clip_by_global_norm(max_norm)`` uses with no plan), else none: the local norm. Run it where the transform
     runs: on every rank of a real run (it issues one all-reduce per group of the plan, for the per-leaf shares,
-    plus the pipeline group's when declared), or on a simulated mesh (:func:`gradtx.testing.simulated_mesh`), where a value the ranks
-    disagree on shows one entry per rank.
+    plus the pipeline group's when declared), or on a simulated mesh (:func:`gradtx.testing.simulated_mesh`),
+    where a value the ranks disagree on shows one entry per rank.
 
     A plain tensor carries no placement: on each rank it may be a replica (DDP), a pipeline stage's own
     weight, or a grad nobody synced, and gradtx's norms take each rank's own, as torch does. The pipeline
