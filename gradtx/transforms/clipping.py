@@ -23,7 +23,6 @@ from gradtx.core.base import (
 from gradtx.core.norms import norm_dtype, unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 from gradtx.distributed import plan
 from gradtx.distributed.global_norm import PlanSlot, global_norm_of, paired_norms, zero_filled
-from gradtx.distributed.plan import reads_plan
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -133,7 +132,7 @@ def clip_by_global_norm(
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 
-    return reads_plan(scalar_transformation(init_fn, factor_fn), mesh_groups)
+    return plan.reads_plan(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------
@@ -208,4 +207,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor))
         return tu.unflatten(spec, out), state
 
-    return reads_plan(GradientTransformation(init_empty_state, update_fn), mesh_groups)
+    return plan.reads_plan(GradientTransformation(init_empty_state, update_fn), mesh_groups)
