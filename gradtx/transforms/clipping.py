@@ -20,10 +20,9 @@ from gradtx.core.base import (
     init_empty_state,
     scalar_transformation,
 )
-from gradtx.core.norms import unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
+from gradtx.core.norms import norm_dtype, unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 from gradtx.distributed import plan
 from gradtx.distributed.global_norm import PlanSlot, global_norm_of, paired_norms, zero_filled
-from gradtx.distributed.plan import reads_plan
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -114,8 +113,7 @@ def clip_by_global_norm(
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
-        dtypes = [t.dtype for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
-        dtype = torch.float64 if any(tu.acc_dtype(d) == torch.float64 for d in dtypes) else torch.float32
+        dtype = norm_dtype([t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)])
         return ClipByGlobalNormState(grad_norm=torch.zeros((), dtype=dtype), clip_coef=torch.ones((), dtype=dtype))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
@@ -134,7 +132,7 @@ def clip_by_global_norm(
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))
 
-    return reads_plan(scalar_transformation(init_fn, factor_fn), mesh_groups)
+    return plan.reads_plan(scalar_transformation(init_fn, factor_fn), mesh_groups)
 
 
 # --- adaptive gradient clipping ----------------------------------------------------------
@@ -209,4 +207,4 @@ def adaptive_clip(
             out.append(_apply_factor(g, factor))
         return tu.unflatten(spec, out), state
 
-    return reads_plan(GradientTransformation(init_empty_state, update_fn), mesh_groups)
+    return plan.reads_plan(GradientTransformation(init_empty_state, update_fn), mesh_groups)

@@ -94,11 +94,8 @@ class MonitorState(NamedTuple):
 
 
 def _stateless_measure(fn: Measure) -> GradientTransformation:
-    def update_fn(updates, state, params=None, **extra):
-        del params, extra
-        return fn(updates), state
-
-    return GradientTransformation(init_empty_state, update_fn)
+    """A stateless transform whose updates are ``fn(updates)`` (as :func:`gradtx.identity` is built)."""
+    return GradientTransformation(init_empty_state, lambda updates, state, params=None, **extra: (fn(updates), state))
 
 
 @factory

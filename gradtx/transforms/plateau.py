@@ -89,16 +89,15 @@ def reduce_on_plateau(
     min_scale = check.non_negative(min_scale, arg="min_scale", name=name)
 
     def init_fn(params: Params) -> ReduceLROnPlateauState:
-        device = tu.device_of(params)
+        zero = lw.zero_count(params)  # on the params' device, as every value of the state
         low, high = lw.lowest_dtype(params), lw.highest_dtype(params)
-        zero = torch.zeros((), dtype=torch.int64, device=device)
         return ReduceLROnPlateauState(
-            scale=torch.ones((), dtype=low, device=device),
-            best_value=torch.full((), float("inf"), dtype=high, device=device),
+            scale=zero.new_ones((), dtype=low),
+            best_value=zero.new_full((), float("inf"), dtype=high),
             plateau_count=zero,
             cooldown_count=zero.clone(),
             count=zero.clone(),
-            avg_value=torch.zeros((), dtype=high, device=device),
+            avg_value=zero.new_zeros((), dtype=high),
         )
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):

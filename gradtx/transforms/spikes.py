@@ -22,7 +22,6 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
-from gradtx.distributed.plan import check_plan
 from gradtx.transforms.adaptive import updates_norm
 from gradtx.transforms.conditionals import select_step
 
@@ -383,7 +382,7 @@ def skip_spikes(
         max_consecutive_skips = check.integer(max_consecutive_skips, arg="max_consecutive_skips", name=name, minimum=0)
     eps = check.non_negative(eps, arg="eps", name=name)
     norm_type = check.norm_type(norm_type, name=name)
-    check_plan(mesh_groups, name=name)
+    plans.check_plan(mesh_groups, name=name)
     if comm is not None:
         check_comm(comm, name=name)
     plan_slot = inferred.PlanSlot()  # the plan read from the updates' placements, this transform's own
