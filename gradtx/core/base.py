@@ -168,7 +168,6 @@ class EmptyState(NamedTuple):
 
 def init_empty_state(params: Params) -> EmptyState:
     """The ``init`` of every stateless transform: an :class:`EmptyState`, whatever the params."""
-    del params
     return EmptyState()
 
 

@@ -74,7 +74,6 @@ def scale_by_lion(
         return ScaleByLionState(count=lw.zero_count(params), mu=lw.zeros_like_tree(params, mu_dtype))
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, ScaleByLionState, name="scale_by_lion")
 
         def mix(b: Any, g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

@@ -184,7 +184,6 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
         return ScaleByRmsWithCountState(count=lw.zero_count(params), nu=lw.zeros_like_tree(params))
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, ScaleByRmsWithCountState, name="schedule_free_adamw")
         count = state.count + 1
 

@@ -120,7 +120,6 @@ def _scale(step_size: Scalar, sign: float, *, name: str) -> ScalarTransformation
     """Multiply by ``sign * step_size``; a tensor ``step_size`` is read at every update, never copied."""
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del updates, params, scale, extra
         tu.require_state(state, EmptyState, name=name)
         if isinstance(step_size, torch.Tensor):
             return step_size.to(torch.float64) * sign, state
@@ -167,7 +166,6 @@ def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> Sca
         return ScaleByScheduleState(count=lw.zero_count(params))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del updates, params, scale, extra
         tu.require_state(state, ScaleByScheduleState, name=name)
         value = step_size_fn(state.count)
         # A schedule should return a tensor computed from the count; a Python number is

@@ -70,7 +70,6 @@ def scale_by_trust_ratio(
     slot = inferred.PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def update_fn(updates, state, params=None, **extra):
-        del extra
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
         if params is None:

@@ -178,7 +178,6 @@ def zclip(
         return ZClipState(count, zero.repeat(window), zero, zero, zero, zero + 1)
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del params, extra
         tu.require_state(state, ZClipState, name=name)
         g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.mean.device, slot=plans)
         finite = torch.isfinite(g)
@@ -298,7 +297,6 @@ def autoclip(
         return AutoClipState(zero.new_full((size,), torch.nan), count, zero, zero, zero + 1)
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del params, extra
         tu.require_state(state, AutoClipState, name=name)
         g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.norms.device, slot=plans)
         finite = torch.isfinite(g)
@@ -345,7 +343,6 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
     plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans)
         out = []
@@ -415,7 +412,6 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         return TrackNormsState({n: lw.zero_count(params).float() for n in dict.fromkeys(names_of(params))})
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, TrackNormsState, name=name)
         leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         names = names_of(updates)

@@ -74,7 +74,6 @@ def ema(
         return EmaState(count=lw.zero_count(params), ema=lw.zeros_like_tree(params, accumulator_dtype))
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, EmaState, name="ema")
         count = state.count + 1
 

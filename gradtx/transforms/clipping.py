@@ -47,7 +47,6 @@ def clip(max_delta: float) -> GradientTransformation:
     max_delta = check.non_negative(max_delta, arg="max_delta", name="clip", finite=False)
 
     def update_fn(updates, state, params=None, **extra):
-        del params
         tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
         leaves, spec = tu.tensor_leaves(updates, what="clip: updates")
         # One foreach call: torch groups the leaves by device and dtype itself.
@@ -117,7 +116,6 @@ def clip_by_global_norm(
         return ClipByGlobalNormState(grad_norm=torch.zeros((), dtype=dtype), clip_coef=torch.ones((), dtype=dtype))
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del extra
         tu.require_state(state, ClipByGlobalNormState, name=name)
         leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         tree = updates
@@ -191,7 +189,6 @@ def adaptive_clip(
     slot = PlanSlot()
 
     def update_fn(updates, state, params=None, **extra):
-        del extra
         tu.require_state(state, EmptyState, name="adaptive_clip")
         if params is None:
             raise ValueError("adaptive_clip: update() needs params (the weights), got params=None")

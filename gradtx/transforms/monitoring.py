@@ -78,7 +78,6 @@ def snapshot(measure_name: str, measure: Measure) -> GradientTransformation:
         return SnapshotState({measure_name: measure(params)})
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, SnapshotState, name="snapshot")
         return updates, SnapshotState({measure_name: measure(updates)})
 

@@ -61,7 +61,6 @@ def normalize_by_update_norm(
     plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del params, extra
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
         # Of the true updates, leaves * scale.
@@ -120,7 +119,6 @@ def centralize() -> GradientTransformation:
     """
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         if state is not None:
             tu.require_state(state, EmptyState, name="centralize")
         leaves, spec = tu.tensor_leaves(updates, what="centralize: updates")

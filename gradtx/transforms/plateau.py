@@ -101,7 +101,6 @@ def reduce_on_plateau(
         )
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
-        del updates, params, scale
         tu.require_state(state, ReduceLROnPlateauState, name=name)
         if extra.get("value") is None:
             raise ValueError(f"{name}: update() needs value= (the monitored value, e.g. the loss), got none")

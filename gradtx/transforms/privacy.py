@@ -189,13 +189,11 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     seed = _seed(seed, name=name)
 
     def init_fn(params: Params) -> AddNoiseState:
-        del params
         return AddNoiseState(
             count=torch.zeros((), dtype=torch.int64), rng_state=torch.Generator().manual_seed(seed).get_state()
         )
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, AddNoiseState, name=name)
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         count = state.count + 1
@@ -253,11 +251,9 @@ def differentially_private_aggregate(l2_norm_clip: float, noise_multiplier: floa
     noise_std = l2_norm_clip * noise_multiplier
 
     def init_fn(params: Params) -> DifferentiallyPrivateAggregateState:
-        del params
         return DifferentiallyPrivateAggregateState(rng_state=torch.Generator().manual_seed(seed).get_state())
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, DifferentiallyPrivateAggregateState, name=name)
         leaves, spec = _batched_leaves(updates, name=name)
         batch = leaves[0].shape[0]

@@ -50,7 +50,6 @@ def set_to_zero() -> GradientTransformation:
     """
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.tensor_leaves(updates, what="set_to_zero: updates")
         return tu.tree_map(torch.zeros_like, updates), state
 

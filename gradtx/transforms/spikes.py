@@ -74,7 +74,6 @@ def zero_nans() -> GradientTransformation:
         )
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, ZeroNansState, name="zero_nans")
         leaves, spec = tu.tensor_leaves(updates, what="zero_nans: updates")
         nans = [torch.isnan(tu.local(u)) for u in leaves]
@@ -121,7 +120,6 @@ def skip_not_finite(
     Example:
       >>> tx = skip_if(adamw(1e-3), skip_not_finite)
     """
-    del gradient_step, params
     leaves, _ = tu.tensor_leaves(updates, what="skip_not_finite: updates")
     device = tu.device_of(leaves)
     num = sum(((~torch.isfinite(tu.local(u))).sum().to(device) for u in leaves), lw.zero_count(leaves))
@@ -160,7 +158,6 @@ def skip_large_updates(
     Example:
       >>> tx = skip_if(adamw(1e-3), functools.partial(skip_large_updates, max_squared_norm=100.0))
     """
-    del gradient_step, params
     fn = "skip_large_updates"
     max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False, tensor=True)
     norm_sq = updates_norm(updates, 2.0, mesh_groups, fn).square()

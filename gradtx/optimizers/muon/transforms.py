@@ -30,7 +30,6 @@ def _on_matrices(
     select = _selector(dims, name=name)
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, EmptyState, name=name)
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what=f"{name}: updates")  # integer, bool and sparse grads too
@@ -174,7 +173,6 @@ def scale_by_muon(
         return MuonState(count=lw.zero_count(params), mu=_zeros_moments(params, mu_dtype, what=f"{name}: params"))
 
     def update_fn(updates, state, params=None, **extra):
-        del params, extra
         tu.require_state(state, MuonState, name=name)
         ms = lw.Moments(updates, (state.mu,), name=name, against="its momentum")
         mats = select(updates, ms.leaves, ms.spec)
