@@ -21,7 +21,6 @@ from gradtx.schedules.builtin import (
     _all_steps,
     _as_value,
     _count,
-    _f32_const,
     _scales,
     _values,
     cosine_decay_schedule,
@@ -88,7 +87,7 @@ def piecewise_interpolate_schedule(
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
     sign = 1.0 if interpolate_type == "linear" else -1.0
     segments = [
-        (lo, hi, max(hi - lo, 1), v0, v1, _f32_const(sign * (v1 - v0)))
+        (lo, hi, max(hi - lo, 1), v0, v1, float(torch.tensor(sign * (v1 - v0), dtype=torch.float32)))
         for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])
     ]
 
