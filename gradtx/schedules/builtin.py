@@ -78,11 +78,6 @@ def _scales(boundaries_and_scales: Mapping[int, float] | None, *, name: str) -> 
     return items
 
 
-def _f32_const(x: float) -> float:
-    """``x`` rounded to fp32, as a Python float: a constant that optax would hold in an fp32 array."""
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
 def _full(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)
 

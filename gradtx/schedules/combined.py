@@ -21,7 +21,6 @@ from gradtx.schedules.builtin import (
     _all_steps,
     _as_value,
     _count,
-    _f32_const,
     _scales,
     _values,
     cosine_decay_schedule,
@@ -88,7 +87,7 @@ def piecewise_interpolate_schedule(
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
     sign = 1.0 if interpolate_type == "linear" else -1.0
     segments = [
-        (lo, hi, max(hi - lo, 1), v0, v1, _f32_const(sign * (v1 - v0)))
+        (lo, hi, max(hi - lo, 1), v0, v1, float(torch.tensor(sign * (v1 - v0), dtype=torch.float32)))
         for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])
     ]
 
@@ -270,6 +269,11 @@ def warmup_constant_schedule(init_value: float, peak_value: float, warmup_steps:
     return linear_schedule(init_value, peak_value, warmup_steps)
 
 
+def _after_warmup(init_value: float, peak_value: float, warmup_steps: int, schedule: Schedule) -> Schedule:
+    """A linear warm-up from ``init_value`` to ``peak_value`` over ``warmup_steps``, then ``schedule`` from its step 0."""
+    return join_schedules([linear_schedule(init_value, peak_value, warmup_steps), schedule], [warmup_steps])
+
+
 @factory
 def warmup_cosine_decay_schedule(
     init_value: float,
@@ -307,13 +311,8 @@ def warmup_cosine_decay_schedule(
             f"got decay_steps={decay_steps}, warmup_steps={warmup_steps}"
         )
     alpha = 0.0 if peak_value == 0.0 else end_value / peak_value
-    return join_schedules(
-        [
-            linear_schedule(init_value, peak_value, warmup_steps),
-            cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha=alpha, exponent=exponent),
-        ],
-        [warmup_steps],
-    )
+    decay = cosine_decay_schedule(peak_value, decay_steps - warmup_steps, alpha=alpha, exponent=exponent)
+    return _after_warmup(init_value, peak_value, warmup_steps, decay)
 
 
 @factory
@@ -351,13 +350,8 @@ def warmup_exponential_decay_schedule(
     name = "warmup_exponential_decay_schedule"  # checked here, so an error names this schedule and its own arguments
     _values(name, init_value=init_value, peak_value=peak_value)
     warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name)
-    return join_schedules(
-        [
-            linear_schedule(init_value, peak_value, warmup_steps),
-            exponential_decay(peak_value, transition_steps, decay_rate, transition_begin, staircase, end_value),
-        ],
-        [warmup_steps],
-    )
+    decay = exponential_decay(peak_value, transition_steps, decay_rate, transition_begin, staircase, end_value)
+    return _after_warmup(init_value, peak_value, warmup_steps, decay)
 
 
 @factory

@@ -123,11 +123,10 @@ def inject_hyperparams(
             kind = signature.parameters[arg].kind
             if kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
                 raise TypeError(f"{name}: *args/**kwargs factories are not supported (parameter {arg!r})")
-            if arg in static or kind is inspect.Parameter.KEYWORD_ONLY or check._is_bool(value):
-                fixed[arg] = value
-            elif callable(value) and not isinstance(value, torch.Tensor):
+            free = arg not in static and kind is not inspect.Parameter.KEYWORD_ONLY
+            if free and callable(value) and not isinstance(value, torch.Tensor):
                 schedules[arg] = value
-            elif _is_number(value):
+            elif free and _is_number(value):  # not a bool
                 numeric[arg] = value
             else:
                 fixed[arg] = value
