@@ -179,10 +179,11 @@ def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) ->
 # --- tensors onto a template ---------------------------------------------------------------------
 
 
-def onto(value: Any, template: torch.Tensor, *, what: str) -> torch.Tensor:
-    """``value`` as a tensor placed like ``template`` (a DTensor's local chunk is cut out, no communication)."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{what}: expected a tensor, got {type(value).__name__}")
+def onto(value: torch.Tensor, template: torch.Tensor, *, what: str) -> torch.Tensor:
+    """``value`` placed like ``template`` (a DTensor's local chunk is cut out, no communication).
+
+    ``value`` has passed :func:`check_tensor` against ``template`` (the checkpoint loads check everything first).
+    """
     if DTensor is not None and isinstance(template, DTensor):
         if isinstance(value, DTensor):
             if value.device_mesh != template.device_mesh or tuple(value.placements) != tuple(template.placements):

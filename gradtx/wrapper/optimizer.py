@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from gradtx.core import tree as tu
+from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.transforms.combine import chain
 from gradtx.wrapper import amp, grads, loop_checks, rules
@@ -104,8 +105,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             )
         if isinstance(optimizer, TransformedOptimizer):
             raise TypeError("TransformedOptimizer: optimizer is already a TransformedOptimizer; chain the transforms")
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"TransformedOptimizer: tx must be a GradientTransformation, got {type(tx).__name__}")
+        check.transform(tx, arg="tx", name="TransformedOptimizer")
         grads.check_unique(optimizer.param_groups)
         self.optimizer = optimizer
         self._user_tx = tx  # what pickle stores; self.tx and self._plan are rebuilt from it

@@ -24,7 +24,7 @@ import functools
 from collections.abc import Callable, Iterator
 from itertools import repeat
 from operator import is_, itemgetter
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 from torch.optim import optimizer as torch_optimizer
@@ -118,8 +118,9 @@ class Plan:
             extra = self.window.downstream_extra(states[0], extra)
         skip: torch.Tensor | None = None
         for i, member in self.body:
-            if pending is not None:  # a member that is not scalar sees the true updates
-                grads = scaled(grads, pending)
+            if pending is not None:  # a member that is not scalar sees the true updates (.grad is not written)
+                leaves, spec = tu.flatten(grads)
+                grads = tu.unflatten(spec, tu.scale_leaves(leaves, pending))
                 pending = None
             grads, states[i] = member.update(grads, states[i], params, **extra)
             if grads is None:  # a member held: nothing after it runs or changes
@@ -136,12 +137,6 @@ class Plan:
 def has_none(items: list[Any]) -> bool:
     """Whether a list holds ``None`` (by identity: ``None in tensors`` would call each tensor's ``__eq__``)."""
     return any(map(is_, items, repeat(None)))
-
-
-def scaled(tree: list[list[torch.Tensor]], factor: torch.Tensor) -> list[list[torch.Tensor]]:
-    """A new tree: every leaf times the 0-d ``factor``, in its own dtype (the leaves are not written)."""
-    leaves, spec = tu.flatten(tree)
-    return cast("list[list[torch.Tensor]]", tu.unflatten(spec, tu.scale_leaves(leaves, factor)))
 
 
 # --- torch.optim.Adam/AdamW(fused=True), stepped directly ----------------------------------------

@@ -94,18 +94,14 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
 # --- the gradtx entries, read from the live state -------------------------------------------------------
 
 
-def _layout(opt: Any) -> Any:
-    cached = opt.__dict__.get("_layout_cache")
-    if cached is not None and cached[0] is opt._live.tx_state:
-        return cached[1]
-    layout = lo.layout_of(opt._live.tx_state, opt._tree)
-    opt._layout_cache = (opt._live.tx_state, layout)
-    return layout
-
-
 def entry(opt: Any, i: int) -> dict[str, Any]:
     """Param ``i``'s ``"gradtx"`` entry: the live state's tensors for it (and the global part on the first)."""
-    layout = _layout(opt)
+    # The live state's layout, kept while the state is the same object: reading every param's entry walks it once.
+    cached = opt.__dict__.get("_layout_cache")
+    if cached is None or cached[0] is not opt._live.tx_state:
+        cached = (opt._live.tx_state, lo.layout_of(opt._live.tx_state, opt._tree))
+        opt._layout_cache = cached
+    layout = cached[1]
     window = lo.window_sum_keys(layout)
     out = {key: tu.flatten(sub)[0][i] for key, sub in layout.per_param.items() if key not in window}
     if i == 0:
