@@ -44,6 +44,7 @@ CASES = [  # (alias, keyword arguments for both libraries, the hyperparameter ch
     ("adam", {"learning_rate": _schedule, "b1": 0.8}, "b2", 0.9),
     ("adamw", {"learning_rate": _schedule, "weight_decay": 0.1}, "weight_decay", 0.5),
     ("adamw", {"learning_rate": 0.01, "weight_decay": 0.1}, "learning_rate", 0.003),
+    ("lamb", {"learning_rate": 0.01, "weight_decay": 0.1}, "eps_root", 1e-2),  # its defaults all injected
 ]
 
 
@@ -162,6 +163,17 @@ def test_which_arguments_are_injected():
     assert "mask" not in state.hyperparams and state.hyperparams["weight_decay"].dtype == torch.float32
     tx = gtx.inject_hyperparams(gtx.sgd)(0.1)
     assert tx.init({"w": torch.ones(2, dtype=torch.float64)}).hyperparams["learning_rate"].dtype == torch.float64
+
+
+def test_an_argument_that_takes_no_tensor_says_to_make_it_static():
+    """clip's max_delta is a number only: the error names static_args, and with it the transform is clip's own."""
+    grads = {"w": torch.tensor([-3.0, 0.5, 2.0])}
+    with pytest.raises(TypeError, match=r"clip: max_delta must be a number.*static_args=\('max_delta',\)"):
+        gtx.inject_hyperparams(gtx.clip)(max_delta=1.0).init(grads)
+    tx = gtx.inject_hyperparams(gtx.clip, static_args=("max_delta",))(max_delta=1.0)
+    state = tx.init(grads)
+    assert state.hyperparams == {}
+    assert_trees_equal(tx.update(grads, state)[0], {"w": torch.tensor([-1.0, 0.5, 1.0])})
 
 
 @pytest.mark.parametrize("factory", [gtx.adam, gtx.sgd])

@@ -151,7 +151,7 @@ def lamb(
     b1: float | torch.Tensor = 0.9,
     b2: float | torch.Tensor = 0.999,
     eps: float | torch.Tensor = 1e-6,
-    eps_root: float = 0.0,
+    eps_root: float | torch.Tensor = 0.0,
     weight_decay: float | torch.Tensor = 0.0,
     mask: MaskOrFn = None,
 ) -> GradientTransformation:
@@ -185,7 +185,7 @@ def lamb(
     b1 = check.beta(b1, arg="b1", name="lamb", tensor=True)
     b2 = check.beta(b2, arg="b2", name="lamb", tensor=True)
     eps = check.non_negative(eps, arg="eps", name="lamb", tensor=True)
-    eps_root = check.non_negative(eps_root, arg="eps_root", name="lamb")
+    eps_root = check.non_negative(eps_root, arg="eps_root", name="lamb", tensor=True)
     weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lamb", tensor=True)
     return chain(
         _scale_by_adam(b1, b2, eps, eps_root, name="lamb"),
