@@ -256,9 +256,10 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
 
     def keep_of(tree: PyTree) -> list[bool]:
         flags = _resolve(mask, tree, name="masked", what="mask")
-        for path, f in zip(tu.paths(tree), flags):
+        for i, f in enumerate(flags):
             if not check._is_bool(f):
-                raise TypeError(f"masked: mask leaves must be bools, got {type(f).__name__} for {tu.path_str(path)}")
+                path = tu.path_str(tu.paths(tree)[i])  # (read only for the message)
+                raise TypeError(f"masked: mask leaves must be bools, got {type(f).__name__} for {path}")
         return [bool(f) for f in flags]
 
     def init_fn(params: Params) -> MaskedState:
@@ -321,11 +322,10 @@ def partition(
 
     def label_of(tree: PyTree) -> list[Any]:
         leaf_labels = _resolve(param_labels, tree, name="partition", what="param_labels")
-        for path, lab in zip(tu.paths(tree), leaf_labels):
+        for i, lab in enumerate(leaf_labels):
             if not isinstance(lab, Hashable) or lab not in transforms:
-                raise ValueError(
-                    f"partition: label {lab!r} at {tu.path_str(path)} has no transform; known labels: {names}"
-                )
+                path = tu.path_str(tu.paths(tree)[i])  # (read only for the message)
+                raise ValueError(f"partition: label {lab!r} at {path} has no transform; known labels: {names}")
         return leaf_labels
 
     def init_fn(params: Params) -> PartitionState:
