@@ -82,8 +82,11 @@ def scale_by_lion(
 
         out, (mu,) = lw.lmap_updates(
             lambda g, m: (direction(mix(b1, g, m)).to(g.dtype), mix(b2, g, m).to(m.dtype)),
-            updates, [state.mu], what="scale_by_lion: updates", against="the state's momentum",
-        )  # fmt: skip
+            updates,
+            [state.mu],
+            what="scale_by_lion: updates",
+            against="the state's momentum",
+        )
         return out, ScaleByLionState(count=state.count + 1, mu=mu)
 
     return GradientTransformation(init_fn, update_fn)

@@ -99,9 +99,12 @@ def lookahead(
         sync_next = state.steps_since_sync == (sync_period - 1)
         # A param with no grad (a None update) is left alone, fast and slow: its difference stays None.
         last_difference, _ = lw.lmap_updates(
-            lambda u, f, s: (f + u.to(f.dtype) - s,), fast_updates, [params.fast, params.slow],
-            what="lookahead: updates", against="the fast params",
-        )  # fmt: skip
+            lambda u, f, s: (f + u.to(f.dtype) - s,),
+            fast_updates,
+            [params.fast, params.slow],
+            what="lookahead: updates",
+            against="the fast params",
+        )
 
         def slow_update(diff: torch.Tensor) -> torch.Tensor:
             alpha = lw.as_tensor(slow_step_size, diff)

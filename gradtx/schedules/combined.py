@@ -146,9 +146,14 @@ def linear_onecycle_schedule(
       1.0
     """
     transition_steps, peak_value = _onecycle(
-        transition_steps, peak_value, name="linear_onecycle_schedule",
-        pct_start=pct_start, pct_final=pct_final, div_factor=div_factor, final_div_factor=final_div_factor,
-    )  # fmt: skip
+        transition_steps,
+        peak_value,
+        name="linear_onecycle_schedule",
+        pct_start=pct_start,
+        pct_final=pct_final,
+        div_factor=div_factor,
+        final_div_factor=final_div_factor,
+    )
     return piecewise_interpolate_schedule(
         "linear",
         peak_value / div_factor,
@@ -190,9 +195,13 @@ def cosine_onecycle_schedule(
       >>> lr = cosine_onecycle_schedule(1000, peak_value=1e-3)
     """
     transition_steps, peak_value = _onecycle(
-        transition_steps, peak_value, name="cosine_onecycle_schedule",
-        pct_start=pct_start, div_factor=div_factor, final_div_factor=final_div_factor,
-    )  # fmt: skip
+        transition_steps,
+        peak_value,
+        name="cosine_onecycle_schedule",
+        pct_start=pct_start,
+        div_factor=div_factor,
+        final_div_factor=final_div_factor,
+    )
     return piecewise_interpolate_schedule(
         "cosine",
         peak_value / div_factor,

@@ -162,8 +162,9 @@ def inject_hyperparams(
                 hparams[k] = v if isinstance(v, torch.Tensor) else _as_tensor(v, None, state.count.device)
             for k, f in schedules.items():
                 old = state.hyperparams[k]
-                hparams[k] = _as_tensor(f(state.count), old.dtype if isinstance(old, torch.Tensor) else None,
-                                        state.count.device)  # fmt: skip
+                hparams[k] = _as_tensor(
+                    f(state.count), old.dtype if isinstance(old, torch.Tensor) else None, state.count.device
+                )
             for k, v in hparams.items() if not torch.is_grad_enabled() else ():  # autograd records no step
                 if v.requires_grad:
                     raise ValueError(

@@ -172,9 +172,12 @@ def accumulate(
         against = "the open window's running sum" if opened else "params"
         # A None grad (a param with no gradient) is allowed; the window keeps that pattern to its end.
         index, _, _ = tu.align(  # structure only: shapes are compared on local shards below
-            tu.tree_map(lambda _: 0, held), tu.tree_map(lambda _: 0, updates),
-            what="accumulate: updates", against=against, tensors=False,
-        )  # fmt: skip
+            tu.tree_map(lambda _: 0, held),
+            tu.tree_map(lambda _: 0, updates),
+            what="accumulate: updates",
+            against=against,
+            tensors=False,
+        )
         p_leaves = tu.flatten(params)[0] if params is not None else []
         summed = [isinstance(a, torch.Tensor) and a.numel() > 0 for a in sums]  # else an empty_sums placeholder
         sum_paths = tu.paths(held)

@@ -107,9 +107,12 @@ def sam(
         opt_updates, opt_state = optimizer.update(updates, state.opt_state, state.cache, **extra)
         held(opt_updates, "optimizer")
         opt_updates, _ = lw.lmap_updates(  # a None update (no grad) stays None
-            lambda u, c, p: (c - p + u.to(c.dtype),), opt_updates, [state.cache, params],
-            what="sam: updates", against="the params",
-        )  # fmt: skip
+            lambda u, c, p: (c - p + u.to(c.dtype),),
+            opt_updates,
+            [state.cache, params],
+            what="sam: updates",
+            against="the params",
+        )
         cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
         out = lw.where_tree(last, opt_updates, adv_updates)
         at_sync = adv_optimizer.init(params) if reset_state else state.adv_state  # the end of a period

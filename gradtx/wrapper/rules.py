@@ -305,9 +305,11 @@ class FusedAdam:
             for _, buckets in self.buckets:
                 for b in buckets:
                     for key, held in (
-                        ("step", b.steps), ("exp_avg", b.exp_avgs), ("exp_avg_sq", b.exp_avg_sqs),
+                        ("step", b.steps),
+                        ("exp_avg", b.exp_avgs),
+                        ("exp_avg_sq", b.exp_avg_sqs),
                         ("max_exp_avg_sq", b.max_exp_avg_sqs),
-                    ):  # fmt: skip
+                    ):
                         if held and not all(map(is_, map(itemgetter(key), b.states), held)):
                             return False
         except KeyError:  # an entry gone
@@ -315,9 +317,12 @@ class FusedAdam:
         return True
 
     def step(
-        self, tree: list[list[torch.Tensor]], grads: list[torch.Tensor], grad_scale: torch.Tensor | None,
+        self,
+        tree: list[list[torch.Tensor]],
+        grads: list[torch.Tensor],
+        grad_scale: torch.Tensor | None,
         found_inf: torch.Tensor | None,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Step the optimizer on ``grads`` (flat, in ``tree`` order); False when the rule does not apply.
 
         ``grad_scale`` and ``found_inf`` are the kernel's (fp32; the grads are divided by ``grad_scale``).
@@ -347,10 +352,22 @@ class FusedAdam:
                     step_lr = lr.to(device, non_blocking=True)
                 b.counter.add_(1)
                 kernel(
-                    b.params, list(b.take(grads)), b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps,
-                    amsgrad=amsgrad, lr=step_lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
-                    maximize=maximize, grad_scale=gs, found_inf=fi,
-                )  # fmt: skip
+                    b.params,
+                    list(b.take(grads)),
+                    b.exp_avgs,
+                    b.exp_avg_sqs,
+                    b.max_exp_avg_sqs,
+                    b.steps,
+                    amsgrad=amsgrad,
+                    lr=step_lr,
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=wd,
+                    eps=eps,
+                    maximize=maximize,
+                    grad_scale=gs,
+                    found_inf=fi,
+                )
                 if fi is not None:
                     b.counter.sub_(fi)
         return True

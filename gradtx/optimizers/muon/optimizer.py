@@ -122,10 +122,20 @@ def muon(
     # The Muon member sees None at the Adam leaves: every leaf it sees is a Muon leaf.
     inner_dims = MuonDimensionNumbers() if dims_arg is None else dims_arg
     muon_tx = scale_by_muon(
-        ns_coeffs, ns_steps, beta, eps, mu_dtype, nesterov=nesterov, adaptive=adaptive,
-        preconditioning=preconditioning, weight_dimension_numbers=inner_dims, bias_correction=bias_correction,
-        ns_dtype=ns_dtype, comm=comm, ns_batch=ns_batch,
-    )  # fmt: skip
+        ns_coeffs,
+        ns_steps,
+        beta,
+        eps,
+        mu_dtype,
+        nesterov=nesterov,
+        adaptive=adaptive,
+        preconditioning=preconditioning,
+        weight_dimension_numbers=inner_dims,
+        bias_correction=bias_correction,
+        ns_dtype=ns_dtype,
+        comm=comm,
+        ns_batch=ns_batch,
+    )
     adam_tx = _scale_by_adam(
         adam_b1, adam_b2, eps, adam_eps_root, nesterov=nesterov, mu_dtype=mu_dtype, name="muon (adam)"
     )
