@@ -34,12 +34,7 @@ def path_str(path: Path) -> str:
 
 def flatten(tree: PyTree) -> tuple[list[Any], optree.PyTreeSpec]:
     """Flatten ``tree`` into its leaves and treespec (``None`` is an empty subtree)."""
-    # A tensor is a leaf in any case. Saying so up front spares optree its lookup of each leaf's type among the
-    # registered nodes, which costs more than the isinstance check: a list or a dict of 148 tensors flattens about
-    # 1.8x faster, into the same treespec. (The C-level torch.Tensor.__instancecheck__ is faster still, but dynamo
-    # cannot trace it, and choosing it by torch.compiler.is_compiling() made a compiled step whose graph breaks
-    # inside apply_updates unflatten a dict wrongly: tests/test_fast_paths_match_pure.py.)
-    return optree.tree_flatten(tree, is_leaf=torch.is_tensor)
+    return optree.tree_flatten(tree)
 
 
 # optree's own functions, under the names every transform uses: ``unflatten(spec, leaves)``, ``paths(tree)``
@@ -313,8 +308,8 @@ def align(
     Raises:
       ValueError: naming the first path that is missing, unexpected, or of another shape.
     """
-    ref_leaves, ref_spec = flatten(reference)
-    leaves, spec = flatten(updates)
+    ref_leaves, ref_spec = optree.tree_flatten(reference)
+    leaves, spec = optree.tree_flatten(updates)
     if tensors:
         check_tensors(leaves, tree=updates, what=what)
     if spec == ref_spec:

@@ -18,6 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm, reduce_over_groups
@@ -109,7 +110,7 @@ def global_norm(tree: PyTree, norm_type: float = 2.0, *, mesh_groups: MeshGroups
     norm_type = validate.norm_type(norm_type, name="global_norm")
     # A list of plain tensors is its own leaves: optree's registry lookup per leaf costs a tenth of the norm.
     plain = type(tree) is list and set(map(type, tree)) <= _PLAIN
-    leaves = tree if plain else tu.flatten(tree)[0]
+    leaves = tree if plain else optree.tree_leaves(tree)
     if mesh_groups is None and (plain or set(map(type, leaves)) <= _PLAIN):
         # torch's semantics, no collective: the norm is computed first and a failure explained after, as
         # the checks' passes over the leaves cost as much as all the rest of the call's Python.
