@@ -168,7 +168,8 @@ def test_which_arguments_are_injected():
 def test_an_argument_that_takes_no_tensor_says_to_make_it_static():
     """clip's max_delta is a number only: the error names static_args, and with it the transform is clip's own."""
     grads = {"w": torch.tensor([-3.0, 0.5, 2.0])}
-    with pytest.raises(TypeError, match=r"clip: max_delta must be a number.*static_args=\('max_delta',\)"):
+    hint = r"clip: max_delta must be a number.*as a number and name it in static_args=\('max_delta',\)"
+    with pytest.raises(TypeError, match=hint):
         gtx.inject_hyperparams(gtx.clip)(max_delta=1.0).init(grads)
     tx = gtx.inject_hyperparams(gtx.clip, static_args=("max_delta",))(max_delta=1.0)
     state = tx.init(grads)

@@ -50,7 +50,7 @@ def number(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool
             return scalar_tensor(value, arg=arg, name=name)
         raise TypeError(
             f"{name}: {arg} must be a number, got a tensor (only hyperparameters documented as such take one; "
-            f"under inject_hyperparams pass static_args=({arg!r},))"
+            f"with inject_hyperparams, give it as a number and name it in static_args=({arg!r},))"
         )
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
