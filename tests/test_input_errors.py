@@ -194,6 +194,11 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         lambda: gtx.schedule_free_sgd(0.1, state_dtype=torch.int64),
         "state_dtype must be a floating",
     ),
+    "schedule_free_adamw b1": (
+        lambda: gtx.schedule_free_adamw(1e-3, b1=1.5),
+        r"schedule_free_adamw: b1 must be in \(0, 1\)",
+    ),
+    "schedule_free_sgd b1": (lambda: gtx.schedule_free_sgd(0.1, b1=0.0), r"schedule_free_sgd: b1 must be in \(0, 1\)"),
     "lion int moment": (lambda: gtx.lion(0.1, mu_dtype=torch.int32), "scale_by_lion: mu_dtype must be a floating"),
     "dpsgd momentum": (lambda: gtx.dpsgd(0.1, 1.0, 1.0, seed=0, momentum=-0.5), "dpsgd: momentum must be >= 0"),
     "add_noise seed": (lambda: gtx.add_noise(0.01, 0.55, seed=2**70), r"add_noise: seed must be < 2\*\*64"),

@@ -248,7 +248,7 @@ def schedule_free_adamw(
     """
     name = "schedule_free_adamw"
     learning_rate = check.non_negative(learning_rate, arg="learning_rate", name=name)
-    b1 = check.number(b1, arg="b1", name=name)
+    b1 = check.open_unit(b1, arg="b1", name=name)
     b2 = check.beta(b2, arg="b2", name=name)
     eps = check.non_negative(eps, arg="eps", name=name)
     weight_decay = check.non_negative(weight_decay, arg="weight_decay", name=name)
@@ -290,7 +290,7 @@ def schedule_free_sgd(
     """
     name = "schedule_free_sgd"
     learning_rate = check.non_negative(learning_rate, arg="learning_rate", name=name)
-    b1 = check.number(b1, arg="b1", name=name)
+    b1 = check.open_unit(b1, arg="b1", name=name)
     lr = _warmed_up(learning_rate, warmup_steps, name=name)
     optimizer: GradientTransformation = sgd(lr)
     if weight_decay is not None:
