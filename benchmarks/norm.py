@@ -472,12 +472,10 @@ def main() -> None:
         rows = tp_fsdp_model(args.quick, max(5, rounds) if args.quick else max(15, rounds))
     else:
         rows = local_pass(device, args.quick, rounds, sync)
-    if args.tp_fsdp_model:
-        pass
-    elif cuda:
-        rows += fused_step(device, args.quick, rounds, sync)
-    else:
-        rows.append(("fused wrapper step's bandwidth vs peak (CUDA only)", "not run: no CUDA device"))
+        if cuda:
+            rows += fused_step(device, args.quick, rounds, sync)
+        else:
+            rows.append(("fused wrapper step's bandwidth vs peak (CUDA only)", "not run: no CUDA device"))
     if args.dist and not args.cuda_only:
         rows += dist_reductions(args.quick, max(3, rounds))
         # 4 ranks on a few shared cores: ms-scale medians need more rounds than the 2-rank cases
