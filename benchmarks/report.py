@@ -50,8 +50,8 @@ class Target:
 MISSED_NOTES = {
     "a": (
         "The clip is a norm (one read of the grads) and a scale (a read and a write). gradtx's norm "
-        "sums big CPU tensors in 64K-element rows (32K for bf16) whose fp32 sums are added in fp64, for an error near "
-        "1e-7 where torch's one long fp32 sum drifts 3e-3; the kernels table of case b times it against "
+        "sums big CPU tensors in 1K-element rows (32K for bf16) whose fp32 sums are added in fp64, for an error near "
+        "1e-8 where torch's one long fp32 sum drifts 3e-3; the kernels table of case b times it against "
         "torch's norm. The pure clip also writes its result into new buffers (the caller's grads are not "
         "its to overwrite), where torch scales .grad in place."
     ),

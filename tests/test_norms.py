@@ -375,6 +375,16 @@ def test_long_tensor_norm_is_within_1e6_of_fp64(two_threads, norm_type):
     assert _rel(got, expected) <= (1e-6 if norm_type != 3.0 else 2e-5)  # a cube rounds in fp32 per element
 
 
+def test_grads_with_few_mantissa_bits_are_within_1e7_of_fp64(two_threads):
+    # The fp32 grads of a bf16 autocast hold bf16 values: their squares tie when rounded, so one long fp32
+    # sum drifts one way (rows of 64K elements were 3e-6 off here, torch's norm 3e-5).
+    gen = torch.Generator().manual_seed(3)
+    leaves = [torch.randn((1 << 20) + 5, generator=gen).bfloat16().float(), torch.randn(300, generator=gen)]
+    expected = torch.linalg.vector_norm(torch.cat([t.double() for t in leaves]))
+    got = gtx.global_norm(leaves)
+    assert got.dtype == torch.float32 and _rel(got, expected) <= 2e-7
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_long_tensor_accumulates_in_fp32(two_threads, dtype):
     # 80 rows of 32K elements and a tail shorter than a row, copied to fp32 in 512K-element pieces.
@@ -418,8 +428,9 @@ def test_every_row_and_tail_is_counted_once(two_threads, dtype):
     # the small low-precision tensors' norms raised to the p.
     from gradtx.core import norms
 
-    row = norms._ROW
-    sizes = [row - 1, row, row + 1, 4 * row - 1, 4 * row, 4 * row + 1, 7 * row + 3, 9 * row, 16 * row + 5]
+    row = norms._ROW if dtype == torch.float32 else norms._LOW_ROW  # (fp64 is never split)
+    offsets = [-1, 0, 1, row - 1, row, row + 1, 4 * row + 1, 7 * row + 3, 16 * row + 5]
+    sizes = [norms._MIN_ROWS + n for n in offsets]  # each past the size from which a CPU tensor is split
     leaves = [torch.full((n,), 2.0, dtype=dtype) for n in sizes]
     for p in (1.0, 2.0, 3.0):
         sums = norms.tensor_powsums(leaves, p)

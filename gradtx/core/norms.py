@@ -19,17 +19,19 @@ from gradtx.comm.local_ranks import per_rank
 from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
 
-# A CPU tensor of 128K elements or more is split into rows of 64K elements, whose fp32 norms are
-# combined in fp64: the norm kernel's sums over rows that short stay within about 2e-7 of fp64, where
-# one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off).
-# fp32 rows go to one ``vector_norm(rows, dim=1)``, one parallel region for the whole tensor. A
-# bf16/fp16 tensor of more than 32K elements is split into rows of 32K for a foreach norm, which
-# upcasts as it reads (a ``dtype=`` reduction would first copy the tensor to fp32). A group of
-# many small fp32 tensors is copied into one buffer and reduced in rows of 1K (see ``_small``). On a
-# GPU the foreach kernel adds its block partials by a tree already, so there every tensor goes to
-# it whole.
-_ROW = 1 << 16
-_MIN_ROWS = 2 * _ROW
+# A CPU tensor of 128K elements or more is split into rows of 1K elements, whose fp32 norms are combined
+# in fp64, in one ``vector_norm(rows, dim=1)``: one parallel region for the whole tensor. Rows that short
+# keep the sums within 1e-7 of fp64 even on values with few mantissa bits (the fp32 grads of a bf16
+# autocast, whose squares tie when rounded: rows of 64K drift 3e-6 there), at the speed of longer rows;
+# one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off). A
+# bf16/fp16 tensor of more than 32K elements is split into rows of 32K for a foreach norm, which upcasts
+# as it reads, one row per kernel on one thread: upcasting it to fp32 first, even in pieces, takes less
+# time on idle cores but many parallel regions, which slow it 2 to 50 times beside other busy processes.
+# A group of many small fp32 tensors is copied into one buffer and reduced in rows of 1K (see
+# ``_small``). On a GPU the foreach kernel adds its block partials by a tree already, so there every
+# tensor goes to it whole.
+_ROW = 1 << 10
+_MIN_ROWS = 1 << 17
 _LOW_ROW = 1 << 15
 _FP64 = frozenset({torch.float64, torch.complex128})
 _SMALL = 1 << 10  # mean elements a tensor up to which a group's norm is taken over a flat copy (see _small)
@@ -176,7 +178,7 @@ def _group_norms(
                 keep = sorted(set(range(len(ts))) - set(special))
                 ts, idx = [ts[i] for i in keep], [idx[i] for i in keep] if with_indices else idx
         if ts and not with_indices and _small(ts, device, dtype):
-            out.append((idx, _rows_norm(_flatten_dense_tensors(ts), norm_type, _SMALL).reshape(1)))
+            out.append((idx, _rows_norm(_flatten_dense_tensors(ts), norm_type).reshape(1)))
         elif ts:
             out.append((idx, _foreach_norms(ts, norm_type)))
     return out
@@ -217,11 +219,11 @@ def _foreach_norms(tensors: list[torch.Tensor], norm_type: float) -> torch.Tenso
     return torch.stack(torch._foreach_norm(tensors, norm_type, **kwargs))
 
 
-def _rows_norm(t: torch.Tensor, norm_type: float, row: int | None = None) -> torch.Tensor:
+def _rows_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     """The norm of a big CPU tensor (0-d fp64): fp32 norms of rows of ``_ROW`` (``_LOW_ROW``) elements, combined in fp64."""
     flat = t.reshape(-1)
     acc = tu.acc_dtype(t.dtype)
-    row = row or (_ROW if t.dtype == acc else _LOW_ROW)
+    row = _ROW if t.dtype == acc else _LOW_ROW
     whole = flat.numel() // row * row
     rows = flat[:whole].view(-1, row)
     kwargs = {} if t.dtype == acc else {"dtype": acc}
