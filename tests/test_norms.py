@@ -366,7 +366,7 @@ def test_long_tensor_norm_is_within_1e6_of_fp64(two_threads, norm_type):
     # All-positive values make one long fp32 running sum drift (torch's CPU norm is ~1e-4 off here).
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(1 << 22, generator=gen) + 1.0
-    few_rows = torch.rand(150_000, generator=gen) + 1.0  # two rows and a tail, summed with the rows
+    few_rows = torch.rand(150_000, generator=gen) + 1.0  # just past the split: rows and a tail, summed with the rows
     small = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
     leaves = {"x": x, "few_rows": few_rows, "small": small}
     expected = torch.linalg.vector_norm(torch.cat([v.double().reshape(-1) for v in leaves.values()]), norm_type)
@@ -424,13 +424,13 @@ def _big_grads(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_every_row_and_tail_is_counted_once(two_threads, dtype):
     # Tensors of 2.0 have exact row sums (n * 2**p) in every dtype used here, so a row or tail dropped
-    # or counted twice is off by at least 1 element in 4 rows (8e-6), past the 1e-6 allowed for
-    # the small low-precision tensors' norms raised to the p.
+    # or counted twice is off by at least 1 element of a tensor (1.5e-6 for the largest, 655K elements of
+    # bf16), past the 1e-6 allowed for the small low-precision tensors' norms raised to the p.
     from gradtx.core import norms
 
     row = norms._ROW if dtype == torch.float32 else norms._LOW_ROW  # (fp64 is never split)
     offsets = [-1, 0, 1, row - 1, row, row + 1, 4 * row + 1, 7 * row + 3, 16 * row + 5]
-    sizes = [norms._MIN_ROWS + n for n in offsets]  # each past the size from which a CPU tensor is split
+    sizes = [norms._MIN_ROWS + n for n in offsets]  # at and past the size from which a CPU tensor is split
     leaves = [torch.full((n,), 2.0, dtype=dtype) for n in sizes]
     for p in (1.0, 2.0, 3.0):
         sums = norms.tensor_powsums(leaves, p)
@@ -499,6 +499,16 @@ def test_global_norm_under_vmap_uses_plain_ops():
     for p in (1.0, 2.0, math.inf):
         got = torch.func.vmap(lambda row, p=p: gtx.global_norm({"a": row[:2], "b": row[2:]}, p))(x)
         torch.testing.assert_close(got, torch.linalg.vector_norm(x, p, dim=1), rtol=1e-6, atol=0)
+
+
+def test_per_example_grads_of_the_norm_under_vmap_of_grad():
+    # Under vmap(grad(f)) a shard is a grad-tracking tensor with the batched one inside: the foreach norm (no
+    # batching rule) raised here. Reference: autograd of torch's norm in fp64, example by example.
+    x = torch.randn(3, 1 << 16, generator=torch.Generator().manual_seed(5))
+    for p in (1.0, 2.0):
+        got = torch.func.vmap(torch.func.grad(lambda row, p=p: gtx.global_norm({"a": row[:100], "b": row[100:]}, p)))(x)
+        want = torch.stack([torch.func.grad(lambda r, p=p: torch.linalg.vector_norm(r, p))(row.double()) for row in x])
+        torch.testing.assert_close(got, want.float(), rtol=2e-6, atol=1e-12)
 
 
 # --- the reductions: one per group ---------------------------------------------------------------

@@ -12,7 +12,6 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch._C import _functorch
 from torch._utils import _flatten_dense_tensors
 
 from gradtx.comm.local_ranks import per_rank
@@ -23,10 +22,12 @@ from gradtx.core import tree as tu
 # in fp64, in one ``vector_norm(rows, dim=1)``: one parallel region for the whole tensor. Rows that short
 # keep the sums within 1e-7 of fp64 even on values with few mantissa bits (the fp32 grads of a bf16
 # autocast, whose squares tie when rounded: rows of 64K drift 3e-6 there), at the speed of longer rows;
-# one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off). A
+# one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off).
+# A smaller tensor keeps one foreach norm (up to 3e-6 off on such values): a split of each, with its
+# Python, would double the time of a model of 64K-element tensors. A
 # bf16/fp16 tensor of more than 32K elements is split into rows of 32K for a foreach norm, which upcasts
-# as it reads, one row per kernel on one thread: upcasting it to fp32 first, even in pieces, takes less
-# time on idle cores but many parallel regions, which slow it 2 to 50 times beside other busy processes.
+# as it reads, one row per kernel on one thread (about 2e-6 off fp64): upcasting it to fp32 first, even in
+# pieces, takes less time on idle cores but many parallel regions, 2 to 50 times slower beside busy processes.
 # A group of many small fp32 tensors is copied into one buffer and reduced in rows of 1K (see
 # ``_small``). On a GPU the foreach kernel adds its block partials by a tree already, so there every
 # tensor goes to it whole.
@@ -97,7 +98,7 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
 @per_rank  # simulated ranks hold shards of different sizes, empty ones included
 def _local_norm(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     device = locals_[0].device
-    if _plain_ops_only(locals_):
+    if _plain_ops_only():
         norms = [_plain_norm(t, norm_type).to(device) for t in locals_]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(norm_dtype(locals_))
     parts = [norms for _, norms in _group_norms(locals_, norm_type, with_indices=False)]
@@ -123,7 +124,7 @@ def _tensor_norms(locals_: list[torch.Tensor], norm_type: float, power: bool = F
     """
     if not locals_:
         return []
-    if _plain_ops_only(locals_):
+    if _plain_ops_only():
         plain = [_plain_norm(t, norm_type) for t in locals_]
         return [n.pow(norm_type) for n in plain] if power else plain
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
@@ -185,7 +186,7 @@ def _group_norms(
 
 
 def _small(ts: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the norms of 1K-element rows of a flat copy of ``ts`` (eager, CPU, fp32) beat a foreach norm.
+    """Whether the norms of ``_ROW``-element (1K) rows of a flat copy of ``ts`` (eager, CPU, fp32) beat a foreach norm.
 
     Below about 1K elements a tensor, copying the group into one buffer takes a third of the time of a
     foreach norm, which runs a kernel and makes a 0-d tensor for each (1,000 tensors of 256 elements:
@@ -239,12 +240,13 @@ def _rows_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.cat(parts), norm_type, dtype=torch.float64)
 
 
-def _plain_ops_only(locals_: Sequence[torch.Tensor]) -> bool:
+def _plain_ops_only() -> bool:
     """Under ``torch.func.vmap``: the foreach norm has no batching rule (torch 2.13); ``vector_norm`` has one.
 
-    (Autograd and ``torch.func.grad`` go through the foreach norm: it has a derivative.)
+    At any depth: under ``vmap(grad(f))`` a shard is a grad-tracking tensor whose batched one is inside it.
+    (Autograd and ``torch.func.grad`` alone go through the foreach norm: it has a derivative.)
     """
-    return not torch.compiler.is_compiling() and _functorch.is_batchedtensor(locals_[0])
+    return not torch.compiler.is_compiling() and fe.under_vmap()
 
 
 def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
