@@ -24,11 +24,14 @@ from gradtx.core import tree as tu
 # autocast, whose squares tie when rounded: rows of 64K drift 3e-6 there), at the speed of longer rows;
 # one pass over GPT-2's 38M-element embedding drifts 2.7e-3 (torch's get_total_norm is that far off).
 # A smaller tensor keeps one foreach norm (up to 3e-6 off on such values): a split of each, with its
-# Python, would double the time of a model of 64K-element tensors. A
-# bf16/fp16 tensor of more than 32K elements is split into rows of 32K for a foreach norm, which upcasts
-# as it reads, one row per kernel on one thread (about 2e-6 off fp64): upcasting it to fp32 first, even in
-# pieces, takes less time on idle cores but many parallel regions, 2 to 50 times slower beside busy processes.
-# A group of many small fp32 tensors is copied into one buffer and reduced in rows of 1K (see
+# Python, would double the time of a model of 64K-element tensors.
+#
+# A bf16/fp16 tensor of more than 32K elements is split into rows of 32K for a foreach norm, which
+# upcasts as it reads, one row per kernel on one thread (about 2e-6 off fp64). Upcasting it to fp32
+# first, even in pieces, takes less time on idle cores but many parallel regions, which run 2 to 50
+# times slower beside busy processes.
+#
+# A group of many small fp32 tensors is copied into one buffer and reduced in the same rows (see
 # ``_small``). On a GPU the foreach kernel adds its block partials by a tree already, so there every
 # tensor goes to it whole.
 _ROW = 1 << 10
