@@ -239,6 +239,29 @@ def test_a_gradtx_checkpoint_goes_to_a_plain_optimizer_at_a_boundary_only():
         gtx.checkpoint.to_torch_optimizer(opt.state_dict())
 
 
+def test_a_param_the_wrapper_had_not_stepped_starts_fresh_in_the_plain_optimizer():
+    """Its saved stand-in is no state: a plain AdamW resumed from the checkpoint steps it as AdamW throughout."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    params, ref_params = [*a.parameters(), *b.parameters()], [*ref_a.parameters(), *ref_b.parameters()]
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(params, lr=0.1), gtx.identity())
+    ref = torch.optim.AdamW(ref_params, lr=0.1)
+    x = torch.randn(4, 3)
+    for o, m in ((opt, a), (ref, ref_a)):  # b gets no grad yet
+        m(x).sum().backward()
+        o.step()
+        o.zero_grad()
+    plain = torch.optim.AdamW(params, lr=0.1)
+    plain.load_state_dict(gtx.checkpoint.to_torch_optimizer(opt.state_dict()))
+    assert plain.state_dict()["state"].keys() == ref.state_dict()["state"].keys()
+    for o, (m, n) in ((plain, (a, b)), (ref, (ref_a, ref_b))):
+        (m(x).sum() + n(x).sum()).backward()
+        o.step()
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+
+
 # --- validation before mutation -----------------------------------------------------------------
 
 

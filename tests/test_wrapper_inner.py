@@ -1,5 +1,7 @@
 """The inner optimizer: its stand-in state, SparseAdam, closure-driven inner optimizers (LBFGS), hooks, resets."""
 
+import copy
+import pickle
 from collections import defaultdict
 
 import pytest
@@ -254,3 +256,144 @@ def test_sparse_adam_behind_a_window_and_another_member_steps_on_the_window_mean
         opt.zero_grad()
         ref_opt.zero_grad()
     assert_trees_close(emb.weight.detach(), ref.weight.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_reading_the_state_leaves_lbfgs_counters_as_torch_has_them():
+    """LBFGS keeps its counters on its first param: making the other params' stand-ins must not advance them."""
+    model, ref = make_model(), make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.1), gtx.identity())
+    ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.1)
+    x, y = data()
+
+    def closure_of(m, o):
+        def closure():
+            o.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+
+        return closure
+
+    opt.step(closure_of(model, opt))
+    ref_opt.step(closure_of(ref, ref_opt))
+    opt.state_dict()
+    dict(opt.state[list(model.parameters())[-1]])
+    first, ref_first = next(iter(model.parameters())), next(iter(ref.parameters()))
+    for key in ("func_evals", "n_iter"):
+        assert opt.optimizer.state[first][key] == ref_opt.state[ref_first][key]
+
+
+class _GroupCounting(torch.optim.Optimizer):
+    """SGD that counts its steps in the param group, as timm's Lamb and Lars do."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * group["step"])
+                    self.state[p]["seen"] = group["step"]
+
+
+def test_stand_ins_leave_no_key_in_the_param_groups():
+    model, ref = make_model(), make_model()
+    opt = gtx.TransformedOptimizer(_GroupCounting(model.parameters()), gtx.identity())
+    ref_opt = _GroupCounting(ref.parameters())
+    opt.state_dict()  # a checkpoint template before the first step: the stand-ins are made
+    assert opt.param_groups[0].keys() == ref_opt.param_groups[0].keys()
+    x, y = data()
+    for m, o in ((model, opt), (ref, ref_opt)):
+        for _ in range(2):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert opt.param_groups[0]["step"] == ref_opt.param_groups[0]["step"] == 2
+    assert_trees_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda ps: torch.optim.Adam(ps[:2], lr=0.1, fused=True),
+        lambda ps: torch.optim.SGD(ps[:2], lr=0.1, momentum=0.9, fused=True),
+    ],
+    ids=["adam", "sgd"],
+)
+def test_a_group_added_unfused_to_a_fused_optimizer_steps_as_in_torch(build):
+    """torch steps a group added with fused=False by its non-fused code: the clip cannot be its grad_scale.
+
+    (A param that gets no grad takes the wrapper off its own Adam kernel call, onto ``optimizer.step()``.)"""
+    model, ref = make_model(), make_model()
+    unused = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+    ps, ref_ps = [*model.parameters(), unused[0]], [*ref.parameters(), unused[1]]
+    opt = gtx.TransformedOptimizer(build(ps), gtx.clip_by_global_norm(0.1))
+    ref_opt = build(ref_ps)
+    opt.add_param_group({"params": ps[2:], "fused": False})
+    ref_opt.add_param_group({"params": ref_ps[2:], "fused": False})
+    x, y = data()
+    for _ in range(3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    assert_trees_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_first_step_of_sgd_momentum_is_no_step(fused):
+    """torch's fused SGD given found_inf on its first step leaves the momentum it made unwritten: the wrapper
+    skips that step on the host, so the run equals SGD without the bad step."""
+    model, ref = make_model(), make_model()
+    build = lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    opt = gtx.TransformedOptimizer(build(model), gtx.apply_if_finite(gtx.identity(), max_consecutive_errors=5))
+    ref_opt = build(ref)
+    x, y = data()
+    F.mse_loss(model(x), y).backward()
+    next(iter(model.parameters())).grad[0, 0] = float("inf")
+    opt.step()
+    opt.zero_grad()
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    assert_trees_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+def test_copies_leave_the_hooks_behind_as_torch_copies_do(how):
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.clip_by_global_norm(1.0))
+    ref = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    for o in (opt, ref):
+        o.register_step_pre_hook(lambda *a: None)  # a lambda: pickle cannot store it
+        o.register_state_dict_post_hook(lambda *a: None)
+    copies = [pickle.loads(pickle.dumps(o)) if how == "pickle" else copy.deepcopy(o) for o in (opt, ref)]
+    hooks = [(len(c._optimizer_step_pre_hooks), len(c._optimizer_state_dict_post_hooks)) for c in copies]
+    assert hooks[0] == hooks[1] == (0, 0)
+    x, y = data()
+    F.mse_loss(model(x), y).backward()
+    copies[0].step()  # the copy steps with empty hook dicts
+
+
+def test_fused_adam_with_a_complex_group_added_unfused_steps_as_in_torch():
+    """The wrapper's own call of Adam's fused kernel is for fused groups only: complex params refuse it."""
+    torch.manual_seed(0)
+    w, z = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+    ref_w, ref_z = (torch.nn.Parameter(t.detach().clone()) for t in (w, z))
+    opt = gtx.TransformedOptimizer(torch.optim.Adam([w], lr=0.1, fused=True), gtx.identity())
+    ref = torch.optim.Adam([ref_w], lr=0.1, fused=True)
+    opt.add_param_group({"params": [z], "fused": False})
+    ref.add_param_group({"params": [ref_z], "fused": False})
+    for _ in range(3):
+        for o, a, b in ((opt, w, z), (ref, ref_w, ref_z)):
+            (a.square().sum() + (b * b.conj()).real.sum()).backward()
+            o.step()
+            o.zero_grad()
+    assert torch.equal(w, ref_w) and torch.equal(z, ref_z)

@@ -1,5 +1,7 @@
 """gradtx.wrapper.state_dict: the checkpoint format, and the state shown in opt.state."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,3 +120,51 @@ def test_a_checkpoint_between_windows_holds_nothing_gradient_sized(fused):
     opt.step()
     assert opt.window_open
     assert _elements(opt.state_dict()) >= _elements(ref_sd) + sum(p.numel() for p in model.parameters())
+
+
+def test_a_run_resumed_after_gradual_unfreezing_goes_on_as_the_uninterrupted_run():
+    """The script freezes a layer, builds the optimizer, unfreezes the layer later and saves; resumed, the same
+    script freezes it again before building the optimizer. torch's optimizer loads that; so does the wrapper:
+    the layer's saved transform state joins it, and the run goes on as if it had not stopped."""
+
+    def script():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        model[0].weight.requires_grad_(False)  # the run's initial freezing
+        inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, gtx.TransformedOptimizer(inner, gtx.chain(gtx.clip_by_global_norm(0.5), gtx.trace(0.5)))
+
+    def step(model, opt, seed):
+        g = torch.Generator().manual_seed(seed)
+        F.mse_loss(model(torch.randn(5, 4, generator=g)), torch.randn(5, 3, generator=g)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    model, opt = script()
+    for seed in range(4):
+        if seed == 2:
+            model[0].weight.requires_grad_(True)  # unfrozen "at epoch 1"
+        step(model, opt, seed)
+    saved = {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+    resumed_model, resumed = script()
+    resumed_model.load_state_dict(saved["model"])
+    resumed.load_state_dict(saved["opt"])
+    resumed_model[0].weight.requires_grad_(True)  # the schedule says it is unfrozen by now
+    for seed in range(4, 7):
+        step(model, opt, seed)
+        step(resumed_model, resumed, seed)
+    assert_trees_close(dict(resumed_model.named_parameters()), dict(model.named_parameters()), rtol=0, atol=0)
+    assert_trees_equal(resumed.tx_state, opt.tx_state)
+
+
+def test_a_bad_checkpoint_for_a_frozen_param_leaves_the_wrapper_as_it_was():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    model[0].weight.requires_grad_(False)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.trace(0.9))
+    sd = opt.state_dict()
+    sd["state"][0] = {"gradtx": {"nonsense": torch.zeros(())}}  # the frozen weight's id
+    seen, state = list(map(id, opt.state)), opt.tx_state
+    with pytest.raises(ValueError, match="gradtx state of"):
+        opt.load_state_dict(sd)
+    assert list(map(id, opt.state)) == seen and opt.tx_state is state

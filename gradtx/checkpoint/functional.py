@@ -300,7 +300,9 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
                     "to move to a plain optimizer"
                 )
         rest = {k: v for k, v in entry.items() if k != "gradtx"}
-        if rest:
+        fresh = entry.get("gradtx", {}).get("inner_fresh")
+        # A stand-in is no state: the inner optimizer had not stepped the param, and a plain one starts it fresh.
+        if rest and (fresh is None or not lo.flag(fresh, what=f"to_torch_optimizer: state[{pid!r}]: 'inner_fresh'")):
             state[pid] = rest
     return {"state": state, "param_groups": [dict(g) for g in optimizer_state_dict["param_groups"]]}
 

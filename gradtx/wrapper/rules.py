@@ -159,10 +159,10 @@ def step_inner(
     multiplied in place, and a skip decided on the host (one scalar read).
     """
     grads: Any = [p.grad for p in params]
-    kernel_scales = (
-        fused is not None or getattr(optimizer, "_step_supports_amp_scaling", False)
-    ) and not torch.compiler.is_compiling()
-    if not kernel_scales and skip is not None and bool(skip):  # a non-fused optimizer cannot skip on its own
+    kernel_scales = scales_in_kernel(optimizer) and not torch.compiler.is_compiling()
+    # Only Adam's kernel, called here, is given the skip as found_inf. A non-fused optimizer cannot skip on its own,
+    # and torch's fused SGD, skipped on its first step, leaves the momentum buffers it made unwritten.
+    if skip is not None and not (kernel_scales and fused is not None) and bool(skip):
         return
     if factor is not None and (fp64 or not kernel_scales):
         # Into .grad where the kernel cannot take it: torch's fused kernels read grad_scale as fp32.
@@ -187,6 +187,17 @@ def step_inner(
         unwrapped(optimizer)()
         return
     optimizer.step()
+
+
+def scales_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's step takes ``grad_scale`` and ``found_inf``: it says so, and every group is fused.
+
+    torch sets ``_step_supports_amp_scaling`` when a fused optimizer is built, so a group added later with
+    ``fused=False`` is stepped by code that refuses them.
+    """
+    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
+        g.get("fused", True) for g in optimizer.param_groups
+    )
 
 
 def unwrapped(optimizer: torch.optim.Optimizer, name: str = "step") -> Callable[..., Any]:
@@ -230,9 +241,10 @@ class FusedAdam:
     makes them) are built once per structure, grouped by param group, device
     and dtype; each step reads the groups' hyperparameters (a tensor ``lr`` too)
     and passes the pending factor as ``grad_scale`` and a skip as ``found_inf``.
-    It applies only when every param the wrapper steps has a dense grad and
-    nothing else would run in the optimizer's step (hooks, a patched ``step``);
-    otherwise the wrapper calls ``optimizer.step()``.
+    It applies only when every param the wrapper steps has a dense grad, every
+    group is still fused (one added later may not be), and nothing else would
+    run in the optimizer's step (hooks, a patched ``step``); otherwise the
+    wrapper calls ``optimizer.step()``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -330,7 +342,7 @@ class FusedAdam:
         opt = self.optimizer
         # Not when stepping runs more than the kernel: hooks, or a step patched on the instance (an lr scheduler's
         # step counter).
-        if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads):
+        if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads) or not self.fits(opt):
             return False
         if self.key != self._key(tree) or not self._holds_state():
             if any(g.is_sparse for g in grads):

@@ -60,9 +60,11 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
 
     One step of the optimizer's own ``step`` (no hooks) on zero grads, with
     ``lr = 0`` in every group and every other param's grad hidden, so no param
-    moves and no existing state changes; the state it makes is taken back
-    out. An optimizer that cannot step on dense zero grads (``SparseAdam``)
-    shows no stand-ins.
+    moves; the state it makes is taken back out, and the groups and every
+    other param's state entries are put back as they were (LBFGS counts its
+    evaluations on its first param, some optimizers count steps in a group).
+    An optimizer that cannot step on dense zero grads (``SparseAdam``) shows
+    no stand-ins.
     """
     optimizer = opt.optimizer
     missing = {p for p in opt._flat if not optimizer.state.get(p) and p not in opt._live.stand_ins}  # by identity
@@ -71,6 +73,7 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     every = [p for g in optimizer.param_groups for p in g["params"]]
     saved_grads = [p.grad for p in every]
     saved_groups = [dict(g) for g in optimizer.param_groups]
+    saved_state = {p: dict(s) for p, s in optimizer.state.items() if p not in missing}
     try:
         for p in every:
             p.grad = torch.zeros_like(p) if p in missing else None
@@ -85,8 +88,14 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
         for p, grad in zip(every, saved_grads):
             p.grad = grad
         for g, saved in zip(optimizer.param_groups, saved_groups):
+            g.clear()
             g.update(saved)
         made = {p: optimizer.state.pop(p, None) or {} for p in missing}
+        for p in [p for p in optimizer.state if p not in saved_state]:
+            del optimizer.state[p]
+        for p, saved in saved_state.items():
+            optimizer.state[p].clear()
+            optimizer.state[p].update(saved)
     opt._live.stand_ins = {**opt._live.stand_ins, **made}
     return opt._live.stand_ins
 
@@ -291,10 +300,28 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise ValueError(f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')")
+    groups = opt.optimizer.param_groups
+    saved_of = _saved_ids(state_dict["param_groups"], groups, what=what)
+    saved = [state_dict["state"].get(saved_of[id(p)]) for p in opt._frozen]
+    # Params frozen when the wrapper was built that the saved run had unfrozen (gradual unfreezing, resumed from a
+    # script that freezes them again first): the transform saw them, so they join it, as at their first grad.
+    joining = {id(p) for p, s in zip(opt._frozen, saved) if isinstance(s, dict) and GTX in s}
+    if not joining:
+        return _load(opt, state_dict, saved_of, what)
+    tree, tx_state = opt._tree, opt._live.tx_state
+    opt._grow([[p for p in g["params"] if p in opt._position or id(p) in joining] for g in groups])
+    try:
+        return _load(opt, state_dict, saved_of, what)
+    except Exception:  # as it was
+        opt._set_tree(tree)
+        opt._live.tx_state = tx_state
+        raise
+
+
+def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: str) -> None:
     optimizer, params, flat = opt.optimizer, opt._tree, opt._flat
     groups = optimizer.param_groups
     saved_groups = state_dict["param_groups"]
-    saved_of = _saved_ids(saved_groups, groups, what=what)
     names = grads.names(groups, params)
     saved_state = state_dict["state"]
     params_by_id = {saved_of[id(p)]: p for g in groups for p in g["params"]}
@@ -384,12 +411,17 @@ _REBUILT = ("grad_scale", "found_inf", "step", "tx", "_plan", "_fused", "_state_
 
 
 def _copied(opt: Any, what: str) -> dict[str, Any]:
-    """What a copy carries: the instance's attributes but the rebuilt ones, and an open window's partial sums."""
-    state = {k: v for k, v in opt.__dict__.items() if k not in _REBUILT}
+    """What a copy carries: the instance's attributes but the rebuilt ones and the hooks (torch.optim's copies
+    leave them out too), and an open window's partial sums."""
+    state = {k: v for k, v in opt.__dict__.items() if k not in _REBUILT and not _is_hooks(k)}
     if opt._live.window_open:
         check_sums_visible(opt, what)
         state[_PICKLED_GRADS] = [None if p.grad is None else p.grad.detach() for p in opt._flat]
     return state
+
+
+def _is_hooks(name: str) -> bool:
+    return name.startswith("_optimizer_") and name.endswith("_hooks")
 
 
 def getstate(opt: Any) -> dict[str, Any]:
@@ -405,7 +437,7 @@ def getstate(opt: Any) -> dict[str, Any]:
 
 def setstate(opt: Any, state: dict[str, Any]) -> None:
     window = state.pop(_PICKLED_GRADS, [])
-    opt.__dict__.update(state)
+    torch.optim.Optimizer.__setstate__(opt, state)  # the attributes, and empty hook dicts
     opt._setup_tx()
     for p, g in zip(opt._flat, window):
         if p.grad is None:
