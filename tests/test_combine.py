@@ -208,3 +208,18 @@ def test_metrics_star_exports_every_item_of_a_dict_field_by_its_key():
 def test_named_chain_names_a_malformed_pair(bad):
     with pytest.raises(TypeError, match=r"named_chain: argument 1 must be a .*pair.*docs/chaining.md"):
         gtx.named_chain(("a", gtx.identity()), bad)
+
+
+@pytest.mark.parametrize("updates", [{"w": None, "b": None}, {}], ids=["every-update-none", "empty"])
+def test_an_update_with_no_tensor_leaves_the_params_as_they_are(updates):
+    """A ``None`` update leaves its param as it is, also when no param has one (torch's foreach refuses [])."""
+    params = {"w": torch.ones(3), "b": torch.ones(2)} if updates else {}
+    out = gtx.apply_updates(params, updates)
+    assert out.keys() == params.keys() and all(out[k] is params[k] for k in params)
+    clipped, _ = gtx.clip(0.1).update(updates, gtx.clip(0.1).init(params))
+    assert clipped == updates
+    if not params:
+        return
+    masked = gtx.masked(gtx.clip(0.1), {"w": True, "b": False})
+    grads = {"w": None, "b": torch.full((2,), 5.0)}
+    assert torch.equal(masked.update(grads, masked.init(params), params)[0]["b"], grads["b"])

@@ -281,3 +281,27 @@ def test_compiled_step_has_no_graph_break_and_a_changed_value_does_not_recompile
     assert sum(counters["graph_break"].values()) == 0
     assert len(compiles) == 1, f"recompiled: {len(compiles)} graphs"
     assert float(state_c.hyperparams["learning_rate"]) == pytest.approx(0.01)
+
+
+def test_a_held_step_of_the_inner_transform_advances_no_schedule():
+    """``inject_hyperparams`` around a chain that accumulates: a held micro-step is no step, as the schedule counts
+    them; the same as injecting into the optimizer behind the window."""
+    schedule = gtx.linear_schedule(0.1, 0.0, 4)
+    outer = gtx.inject_hyperparams(lambda learning_rate: gtx.chain(gtx.accumulate(2), gtx.sgd(learning_rate)))(
+        learning_rate=schedule
+    )
+    inner = gtx.chain(gtx.accumulate(2), gtx.inject_hyperparams(gtx.sgd)(learning_rate=schedule))
+    params = {"w": torch.zeros(())}
+    states = [outer.init(params), inner.init(params)]
+    for step in range(4):
+        grads = {"w": torch.tensor(float(step + 1))}
+        (u_outer, states[0]), (u_inner, states[1]) = (
+            tx.update(grads, s, params) for tx, s in zip((outer, inner), states)
+        )
+        if step % 2 == 0:
+            assert u_outer is None and u_inner is None
+        else:  # the window's mean times the schedule's value at the optimizer step (0, then 1)
+            lr = 0.1 - 0.025 * (step // 2)
+            assert float(u_outer["w"]) == pytest.approx(-lr * (2 * step + 1) / 2)
+            assert_trees_equal(u_outer, u_inner)
+    assert int(states[0].count) == 2

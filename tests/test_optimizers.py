@@ -26,6 +26,7 @@ from gradtx.optimizers import (
     sgd,
     trace,
 )
+from gradtx.transforms.averaging import ema
 from gradtx.transforms.combine import apply_updates
 
 STEPS = 100
@@ -403,6 +404,8 @@ ALL_TRANSFORMS = {
     "adam": lambda: adam(1e-3, weight_decay=1e-2),
     "adamw": lambda: adamw(1e-3),
     "adamw_schedule": lambda: adamw(lambda c: 1e-3 * 0.99**c, weight_decay=0.1),
+    "ema": lambda: ema(0.9, debias=False),
+    "ema_debias": lambda: ema(0.9),
 }
 
 

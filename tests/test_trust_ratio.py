@@ -55,3 +55,31 @@ def test_trust_ratio_needs_params():
     tx = gtx.scale_by_trust_ratio()
     with pytest.raises(ValueError, match="scale_by_trust_ratio: update\\(\\) needs params"):
         tx.update(grads_like(params_tree(), 0), tx.init(None))
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_the_hypergradient_through_a_zero_update_is_finite(name):
+    """A leaf whose update is exactly 0 but which stays in the graph (a dead ReLU layer) keeps the ratio 1, and its
+    backward stays finite: the gradient of the loss after two steps with respect to the learning rate matches a
+    central difference."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(4, 3, dtype=torch.float64), "dead": torch.randn(2, 3, dtype=torch.float64)}
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+
+    def loss(p):
+        return ((x @ p["w"].T - y) ** 2).mean() + torch.relu(x @ p["dead"].T - 100.0).sum()
+
+    def loss_after(lr):
+        tx = getattr(gtx, name)(lr)
+        p, state = params, tx.init(params)
+        for _ in range(2):
+            updates, state = tx.update(torch.func.grad(loss)(p), state, p)
+            p = gtx.apply_updates(p, updates)
+        return loss(p)
+
+    lr = torch.tensor(0.05, dtype=torch.float64)
+    got = torch.func.grad(loss_after)(lr)
+    h = 1e-6
+    expected = (loss_after(lr + h) - loss_after(lr - h)) / (2 * h)
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-8)

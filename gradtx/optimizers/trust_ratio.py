@@ -81,8 +81,11 @@ def scale_by_trust_ratio(
         for u, u_norm, p_norm in zip(leaves, u_norms, p_norms):
             p_norm = torch.clamp(p_norm, min=lw.as_tensor(min_norm, p_norm))
             u_norm = torch.clamp(u_norm, min=lw.as_tensor(min_norm, u_norm))
-            ratio = lw.as_tensor(trust_coefficient, p_norm) * p_norm / (u_norm + lw.as_tensor(eps, u_norm))
-            ratio = torch.where((p_norm == 0) | (u_norm == 0), torch.ones_like(ratio), ratio)
+            zero = (p_norm == 0) | (u_norm == 0)
+            # A zero norm is divided as 1: the ratio is replaced anyway, but its inf would make the backward 0 * inf.
+            safe = torch.where(zero, torch.ones_like(u_norm), u_norm)
+            ratio = lw.as_tensor(trust_coefficient, p_norm) * p_norm / (safe + lw.as_tensor(eps, u_norm))
+            ratio = torch.where(zero, torch.ones_like(ratio), ratio)
             local = tu.local(u)
             out.append(tu.like(u, (local * ratio.to(local.device)).to(local.dtype)))
         return tu.unflatten(spec, out), state

@@ -176,6 +176,8 @@ def inject_hyperparams(
             new_updates, inner_state = inner_factory(**fixed, **hparams).update(
                 updates, state.inner_state, params, **extra
             )
+            if new_updates is None:  # the inner transform held (a window): no step taken, so no schedule advances
+                return None, state._replace(inner_state=inner_state)
             return new_updates, InjectHyperparamsState(state.count + 1, hparams, inner_state)
 
         options = (inner_factory, tuple(sorted(static)), hyperparam_dtype)

@@ -85,7 +85,8 @@ def ema(
             if debias:
                 t = count.to(m.device, tu.acc_dtype(m.dtype))
                 out = m / (1 - lw.as_tensor(decay, t) ** t).to(m.dtype)
-            return out.to(g.dtype), m.to(old.dtype)
+            out, m = out.to(g.dtype), m.to(old.dtype)
+            return (out.clone() if out is m else out), m  # the updates never share storage with the state
 
         out, (stored,) = lw.lmap_updates(step, updates, [state.ema], what="ema: updates", against="the state's average")
         return out, EmaState(count=count, ema=stored)

@@ -49,8 +49,8 @@ def clip(max_delta: float) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
         leaves, spec = tu.tensor_leaves(updates, what="clip: updates")
-        # One foreach call: torch groups the leaves by device and dtype itself.
-        clamped = fe.clamp([tu.local(t) for t in leaves], -max_delta, max_delta)
+        # One foreach call: torch groups the leaves by device and dtype itself (and refuses an empty list).
+        clamped = fe.clamp([tu.local(t) for t in leaves], -max_delta, max_delta) if leaves else []
         return tu.unflatten(spec, [tu.like(t, c) for t, c in zip(leaves, clamped)]), state
 
     return GradientTransformation(init_empty_state, update_fn)

@@ -370,8 +370,8 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
             return tu.unflatten(spec, fe.add(p_leaves, u_leaves))
     index, u_leaves, _ = tu.align(params, updates, what="updates", against="params")
     present = [p_leaves[i] for i in index]
-    # One foreach call: torch groups by device and dtype itself.
-    if not (tu.has_dtensor(p_leaves) or tu.has_dtensor(u_leaves)):
+    # One foreach call: torch groups by device and dtype itself (and refuses an empty list: every update None).
+    if present and not (tu.has_dtensor(p_leaves) or tu.has_dtensor(u_leaves)):
         added = fe.add(present, u_leaves)
     else:  # DTensors, whose placements may differ: leaf by leaf
         added = [p + u for p, u in zip(present, u_leaves)]
