@@ -127,8 +127,9 @@ def test_schedule_matches_optax_at_every_step(name, kwargs):
     expected = optax_values(name, kwargs)
     from_tensor = gradtx_values(fn, as_tensor=True)
     assert_fp32_close(from_tensor, expected, what=f"{name}({kwargs})")
-    # A Python int count gives exactly what the tensor count gives.
+    # A Python int count gives exactly what the tensor count gives; so does a NumPy int (optax takes both).
     np.testing.assert_array_equal(gradtx_values(fn, as_tensor=False), from_tensor)
+    np.testing.assert_array_equal([float(fn(np.int64(s))) for s in STEPS], from_tensor)
 
 
 def test_join_schedules_matches_optax():

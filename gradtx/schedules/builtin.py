@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,11 +50,11 @@ __all__ = [
 
 
 def _count(count: Any) -> torch.Tensor:
-    """The step count as a tensor (a Python int becomes a 0-d int64 CPU tensor)."""
+    """The step count as a tensor (a Python or NumPy int becomes a 0-d int64 CPU tensor)."""
     if isinstance(count, torch.Tensor):
         return count
-    if isinstance(count, bool) or not isinstance(count, (int, float)):
-        raise TypeError(f"schedule: the step count must be an int or a 0-d tensor, got {type(count).__name__}")
+    if isinstance(count, bool) or not isinstance(count, numbers.Real):
+        raise TypeError(f"schedule: the step count must be a number or a 0-d tensor, got {type(count).__name__}")
     return torch.tensor(count)
 
 
