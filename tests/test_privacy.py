@@ -25,9 +25,10 @@ def _j(tree):
     return [jnp.asarray(tree[k].numpy()) for k in sorted(tree)]
 
 
+@pytest.mark.parametrize("batch", [6, 0])
 @pytest.mark.parametrize("clip", [0.0, 1.25, 3.0, float("inf")])
-def test_per_example_global_norm_clip_matches_optax(clip):
-    grads = _grads()
+def test_per_example_global_norm_clip_matches_optax(clip, batch):
+    grads = _grads(batch)
     summed, clipped = gtx.per_example_global_norm_clip(grads, clip)
     want, want_clipped = optax.per_example_global_norm_clip(_j(grads), clip)
     for k, w in zip(sorted(grads), want):
@@ -35,11 +36,16 @@ def test_per_example_global_norm_clip_matches_optax(clip):
     assert int(clipped) == int(want_clipped)
 
 
+@pytest.mark.parametrize("batch", [6, 0])
 @pytest.mark.parametrize("uniform", [True, False])
 @pytest.mark.parametrize("clip", [0.0, 1.25, 3.0, float("inf")])
-def test_per_example_layer_norm_clip_matches_optax(clip, uniform):
-    grads = _grads()
+def test_per_example_layer_norm_clip_matches_optax(clip, uniform, batch):
+    grads = _grads(batch)
     summed, clipped = gtx.per_example_layer_norm_clip(grads, clip, uniform=uniform)
+    if batch == 0:  # no example: zero sums, none clipped (optax's uniform=False reads example 0, and raises)
+        for k, g in grads.items():
+            assert torch.equal(summed[k], torch.zeros(g.shape[1:])) and int(clipped[k]) == 0
+        return
     want, want_clipped = optax.per_example_layer_norm_clip(_j(grads), clip, uniform=uniform)
     for k, w, c in zip(sorted(grads), want, want_clipped):
         np.testing.assert_allclose(summed[k].numpy(), np.asarray(w), rtol=1e-6, atol=1e-6)

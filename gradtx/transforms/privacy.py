@@ -46,7 +46,8 @@ def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], An
 def _clip_and_sum(leaves: list[torch.Tensor], limit: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
     # Each example's L2 norm over all the leaves, in fp32 (fp64 for fp64 grads).
     acc = torch.float64 if any(tu.acc_dtype(t.dtype) == torch.float64 for t in leaves) else torch.float32
-    squares = [torch.linalg.vector_norm(t.reshape(t.shape[0], -1), 2, dim=1, dtype=acc) ** 2 for t in leaves]
+    rows = [t.reshape(t.shape[0], math.prod(t.shape[1:])) for t in leaves]  # (-1 is ambiguous with 0 examples)
+    squares = [torch.linalg.vector_norm(r, 2, dim=1, dtype=acc) ** 2 for r in rows]
     norms = torch.stack(squares).sum(0).sqrt()
     limit = limit.to(norms.device, norms.dtype) if isinstance(limit, torch.Tensor) else limit
     # optax's multiplier: min(clip / norm, 1), and 1 where that is 0/0 (a zero gradient with a zero clip).
@@ -124,7 +125,7 @@ def per_example_layer_norm_clip(
     )
     uniform = check.flag(uniform, arg="uniform", name=name)
     leaves, spec = _batched_leaves(grads, name=name)
-    sizes = [1] * len(leaves) if uniform else [t[0].numel() for t in leaves]
+    sizes = [1] * len(leaves) if uniform else [math.prod(t.shape[1:]) for t in leaves]
     results = [_clip_and_sum([t], global_l2_norm_clip * math.sqrt(s / sum(sizes))) for t, s in zip(leaves, sizes)]
     return tu.unflatten(spec, [s for (s,), _ in results]), tu.unflatten(spec, [c for _, c in results])
 
