@@ -285,6 +285,29 @@ def test_plain_leaves_beside_two_sharded_dims_stay_each_ranks_own(calls, p):
         assert calls == [("world", 1)], calls  # still one reduction over the mesh, x added after it
 
 
+@pytest.mark.parametrize("p", [2.0, float("inf")])
+def test_a_mesh_dim_no_leaf_has_is_not_summed_over(calls, p):
+    """A pipeline over one world mesh: each stage holds its own layer on the (dp, tp) sub-mesh, so the ranks that
+    differ in the stage dim hold different values. Each stage's norm is its own layer's, as the declared plan
+    gives; one sum over the world would mix the stages'."""
+    layers = [_randn(81, (4, 6)), _randn(82, (4, 6)) * 3]
+    with testing.simulated_mesh((2, 2, 2), ("stage", "dp", "tp")) as mesh:
+        sub, coords, placements = mesh["dp", "tp"], _coords(mesh), (Shard(0), Shard(1))
+        local = local_tensor_mode().rank_map(
+            lambda r: _local_shard(layers[coords[r][0]], (2, 2), placements, coords[r][1:])
+        )
+        meta = TensorMeta(layers[0].shape, layers[0].stride(), layers[0].dtype)
+        grads = {"w": DTensor(local, DTensorSpec(sub, placements, meta), requires_grad=False)}
+        plan = from_placements(optree.tree_leaves(grads), what="test")
+        assert plan is not None and plan.flat is None
+        for norm in (gtx.global_norm(grads, p), gtx.global_norm(grads, p, mesh_groups=gtx.mesh_groups(grads))):
+            for r, value in _values(norm).items():
+                torch.testing.assert_close(
+                    value.double(), _reference({"w": layers[coords[r][0]]}, p), rtol=1e-6, atol=0
+                )
+        assert {group for group, _ in calls} == {"dp", "tp"}, calls  # never over the stage dim
+
+
 class _SizedComm:
     """A picklable comm that only knows group sizes (no reduction is run here)."""
 

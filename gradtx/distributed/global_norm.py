@@ -20,6 +20,7 @@ from typing import Any
 
 import optree
 import torch
+import torch.distributed as dist
 
 from gradtx.comm.base import Comm, GroupKey, ReduceOp, check_comm, reduce_over_groups
 from gradtx.core import norms, validate
@@ -32,23 +33,45 @@ def from_placements(leaves: Sequence[Any], *, what: str, tree: PyTree | None = N
     """The plan the placements of ``leaves`` define, over the DTensors' own process groups; ``None`` without DTensors.
 
     Plain tensors among them are each rank's own (counted once, no collective).
-    Every DTensor on one root mesh (or its sub-meshes) over the whole world:
-    one reduction in all (see :attr:`MeshGroups.flat`); else one per sharded
-    mesh dim. A leaf is sharded over some dims of the root and held alike by
-    the ranks that differ only in the others (a leaf on a sub-mesh, as FSDP2
-    puts a layer norm on the ``dp`` dim of a TP x FSDP mesh, is replicated
-    over the dims it does not name, which the per-dim reductions assume too),
-    so its replica count is known. Two root meshes, or a root smaller than the
-    world, keep the per-dim reductions. ``tree``, the tree ``leaves`` were
-    flattened from (every caller's), names their paths in errors.
+    Every DTensor on one root mesh (or its sub-meshes) over the whole world,
+    each of whose dims some leaf's mesh has: one reduction in all (see
+    :attr:`MeshGroups.flat`); else one per sharded mesh dim. A leaf is then
+    sharded over some dims of the root and held alike by the ranks that differ
+    only in the others (a leaf on a sub-mesh, as FSDP2 puts a layer norm on the
+    ``dp`` dim of a TP x FSDP mesh, is replicated over the ``tp`` dim that other
+    leaves name), so its replica count is known. A dim no leaf's mesh has may
+    hold other values on its ranks (the stages of a pipeline over one world
+    mesh), which the per-dim reductions never mix; they also serve two root
+    meshes, or a root smaller than the world. ``tree``, the tree ``leaves``
+    were flattened from (every caller's), names their paths in errors.
     """
     if not tu.has_dtensor(leaves):
         return None
     paths = tu.paths(tree) if tree is not None else [(i,) for i in range(len(leaves))]
     comm = default_comm(leaves)
     roots = tu.root_meshes(leaves)
-    flat = "world" if len(roots) == 1 and 1 < roots[0].size() == comm.size("world") else None
+    one_mesh = len(roots) == 1 and 1 < roots[0].size() == comm.size("world")
+    flat = "world" if one_mesh and _names_every_dim(leaves, roots[0]) else None
     return _build(paths, list(leaves), comm, what=what, flat=flat)
+
+
+def _names_every_dim(leaves: Sequence[Any], root: Any) -> bool:
+    """Whether every dim of the root mesh (of more than one rank) is a dim of some leaf's mesh.
+
+    A sub-mesh dim, flattened or not, spans some dims of its root: its group
+    holds the ranks that differ from this one in those dims only, so it meets
+    a root dim's group in more than this rank exactly when it spans that dim.
+    Read from the groups' ranks, no collective.
+    """
+    named = {
+        frozenset(dist.get_process_group_ranks(t.device_mesh.get_group(d)))
+        for t in leaves
+        if isinstance(t, DTensor)
+        for d in range(t.device_mesh.ndim)
+        if t.device_mesh.size(d) > 1
+    }
+    dims = [set(dist.get_process_group_ranks(root.get_group(i))) for i in range(root.ndim) if root.size(i) > 1]
+    return all(any(len(dim & group) > 1 for group in named) for dim in dims)
 
 
 class PlanSlot:
