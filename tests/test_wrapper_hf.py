@@ -153,3 +153,42 @@ def test_hf_trainer_with_accumulate_in_the_chain_is_refused(tmp_path):
     """The Trainer steps its scheduler on every step() call: the lr moves inside the chain's window, refused."""
     with pytest.raises(ValueError, match=r"lr changed .* inside an accumulation window.*gradient_accumulation_steps"):
         hf_train(tmp_path, gtx.chain(gtx.accumulate(2), gtx.clip_by_global_norm(MAX_NORM)), 1, decay=0.5)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_accelerate_holds_its_scheduler_on_a_step_gradscaler_skips(fused):
+    """accelerate reads a skipped step as one whose optimizer step GradScaler did not call (fp16 on CUDA; a CPU
+    GradScaler stands for it here). Through the wrapper its prepared scheduler holds on an inf step as it does for
+    the inner optimizer alone, and the run equals the torch loop with accelerate's own clip. (A fused optimizer
+    takes GradScaler's inf flag itself, so accelerate sees no skip: the same with or without the wrapper.)"""
+
+    def run(wrapped):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        opt = gtx.TransformedOptimizer(inner, gtx.clip_by_global_norm(1.0)) if wrapped else inner
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        accelerator = Accelerator(cpu=True)
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        model, opt, sched = accelerator.prepare(model, opt, sched)
+        skipped = []
+        g = torch.Generator().manual_seed(1)
+        for i in range(4):
+            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
+            accelerator.backward(F.mse_loss(model(x), y) * (float("inf") if i == 1 else 1.0))
+            if not wrapped:  # what accelerator.clip_grad_norm_ does under fp16 on CUDA
+                accelerator.scaler.unscale_(opt.optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            skipped.append(opt.step_was_skipped)
+        return dict(model.named_parameters()), skipped, sched.scheduler.last_epoch
+
+    params, skipped, epochs = run(wrapped=True)
+    ref_params, ref_skipped, ref_epochs = run(wrapped=False)
+    assert skipped == ref_skipped == [False, not fused, False, False]
+    assert epochs == ref_epochs == (4 if fused else 3)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-7)

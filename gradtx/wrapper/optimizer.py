@@ -73,10 +73,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
     torch's fused kernel directly on cached lists of its own state. A step that
     raises leaves ``.grad``, the transform state and the inner state as they were.
 
-    ``torch.amp.GradScaler`` hands the wrapper its scale and inf flag (the
-    wrapper declares ``_step_supports_amp_scaling``, as fused optimizers do):
-    the chain sees unscaled grads (clipping included), and a step with an inf
-    or NaN is skipped, its transform and inner state unchanged.
+    ``torch.amp.GradScaler``: the chain sees unscaled grads (clipping
+    included), and a step with an inf or NaN is skipped, its transform and
+    inner state unchanged. GradScaler hands the wrapper its scale and inf flag
+    when the inner optimizer is fused or the chain accumulates (see
+    :attr:`_step_supports_amp_scaling`); otherwise it unscales and skips as
+    for the inner optimizer alone.
 
     Data parallel (DDP or FSDP2): wrap each micro-step's forward and backward
     in :meth:`maybe_no_sync` (see ``docs/accumulation.md``).
@@ -96,7 +98,15 @@ class TransformedOptimizer(torch.optim.Optimizer):
       ...     opt.zero_grad()
     """
 
-    _step_supports_amp_scaling = True
+    @property
+    def _step_supports_amp_scaling(self) -> bool:  # read by GradScaler.step (and Lightning)
+        """Whether GradScaler hands the wrapper its scale and inf flag rather than unscaling ``.grad`` and not
+        calling a step it skips: when the inner optimizer takes them itself (fused: the scale rides in the kernel)
+        or the chain accumulates (a window sums micro-steps that GradScaler would each unscale, and its skip is the
+        wrapper's to make). Otherwise GradScaler does what it does for the inner optimizer alone, which
+        accelerate and the Hugging Face Trainer read: a step it does not call was skipped, and their schedulers
+        hold."""
+        return "_plan" in self.__dict__ and (self._plan.window is not None or rules.scales_in_kernel(self.optimizer))
 
     def __init__(self, optimizer: torch.optim.Optimizer, tx: GradientTransformation) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
