@@ -63,12 +63,12 @@ def _names_every_dim(leaves: Sequence[Any], root: Any) -> bool:
     a root dim's group in more than this rank exactly when it spans that dim.
     Read from the groups' ranks, no collective.
     """
+    meshes = {id(t.device_mesh): t.device_mesh for t in leaves if isinstance(t, DTensor)}.values()
     named = {
-        frozenset(dist.get_process_group_ranks(t.device_mesh.get_group(d)))
-        for t in leaves
-        if isinstance(t, DTensor)
-        for d in range(t.device_mesh.ndim)
-        if t.device_mesh.size(d) > 1
+        frozenset(dist.get_process_group_ranks(mesh.get_group(d)))
+        for mesh in meshes
+        for d in range(mesh.ndim)
+        if mesh.size(d) > 1
     }
     dims = [set(dist.get_process_group_ranks(root.get_group(i))) for i in range(root.ndim) if root.size(i) > 1]
     return all(any(len(dim & group) > 1 for group in named) for dim in dims)
