@@ -6,6 +6,7 @@ must be skipped (params and optimizer state unchanged) and the scale must back o
 """
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -243,3 +244,21 @@ def test_explicit_unscale_then_torch_clip_works_through_the_wrapper(opt_name):
             o.zero_grad()
         assert our_scaler.get_scale() == ref_scaler.get_scale()
         assert_trees_close(params_of(ours), params_of(ref), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("how", ["pickle", "deepcopy"])
+@pytest.mark.parametrize(
+    ("build", "declared"),
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True), True),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, fused=True), True),
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-2), False),
+    ],
+    ids=["adamw-fused", "sgd-fused", "adamw"],
+)
+def test_a_copy_takes_gradscalers_scale_as_the_original_does(how, build, declared):
+    """GradScaler hands its scale to a wrapper around a fused optimizer, and to its copies: torch's copy of the
+    inner optimizer drops the flag that says it is fused (its groups still say so)."""
+    opt = gtx.TransformedOptimizer(build(list(make_model().parameters())), gtx.clip_by_global_norm(1.0))
+    other = pickle.loads(pickle.dumps(opt)) if how == "pickle" else copy.deepcopy(opt)
+    assert opt._step_supports_amp_scaling is other._step_supports_amp_scaling is declared

@@ -189,15 +189,18 @@ def step_inner(
     optimizer.step()
 
 
+_TAKE_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+
+
 def scales_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's step takes ``grad_scale`` and ``found_inf``: it says so, and every group is fused.
 
-    torch sets ``_step_supports_amp_scaling`` when a fused optimizer is built, so a group added later with
-    ``fused=False`` is stepped by code that refuses them.
+    torch sets ``_step_supports_amp_scaling`` when a fused optimizer is built (a copy loses it: torch's
+    ``__setstate__`` does not set it again, so its fused optimizers are also known by type), and a group added
+    later with ``fused=False`` is stepped by code that refuses them.
     """
-    return getattr(optimizer, "_step_supports_amp_scaling", False) and all(
-        g.get("fused", True) for g in optimizer.param_groups
-    )
+    declared = getattr(optimizer, "_step_supports_amp_scaling", False) or type(optimizer) in _TAKE_FUSED
+    return declared and all(g.get("fused", True) for g in optimizer.param_groups)
 
 
 def unwrapped(optimizer: torch.optim.Optimizer, name: str = "step") -> Callable[..., Any]:
