@@ -40,7 +40,8 @@ class PeerComm:
 
 
 def _tokens(n: int) -> torch.Tensor:
-    return torch.tensor(n, dtype=torch.int64)
+    """The peer's part of the window's one count collective: its tokens, then its loss weight and sum (none)."""
+    return torch.tensor([n, 0.0, 0.0], dtype=torch.float64)
 
 
 # --- accumulate: reduce_grads and the token total -------------------------------------------------
@@ -63,19 +64,20 @@ def test_token_weighted_reduce_grads_divides_the_global_sum_by_the_global_token_
     expected = {k: (g1[k] + g2[k] + peer_sum[k]) / total for k in g1}
     assert_trees_close(out, expected, rtol=1e-6)
     assert int(state.last_tokens) == total and int(gtx.metrics(state)["tokens"]) == total
-    # One scalar token collective, then one coalesced grad collective with every leaf, both over "dp".
+    # One count collective (tokens, loss weight, loss sum), then one coalesced grad collective with every leaf,
+    # both over "dp".
     assert [(c.op, c.group, c.num_tensors) for c in comm.calls] == [("sum", "dp", 1), ("sum", "dp", 2)]
-    assert comm.calls[0].shapes == ((),)
+    assert comm.calls[0].shapes == ((3,),)
     assert sorted(comm.calls[1].shapes) == [(), (2,)]
 
 
-def test_token_total_alone_is_one_scalar_collective_and_grads_stay_local():
+def test_token_total_alone_is_one_small_collective_and_grads_stay_local():
     comm = RecordingComm(PeerComm([_tokens(6)]))
     tx = gtx.accumulate(1, token_weighted=True, comm=comm, group="dp")
     g = {"w": torch.tensor([4.0, 8.0])}
     out, _ = tx.update(g, tx.init(g), tokens=2)
     assert_trees_equal(out, {"w": g["w"] / 8})  # DDP/FSDP2 summed the grads already; only the count is global
-    assert [(c.op, c.num_tensors, c.shapes) for c in comm.calls] == [("sum", 1, ((),))]
+    assert [(c.op, c.num_tensors, c.shapes) for c in comm.calls] == [("sum", 1, ((3,),))]  # with the loss
 
 
 def test_plain_mean_reduce_grads_divides_by_micro_steps_times_ranks():
@@ -145,6 +147,20 @@ def test_the_wrapper_sums_the_window_in_grad_over_ranks_and_divides_by_the_globa
     opt.step(tokens=1)
     assert p.grad is grad and torch.equal(grad, torch.tensor([3.0, 5.0]) / 4)  # summed in place, then the mean
     assert torch.equal(p.detach(), -torch.tensor([3.0, 5.0]) / 4)
+
+
+def test_a_param_without_a_grad_here_steps_on_the_other_ranks_sum():
+    """The window sums .grad over the ranks: a param this rank gave no grad (unused here, or no backward at all in
+    the window) steps on the sum as it does on the rank that did, so the ranks' params stay equal."""
+    used, unused = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    used.grad = torch.tensor([2.0, 4.0])
+    peer_grads = [torch.tensor([1.0, 1.0]), torch.tensor([3.0, 6.0, 9.0])]  # the other rank used both
+    comm = PeerComm([_tokens(2)], peer_grads)
+    tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD([used, unused], lr=1.0), tx)
+    opt.step(tokens=1)
+    torch.testing.assert_close(used.detach(), -torch.tensor([3.0, 5.0]) / 3)
+    torch.testing.assert_close(unused.detach(), -torch.tensor([3.0, 6.0, 9.0]) / 3)
 
 
 def test_reduce_grads_is_pure():
@@ -291,3 +307,20 @@ def test_sum_grad_reduction_rejects_a_plain_module():
         sum_grad_reduction(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         sum_grad_reduction("model")
+
+
+def test_the_token_weighted_window_loss_is_the_global_token_mean():
+    """With a comm the window's loss is divided as its grads are: every rank's summed losses over every rank's
+    tokens, in the token collective. A rank with no token in a window gets that window's loss too."""
+    peer = torch.tensor([5.0, 5.0, 20.0], dtype=torch.float64)  # the other rank: 5 tokens, summed loss 20
+    comm = RecordingComm(PeerComm([peer], [peer]))
+    tx = gtx.accumulate(2, token_weighted=True, comm=comm, group="dp")
+    g = {"w": torch.ones(2)}
+    state = tx.init(g)
+    _, state = tx.update(g, state, tokens=3, loss=torch.tensor(6.0))
+    _, state = tx.update(g, state, tokens=1, loss=torch.tensor(4.0))
+    assert float(state.last_loss) == pytest.approx((6 + 4 + 20) / (3 + 1 + 5), rel=1e-6)
+    for _ in range(2):  # no token here: the global loss, not this rank's last window's
+        _, state = tx.update(g, state, tokens=0, loss=torch.tensor(0.0))
+    assert float(state.last_loss) == pytest.approx(20 / 5, rel=1e-6)
+    assert [c.num_tensors for c in comm.calls] == [1, 1]  # one collective per window

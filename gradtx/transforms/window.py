@@ -271,6 +271,17 @@ class Window:
                     loss_weight=torch.tensor(loss_weight),
                 ),
             )
+        total = window_tokens
+        if self.token_weighted and self.comm is not None:
+            # One collective, on the grads' device (a GPU process group, NCCL, reduces device tensors only), in
+            # fp64 (exact for counts below 2**53): the tokens, and the window's loss with its weight, so the loss
+            # is the global token mean, as the grads are.
+            counts = torch.tensor([total, loss_weight], dtype=torch.float64, device=device)
+            (reduced,) = self.comm.all_reduce(
+                [torch.cat([counts, loss_sum.to(device, torch.float64).reshape(1)])], ReduceOp.SUM, self.group
+            )
+            total, loss_weight = (int(v) for v in reduced[:2].tolist())  # one read per optimizer step
+            loss_sum = reduced[2].float()
         closed = state._replace(
             micro_step=torch.zeros((), dtype=torch.int64),
             tokens=torch.zeros((), dtype=torch.int64),
@@ -280,11 +291,6 @@ class Window:
             last_loss=loss_sum / loss_weight if loss_weight > 0 else state.last_loss,
         )
         if self.token_weighted:
-            total = window_tokens
-            if self.comm is not None:
-                # On the grads' device: a GPU process group (NCCL) reduces device tensors only.
-                (global_total,) = self.comm.all_reduce([torch.tensor(total, device=device)], ReduceOp.SUM, self.group)
-                total = int(global_total.cpu())  # one scalar per optimizer step
             if total == 0:
                 # No valid token anywhere: the token mean is undefined, so every rank skips the window
                 # alike (the total is global), before any grad collective: no rank is left waiting.

@@ -290,7 +290,7 @@ def test_functional_communicates_once_per_step(ranks: list[dict[str, Any]]) -> N
         # Nothing on the 3 holding micro-steps; 2 collectives on the emitting one.
         assert res["calls_after_each_micro_step"] == [0, 0, 0, 2, 2, 2, 2, 4]
         token_call, grad_call = res["calls"][:2]
-        assert token_call == ("sum", "dp", 1, ((),))
+        assert token_call == ("sum", "dp", 1, ((3,),))  # tokens, loss weight, loss sum
         assert grad_call[:3] == ("sum", "dp", res["num_leaves"])  # one coalesced call for every leaf
         assert res["calls"][2:] == res["calls"][:2]
 
@@ -317,12 +317,12 @@ def test_wrapper_token_weighted_equals_full_batch_token_mean(ranks: list[dict[st
 def test_ddp_syncs_grads_once_per_step(ranks: list[dict[str, Any]]) -> None:
     for res in part_results(ranks, "ddp"):
         grad_syncs = [(s, i) for s, i, dtype, _ in res["all_reduces"] if dtype == "torch.float32"]
-        token_syncs = [(s, i, n) for s, i, dtype, n in res["all_reduces"] if dtype == "torch.int64"]
+        token_syncs = [(s, i, n) for s, i, dtype, n in res["all_reduces"] if dtype == "torch.float64"]
         assert grad_syncs, "no DDP grad all-reduce was seen; the counter is broken"
         assert {i for _, i in grad_syncs} == {K - 1}, f"DDP synced on non-final micro-steps: {grad_syncs}"
         per_step = [sum(1 for s, _ in grad_syncs if s == step) for step in range(STEPS)]
         assert per_step[0] == per_step[1] >= 1
-        assert token_syncs == [(s, K - 1, 1) for s in range(STEPS)]
+        assert token_syncs == [(s, K - 1, 3) for s in range(STEPS)]  # tokens, loss weight, loss sum
 
 
 def test_fsdp2_sums_and_reduce_scatters_once_per_step(ranks: list[dict[str, Any]]) -> None:
@@ -331,5 +331,5 @@ def test_fsdp2_sums_and_reduce_scatters_once_per_step(ranks: list[dict[str, Any]
         # Two param groups (embedding, head): one reduce-scatter each, on the last micro-step only.
         assert [(s, i) for s, i, _ in res["reduce_scatters"]] == [(s, K - 1) for s in range(STEPS) for _ in range(2)]
         assert [(s, i, d, n) for s, i, d, n in res["all_reduces"]] == [
-            (s, K - 1, "torch.int64", 1) for s in range(STEPS)
+            (s, K - 1, "torch.float64", 3) for s in range(STEPS)
         ]
