@@ -24,6 +24,19 @@ def data():
     return torch.randn(16, 5, generator=g), torch.randn(16, 2, generator=g)
 
 
+def closure_of(model):
+    """A closure that evaluates ``model`` on the data again, as LBFGS's step needs."""
+    x, y = data()
+
+    def closure():
+        model.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 @pytest.mark.parametrize("name", ["adamw", "sgd", "rmsprop", "adagrad", "lbfgs"])
 def test_stand_ins_leave_the_optimizer_as_it_was_and_show_torchs_keys(name):
     build = {
@@ -44,18 +57,7 @@ def test_stand_ins_leave_the_optimizer_as_it_was_and_show_torchs_keys(name):
     assert [set(opt.state.get(p, {})) for p in model.parameters()] == [
         set(ref_opt.state.get(p, {})) for p in ref.parameters()
     ]
-    x, y = data()
-
-    def loss_of(m):
-        def closure():
-            m.zero_grad()
-            loss = F.mse_loss(m(x), y)
-            loss.backward()
-            return loss
-
-        return closure
-
-    ref_opt.step(loss_of(ref))
+    ref_opt.step(closure_of(ref))
     for p, q in zip(model.parameters(), ref.parameters()):  # the stand-ins have the keys torch's first step makes
         mine = set(made[p])
         theirs = set(ref_opt.state.get(q, {}))
@@ -263,19 +265,8 @@ def test_reading_the_state_leaves_lbfgs_counters_as_torch_has_them():
     model, ref = make_model(), make_model()
     opt = gtx.TransformedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.1), gtx.identity())
     ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.1)
-    x, y = data()
-
-    def closure_of(m, o):
-        def closure():
-            o.zero_grad()
-            loss = F.mse_loss(m(x), y)
-            loss.backward()
-            return loss
-
-        return closure
-
-    opt.step(closure_of(model, opt))
-    ref_opt.step(closure_of(ref, ref_opt))
+    opt.step(closure_of(model))
+    ref_opt.step(closure_of(ref))
     opt.state_dict()
     dict(opt.state[list(model.parameters())[-1]])
     first, ref_first = next(iter(model.parameters())), next(iter(ref.parameters()))
