@@ -244,7 +244,11 @@ class DDPSumState:
     (within an ulp for a ``W`` that is not a power of two). The division
     happens in the param's grad hook, before autograd adds new local grads
     (see :func:`gradtx.sum_grad_reduction`), or in this hook for a param no
-    backward touched since the last sync.
+    backward touched since the last sync. A ``.grad`` already there when the
+    state first sees its param (it is made before the first backward) counts
+    as a synced sum too: a mid-window checkpoint's, restored by
+    ``TransformedOptimizer.load_state_dict``, which saves a window's ``.grad``
+    only once it is synced.
 
     Args:
       process_group: DDP's process group (``None``: the default group).
@@ -254,11 +258,14 @@ class DDPSumState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.holds_sum: set[int] = set()  # id() of params whose .grad is a synced (replicated) sum
+        self.seen: set[int] = set()  # id() of params rescaled at least once
 
     def rescale(self, param: torch.Tensor, grad: torch.Tensor | None = None) -> None:
         """Divide ``grad`` (default ``param.grad``) by the group size if the param's grad still holds a synced sum (a
         local op, no collective)."""
-        if id(param) in self.holds_sum:
+        first = id(param) not in self.seen
+        self.seen.add(id(param))
+        if first or id(param) in self.holds_sum:
             self.holds_sum.discard(id(param))
             grad = param.grad if grad is None else grad
             if grad is not None:

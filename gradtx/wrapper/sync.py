@@ -108,8 +108,9 @@ def sum_grad_reduction(model: ModuleT) -> ModuleT:
       divides such a ``.grad`` by ``W`` before the next backward adds to it, so
       the next sum restores it: syncing on every micro-step, on the last one
       only (:meth:`TransformedOptimizer.maybe_no_sync`), or any mix, gives
-      ``sum over ranks and micro-steps``. DDP takes one comm hook; call this
-      once, before the first backward, on a DDP without one.
+      ``sum over ranks and micro-steps``, also after resuming a window saved
+      mid-way (its restored ``.grad`` is a synced sum). DDP takes one comm
+      hook; call this once, before the first backward, on a DDP without one.
     * Pipelining (``torch.distributed.pipelining``) is configured elsewhere:
       build the schedule with ``scale_grads=False``.
 

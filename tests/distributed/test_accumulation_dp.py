@@ -246,11 +246,50 @@ def _fsdp2(rank: int) -> dict[str, Any]:
     return result
 
 
+def _ddp_resumed_mid_window(rank: int) -> dict[str, Any]:
+    """DDP with sum_grad_reduction, syncing every micro-step: saved in the middle of step 1's window, rebuilt as a
+    restarted job builds it (a new DDP, its sum hook, a new wrapper), loaded, and run to the end."""
+    import io
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradtx as gtx
+    from gradtx.comm.torch_dist import TorchComm
+
+    def build(inner: nn.Module) -> tuple[nn.Module, Any]:
+        model = gtx.sum_grad_reduction(DDP(inner))
+        opt = gtx.TransformedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM),
+            gtx.accumulate(K, token_weighted=True, comm=TorchComm(), group="world"),
+        )
+        return model, opt
+
+    inner = lm()
+    model, opt = build(inner)
+    steps = [(step, i) for step in range(STEPS) for i in range(K)]
+    for n, (step, i) in enumerate(steps):
+        if (step, i) == (1, 2):  # two micro-steps into step 1's window
+            saved = io.BytesIO()
+            torch.save({"model": inner.state_dict(), "opt": opt.state_dict()}, saved)
+            saved.seek(0)
+            checkpoint = torch.load(saved, weights_only=False)
+            inner = lm(seed=1)  # other weights: the load must bring them back
+            inner.load_state_dict(checkpoint["model"])
+            model, opt = build(inner)
+            opt.load_state_dict(checkpoint["opt"])
+        x, y = micro_batch(rank, step, i)
+        sum_loss(model(x), y).backward()  # synced on every micro-step: no maybe_no_sync
+        opt.step(tokens=n_valid(y))
+        opt.zero_grad()
+    return {"params": {n: p.detach().clone() for n, p in inner.named_parameters()}}
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "functional": _functional,
     "global_zero_tokens": _global_zero_tokens,
     "ddp": _ddp,
     "fsdp2": _fsdp2,
+    "ddp_resumed_mid_window": _ddp_resumed_mid_window,
 }
 
 
@@ -312,6 +351,14 @@ def test_wrapper_token_weighted_equals_full_batch_token_mean(ranks: list[dict[st
         assert res["stepped"] == [False, False, False, True] * STEPS
         assert res["synced"] == res["stepped"]
         assert res["tokens"] == [global_tokens(s) for s in range(STEPS)]
+
+
+def test_ddp_with_sum_reduction_resumed_mid_window_equals_the_full_batch_token_mean(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """The restored window's .grad is a synced sum: the sum hook turns it back into this rank's share before the
+    next backward, so the resumed run adds what the uninterrupted run adds."""
+    _assert_params_match_reference(part_results(ranks, "ddp_resumed_mid_window"))
 
 
 def test_ddp_syncs_grads_once_per_step(ranks: list[dict[str, Any]]) -> None:
