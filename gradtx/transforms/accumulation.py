@@ -79,8 +79,9 @@ def accumulate(
     emitted update is ``sum_i grad_i / sum_i n_i``: micro-batch ``i`` carries
     weight ``n_i / sum(n)``, and a micro-batch with no valid tokens
     contributes zero rather than NaN. With a ``comm``, the token total is summed
-    over ``group`` (the data-parallel ranks) with one scalar collective per
-    optimizer step, so the result is the token mean of the global batch. A
+    over ``group`` (the data-parallel ranks) with one small collective per
+    optimizer step (the window's loss rides in it too), so the result is the
+    token mean of the global batch. A
     rank whose window has no valid tokens is fine. A window whose *global*
     total is 0 has no token mean: it is skipped on every rank (the update
     is ``None``, the window closes, nothing downstream moves) and counted in
@@ -108,7 +109,8 @@ def accumulate(
     buffer, so no second buffer exists there.
 
     Per emitted update this issues at most two collectives over ``group``: one
-    scalar SUM of the token total (token-weighted with a ``comm``), then one
+    SUM of the token total, with the window's loss and its weight (three fp64
+    numbers; token-weighted with a ``comm``), then one
     coalesced SUM of the grads (``reduce_grads``). Non-emitting micro-steps
     issue none. The token total is read on the host once per emitted update,
     to refuse a global zero.

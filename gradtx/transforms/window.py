@@ -235,9 +235,9 @@ class Window:
         """Count one micro-step; on the closing one, compute the normaliser.
 
         On the closing micro-step of a token-weighted window with a ``comm``,
-        this issues the one scalar collective of the window (the token total
-        over ``group``) and reads the total on the host, to refuse a global
-        zero. A window with no valid token anywhere closes without emitting
+        this issues the one collective of the window (the token total over
+        ``group``, with the loss and its weight) and reads the total on the
+        host, to refuse a global zero. A window with no valid token anywhere closes without emitting
         (no factor, counted in ``empty_windows``) on every rank alike.
 
         Args:
