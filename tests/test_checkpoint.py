@@ -363,6 +363,8 @@ def test_non_dicts_and_missing_keys_are_refused_clearly():
         opt.load_state_dict({"state": {}})
     with pytest.raises(TypeError, match="must be a dict"):
         opt.load_state_dict([])
+    with pytest.raises(TypeError, match=r"state_dict\['state'\] must be a dict, got list"):
+        opt.load_state_dict({"state": [], "param_groups": opt.state_dict()["param_groups"]})
 
 
 def _is_empty_sum(tree):

@@ -78,14 +78,14 @@ def accumulate(
     times its mean-loss gradient) with ``update(..., tokens=n_i)``. The
     emitted update is ``sum_i grad_i / sum_i n_i``: micro-batch ``i`` carries
     weight ``n_i / sum(n)``, and a micro-batch with no valid tokens
-    contributes zero rather than NaN. With a ``comm``, the token total is summed
-    over ``group`` (the data-parallel ranks) with one small collective per
-    optimizer step (the window's loss rides in it too), so the result is the
-    token mean of the global batch. A
-    rank whose window has no valid tokens is fine. A window whose *global*
-    total is 0 has no token mean: it is skipped on every rank (the update
-    is ``None``, the window closes, nothing downstream moves) and counted in
-    ``state.empty_windows`` (the ``empty_windows`` metric).
+    contributes zero rather than NaN. With a ``comm``, the token total is
+    summed over ``group`` (the data-parallel ranks) with one small collective
+    per optimizer step (the window's loss rides in it too), so the result is
+    the token mean of the global batch. A rank whose window has no valid
+    tokens is fine. A window whose *global* total is 0 has no token mean: it
+    is skipped on every rank (the update is ``None``, the window closes,
+    nothing downstream moves) and counted in ``state.empty_windows`` (the
+    ``empty_windows`` metric).
 
     Data-parallel ranks (``comm``): who sums the gradients across ranks?
 

@@ -237,8 +237,9 @@ class Window:
         On the closing micro-step of a token-weighted window with a ``comm``,
         this issues the one collective of the window (the token total over
         ``group``, with the loss and its weight) and reads the total on the
-        host, to refuse a global zero. A window with no valid token anywhere closes without emitting
-        (no factor, counted in ``empty_windows``) on every rank alike.
+        host, to refuse a global zero. A window with no valid token anywhere
+        closes without emitting (no factor, counted in ``empty_windows``) on
+        every rank alike.
 
         Args:
           state: the window's state.

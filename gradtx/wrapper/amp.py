@@ -2,11 +2,12 @@
 
 GradScaler hands the wrapper ``grad_scale`` and ``found_inf`` (the wrapper
 declares ``_step_supports_amp_scaling`` when its inner optimizer is fused or
-its chain accumulates, as fused optimizers do) and leaves ``.grad`` scaled. The chain unscales (clipping sees true grads). Inside an
-accumulation window ``.grad`` sums several scaled micro-batches, so the
-window remembers the scale its grads carry and whether any micro-step saw
-an inf; the window's step is skipped if one did, or if the scale changed
-inside it. These rules, and the record a checkpoint keeps of them, live here.
+its chain accumulates, as fused optimizers do) and leaves ``.grad`` scaled.
+The chain unscales (clipping sees true grads). Inside an accumulation window
+``.grad`` sums several scaled micro-batches, so the window remembers the
+scale its grads carry and whether any micro-step saw an inf; the window's
+step is skipped if one did, or if the scale changed inside it. These rules,
+and the record a checkpoint keeps of them, live here.
 """
 
 from __future__ import annotations

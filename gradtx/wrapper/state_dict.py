@@ -300,6 +300,8 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     for key in ("state", "param_groups"):
         if key not in state_dict:
             raise ValueError(f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')")
+    if not isinstance(state_dict["state"], dict):
+        raise TypeError(f"{what}: state_dict['state'] must be a dict, got {type(state_dict['state']).__name__}")
     groups = opt.optimizer.param_groups
     saved_of = _saved_ids(state_dict["param_groups"], groups, what=what)
     saved = [state_dict["state"].get(saved_of[id(p)]) for p in opt._frozen]
