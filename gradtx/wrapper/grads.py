@@ -19,6 +19,7 @@ import torch
 from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState
+from gradtx.wrapper.rules import has_none
 
 ParamTree = list[list[torch.Tensor]]
 
@@ -93,13 +94,34 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:
-    """What the transform reads for a param without a grad: zeros on an emitting step, an empty tensor on a held one.
+def read(params: ParamTree, emitting: bool, *, summed: bool) -> Any:
+    """The params' grads as the transform's tree.
 
-    Its ``.grad`` stays ``None``, so the inner optimizer skips it. A held step
-    reads no grad values (the window only counts), so a missing grad there, as
-    under FSDP2's no-sync, costs no allocation.
+    A param without a grad reads zeros on an emitting step, and an empty
+    tensor on a held one (the window only counts: a missing grad there, as
+    under FSDP2's no-sync, costs no allocation). Its ``.grad`` stays ``None``,
+    so the inner optimizer skips it, unless the window sums ``.grad`` over the
+    ranks (``summed``): the param may have a grad on another rank, so on an
+    emitting step it takes zeros into ``.grad`` and steps on the sum as it
+    does there.
     """
+    tree = [[p.grad for p in group] for group in params]
+    if not any(map(has_none, tree)):
+        return tree
+    if emitting and summed:
+        for group in params:
+            for p in group:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        return [[p.grad for p in group] for group in params]
+    return [
+        [g if g is not None else missing(p, emitting) for p, g in zip(group, grads)]
+        for group, grads in zip(params, tree)
+    ]
+
+
+def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:
+    """What :func:`read` gives a param without a grad: zeros on an emitting step, an empty tensor on a held one."""
     return torch.zeros_like(p) if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
 
 

@@ -303,22 +303,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
     def _read(self, emitting: bool) -> Any:
-        """The grads as the transform's tree (zeros for a missing one on an emitting step)."""
-        tree = [[p.grad for p in group] for group in self._tree]
-        if any(map(rules.has_none, tree)):
-            window = self._plan.window
-            if emitting and window is not None and window.window.reduce_grads:
-                # The window sums .grad over the ranks: a param with no grad here may have one on another rank,
-                # so it takes zeros into .grad and steps on the sum as it does there.
-                for p in self._flat:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                return [[p.grad for p in group] for group in self._tree]
-            return [
-                [g if g is not None else grads.missing(p, emitting) for p, g in zip(params, group)]
-                for params, group in zip(self._tree, tree)
-            ]
-        return tree
+        """The grads as the transform's tree (see :func:`gradtx.wrapper.grads.read`)."""
+        window = self._plan.window
+        return grads.read(self._tree, emitting, summed=window is not None and window.window.reduce_grads)
 
     def _step(self, extra: dict[str, Any]) -> None:
         self._prepare()

@@ -197,10 +197,11 @@ def scales_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
 
     torch sets ``_step_supports_amp_scaling`` when a fused optimizer is built (a copy loses it: torch's
     ``__setstate__`` does not set it again, so its fused optimizers are also known by type), and a group added
-    later with ``fused=False`` is stepped by code that refuses them.
+    later with ``fused=False`` (or ``differentiable=True``, which fused kernels refuse) is stepped by code that
+    refuses them. Read at every step: the one check of the groups, :class:`FusedAdam` included.
     """
     declared = getattr(optimizer, "_step_supports_amp_scaling", False) or type(optimizer) in _TAKE_FUSED
-    return declared and all(g.get("fused", True) for g in optimizer.param_groups)
+    return declared and all(g.get("fused", True) and not g.get("differentiable") for g in optimizer.param_groups)
 
 
 def unwrapped(optimizer: torch.optim.Optimizer, name: str = "step") -> Callable[..., Any]:
@@ -245,9 +246,9 @@ class FusedAdam:
     and dtype; each step reads the groups' hyperparameters (a tensor ``lr`` too)
     and passes the pending factor as ``grad_scale`` and a skip as ``found_inf``.
     It applies only when every param the wrapper steps has a dense grad, every
-    group is still fused (one added later may not be), and nothing else would
-    run in the optimizer's step (hooks, a patched ``step``); otherwise the
-    wrapper calls ``optimizer.step()``.
+    group is still fused (:func:`step_inner` calls it only then: a group added
+    later may not be), and nothing else would run in the optimizer's step
+    (hooks, a patched ``step``); otherwise the wrapper calls ``optimizer.step()``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
@@ -258,9 +259,7 @@ class FusedAdam:
 
     @staticmethod
     def fits(optimizer: torch.optim.Optimizer) -> bool:
-        return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
-            g.get("fused") and not g.get("differentiable") for g in optimizer.param_groups
-        )
+        return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and scales_in_kernel(optimizer)
 
     def _key(self, tree: list[list[torch.Tensor]]) -> Any:
         # The groups and the tree; a replaced or reset state is caught by _holds_state.
@@ -345,7 +344,7 @@ class FusedAdam:
         opt = self.optimizer
         # Not when stepping runs more than the kernel: hooks, or a step patched on the instance (an lr scheduler's
         # step counter).
-        if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads) or not self.fits(opt):
+        if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads):
             return False
         if self.key != self._key(tree) or not self._holds_state():
             if any(g.is_sparse for g in grads):
