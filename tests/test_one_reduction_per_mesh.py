@@ -197,6 +197,31 @@ def test_fp64_and_bf16_leaves(calls, dtype):
             _check(norm, full, p, rtol=1e-13 if dtype == torch.float64 else 1e-6, what=f"{dtype} p={p}")
 
 
+@pytest.mark.parametrize("p", P)
+def test_leaves_in_several_dtypes_and_a_long_one_count_each_in_its_own_bucket(calls, p):
+    """The local pass groups leaves by dtype and reads a long CPU tensor by rows, out of the leaves' order: each
+    leaf's part must still land in its own bucket (a plain leaf after the reduction, a tied one weighted)."""
+    full = {
+        "w16": _randn(91, (4, 6), torch.bfloat16),
+        "long": _randn(92, (2, 1 << 17)),  # 128K elements a rank: read by rows
+        "ln": _randn(93, (5,), torch.bfloat16),
+        "w": _randn(94, (6, 4)) * 7,
+    }
+    with testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        layout = {"w16": [Shard(0), Shard(1)], "long": [Replicate(), Shard(0)], "w": [Shard(1), Shard(0)]}
+        grads = testing.distribute({k: full[k] for k in layout}, mesh, layout)
+        grads["ln"] = _on(full["ln"], mesh, ["dp"], [Shard(0)])
+        grads = {k: grads[k] for k in full}
+        plan = gtx.mesh_groups(grads)
+        for norm in (gtx.global_norm(grads, p), gtx.global_norm(grads, p, mesh_groups=plan)):
+            _check(norm, full, p, rtol=1e-6, what=f"p={p}")
+        grads["x"] = local_tensor_mode().rank_map(lambda r: torch.full((3,), 100.0 * (r + 1)))
+        for r, value in _values(gtx.global_norm(grads, p)).items():  # a plain leaf stays each rank's own
+            torch.testing.assert_close(
+                value.double(), _reference({**full, "x": torch.full((3,), 100.0 * (r + 1))}, p), rtol=1e-6, atol=0
+            )
+
+
 def test_transforms_that_read_the_norm_match_one_device_through_the_one_reduction(calls):
     # The clip, a spike guard and the finite guard read the flat norm (tests/test_simulated_matrix.py runs
     # every transform on 3-D and 4-D meshes; here the 3-D mesh holds a _StridedShard and p = 3).

@@ -71,16 +71,35 @@ def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device |
     return stacked.max() if math.isinf(norm_type) else stacked.sum()
 
 
-def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Each tensor's local contribution to a ``norm_type``-norm: ``sum(|x|**p)``, or ``max(|x|)`` for ``inf`` (0-d each).
+def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Each tensor's local contribution to a ``norm_type``-norm: ``sum(|x|**p)``, or ``max(|x|)`` for ``inf``.
 
     This is the additive form every reduction works on: contributions of the
     shards of one tensor, or of many tensors, are summed (or maxed for ``inf``)
-    and the root is taken once, at the end. The results are fp64 (fp32 on a
-    device without fp64); an empty shard contributes 0; complex tensors are
-    measured by magnitude.
+    and the root is taken once, at the end. They come as one 1-d tensor in the
+    order of ``tensors``, on the first one's device, fp64 (fp32 on a device
+    without fp64): a plan sums them in one pass, with no Python per tensor. An
+    empty shard contributes 0; complex tensors are measured by magnitude.
     """
-    return _tensor_norms(tu.local_shards(tensors), norm_type, not math.isinf(norm_type))
+    locals_ = tu.local_shards(tensors)
+    if not locals_:
+        return torch.zeros(0, dtype=torch.float64)
+    return _powsums(locals_, norm_type)
+
+
+@per_rank
+def _powsums(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    device = locals_[0].device
+    part = partial_dtype(device)
+    if _plain_ops_only():
+        vec = torch.stack([_plain_norm(t, norm_type).to(device) for t in locals_])
+    else:
+        pieces = [(idx, norms.to(device, part)) for idx, norms in _group_norms(locals_, norm_type, with_indices=True)]
+        vec = pieces[0][1] if len(pieces) == 1 else torch.cat([norms for _, norms in pieces])
+        order = [i for idx, _ in pieces for i in idx]
+        if order != list(range(len(order))):  # groups (device, dtype; a big CPU tensor's rows) back in tensor order
+            vec = vec[torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=device)]
+    return vec if math.isinf(norm_type) else vec.pow(norm_type)
 
 
 def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -120,20 +139,15 @@ def tensor_norms(tensors: Sequence[torch.Tensor], norm_type: float) -> list[torc
 
 
 @per_rank
-def _tensor_norms(locals_: list[torch.Tensor], norm_type: float, power: bool = False) -> list[torch.Tensor]:
-    """Each tensor's norm (its ``norm_type``-th power with ``power``), 0-d in the partial dtype of its device.
-
-    The power is taken on each group's norms at once, not on a 0-d tensor per tensor.
-    """
+def _tensor_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each tensor's norm, 0-d in the partial dtype of its device."""
     if not locals_:
         return []
     if _plain_ops_only():
-        plain = [_plain_norm(t, norm_type) for t in locals_]
-        return [n.pow(norm_type) for n in plain] if power else plain
+        return [_plain_norm(t, norm_type) for t in locals_]
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for idx, norms in _group_norms(locals_, norm_type, with_indices=True):
-        norms = norms.to(partial_dtype(norms.device))
-        for i, n in zip(idx, (norms.pow(norm_type) if power else norms).unbind()):
+        for i, n in zip(idx, norms.to(partial_dtype(norms.device)).unbind()):
             out[i] = n
     return out
 

@@ -344,8 +344,9 @@ def all_max(
 # --- the norm on a plan -------------------------------------------------------------------------
 #
 # Local fp32 foreach norms of each leaf's shard, one p-th-power partial per bucket (leaves that share
-# the same groups), then the reductions: one all-reduce over the whole mesh for a flat plan, else one
-# per group, then one over pp_group.
+# the same groups), all taken in one masked, weighted sum over the plan's columns with no Python per leaf
+# or bucket, then the reductions: one all-reduce over the whole mesh for a flat plan, else one per group,
+# then one over pp_group.
 
 
 def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -354,21 +355,20 @@ def plan_norm(plan: MeshGroups, leaves: Sequence[torch.Tensor], norm_type: float
     op = ReduceOp.MAX if inf else ReduceOp.SUM
     device = tu.local(leaves[0]).device if leaves else plan.device
     part = norms.partial_dtype(device)
-    powsums = norms.tensor_powsums(leaves, norm_type)
-    parts = []
-    for b in plan._buckets:  # one part per bucket, its tied copies weighted
-        s = norms.total([powsums[i] for i in b.leaves], norm_type, device).to(part)
-        parts.append(s if b.weight == 1.0 or inf else s * b.weight)
-    if plan.flat is not None:  # divided by its replica count, a part counts once in a sum over the whole mesh
-        group, replicas = plan.flat
-        buckets = plan._buckets
-        summed = [p if inf or r == 1 else p / r for p, r, b in zip(parts, replicas, buckets) if b.groups]
-        (stage,) = plan.comm.all_reduce([norms.total(summed, norm_type, device).to(part)], op, group)
-        # Plain leaves (a bucket of no group) are each rank's own: added after, never averaged over the ranks.
-        stage = norms.total([stage, *(p for p, b in zip(parts, buckets) if not b.groups)], norm_type, device).to(part)
+    mask, weights = plan.columns(device, part)
+    if leaves:  # one pass over every leaf's contribution: each column's part, its tied copies weighted
+        cols = torch.where(mask, norms.tensor_powsums(leaves, norm_type)[:, None], 0)
+        parts = cols.amax(0) if inf else (cols * weights).sum(0)
+    else:  # a rank with no grads (an empty stage) still joins every collective, with 0
+        parts = torch.zeros(mask.shape[1], dtype=part, device=device)
+    if plan.flat is not None:  # one sum over the whole mesh, each part divided by its replica count
+        sharded, plain = parts.unbind()
+        (stage,) = plan.comm.all_reduce([sharded], op, plan.flat[0])
+        # Plain leaves are each rank's own: added after, never averaged over the ranks.
+        stage = torch.maximum(stage, plain) if inf else stage + plain
     else:
-        parts = reduce_over_groups(plan.comm, parts, [b.groups for b in plan._buckets], plan.group_order, op)
-        stage = norms.total(parts, norm_type, device).to(part)
-    if plan.pp_group is not None:  # a rank with no grads (an empty stage) still joins it, with 0
+        reduced = reduce_over_groups(plan.comm, parts.unbind(), [b.groups for b in plan._buckets], plan.group_order, op)
+        stage = norms.total(reduced, norm_type, device).to(part)
+    if plan.pp_group is not None:
         (stage,) = plan.comm.all_reduce([stage], op, plan.pp_group)
     return norms.power_to_norm(stage, norm_type).to(norms.norm_dtype(leaves))

@@ -137,11 +137,35 @@ class MeshGroups:
         # one mesh over all the ranks of ``flat``: each bucket's part is divided by the number of ranks holding
         # the same shard (its replicas over the dims it is not sharded on), so one sum over ``flat`` counts it once.
         self.flat: tuple[GroupKey, tuple[int, ...]] | None = None
+        self._columns: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         if flat is not None and len(self.group_order) > 1 and pp_group is None and not sizes:
             ranks = comm.size(flat)
             replicas = [ranks // math.prod(comm.size(g) for g in b.groups) for b in self._buckets]
             if all(r * math.prod(comm.size(g) for g in b.groups) == ranks for r, b in zip(replicas, self._buckets)):
                 self.flat = (flat, tuple(replicas))
+
+    def columns(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each leaf's p-th power is summed, as ``(mask, weights)`` of shape ``(leaves, columns)``.
+
+        A column per bucket, its leaves weighted as tied copies; under :attr:`flat`, one column for the
+        sharded leaves (each divided by its replicas) and one for the plain ones. Made once per device.
+        """
+        key = (device, dtype)
+        if key not in self._columns or torch.compiler.is_compiling():
+            if self.flat is None:
+                targets = [(j, b.weight) for j, b in enumerate(self._buckets)]
+            else:
+                targets = [
+                    (0, b.weight / r) if b.groups else (1, b.weight) for b, r in zip(self._buckets, self.flat[1])
+                ]
+            shape = (len(self._leaves), len(self._buckets) if self.flat is None else 2)
+            mask = torch.zeros(shape, dtype=torch.bool, device=device)
+            weights = torch.zeros(shape, dtype=dtype, device=device)
+            for b, (j, w) in zip(self._buckets, targets):
+                mask[list(b.leaves), j] = True
+                weights[list(b.leaves), j] = w
+            self._columns[key] = (mask, weights)
+        return self._columns[key]
 
     def __len__(self) -> int:
         return len(self._leaves)
