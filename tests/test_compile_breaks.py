@@ -87,6 +87,15 @@ def test_compiled_step_on_plain_tensors_has_no_graph_break(name, fullgraph):
     assert_trees_close(got, _run(CHAINS[name](), _params("plain"), compiled=False, steps=3), rtol=1e-5, atol=1e-6)
 
 
+def test_a_compiled_noise_step_breaks_where_it_draws_and_gives_the_eager_noise():
+    """add_noise draws from the CPU generator its state holds, which dynamo cannot create in a graph: the step
+    breaks there (docs/functional.md says so) and must still give the eager numbers, step after step."""
+    tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.add_noise(0.1, 0.55, seed=3), gtx.sgd(0.1))
+    got = _run(tx, _params("plain"), compiled=True, steps=3)
+    assert _breaks() > 0
+    assert_trees_close(got, _run(tx, _params("plain"), compiled=False, steps=3), rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compiled_zero_nans_reports_the_nans_eager_reports(fullgraph):
     tx = gtx.chain(gtx.zero_nans(), gtx.clip_by_global_norm(1.0))

@@ -172,6 +172,32 @@ def test_complex_agc_measures_magnitudes():
     torch.testing.assert_close(out["w"], g * (0.5 / math.sqrt(2)), rtol=1e-6, atol=0)
 
 
+def test_complex_schedule_free_adamw_steps_as_its_adam_on_pairs_of_reals():
+    """Its base step is Adam without momentum on (re, im) pairs, as gtx.adam (docs/optax.md): the same step
+    as schedule_free_adamw on the real view of the same params, not the phase-losing ``g * g`` moment."""
+    p, g = _complex_params(), {k: v * 1.5 + 0.25j for k, v in _complex_params().items()}
+    as_real = {k: torch.view_as_real(v) for k, v in p.items()}
+    tx = gtx.schedule_free_adamw(0.1, b1=0.9)
+    s, s_real = tx.init(p), tx.init(as_real)
+    for _ in range(3):
+        u, s = tx.update(g, s, p)
+        u_real, s_real = tx.update({k: torch.view_as_real(v) for k, v in g.items()}, s_real, as_real)
+        p, as_real = gtx.apply_updates(p, u), gtx.apply_updates(as_real, u_real)
+        for k in p:
+            torch.testing.assert_close(torch.view_as_real(p[k]), as_real[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", ["hard", "refined"])
+def test_complex_lion_steps_along_the_gradients_phase(mode):
+    """optax's lion takes ``g / |g|`` for a complex ``g`` (torch.sgn); torch.sign refuses complex tensors."""
+    g = {"w": torch.tensor([1.0 + 1.0j, -3.0 + 0.5j, 0j])}
+    tx = gtx.scale_by_lion(mode=mode)
+    out, _ = tx.update(g, tx.init(g))
+    mixed = 0.1 * g["w"]  # (1 - b1) * g + b1 * 0 on the first step
+    expected = mixed / mixed.abs().clamp_min(1e-30) if mode == "hard" else mixed  # |mixed| < 1: kept as is
+    torch.testing.assert_close(out["w"], torch.where(mixed.abs() > 0, expected, 0j))
+
+
 # --- fp16/bf16 AGC: factors in fp32 -----------------------------------------------------------------
 
 

@@ -298,3 +298,50 @@ def test_every_newer_factory_names_a_bad_argument(name, data, bad):
 def test_every_newer_factory_builds_with_valid_arguments(name):
     build, valid = MORE_FACTORIES[name]
     build(**valid)
+
+
+def _synced(params):
+    return gtx.LookaheadParams.init_synced(params)
+
+
+# A transform that reads a second tree leaf by leaf (params beside its state) checks it as it checks the updates.
+SECOND_TREE = {
+    "schedule_free": (lambda: gtx.schedule_free_sgd(0.1), lambda p: p, lambda p, bad: bad, "schedule_free: params"),
+    "sam": (lambda: gtx.sam(gtx.sgd(0.1), gtx.sgd(0.05)), lambda p: p, lambda p, bad: bad, "sam: params"),
+    "lookahead": (
+        lambda: gtx.lookahead(gtx.sgd(0.1), 2, 0.5),
+        _synced,
+        lambda p, bad: gtx.LookaheadParams(p, bad),
+        "lookahead: params.slow",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SECOND_TREE))
+@pytest.mark.parametrize("bad", ["misspelt key", "wrong shape"])
+def test_a_params_tree_that_does_not_match_is_refused_naming_the_path(name, bad):
+    build, init_arg, params_of, who = SECOND_TREE[name]
+    p = {"a": torch.ones(2), "b": torch.full((2,), 5.0)}
+    wrong = {"a": torch.ones(2), "c": p["b"]} if bad == "misspelt key" else {"a": torch.ones(2), "b": torch.ones(3, 2)}
+    tx = build()
+    state = tx.init(init_arg(p))
+    before = copy.deepcopy(state)
+    with pytest.raises(ValueError, match=rf"{who} does not match .*\['(b|c)'\]"):
+        tx.update({"a": torch.ones(2), "b": torch.ones(2)}, state, params_of(p, wrong))
+    assert_trees_equal(state, before)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda mb: mb(torch.randn(4)), "num_real_microbatches=5 is more than the 2"),
+        (lambda mb: gtx.microbatch(lambda x: x.sum(), 3, 2)(torch.randn(4)), "batch argument 3 .* was not passed"),
+        (lambda mb: gtx.microbatch(lambda x: x.sum(), 0, 2, argnames="y")(torch.randn(4)), "'y' .* was not passed"),
+        (lambda mb: gtx.microbatch(lambda x: x.sum(), 0, 2, in_axes=3)(torch.randn(4, 2)), "in_axes 3 is out of range"),
+        (lambda mb: gtx.microbatch(lambda x: x.sum(), 0, 2)(torch.tensor(3.0)), "in_axes 0 is out of range"),
+    ],
+)
+def test_microbatch_names_the_argument_a_call_gets_wrong(call, match):
+    mb = gtx.microbatch(lambda x: x.sum(), 0, 2, num_real_microbatches=5)
+    with pytest.raises(ValueError, match=match):
+        call(mb)

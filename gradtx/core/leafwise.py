@@ -30,14 +30,26 @@ def lmap(fn: Callable[..., torch.Tensor], tree: PyTree, *rest: PyTree) -> PyTree
 
 
 def lmap_updates(
-    fn: Callable[..., tuple[torch.Tensor, ...]], updates: PyTree, trees: Sequence[PyTree], *, what: str, against: str
+    fn: Callable[..., tuple[torch.Tensor, ...]],
+    updates: PyTree,
+    trees: Sequence[PyTree],
+    *,
+    what: str,
+    against: str,
+    names: Sequence[str] = (),
 ) -> tuple[PyTree, list[PyTree]]:
     """``fn(g, *leaves) -> (update, *new_leaves)`` over each update leaf and its leaves in ``trees`` (which
     mirror the params), on local shards, each result wrapped like its template; the first ``len(new_leaves)``
     trees get the new leaves. A ``None`` update (a param with no gradient) stays ``None`` and leaves its
-    leaves as they were. Returns the updates and those trees."""
+    leaves as they were. Returns the updates and those trees.
+
+    ``updates`` must match ``trees[0]`` (``what`` and ``against`` name them in the error), and each later
+    tree must match it leaf for leaf (``names`` names them: ``"sam: params"``)."""
     index, leaves, spec = tu.align(trees[0], updates, what=what, against=against)
     flat = [tu.flatten(tree) for tree in trees]
+    for tree, (xs, other), name in zip(trees[1:], flat[1:], names, strict=True):
+        if other != flat[0][1] or not same_shapes(xs, flat[0][0]):
+            tu.check_structure(trees[0], tree, what=name, against=against)
     new = [list(xs) for xs, _ in flat]
     out = []
     for j, g in zip(index, leaves):

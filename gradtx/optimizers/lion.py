@@ -60,9 +60,9 @@ def scale_by_lion(
     b2 = check.beta(b2, arg="b2", name="scale_by_lion", tensor=True)
     mu_dtype = check.dtype(mu_dtype, arg="mu_dtype", name="scale_by_lion", floating=True)
     directions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "hard": torch.sign,
+        "hard": torch.sgn,  # sign(x), and x / |x| for complex x (optax's lion)
         "smooth": lambda x: torch.tanh(smooth_beta * x),  # the checked smooth_beta below
-        "refined": lambda x: torch.where(x.abs() < 1.0, x, torch.sign(x)),
+        "refined": lambda x: torch.where(x.abs() < 1.0, x, torch.sgn(x)),
     }
     if mode not in tuple(directions):
         raise ValueError(f"scale_by_lion: mode must be one of {list(directions)}, got {mode!r}")

@@ -104,6 +104,7 @@ def lookahead(
             [params.fast, params.slow],
             what="lookahead: updates",
             against="the fast params",
+            names=["lookahead: params.slow"],
         )
 
         def slow_update(diff: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,12 @@ def schedule_free(
             return (b1 * x + (1.0 - b1) * z_new - y).to(y.dtype), z_new
 
         out, (z, _) = lw.lmap_updates(
-            step, base_updates, [state.z, params], what="schedule_free: updates", against="the state's z"
+            step,
+            base_updates,
+            [state.z, params],
+            what="schedule_free: updates",
+            against="the state's z",
+            names=["schedule_free: params"],
         )
         return out, state._replace(
             weight_sum=total, step_count=state.step_count + 1, max_lr=max_lr, base_optimizer_state=base_state, z=z
@@ -188,6 +193,9 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
         count = state.count + 1
 
         def step(g: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if g.is_complex():  # pairs of reals, as scale_by_adam takes them (docs/optax.md)
+                u, nu = step(torch.view_as_real(g), torch.view_as_real(v))
+                return torch.view_as_complex(u), torch.view_as_complex(nu)
             nu = (1 - decay) * g * g + decay * v
             t = count.to(nu.device, tu.acc_dtype(nu.dtype))
             v_hat = nu / (1 - decay**t).to(nu.dtype)

@@ -33,10 +33,8 @@ class AccumulationType(enum.Enum):
     """The results concatenated along dim 0, in the batch's order."""
 
 
-def _slice(x: Any, axis: int, index: int, num: int) -> Any:
+def _slice(x: torch.Tensor, axis: int, index: int, num: int) -> torch.Tensor:
     # optax splits the batch axis column-major: micro-batch i holds rows i, i + num, i + 2 * num, ...
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"microbatch: a batch argument's leaves must be tensors, got {type(x).__name__}")
     ax = axis % x.ndim
     return x.unflatten(ax, (x.shape[ax] // num, num)).select(ax + 1, index)
 
@@ -106,7 +104,21 @@ def microbatch(
             raise TypeError(f"microbatch: accumulator must be an AccumulationType or a tree of them, got {acc!r}")
 
     def microbatched(*args: Any, **kwargs: Any) -> Any:
+        for k in keys:
+            if k not in kwargs if isinstance(k, str) else k >= len(args):
+                raise ValueError(
+                    f"microbatch: batch argument {k!r} (argnums/argnames) was not passed: got {len(args)} "
+                    f"positional arguments and keywords {sorted(kwargs)}"
+                )
         batch = [(args[k] if isinstance(k, int) else kwargs[k], ax) for k, ax in zip(keys, axes)]
+        for k, (tree, ax) in zip(keys, batch):
+            for leaf in optree.tree_leaves(tree):
+                if not isinstance(leaf, torch.Tensor):
+                    raise TypeError(f"microbatch: a batch argument's leaves must be tensors, got {type(leaf).__name__}")
+                if not -leaf.ndim <= ax < leaf.ndim:
+                    raise ValueError(
+                        f"microbatch: in_axes {ax} is out of range for a {leaf.ndim}-d leaf of batch argument {k!r}"
+                    )
         sizes = {leaf.shape[ax] for tree, ax in batch for leaf in optree.tree_leaves(tree)}
         if len(sizes) != 1:
             raise ValueError(f"microbatch: the batch arguments must have equal batch axes, got sizes {sorted(sizes)}")
@@ -117,6 +129,8 @@ def microbatch(
             )
         num = batch_size // microbatch_size
         steps = num if num_real_microbatches is None else num_real_microbatches
+        if steps > num:
+            raise ValueError(f"microbatch: num_real_microbatches={steps} is more than the {num} micro-batches")
 
         def call(index: int) -> Any:
             new_args, new_kwargs = list(args), dict(kwargs)

@@ -111,7 +111,8 @@ def sam(
             opt_updates,
             [state.cache, params],
             what="sam: updates",
-            against="the params",
+            against="the state's cache",
+            names=["sam: params"],
         )
         cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
         out = lw.where_tree(last, opt_updates, adv_updates)
