@@ -140,9 +140,9 @@ class MeshGroups:
         self._columns: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         if flat is not None and len(self.group_order) > 1 and pp_group is None and not sizes:
             ranks = comm.size(flat)
-            replicas = [ranks // math.prod(comm.size(g) for g in b.groups) for b in self._buckets]
-            if all(r * math.prod(comm.size(g) for g in b.groups) == ranks for r, b in zip(replicas, self._buckets)):
-                self.flat = (flat, tuple(replicas))
+            spans = [math.prod([comm.size(g) for g in b.groups]) for b in self._buckets]  # (a list: dynamo's prod)
+            if all(ranks % span == 0 for span in spans):
+                self.flat = (flat, tuple(ranks // span for span in spans))
 
     def columns(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Where each leaf's p-th power is summed, as ``(mask, weights)`` of shape ``(leaves, columns)``.

@@ -781,6 +781,38 @@ def _flat_empty(rank: int) -> dict[str, Any]:
     return out
 
 
+def _compiled_flat(rank: int) -> dict[str, Any]:
+    """torch.compile(step, fullgraph=True) on a 2x2 mesh: the one-reduction plan is read inside the trace."""
+    from torch._dynamo.utils import counters
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    full = {"a": torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), "ln": torch.linspace(-1, 2, 4)}
+    layout = {"a": [Shard(0), Shard(1)], "ln": [Replicate(), Replicate()]}
+    params = {k: distribute_tensor(v, mesh, layout[k]) for k, v in full.items()}
+    tx = gtx.chain(gtx.clip_by_global_norm(0.5), gtx.adamw(1e-2))
+
+    def step(p, g, s):
+        updates, s = tx.update(g, s, p)
+        return gtx.apply_updates(p, updates), s
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True)
+    eager, traced = (params, tx.init(params)), (params, tx.init(params))
+    for i in range(2):
+        gen = torch.Generator().manual_seed(i + 1)
+        g = {k: distribute_tensor(torch.randn(v.shape, generator=gen), mesh, layout[k]) for k, v in full.items()}
+        eager, traced = step(*eager[:1], g, eager[1]), compiled(*traced[:1], g, traced[1])
+    norm = torch.compile(lambda t: gtx.global_norm(t, 3.0), fullgraph=True)(params)  # a plan per call, traced
+    return {
+        "eager": {k: v.full_tensor() for k, v in eager[0].items()},
+        "compiled": {k: v.full_tensor() for k, v in traced[0].items()},
+        "norm": norm,
+        "ref_norm": torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in full.values()]), 3.0),
+        "breaks": sum(counters["graph_break"].values()),
+    }
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "ddp": _ddp,
     "fsdp_empty": _fsdp_empty,
@@ -796,6 +828,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "every_transform": _every_transform,
     "accumulate": _accumulate_layouts,
     "flat_empty": _flat_empty,
+    "compiled_flat": _compiled_flat,
 }
 
 
@@ -864,6 +897,14 @@ def test_zero_config_adaptive_clip_matches_single_device(ranks, layout):
     for r in part_results(ranks, layout):
         for name, ref in r["agc_ref"].items():
             _close(r["agc"][name], ref, msg=name)
+
+
+def test_a_compiled_step_on_a_2x2_mesh_traces_whole_and_matches_eager(ranks):
+    for rank, r in enumerate(part_results(ranks, "compiled_flat")):
+        assert r["breaks"] == 0
+        for name, ref in r["eager"].items():
+            _close(r["compiled"][name], ref, msg=f"rank {rank} {name}")
+        _close(r["norm"], r["ref_norm"], msg=f"rank {rank} norm")
 
 
 def test_one_reduction_per_mesh_where_ranks_hold_only_empty_shards(ranks):
