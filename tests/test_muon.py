@@ -342,3 +342,33 @@ def test_bad_input_raises_and_names_it():
             {"w": torch.randn(4, 4)}, gtx.EmptyState()
         )
     assert isinstance(LocalComm(), gtx.comm.ExchangeComm)
+    with pytest.raises(TypeError, match=r"reduction_axis at \['w'\] must be an int or a sequence"):
+        gtx.orthogonalize(weight_dimension_numbers=DN(1.0, 0)).update({"w": torch.randn(3, 4)}, gtx.EmptyState())
+    with pytest.raises(TypeError, match="dimension_numbers must be a MuonDimensionNumbers"):
+        gtx.newton_schulz(torch.randn(3, 4), dimension_numbers=(1, 0))
+    with pytest.raises(ValueError, match="newton_schulz: eps must be >= 0"):  # as every transform checks it
+        gtx.newton_schulz(torch.randn(3, 4), eps=-1.0)
+
+
+def test_axes_given_as_lists_are_the_same_as_tuples():
+    """MuonDimensionNumbers takes one axis or a sequence of them: a list, as optax takes it."""
+    g = {"w": torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))}
+    for make in (gtx.orthogonalize, gtx.scale_by_muon):
+        by_list = make(weight_dimension_numbers={"w": DN([1, 2], 0)})
+        by_tuple = make(weight_dimension_numbers={"w": DN((1, 2), 0)})
+        want, _ = by_tuple.update(g, by_tuple.init(g))
+        got, _ = by_list.update(g, by_list.init(g))
+        torch.testing.assert_close(got["w"], want["w"], rtol=0, atol=0)
+
+
+def test_a_matrix_with_an_empty_reduction_axis_gets_an_empty_update_as_in_optax():
+    p = {"w": torch.zeros(8, 0), "v": torch.randn(4, 3, generator=torch.Generator().manual_seed(0))}
+    g = {k: torch.ones_like(v) for k, v in p.items()}
+    tx, ref = gtx.muon(0.1), optax_muon(0.1)
+    got, _ = tx.update(g, tx.init(p), p)
+    want, _ = ref.update(_jax(g), ref.init(_jax(p)), _jax(p))
+    assert got["w"].shape == np.asarray(want["w"]).shape == (8, 0)
+    alone, _ = tx.update({"v": g["v"]}, tx.init({"v": p["v"]}), {"v": p["v"]})  # the other leaf steps as without it
+    torch.testing.assert_close(got["v"], alone["v"], rtol=0, atol=0)
+    shaped, _ = gtx.scale_by_shape().update(g, gtx.EmptyState())
+    assert shaped["w"].shape == (8, 0)

@@ -41,6 +41,9 @@ DN = gtx.MuonDimensionNumbers
 DIMS = {"w1": DN(), "w2": DN(), "w3": DN(), "heads": DN(2, 1), "experts": DN(2, 1), "experts_ep": DN(2, 1), "b": None}
 
 
+DIMS_AT = {k: i for i, k in enumerate(sorted(DIMS))}  # a leaf's position in optree's order: exchange_plan's owners
+
+
 def _params() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shapes = {"w1": (16, 8), "w2": (8, 12), "w3": (7, 5), "heads": (3, 6, 4), "experts": (4, 6, 8),
@@ -89,13 +92,30 @@ LAYOUTS: dict[str, dict[str, tuple[str, list[Any]]]] = {
         # 6 experts over EP and DP: 3 per EP rank, then 2 and 1: whole matrices, uneven, no exchange.
         "experts_ep": ("ep_dp", [Shard(0), Shard(0)]),
     },
+    # Leaves on sub-meshes of one 2x2 mesh beside leaves on the whole of it (FSDP2-only modules in a TP x FSDP2
+    # model): a dp group's other member sits in the other tp group, whose owners this rank's dp group does not see.
+    "sub_meshes": {
+        "w1": ("dp_tp/dp", [Shard(0)]),
+        "w2": ("dp_tp", [Shard(0), Shard(1)]),
+        "w3": ("dp_tp/tp", [Shard(1)]),
+        "heads": ("dp_tp/tp", [Shard(1)]),
+        "experts": ("dp_tp/dp", [Shard(2)]),
+        "experts_ep": ("dp_tp", [Shard(1), Replicate()]),
+        "b": ("dp_tp/dp", [Replicate()]),
+    },
 }
+
+
+def _mesh(meshes: dict[str, Any], name: str) -> Any:
+    """``meshes[name]``, or a sub-mesh of one: ``"dp_tp/dp"``."""
+    root, _, dim = name.partition("/")
+    return meshes[root][dim] if dim else meshes[root]
 
 
 @functools.cache  # a mesh's process groups cost a rendezvous each: make them once per process
 def _layouts() -> dict[str, Any]:
     meshes = {k: init_device_mesh("cpu", shape, mesh_dim_names=names) for k, (shape, names) in MESHES.items()}
-    return {name: {k: (meshes[m], p) for k, (m, p) in layout.items()} for name, layout in LAYOUTS.items()}
+    return {name: {k: (_mesh(meshes, m), p) for k, (m, p) in layout.items()} for name, layout in LAYOUTS.items()}
 
 
 def _distribute(tree: dict[str, torch.Tensor], layout: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -215,7 +235,7 @@ def _simulated(name: str) -> dict[str, Any]:
     full_params, full_grads = _params(), _grads()  # made outside the simulation: plain tensors
     with gtx.testing.simulated_mesh(WORLD, ("world",)):
         meshes = {k: init_device_mesh("cpu", shape, mesh_dim_names=names) for k, (shape, names) in MESHES.items()}
-        layout = {k: (meshes[m], p) for k, (m, p) in LAYOUTS[name].items()}
+        layout = {k: (_mesh(meshes, m), p) for k, (m, p) in LAYOUTS[name].items()}
 
         def place(tree: dict[str, torch.Tensor]) -> dict[str, Any]:
             return {k: gtx.testing.distribute({k: v}, layout[k][0], {k: layout[k][1]})[k] for k, v in tree.items()}
@@ -251,7 +271,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, msg: str) -> None:
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=msg)
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp", "sub_meshes"])
 def test_muon_matches_one_device(ranks, layout):
     for rank, res in enumerate(part_results(ranks, "layouts")):
         got = res[layout]
@@ -262,13 +282,17 @@ def test_muon_matches_one_device(ranks, layout):
         assert int(got["count"]) == STEPS
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp", "sub_meshes"])
 def test_muon_exchange_cost(ranks, layout):
     results = [r[layout] for r in part_results(ranks, "layouts")]
     for rank, res in enumerate(results):
         # The plan's count and bytes are what the step really issued.
         assert res["collectives"] == res["plan_collectives"], f"rank {rank}"
         assert res["sent"] == res["plan_sent"], f"rank {rank}"
+    if layout == "sub_meshes":  # a rank sees the work of its own sub-mesh groups only; the owners still agree
+        for leaf in ("w2", "experts_ep"):  # on the whole mesh: one owner, the same on every rank
+            assert len({r["owners"][DIMS_AT[leaf]] for r in results}) == 1, [r["owners"] for r in results]
+        return
     # Every exchanged matrix is orthogonalized once: the per-rank work adds up to the exchanged total.
     flops = results[0]["flops"]
     assert len(set(map(tuple, (r["flops"] for r in results)))) == 1
@@ -276,14 +300,15 @@ def test_muon_exchange_cost(ranks, layout):
     assert sum(flops) <= results[0]["total_flops"]
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_fsdp", "ep_fsdp", "sub_meshes"])
 def test_muon_exchange_on_a_simulated_mesh_is_the_torchrun_one(ranks, layout):
     """One process playing 4 ranks runs the owner exchange torchrun runs: same owners, all-to-alls and shards."""
     sim = _simulated(layout)
     for rank, res in enumerate(part_results(ranks, "layouts")):
         got = res[layout]
         assert sim["collectives"] == got["collectives"] == got["plan_collectives"]
-        assert sim["owners"] == got["owners"]
+        if layout != "sub_meshes" or rank == 0:  # a sub-mesh leaf's owner is in each rank's own group of it
+            assert sim["owners"] == got["owners"]
         for what in ("params", "mu"):
             assert set(sim["ranks"][rank][what]) == set(got[what])
             for k, (mine, _) in got[what].items():

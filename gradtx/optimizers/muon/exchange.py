@@ -133,7 +133,8 @@ class ExchangePlan(NamedTuple):
       received_bytes: bytes this rank receives from other ranks per step.
       all_gather_bytes: what this rank would receive if every sharded matrix were
         all-gathered to every rank (the naive scheme), for comparison.
-      flops: the Newton–Schulz flops of the exchanged matrices each rank owns, by global rank.
+      flops: the Newton–Schulz flops of the exchanged matrices each rank owns, by global rank, as this
+        rank sees them: a leaf on a sub-mesh counts in this rank's group of it only.
       total_flops: the Newton–Schulz flops of the whole step, every matrix once.
       owners: the owner (global rank) of every exchanged leaf, by leaf position.
     """
@@ -278,12 +279,26 @@ def _routes(
             local.append(j)
     plans = []
     load: dict[int, int] = {}  # by global rank, over every mesh
+    done: list[tuple[frozenset[int], dict[int, int]]] = []  # each earlier mesh's group here, and what it gave out
     for mesh, js in by_mesh.values():
         ranks = sorted(mesh_ranks(mesh))
-        owners = _greedy_owners([_ns_flops(mats.layouts[j], steps) for j in js], ranks, load)
+        # An earlier mesh's load carries over only where its group here holds this whole group: then every
+        # member of this group is in that same group and knows the same load. Another member of a sub-mesh
+        # (dp beside the whole dp x tp mesh) is in another group of it, whose load this rank does not see.
+        start = {r: sum(given.get(r, 0) for group, given in done if group >= set(ranks)) for r in ranks}
+        here = dict(start)
+        owners = _greedy_owners([_ns_flops(mats.layouts[j], steps) for j in js], ranks, here)
+        done.append((frozenset(ranks), {r: here[r] - start[r] for r in ranks}))
+        for r in ranks:
+            load[r] = load.get(r, 0) + here[r] - start[r]
         items = [_Owned(j, o, tuple(_pieces(leaves[j])), tuple(leaves[j].shape)) for j, o in zip(js, owners)]
         plans.append(_MeshPlan(mesh, ranks, tuple(items)))
     return local, plans, load
+
+
+def _dims_key(dn: Any) -> Any:
+    """``dn`` as a hashable key: an axis may be given as a list."""
+    return dn if dn is None else tuple(ax if isinstance(ax, int) else tuple(ax) for ax in dn)
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -344,7 +359,7 @@ def _make_orthogonalizer(
     local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]]]] = {}
 
     def run(leaves: Sequence[Any], locs: Sequence[torch.Tensor], mats: _Matrices) -> list[Any]:
-        key = (_signature(leaves), tuple(mats.dims))
+        key = (_signature(leaves), tuple(map(_dims_key, mats.dims)))
         local, plans, _ = cached(cache, key, lambda: _routes(leaves, mats, whole_leaf=adaptive, steps=len(rows)))
 
         def orthogonalized(xs: list[torch.Tensor], lays: list[_Layout]) -> list[torch.Tensor]:

@@ -84,6 +84,8 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
     axes: list[tuple[int, ...]] = []
     for name in ("reduction_axis", "output_axis"):
         value = getattr(dn, name)
+        if not isinstance(value, (int, tuple, list)):
+            raise TypeError(f"muon: {name} at {where} must be an int or a sequence of ints, got {value!r}")
         items = (value,) if isinstance(value, int) else tuple(value)
         for ax in items:
             if isinstance(ax, bool) or not isinstance(ax, int) or not -ndim <= ax < ndim:
@@ -194,7 +196,10 @@ def newton_schulz(
       >>> torch.linalg.svdvals(o)  # all close to 1 (within the iteration's 0.7..1.2 band)
     """
     rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name="newton_schulz")
+    eps = check.non_negative(eps, arg="eps", name="newton_schulz", tensor=True)
     dn = dimension_numbers if dimension_numbers is not None else MuonDimensionNumbers()
+    if not isinstance(dn, MuonDimensionNumbers):
+        raise TypeError(f"newton_schulz: dimension_numbers must be a MuonDimensionNumbers, got {type(dn).__name__}")
     return _orthogonalize([x], rows, preconditioning, eps, [_layout(x.shape, dn, where="<x>")], ns_dtype)[0]
 
 

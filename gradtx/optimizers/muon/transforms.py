@@ -232,7 +232,7 @@ def scale_by_shape(
 
     def scaled(xs: list[Any], locs: list[torch.Tensor], mats: _Matrices) -> list[torch.Tensor]:
         if consistent_rms is None:  # sqrt(max(1, fan_out / fan_in))
-            factors = [math.sqrt(max(1.0, lay.flat[2] / lay.flat[1])) for lay in mats.layouts]
+            factors = [math.sqrt(max(1.0, lay.flat[2] / max(lay.flat[1], 1))) for lay in mats.layouts]  # (8, 0): 1
         else:  # a tensor rms stays on the device
             factors = [
                 lw.as_tensor(consistent_rms, x) * math.sqrt(max(lay.flat[1:])) for x, lay in zip(locs, mats.layouts)
