@@ -153,7 +153,8 @@ def launch_both() -> int:
 
 
 if __name__ == "__main__":
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ:  # not under torchrun: both phases, in a temporary directory (--help says so)
+        argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
         sys.exit(launch_both())
     code = main()
     # Leave without the interpreter's teardown: on a busy 2-core CPU box, gloo's background threads
