@@ -111,6 +111,7 @@ def microbatch(
                     f"positional arguments and keywords {sorted(kwargs)}"
                 )
         batch = [(args[k] if isinstance(k, int) else kwargs[k], ax) for k, ax in zip(keys, axes)]
+        sizes = set()
         for k, (tree, ax) in zip(keys, batch):
             for leaf in optree.tree_leaves(tree):
                 if not isinstance(leaf, torch.Tensor):
@@ -119,7 +120,7 @@ def microbatch(
                     raise ValueError(
                         f"microbatch: in_axes {ax} is out of range for a {leaf.ndim}-d leaf of batch argument {k!r}"
                     )
-        sizes = {leaf.shape[ax] for tree, ax in batch for leaf in optree.tree_leaves(tree)}
+                sizes.add(leaf.shape[ax])
         if len(sizes) != 1:
             raise ValueError(f"microbatch: the batch arguments must have equal batch axes, got sizes {sorted(sizes)}")
         (batch_size,) = sizes

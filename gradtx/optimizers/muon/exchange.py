@@ -151,11 +151,10 @@ class ExchangePlan(NamedTuple):
 def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], load: dict[int, int]) -> list[int]:
     """Largest first, each to the least-loaded rank (lowest on ties): the same answer on every rank.
 
-    ``ranks`` are the global ranks by group rank; ``load`` (by global rank) carries
-    the work already given out on other meshes, so several meshes share it too.
+    ``ranks`` are the global ranks by group rank; ``load`` (by global rank, every one
+    of ``ranks``) carries the work already given out on other meshes, and is added to.
     """
     owners = [0] * len(costs)
-    load.update({r: load.get(r, 0) for r in ranks})  # a rank that owns nothing carries 0
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         r = min(range(len(ranks)), key=lambda r: (load[ranks[r]], ranks[r]))
         owners[i] = r
@@ -285,12 +284,14 @@ def _routes(
         # An earlier mesh's load carries over only where its group here holds this whole group: then every
         # member of this group is in that same group and knows the same load. Another member of a sub-mesh
         # (dp beside the whole dp x tp mesh) is in another group of it, whose load this rank does not see.
-        start = {r: sum(given.get(r, 0) for group, given in done if group >= set(ranks)) for r in ranks}
+        carried = [given for group, given in done if group >= set(ranks)]
+        start = {r: sum(given.get(r, 0) for given in carried) for r in ranks}
         here = dict(start)
         owners = _greedy_owners([_ns_flops(mats.layouts[j], steps) for j in js], ranks, here)
-        done.append((frozenset(ranks), {r: here[r] - start[r] for r in ranks}))
-        for r in ranks:
-            load[r] = load.get(r, 0) + here[r] - start[r]
+        mine = {r: here[r] - start[r] for r in ranks}
+        done.append((frozenset(ranks), mine))
+        for r, work in mine.items():
+            load[r] = load.get(r, 0) + work
         items = [_Owned(j, o, tuple(_pieces(leaves[j])), tuple(leaves[j].shape)) for j, o in zip(js, owners)]
         plans.append(_MeshPlan(mesh, ranks, tuple(items)))
     return local, plans, load
