@@ -23,10 +23,8 @@ __all__ = ["EmaState", "ema", "incremental_update", "periodic_update"]
 
 
 def _decay(value: Any, *, arg: str, name: str) -> Any:
-    value = check.number(value, arg=arg, name=name, tensor=True)
-    if not isinstance(value, torch.Tensor) and not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}: {arg} must be in [0, 1], got {value}")
-    return value
+    """A decay in ``[0, 1]``, or a 0-d tensor (not read)."""
+    return check.within(value, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", arg=arg, name=name, tensor=True)
 
 
 class EmaState(NamedTuple):

@@ -84,8 +84,7 @@ def chain(*txs: GradientTransformation) -> GradientTransformation:
       >>> tx = chain(clip_by_global_norm(1.0), adamw(3e-4))
     """
     for i, tx in enumerate(txs):
-        if not isinstance(tx, GradientTransformation):
-            raise TypeError(f"chain: argument {i} is a {type(tx).__name__}, not a GradientTransformation")
+        check.transform(tx, arg=f"argument {i}", name="chain")
     return _chain(txs)
 
 

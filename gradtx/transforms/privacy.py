@@ -22,11 +22,9 @@ import torch
 
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, Params, factory, identity
+from gradtx.core.base import GradientTransformation, Params, PyTree, factory, identity
 from gradtx.optimizers.standard import scale_by_learning_rate, trace
 from gradtx.transforms.combine import chain
-
-PyTree = Any
 
 
 def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], Any]:
@@ -153,11 +151,12 @@ class AddNoiseState(NamedTuple):
     rng_state: torch.Tensor
 
 
-def _seed(seed: Any, *, name: str) -> int:
+def _seeded(seed: Any, *, name: str) -> torch.Tensor:
+    """The state of a ``torch.Generator`` seeded with ``seed`` (checked), what a noise state starts from."""
     seed = check.integer(seed, arg="seed", name=name, minimum=0)  # optax takes a key here
     if seed >= 2**64:  # what torch.Generator.manual_seed takes
         raise ValueError(f"{name}: seed must be < 2**64, got {seed}")
-    return seed
+    return torch.Generator().manual_seed(seed).get_state()
 
 
 @factory
@@ -187,12 +186,10 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     name = "add_noise"
     eta = check.non_negative(eta, arg="eta", name=name)
     gamma = check.non_negative(gamma, arg="gamma", name=name)
-    seed = _seed(seed, name=name)
+    seeded = _seeded(seed, name=name)
 
     def init_fn(params: Params) -> AddNoiseState:
-        return AddNoiseState(
-            count=torch.zeros((), dtype=torch.int64), rng_state=torch.Generator().manual_seed(seed).get_state()
-        )
+        return AddNoiseState(count=torch.zeros((), dtype=torch.int64), rng_state=seeded.clone())
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, AddNoiseState, name=name)
@@ -248,11 +245,11 @@ def differentially_private_aggregate(l2_norm_clip: float, noise_multiplier: floa
     name = "differentially_private_aggregate"
     l2_norm_clip = check.positive(l2_norm_clip, arg="l2_norm_clip", name=name)
     noise_multiplier = check.non_negative(noise_multiplier, arg="noise_multiplier", name=name)
-    seed = _seed(seed, name=name)
+    seeded = _seeded(seed, name=name)
     noise_std = l2_norm_clip * noise_multiplier
 
     def init_fn(params: Params) -> DifferentiallyPrivateAggregateState:
-        return DifferentiallyPrivateAggregateState(rng_state=torch.Generator().manual_seed(seed).get_state())
+        return DifferentiallyPrivateAggregateState(rng_state=seeded.clone())
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, DifferentiallyPrivateAggregateState, name=name)

@@ -77,22 +77,20 @@ def zero_nans() -> GradientTransformation:
         tu.require_state(state, ZeroNansState, name="zero_nans")
         leaves, spec = tu.tensor_leaves(updates, what="zero_nans: updates")
         nans = [torch.isnan(tu.local(u)) for u in leaves]
-        found = {path: nan.any() for path, nan in zip(tu.paths(updates), nans)}
         out = [tu.like(u, torch.where(nan, 0, tu.local(u))) for u, nan in zip(leaves, nans)]
         olds, old_spec = tu.flatten(state.found_nan)
-        known = tu.paths(state.found_nan)  # optree's paths, read the same eager and traced
-        known_set = set(known)  # built once, not once per leaf
-        unknown = [p for p in found if p not in known_set]
-        if unknown:
-            raise ValueError(
-                f"zero_nans: the update at {tu.path_str(unknown[0])} has no param in the state; "
-                "pass the state init() built for this tree"
-            )
+        where = {path: i for i, path in enumerate(tu.paths(state.found_nan))}  # optree's: the same eager and traced
+        found: dict[int, torch.Tensor] = {}
+        for path, nan in zip(tu.paths(updates), nans):
+            if path not in where:
+                raise ValueError(
+                    f"zero_nans: the update at {tu.path_str(path)} has no param in the state; "
+                    "pass the state init() built for this tree"
+                )
+            found[where[path]] = nan.any()
         # A param with no grad (a None update) found no NaN; the state keeps the params' structure.
-        found_nan = tu.unflatten(
-            old_spec, [found[p].to(o.device) if p in found else torch.zeros_like(o) for p, o in zip(known, olds)]
-        )
-        return tu.unflatten(spec, out), ZeroNansState(found_nan=found_nan)
+        found_nan = [found[i].to(o.device) if i in found else torch.zeros_like(o) for i, o in enumerate(olds)]
+        return tu.unflatten(spec, out), ZeroNansState(found_nan=tu.unflatten(old_spec, found_nan))
 
     return GradientTransformation(init_fn, update_fn)
 
