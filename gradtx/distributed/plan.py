@@ -9,6 +9,7 @@ A plan belongs to the user, or to a transform's :class:`~gradtx.distributed.glob
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -257,11 +258,9 @@ def _mesh_dim_key(mesh: Any, mesh_dim: int, comm: Comm) -> GroupKey:
     group = mesh.get_group(mesh_dim)
     names = mesh.mesh_dim_names
     if names is not None:
-        try:
+        with contextlib.suppress(ValueError, TypeError, KeyError):  # a name the comm does not know
             if comm.group_id(names[mesh_dim]) == comm.group_id(group):
                 return names[mesh_dim]  # readable in logs and in RecordingComm's calls
-        except (ValueError, TypeError, KeyError):
-            pass
     return group
 
 
