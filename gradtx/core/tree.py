@@ -130,13 +130,10 @@ def check_tensors(
     ):
         return
     for i, leaf in enumerate(leaves):
-        if not (
-            isinstance(leaf, torch.Tensor)
-            and leaf.layout is torch.strided
-            and (leaf.is_floating_point() or leaf.is_complex())
-        ):
+        problem = _leaf_problem(leaf)
+        if problem is not None:
             path = path_str(leaf_paths[i] if leaf_paths is not None else paths(tree)[i])
-            _refuse_leaf(leaf, path, what=what)
+            raise TypeError(f"{what} leaf at {path} {problem}")
 
 
 _DTYPE = operator.attrgetter("dtype")
@@ -146,19 +143,20 @@ _GRAD_DTYPES = frozenset(
 )
 
 
-def _refuse_leaf(leaf: Any, path: str, *, what: str) -> None:
+def _leaf_problem(leaf: Any) -> str | None:
+    """Why ``leaf`` is not a dense floating-point or complex tensor (the end of the error), or ``None``."""
     if not isinstance(leaf, torch.Tensor):
-        raise TypeError(f"{what} leaf at {path} is a {type(leaf).__name__}, not a torch.Tensor")
+        return f"is a {type(leaf).__name__}, not a torch.Tensor"
     if leaf.layout != torch.strided:
-        raise TypeError(
-            f"{what} leaf at {path} is a {leaf.layout} tensor of shape {tuple(leaf.shape)} (a sparse grad, e.g. of "
+        return (
+            f"is a {leaf.layout} tensor of shape {tuple(leaf.shape)} (a sparse grad, e.g. of "
             "nn.Embedding(sparse=True)); "
             "gradtx transforms dense tensors only, as torch.nn.utils.clip_grad_norm_ refuses sparse grads: build "
             "that embedding with sparse=False, or give its param a chain with no norm (no clip, no global norm)"
         )
-    raise TypeError(
-        f"{what} leaf at {path} has dtype {leaf.dtype}; gradients and params must be floating point or complex"
-    )
+    if not (leaf.is_floating_point() or leaf.is_complex()):
+        return f"has dtype {leaf.dtype}; gradients and params must be floating point or complex"
+    return None
 
 
 def check_devices(expected: Sequence[Any], got: Sequence[Any], tree: PyTree, *, what: str, against: str) -> None:

@@ -239,30 +239,6 @@ def unitwise_norms(
     return out
 
 
-def tree_unitwise_norms(
-    grads: Sequence[torch.Tensor],
-    weights: Sequence[torch.Tensor],
-    *,
-    unitwise: bool,
-    mesh_groups: MeshGroups | None = None,
-    tree: PyTree | None = None,
-    slot: PlanSlot | None = None,
-    what: str = "adaptive_clip",
-) -> list[list[torch.Tensor]]:
-    """Per-unit fp32 L2 norms of grads and weights (AGC, lamb, lars), reduced where a unit spans ranks.
-
-    The plan is ``mesh_groups``, else the one the grads' placements define, else none
-    (every unit is local). Units follow PyTorch layouts: see :func:`gradtx.unitwise_norm`.
-
-    Returns:
-      ``[grad_norms, weight_norms]``, each broadcastable to its leaf's local shard.
-    """
-    plan = _plan(grads, mesh_groups, slot, what, tree)
-    if plan is None:
-        return [[norms.unitwise_norm(x, unitwise=unitwise) for x in leaves] for leaves in (grads, weights)]
-    return unitwise_norms(plan, [grads, weights], unitwise=unitwise, what=what)
-
-
 def zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> list[Any]:
     """An update for every param: the ``leaves`` at ``index``, zeros for the params that got none."""
     full = tu.scatter(len(all_params), index, leaves)
@@ -272,24 +248,33 @@ def zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> l
 def paired_norms(
     updates: PyTree, params: PyTree, *, unitwise: bool, mesh_groups: MeshGroups | None, slot: PlanSlot, what: str
 ) -> tuple[list[torch.Tensor], Any, list[torch.Tensor], list[torch.Tensor]]:
-    """:func:`tree_unitwise_norms` of each update and its param, the updates aligned to the params.
+    """Per-unit fp32 L2 norms of each update and of its param (AGC, lamb, lars), the updates aligned to the params.
 
-    A ``None`` update (a param with no gradient) is left out, and its param is not read. A declared plan
-    covers every param: one with no update joins its collectives as zeros, so every rank issues the same ones.
+    The plan is ``mesh_groups``, else the one the updates' placements define, else none (every unit is
+    local); where a unit spans ranks, its norm is reduced over them. Units follow PyTorch layouts: see
+    :func:`gradtx.unitwise_norm`. A ``None`` update (a param with no gradient) is left out, and its param
+    is not read. A declared plan covers every param: one with no update joins its collectives as zeros,
+    so every rank issues the same ones.
 
     Returns:
       The updates' leaves and treespec (as :func:`gradtx.core.tree.align` gives them), their norms and
-      their params' norms.
+      their params' norms, each broadcastable to its leaf's local shard.
     """
     index, leaves, spec = tu.align(params, updates, what=f"{what}: updates", against="params")
     all_params = tu.flatten(params)[0]
     if mesh_groups is None:
-        params_ = [all_params[i] for i in index]
-        u_norms, p_norms = tree_unitwise_norms(leaves, params_, unitwise=unitwise, tree=updates, slot=slot, what=what)
+        grads, weights = leaves, [all_params[i] for i in index]
+    else:
+        grads, weights = zero_filled(index, leaves, all_params), all_params
+    plan = _plan(grads, mesh_groups, slot, what, updates)
+    if plan is None:  # every unit is local: the plain single-device formula
+        u_norms = [norms.unitwise_norm(x, unitwise=unitwise) for x in grads]
+        p_norms = [norms.unitwise_norm(x, unitwise=unitwise) for x in weights]
         return leaves, spec, u_norms, p_norms
-    full = zero_filled(index, leaves, all_params)
-    u_all, p_all = tree_unitwise_norms(full, all_params, unitwise=unitwise, mesh_groups=mesh_groups, what=what)
-    return leaves, spec, [u_all[i] for i in index], [p_all[i] for i in index]
+    u_norms, p_norms = unitwise_norms(plan, [grads, weights], unitwise=unitwise, what=what)
+    if mesh_groups is not None:
+        u_norms, p_norms = [u_norms[i] for i in index], [p_norms[i] for i in index]
+    return leaves, spec, u_norms, p_norms
 
 
 def agree_finite(

@@ -9,6 +9,7 @@ A plan belongs to the user, or to a transform's :class:`~gradtx.distributed.glob
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -23,12 +24,11 @@ from gradtx.core.base import PyTree
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover
-    DTensor = Shard = None  # type: ignore[assignment,misc]
-try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (private, so guarded).
+
+    # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (in every torch gradtx supports).
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover
-    _StridedShard = None  # type: ignore[assignment,misc]
+    DTensor = Shard = _StridedShard = None  # type: ignore[assignment,misc]
 
 # Labels for undeclared plain leaves (mesh_groups(..., plain=...)), shown by norm_audit; counted alike.
 PLAIN_KINDS = ("replicated", "local")
@@ -69,7 +69,7 @@ class _Bucket(NamedTuple):
 
 def _is_shard(placement: Any) -> TypeGuard[Shard]:
     # Not placement.is_shard(): it is False for _StridedShard.
-    return isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard))
+    return isinstance(placement, (Shard, _StridedShard))
 
 
 def _match(matcher: Matcher, path: str, leaf: torch.Tensor) -> bool:
@@ -258,11 +258,9 @@ def _mesh_dim_key(mesh: Any, mesh_dim: int, comm: Comm) -> GroupKey:
     group = mesh.get_group(mesh_dim)
     names = mesh.mesh_dim_names
     if names is not None:
-        try:
+        with contextlib.suppress(ValueError, TypeError, KeyError):  # a name the comm does not know
             if comm.group_id(names[mesh_dim]) == comm.group_id(group):
                 return names[mesh_dim]  # readable in logs and in RecordingComm's calls
-        except (ValueError, TypeError, KeyError):
-            pass
     return group
 
 

@@ -78,8 +78,8 @@ def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
 
 
 def _scalar(value: Scalar, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``value`` as a 0-d tensor: a foreach multiply by a Python number wraps it in a new tensor for every leaf."""
-    value = _on(value, device, dtype)
+    """``value`` (a number, or a tensor already :func:`_on` the group) as a 0-d tensor: a foreach multiply by a
+    Python number wraps it in a new tensor for every leaf."""
     return value if isinstance(value, torch.Tensor) else torch.full((), value, dtype=dtype, device=device)
 
 

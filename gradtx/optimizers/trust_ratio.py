@@ -20,6 +20,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
+from gradtx.optimizers.aliases import _adam_checked, _checked
 from gradtx.optimizers.standard import _scale_by_adam, add_decayed_weights, scale_by_learning_rate, trace
 from gradtx.transforms.combine import chain, masked
 
@@ -132,8 +133,7 @@ def lars(
       >>> tx = lars(0.1, weight_decay=1e-4)
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
-    learning_rate = check.learning_rate(learning_rate, name="lars")
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lars", tensor=True)
+    learning_rate, weight_decay = _checked("lars", learning_rate, weight_decay)
     trust_coefficient = check.non_negative(trust_coefficient, arg="trust_coefficient", name="lars", tensor=True)
     eps = check.non_negative(eps, arg="eps", name="lars", tensor=True)
     momentum = check.non_negative(momentum, arg="momentum", name="lars", tensor=True)
@@ -184,12 +184,9 @@ def lamb(
       >>> tx = lamb(1e-3, weight_decay=0.01)
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
-    learning_rate = check.learning_rate(learning_rate, name="lamb")
-    b1 = check.beta(b1, arg="b1", name="lamb", tensor=True)
-    b2 = check.beta(b2, arg="b2", name="lamb", tensor=True)
-    eps = check.non_negative(eps, arg="eps", name="lamb", tensor=True)
+    learning_rate, weight_decay = _checked("lamb", learning_rate, weight_decay)
+    b1, b2, eps = _adam_checked("lamb", b1, b2, eps)
     eps_root = check.non_negative(eps_root, arg="eps_root", name="lamb", tensor=True)
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="lamb", tensor=True)
     return chain(
         _scale_by_adam(b1, b2, eps, eps_root, name="lamb"),
         add_decayed_weights(weight_decay=weight_decay, mask=mask),

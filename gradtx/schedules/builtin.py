@@ -63,11 +63,6 @@ def _values(name: str, **values: Any) -> list[float]:
     return [check.number(v, arg=arg, name=name) for arg, v in values.items()]
 
 
-def _all_steps(name: str, **values: Any) -> list[int]:
-    """Each keyword argument checked as an int, named in the error."""
-    return [check.integer(v, arg=arg, name=name) for arg, v in values.items()]
-
-
 def _scales(boundaries_and_scales: Mapping[int, float] | None, *, name: str) -> list[tuple[int, float]]:
     """``{step: scale}`` as sorted ``(step, scale)`` pairs, every scale ``>= 0``."""
     items = sorted(
@@ -148,9 +143,8 @@ def polynomial_schedule(
     name = "polynomial_schedule"
     init_value, end_value = _values(name, init_value=init_value, end_value=end_value)
     power = check.non_negative(power, arg="power", name=name)  # a negative power climbs to inf at the end
-    transition_steps, transition_begin = _all_steps(
-        name, transition_steps=transition_steps, transition_begin=transition_begin
-    )
+    transition_steps = check.integer(transition_steps, arg="transition_steps", name=name)
+    transition_begin = check.integer(transition_begin, arg="transition_begin", name=name)
     if transition_steps <= 0:
         return constant_schedule(init_value)
     transition_begin = max(transition_begin, 0)
@@ -186,7 +180,8 @@ def linear_schedule(init_value: float, end_value: float, transition_steps: int, 
     """
     name = "linear_schedule"  # checked here, so an error names this schedule and its own arguments
     _values(name, init_value=init_value, end_value=end_value)
-    _all_steps(name, transition_steps=transition_steps, transition_begin=transition_begin)
+    check.integer(transition_steps, arg="transition_steps", name=name)
+    check.integer(transition_begin, arg="transition_begin", name=name)
     return polynomial_schedule(init_value, end_value, 1, transition_steps, transition_begin)
 
 
@@ -257,9 +252,8 @@ def exponential_decay(
     name = "exponential_decay"
     init_value = check.number(init_value, arg="init_value", name=name)
     decay_rate = check.non_negative(decay_rate, arg="decay_rate", name=name)  # a negative rate: NaN between steps
-    transition_steps, transition_begin = _all_steps(
-        name, transition_steps=transition_steps, transition_begin=transition_begin
-    )
+    transition_steps = check.integer(transition_steps, arg="transition_steps", name=name)
+    transition_begin = check.integer(transition_begin, arg="transition_begin", name=name)
     staircase = check.flag(staircase, arg="staircase", name=name)
     if end_value is not None:
         end_value = check.number(end_value, arg="end_value", name=name)

@@ -18,7 +18,6 @@ from gradtx.core import validate as check
 from gradtx.core.base import factory
 from gradtx.schedules.builtin import (
     Schedule,
-    _all_steps,
     _as_value,
     _count,
     _scales,
@@ -313,7 +312,8 @@ def warmup_cosine_decay_schedule(
     """
     name = "warmup_cosine_decay_schedule"
     init_value, peak_value, end_value = _values(name, init_value=init_value, peak_value=peak_value, end_value=end_value)
-    warmup_steps, decay_steps = _all_steps(name, warmup_steps=warmup_steps, decay_steps=decay_steps)
+    warmup_steps = check.integer(warmup_steps, arg="warmup_steps", name=name)
+    decay_steps = check.integer(decay_steps, arg="decay_steps", name=name)
     if decay_steps - warmup_steps <= 0:
         raise ValueError(
             f"{name}: decay_steps (the whole schedule, warm-up included) must be > warmup_steps, "

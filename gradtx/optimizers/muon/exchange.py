@@ -378,10 +378,7 @@ def _make_orthogonalizer(
                     res[k] = y
             return tuple(res)
 
-        out: list[Any] = [None] * len(leaves)
-        if local:
-            for j, o in zip(local, per_rank(local_step)(*[locs[j] for j in local])):
-                out[j] = o
+        out = tu.scatter(len(leaves), local, per_rank(local_step)(*[locs[j] for j in local]))
         if plans:
             c = comm if comm is not None else mesh_comm([x.device_mesh for x in leaves if isinstance(x, DTensor)])
             whole = lambda j, full: orthogonalized([full], [mats.layouts[j]])[0]

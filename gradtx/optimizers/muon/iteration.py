@@ -291,13 +291,12 @@ def _ns(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, e
         x = x / (torch.linalg.matrix_norm(x.float(), ord=2, keepdim=True).to(x.dtype) + e)
     for i, (a, b, c) in enumerate(rows):
         gram = x @ x.mT
-        if i == 0 and pre in ("aol", "schatten"):
-            if pre == "aol":
-                s = torch.rsqrt(torch.clamp(gram.abs().sum(dim=-1), min=e)).unsqueeze(-1)
-                x, gram = x * s, gram * s * s.mT
-            else:
-                s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(gram, keepdim=True), min=e))
-                x, gram = x * s, gram * s**2
+        if i == 0 and pre == "aol":
+            s = torch.rsqrt(torch.clamp(gram.abs().sum(dim=-1), min=e)).unsqueeze(-1)
+            x, gram = x * s, gram * s * s.mT
+        elif i == 0 and pre == "schatten":
+            s = torch.rsqrt(torch.clamp(torch.linalg.matrix_norm(gram, keepdim=True), min=e))
+            x, gram = x * s, gram * s**2
         update = addmm(gram, gram, gram, beta=b, alpha=c)
         x = addmm(x, update, x, beta=a)
     return x

@@ -11,7 +11,7 @@ from gradtx.comm.base import ExchangeComm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Params, PyTree, factory
-from gradtx.optimizers.aliases import _alias, _decay
+from gradtx.optimizers.aliases import _alias, _checked, _decay
 from gradtx.optimizers.muon.iteration import (
     _DEFAULT_NS_COEFFS,
     MuonDimensionNumbers,
@@ -105,9 +105,8 @@ def muon(
       >>> tx = muon(0.02, weight_decay=0.01, adam_learning_rate=3e-4)
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
-    learning_rate = check.learning_rate(learning_rate, name="muon")
+    learning_rate, weight_decay = _checked("muon", learning_rate, weight_decay)
     adam_lr = learning_rate if adam_learning_rate is None else check.learning_rate(adam_learning_rate, name="muon")
-    weight_decay = check.non_negative(weight_decay, arg="weight_decay", name="muon", tensor=True)
     adam_b1 = check.beta(adam_b1, arg="adam_b1", name="muon", tensor=True)
     adam_b2 = check.beta(adam_b2, arg="adam_b2", name="muon", tensor=True)
     adam_eps_root = check.non_negative(adam_eps_root, arg="adam_eps_root", name="muon", tensor=True)
