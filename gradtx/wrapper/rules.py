@@ -53,6 +53,7 @@ class Plan:
     Attributes:
       window: the leading :class:`Accumulation`, or ``None``.
       start: the index of the first member after it (0 without one).
+      reduce_grads: the window sums ``.grad`` over the data-parallel ranks when it closes.
       body: the members run as they are, with their indices.
       tail: the trailing :class:`ScalarTransformation` s, with their indices.
     """
@@ -65,6 +66,7 @@ class Plan:
         self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
         self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
         self.start = 1 if self.window is not None else 0
+        self.reduce_grads = self.window is not None and self.window.window.reduce_grads
         tail = len(members)
         while tail > self.start and isinstance(members[tail - 1], ScalarTransformation):
             tail -= 1
@@ -112,7 +114,7 @@ class Plan:
             states[0] = stepped.state
             if stepped.factor is None:
                 return Result(None, self.join(states), None, None)
-            if self.window.window.reduce_grads:  # a functional data-parallel window: sum .grad over the ranks
+            if self.reduce_grads:
                 self.window.window.reduce([g for group in grads for g in group], write_back=True)
             mean = stepped.factor.to(device, non_blocking=True)
             pending = mean if pending is None else pending * mean
