@@ -109,10 +109,9 @@ def read(params: ParamTree, emitting: bool, *, summed: bool) -> Any:
     if not any(map(has_none, tree)):
         return tree
     if emitting and summed:
-        for group in params:
-            for p in group:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        for p in tu.flatten(params)[0]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         return [[p.grad for p in group] for group in params]
     return [
         [g if g is not None else missing(p, emitting) for p, g in zip(group, grads)]

@@ -302,11 +302,6 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if self._plan.window is not None:
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
-    def _read(self, emitting: bool) -> Any:
-        """The grads as the transform's tree (see :func:`gradtx.wrapper.grads.read`)."""
-        window = self._plan.window
-        return grads.read(self._tree, emitting, summed=window is not None and window.window.reduce_grads)
-
     def _step(self, extra: dict[str, Any]) -> None:
         self._prepare()
         # Set by torch.amp.GradScaler.step for the duration of this call: the grads carry grad_scale
@@ -316,7 +311,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         plan = self._plan
         emitting = plan.emits_next(self._live.tx_state, flush=extra.get("flush", False))
         amp.check_unscale(found_inf, grad_scale, emitting=emitting)
-        tree = self._read(emitting)
+        tree = grads.read(self._tree, emitting, summed=plan.reduce_grads)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
         emitted = result.updates is not None
@@ -352,7 +347,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
-                tree = self._read(True)
+                tree = grads.read(self._tree, True, summed=self._plan.reduce_grads)
                 result = self._plan.run(tree, self._live.tx_state, self._tree, extra, None, self._device)
                 factor = result.factor
                 if result.skip is not None:  # a guard's skip: this evaluation's grads count as zero

@@ -31,6 +31,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx.checkpoint.layout import members as members_of
 from gradtx.core import foreach as fe
+from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
 from gradtx.transforms.accumulation import Accumulation
@@ -52,6 +53,7 @@ class Plan:
     Attributes:
       window: the leading :class:`Accumulation`, or ``None``.
       start: the index of the first member after it (0 without one).
+      reduce_grads: the window sums ``.grad`` over the data-parallel ranks when it closes.
       body: the members run as they are, with their indices.
       tail: the trailing :class:`ScalarTransformation` s, with their indices.
     """
@@ -64,6 +66,7 @@ class Plan:
         self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
         self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
         self.start = 1 if self.window is not None else 0
+        self.reduce_grads = self.window is not None and self.window.window.reduce_grads
         tail = len(members)
         while tail > self.start and isinstance(members[tail - 1], ScalarTransformation):
             tail -= 1
@@ -71,7 +74,7 @@ class Plan:
         self.tail: list[tuple[int, Any]] = [(i, members[i]) for i in range(tail, len(members))]
 
     def states(self, state: OptState) -> list[OptState]:
-        return _split_states(self.tx, state, [])
+        return _split_states(self.tx, state)
 
     def join(self, states: list[OptState]) -> OptState:
         return _join_states(self.tx, iter(states))
@@ -111,7 +114,7 @@ class Plan:
             states[0] = stepped.state
             if stepped.factor is None:
                 return Result(None, self.join(states), None, None)
-            if self.window.window.reduce_grads:  # a functional data-parallel window: sum .grad over the ranks
+            if self.reduce_grads:
                 self.window.window.reduce([g for group in grads for g in group], write_back=True)
             mean = stepped.factor.to(device, non_blocking=True)
             pending = mean if pending is None else pending * mean
@@ -223,15 +226,13 @@ def has_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 
 _HYPER = ("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay")
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")  # Adam's param-shaped state (the last with amsgrad only)
 
 
 class _Bucket(NamedTuple):
     take: Any  # itemgetter over the flat grads
     params: list[torch.Tensor]
-    exp_avgs: list[torch.Tensor]
-    exp_avg_sqs: list[torch.Tensor]
-    max_exp_avg_sqs: list[torch.Tensor]
-    steps: list[torch.Tensor]
+    held: dict[str, list[torch.Tensor]]  # "step" and each moment: the params' state tensors, the kernel's lists
     counter: torch.Tensor  # the steps' one buffer, on the bucket's device: each state["step"] is a 0-d view into it
     states: list[dict[str, Any]]  # the params' state dicts the lists were read from
 
@@ -273,17 +274,15 @@ class FusedAdam:
         offset = 0
         for group, params in zip(opt.param_groups, tree):
             buckets = []
+            moments = _MOMENTS if group["amsgrad"] else _MOMENTS[:2]
             for (device, _), idx in fe.group_by_device_dtype(params):
                 ps = [params[i] for i in idx]
                 for p in ps:
                     if not state[p]:  # as Adam._init_group makes it, for fused=True
                         torch_optimizer._device_dtype_check_for_fused(p)
-                        s = state[p]
-                        s["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                        s["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                        s["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                        if group["amsgrad"]:
-                            s["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                        state[p]["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                        for key in moments:
+                            state[p][key] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 sts = [state[p] for p in ps]
                 # The params' step counters become views of one buffer, so a step advances them with one
                 # add (a foreach add over n 0-d tensors costs more than the fused kernel on small models).
@@ -291,18 +290,8 @@ class FusedAdam:
                 for j, s in enumerate(sts):
                     s["step"] = counter[j]
                 take = itemgetter(*(offset + i for i in idx))
-                buckets.append(
-                    _Bucket(
-                        take if len(idx) > 1 else (lambda g, t=take: (t(g),)),
-                        ps,
-                        [s["exp_avg"] for s in sts],
-                        [s["exp_avg_sq"] for s in sts],
-                        [s["max_exp_avg_sq"] for s in sts] if group["amsgrad"] else [],
-                        [s["step"] for s in sts],
-                        counter,
-                        sts,
-                    )
-                )
+                held = {key: [s[key] for s in sts] for key in ("step", *moments)}
+                buckets.append(_Bucket(take if len(idx) > 1 else (lambda g, t=take: (t(g),)), ps, held, counter, sts))
             self.buckets.append((group, buckets))
             offset += len(params)
         self.entries = list(state.values())  # every param's state dict, in the state's order
@@ -318,13 +307,8 @@ class FusedAdam:
         try:
             for _, buckets in self.buckets:
                 for b in buckets:
-                    for key, held in (
-                        ("step", b.steps),
-                        ("exp_avg", b.exp_avgs),
-                        ("exp_avg_sq", b.exp_avg_sqs),
-                        ("max_exp_avg_sq", b.max_exp_avg_sqs),
-                    ):
-                        if held and not all(map(is_, map(itemgetter(key), b.states), held)):
+                    for key, held in b.held.items():
+                        if not all(map(is_, map(itemgetter(key), b.states), held)):
                             return False
         except KeyError:  # an entry gone
             return False
@@ -368,10 +352,10 @@ class FusedAdam:
                 kernel(
                     b.params,
                     list(b.take(grads)),
-                    b.exp_avgs,
-                    b.exp_avg_sqs,
-                    b.max_exp_avg_sqs,
-                    b.steps,
+                    b.held["exp_avg"],
+                    b.held["exp_avg_sq"],
+                    b.held.get("max_exp_avg_sq", []),
+                    b.held["step"],
                     amsgrad=amsgrad,
                     lr=step_lr,
                     beta1=beta1,
@@ -392,25 +376,16 @@ def keep_on_skip(plan: Plan, skip: torch.Tensor, old: OptState, new: OptState) -
 
     The window closes either way: a skipped window is over.
     """
-
-    def pick(n: Any, o: Any) -> Any:
-        if not isinstance(n, torch.Tensor):
-            return n
-        ln = tu.local(n)
-        return tu.like(n, torch.where(skip.to(ln.device), tu.local(o), ln))
-
     olds, news = plan.states(old), plan.states(new)
-    news[plan.start :] = [tu.tree_map(pick, n, o) for n, o in zip(news[plan.start :], olds[plan.start :])]
+    keep = ~skip
+    news[plan.start :] = [lw.where_tree(keep, n, o) for n, o in zip(news[plan.start :], olds[plan.start :])]
     return plan.join(news)
 
 
-def _split_states(tx: GradientTransformation, state: OptState, out: list[OptState]) -> list[OptState]:
+def _split_states(tx: GradientTransformation, state: OptState) -> list[OptState]:
     if isinstance(tx, Chain):
-        for member, member_state in zip(tx.members, tx.member_states(state)):
-            _split_states(member, member_state, out)
-    else:
-        out.append(state)
-    return out
+        return [s for member, sub in zip(tx.members, tx.member_states(state)) for s in _split_states(member, sub)]
+    return [state]
 
 
 def _join_states(tx: GradientTransformation, states: Iterator[OptState]) -> OptState:

@@ -308,12 +308,11 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     # Params frozen when the wrapper was built that the saved run had unfrozen (gradual unfreezing, resumed from a
     # script that freezes them again first): the transform saw them, so they join it, as at their first grad.
     joining = {id(p) for p, s in zip(opt._frozen, saved) if isinstance(s, dict) and GTX in s}
-    if not joining:
-        return _load(opt, state_dict, saved_of, what)
     tree, tx_state = opt._tree, opt._live.tx_state
-    opt._grow([[p for p in g["params"] if p in opt._position or id(p) in joining] for g in groups])
+    if joining:
+        opt._grow([[p for p in g["params"] if p in opt._position or id(p) in joining] for g in groups])
     try:
-        return _load(opt, state_dict, saved_of, what)
+        _load(opt, state_dict, saved_of, what)
     except Exception:  # as it was
         opt._set_tree(tree)
         opt._live.tx_state = tx_state
