@@ -31,7 +31,6 @@ from torch.optim import optimizer as torch_optimizer
 
 from gradtx.checkpoint.layout import members as members_of
 from gradtx.core import foreach as fe
-from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
 from gradtx.transforms.accumulation import Accumulation
@@ -376,9 +375,15 @@ def keep_on_skip(plan: Plan, skip: torch.Tensor, old: OptState, new: OptState) -
 
     The window closes either way: a skipped window is over.
     """
+
+    def pick(n: Any, o: Any) -> Any:
+        if not isinstance(n, torch.Tensor):
+            return n
+        ln = tu.local(n)
+        return tu.like(n, torch.where(skip.to(ln.device), tu.local(o), ln))
+
     olds, news = plan.states(old), plan.states(new)
-    keep = ~skip
-    news[plan.start :] = [lw.where_tree(keep, n, o) for n, o in zip(news[plan.start :], olds[plan.start :])]
+    news[plan.start :] = [tu.tree_map(pick, n, o) for n, o in zip(news[plan.start :], olds[plan.start :])]
     return plan.join(news)
 
 
