@@ -235,3 +235,26 @@ def test_a_transform_that_changes_a_placement_is_reported_as_such():
         AssertionError, match=r"step 0: updates at \['w'\]: the placement changed, Shard\(0\) -> Partial\(avg\)"
     ):
         testing.assert_matches_single_device(tx, [_tree(1, w=(4, 2))], _tree(w=(4, 2)), mesh_shape=2, layout="fsdp")
+
+
+@pytest.mark.parametrize("layout, shape", [("fsdp", (4,)), ("tp_fsdp", (2, 2))])
+def test_a_full_tensor_checkpoint_loads_onto_sharded_state_shard_by_shard(layout, shape):
+    """gtx.checkpoint.load_state_dict of whole tensors (a torch.save of full_tensor()s) cuts each simulated rank's
+    block out of them: the loaded state equals the sharded state it was saved from, on every rank."""
+    full = {"w": torch.randn(8, 6), "b": torch.randn(6)}
+    grads = {"w": torch.randn(8, 6), "b": torch.randn(6)}
+    with testing.simulated_mesh(shape) as mesh:
+        params = testing.distribute(full, mesh, layout)
+        tx = gtx.adamw(0.1)
+        _, state = tx.update(testing.distribute(grads, mesh, layout), tx.init(params), params)
+        saved = optree.tree_map(
+            lambda x: x.full_tensor() if isinstance(x, DTensor) else x, gtx.checkpoint.state_dict(state, params)
+        )
+        loaded = gtx.checkpoint.load_state_dict(saved, tx.init(params), params)
+        for a, b in zip(optree.tree_leaves(loaded), optree.tree_leaves(state)):
+            assert type(a) is type(b)
+            if isinstance(b, DTensor):
+                assert tuple(a.placements) == tuple(b.placements)
+                torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=0, atol=0)
+            else:
+                torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -78,6 +78,35 @@ def test_gradscaler_clip_equals_torch_unscale_clip_step(opt_name):
 
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
+def test_gradscaler_keeps_a_hyperparameter_set_by_hand_as_a_python_number(opt_name):
+    """inject_hyperparams takes a Python number set by hand in its state; GradScaler's steps, the skipped one
+    included (the old state is kept leaf by leaf), run with it and match torch's unscale, clip, step recipe."""
+    ref, ours = make_model(), make_model()
+    ref_opt = OPTS[opt_name](ref.parameters())
+    tx = gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=1.0)
+    opt = gtx.TransformedOptimizer(OPTS[opt_name](ours.parameters()), tx)
+    opt.tx_state[0].hyperparams["max_norm"] = MAX_NORM  # a float, not a tensor
+    ref_scaler, our_scaler = scaler(), scaler()
+    for i, (x, y) in enumerate(batches(4)):
+        ref_scaler.scale(F.cross_entropy(ref(x), y)).backward()
+        our_scaler.scale(F.cross_entropy(ours(x), y)).backward()
+        if i == 1:
+            inject_inf(ref)
+            inject_inf(ours)
+        ref_scaler.unscale_(ref_opt)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+        ref_opt.zero_grad()
+        our_scaler.step(opt)
+        our_scaler.update()
+        opt.zero_grad()
+        assert opt.tx_state[0].hyperparams["max_norm"] == MAX_NORM
+        assert_trees_close(params_of(ours), params_of(ref), rtol=1e-5, atol=1e-6)
+    assert our_scaler.get_scale() == ref_scaler.get_scale() == INIT_SCALE / 2
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
 def test_gradscaler_without_a_chain_scale_matches_torch(opt_name):
     """No clip: the wrapper is an identity around the inner optimizer, scaled or not."""
     ref, ours = make_model(), make_model()

@@ -193,7 +193,10 @@ def onto(value: torch.Tensor, template: torch.Tensor, *, what: str) -> torch.Ten
                 )
             return value
         shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
-        chunk = value[tuple(slice(start, start + n) for n, start in zip(shape, offset))]
+        # narrow, not a slice: on a simulated mesh the offsets are per-rank SymInts, which slicing refuses
+        chunk = value
+        for dim, (n, start) in enumerate(zip(shape, offset)):
+            chunk = chunk.narrow(dim, start, n)
         local = chunk.to(tu.local(template).device, tu.local(template).dtype).clone()
         return tu.like(template, local)
     if DTensor is not None and isinstance(value, DTensor):

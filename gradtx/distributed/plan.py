@@ -24,11 +24,12 @@ from gradtx.core.base import PyTree
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor, Shard
-
-    # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (in every torch gradtx supports).
+except ImportError:  # pragma: no cover
+    DTensor = Shard = None  # type: ignore[assignment,misc]
+try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (private, so guarded).
     from torch.distributed.tensor.placement_types import _StridedShard
 except ImportError:  # pragma: no cover
-    DTensor = Shard = _StridedShard = None  # type: ignore[assignment,misc]
+    _StridedShard = None  # type: ignore[assignment,misc]
 
 # Labels for undeclared plain leaves (mesh_groups(..., plain=...)), shown by norm_audit; counted alike.
 PLAIN_KINDS = ("replicated", "local")
@@ -69,7 +70,7 @@ class _Bucket(NamedTuple):
 
 def _is_shard(placement: Any) -> TypeGuard[Shard]:
     # Not placement.is_shard(): it is False for _StridedShard.
-    return isinstance(placement, (Shard, _StridedShard))
+    return isinstance(placement, Shard) or (_StridedShard is not None and isinstance(placement, _StridedShard))
 
 
 def _match(matcher: Matcher, path: str, leaf: torch.Tensor) -> bool:
