@@ -168,3 +168,49 @@ def test_assert_pure_catches_nondeterminism():
 
     with pytest.raises(AssertionError, match="deterministic"):
         assert_pure(gtx.GradientTransformation(lambda p: gtx.EmptyState(), noisy), {"a": torch.ones(2)})
+
+
+@pytest.mark.parametrize("mutate", ["replace", "add a key", "replace in the updates"])
+def test_assert_pure_catches_a_container_changed_in_place(mutate):
+    """A leaf rebound or a key added inside the caller's state (or updates) is a mutation too, though no tensor
+    moved: the caller's count below would run ahead of the steps taken."""
+
+    def init(params):
+        return {"count": torch.zeros(())}
+
+    def bad_update(updates, state, params=None, **extra):
+        if mutate == "replace":
+            state["count"] = state["count"] + 1
+        elif mutate == "add a key":
+            state["seen"] = torch.ones(())
+        else:
+            updates["b"] = updates["b"] * 2
+        return dict(updates), dict(state)
+
+    with pytest.raises(AssertionError, match="in place"):
+        assert_pure(gtx.GradientTransformation(init, bad_update), _tree(0), _tree(1))
+
+
+@pytest.mark.parametrize("steps", [0, -1])
+def test_assert_pure_refuses_steps_that_check_nothing(steps):
+    with pytest.raises(ValueError, match="steps"):
+        assert_pure(gtx.identity(), _tree(0), _tree(1), steps=steps)
+
+
+@pytest.mark.parametrize(
+    "actual, expected",
+    [
+        ({"n": 1, "t": torch.zeros(2)}, {"n": 2, "t": torch.zeros(2)}),  # a Python number in a state
+        ({"n": 0.5}, {"n": 7.0}),
+        ({"n": 1}, {"n": 1.0}),  # equal values, other types
+        ({"s": "x"}, {"s": "y"}),
+        ({"n": torch.tensor(1.0)}, {"n": 1.0}),  # a tensor against a number
+    ],
+)
+def test_tree_comparisons_compare_leaves_that_are_not_tensors(actual, expected):
+    from gradtx.testing import assert_trees_close, assert_trees_equal
+
+    for compare in (assert_trees_equal, assert_trees_close):
+        with pytest.raises(AssertionError, match="n|s"):
+            compare(actual, expected)
+    assert_trees_equal({"n": float("nan"), "k": 3}, {"n": float("nan"), "k": 3})  # NaNs equal, as for tensors

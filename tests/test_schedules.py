@@ -313,3 +313,17 @@ def test_random_arguments_match_optax(init, end, power, steps, begin, rate, stai
         assert_fp32_close(
             gradtx_values(getattr(gtx, name)(**kwargs), as_tensor=True), expected, what=f"{name}({kwargs})"
         )
+
+
+@pytest.mark.parametrize(
+    "build, arg",
+    [
+        (lambda: gtx.piecewise_constant_schedule(1.0, [(10, 0.1)]), "boundaries_and_scales"),
+        (lambda: gtx.piecewise_interpolate_schedule("linear", 1.0, [(10, 0.1)]), "boundaries_and_scales"),
+        (lambda: gtx.join_schedules(None, [1]), "schedules"),
+        (lambda: gtx.join_schedules([gtx.constant_schedule(1.0)] * 2, 5), "boundaries"),
+    ],
+)
+def test_a_container_argument_of_the_wrong_kind_is_a_type_error_naming_it(build, arg):
+    with pytest.raises(TypeError, match=arg):
+        build()

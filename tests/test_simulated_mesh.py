@@ -258,3 +258,21 @@ def test_a_full_tensor_checkpoint_loads_onto_sharded_state_shard_by_shard(layout
                 torch.testing.assert_close(a.full_tensor(), b.full_tensor(), rtol=0, atol=0)
             else:
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_simulated_mesh_refuses_names_that_are_not_strings_one_per_dim():
+    with pytest.raises(TypeError, match="names"), testing.simulated_mesh((2, 2), "dp"):  # not ("d", "p")
+        pass
+    with pytest.raises(TypeError, match="names"), testing.simulated_mesh((2, 2), ("dp", 1)):
+        pass
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("steps", [0, -3])
+def test_assert_matches_single_device_refuses_steps_that_check_nothing(steps):
+    grads = [{"w": torch.randn(4, 3)}]
+    with pytest.raises(ValueError, match="steps"):
+        testing.assert_matches_single_device(
+            gtx.clip_by_global_norm(1.0), grads, {"w": torch.randn(4, 3)}, mesh_shape=(2,), layout="fsdp", steps=steps
+        )
+    assert not dist.is_initialized()

@@ -65,6 +65,8 @@ def _values(name: str, **values: Any) -> list[float]:
 
 def _scales(boundaries_and_scales: Mapping[int, float] | None, *, name: str) -> list[tuple[int, float]]:
     """``{step: scale}`` as sorted ``(step, scale)`` pairs, every scale ``>= 0``."""
+    if boundaries_and_scales is not None and not isinstance(boundaries_and_scales, Mapping):
+        raise TypeError(f"{name}: boundaries_and_scales must be a dict {{step: scale}}, got {boundaries_and_scales!r}")
     items = sorted(
         (check.integer(b, arg="boundaries_and_scales", name=name), check.number(s, arg="scale", name=name))
         for b, s in (boundaries_and_scales or {}).items()

@@ -232,6 +232,9 @@ def join_schedules(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> 
       >>> float(s(10))
       0.5
     """
+    for arg, value in (("schedules", schedules), ("boundaries", boundaries)):
+        if not isinstance(value, Iterable) or isinstance(value, str):
+            raise TypeError(f"join_schedules: {arg} must be a list, got {type(value).__name__}")
     schedules = list(schedules)
     boundaries = [check.integer(b, arg="boundaries", name="join_schedules") for b in boundaries]
     for i, s in enumerate(schedules):

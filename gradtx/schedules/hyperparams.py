@@ -22,7 +22,7 @@ import torch
 
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, OptState, Params, export_metrics, remember
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, export_metrics, remember
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -134,11 +134,15 @@ def inject_hyperparams(
         zero = torch.zeros((), dtype=torch.int64)
         inner_factory(**fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()})
 
+        def float_dtype(tree: PyTree) -> torch.dtype:
+            """``hyperparam_dtype``, else fp64 when a leaf is fp64 (or complex128), else fp32."""
+            tensors = [t for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor)]
+            wide = any(t.dtype in (torch.float64, torch.complex128) for t in tensors)
+            return hyperparam_dtype or (torch.float64 if wide else torch.float32)
+
         def init_fn(params: Params) -> InjectHyperparamsState:
             device = tu.device_of(params)
-            tensors = [t for t in tu.flatten(params)[0] if isinstance(t, torch.Tensor)]
-            wide = any(t.dtype in (torch.float64, torch.complex128) for t in tensors)
-            dtype = hyperparam_dtype or (torch.float64 if wide else torch.float32)
+            dtype = float_dtype(params)
             count = torch.zeros((), dtype=torch.int64, device=device)
             hparams = {k: _as_tensor(v, dtype, device) for k, v in numeric.items()}
             hparams.update({k: _as_tensor(f(count), dtype, device) for k, f in schedules.items()})
@@ -158,8 +162,11 @@ def inject_hyperparams(
                     check.scalar_tensor(v, arg=f"state.hyperparams[{k!r}]", name=name)
                 elif not _is_number(v):
                     raise TypeError(f"{name}: state.hyperparams[{k!r}] must be a number or a 0-d tensor, got {v!r:.80}")
-                # A Python number set by hand is welcome, but a compiled step would specialise on it: use a tensor.
-                hparams[k] = v if isinstance(v, torch.Tensor) else _as_tensor(v, None, state.count.device)
+                # A Python number set by hand is welcome (in init's dtype), but a compiled step would specialise on
+                # it: use a tensor.
+                if not isinstance(v, torch.Tensor):
+                    v = _as_tensor(v, float_dtype(params if params is not None else updates), state.count.device)
+                hparams[k] = v
             for k, f in schedules.items():
                 old = state.hyperparams[k]
                 hparams[k] = _as_tensor(

@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -19,21 +20,35 @@ import torch
 
 from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, as_comm
 from gradtx.core import tree as tu
+from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
 
 
-def _tensor_leaves(tree: PyTree) -> list[tuple[str, torch.Tensor]]:
-    return [
-        (tu.path_str(p), leaf) for p, leaf in zip(tu.paths(tree), tu.flatten(tree)[0]) if isinstance(leaf, torch.Tensor)
-    ]
+def _leaves(tree: PyTree) -> list[tuple[str, Any]]:
+    return [(tu.path_str(p), leaf) for p, leaf in zip(tu.paths(tree), tu.flatten(tree)[0])]
 
 
-def _snapshot(tree: PyTree) -> list[tuple[str, torch.Tensor, torch.Tensor, int]]:
-    return [(path, t, tu.local(t).detach().clone(), t._version) for path, t in _tensor_leaves(tree)]
+class _Snapshot(NamedTuple):
+    tree: PyTree
+    spec: Any
+    leaves: list[Any]  # the leaf objects themselves: one replaced in a container shows by identity
+    tensors: list[tuple[str, torch.Tensor, torch.Tensor, int]]  # path, tensor, copy of its value, version
 
 
-def _check_unchanged(snapshot: list[tuple[str, torch.Tensor, torch.Tensor, int]], what: str) -> None:
-    for path, t, copy, version in snapshot:
+def _snapshot(tree: PyTree) -> _Snapshot:
+    leaves, spec = tu.flatten(tree)
+    tensors = [(path, t, tu.local(t).detach().clone(), t._version) for path, t in _leaves(tree) if torch.is_tensor(t)]
+    return _Snapshot(tree, spec, leaves, tensors)
+
+
+def _check_unchanged(snapshot: _Snapshot, what: str) -> None:
+    spec = tu.flatten(snapshot.tree)[1]
+    if spec != snapshot.spec:
+        raise AssertionError(f"{what} changed structure in place: {snapshot.spec} became {spec}")
+    for (path, now), before in zip(_leaves(snapshot.tree), snapshot.leaves):
+        if now is not before:
+            raise AssertionError(f"{what} at {path} was replaced in place (its container was modified)")
+    for path, t, copy, version in snapshot.tensors:
         if t._version != version:
             raise AssertionError(f"{what} at {path} was modified in place (its version counter moved)")
         if not torch.equal(torch.nan_to_num(tu.local(t).detach()), torch.nan_to_num(copy)):  # NaNs equal
@@ -58,6 +73,7 @@ def assert_pure(
     Returns:
       The ``(updates, state)`` of the last step.
     """
+    steps = check.integer(steps, arg="steps", name="assert_pure", minimum=1)
     params_snap = _snapshot(params)
     if state is None:
         state = tx.init(params if params is not None else updates)
@@ -81,7 +97,12 @@ def assert_trees_close(
     where = tu.first_mismatch(expected, actual)
     if where is not None:
         raise AssertionError(f"{msg}actual tree does not match expected tree at {where}")
-    for (path, a), (_, e) in zip(_tensor_leaves(actual), _tensor_leaves(expected)):
+    for (path, a), (_, e) in zip(_leaves(actual), _leaves(expected)):
+        if not (torch.is_tensor(a) and torch.is_tensor(e)):  # a Python number, a string, ...: equal, of one type
+            both_nan = isinstance(a, float) and isinstance(e, float) and math.isnan(a) and math.isnan(e)
+            if type(a) is not type(e) or not (both_nan or a == e):
+                raise AssertionError(f"{msg}{path}: {a!r} ({type(a).__name__}) != {e!r} ({type(e).__name__})")
+            continue
         a, e = tu.local(a).detach(), tu.local(e).detach()
         try:  # (it checks dtypes too: "The values for attribute 'dtype' do not match")
             torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
@@ -90,7 +111,7 @@ def assert_trees_close(
 
 
 def assert_trees_equal(actual: PyTree, expected: PyTree, *, msg: str = "") -> None:
-    """Assert two trees are bitwise equal (NaNs equal)."""
+    """Assert two trees are exactly equal, leaf by leaf (NaNs equal; ``0.0`` equals ``-0.0``)."""
     assert_trees_close(actual, expected, rtol=0.0, atol=0.0, msg=msg)
 
 

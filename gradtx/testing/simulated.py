@@ -34,6 +34,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from gradtx.core import tree as tu
+from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
 from gradtx.core.base import metrics as _metrics
 from gradtx.transforms.combine import apply_updates
@@ -69,7 +70,11 @@ def simulated_mesh(shape: Sequence[int] | int, names: Sequence[str] | None = Non
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     if not shape or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
         raise ValueError(f"simulated_mesh: shape must be positive ints, e.g. (2, 2), got {shape!r}")
-    names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
+    if names is None:
+        names = tuple(f"d{i}" for i in range(len(shape)))
+    elif isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise TypeError(f"simulated_mesh: names must be a sequence of strings, one per mesh dim, got {names!r}")
+    names = tuple(names)
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise ValueError(f"simulated_mesh: names must be {len(shape)} distinct strings for shape {shape}, got {names}")
     if dist.is_initialized():
@@ -401,7 +406,8 @@ def assert_matches_single_device(
     """
     if not grads_seq:
         raise ValueError("assert_matches_single_device: grads_seq is empty; pass one grads tree per step")
-    steps = len(grads_seq) if steps is None else steps
+    name = "assert_matches_single_device"
+    steps = len(grads_seq) if steps is None else check.integer(steps, arg="steps", name=name, minimum=1)
     real = dist.is_initialized() and local_tensor_mode() is None
     mesh_cm: Any = contextlib.nullcontext(mesh)
     if mesh is None:
