@@ -276,3 +276,18 @@ def test_assert_matches_single_device_refuses_steps_that_check_nothing(steps):
             gtx.clip_by_global_norm(1.0), grads, {"w": torch.randn(4, 3)}, mesh_shape=(2,), layout="fsdp", steps=steps
         )
     assert not dist.is_initialized()
+
+
+def test_a_layout_placement_is_checked_against_its_leaf_and_a_negative_dim_counts_from_the_end():
+    full = {"w": torch.randn(6, 4), "s": torch.tensor(2.0)}
+    with testing.simulated_mesh(2) as mesh:
+        neg = testing.distribute(full, mesh, {"w": [Shard(-1)]})
+        pos = testing.distribute(full, mesh, {"w": [Shard(1)]})
+        assert tuple(neg["w"].placements) == (Shard(1),)  # as torch's distribute_tensor normalises it
+        torch.testing.assert_close(neg["w"].full_tensor(), pos["w"].full_tensor(), rtol=0, atol=0)
+        with pytest.raises(ValueError, match=r"shards w \(shape \(6, 4\)\) on dim 2"):
+            testing.distribute(full, mesh, {"w": [Shard(2)]})
+        with pytest.raises(ValueError, match="shards s"):
+            testing.distribute(full, mesh, {"s": [Shard(0)]})
+        with pytest.raises(TypeError, match="gives w a str"):
+            testing.distribute(full, mesh, {"w": ["Shard(0)"]})

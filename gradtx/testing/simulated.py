@@ -235,13 +235,26 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
             matrices += leaf.ndim >= 2
         else:
             found = layout(dotted, leaf) if callable(layout) else _lookup(layout, dotted)
-            placements = list(found) if found is not None else [Replicate()] * mesh.ndim
+            placements = [_checked(p, dotted, leaf) for p in found] if found is not None else [Replicate()] * mesh.ndim
             if len(placements) != mesh.ndim:
                 raise ValueError(
                     f"distribute: layout gives {dotted} {len(placements)} placements for a {mesh.ndim}-D mesh"
                 )
         out.append(_put(leaf.detach(), mesh, None if placements is None else _strided(list(placements), mesh)))
     return optree.tree_unflatten(spec, out)
+
+
+def _checked(placement: Any, dotted: str, leaf: torch.Tensor) -> Placement:
+    """A placement the layout gives, refused naming the path unless it fits the leaf; a negative ``Shard`` dim
+    counts from the end, as in torch's ``distribute_tensor``."""
+    if not isinstance(placement, Placement):
+        raise TypeError(f"distribute: layout gives {dotted} a {type(placement).__name__}, not a Placement (Shard(0))")
+    if not isinstance(placement, Shard):
+        return placement
+    dim = placement.dim + leaf.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < leaf.ndim:
+        raise ValueError(f"distribute: layout shards {dotted} (shape {tuple(leaf.shape)}) on dim {placement.dim}")
+    return Shard(dim) if type(placement) is Shard else placement
 
 
 def _put(full: torch.Tensor, mesh: DeviceMesh, placements: list[Placement] | None) -> torch.Tensor:
