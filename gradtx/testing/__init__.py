@@ -16,6 +16,7 @@ import math
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
+import optree
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, as_comm
@@ -24,8 +25,10 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
 
 
-def _leaves(tree: PyTree) -> list[tuple[str, Any]]:
-    return [(tu.path_str(p), leaf) for p, leaf in zip(tu.paths(tree), tu.flatten(tree)[0])]
+def _leaves(tree: PyTree) -> tuple[list[tuple[str, Any]], Any]:
+    """``tree``'s ``(path, leaf)`` pairs and its structure, from one flatten."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    return [(tu.path_str(p), leaf) for p, leaf in zip(paths, leaves)], spec
 
 
 class _Snapshot(NamedTuple):
@@ -36,16 +39,16 @@ class _Snapshot(NamedTuple):
 
 
 def _snapshot(tree: PyTree) -> _Snapshot:
-    leaves, spec = tu.flatten(tree)
-    tensors = [(path, t, tu.local(t).detach().clone(), t._version) for path, t in _leaves(tree) if torch.is_tensor(t)]
-    return _Snapshot(tree, spec, leaves, tensors)
+    entries, spec = _leaves(tree)
+    tensors = [(path, t, tu.local(t).detach().clone(), t._version) for path, t in entries if torch.is_tensor(t)]
+    return _Snapshot(tree, spec, [leaf for _, leaf in entries], tensors)
 
 
 def _check_unchanged(snapshot: _Snapshot, what: str) -> None:
-    spec = tu.flatten(snapshot.tree)[1]
+    entries, spec = _leaves(snapshot.tree)
     if spec != snapshot.spec:
         raise AssertionError(f"{what} changed structure in place: {snapshot.spec} became {spec}")
-    for (path, now), before in zip(_leaves(snapshot.tree), snapshot.leaves):
+    for (path, now), before in zip(entries, snapshot.leaves):
         if now is not before:
             raise AssertionError(f"{what} at {path} was replaced in place (its container was modified)")
     for path, t, copy, version in snapshot.tensors:
@@ -97,7 +100,7 @@ def assert_trees_close(
     where = tu.first_mismatch(expected, actual)
     if where is not None:
         raise AssertionError(f"{msg}actual tree does not match expected tree at {where}")
-    for (path, a), (_, e) in zip(_leaves(actual), _leaves(expected)):
+    for (path, a), (_, e) in zip(_leaves(actual)[0], _leaves(expected)[0]):
         if not (torch.is_tensor(a) and torch.is_tensor(e)):  # a Python number, a string, ...: equal, of one type
             both_nan = isinstance(a, float) and isinstance(e, float) and math.isnan(a) and math.isnan(e)
             if type(a) is not type(e) or not (both_nan or a == e):

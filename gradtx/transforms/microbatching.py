@@ -105,7 +105,8 @@ def microbatch(
 
     def microbatched(*args: Any, **kwargs: Any) -> Any:
         for k in keys:
-            if k not in kwargs if isinstance(k, str) else k >= len(args):
+            passed = k in kwargs if isinstance(k, str) else k < len(args)
+            if not passed:
                 raise ValueError(
                     f"microbatch: batch argument {k!r} (argnums/argnames) was not passed: got {len(args)} "
                     f"positional arguments and keywords {sorted(kwargs)}"
