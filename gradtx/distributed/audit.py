@@ -24,7 +24,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import PyTree
 from gradtx.distributed import plan as plans
-from gradtx.distributed.global_norm import all_max, from_placements
+from gradtx.distributed.global_norm import all_max, plan_of
 from gradtx.distributed.plan import DTensor
 
 Number = float | tuple[float, ...]
@@ -238,18 +238,15 @@ def norm_audit(
       >>> assert audit.row("tok_emb.weight").summed == ("dp",)
     """
     norm_type = check.norm_type(norm_type, name="norm_audit")
-    plans.check_plan(plan, name="norm_audit")
     paths, leaves, _ = optree.tree_flatten_with_path(grads)
     tu.check_tensors(leaves, paths, what="norm_audit: grads")
     dotted = [tu.dotted(p) for p in paths]
     source = "declared" if plan is not None else "placements"
-    if plan is None:
-        plan = from_placements(leaves, what="norm_audit", tree=grads)
+    plan = plan_of(leaves, plan, None, "norm_audit", grads)  # a declared plan is checked against the grads
     plain_as = ""
     if plan is None:  # each rank's local norm: a plan with no groups, whose comm is never asked
         source, plain_as = "none (local norm)", "plain"
         plan = plans._build(list(paths), leaves, LocalComm(), what="norm_audit")
-    plan.check(leaves, what="norm_audit")
     notes: list[str] = []
     same: bool | None = None
     if check_replicas:

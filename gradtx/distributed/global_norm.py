@@ -100,7 +100,8 @@ class PlanSlot:
         return {"key": None, "plan": None}
 
 
-def _plan(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: str, tree: PyTree) -> Any:
+def plan_of(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: str, tree: PyTree) -> Any:
+    """The plan for ``leaves``: ``mesh_groups``, checked against them, else their placements' (``None``: no DTensor)."""
     if mesh_groups is not None:
         check_plan(mesh_groups, name=what)
         mesh_groups.check(leaves, what=what)
@@ -177,7 +178,7 @@ def global_norm_of(
       rank that holds part of the model; no host sync. Every such rank must call it when it
       communicates.
     """
-    plan = _plan(leaves, mesh_groups, slot, what, tree)
+    plan = plan_of(leaves, mesh_groups, slot, what, tree)
     norm = norms.local_norm(leaves, norm_type) if plan is None else plan_norm(plan, leaves, norm_type)
     if device is not None:
         norm = norm.to(device=device, dtype=torch.float32)
@@ -195,7 +196,7 @@ def leaf_norms_of(
     slot: PlanSlot | None = None,
 ) -> list[torch.Tensor]:
     """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank."""
-    plan = _plan(leaves, mesh_groups, slot, what, tree)
+    plan = plan_of(leaves, mesh_groups, slot, what, tree)
     if plan is None:
         return norms.tensor_norms(leaves, 2.0)
     return unitwise_norms(plan, [leaves], unitwise=False, what=what)[0]  # one unit per leaf: 0-d each
@@ -266,7 +267,7 @@ def paired_norms(
         grads, weights = leaves, [all_params[i] for i in index]
     else:
         grads, weights = zero_filled(index, leaves, all_params), all_params
-    plan = _plan(grads, mesh_groups, slot, what, updates)
+    plan = plan_of(grads, mesh_groups, slot, what, updates)
     if plan is None:  # every unit is local: the plain single-device formula
         u_norms = [norms.unitwise_norm(x, unitwise=unitwise) for x in grads]
         p_norms = [norms.unitwise_norm(x, unitwise=unitwise) for x in weights]
