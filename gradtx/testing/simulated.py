@@ -426,17 +426,17 @@ def assert_matches_single_device(
     if mesh is None:
         if mesh_shape is None:
             raise ValueError("assert_matches_single_device: pass mesh_shape=(...) (or a mesh= to reuse)")
-        shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
-        if real and dist.get_world_size() != math.prod(shape):
-            raise ValueError(
-                f"assert_matches_single_device: mesh_shape {shape} has {math.prod(shape)} ranks, the process group "
-                f"{dist.get_world_size()}"
-            )
-        names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
-        if real:
+        if not real:
+            mesh_cm = simulated_mesh(mesh_shape, names)  # (it checks the shape and the names)
+        else:  # under torchrun: the real mesh of every rank
+            shape = (mesh_shape,) if isinstance(mesh_shape, int) else tuple(mesh_shape)
+            if dist.get_world_size() != math.prod(shape):
+                raise ValueError(
+                    f"assert_matches_single_device: mesh_shape {shape} has {math.prod(shape)} ranks, the process "
+                    f"group {dist.get_world_size()}"
+                )
+            names = tuple(names) if names is not None else tuple(f"d{i}" for i in range(len(shape)))
             mesh_cm = contextlib.nullcontext(init_device_mesh("cpu", shape, mesh_dim_names=names))
-        else:
-            mesh_cm = simulated_mesh(shape, names)
 
     expected = []
     with _mode_off():  # inside a reused simulated mesh, one device is plain tensors with the mode off
