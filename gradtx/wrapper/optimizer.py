@@ -164,7 +164,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer.__init__ sets an empty dict first: ignored. After that, as for a torch optimizer,
         # assigning a mapping (``defaultdict(dict)`` to reset) replaces every param's state with the mapping's.
         if "_live" in self.__dict__ and value is not self._state_view:
-            entries = dict(value)
+            entries = {p: _sd.plain(s) for p, s in dict(value).items()}
             self._state_view.clear()
             self._state_view.update(entries)
 

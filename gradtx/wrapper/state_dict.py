@@ -172,6 +172,14 @@ class ParamState(_View):
         yield GTX
 
 
+def plain(value: Any) -> Any:
+    """``value``, or for a live :class:`ParamState` what it holds: the inner optimizer's own state (not a stand-in)
+    and the ``"gradtx"`` entry, read now (``opt.state = defaultdict(dict, opt.state)`` clears the state first)."""
+    if not isinstance(value, ParamState):
+        return value
+    return {**value._opt.optimizer.state.get(value._p, {}), GTX: value[GTX]}
+
+
 class StateView(_View):
     """``opt.state``: a :class:`ParamState` for every param the transform sees; other params' inner state as is."""
 
@@ -187,10 +195,16 @@ class StateView(_View):
         if i is None:
             self._opt.optimizer.state[p] = value
             return
-        view = ParamState(self._opt, p, i)
-        for key in [k for k in view if k != GTX and k not in value]:
-            del view[key]
-        view.update(value)
+        # Into the inner optimizer's own dict, not a stand-in: a whole state set by hand is the one its next step uses,
+        # and a stand-in given back (a copy of what opt.state showed before the first step) is none, as in torch.
+        value, inner = plain(value), self._opt.optimizer.state[p]
+        shown = {} if inner else self._opt._live.stand_ins.get(p, {})
+        own = {k: v for k, v in value.items() if k != GTX and shown.get(k) is not v}
+        for key in [k for k in inner if k not in own]:
+            del inner[key]
+        inner.update(own)
+        if GTX in value:
+            set_entry(self._opt, i, value[GTX])
 
     def __delitem__(self, p: torch.Tensor) -> None:
         del self._opt.optimizer.state[p]
