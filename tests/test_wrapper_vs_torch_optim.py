@@ -452,6 +452,28 @@ def test_requires_grad_changes_after_wrapping_follow_torch():
     assert {id(p) for p in gtx_flat(opt.param_tree())} == {id(p) for p in ours.parameters()}
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_param_frozen_when_wrapped_that_holds_a_grad_is_stepped_as_torch_steps_it(fused):
+    """torch.optim steps every param with a grad, whatever its requires_grad: a grad left from before the freeze."""
+    ref, ours = make_model(), make_model()
+    x, y = batches(1, seed=5)[0]
+    for model in (ref, ours):
+        F.cross_entropy(model(x), y).backward()  # a grad from before the freeze (zero_grad(set_to_none=False) too)
+        model[0].weight.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.5, fused=fused)
+    opt = gtx.TransformedOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.5, fused=fused), gtx.clip_by_global_norm(0.5)
+    )
+    for x, y in batches(4):
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.5)
+        ref_opt.step()
+        F.cross_entropy(ours(x), y).backward()
+        opt.step()
+        assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ours[0].weight, make_model()[0].weight)  # it was stepped
+
+
 def gtx_flat(tree):
     return [p for group in tree for p in group]
 

@@ -229,9 +229,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
         The params that required grad when the wrapper was built, those of
         groups added with :meth:`add_param_group`, and params unfrozen since:
-        a param whose ``requires_grad`` became True joins at the first step
-        where it has a grad, with a fresh transform state (as a ``torch.optim``
-        optimizer starts stepping it then). A param frozen later stays and gets
+        a param frozen then joins at the first step where it has a grad, with a
+        fresh transform state (as a ``torch.optim`` optimizer, which steps every
+        param with a grad, starts stepping it then). A param frozen later stays and gets
         no grad. Build a :func:`gradtx.mesh_groups` plan for the wrapper from
         this tree, so the plan's leaf order is the transform's.
         """
@@ -296,8 +296,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     def _prepare(self) -> None:
         grads.check_groups(self.optimizer.param_groups, self._tree)
-        if self._frozen and any(p.requires_grad and p.grad is not None for p in self._frozen):
-            # Params unfrozen since the tree was built, now holding a grad, join it with a fresh transform state.
+        if self._frozen and any(p.grad is not None for p in self._frozen):
+            # Params frozen when the tree was built, now holding a grad, join it with a fresh transform state.
             self._grow(grads.joined(self._tree, self.optimizer.param_groups))
         if self._plan.window is not None:
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
