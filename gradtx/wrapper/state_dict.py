@@ -318,13 +318,17 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         raise TypeError(f"{what}: state_dict['state'] must be a dict, got {type(state_dict['state']).__name__}")
     groups = opt.optimizer.param_groups
     saved_of = _saved_ids(state_dict["param_groups"], groups, what=what)
-    saved = [state_dict["state"].get(saved_of[id(p)]) for p in opt._frozen]
-    # Params frozen when the wrapper was built that the saved run had unfrozen (gradual unfreezing, resumed from a
-    # script that freezes them again first): the transform saw them, so they join it, as at their first grad.
-    joining = {id(p) for p, s in zip(opt._frozen, saved) if isinstance(s, dict) and GTX in s}
+    saved = {id(p): state_dict["state"].get(saved_of[id(p)]) for g in groups for p in g["params"]}
+    seen = {i for i, s in saved.items() if isinstance(s, dict) and GTX in s}
+    # The transform's params as the saved run had them: a param frozen here that it had unfrozen joins (gradual
+    # unfreezing, resumed by a script that freezes it first), and one it had never seen nor stepped (no entry: frozen
+    # there, unfrozen here) leaves, to join at its first grad as it would have there.
+    new = [
+        [p for p in g["params"] if id(p) in seen or (p in opt._position and saved[id(p)] is not None)] for g in groups
+    ]
     tree, tx_state = opt._tree, opt._live.tx_state
-    if joining:
-        opt._grow([[p for p in g["params"] if p in opt._position or id(p) in joining] for g in groups])
+    if seen and [list(map(id, g)) for g in new] != [list(map(id, g)) for g in tree]:
+        opt._grow(new)
     try:
         _load(opt, state_dict, saved_of, what)
     except Exception:  # as it was
