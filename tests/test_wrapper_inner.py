@@ -235,6 +235,53 @@ def test_resetting_the_inner_state_midway_steps_as_torch_does(reset, fused):
         assert_trees_close(dict(inner.state[p]), dict(ref_inner.state[q]), rtol=0, atol=0)
 
 
+def _inner_only(state):
+    return {p: {k: v for k, v in s.items() if k != "gradtx"} for p, s in state.items()}
+
+
+RESTORES = {
+    # the forum idiom after a load (discuss.pytorch.org/t/saving-and-loading-sgd-optimizer/2536): a no-op in torch
+    "opt.state = defaultdict(dict, opt.state)": lambda opt: setattr(opt, "state", defaultdict(dict, opt.state)),
+    "opt.state = a copy of it": lambda opt: setattr(opt, "state", defaultdict(dict, _inner_only(opt.state))),
+    "opt.state.clear(); opt.state[p] = saved": lambda opt: [
+        saved := _inner_only(opt.state),
+        opt.state.clear(),
+        [opt.state.__setitem__(p, s) for p, s in saved.items()],
+    ],
+    # the usual loop moving the state to the params' device: on a fresh optimizer (no state in torch) it stays fresh
+    "state[k] = v.to(device)": lambda opt: [
+        s.__setitem__(k, v.to(p.device)) for p, s in opt.state.items() for k, v in s.items() if torch.is_tensor(v)
+    ],
+}
+
+
+@pytest.mark.parametrize("at", [0, 3])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("restore", list(RESTORES))
+def test_a_state_assigned_through_opt_state_is_the_one_the_next_step_uses(restore, fused, at):
+    """State written back through opt.state, into params whose inner state is empty (cleared first), is kept;
+    on a fresh optimizer, what it shows before its first step is no state."""
+    runs = {}
+    for name in ("wrapper", "torch"):
+        model = make_model()
+        inner = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused)
+        opt = gtx.TransformedOptimizer(inner, gtx.identity()) if name == "wrapper" else inner
+        x, y = data()
+        for step in range(6):
+            if step == at:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                RESTORES[restore](opt)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        runs[name] = (model, inner)
+    (model, inner), (ref, ref_inner) = runs["wrapper"], runs["torch"]
+    assert_trees_close(list(model.parameters()), list(ref.parameters()), rtol=0, atol=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert int(inner.state[p]["step"]) == int(ref_inner.state[q]["step"]) == 6
+        assert_trees_close(dict(inner.state[p]), dict(ref_inner.state[q]), rtol=0, atol=0)
+
+
 def test_sparse_adam_behind_a_window_and_another_member_steps_on_the_window_mean():
     """SparseAdam's sparse grads pass a chain with no norm (accumulate, then identity) as torch would take them."""
 

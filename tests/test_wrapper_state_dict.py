@@ -157,6 +157,50 @@ def test_a_run_resumed_after_gradual_unfreezing_goes_on_as_the_uninterrupted_run
     assert_trees_equal(resumed.tx_state, opt.tx_state)
 
 
+@pytest.mark.parametrize("stop", [2, 3])  # at a window boundary, and with the window open
+def test_a_checkpoint_saved_while_a_layer_was_frozen_loads_where_it_is_trainable(stop):
+    """Saved before the layer was unfrozen, resumed by a script that builds the optimizer with it trainable (its
+    schedule says it is by now): torch's optimizer loads that, and so does the wrapper; the layer joins at its first
+    grad as it would have in the saved run. Against torch: the same run, unfreezing the layer at the resume point."""
+    k = 2
+
+    def make_model(frozen):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        model[0].weight.requires_grad_(not frozen)
+        return model
+
+    def wrap(model):
+        inner = torch.optim.AdamW(model.parameters(), lr=0.1)
+        return gtx.TransformedOptimizer(inner, gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(0.5)))
+
+    def loss(model, seed):
+        g = torch.Generator().manual_seed(seed)
+        return F.mse_loss(model(torch.randn(5, 4, generator=g)), torch.randn(5, 3, generator=g))
+
+    ref = make_model(frozen=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    model = make_model(frozen=True)
+    opt = wrap(model)
+    for seed in range(8):
+        if seed == stop:
+            ref[0].weight.requires_grad_(True)
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+            model = make_model(frozen=False)
+            opt = wrap(model)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        (loss(ref, seed) / k).backward()
+        if (seed + 1) % k == 0:
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.5)
+            ref_opt.step()
+            ref_opt.zero_grad()
+        loss(model, seed).backward()
+        opt.step()
+        opt.zero_grad()
+    assert_trees_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=1e-6, atol=1e-7)
+
+
 def test_a_bad_checkpoint_for_a_frozen_param_leaves_the_wrapper_as_it_was():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3))

@@ -452,6 +452,62 @@ def test_requires_grad_changes_after_wrapping_follow_torch():
     assert {id(p) for p in gtx_flat(opt.param_tree())} == {id(p) for p in ours.parameters()}
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_param_frozen_when_wrapped_that_holds_a_grad_is_stepped_as_torch_steps_it(fused):
+    """torch.optim steps every param with a grad, whatever its requires_grad: a grad left from before the freeze."""
+    ref, ours = make_model(), make_model()
+    x, y = batches(1, seed=5)[0]
+    for model in (ref, ours):
+        F.cross_entropy(model(x), y).backward()  # a grad from before the freeze (zero_grad(set_to_none=False) too)
+        model[0].weight.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.5, fused=fused)
+    opt = gtx.TransformedOptimizer(
+        torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.5, fused=fused), gtx.clip_by_global_norm(0.5)
+    )
+    for x, y in batches(4):
+        F.cross_entropy(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.5)
+        ref_opt.step()
+        F.cross_entropy(ours(x), y).backward()
+        opt.step()
+        assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ours[0].weight, make_model()[0].weight)  # it was stepped
+
+
+@pytest.mark.parametrize("edit", ["append", "remove"])
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
+def test_params_added_to_or_taken_from_a_group_by_hand_are_stepped_as_torch_steps_them(opt_name, edit):
+    """A model that grows a param appends it to a group's list (torch.optim steps it from its first grad); one taken
+    out is no longer stepped. Against torch's accumulation recipe, clipping over the groups' params."""
+    k = 2
+    ref, ours = make_model(), make_model()
+    grown = {id(m): torch.nn.Parameter(torch.ones(3)) for m in (ref, ours)}
+    ref_opt = OPTS[opt_name](ref.parameters())
+    opt = gtx.TransformedOptimizer(
+        OPTS[opt_name](ours.parameters()), gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(0.5))
+    )
+    for i, (x, y) in enumerate(batches(8)):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            if i == 4 and edit == "append":
+                o.param_groups[0]["params"].append(grown[id(model)])
+            if i == 4 and edit == "remove":
+                assert o.param_groups[0]["params"].pop(1) is model[0].bias
+            out = model(x) * grown[id(model)] if edit == "append" and i >= 4 else model(x)
+            if o is ref_opt:
+                (F.cross_entropy(out, y) / k).backward()
+                if (i + 1) % k == 0:
+                    torch.nn.utils.clip_grad_norm_(o.param_groups[0]["params"], 0.5)
+                    o.step()
+                    o.zero_grad()
+            else:
+                F.cross_entropy(out, y).backward()
+                o.step()
+                o.zero_grad()
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6, atol=1e-7)
+    assert_trees_close(grown[id(ours)], grown[id(ref)], rtol=1e-6, atol=1e-7)
+    assert [list(map(id, g)) for g in opt.param_tree()] == [list(map(id, opt.param_groups[0]["params"]))]
+
+
 def gtx_flat(tree):
     return [p for group in tree for p in group]
 

@@ -30,9 +30,10 @@ def trainable(groups: list[dict[str, Any]]) -> ParamTree:
 
 
 def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree:
-    """The tree grown by the params unfrozen since it was built (requires_grad and a grad)."""
+    """The tree grown by the params that have a grad since it was built (unfrozen, or holding one from before:
+    torch.optim steps every param with a grad, whatever its ``requires_grad``)."""
     seen = {id(p) for p in tu.flatten(tree)[0]}
-    return [[p for p in g["params"] if id(p) in seen or (p.requires_grad and p.grad is not None)] for g in groups]
+    return [[p for p in g["params"] if id(p) in seen or p.grad is not None] for g in groups]
 
 
 def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: ParamTree) -> OptState:

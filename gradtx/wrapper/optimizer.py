@@ -45,6 +45,11 @@ class _Live:
         self.lr_prev = (False, False)  # whether the lr changed at the last step, and inside a window
 
 
+def _lists(groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """Each group's params list, by identity and length: what a hand edit of the groups changes."""
+    return [(id(g["params"]), len(g["params"])) for g in groups]
+
+
 class TransformedOptimizer(torch.optim.Optimizer):
     """Make any ``torch.optim`` optimizer apply a gradtx transform to ``p.grad`` first.
 
@@ -141,6 +146,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._position = {p: i for i, p in enumerate(self._flat)}  # by identity: a tensor hashes by id
         # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
         self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]
+        self._lists = _lists(self.optimizer.param_groups)
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
         self._device = tu.device_of(self._flat)
 
@@ -164,7 +170,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer.__init__ sets an empty dict first: ignored. After that, as for a torch optimizer,
         # assigning a mapping (``defaultdict(dict)`` to reset) replaces every param's state with the mapping's.
         if "_live" in self.__dict__ and value is not self._state_view:
-            entries = dict(value)
+            entries = {p: _sd.plain(s) for p, s in dict(value).items()}
             self._state_view.clear()
             self._state_view.update(entries)
 
@@ -229,9 +235,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
         The params that required grad when the wrapper was built, those of
         groups added with :meth:`add_param_group`, and params unfrozen since:
-        a param whose ``requires_grad`` became True joins at the first step
-        where it has a grad, with a fresh transform state (as a ``torch.optim``
-        optimizer starts stepping it then). A param frozen later stays and gets
+        a param frozen then joins at the first step where it has a grad, with a
+        fresh transform state (as a ``torch.optim`` optimizer, which steps every
+        param with a grad, starts stepping it then). A param frozen later stays and gets
         no grad. Build a :func:`gradtx.mesh_groups` plan for the wrapper from
         this tree, so the plan's leaf order is the transform's.
         """
@@ -294,10 +300,18 @@ class TransformedOptimizer(torch.optim.Optimizer):
     # torch's own runner of the step hooks (registered on the wrapper, and global ones), in its profiler range.
     _step_with_hooks = torch.optim.Optimizer.profile_hook_step(_step_closure)
 
+    def _follow_groups(self) -> None:
+        """Params added to a group's list by hand (as torch.optim takes them) join once they have a grad, as frozen
+        ones do (:meth:`_prepare`); params taken out leave the transform."""
+        groups = self.optimizer.param_groups
+        if len(groups) == len(self._tree) and self._lists != _lists(groups):
+            self._grow([[p for p in g["params"] if p in self._position] for g in groups])
+
     def _prepare(self) -> None:
         grads.check_groups(self.optimizer.param_groups, self._tree)
-        if self._frozen and any(p.requires_grad and p.grad is not None for p in self._frozen):
-            # Params unfrozen since the tree was built, now holding a grad, join it with a fresh transform state.
+        self._follow_groups()
+        if self._frozen and any(p.grad is not None for p in self._frozen):
+            # Params frozen when the tree was built, now holding a grad, join it with a fresh transform state.
             self._grow(grads.joined(self._tree, self.optimizer.param_groups))
         if self._plan.window is not None:
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
@@ -456,6 +470,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # hooks registered on the wrapper, as torch
             pre_hook(self)
+        self._follow_groups()
         state_dict = _sd.state_dict(self)
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             result = post_hook(self, state_dict)
@@ -478,6 +493,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             state_dict = state_dict if result is None else result
+        self._follow_groups()
         _sd.load_state_dict(self, state_dict)  # the fused rule sees the inner optimizer's new state dict
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

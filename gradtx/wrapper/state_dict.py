@@ -172,6 +172,14 @@ class ParamState(_View):
         yield GTX
 
 
+def plain(value: Any) -> Any:
+    """``value``, or for a live :class:`ParamState` what it holds: the inner optimizer's own state (not a stand-in)
+    and the ``"gradtx"`` entry, read now (``opt.state = defaultdict(dict, opt.state)`` clears the state first)."""
+    if not isinstance(value, ParamState):
+        return value
+    return {**value._opt.optimizer.state.get(value._p, {}), GTX: value[GTX]}
+
+
 class StateView(_View):
     """``opt.state``: a :class:`ParamState` for every param the transform sees; other params' inner state as is."""
 
@@ -187,10 +195,16 @@ class StateView(_View):
         if i is None:
             self._opt.optimizer.state[p] = value
             return
-        view = ParamState(self._opt, p, i)
-        for key in [k for k in view if k != GTX and k not in value]:
-            del view[key]
-        view.update(value)
+        # Into the inner optimizer's own dict, not a stand-in: a whole state set by hand is the one its next step uses,
+        # and a stand-in given back (a copy of what opt.state showed before the first step) is none, as in torch.
+        value, inner = plain(value), self._opt.optimizer.state[p]
+        shown = {} if inner else self._opt._live.stand_ins.get(p, {})
+        own = {k: v for k, v in value.items() if k != GTX and shown.get(k) is not v}
+        for key in [k for k in inner if k not in own]:
+            del inner[key]
+        inner.update(own)
+        if GTX in value:
+            set_entry(self._opt, i, value[GTX])
 
     def __delitem__(self, p: torch.Tensor) -> None:
         del self._opt.optimizer.state[p]
@@ -304,13 +318,17 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         raise TypeError(f"{what}: state_dict['state'] must be a dict, got {type(state_dict['state']).__name__}")
     groups = opt.optimizer.param_groups
     saved_of = _saved_ids(state_dict["param_groups"], groups, what=what)
-    saved = [state_dict["state"].get(saved_of[id(p)]) for p in opt._frozen]
-    # Params frozen when the wrapper was built that the saved run had unfrozen (gradual unfreezing, resumed from a
-    # script that freezes them again first): the transform saw them, so they join it, as at their first grad.
-    joining = {id(p) for p, s in zip(opt._frozen, saved) if isinstance(s, dict) and GTX in s}
+    saved = {id(p): state_dict["state"].get(saved_of[id(p)]) for g in groups for p in g["params"]}
+    seen = {i for i, s in saved.items() if isinstance(s, dict) and GTX in s}
+    # The transform's params as the saved run had them: a param frozen here that it had unfrozen joins (gradual
+    # unfreezing, resumed by a script that freezes it first), and one it had never seen nor stepped (no entry: frozen
+    # there, unfrozen here) leaves, to join at its first grad as it would have there.
+    new = [
+        [p for p in g["params"] if id(p) in seen or (p in opt._position and saved[id(p)] is not None)] for g in groups
+    ]
     tree, tx_state = opt._tree, opt._live.tx_state
-    if joining:
-        opt._grow([[p for p in g["params"] if p in opt._position or id(p) in joining] for g in groups])
+    if seen and [list(map(id, g)) for g in new] != [list(map(id, g)) for g in tree]:
+        opt._grow(new)
     try:
         _load(opt, state_dict, saved_of, what)
     except Exception:  # as it was
