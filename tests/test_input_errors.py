@@ -103,14 +103,25 @@ def test_int_bool_and_sparse_grads_are_refused_naming_the_path(name, bad):
     assert_trees_equal(state, before)
 
 
-@pytest.mark.parametrize("name", ["scale_by_adam", "trace", "sgd", "adamw", "add_decayed_weights"])
+LEAFWISE = {  # transforms that step leaf by leaf (not through foreach groups): before, torch's RuntimeError
+    "ema": lambda: gtx.ema(0.9),
+    "scale_by_lion": lambda: gtx.scale_by_lion(),
+    "lion": lambda: gtx.lion(0.1),
+    "schedule_free_sgd": lambda: gtx.schedule_free_sgd(0.1),
+    "schedule_free_adamw": lambda: gtx.schedule_free_adamw(0.1),
+}
+
+
+@pytest.mark.parametrize("name", ["scale_by_adam", "trace", "sgd", "adamw", "add_decayed_weights", *sorted(LEAFWISE)])
 def test_grads_on_another_device_than_the_state_are_refused(name):
-    tx = TRANSFORMS[name]()
+    tx = {**TRANSFORMS, **LEAFWISE}[name]()
     params = _params()
     state = tx.init(params)
+    before = copy.deepcopy(state)
     grads = {k: torch.empty_like(v, device="meta") for k, v in params.items()}
     with pytest.raises(ValueError, match=r"\['b'\] is on meta.*cpu"):
         tx.update(grads, state, params)
+    assert_trees_equal(state, before)
 
 
 def test_accumulate_refuses_a_micro_batch_on_another_device():
