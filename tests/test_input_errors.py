@@ -215,6 +215,23 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
     "add_noise seed": (lambda: gtx.add_noise(0.01, 0.55, seed=2**70), r"add_noise: seed must be < 2\*\*64"),
     "muon ns_coeffs NaN": (lambda: gtx.muon(0.02, ns_coeffs=(NAN, 1.0, 1.0)), "ns_coeffs must be finite"),
     "muon ns_coeffs bools": (lambda: gtx.muon(0.02, ns_coeffs=(True, False, True)), "ns_coeffs must be three numbers"),
+    # a sweep of gtx.__all__ for bad arguments (before: torch's or optree's errors, the wrong name, or accepted)
+    "muon adam_learning_rate": (lambda: gtx.muon(0.02, adam_learning_rate="3e-4"), "muon: adam_learning_rate must be"),
+    "dpsgd nesterov": (lambda: gtx.dpsgd(0.1, 1.0, 1.0, seed=0, nesterov="no"), "dpsgd: nesterov must be a bool"),
+    "newton_schulz int x": (
+        lambda: gtx.newton_schulz(torch.ones(3, 3, dtype=torch.int64)),
+        "newton_schulz: x .* has dtype torch.int64",
+    ),
+    "newton_schulz list x": (lambda: gtx.newton_schulz([[1.0]]), "newton_schulz: x .* is a list"),
+    "newton_schulz ns_dtype": (
+        lambda: gtx.newton_schulz(torch.ones(3, 3), ns_dtype=torch.int32),
+        "newton_schulz: ns_dtype must be a floating",
+    ),
+    "no_sync sync None": (lambda: gtx.no_sync(torch.nn.Linear(2, 2), sync=None).__enter__(), "no_sync: sync must be"),
+    "norm_audit check_replicas": (
+        lambda: gtx.norm_audit({"w": torch.ones(2)}, check_replicas="no"),
+        "norm_audit: check_replicas must be a bool",
+    ),
 }
 
 

@@ -298,6 +298,7 @@ def dpsgd(
     """
     if momentum is not None:  # checked here, so an error names dpsgd's own argument
         check.non_negative(momentum, arg="momentum", name="dpsgd")
+    check.flag(nesterov, arg="nesterov", name="dpsgd")
     return chain(
         differentially_private_aggregate(l2_norm_clip, noise_multiplier, seed),
         trace(momentum, nesterov=nesterov) if momentum is not None else identity(),
