@@ -232,6 +232,18 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         lambda: gtx.norm_audit({"w": torch.ones(2)}, check_replicas="no"),
         "norm_audit: check_replicas must be a bool",
     ),
+    "incremental_update shape": (  # (3,) broadcast against (2, 3): a (2, 3) average came back
+        lambda: gtx.incremental_update({"w": torch.ones(2, 3)}, {"w": torch.zeros(3)}, 0.1),
+        r"incremental_update: new_tensors does not match old_tensors at \['w'\]: expected shape \(3,\), got \(2, 3\)",
+    ),
+    "incremental_update old None": (
+        lambda: gtx.incremental_update({"w": torch.ones(2)}, {"w": None}, 0.1),
+        r"incremental_update: new_tensors does not match old_tensors at \['w'\]",
+    ),
+    "periodic_update shape": (
+        lambda: gtx.periodic_update({"w": torch.ones(2, 3)}, {"w": torch.zeros(3)}, torch.tensor(3), 2),
+        r"periodic_update: old_tensors does not match new_tensors at \['w'\]: expected shape \(2, 3\), got \(3,\)",
+    ),
 }
 
 
