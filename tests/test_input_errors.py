@@ -244,6 +244,20 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         lambda: gtx.periodic_update({"w": torch.ones(2, 3)}, {"w": torch.zeros(3)}, torch.tensor(3), 2),
         r"periodic_update: old_tensors does not match new_tensors at \['w'\]: expected shape \(2, 3\), got \(3,\)",
     ),
+    "clip complex": (
+        lambda: gtx.clip(1.0).update({"b": torch.ones(2), "w": torch.ones(2, dtype=torch.complex64)}, gtx.EmptyState()),
+        r"clip: updates leaf at \['w'\] is complex",
+    ),
+    "per_example_global_norm_clip complex": (
+        lambda: gtx.per_example_global_norm_clip({"w": torch.ones(2, 3, dtype=torch.complex64)}, 1.0),
+        r"per_example_global_norm_clip: grads leaf at \['w'\] is complex",
+    ),
+    "differentially_private_aggregate complex": (
+        lambda: gtx.differentially_private_aggregate(1.0, 0.5, seed=0).update(
+            {"w": torch.ones(2, 3, dtype=torch.complex64)}, gtx.differentially_private_aggregate(1.0, 0.5, 0).init(None)
+        ),
+        r"differentially_private_aggregate: grads leaf at \['w'\] is complex",
+    ),
 }
 
 

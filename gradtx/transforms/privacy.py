@@ -33,6 +33,8 @@ def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], An
         raise ValueError(f"{name}: grads has no tensors")
     first = leaves[0].shape[0] if leaves[0].ndim else None
     for path, t in zip(tu.paths(grads), leaves):
+        if t.is_complex():  # (the noise is real: a complex grad's imaginary part would get none)
+            raise TypeError(f"{name}: grads leaf at {tu.path_str(path)} is complex; it takes real grads")
         if t.ndim == 0 or t.shape[0] != first:
             raise ValueError(
                 f"{name}: grads must be per-example, every leaf with the same leading example dim; the leaf at "
