@@ -228,6 +228,15 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         "newton_schulz: ns_dtype must be a floating",
     ),
     "no_sync sync None": (lambda: gtx.no_sync(torch.nn.Linear(2, 2), sync=None).__enter__(), "no_sync: sync must be"),
+    "exchange_plan rank": (lambda: gtx.exchange_plan({"w": torch.ones(4, 3)}, rank=-1), "exchange_plan: rank must be"),
+    "exchange_plan adaptive": (
+        lambda: gtx.exchange_plan({"w": torch.ones(4, 3)}, adaptive="no"),
+        "exchange_plan: adaptive must be a bool",
+    ),
+    "exchange_plan ns_steps": (
+        lambda: gtx.exchange_plan({"w": torch.ones(4, 3)}, ns_steps="5"),
+        "exchange_plan: ns_steps",
+    ),
     "norm_audit check_replicas": (
         lambda: gtx.norm_audit({"w": torch.ones(2)}, check_replicas="no"),
         "norm_audit: check_replicas must be a bool",
