@@ -33,7 +33,7 @@ def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], An
         raise ValueError(f"{name}: grads has no tensors")
     first = leaves[0].shape[0] if leaves[0].ndim else None
     for path, t in zip(tu.paths(grads), leaves):
-        if t.is_complex():  # (the noise is real: a complex grad's imaginary part would get none)
+        if t.is_complex():  # (the per-example norms and sums below are real)
             raise TypeError(f"{name}: grads leaf at {tu.path_str(path)} is complex; it takes real grads")
         if t.ndim == 0 or t.shape[0] != first:
             raise ValueError(
@@ -142,7 +142,8 @@ def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[l
     gen = torch.Generator()
     gen.set_state(rng_state)
     locals_ = [tu.local(t) for t in leaves]
-    noise = [torch.randn(x.shape, generator=gen, dtype=tu.acc_dtype(x.dtype)) for x in locals_]
+    dtypes = [x.dtype if x.is_complex() else tu.acc_dtype(x.dtype) for x in locals_]  # complex noise for complex x
+    noise = [torch.randn(x.shape, generator=gen, dtype=d) for x, d in zip(locals_, dtypes)]
     return [n.to(x.device, non_blocking=True) for n, x in zip(noise, locals_)], gen.get_state()
 
 
