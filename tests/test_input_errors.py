@@ -253,6 +253,12 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         lambda: gtx.periodic_update({"w": torch.ones(2, 3)}, {"w": torch.zeros(3)}, torch.tensor(3), 2),
         r"periodic_update: old_tensors does not match new_tensors at \['w'\]: expected shape \(2, 3\), got \(3,\)",
     ),
+    "conditionally_mask float leaf": (
+        lambda: gtx.conditionally_mask(gtx.sgd(0.1), lambda step: True).update(
+            {"b": 1.0}, gtx.conditionally_mask(gtx.sgd(0.1), lambda step: True).init({"b": torch.ones(2)})
+        ),
+        r"conditionally_mask: updates leaf at \['b'\] is a float",
+    ),
     "clip complex": (
         lambda: gtx.clip(1.0).update({"b": torch.ones(2), "w": torch.ones(2, dtype=torch.complex64)}, gtx.EmptyState()),
         r"clip: updates leaf at \['w'\] is complex",

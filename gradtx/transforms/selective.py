@@ -154,6 +154,8 @@ def _conditional(
             )
         # The updates are read again when the step is rejected: the inner transform may not write into them.
         # A predicate that answers in Python gets a Python choice, as lax.cond would make.
+        if zero_rejected:  # (zeros_like of a leaf that is no tensor would fail inside torch, naming no path)
+            tu.tensor_leaves(updates, what=f"{name}: updates")
         rejected = tu.tree_map(torch.zeros_like, updates) if zero_rejected else updates
         out, inner_state = select_step(
             inner, cond, updates, state.inner_state, params, extra, name=name, rejected=rejected
