@@ -283,6 +283,26 @@ def test_more_bad_arguments_are_refused_at_construction_naming_them(case):
         build()
 
 
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda s: gtx.scale_by_schedule(s), "scale_by_schedule: the schedule's value must be"),
+        (lambda s: gtx.sgd(s), "scale_by_learning_rate: the schedule's value must be"),
+        (lambda s: gtx.schedule_free(gtx.sgd(0.1), s), "schedule_free: the learning rate schedule's value must be"),
+        (lambda s: gtx.sgd(gtx.join_schedules([s, gtx.constant_schedule(0.1)], [5])), "join_schedules: a schedule's"),
+        (lambda s: gtx.inject_hyperparams(gtx.sgd)(learning_rate=s), "(inject_hyperparams|sgd): .* must be"),
+    ],
+)
+@pytest.mark.parametrize("value", [torch.full((2,), 0.1), "0.1", None])
+def test_a_schedule_whose_value_is_not_a_scalar_is_named(make, match, value):
+    """Before: torch's RuntimeError ('scalar tensor expected to be 0 dim'), float()'s ValueError, or, in
+    schedule_free, a (2,) learning rate taken silently (its state's max_lr became (2,))."""
+    params = {"w": torch.ones(2)}
+    with pytest.raises((TypeError, ValueError), match=match):
+        tx = make(lambda count: value)
+        tx.update(params, tx.init(params), params)
+
+
 def test_update_time_contracts_found_by_review():
     bad_verdict = gtx.skip_if(gtx.identity(), lambda updates, step, params: torch.tensor(False))
     with pytest.raises(TypeError, match="should_skip_update_fn must return \\(verdict, state\\)"):
