@@ -259,6 +259,19 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         ),
         r"conditionally_mask: updates leaf at \['b'\] is a float",
     ),
+    "conditionally_transform predicate float tensor": (  # before: torch.where's RuntimeError
+        lambda: gtx.conditionally_transform(gtx.sgd(0.1), lambda step: torch.tensor(1.0)).update(
+            {"b": torch.ones(2)},
+            gtx.conditionally_transform(gtx.sgd(0.1), lambda step: True).init({"b": torch.ones(2)}),
+        ),
+        r"should_transform_fn must return a bool or a 0-d bool tensor, got torch.float32 of shape \(\)",
+    ),
+    "conditionally_mask predicate 1-d": (  # before: applied element by element where it broadcasts
+        lambda: gtx.conditionally_mask(gtx.sgd(0.1), lambda step: torch.ones(2, dtype=torch.bool)).update(
+            {"b": torch.ones(2)}, gtx.conditionally_mask(gtx.sgd(0.1), lambda step: True).init({"b": torch.ones(2)})
+        ),
+        r"should_transform_fn must return a bool or a 0-d bool tensor, got torch.bool of shape \(2,\)",
+    ),
     "clip complex": (
         lambda: gtx.clip(1.0).update({"b": torch.ones(2), "w": torch.ones(2, dtype=torch.complex64)}, gtx.EmptyState()),
         r"clip: updates leaf at \['w'\] is complex",
