@@ -272,6 +272,12 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         ),
         r"should_transform_fn must return a bool or a 0-d bool tensor, got torch.bool of shape \(2,\)",
     ),
+    "pp_reduce int grads": (  # before: accepted (summed across the stages as integers)
+        lambda: gtx.pp_reduce(
+            gtx.mesh_groups({"w": torch.ones(2)}, comm=gtx.comm.LocalComm(), pp_group="pp", tied={"w": "pp"})
+        ).update({"w": torch.ones(2, dtype=torch.int64)}, gtx.EmptyState()),
+        r"pp_reduce: updates leaf at \['w'\] has dtype torch.int64",
+    ),
     "clip complex": (
         lambda: gtx.clip(1.0).update({"b": torch.ones(2), "w": torch.ones(2, dtype=torch.complex64)}, gtx.EmptyState()),
         r"clip: updates leaf at \['w'\] is complex",
