@@ -278,6 +278,10 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         ).update({"w": torch.ones(2, dtype=torch.int64)}, gtx.EmptyState()),
         r"pp_reduce: updates leaf at \['w'\] has dtype torch.int64",
     ),
+    "scalar_transformation factor": (  # before: accepted; "'str' object is not callable" at the first update
+        lambda: gtx.scalar_transformation(gtx.init_empty_state, "halve"),
+        "scalar_transformation: factor must be a function, got str",
+    ),
     "clip complex": (
         lambda: gtx.clip(1.0).update({"b": torch.ones(2), "w": torch.ones(2, dtype=torch.complex64)}, gtx.EmptyState()),
         r"clip: updates leaf at \['w'\] is complex",
