@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import torch
 
-from gradtx.comm import Comm, LocalComm, ReduceOp, TorchComm
+from gradtx.comm import Comm, LocalComm, ReduceOp, TorchComm, reduce_over_groups
 from gradtx.testing import RecordingComm
 from tests.distributed import models
 from tests.distributed.harness import part_results, share_spawn
@@ -135,6 +135,15 @@ def test_recording_comm_logs_and_forwards():
         ("max", "dp", 2, ((2, 3), ())),
         ("sum", "pp", 0, ()),
     ]
+
+
+def test_recording_comm_and_reduce_over_groups_name_a_bad_argument():
+    """Before: RecordingComm took any inner and failed at its first collective with an AttributeError;
+    reduce_over_groups with fewer groups than values raised an IndexError."""
+    with pytest.raises(TypeError, match="RecordingComm: comm must implement gradtx.comm.Comm"):
+        RecordingComm("dp")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce_over_groups: 2 values but 1 groups"):
+        reduce_over_groups(LocalComm(), [torch.ones(1), torch.ones(1)], [("dp",)], ["dp"], ReduceOp.SUM)
 
 
 # --- TorchComm --------------------------------------------------------------------------------

@@ -103,14 +103,25 @@ def test_int_bool_and_sparse_grads_are_refused_naming_the_path(name, bad):
     assert_trees_equal(state, before)
 
 
-@pytest.mark.parametrize("name", ["scale_by_adam", "trace", "sgd", "adamw", "add_decayed_weights"])
+LEAFWISE = {  # transforms that step leaf by leaf (not through foreach groups): before, torch's RuntimeError
+    "ema": lambda: gtx.ema(0.9),
+    "scale_by_lion": lambda: gtx.scale_by_lion(),
+    "lion": lambda: gtx.lion(0.1),
+    "schedule_free_sgd": lambda: gtx.schedule_free_sgd(0.1),
+    "schedule_free_adamw": lambda: gtx.schedule_free_adamw(0.1),
+}
+
+
+@pytest.mark.parametrize("name", ["scale_by_adam", "trace", "sgd", "adamw", "add_decayed_weights", *sorted(LEAFWISE)])
 def test_grads_on_another_device_than_the_state_are_refused(name):
-    tx = TRANSFORMS[name]()
+    tx = {**TRANSFORMS, **LEAFWISE}[name]()
     params = _params()
     state = tx.init(params)
+    before = copy.deepcopy(state)
     grads = {k: torch.empty_like(v, device="meta") for k, v in params.items()}
     with pytest.raises(ValueError, match=r"\['b'\] is on meta.*cpu"):
         tx.update(grads, state, params)
+    assert_trees_equal(state, before)
 
 
 def test_accumulate_refuses_a_micro_batch_on_another_device():
@@ -204,6 +215,95 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
     "add_noise seed": (lambda: gtx.add_noise(0.01, 0.55, seed=2**70), r"add_noise: seed must be < 2\*\*64"),
     "muon ns_coeffs NaN": (lambda: gtx.muon(0.02, ns_coeffs=(NAN, 1.0, 1.0)), "ns_coeffs must be finite"),
     "muon ns_coeffs bools": (lambda: gtx.muon(0.02, ns_coeffs=(True, False, True)), "ns_coeffs must be three numbers"),
+    # a sweep of gtx.__all__ for bad arguments (before: torch's or optree's errors, the wrong name, or accepted)
+    "muon adam_learning_rate": (lambda: gtx.muon(0.02, adam_learning_rate="3e-4"), "muon: adam_learning_rate must be"),
+    "dpsgd nesterov": (lambda: gtx.dpsgd(0.1, 1.0, 1.0, seed=0, nesterov="no"), "dpsgd: nesterov must be a bool"),
+    "newton_schulz int x": (
+        lambda: gtx.newton_schulz(torch.ones(3, 3, dtype=torch.int64)),
+        "newton_schulz: x .* has dtype torch.int64",
+    ),
+    "newton_schulz list x": (lambda: gtx.newton_schulz([[1.0]]), "newton_schulz: x .* is a list"),
+    "newton_schulz ns_dtype": (
+        lambda: gtx.newton_schulz(torch.ones(3, 3), ns_dtype=torch.int32),
+        "newton_schulz: ns_dtype must be a floating",
+    ),
+    "no_sync sync None": (lambda: gtx.no_sync(torch.nn.Linear(2, 2), sync=None).__enter__(), "no_sync: sync must be"),
+    "exchange_plan rank": (lambda: gtx.exchange_plan({"w": torch.ones(4, 3)}, rank=-1), "exchange_plan: rank must be"),
+    "exchange_plan adaptive": (
+        lambda: gtx.exchange_plan({"w": torch.ones(4, 3)}, adaptive="no"),
+        "exchange_plan: adaptive must be a bool",
+    ),
+    "exchange_plan ns_steps": (
+        lambda: gtx.exchange_plan({"w": torch.ones(4, 3)}, ns_steps="5"),
+        "exchange_plan: ns_steps",
+    ),
+    "norm_audit check_replicas": (
+        lambda: gtx.norm_audit({"w": torch.ones(2)}, check_replicas="no"),
+        "norm_audit: check_replicas must be a bool",
+    ),
+    "incremental_update shape": (  # (3,) broadcast against (2, 3): a (2, 3) average came back
+        lambda: gtx.incremental_update({"w": torch.ones(2, 3)}, {"w": torch.zeros(3)}, 0.1),
+        r"incremental_update: new_tensors does not match old_tensors at \['w'\]: expected shape \(3,\), got \(2, 3\)",
+    ),
+    "incremental_update old None": (
+        lambda: gtx.incremental_update({"w": torch.ones(2)}, {"w": None}, 0.1),
+        r"incremental_update: new_tensors does not match old_tensors at \['w'\]",
+    ),
+    "periodic_update shape": (
+        lambda: gtx.periodic_update({"w": torch.ones(2, 3)}, {"w": torch.zeros(3)}, torch.tensor(3), 2),
+        r"periodic_update: old_tensors does not match new_tensors at \['w'\]: expected shape \(2, 3\), got \(3,\)",
+    ),
+    "conditionally_mask float leaf": (
+        lambda: gtx.conditionally_mask(gtx.sgd(0.1), lambda step: True).update(
+            {"b": 1.0}, gtx.conditionally_mask(gtx.sgd(0.1), lambda step: True).init({"b": torch.ones(2)})
+        ),
+        r"conditionally_mask: updates leaf at \['b'\] is a float",
+    ),
+    "conditionally_transform predicate float tensor": (  # before: torch.where's RuntimeError
+        lambda: gtx.conditionally_transform(gtx.sgd(0.1), lambda step: torch.tensor(1.0)).update(
+            {"b": torch.ones(2)},
+            gtx.conditionally_transform(gtx.sgd(0.1), lambda step: True).init({"b": torch.ones(2)}),
+        ),
+        r"should_transform_fn must return a bool or a 0-d bool tensor, got torch.float32 of shape \(\)",
+    ),
+    "conditionally_mask predicate 1-d": (  # before: applied element by element where it broadcasts
+        lambda: gtx.conditionally_mask(gtx.sgd(0.1), lambda step: torch.ones(2, dtype=torch.bool)).update(
+            {"b": torch.ones(2)}, gtx.conditionally_mask(gtx.sgd(0.1), lambda step: True).init({"b": torch.ones(2)})
+        ),
+        r"should_transform_fn must return a bool or a 0-d bool tensor, got torch.bool of shape \(2,\)",
+    ),
+    "pp_reduce int grads": (  # before: accepted (summed across the stages as integers)
+        lambda: gtx.pp_reduce(
+            gtx.mesh_groups({"w": torch.ones(2)}, comm=gtx.comm.LocalComm(), pp_group="pp", tied={"w": "pp"})
+        ).update({"w": torch.ones(2, dtype=torch.int64)}, gtx.EmptyState()),
+        r"pp_reduce: updates leaf at \['w'\] has dtype torch.int64",
+    ),
+    "scalar_transformation factor": (  # before: accepted; "'str' object is not callable" at the first update
+        lambda: gtx.scalar_transformation(gtx.init_empty_state, "halve"),
+        "scalar_transformation: factor must be a function, got str",
+    ),
+    "mesh_groups sharded list": (  # before: dict(["wq"]) made it {"w": "q"}, leaf w sharded over a group "q"
+        lambda: gtx.mesh_groups({"w": torch.ones(4, 3)}, comm=gtx.comm.LocalComm(), sharded=["wq"]),
+        "mesh_groups: sharded must be a mapping",
+    ),
+    "mesh_groups tied list": (  # before: dict()'s "dictionary update sequence element #0 has length 1"
+        lambda: gtx.mesh_groups({"w": torch.ones(2)}, comm=gtx.comm.LocalComm(), pp_group="pp", tied=["w"]),
+        "mesh_groups: tied must be a mapping",
+    ),
+    "clip complex": (
+        lambda: gtx.clip(1.0).update({"b": torch.ones(2), "w": torch.ones(2, dtype=torch.complex64)}, gtx.EmptyState()),
+        r"clip: updates leaf at \['w'\] is complex",
+    ),
+    "per_example_global_norm_clip complex": (
+        lambda: gtx.per_example_global_norm_clip({"w": torch.ones(2, 3, dtype=torch.complex64)}, 1.0),
+        r"per_example_global_norm_clip: grads leaf at \['w'\] is complex",
+    ),
+    "differentially_private_aggregate complex": (
+        lambda: gtx.differentially_private_aggregate(1.0, 0.5, seed=0).update(
+            {"w": torch.ones(2, 3, dtype=torch.complex64)}, gtx.differentially_private_aggregate(1.0, 0.5, 0).init(None)
+        ),
+        r"differentially_private_aggregate: grads leaf at \['w'\] is complex",
+    ),
 }
 
 
@@ -212,6 +312,26 @@ def test_more_bad_arguments_are_refused_at_construction_naming_them(case):
     build, match = REFUSED_AT_CONSTRUCTION[case]
     with pytest.raises((ValueError, TypeError), match=match):
         build()
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda s: gtx.scale_by_schedule(s), "scale_by_schedule: the schedule's value must be"),
+        (lambda s: gtx.sgd(s), "scale_by_learning_rate: the schedule's value must be"),
+        (lambda s: gtx.schedule_free(gtx.sgd(0.1), s), "schedule_free: the learning rate schedule's value must be"),
+        (lambda s: gtx.sgd(gtx.join_schedules([s, gtx.constant_schedule(0.1)], [5])), "join_schedules: a schedule's"),
+        (lambda s: gtx.inject_hyperparams(gtx.sgd)(learning_rate=s), "(inject_hyperparams|sgd): .* must be"),
+    ],
+)
+@pytest.mark.parametrize("value", [torch.full((2,), 0.1), "0.1", None])
+def test_a_schedule_whose_value_is_not_a_scalar_is_named(make, match, value):
+    """Before: torch's RuntimeError ('scalar tensor expected to be 0 dim'), float()'s ValueError, or, in
+    schedule_free, a (2,) learning rate taken silently (its state's max_lr became (2,))."""
+    params = {"w": torch.ones(2)}
+    with pytest.raises((TypeError, ValueError), match=match):
+        tx = make(lambda count: value)
+        tx.update(params, tx.init(params), params)
 
 
 def test_update_time_contracts_found_by_review():

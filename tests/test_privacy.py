@@ -106,6 +106,21 @@ def test_add_noise_with_zero_eta_is_identity_and_optax_agrees():
         np.testing.assert_allclose(out[k].numpy(), np.asarray(want[k]))
 
 
+def test_add_noise_keeps_a_complex_leaf_complex_and_noises_both_parts_as_optax():
+    """Before: the leaf was cast to the real noise's dtype, so its imaginary part was dropped (even with eta=0)."""
+    g = {"w": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)}
+    out, _ = gtx.add_noise(0.0, 0.55, seed=0).update(g, gtx.add_noise(0.0, 0.55, seed=0).init(g))
+    torch.testing.assert_close(out["w"], g["w"], rtol=0, atol=0)
+    zeros = {"w": torch.zeros(20000, dtype=torch.complex64)}
+    noise, _ = gtx.add_noise(1.0, 0.0, seed=0).update(zeros, gtx.add_noise(1.0, 0.0, seed=0).init(zeros))
+    otx = optax.add_noise(1.0, 0.0, key=0)  # jax draws complex normals: E|n|**2 = eta, half in each part
+    want = otx.update({"w": jnp.zeros(20000, jnp.complex64)}, otx.init({"w": jnp.zeros(20000, jnp.complex64)}))[0]["w"]
+    assert noise["w"].dtype == torch.complex64
+    for part, jpart in ((noise["w"].real, np.asarray(want.real)), (noise["w"].imag, np.asarray(want.imag))):
+        assert float(part.var()) == pytest.approx(float(jpart.var()), rel=0.06)
+        assert float(part.var()) == pytest.approx(0.5, rel=0.06)
+
+
 def test_dpsgd_without_noise_matches_optax_and_its_noise_has_the_right_scale():
     g = _grads(batch=8)
     params = {k: torch.zeros(v.shape[1:]) for k, v in g.items()}

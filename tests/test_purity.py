@@ -197,6 +197,22 @@ def test_assert_pure_refuses_steps_that_check_nothing(steps):
         assert_pure(gtx.identity(), _tree(0), _tree(1), steps=steps)
 
 
+def test_the_checkers_name_a_bad_argument():
+    """Before: assert_pure("x", ...) raised AttributeError, and a tolerance that is not a number >= 0 made
+    assert_trees_close raise torch.testing's RuntimeError (a test error, not a failure naming the argument)."""
+    from gradtx.testing import assert_trees_close
+
+    with pytest.raises(TypeError, match="assert_pure: tx must be a GradientTransformation"):
+        assert_pure(gtx.identity, _tree(0))  # the factory, not the transform it builds
+    for kw, error in [
+        ({"rtol": "1e-6"}, TypeError),
+        ({"rtol": -1.0}, ValueError),
+        ({"atol": float("nan")}, ValueError),
+    ]:
+        with pytest.raises(error, match=f"assert_trees_close: {next(iter(kw))} must"):
+            assert_trees_close(_tree(0), _tree(0), **kw)
+
+
 @pytest.mark.parametrize(
     "actual, expected",
     [

@@ -173,6 +173,8 @@ def reduce_over_groups(
     another; every rank issues the same collectives in the same order, because
     ``order`` and ``groups`` come from the plan.
     """
+    if len(groups) != len(values):
+        raise ValueError(f"reduce_over_groups: {len(values)} values but {len(groups)} groups; give one per value")
     out = list(values)
     for group in order:
         idx = [i for i, gs in enumerate(groups) if group in gs]

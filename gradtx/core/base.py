@@ -218,6 +218,9 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
       ...     return torch.tensor(0.5), state
       >>> halve = scalar_transformation(init_empty_state, factor)
     """
+    for arg, fn in (("init", init), ("factor", factor)):  # (as Guard checks its verdict)
+        if not callable(fn):
+            raise TypeError(f"scalar_transformation: {arg} must be a function, got {type(fn).__name__}")
 
     def update_fn(updates, state, params=None, **extra):
         f, new_state = factor(updates, state, params, **extra)

@@ -52,12 +52,16 @@ def lmap_updates(
             tu.check_structure(trees[0], tree, what=name, against=against)
     new = [list(xs) for xs, _ in flat]
     out = []
-    for j, g in zip(index, leaves):
-        olds = [xs[j] for xs, _ in flat]
-        u, *results = fn(tu.local(g), *map(tu.local, olds))
-        out.append(tu.like(g, u))
-        for k, r in enumerate(results):
-            new[k][j] = tu.like(olds[k], r)
+    try:
+        for j, g in zip(index, leaves):
+            olds = [xs[j] for xs, _ in flat]
+            u, *results = fn(tu.local(g), *map(tu.local, olds))
+            out.append(tu.like(g, u))
+            for k, r in enumerate(results):
+                new[k][j] = tu.like(olds[k], r)
+    except RuntimeError:  # a leaf on another device than its state: a ValueError naming it, as Moments.each
+        tu.check_devices([flat[0][0][j] for j in index], leaves, updates, what=what, against=against)
+        raise
     return tu.unflatten(spec, out), [tu.unflatten(s, xs) for xs, (_, s) in zip(new, flat)]
 
 

@@ -102,11 +102,11 @@ def flag(value: Any, *, arg: str, name: str) -> bool:
     return bool(value)
 
 
-def learning_rate(value: Any, *, name: str) -> float | torch.Tensor | Schedule:
+def learning_rate(value: Any, *, name: str, arg: str = "learning_rate") -> float | torch.Tensor | Schedule:
     """A learning rate: a number ``>= 0``, a 0-d tensor, or a schedule (a callable of the step count)."""
     if callable(value) and not isinstance(value, torch.Tensor):
         return value
-    return non_negative(value, arg="learning_rate", name=name, tensor=True)
+    return non_negative(value, arg=arg, name=name, tensor=True)
 
 
 def norm_type(value: Any, *, name: str) -> float:

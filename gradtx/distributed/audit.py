@@ -249,7 +249,7 @@ def norm_audit(
         plan = plans._build(list(paths), leaves, LocalComm(), what="norm_audit")
     notes: list[str] = []
     same: bool | None = None
-    if check_replicas:
+    if check.flag(check_replicas, arg="check_replicas", name="norm_audit"):
         undeclared = [x for i, x in enumerate(leaves) if not isinstance(x, DTensor) and not plan.leaf(i).shards]
         same = _replicas_agree(undeclared, leaves, comm, group)  # issued on every rank alike, plain tensors or not
         if not undeclared:

@@ -96,7 +96,7 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     comm = mesh_groups.comm
 
     def update_fn(updates, state, params=None, **extra):
-        leaves, spec = tu.flatten(updates)
+        leaves, spec = tu.tensor_leaves(updates, what="pp_reduce: updates")  # as every transform: float or complex
         mesh_groups.check(leaves, what="pp_reduce")
         out = list(leaves)
         for group, idx in mesh_groups.tied.items():

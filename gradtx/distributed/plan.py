@@ -364,16 +364,19 @@ def _build(
             "tied weights)"
         )
     leaf_kind = "params" if what == "mesh_groups" else "updates"
-    sharded = dict(sharded or {})
-    tied = dict(tied or {})
-    for arg, keys in (("sharded", sharded), ("tied", tied)):
-        for key in keys:
+    for arg, keys in (("sharded", sharded), ("tied", tied)):  # (dict(["wq"]) would be {"w": "q"})
+        if keys is not None and not isinstance(keys, Mapping):
+            raise TypeError(
+                f"mesh_groups: {arg} must be a mapping {{path, glob or predicate: group}}, got {keys!r:.80}"
+            )
+        for key in keys or {}:
             if not (isinstance(key, str) or callable(key)):
                 raise TypeError(
                     f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
                     f"got {type(key).__name__}"
                 )
 
+    sharded, tied = dict(sharded or {}), dict(tied or {})
     dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
 

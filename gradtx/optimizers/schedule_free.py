@@ -107,6 +107,7 @@ def schedule_free(
         if params is None:
             raise ValueError("schedule_free: update() needs params (y, where the grads were taken), got params=None")
         lr = learning_rate(state.step_count) if callable(learning_rate) else learning_rate
+        lr = check.number(lr, arg="the learning rate schedule's value", name="schedule_free", finite=False, tensor=True)
         lr = torch.as_tensor(lr).to(state.max_lr.device, state.max_lr.dtype)
         max_lr = torch.maximum(state.max_lr, lr)
         weight = max_lr**weight_lr_power

@@ -168,6 +168,7 @@ def _scale_by_schedule(step_size_fn: Schedule, *, sign: float, name: str) -> Sca
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, ScaleByScheduleState, name=name)
         value = step_size_fn(state.count)
+        value = check.number(value, arg="the schedule's value", name=name, finite=False, tensor=True)
         # A schedule should return a tensor computed from the count; a Python number is
         # accepted and becomes a CPU scalar, which scale_leaves moves without a sync.
         # Python numbers become fp64, so fp64 params step by exactly the learning rate given;

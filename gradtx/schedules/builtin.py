@@ -82,6 +82,7 @@ def _full(value: float, like: torch.Tensor) -> torch.Tensor:
 
 def _as_value(value: Any, like: torch.Tensor) -> torch.Tensor:
     """A schedule's output as a 0-d fp32 tensor beside the count (a user schedule may return a number)."""
+    value = check.number(value, arg="a schedule's value", name="join_schedules", finite=False, tensor=True)
     if isinstance(value, torch.Tensor):
         return value.to(torch.float32)
     return _full(float(value), like)

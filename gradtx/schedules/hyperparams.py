@@ -205,4 +205,5 @@ def _as_tensor(value: Any, dtype: torch.dtype | None, device: torch.device | Non
         return value.to(device=device, dtype=dtype if value.dtype.is_floating_point else None)
     if isinstance(value, numbers.Integral):
         return torch.tensor(int(value), dtype=torch.int64, device=device)
-    return torch.tensor(float(value), dtype=dtype or torch.float32, device=device)
+    value = check.number(value, arg="a hyperparameter or its schedule's value", name="inject_hyperparams", finite=False)
+    return torch.tensor(value, dtype=dtype or torch.float32, device=device)

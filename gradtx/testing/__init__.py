@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import optree
 import torch
 
-from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, as_comm
+from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, as_comm, check_comm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
@@ -77,6 +77,7 @@ def assert_pure(
       The ``(updates, state)`` of the last step.
     """
     steps = check.integer(steps, arg="steps", name="assert_pure", minimum=1)
+    check.transform(tx, arg="tx", name="assert_pure")
     params_snap = _snapshot(params)
     if state is None:
         state = tx.init(params if params is not None else updates)
@@ -97,6 +98,7 @@ def assert_trees_close(
     actual: PyTree, expected: PyTree, *, rtol: float = 1e-6, atol: float = 0.0, msg: str = ""
 ) -> None:
     """Assert two trees have the same structure and every leaf is close (NaNs equal)."""
+    rtol, atol = (check.non_negative(v, arg=a, name="assert_trees_close") for v, a in ((rtol, "rtol"), (atol, "atol")))
     where = tu.first_mismatch(expected, actual)
     if where is not None:
         raise AssertionError(f"{msg}actual tree does not match expected tree at {where}")
@@ -137,6 +139,7 @@ class RecordingComm:
 
     def __init__(self, inner: Comm | None = None) -> None:
         self.inner: Comm = inner if inner is not None else LocalComm()
+        check_comm(self.inner, name="RecordingComm")
         self.calls: list[Collective] = []
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:

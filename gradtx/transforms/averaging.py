@@ -114,6 +114,7 @@ def incremental_update(new_tensors: Params, old_tensors: Params, step_size: floa
       >>> ema_params = incremental_update(params, ema_params, step_size=0.001)
     """
     step_size = check.number(step_size, arg="step_size", name="incremental_update", tensor=True)
+    tu.align(old_tensors, new_tensors, what="incremental_update: new_tensors", against="old_tensors", tensors=False)
 
     def blend(new: Any, old: Any) -> Any:
         if new is None:
@@ -153,6 +154,7 @@ def periodic_update(
         update_period = check.integer(update_period, arg="update_period", name="periodic_update", minimum=1)
     if not isinstance(steps, torch.Tensor):
         steps = check.integer(steps, arg="steps", name="periodic_update")
+    tu.check_structure(new_tensors, old_tensors, what="periodic_update: old_tensors", against="new_tensors")
     if not isinstance(steps, torch.Tensor) and not isinstance(update_period, torch.Tensor):
         return new_tensors if steps % update_period == 0 else old_tensors
     now = torch.remainder(torch.as_tensor(steps), torch.as_tensor(update_period)) == 0

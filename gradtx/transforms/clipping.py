@@ -50,7 +50,13 @@ def clip(max_delta: float) -> GradientTransformation:
         tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
         leaves, spec = tu.tensor_leaves(updates, what="clip: updates")
         # One foreach call: torch groups the leaves by device and dtype itself (and refuses an empty list).
-        clamped = fe.clamp([tu.local(t) for t in leaves], -max_delta, max_delta) if leaves else []
+        try:
+            clamped = fe.clamp([tu.local(t) for t in leaves], -max_delta, max_delta) if leaves else []
+        except NotImplementedError:  # torch's clamp (as clip_grad_value_) refuses complex tensors: name the leaf
+            bad = [tu.path_str(path) for path, t in zip(tu.paths(updates), leaves) if t.is_complex()]
+            if not bad:
+                raise
+            raise TypeError(f"clip: updates leaf at {bad[0]} is complex, which has no order to clip by value") from None
         return tu.unflatten(spec, [tu.like(t, c) for t, c in zip(leaves, clamped)]), state
 
     return GradientTransformation(init_empty_state, update_fn)

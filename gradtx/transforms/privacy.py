@@ -33,6 +33,8 @@ def _batched_leaves(grads: PyTree, *, name: str) -> tuple[list[torch.Tensor], An
         raise ValueError(f"{name}: grads has no tensors")
     first = leaves[0].shape[0] if leaves[0].ndim else None
     for path, t in zip(tu.paths(grads), leaves):
+        if t.is_complex():  # (the per-example norms and sums below are real)
+            raise TypeError(f"{name}: grads leaf at {tu.path_str(path)} is complex; it takes real grads")
         if t.ndim == 0 or t.shape[0] != first:
             raise ValueError(
                 f"{name}: grads must be per-example, every leaf with the same leading example dim; the leaf at "
@@ -140,7 +142,8 @@ def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[l
     gen = torch.Generator()
     gen.set_state(rng_state)
     locals_ = [tu.local(t) for t in leaves]
-    noise = [torch.randn(x.shape, generator=gen, dtype=tu.acc_dtype(x.dtype)) for x in locals_]
+    dtypes = [x.dtype if x.is_complex() else tu.acc_dtype(x.dtype) for x in locals_]  # complex noise for complex x
+    noise = [torch.randn(x.shape, generator=gen, dtype=d) for x, d in zip(locals_, dtypes)]
     return [n.to(x.device, non_blocking=True) for n, x in zip(noise, locals_)], gen.get_state()
 
 
@@ -298,6 +301,7 @@ def dpsgd(
     """
     if momentum is not None:  # checked here, so an error names dpsgd's own argument
         check.non_negative(momentum, arg="momentum", name="dpsgd")
+    check.flag(nesterov, arg="nesterov", name="dpsgd")
     return chain(
         differentially_private_aggregate(l2_norm_clip, noise_multiplier, seed),
         trace(momentum, nesterov=nesterov) if momentum is not None else identity(),

@@ -148,12 +148,16 @@ def _conditional(
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, state_type, name=name)
         cond = should_transform_fn(state.step, **(extra if forward_extra_args else {}))
-        if not (isinstance(cond, torch.Tensor) or check._is_bool(cond)):
-            raise TypeError(
-                f"{name}: should_transform_fn must return a bool or a 0-d bool tensor, got {type(cond).__name__}"
+        ok = isinstance(cond, torch.Tensor) and cond.shape == () and cond.dtype == torch.bool
+        if not (ok or check._is_bool(cond)):
+            got = (
+                f"{cond.dtype} of shape {tuple(cond.shape)}" if isinstance(cond, torch.Tensor) else type(cond).__name__
             )
+            raise TypeError(f"{name}: should_transform_fn must return a bool or a 0-d bool tensor, got {got}")
         # The updates are read again when the step is rejected: the inner transform may not write into them.
         # A predicate that answers in Python gets a Python choice, as lax.cond would make.
+        if zero_rejected:  # (zeros_like of a leaf that is no tensor would fail inside torch, naming no path)
+            tu.tensor_leaves(updates, what=f"{name}: updates")
         rejected = tu.tree_map(torch.zeros_like, updates) if zero_rejected else updates
         out, inner_state = select_step(
             inner, cond, updates, state.inner_state, params, extra, name=name, rejected=rejected

@@ -15,6 +15,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from gradtx.core import validate as check
+
 try:  # a CPU-only or old build may lack torch.distributed
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -70,7 +72,7 @@ def no_sync(model: torch.nn.Module, *, sync: bool) -> Iterator[None]:
       >>> with no_sync(model, sync=(micro_step == k - 1)):
       ...     loss.backward()
     """
-    if sync:
+    if check.flag(sync, arg="sync", name="no_sync"):  # None or "no" would silently skip the sync
         yield
         return
     fsdp, ddp = data_parallel_modules(model)

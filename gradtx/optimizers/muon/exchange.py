@@ -417,6 +417,9 @@ def exchange_plan(
       >>> plan = exchange_plan(grads)
       >>> plan.received_bytes / plan.all_gather_bytes  # 2 / world size for evenly sharded matrices
     """
+    ns_steps = check.integer(ns_steps, arg="ns_steps", name="exchange_plan", minimum=0)
+    rank = check.integer(rank, arg="rank", name="exchange_plan", minimum=0)
+    adaptive = check.flag(adaptive, arg="adaptive", name="exchange_plan")
     all_leaves, _ = tu.flatten(updates)
     mats = _matrices(weight_dimension_numbers, updates, all_leaves, name="exchange_plan")
     leaves = [all_leaves[j] for j in mats.idx]

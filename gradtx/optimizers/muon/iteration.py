@@ -197,6 +197,8 @@ def newton_schulz(
     """
     rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name="newton_schulz")
     eps = check.non_negative(eps, arg="eps", name="newton_schulz", tensor=True)
+    tu.check_tensors([x], [()], what="newton_schulz: x")
+    check.dtype(ns_dtype, arg="ns_dtype", name="newton_schulz", floating=True)
     dn = dimension_numbers if dimension_numbers is not None else MuonDimensionNumbers()
     if not isinstance(dn, MuonDimensionNumbers):
         raise TypeError(f"newton_schulz: dimension_numbers must be a MuonDimensionNumbers, got {type(dn).__name__}")

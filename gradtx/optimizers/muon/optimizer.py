@@ -106,7 +106,8 @@ def muon(
       >>> updates, state = tx.update(grads, tx.init(params), params)
     """
     learning_rate, weight_decay = _checked("muon", learning_rate, weight_decay)
-    adam_lr = learning_rate if adam_learning_rate is None else check.learning_rate(adam_learning_rate, name="muon")
+    adam_lr = learning_rate if adam_learning_rate is None else adam_learning_rate
+    adam_lr = check.learning_rate(adam_lr, name="muon", arg="adam_learning_rate")
     adam_b1 = check.beta(adam_b1, arg="adam_b1", name="muon", tensor=True)
     adam_b2 = check.beta(adam_b2, arg="adam_b2", name="muon", tensor=True)
     adam_eps_root = check.non_negative(adam_eps_root, arg="adam_eps_root", name="muon", tensor=True)
