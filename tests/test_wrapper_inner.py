@@ -212,24 +212,32 @@ RESETS = {
 }
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("reset", list(RESETS))
-def test_resetting_the_inner_state_midway_steps_as_torch_does(reset, fused):
-    """The ways torch users reset or replace an optimizer's state, each done to the wrapper and to a bare Adam."""
-    runs = {}
+def _adam_beside_torch(fused, at, change):
+    """Six Adam steps through the wrapper (identity chain) and on a bare Adam, ``change(opt, model)`` before step
+    ``at``: ``[(model, inner optimizer)]`` for the wrapper's run, then torch's."""
+    runs = []
     for name in ("wrapper", "torch"):
         model = make_model()
         inner = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused)
         opt = gtx.TransformedOptimizer(inner, gtx.identity()) if name == "wrapper" else inner
         x, y = data()
         for step in range(6):
-            if step == 3:
-                RESETS[reset](opt, list(model.parameters()))
+            if step == at:
+                change(opt, model)
             F.mse_loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-        runs[name] = (model, inner)
-    (model, inner), (ref, ref_inner) = runs["wrapper"], runs["torch"]
+        runs.append((model, inner))
+    return runs
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("reset", list(RESETS))
+def test_resetting_the_inner_state_midway_steps_as_torch_does(reset, fused):
+    """The ways torch users reset or replace an optimizer's state, each done to the wrapper and to a bare Adam."""
+    (model, inner), (ref, ref_inner) = _adam_beside_torch(
+        fused, 3, lambda opt, model: RESETS[reset](opt, list(model.parameters()))
+    )
     assert_trees_close(list(model.parameters()), list(ref.parameters()), rtol=0, atol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert_trees_close(dict(inner.state[p]), dict(ref_inner.state[q]), rtol=0, atol=0)
@@ -261,21 +269,12 @@ RESTORES = {
 def test_a_state_assigned_through_opt_state_is_the_one_the_next_step_uses(restore, fused, at):
     """State written back through opt.state, into params whose inner state is empty (cleared first), is kept;
     on a fresh optimizer, what it shows before its first step is no state."""
-    runs = {}
-    for name in ("wrapper", "torch"):
-        model = make_model()
-        inner = torch.optim.Adam(model.parameters(), lr=0.05, fused=fused)
-        opt = gtx.TransformedOptimizer(inner, gtx.identity()) if name == "wrapper" else inner
-        x, y = data()
-        for step in range(6):
-            if step == at:
-                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-                RESTORES[restore](opt)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        runs[name] = (model, inner)
-    (model, inner), (ref, ref_inner) = runs["wrapper"], runs["torch"]
+
+    def reload_then_restore(opt, model):
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        RESTORES[restore](opt)
+
+    (model, inner), (ref, ref_inner) = _adam_beside_torch(fused, at, reload_then_restore)
     assert_trees_close(list(model.parameters()), list(ref.parameters()), rtol=0, atol=0)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert int(inner.state[p]["step"]) == int(ref_inner.state[q]["step"]) == 6
