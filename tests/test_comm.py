@@ -145,6 +145,9 @@ def test_torch_comm_rejects_bad_arguments_without_a_process_group():
         TorchComm("dp")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"groups\['tp'\] must be a ProcessGroup"):
         TorchComm(groups={"tp": 3})  # type: ignore[dict-item]
+    for groups in (["tp"], "tp"):  # a name, not a mapping: dict() failed with "update sequence element #0"
+        with pytest.raises(TypeError, match=r"TorchComm: groups must be a dict \{name: ProcessGroup\}"):
+            TorchComm(groups=groups)  # type: ignore[arg-type]
     comm = TorchComm()
     with pytest.raises(ValueError, match="unknown group 'tp'.*pass mesh=DeviceMesh"):
         comm.resolve("tp")

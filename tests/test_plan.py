@@ -91,6 +91,22 @@ def test_a_misspelt_group_key_names_the_argument_that_gave_it(kwargs, arg):
             gtx.mesh_groups(tree, comm=TorchComm(mesh), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"tied": ["a"]}, TypeError, "tied must be a dict"),  # dict() said "update sequence element #0"
+        ({"tied": "a"}, TypeError, "tied must be a dict"),
+        ({"sharded": {"b"}}, TypeError, "sharded must be a dict"),
+        ({"pp_group": ["pp"]}, ValueError, r"pp_group names group \['pp'\]"),  # was: unhashable type: 'list'
+        ({"tied": {"a": ["pp"]}}, ValueError, r"tied\['a'\] names group \['pp'\]"),
+    ],
+)
+def test_mesh_groups_names_the_argument_that_is_not_a_mapping_or_a_group_key(kwargs, error, match):
+    kwargs = {"pp_group": "pp", **kwargs}
+    with pytest.raises(error, match=f"mesh_groups: {match}"):
+        gtx.mesh_groups({"a": torch.ones(2), "b": torch.ones(2)}, comm=LocalComm(), **kwargs)
+
+
 def test_global_norm_of_refuses_something_that_is_not_a_plan():
     with pytest.raises(TypeError, match="mesh_groups must be a plan"):
         global_norm_of([torch.ones(2)], 2.0, mesh_groups={"a": "dp"})

@@ -60,6 +60,8 @@ class TorchComm:
     ) -> None:
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"TorchComm: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+        if groups is not None and not isinstance(groups, Mapping):
+            raise TypeError(f"TorchComm: groups must be a dict {{name: ProcessGroup}}, got {type(groups).__name__}")
         groups = dict(groups or {})
         for name, group in groups.items():
             if not isinstance(name, str):
