@@ -129,6 +129,28 @@ def test_cp_reduce_needs_a_group_it_can_resolve():
         gtx.cp_reduce("cp", comm=object())
 
 
+def test_cp_reduce_refuses_a_grad_sharded_over_the_cp_ranks():
+    # A grad sharded over the CP ranks (HSDP on ("dp", "cp"), torchtitan's dp_shard_cp) holds other rows on
+    # each of them, already summed by the sharding: summing them again gave rows that were no grad at all.
+    pytest.importorskip("torch.distributed._local_tensor")
+    from torch.distributed.tensor import Shard
+
+    from gradtx.testing import distribute, simulated_mesh
+
+    full = {"w": torch.arange(8.0).reshape(4, 2)}
+    with simulated_mesh((2, 2), ("dp", "cp")) as mesh:
+        tx = gtx.cp_reduce(mesh["cp"])
+        chunks = distribute(full, mesh["dp"], {"w": (Shard(0),)})  # FSDP2 over dp only: a partial grad per cp rank
+        out, _ = tx.update(chunks, tx.init(chunks))
+        torch.testing.assert_close(out["w"].full_tensor(), 2 * full["w"])  # both cp ranks' (equal) parts, summed
+        for sharded in (
+            distribute(full, mesh["cp"], {"w": (Shard(0),)}),
+            distribute(full, mesh, {"w": (Shard(0), Shard(1))}),
+        ):
+            with pytest.raises(ValueError, match=r"cp_reduce: the grad at \['w'\] is sharded .* holds CP ranks"):
+                tx.update(sharded, tx.init(sharded))
+
+
 PLACEMENT_READERS = {
     "clip_by_global_norm": lambda: gtx.clip_by_global_norm(1.0),
     "adaptive_clip": lambda: gtx.adaptive_clip(0.1),
