@@ -125,6 +125,8 @@ def test_local_comm_is_the_identity_and_a_comm():
     out = comm.all_reduce([x, y], ReduceOp.SUM, "tp")
     assert out[0] is x and out[1] is y
     assert comm.size("anything") == 1
+    with pytest.raises(ValueError, match="'mean' is not a valid ReduceOp"):  # as TorchComm refuses it
+        comm.all_reduce([x], "mean", "tp")  # type: ignore[arg-type]
 
 
 def test_recording_comm_logs_and_forwards():
