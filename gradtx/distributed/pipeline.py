@@ -98,6 +98,9 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     """
     check_plan(mesh_groups, name="pp_reduce", required=True)
     comm = mesh_groups.comm
+    # One order of the tie groups on every rank (by what they are, not by this stage's flatten order), so
+    # stages holding several never wait on each other in a cycle (0: emb~head, W; 1: W, V; 2: V, head).
+    tied = sorted(mesh_groups.tied.items(), key=lambda item: repr(comm.group_id(item[0])))
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.flatten(updates)
@@ -109,7 +112,7 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
             p_leaves, spec = tu.flatten(params)
             out, leaves = tu.scatter(len(p_leaves), index, leaves), zero_filled(index, leaves, p_leaves)
         mesh_groups.check(leaves, what="pp_reduce")
-        for group, idx in mesh_groups.tied.items():
+        for group, idx in tied:
             for i, s in zip(idx, tu.all_reduce_leaves(comm, [leaves[i] for i in idx], ReduceOp.SUM, group)):
                 out[i] = s
         return tu.unflatten(spec, out), state
