@@ -4,7 +4,8 @@ Stage 0 holds the embedding (tied to stage 2's head) and a block ``W`` shared wi
 ``W`` and a block ``V`` shared with stage 2; stage 2 holds ``V`` and the head. In each stage's forward
 (flatten) order the tie groups form a cycle: stage 0 reduces over (0, 2) first, stage 1 over (0, 1), stage
 2 over (1, 2), so each waited on the next and the three hung. The reference is one device, where each
-shared weight is one tensor whose grad is the sum of its uses.
+shared weight is one tensor whose grad is the sum of its uses. Every rank builds one ``TorchComm`` of the
+three tie groups, as the docs do, though each rank is outside one of them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ SHARED = {"A": ("0_emb", "3_head"), "B": ("1_W",), "C": ("2_V",)}
 def _body(rank: int, world_size: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     del world_size
     groups = {"A": dist.new_group([0, 2]), "B": dist.new_group([0, 1]), "C": dist.new_group([1, 2])}
-    comm = TorchComm(groups={k: g for k, g in groups.items() if isinstance(g, dist.ProcessGroup)})  # its own
+    # Every rank builds one comm of all three; new_group gives a rank outside a group NON_GROUP_MEMBER (an int),
+    # which TorchComm refused ("groups['A'] must be a ProcessGroup, got int"), so no rank could build this one.
+    comm = TorchComm(groups=groups)
+    outside = next(k for k, g in groups.items() if not isinstance(g, dist.ProcessGroup))
+    try:
+        comm.resolve(outside)
+    except ValueError as err:
+        assert f"this rank is not in group {outside!r}" in str(err), err
+    else:
+        raise AssertionError(f"resolved {outside!r}, a group this rank is not in")
     params = {n: torch.zeros(2) for n, _, _ in LAYOUT[rank]}
     grads = {n: torch.tensor([v, -v]) for n, _, v in LAYOUT[rank]}
     plan = gtx.mesh_groups(params, comm=comm, pp_group="world", tied={n: g for n, g, _ in LAYOUT[rank]})
