@@ -125,6 +125,8 @@ def test_local_comm_is_the_identity_and_a_comm():
     out = comm.all_reduce([x, y], ReduceOp.SUM, "tp")
     assert out[0] is x and out[1] is y
     assert comm.size("anything") == 1
+    with pytest.raises(ValueError, match="'mean' is not a valid ReduceOp"):  # as TorchComm refuses it
+        comm.all_reduce([x], "mean", "tp")  # type: ignore[arg-type]
 
 
 def test_recording_comm_logs_and_forwards():
@@ -154,6 +156,9 @@ def test_torch_comm_rejects_bad_arguments_without_a_process_group():
         TorchComm("dp")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"groups\['tp'\] must be a ProcessGroup"):
         TorchComm(groups={"tp": 3})  # type: ignore[dict-item]
+    for groups in (["tp"], "tp"):  # a name, not a mapping: dict() failed with "update sequence element #0"
+        with pytest.raises(TypeError, match=r"TorchComm: groups must be a dict \{name: ProcessGroup\}"):
+            TorchComm(groups=groups)  # type: ignore[arg-type]
     comm = TorchComm()
     with pytest.raises(ValueError, match="unknown group 'tp'.*pass mesh=DeviceMesh"):
         comm.resolve("tp")

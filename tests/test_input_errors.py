@@ -282,14 +282,6 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         lambda: gtx.scalar_transformation(gtx.init_empty_state, "halve"),
         "scalar_transformation: factor must be a function, got str",
     ),
-    "mesh_groups sharded list": (  # before: dict(["wq"]) made it {"w": "q"}, leaf w sharded over a group "q"
-        lambda: gtx.mesh_groups({"w": torch.ones(4, 3)}, comm=gtx.comm.LocalComm(), sharded=["wq"]),
-        "mesh_groups: sharded must be a mapping",
-    ),
-    "mesh_groups tied list": (  # before: dict()'s "dictionary update sequence element #0 has length 1"
-        lambda: gtx.mesh_groups({"w": torch.ones(2)}, comm=gtx.comm.LocalComm(), pp_group="pp", tied=["w"]),
-        "mesh_groups: tied must be a mapping",
-    ),
     "clip complex": (
         lambda: gtx.clip(1.0).update({"b": torch.ones(2), "w": torch.ones(2, dtype=torch.complex64)}, gtx.EmptyState()),
         r"clip: updates leaf at \['w'\] is complex",

@@ -91,6 +91,23 @@ def test_a_misspelt_group_key_names_the_argument_that_gave_it(kwargs, arg):
             gtx.mesh_groups(tree, comm=TorchComm(mesh), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"tied": ["a"]}, TypeError, "tied must be a dict"),  # dict() said "update sequence element #0"
+        ({"tied": "a"}, TypeError, "tied must be a dict"),
+        ({"sharded": {"b"}}, TypeError, "sharded must be a dict"),
+        ({"sharded": ["ab"]}, TypeError, "sharded must be a dict"),  # dict(["ab"]) made it {"a": "b"}: a over "b"
+        ({"pp_group": ["pp"]}, ValueError, r"pp_group names group \['pp'\]"),  # was: unhashable type: 'list'
+        ({"tied": {"a": ["pp"]}}, ValueError, r"tied\['a'\] names group \['pp'\]"),
+    ],
+)
+def test_mesh_groups_names_the_argument_that_is_not_a_mapping_or_a_group_key(kwargs, error, match):
+    kwargs = {"pp_group": "pp", **kwargs}
+    with pytest.raises(error, match=f"mesh_groups: {match}"):
+        gtx.mesh_groups({"a": torch.ones(2), "b": torch.ones(2)}, comm=LocalComm(), **kwargs)
+
+
 def test_global_norm_of_refuses_something_that_is_not_a_plan():
     with pytest.raises(TypeError, match="mesh_groups must be a plan"):
         global_norm_of([torch.ones(2)], 2.0, mesh_groups={"a": "dp"})
@@ -111,6 +128,28 @@ def test_cp_reduce_needs_a_group_it_can_resolve():
         gtx.cp_reduce("cp")
     with pytest.raises(TypeError, match="comm must implement"):
         gtx.cp_reduce("cp", comm=object())
+
+
+def test_cp_reduce_refuses_a_grad_sharded_over_the_cp_ranks():
+    # A grad sharded over the CP ranks (HSDP on ("dp", "cp"), torchtitan's dp_shard_cp) holds other rows on
+    # each of them, already summed by the sharding: summing them again gave rows that were no grad at all.
+    pytest.importorskip("torch.distributed._local_tensor")
+    from torch.distributed.tensor import Shard
+
+    from gradtx.testing import distribute, simulated_mesh
+
+    full = {"w": torch.arange(8.0).reshape(4, 2)}
+    with simulated_mesh((2, 2), ("dp", "cp")) as mesh:
+        tx = gtx.cp_reduce(mesh["cp"])
+        chunks = distribute(full, mesh["dp"], {"w": (Shard(0),)})  # FSDP2 over dp only: a partial grad per cp rank
+        out, _ = tx.update(chunks, tx.init(chunks))
+        torch.testing.assert_close(out["w"].full_tensor(), 2 * full["w"])  # both cp ranks' (equal) parts, summed
+        for sharded in (
+            distribute(full, mesh["cp"], {"w": (Shard(0),)}),
+            distribute(full, mesh, {"w": (Shard(0), Shard(1))}),
+        ):
+            with pytest.raises(ValueError, match=r"cp_reduce: the grad at \['w'\] is sharded .* holds CP ranks"):
+                tx.update(sharded, tx.init(sharded))
 
 
 PLACEMENT_READERS = {

@@ -135,6 +135,7 @@ class LocalComm:
     """A :class:`~gradtx.comm.Comm` for one process: every reduction is the identity."""
 
     def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: GroupKey) -> list[torch.Tensor]:
+        ReduceOp(op)  # an op TorchComm refuses ("mean") fails here too, not first on a cluster
         return list(tensors)
 
     def size(self, group: GroupKey) -> int:

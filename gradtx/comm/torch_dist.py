@@ -47,7 +47,8 @@ class TorchComm:
 
     Args:
       mesh: the device mesh whose dim names are valid group keys, or ``None``.
-      groups: extra named groups, e.g. ``{"tied": embedding_and_head_group}``.
+      groups: extra named groups, e.g. ``{"tied": embedding_and_head_group}``; a name whose
+        group is ``dist.new_group``'s ``NON_GROUP_MEMBER`` (this rank is outside it) is left out.
 
     Example:
       >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp", "tp"))
@@ -60,7 +61,13 @@ class TorchComm:
     ) -> None:
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"TorchComm: mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+        if groups is not None and not isinstance(groups, Mapping):
+            raise TypeError(f"TorchComm: groups must be a dict {{name: ProcessGroup}}, got {type(groups).__name__}")
         groups = dict(groups or {})
+        # new_group's answer on a rank outside the group (a middle stage, for a tie group of the first and
+        # last): the same comm can be built on every rank, and this rank just has no such group.
+        self.outside = {n for n, g in groups.items() if isinstance(g, int) and g == dist.GroupMember.NON_GROUP_MEMBER}
+        groups = {n: g for n, g in groups.items() if n not in self.outside}
         for name, group in groups.items():
             if not isinstance(name, str):
                 raise TypeError(f"TorchComm: groups keys must be strings, got {name!r}")
@@ -84,6 +91,8 @@ class TorchComm:
         if isinstance(group, str):
             if group in self.groups:
                 return self.groups[group]
+            if group in self.outside:
+                raise ValueError(f"TorchComm: this rank is not in group {group!r} (new_group gave it NON_GROUP_MEMBER)")
             if self.mesh is not None and group in (self.mesh.mesh_dim_names or ()):
                 return self.mesh.get_group(group)
             known = sorted(self.groups) + list(self.mesh.mesh_dim_names or () if self.mesh is not None else ())

@@ -7,6 +7,7 @@ from typing import Any
 from gradtx.comm.base import Comm, ReduceOp, check_comm
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, factory, init_empty_state
+from gradtx.distributed.plan import DTensor, _is_shard
 
 
 @factory
@@ -16,7 +17,8 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     Context-parallel ranks hold complementary token chunks of the same
     sequences, so each computes only its tokens' part of every grad; the
     true grad is their sum. When CP is folded into the FSDP2 mesh, FSDP2's
-    reduce-scatter already sums it and this transform is not needed; when it
+    reduce-scatter already sums it and this transform is not needed (it
+    refuses a DTensor grad sharded over CP ranks, naming the path); when it
     is not (a separate ``cp`` mesh dim that FSDP2 does not shard over), put
     this first in the chain. The grads stay as they were sharded (DTensors
     keep their placements; their local shards are summed), and the norm
@@ -48,6 +50,8 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
+    from gradtx.comm.torch_dist import TorchComm
+
     if isinstance(group, DeviceMesh) and group.ndim != 1:
         raise ValueError(f"cp_reduce: group must be a 1-D DeviceMesh (e.g. mesh['cp']), got {group.ndim} dims")
     if comm is not None:
@@ -55,8 +59,6 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
             raise ValueError("cp_reduce: pass either a DeviceMesh as group, or a group key with comm, not both")
         check_comm(comm, name="cp_reduce")
     elif isinstance(group, (DeviceMesh, dist.ProcessGroup)):
-        from gradtx.comm.torch_dist import TorchComm
-
         comm = TorchComm()  # it resolves a 1-D mesh to its own process group
     else:
         raise ValueError(
@@ -64,9 +66,29 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
             "(cp_reduce(mesh['cp'])), a ProcessGroup, or comm=gtx.comm.TorchComm(mesh)"
         )
 
+    # A grad sharded over a mesh dim that holds several CP ranks is no chunk's partial grad: CP is folded
+    # into its sharding, which summed it already, and a sum of different shards is garbage. Read once per layout.
+    cp_ranks = (
+        set(dist.get_process_group_ranks(comm.resolve(group) or dist.group.WORLD))
+        if isinstance(comm, TorchComm)
+        else set()
+    )
+    checked: set[Any] = set()
+
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.flatten(updates)
         tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
+        for i, g in enumerate(leaves):
+            if cp_ranks and isinstance(g, DTensor) and (g.device_mesh, g.placements) not in checked:
+                mesh = g.device_mesh
+                for d, p in enumerate(g.placements):
+                    if _is_shard(p) and len(cp_ranks & set(dist.get_process_group_ranks(mesh.get_group(d)))) > 1:
+                        raise ValueError(
+                            f"cp_reduce: the grad at {tu.path_str(tu.paths(updates)[i])} is sharded ({g.placements}) "
+                            f"over mesh dim {d} of {mesh}, which holds CP ranks: CP is folded into its sharding, "
+                            "which already summed it; drop cp_reduce (see docs/distributed.md)"
+                        )
+                checked.add((mesh, g.placements))
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, group)), state
 
     return GradientTransformation(init_empty_state, update_fn)

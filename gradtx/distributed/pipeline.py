@@ -17,6 +17,7 @@ from typing import Any
 from gradtx.comm.base import ReduceOp
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, factory, init_empty_state
+from gradtx.distributed.global_norm import zero_filled
 from gradtx.distributed.plan import NO_PLAN, MeshGroups, check_plan, plan_read_by
 
 
@@ -65,6 +66,9 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     over ``pp_group`` in :func:`gradtx.clip_by_global_norm`. Put it first in
     the chain, so clipping and the optimizer see the summed grads.
 
+    With ``params``, a ``None`` grad is allowed, as in the clip: a tied
+    copy with none joins the sum as zeros and takes the holders' sum.
+
     The copies must be sharded alike on every holder (same placements, same
     mesh shape), because their local shards are summed elementwise, and a
     stage holding several tied weights pairs them in flatten order.
@@ -94,12 +98,21 @@ def pp_reduce(mesh_groups: MeshGroups) -> GradientTransformation:
     """
     check_plan(mesh_groups, name="pp_reduce", required=True)
     comm = mesh_groups.comm
+    # One order of the tie groups on every rank (by what they are, not by this stage's flatten order), so
+    # stages holding several never wait on each other in a cycle (0: emb~head, W; 1: W, V; 2: V, head).
+    tied = sorted(mesh_groups.tied.items(), key=lambda item: repr(comm.group_id(item[0])))
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.tensor_leaves(updates, what="pp_reduce: updates")  # as every transform: float or complex
-        mesh_groups.check(leaves, what="pp_reduce")
         out = list(leaves)
-        for group, idx in mesh_groups.tied.items():
+        if params is not None and len(leaves) != len(mesh_groups):
+            # A param with no grad (None), as the clip allows: a tied one joins the sum as zeros and takes the
+            # holders' sum, so every holder issues the same collective and the copies stay equal.
+            index, leaves, _ = tu.align(params, updates, what="pp_reduce: updates", against="params")
+            p_leaves, spec = tu.flatten(params)
+            out, leaves = tu.scatter(len(p_leaves), index, leaves), zero_filled(index, leaves, p_leaves)
+        mesh_groups.check(leaves, what="pp_reduce")
+        for group, idx in tied:
             for i, s in zip(idx, tu.all_reduce_leaves(comm, [leaves[i] for i in idx], ReduceOp.SUM, group)):
                 out[i] = s
         return tu.unflatten(spec, out), state

@@ -364,12 +364,15 @@ def _build(
             "tied weights)"
         )
     leaf_kind = "params" if what == "mesh_groups" else "updates"
-    for arg, keys in (("sharded", sharded), ("tied", tied)):  # (dict(["wq"]) would be {"w": "q"})
-        if keys is not None and not isinstance(keys, Mapping):
+    for arg, value in (("sharded", sharded), ("tied", tied)):
+        if value is not None and not isinstance(value, Mapping):
             raise TypeError(
-                f"mesh_groups: {arg} must be a mapping {{path, glob or predicate: group}}, got {keys!r:.80}"
+                f"{what}: {arg} must be a dict {{path_or_glob_or_predicate: group}}, got {type(value).__name__}"
             )
-        for key in keys or {}:
+    sharded = dict(sharded or {})
+    tied = dict(tied or {})
+    for arg, keys in (("sharded", sharded), ("tied", tied)):
+        for key in keys:
             if not (isinstance(key, str) or callable(key)):
                 raise TypeError(
                     f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
@@ -384,11 +387,10 @@ def _build(
         # Two keys for one process group (the string "tp" and the mesh's ProcessGroup, or two meshes'
         # groups over the same ranks) must share one collective, so each group is named by the first
         # key seen for it.
-        try:
-            group_id = comm.group_id(group)
-        except (ValueError, KeyError, TypeError) as e:  # a misspelt key: say which argument gave it
+        try:  # (a misspelt key, or one that is no key at all: say which argument gave it)
+            return seen.setdefault(comm.group_id(group), group)
+        except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{what}: {arg} names group {group!r}, which the comm does not know: {e}") from None
-        return seen.setdefault(group_id, group)
 
     matched: set[Any] = set()  # the keys of sharded and tied that name a leaf
     infos: list[_Leaf] = []

@@ -101,7 +101,9 @@ def accumulate(
       unless autograd is the accumulator, then in the grads' dtype). The
       emitted update is then ``sum over ranks and micro-steps of grad /
       global token total`` (token-weighted) or ``... / (micro-steps * ranks)``
-      (plain mean), identical on every rank.
+      (plain mean), identical on every rank. A param whose grad is ``None`` on
+      this rank joins the sum as zeros (``update`` needs ``params`` then) and
+      emits the sum, as on the ranks that have its grad.
 
     The window itself (counting micro-steps and tokens, and the normaliser
     ``1 / denominator``) is :attr:`Accumulation.window`, a pure object that
@@ -181,6 +183,11 @@ def accumulate(
             tensors=False,
         )
         p_leaves = tu.flatten(params)[0] if params is not None else []
+        if window.reduce_grads and len(index) < len(sums) and len(p_leaves) != len(sums):
+            raise ValueError(
+                "accumulate: reduce_grads=True and an update of None (a param with no grad) need "
+                "update(..., params): another rank may hold its grad, so this rank sums zeros of its shape"
+            )
         summed = [isinstance(a, torch.Tensor) and a.numel() > 0 for a in sums]  # else an empty_sums placeholder
         sum_paths = tu.paths(held)
         if opened:
@@ -212,6 +219,15 @@ def accumulate(
             if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted
                 return None, stepped.state
             return None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
+        if window.reduce_grads and len(index) < len(new):
+            # A param with no grad here may have one on another rank: it joins the sum as zeros and emits it,
+            # so every rank sums the same buffer and the replicas stay equal (as the wrapper fills .grad).
+            given = dict(zip(index, leaves))
+            new = [
+                n if i in given else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
+                for i, (n, p) in enumerate(zip(new, p_leaves))
+            ]
+            leaves, index, spec = [given.get(i, p) for i, p in enumerate(p_leaves)], list(range(len(new))), sum_spec
         total = window.reduce([new[i] for i in index], write_back=True)  # the sums are ours
         scaled = tu.scale_leaves(total, stepped.factor, write_back=True)  # the sums are ours: fp32 sum times 1/n
         return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), stepped.state

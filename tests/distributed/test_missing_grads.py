@@ -1,0 +1,110 @@
+"""A param with no grad (``None``) on one rank, on two gloo ranks: the collectives still match, the result is right.
+
+* ``accumulate(..., reduce_grads=True)``: rank 0's micro-batches never reach ``"c"``, rank 1's never
+  reach ``"b"`` (an unused expert, a branch): each rank used to sum only its own grads, so the ranks'
+  buffers held different params (here of one size, so they were silently added to each other).
+* ``pp_reduce(plan)`` first in a pipeline chain, where the clip on the same plan already allowed a
+  ``None`` grad: it refused the update on that stage, and the other stage's collective failed.
+
+The references are worked on one device from the same grads, a missing one read as zeros.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import gradtx as gtx
+from gradtx.comm import TorchComm
+from tests.distributed.harness import run_distributed
+
+TOKENS = ((3, 5), (0, 4))  # rank -> tokens of its two micro-batches
+SHAPES = {"a": (3,), "b": (5,), "c": (5,)}
+
+
+def _grad(rank: int, micro: int, name: str) -> torch.Tensor | None:
+    if (rank, name) in ((0, "c"), (1, "b")):
+        return None
+    gen = torch.Generator().manual_seed(100 * rank + 10 * micro + len(name))
+    return torch.randn(SHAPES[name], generator=gen)
+
+
+def _accumulate(rank: int) -> dict:
+    params = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    tx = gtx.accumulate(2, token_weighted=True, comm=TorchComm(), group="world", reduce_grads=True)
+    state = tx.init(params)
+    for micro in range(2):
+        grads = {n: _grad(rank, micro, n) for n in SHAPES}
+        out, state = tx.update(grads, state, params, tokens=TOKENS[rank][micro])
+    try:
+        tx.update({"a": torch.ones(3), "b": None, "c": None}, state, tokens=1)  # no params to shape the zeros
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return {"out": out, "refused": error}
+
+
+def _stage(rank: int, tied_none: bool) -> dict:
+    comm = TorchComm(groups={"pp": dist.group.WORLD})
+    gen = torch.Generator().manual_seed(rank)
+    if rank == 0:
+        params = {"emb": torch.zeros(4, 3), "unused": torch.zeros(2)}
+        grads = {"emb": None if tied_none else torch.randn(4, 3, generator=gen), "unused": None}
+        tied = {"emb": "pp"}
+    else:
+        params = {"head": torch.zeros(4, 3), "w": torch.zeros(5)}
+        grads = {"head": torch.randn(4, 3, generator=gen), "w": torch.randn(5, generator=gen)}
+        tied = {"head": "pp"}
+    plan = gtx.mesh_groups(params, comm=comm, pp_group="pp", tied=tied)
+    tx = gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan))
+    out, state = tx.update(grads, tx.init(params), params)
+    return {"grads": grads, "out": out, "norm": gtx.metrics(state)["grad_norm"]}
+
+
+def _body(rank: int, world_size: int) -> dict:
+    del world_size
+    # One spawn of its own, so that a rank that raises ends its process and the other rank's collective fails
+    # at once, instead of waiting for the shared spawn's barrier.
+    return {
+        "accumulate": _accumulate(rank),
+        "pp_reduce": _stage(rank, tied_none=False),
+        "pp_reduce_tied_none": _stage(rank, tied_none=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_body, world_size=2, timeout=120.0)
+
+
+def test_reduce_grads_sums_a_param_that_has_no_grad_on_some_ranks(ranks):
+    results = [r["accumulate"] for r in ranks]
+    total = sum(map(sum, TOKENS))
+    zero = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    expected = {
+        n: sum((g if (g := _grad(r, m, n)) is not None else zero[n] for r in range(2) for m in range(2)), zero[n])
+        / total
+        for n in SHAPES
+    }
+    for r in results:
+        assert set(r["out"]) == set(SHAPES)  # every param gets the sum, the same on both ranks
+        for n in SHAPES:
+            torch.testing.assert_close(r["out"][n], expected[n], rtol=1e-6, atol=1e-7)
+    assert results[0]["refused"] is not None and "update(..., params)" in results[0]["refused"]
+
+
+@pytest.mark.parametrize("part", ["pp_reduce", "pp_reduce_tied_none"])
+def test_pp_reduce_takes_a_missing_grad_as_the_clip_does(ranks, part):
+    stage0, stage1 = (r[part] for r in ranks)
+    emb0 = stage0["grads"]["emb"]
+    tied = stage1["grads"]["head"] + (emb0 if emb0 is not None else 0)  # one weight on one device: the sum
+    ref = [tied, stage1["grads"]["w"]]
+    ref_norm = torch.nn.utils.get_total_norm(ref)
+    coef = min(1.0, 1.0 / (float(ref_norm) + 1e-6))
+    for r in (stage0, stage1):
+        torch.testing.assert_close(r["norm"], ref_norm, rtol=1e-6, atol=0)
+    assert stage0["out"]["unused"] is None  # an untied param with no grad stays without one
+    for out in (stage0["out"]["emb"], stage1["out"]["head"]):  # both copies take the same update
+        torch.testing.assert_close(out, tied * coef, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(stage1["out"]["w"], ref[1] * coef, rtol=1e-6, atol=1e-7)
