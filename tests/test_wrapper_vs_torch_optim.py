@@ -508,6 +508,26 @@ def test_params_added_to_or_taken_from_a_group_by_hand_are_stepped_as_torch_step
     assert [list(map(id, g)) for g in opt.param_tree()] == [list(map(id, opt.param_groups[0]["params"]))]
 
 
+def test_a_param_taken_from_a_group_by_hand_then_add_param_group_leaves_the_transform():
+    """add_param_group after a hand edit: the param taken out is neither clipped with the others nor saved."""
+    ref, ours = make_model(), make_model()
+    ref_opt = OPTS["sgd"](ref.parameters())
+    opt = gtx.TransformedOptimizer(OPTS["sgd"](ours.parameters()), gtx.clip_by_global_norm(0.5))
+    for model, o in ((ref, ref_opt), (ours, opt)):
+        assert o.param_groups[0]["params"].pop(1) is model[0].bias
+        o.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    for x, y in batches(3):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            F.cross_entropy(model(x), y).backward()
+            if o is ref_opt:
+                torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 0.5)
+            o.step()
+            o.zero_grad(set_to_none=False)  # the bias keeps a grad, stepped by neither
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6, atol=1e-7)
+    assert [list(map(id, g)) for g in opt.param_tree()] == [list(map(id, g["params"])) for g in opt.param_groups]
+    assert len(opt.state_dict()["state"]) == 4  # every listed param (three of the model, the new one)
+
+
 def gtx_flat(tree):
     return [p for group in tree for p in group]
 

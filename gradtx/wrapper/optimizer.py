@@ -222,6 +222,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
                 "step that emits (opt.emitted is True)"
             )
         grads.check_groups(self.optimizer.param_groups, self._tree)
+        self._follow_groups()  # a hand edit first: _grow below records the lists as they are now
         self.optimizer.add_param_group(param_group)
         try:
             grads.check_unique(self.optimizer.param_groups)
