@@ -474,11 +474,12 @@ def test_a_param_frozen_when_wrapped_that_holds_a_grad_is_stepped_as_torch_steps
     assert not torch.equal(ours[0].weight, make_model()[0].weight)  # it was stepped
 
 
-@pytest.mark.parametrize("edit", ["append", "remove"])
+@pytest.mark.parametrize("edit", ["append", "remove", "replace"])
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw_fused"])
 def test_params_added_to_or_taken_from_a_group_by_hand_are_stepped_as_torch_steps_them(opt_name, edit):
     """A model that grows a param appends it to a group's list (torch.optim steps it from its first grad); one taken
-    out is no longer stepped. Against torch's accumulation recipe, clipping over the groups' params."""
+    out is no longer stepped, and one put in another's place is stepped instead of it. Against torch's accumulation
+    recipe, clipping over the groups' params."""
     k = 2
     ref, ours = make_model(), make_model()
     grown = {id(m): torch.nn.Parameter(torch.ones(3)) for m in (ref, ours)}
@@ -492,7 +493,9 @@ def test_params_added_to_or_taken_from_a_group_by_hand_are_stepped_as_torch_step
                 o.param_groups[0]["params"].append(grown[id(model)])
             if i == 4 and edit == "remove":
                 assert o.param_groups[0]["params"].pop(1) is model[0].bias
-            out = model(x) * grown[id(model)] if edit == "append" and i >= 4 else model(x)
+            if i == 4 and edit == "replace":  # the list keeps its length; the bias still gets grads, unstepped
+                o.param_groups[0]["params"][1] = grown[id(model)]
+            out = model(x) * grown[id(model)] if edit != "remove" and i >= 4 else model(x)
             if o is ref_opt:
                 (F.cross_entropy(out, y) / k).backward()
                 if (i + 1) % k == 0:

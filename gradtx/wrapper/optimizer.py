@@ -10,6 +10,7 @@ rules), :mod:`gradtx.wrapper.amp` (GradScaler across a window),
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,9 +46,9 @@ class _Live:
         self.lr_prev = (False, False)  # whether the lr changed at the last step, and inside a window
 
 
-def _lists(groups: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """Each group's params list, by identity and length: what a hand edit of the groups changes."""
-    return [(id(g["params"]), len(g["params"])) for g in groups]
+def _same_lists(lists: list[list[torch.Tensor]], groups: list[dict[str, Any]]) -> bool:
+    """Whether each group lists the params of ``lists``, by identity (a hand edit appends, removes or replaces one)."""
+    return all(len(a) == len(g["params"]) and all(map(operator.is_, a, g["params"])) for a, g in zip(lists, groups))
 
 
 class TransformedOptimizer(torch.optim.Optimizer):
@@ -146,7 +147,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._position = {p: i for i, p in enumerate(self._flat)}  # by identity: a tensor hashes by id
         # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
         self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]
-        self._lists = _lists(self.optimizer.param_groups)
+        self._lists = [list(g["params"]) for g in self.optimizer.param_groups]
         self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
         self._device = tu.device_of(self._flat)
 
@@ -305,7 +306,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """Params added to a group's list by hand (as torch.optim takes them) join once they have a grad, as frozen
         ones do (:meth:`_prepare`); params taken out leave the transform."""
         groups = self.optimizer.param_groups
-        if len(groups) == len(self._tree) and self._lists != _lists(groups):
+        if len(groups) == len(self._tree) and not _same_lists(self._lists, groups):
             self._grow([[p for p in g["params"] if p in self._position] for g in groups])
 
     def _prepare(self) -> None:

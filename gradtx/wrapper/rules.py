@@ -254,6 +254,7 @@ class FusedAdam:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self.key: Any = None
+        self.tree: Any = None  # the wrapper's tree when built: a new one (a param replaced in a group) rebuilds
         self.buckets: list[tuple[dict[str, Any], list[_Bucket]]] = []
         self.entries: list[Any] = []
 
@@ -294,7 +295,7 @@ class FusedAdam:
             self.buckets.append((group, buckets))
             offset += len(params)
         self.entries = list(state.values())  # every param's state dict, in the state's order
-        self.key = self._key(tree)
+        self.key, self.tree = self._key(tree), tree
 
     def _holds_state(self) -> bool:
         """Whether the cached lists still hold the optimizer's own state, as ``Adam.step`` would read it (after
@@ -329,7 +330,7 @@ class FusedAdam:
         # step counter).
         if has_hooks(opt) or "step" in opt.__dict__ or has_none(grads):
             return False
-        if self.key != self._key(tree) or not self._holds_state():
+        if self.key != self._key(tree) or tree is not self.tree or not self._holds_state():
             if any(g.is_sparse for g in grads):
                 return False
             self._build(tree)
