@@ -326,6 +326,30 @@ def test_a_schedule_whose_value_is_not_a_scalar_is_named(make, match, value):
         tx.update(params, tx.init(params), params)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        gtx.scale_by_schedule,
+        gtx.sgd,
+        lambda s: gtx.sgd(gtx.join_schedules([s, gtx.constant_schedule(0.1)], [5])),
+        lambda s: gtx.inject_hyperparams(gtx.sgd)(learning_rate=s),
+    ],
+)
+def test_a_schedule_whose_value_is_a_0d_numpy_array_steps_as_its_number(make):
+    """np.where(...) of a Python number gives a 0-d array, which float() takes (as every one of these did)."""
+    import numpy as np
+
+    params = {"w": torch.tensor([1.0, -2.0], dtype=torch.float64)}
+    txs = [make(lambda count, v=v: v) for v in (np.where(True, 0.25, 0.5), 0.25)]  # the array, and its number
+    states = [tx.init(params) for tx in txs]
+    for _ in range(2):
+        (u, a), (v, b) = (tx.update(params, s, params) for tx, s in zip(txs, states))
+        assert torch.equal(u["w"], v["w"]) and torch.equal(
+            u["w"], -0.25 * params["w"] if make is not gtx.scale_by_schedule else 0.25 * params["w"]
+        )
+        states = [a, b]
+
+
 def test_update_time_contracts_found_by_review():
     bad_verdict = gtx.skip_if(gtx.identity(), lambda updates, step, params: torch.tensor(False))
     with pytest.raises(TypeError, match="should_skip_update_fn must return \\(verdict, state\\)"):

@@ -52,6 +52,8 @@ def number(value: Any, *, arg: str, name: str, finite: bool = True, tensor: bool
             f"{name}: {arg} must be a number, got a tensor (only hyperparameters documented as such take one; "
             f"with inject_hyperparams, give it as a number and name it in static_args=({arg!r},))"
         )
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        value = value[()]  # a 0-d array (np.where's, a schedule's value) is its scalar, as float() takes it
     if _is_bool(value) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}: {arg} must be a number, got {type(value).__name__}")
     value = float(value)
