@@ -157,8 +157,9 @@ def test_a_run_resumed_after_gradual_unfreezing_goes_on_as_the_uninterrupted_run
     assert_trees_equal(resumed.tx_state, opt.tx_state)
 
 
+@pytest.mark.parametrize("read", [False, True])  # opt.state[p] read for every param first: {} for the frozen one
 @pytest.mark.parametrize("stop", [2, 3])  # at a window boundary, and with the window open
-def test_a_checkpoint_saved_while_a_layer_was_frozen_loads_where_it_is_trainable(stop):
+def test_a_checkpoint_saved_while_a_layer_was_frozen_loads_where_it_is_trainable(stop, read):
     """Saved before the layer was unfrozen, resumed by a script that builds the optimizer with it trainable (its
     schedule says it is by now): torch's optimizer loads that, and so does the wrapper; the layer joins at its first
     grad as it would have in the saved run. Against torch: the same run, unfreezing the layer at the resume point."""
@@ -185,6 +186,9 @@ def test_a_checkpoint_saved_while_a_layer_was_frozen_loads_where_it_is_trainable
     for seed in range(8):
         if seed == stop:
             ref[0].weight.requires_grad_(True)
+            if read:  # as generic checkpoint code does; torch's state then holds an empty entry for the frozen one
+                states = [dict(opt.state[p]) for g in opt.param_groups for p in g["params"]]
+                assert states[0] == {}
             saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
             model = make_model(frozen=False)
             opt = wrap(model)

@@ -321,10 +321,11 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     saved = {id(p): state_dict["state"].get(saved_of[id(p)]) for g in groups for p in g["params"]}
     seen = {i for i, s in saved.items() if isinstance(s, dict) and GTX in s}
     # The transform's params as the saved run had them: a param frozen here that it had unfrozen joins (gradual
-    # unfreezing, resumed by a script that freezes it first), and one it had never seen nor stepped (no entry: frozen
-    # there, unfrozen here) leaves, to join at its first grad as it would have there.
+    # unfreezing, resumed by a script that freezes it first), and one it had never seen nor stepped (no entry, or the
+    # empty one reading opt.state[p] makes: frozen there, unfrozen here) leaves, to join at its first grad as there.
     new = [
-        [p for p in g["params"] if id(p) in seen or (p in opt._position and saved[id(p)] is not None)] for g in groups
+        [p for p in g["params"] if id(p) in seen or (p in opt._position and saved[id(p)] not in (None, {}))]
+        for g in groups
     ]
     tree, tx_state = opt._tree, opt._live.tx_state
     if seen and [list(map(id, g)) for g in new] != [list(map(id, g)) for g in tree]:
