@@ -315,16 +315,18 @@ def test_a_held_step_of_the_inner_transform_advances_no_schedule():
         (torch.float64, torch.bfloat16, torch.bfloat16),
     ],
 )
-def test_a_number_set_by_hand_keeps_the_dtype_init_gave(params_dtype, hyperparam_dtype, expected):
+@pytest.mark.parametrize("value", [0.1, 0])  # 0: an int (to stop), which became an int64 lr
+def test_a_number_set_by_hand_keeps_the_dtype_init_gave(params_dtype, hyperparam_dtype, expected, value):
     """A Python number written into the state becomes a tensor of init's float dtype (fp64 for fp64 params, or
-    hyperparam_dtype), not fp32: an fp64 run keeps 0.1 exact to fp64, as plain sgd(0.1) does."""
+    hyperparam_dtype), not fp32: an fp64 run keeps 0.1 exact to fp64, as plain sgd(0.1) does. (An int64 one made
+    the wrapper's checkpoint unloadable: 'the checkpoint has dtype torch.int64, this state torch.float32'.)"""
     params = {"w": torch.randn(5, dtype=params_dtype)}
     grads = {"w": torch.randn(5, dtype=params_dtype)}
     tx = gtx.inject_hyperparams(gtx.sgd, hyperparam_dtype=hyperparam_dtype)(learning_rate=0.5)
     state = tx.init(params)
     assert state.hyperparams["learning_rate"].dtype == expected
-    state.hyperparams["learning_rate"] = 0.1
+    state.hyperparams["learning_rate"] = value
     updates, state = tx.update(grads, state, params)
     assert state.hyperparams["learning_rate"].dtype == expected
-    lr = torch.tensor(0.1, dtype=expected).to(params_dtype)
+    lr = torch.tensor(value, dtype=expected).to(params_dtype)
     torch.testing.assert_close(updates["w"], -lr * grads["w"], rtol=0, atol=0)

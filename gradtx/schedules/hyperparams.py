@@ -156,15 +156,16 @@ def inject_hyperparams(
                     f"got {sorted(state.hyperparams) if isinstance(state.hyperparams, dict) else state.hyperparams!r}"
                 )
             hparams: dict[str, torch.Tensor] = {}
-            for k in numeric:
+            for k, given in numeric.items():
                 v = state.hyperparams[k]
                 if isinstance(v, torch.Tensor):
                     check.scalar_tensor(v, arg=f"state.hyperparams[{k!r}]", name=name)
                 elif not _is_number(v):
                     raise TypeError(f"{name}: state.hyperparams[{k!r}] must be a number or a 0-d tensor, got {v!r:.80}")
-                # A Python number set by hand is welcome (in init's dtype), but a compiled step would specialise on
-                # it: use a tensor.
+                # A Python number set by hand is welcome (in init's dtype: 0 for a float one is 0.0), but a compiled
+                # step would specialise on it: use a tensor.
                 if not isinstance(v, torch.Tensor):
+                    v = v if isinstance(given, numbers.Integral) else float(v)
                     v = _as_tensor(v, float_dtype(params if params is not None else updates), state.count.device)
                 hparams[k] = v
             for k, f in schedules.items():
