@@ -330,3 +330,15 @@ def test_a_number_set_by_hand_keeps_the_dtype_init_gave(params_dtype, hyperparam
     assert state.hyperparams["learning_rate"].dtype == expected
     lr = torch.tensor(value, dtype=expected).to(params_dtype)
     torch.testing.assert_close(updates["w"], -lr * grads["w"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("later", [0.5, torch.tensor(0.5)])
+def test_a_schedule_that_gives_an_int_then_a_float_is_not_truncated(later):
+    """init stored the schedule's first value, an int, as int64; the later 0.5 was cast into that dtype: 0, and the
+    run silently stopped. By hand: lr 1 for two steps, then 0.5 (as sgd with the same schedule, and optax)."""
+    params = {"w": torch.tensor([1.0, -2.0])}
+    tx = gtx.inject_hyperparams(gtx.sgd)(learning_rate=lambda count: 1 if count < 2 else later)
+    state = tx.init(params)
+    for lr in (1.0, 1.0, 0.5, 0.5):
+        updates, state = tx.update(params, state, params)
+        torch.testing.assert_close(updates["w"], -lr * params["w"], rtol=0, atol=0)

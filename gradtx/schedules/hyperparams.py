@@ -202,9 +202,11 @@ def _injected(options: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str,
 
 def _as_tensor(value: Any, dtype: torch.dtype | None, device: torch.device | None) -> torch.Tensor:
     """A 0-d tensor for a hyperparameter value: floats in ``dtype``, integers as int64; no host sync."""
+    # A float never takes an int dtype (a schedule's 1 before, int64 in the state, then 0.5 would be 0).
+    floating = dtype if dtype is not None and dtype.is_floating_point else None
     if isinstance(value, torch.Tensor):  # None (device or dtype) keeps the tensor's own
-        return value.to(device=device, dtype=dtype if value.dtype.is_floating_point else None)
+        return value.to(device=device, dtype=floating if value.dtype.is_floating_point else None)
     if isinstance(value, numbers.Integral):
         return torch.tensor(int(value), dtype=torch.int64, device=device)
     value = check.number(value, arg="a hyperparameter or its schedule's value", name="inject_hyperparams", finite=False)
-    return torch.tensor(value, dtype=dtype or torch.float32, device=device)
+    return torch.tensor(value, dtype=floating or torch.float32, device=device)
