@@ -379,7 +379,6 @@ def _build(
                     f"got {type(key).__name__}"
                 )
 
-    sharded, tied = dict(sharded or {}), dict(tied or {})
     dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}
 
