@@ -44,6 +44,20 @@ def test_opt_state_shows_the_transform_state_from_the_start():
     assert int(opt.state[params[0]]["gradtx"]["global"]["0/0/micro_step"]) == 1
 
 
+def test_a_view_of_opt_state_held_while_a_param_joins_still_shows_its_own_param():
+    """opt.state[p] held across a step at which a param earlier in the groups joins the transform (unfrozen)."""
+    model, opt = make()
+    weight, bias = model[0].weight, model[0].bias
+    weight.requires_grad_(False)
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1), gtx.trace(0.9))
+    micro_step(model, opt, 0)
+    held = opt.state[bias]
+    weight.requires_grad_(True)
+    micro_step(model, opt, 1)  # the weight joins, ahead of the bias in the group
+    assert [v.shape for v in held["gradtx"].values()] == [bias.shape]  # trace's buffer: the bias's, not the weight's
+    assert_trees_equal(held["gradtx"], opt.state[bias]["gradtx"])
+
+
 def test_the_saved_partial_sums_are_copies_and_a_missing_grad_stays_missing():
     model, opt = make()
     micro_step(model, opt, 0)

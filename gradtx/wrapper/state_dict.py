@@ -147,8 +147,12 @@ class _View(MutableMapping[Any, Any]):
 class ParamState(_View):
     """One param's ``opt.state[p]``: the inner optimizer's state (or its stand-in) and the ``"gradtx"`` entry."""
 
-    def __init__(self, opt: Any, p: torch.Tensor, i: int) -> None:
-        self._opt, self._p, self._i = opt, p, i
+    def __init__(self, opt: Any, p: torch.Tensor) -> None:
+        self._opt, self._p = opt, p
+
+    @property
+    def _i(self) -> int:  # looked up at each access: the wrapper renumbers its params when one joins or leaves
+        return self._opt._position[self._p]
 
     def _inner(self) -> dict[str, Any]:
         """The inner optimizer's own state, or else its stand-in, or else its (empty) entry."""
@@ -187,8 +191,7 @@ class StateView(_View):
         self._opt = opt
 
     def __getitem__(self, p: torch.Tensor) -> Any:
-        i = self._opt._position.get(p)
-        return ParamState(self._opt, p, i) if i is not None else self._opt.optimizer.state[p]
+        return ParamState(self._opt, p) if p in self._opt._position else self._opt.optimizer.state[p]
 
     def __setitem__(self, p: torch.Tensor, value: Any) -> None:
         i = self._opt._position.get(p)
