@@ -317,6 +317,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
     def _step(self, extra: dict[str, Any]) -> None:
+        if not self._live.synced and self._plan.emits_next(self._live.tx_state, flush=extra.get("flush", False)):
+            raise ValueError(loop_checks.UNSYNCED_EMIT)
         self._prepare()
         # Set by torch.amp.GradScaler.step for the duration of this call: the grads carry grad_scale
         # (None after scaler.unscale_(opt)), and found_inf says whether they hold an inf or NaN.
