@@ -25,10 +25,8 @@ CLOSURE_WITH_WINDOW = (
 
 UNSYNCED_EMIT = (
     "TransformedOptimizer.step: this step closes the accumulation window, but the last backward ran in "
-    "opt.maybe_no_sync(model), which skipped the data-parallel sync (the step after it was not to emit): the "
-    "window's grads are each rank's own (DDP) or still inside FSDP2, so the ranks would step apart or lose them. "
-    "Run every micro-step's forward and backward in opt.maybe_no_sync(model), and the one whose step gets "
-    "flush=True in opt.maybe_no_sync(model, flush=True), not a bare opt.step(flush=True)"
+    "opt.maybe_no_sync(model), which skipped the data-parallel sync: the grads are each rank's own (DDP) or still "
+    "inside FSDP2. Run the micro-step whose step gets flush=True in opt.maybe_no_sync(model, flush=True)"
 )
 
 
