@@ -163,6 +163,37 @@ def test_a_param_without_a_grad_here_steps_on_the_other_ranks_sum():
     torch.testing.assert_close(unused.detach(), -torch.tensor([3.0, 6.0, 9.0]) / 3)
 
 
+class DeviceComm:
+    """One rank of a job whose grads live on an accelerator (``meta`` stands in for it): records each collective's
+    devices; a meta token total comes back as ones on the host (a meta tensor holds no values), the rest as given."""
+
+    def __init__(self) -> None:
+        self.devices: list[list[str]] = []
+
+    def all_reduce(self, tensors: Sequence[torch.Tensor], op: ReduceOp, group: object) -> list[torch.Tensor]:
+        del op, group
+        self.devices.append([t.device.type for t in tensors])
+        return [torch.ones(t.shape, dtype=t.dtype) if t.dtype == torch.float64 else t for t in tensors]
+
+    def size(self, group: object) -> int:
+        del group
+        return 2
+
+
+def test_a_rank_with_no_grad_at_all_issues_the_token_total_on_the_params_device():
+    """Another rank sends its token total from the grads' device; a rank whose grads were all ``None`` sent its
+    from the host, which a GPU process group (NCCL) refuses, or a mixed one reduces in another backend: a hang."""
+    params = {"a": torch.zeros(3, device="meta"), "b": torch.zeros(2, device="meta")}
+    expected = {}
+    for name, grads in (("some", {"a": torch.ones(3, device="meta"), "b": None}), ("none", {"a": None, "b": None})):
+        comm = DeviceComm()
+        tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
+        out, _ = tx.update(grads, tx.init(params), params, tokens=0)
+        assert {n: u.device.type for n, u in out.items()} == {"a": "meta", "b": "meta"}
+        expected[name] = comm.devices
+    assert expected["none"] == expected["some"] == [["meta"], ["meta", "meta"]]
+
+
 def test_reduce_grads_is_pure():
     tx = gtx.accumulate(2, token_weighted=True, comm=RecordingComm(), reduce_grads=True)
     grads = {"w": torch.randn(3), "b": torch.randn(2, 2)}

@@ -212,7 +212,7 @@ def accumulate(
                 new[i] = tu.like(leaves[j], tu.local(sums[i]) + g)
             else:  # fp32 at least: bf16/fp16 sum in fp32, fp64 in fp64, complex keeps its imaginary part
                 new[i] = tu.like(leaves[j], g.to(torch.promote_types(g.dtype, torch.float32), copy=True))
-        device = tu.local(leaves[0]).device if leaves else None
+        device = tu.device_of(leaves or p_leaves) if leaves or p_leaves else None  # a rank with no grad: the params'
         loss = extra.get("loss")
         stepped = window.step(state._replace(acc=held), tokens=tokens, flush=flush, device=device, loss=loss)
         if stepped.factor is None:

@@ -95,25 +95,26 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     return param is not None and param.default is inspect.Parameter.empty
 
 
-def read(params: ParamTree, emitting: bool, *, summed: bool) -> Any:
+def read(params: ParamTree, emitting: bool, *, summed: bool, tied: frozenset[int] = frozenset()) -> Any:
     """The params' grads as the transform's tree.
 
     A param without a grad reads zeros on an emitting step, and an empty
     tensor on a held one (the window only counts: a missing grad there, as
     under FSDP2's no-sync, costs no allocation). Its ``.grad`` stays ``None``,
     so the inner optimizer skips it, unless the window sums ``.grad`` over the
-    ranks (``summed``): the param may have a grad on another rank, so on an
-    emitting step it takes zeros into ``.grad`` and steps on the sum as it
-    does there.
+    ranks (``summed``), or it is a copy of a weight tied across stages (its
+    flat index in ``tied``, summed by ``pp_reduce``): the param may have a grad
+    on another rank, so on an emitting step it takes zeros into ``.grad`` and
+    steps on the sum as it does there.
     """
     tree = [[p.grad for p in group] for group in params]
     if not any(map(has_none, tree)):
         return tree
-    if emitting and summed:
-        for p in tu.flatten(params)[0]:
-            if p.grad is None:
+    if emitting and (summed or tied):
+        for i, p in enumerate(tu.flatten(params)[0]):
+            if p.grad is None and (summed or i in tied):
                 p.grad = torch.zeros_like(p)
-        return [[p.grad for p in group] for group in params]
+        tree = [[p.grad for p in group] for group in params]
     return [
         [g if g is not None else missing(p, emitting) for p, g in zip(group, grads)]
         for group, grads in zip(params, tree)

@@ -23,6 +23,12 @@ CLOSURE_WITH_WINDOW = (
     "or drive the wrapper yourself: loss.backward(); opt.step() with no closure"
 )
 
+UNSYNCED_EMIT = (
+    "TransformedOptimizer.step: this step closes the accumulation window, but the last backward ran in "
+    "opt.maybe_no_sync(model), which skipped the data-parallel sync: the grads are each rank's own (DDP) or still "
+    "inside FSDP2. Run the micro-step whose step gets flush=True in opt.maybe_no_sync(model, flush=True)"
+)
+
 
 def closure_optimizer_with_window(optimizer: torch.optim.Optimizer) -> str:
     return (

@@ -319,6 +319,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 
     def _step(self, extra: dict[str, Any]) -> None:
+        if not self._live.synced and self._plan.emits_next(self._live.tx_state, flush=extra.get("flush", False)):
+            raise ValueError(loop_checks.UNSYNCED_EMIT)
         self._prepare()
         # Set by torch.amp.GradScaler.step for the duration of this call: the grads carry grad_scale
         # (None after scaler.unscale_(opt)), and found_inf says whether they hold an inf or NaN.
@@ -327,7 +329,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         plan = self._plan
         emitting = plan.emits_next(self._live.tx_state, flush=extra.get("flush", False))
         amp.check_unscale(found_inf, grad_scale, emitting=emitting)
-        tree = grads.read(self._tree, emitting, summed=plan.reduce_grads)
+        tree = grads.read(self._tree, emitting, summed=plan.reduce_grads, tied=plan.tied)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
         emitted = result.updates is not None
@@ -363,7 +365,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
-                tree = grads.read(self._tree, True, summed=self._plan.reduce_grads)
+                tree = grads.read(self._tree, True, summed=self._plan.reduce_grads, tied=self._plan.tied)
                 result = self._plan.run(tree, self._live.tx_state, self._tree, extra, None, self._device)
                 factor = result.factor
                 if result.skip is not None:  # a guard's skip: this evaluation's grads count as zero

@@ -66,6 +66,9 @@ class Plan:
         self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
         self.start = 1 if self.window is not None else 0
         self.reduce_grads = self.window is not None and self.window.window.reduce_grads
+        # The flat indices of tied copies that a pp_reduce sums over the stages (grads.read gives them .grad).
+        ties = [getattr(m, "__dict__", {}).get("pp_reduce_plan") for m in members]
+        self.tied = frozenset(i for plan in ties if plan is not None for idx in plan.tied.values() for i in idx)
         tail = len(members)
         while tail > self.start and isinstance(members[tail - 1], ScalarTransformation):
             tail -= 1

@@ -284,12 +284,43 @@ def _ddp_resumed_mid_window(rank: int) -> dict[str, Any]:
     return {"params": {n: p.detach().clone() for n, p in inner.named_parameters()}}
 
 
+def _ddp_flush_not_told_to_maybe_no_sync(rank: int) -> list[dict[str, Any]]:
+    """A short window flushed on every rank after backwards that maybe_no_sync(model) kept from syncing: its last
+    micro-step run without flush=True, or a bare opt.step(flush=True) after a held micro-step. Each rank's .grad
+    held only its own micro-batches; the step used to take them, and the replicas stepped apart. It must refuse,
+    with the params and the window as they were."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradtx as gtx
+
+    results = []
+    for micro_steps in (2, 1):  # 2: the flushing micro-step ran in maybe_no_sync(model); 1: a bare flush
+        model = DDP(lm())
+        opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), gtx.accumulate(K))
+        before = [p.detach().clone() for p in model.parameters()]
+        for i in range(micro_steps):
+            x, y = micro_batch(rank, 0, i)
+            with opt.maybe_no_sync(model):  # flush=True forgotten for the last
+                sum_loss(model(x), y).backward()
+            if i < micro_steps - 1 or micro_steps == 1:
+                opt.step()
+        try:
+            opt.step(flush=True)
+            refused = None
+        except ValueError as err:
+            refused = str(err)
+        unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        results.append({"refused": refused, "unchanged": unchanged, "window_open": opt.window_open})
+    return results
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "functional": _functional,
     "global_zero_tokens": _global_zero_tokens,
     "ddp": _ddp,
     "fsdp2": _fsdp2,
     "ddp_resumed_mid_window": _ddp_resumed_mid_window,
+    "ddp_flush_not_told": _ddp_flush_not_told_to_maybe_no_sync,
 }
 
 
@@ -380,3 +411,10 @@ def test_fsdp2_sums_and_reduce_scatters_once_per_step(ranks: list[dict[str, Any]
         assert [(s, i, d, n) for s, i, d, n in res["all_reduces"]] == [
             (s, K - 1, "torch.float64", 3) for s in range(STEPS)
         ]
+
+
+def test_a_flush_whose_backward_skipped_the_sync_is_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    for rank_results in part_results(ranks, "ddp_flush_not_told"):
+        for res in rank_results:
+            assert res["refused"] is not None and "maybe_no_sync(model, flush=True)" in res["refused"]
+            assert res["unchanged"] and res["window_open"]

@@ -47,19 +47,40 @@ def _accumulate(rank: int) -> dict:
 
 def _stage(rank: int, tied_none: bool) -> dict:
     comm = TorchComm(groups={"pp": dist.group.WORLD})
-    gen = torch.Generator().manual_seed(rank)
-    if rank == 0:
-        params = {"emb": torch.zeros(4, 3), "unused": torch.zeros(2)}
-        grads = {"emb": None if tied_none else torch.randn(4, 3, generator=gen), "unused": None}
-        tied = {"emb": "pp"}
-    else:
-        params = {"head": torch.zeros(4, 3), "w": torch.zeros(5)}
-        grads = {"head": torch.randn(4, 3, generator=gen), "w": torch.randn(5, generator=gen)}
-        tied = {"head": "pp"}
+    params, grads = _stage_data(rank, tied_none)
+    tied = {"emb": "pp"} if rank == 0 else {"head": "pp"}
     plan = gtx.mesh_groups(params, comm=comm, pp_group="pp", tied=tied)
     tx = gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan))
     out, state = tx.update(grads, tx.init(params), params)
     return {"grads": grads, "out": out, "norm": gtx.metrics(state)["grad_norm"]}
+
+
+def _wrapped_stage(rank: int) -> dict:
+    """The same two stages through ``TransformedOptimizer``, stage 0's tied copy without a grad."""
+    comm = TorchComm(groups={"pp": dist.group.WORLD})
+    params, grads = _stage_data(rank, tied_none=True)
+    live = {n: torch.nn.Parameter(torch.full_like(p, 0.5)) for n, p in params.items()}
+    tie = live["emb" if rank == 0 else "head"]
+    plan = gtx.mesh_groups([list(live.values())], comm=comm, pp_group="pp", tied={lambda path, p: p is tie: "pp"})
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(live.values(), lr=0.1, weight_decay=0.1),
+        gtx.chain(gtx.pp_reduce(plan), gtx.clip_by_global_norm(1.0, mesh_groups=plan)),
+    )
+    for n, p in live.items():
+        p.grad = None if grads[n] is None else grads[n].clone()  # the wrapper writes the clipped grads there
+    opt.step()
+    return {"grads": grads, "params": {n: p.detach().clone() for n, p in live.items()}}
+
+
+def _stage_data(rank: int, tied_none: bool) -> tuple[dict, dict]:
+    gen = torch.Generator().manual_seed(rank)
+    if rank == 0:
+        params = {"emb": torch.zeros(4, 3), "unused": torch.zeros(2)}
+        grads = {"emb": None if tied_none else torch.randn(4, 3, generator=gen), "unused": None}
+    else:
+        params = {"head": torch.zeros(4, 3), "w": torch.zeros(5)}
+        grads = {"head": torch.randn(4, 3, generator=gen), "w": torch.randn(5, generator=gen)}
+    return params, grads
 
 
 def _body(rank: int, world_size: int) -> dict:
@@ -70,6 +91,7 @@ def _body(rank: int, world_size: int) -> dict:
         "accumulate": _accumulate(rank),
         "pp_reduce": _stage(rank, tied_none=False),
         "pp_reduce_tied_none": _stage(rank, tied_none=True),
+        "wrapper_tied_none": _wrapped_stage(rank),
     }
 
 
@@ -108,3 +130,19 @@ def test_pp_reduce_takes_a_missing_grad_as_the_clip_does(ranks, part):
     for out in (stage0["out"]["emb"], stage1["out"]["head"]):  # both copies take the same update
         torch.testing.assert_close(out, tied * coef, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(stage1["out"]["w"], ref[1] * coef, rtol=1e-6, atol=1e-7)
+
+
+def test_wrapper_steps_a_tied_copy_without_a_grad_on_the_holders_sum(ranks):
+    """Under the wrapper, stage 0's tied copy has no ``.grad``: ``pp_reduce`` summed it as zeros, but the
+    summed grad was written only where a ``.grad`` existed, so stage 1 stepped its copy and stage 0 did not,
+    and the tied copies drifted apart. The reference is one device, where the tied weight is one tensor."""
+    stage0, stage1 = (r["wrapper_tied_none"] for r in ranks)
+    tied = torch.nn.Parameter(torch.full((4, 3), 0.5))
+    w, unused = torch.nn.Parameter(torch.full((5,), 0.5)), torch.nn.Parameter(torch.full((2,), 0.5))
+    tied.grad, w.grad = stage1["grads"]["head"].clone(), stage1["grads"]["w"].clone()
+    torch.nn.utils.clip_grad_norm_([tied, w, unused], 1.0)
+    torch.optim.SGD([tied, w, unused], lr=0.1, weight_decay=0.1).step()
+    for name, got in (("emb", stage0["params"]["emb"]), ("head", stage1["params"]["head"])):
+        torch.testing.assert_close(got, tied.detach(), rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    torch.testing.assert_close(stage1["params"]["w"], w.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(stage0["params"]["unused"], unused.detach(), rtol=0, atol=0)  # no grad: not stepped
