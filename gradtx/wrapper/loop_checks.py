@@ -24,9 +24,10 @@ CLOSURE_WITH_WINDOW = (
 )
 
 UNSYNCED_EMIT = (
-    "TransformedOptimizer.step: this step closes the accumulation window, but the last backward ran in "
-    "opt.maybe_no_sync(model), which skipped the data-parallel sync: the grads are each rank's own (DDP) or still "
-    "inside FSDP2. Run the micro-step whose step gets flush=True in opt.maybe_no_sync(model, flush=True)"
+    "TransformedOptimizer.step: this step closes the accumulation window, but the last opt.maybe_no_sync(model) "
+    "skipped the data-parallel sync, so the grads may be each rank's own (DDP) or still inside FSDP2. Run the "
+    "window's last micro-step in opt.maybe_no_sync(model) too (it syncs there; the wrapper cannot see a backward "
+    "run outside it), and the one whose step gets flush=True in opt.maybe_no_sync(model, flush=True)"
 )
 
 
