@@ -12,6 +12,7 @@ the result is written back into ``.grad`` for the inner optimizer.
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any
 
 import torch
@@ -72,6 +73,11 @@ def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:
             f"built for {len(tree)}; add groups with opt.add_param_group (the wrapper's), "
             "not opt.optimizer.add_param_group"
         )
+
+
+def same_lists(lists: ParamTree, groups: list[dict[str, Any]]) -> bool:
+    """Whether each group lists the params of ``lists``, by identity (a hand edit appends, removes or replaces one)."""
+    return all(len(a) == len(g["params"]) and all(map(operator.is_, a, g["params"])) for a, g in zip(lists, groups))
 
 
 def check_unique(groups: list[dict[str, Any]]) -> None:

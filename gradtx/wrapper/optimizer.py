@@ -10,7 +10,6 @@ rules), :mod:`gradtx.wrapper.amp` (GradScaler across a window),
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,11 +43,6 @@ class _Live:
         self.stand_ins: dict[torch.Tensor, dict[str, Any]] = {}  # inner states shown before the inner's first step
         self.lrs: list[Any] | None = None  # the lrs at the last step, while a window is open
         self.lr_prev = (False, False)  # whether the lr changed at the last step, and inside a window
-
-
-def _same_lists(lists: list[list[torch.Tensor]], groups: list[dict[str, Any]]) -> bool:
-    """Whether each group lists the params of ``lists``, by identity (a hand edit appends, removes or replaces one)."""
-    return all(len(a) == len(g["params"]) and all(map(operator.is_, a, g["params"])) for a, g in zip(lists, groups))
 
 
 class TransformedOptimizer(torch.optim.Optimizer):
@@ -306,7 +300,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """Params added to a group's list by hand (as torch.optim takes them) join once they have a grad, as frozen
         ones do (:meth:`_prepare`); params taken out leave the transform."""
         groups = self.optimizer.param_groups
-        if len(groups) == len(self._tree) and not _same_lists(self._lists, groups):
+        if len(groups) == len(self._tree) and not grads.same_lists(self._lists, groups):
             self._grow([[p for p in g["params"] if p in self._position] for g in groups])
 
     def _prepare(self) -> None:
