@@ -541,3 +541,26 @@ def test_masked_and_injected_hyperparams_round_trip_mid_window():
     resumed, _, _ = _functional_run(DATA[7:], loaded, {n: p.clone() for n, p in params.items()}, tx)
     for n in full:
         torch.testing.assert_close(resumed[n], full[n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stop", [6, 7], ids=["boundary", "mid_window"])
+def test_flattened_set_state_dict_of_a_layer_frozen_at_the_save_into_a_trainable_one(stop):
+    # torch's flattened load rebuilds every key the loading optimizer shows as {} for a param the checkpoint has no
+    # state for (frozen at the save): the param leaves the transform and joins at its first grad, as in the saved run.
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    reference = make_model()
+    reference[0].weight.requires_grad_(False)
+    ref_opt = wrapper(reference)
+    train(reference, ref_opt, DATA[:stop])
+    reference[0].weight.requires_grad_(True)
+    train(reference, ref_opt, DATA[stop:])
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    opt = wrapper(model)
+    train(model, opt, DATA[:stop])
+    ckpt = copy.deepcopy(get_state_dict(model, opt, options=options))
+    resumed = make_model(seed=5)
+    opt2 = wrapper(resumed)  # the layer trainable here
+    set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
+    train(resumed, opt2, DATA[stop:])
+    assert_same(params_of(resumed), params_of(reference))

@@ -319,6 +319,12 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             raise ValueError(f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')")
     if not isinstance(state_dict["state"], dict):
         raise TypeError(f"{what}: state_dict['state'] must be a dict, got {type(state_dict['state']).__name__}")
+    # torch's flattened load (set_state_dict) rebuilds a key the checkpoint lacks (a param frozen at the save) as {}.
+    state = {
+        i: {k: v for k, v in s.items() if not isinstance(v, dict) or v} if isinstance(s, dict) else s
+        for i, s in state_dict["state"].items()
+    }
+    state_dict = {**state_dict, "state": state}
     groups = opt.optimizer.param_groups
     saved_of = _saved_ids(state_dict["param_groups"], groups, what=what)
     saved = {id(p): state_dict["state"].get(saved_of[id(p)]) for g in groups for p in g["params"]}
