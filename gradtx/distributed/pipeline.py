@@ -21,6 +21,11 @@ from gradtx.distributed.global_norm import zero_filled
 from gradtx.distributed.plan import NO_PLAN, MeshGroups, check_plan, plan_read_by
 
 
+def reduced_plan(tx: Any) -> MeshGroups | None:
+    """The plan whose tied copies ``tx`` sums, when it is a :func:`pp_reduce`; else ``None``."""
+    return getattr(tx, "__dict__", {}).get("pp_reduce_plan")
+
+
 def check_chain(txs: Sequence[Any], *, name: str) -> None:
     """Refuse, when a chain is built, a norm that a pipeline chain computes over the wrong plan.
 
@@ -31,7 +36,7 @@ def check_chain(txs: Sequence[Any], *, name: str) -> None:
     weights needs a ``pp_reduce`` of that plan before it, which sums the tied
     copies' grads. Nested chains are checked as they are built.
     """
-    declared = [(i, getattr(tx, "__dict__", {}).get("pp_reduce_plan")) for i, tx in enumerate(txs)]
+    declared = [(i, reduced_plan(tx)) for i, tx in enumerate(txs)]
     reduced: list[tuple[int, MeshGroups]] = [(i, plan) for i, plan in declared if plan is not None]
     for i, tx in enumerate(txs):
         plan = plan_read_by(tx)

@@ -33,6 +33,7 @@ from gradtx.checkpoint.layout import members as members_of
 from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
+from gradtx.distributed.pipeline import reduced_plan
 from gradtx.transforms.accumulation import Accumulation
 from gradtx.transforms.combine import Chain
 
@@ -67,7 +68,7 @@ class Plan:
         self.start = 1 if self.window is not None else 0
         self.reduce_grads = self.window is not None and self.window.window.reduce_grads
         # The flat indices of tied copies that a pp_reduce sums over the stages (grads.read gives them .grad).
-        ties = [getattr(m, "__dict__", {}).get("pp_reduce_plan") for m in members]
+        ties = [reduced_plan(m) for m in members]
         self.tied = frozenset(i for plan in ties if plan is not None for idx in plan.tied.values() for i in idx)
         tail = len(members)
         while tail > self.start and isinstance(members[tail - 1], ScalarTransformation):

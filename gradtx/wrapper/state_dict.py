@@ -319,22 +319,23 @@ def load_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             raise ValueError(f"{what}: missing key {key!r} (expected torch.optim's layout: 'state', 'param_groups')")
     if not isinstance(state_dict["state"], dict):
         raise TypeError(f"{what}: state_dict['state'] must be a dict, got {type(state_dict['state']).__name__}")
-    # torch's flattened load (set_state_dict) rebuilds a key the checkpoint lacks (a param frozen at the save) as {}.
-    state = {
-        i: {k: v for k, v in s.items() if not isinstance(v, dict) or v} if isinstance(s, dict) else s
-        for i, s in state_dict["state"].items()
-    }
+    # An entry, or a key of one, that holds nothing is none: torch's flattened load (set_state_dict) rebuilds a key
+    # the checkpoint lacks (a param frozen at the save) as {}, and reading opt.state[p] before a save stores {}.
+    state = {}
+    for i, s in state_dict["state"].items():
+        kept = {k: v for k, v in s.items() if not isinstance(v, dict) or v} if isinstance(s, dict) else s
+        if not isinstance(kept, dict) or kept:
+            state[i] = kept
     state_dict = {**state_dict, "state": state}
     groups = opt.optimizer.param_groups
     saved_of = _saved_ids(state_dict["param_groups"], groups, what=what)
     saved = {id(p): state_dict["state"].get(saved_of[id(p)]) for g in groups for p in g["params"]}
     seen = {i for i, s in saved.items() if isinstance(s, dict) and GTX in s}
     # The transform's params as the saved run had them: a param frozen here that it had unfrozen joins (gradual
-    # unfreezing, resumed by a script that freezes it first), and one it had never seen nor stepped (no entry, or the
-    # empty one reading opt.state[p] makes: frozen there, unfrozen here) leaves, to join at its first grad as there.
+    # unfreezing, resumed by a script that freezes it first), and one it had never seen nor stepped (no entry:
+    # frozen there, unfrozen here) leaves, to join at its first grad as it would have there.
     new = [
-        [p for p in g["params"] if id(p) in seen or (p in opt._position and saved[id(p)] not in (None, {}))]
-        for g in groups
+        [p for p in g["params"] if id(p) in seen or (p in opt._position and saved[id(p)] is not None)] for g in groups
     ]
     tree, tx_state = opt._tree, opt._live.tx_state
     if seen and [list(map(id, g)) for g in new] != [list(map(id, g)) for g in tree]:
