@@ -564,3 +564,32 @@ def test_flattened_set_state_dict_of_a_layer_frozen_at_the_save_into_a_trainable
     set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
     train(resumed, opt2, DATA[stop:])
     assert_same(params_of(resumed), params_of(reference))
+
+
+def test_set_state_dict_of_a_layer_trainable_at_the_save_into_a_frozen_first_layer():
+    # torch's set_state_dict keeps no state for a param that does not require grad. The save put the transform's
+    # global part on its first trainable param: frozen here, that part is gone, and the load says so (not "a different
+    # chain"), changing nothing. The route it names (trainable for the load, frozen after) resumes the run exactly.
+    stop = 2 * K
+    reference = make_model()
+    ref_opt = wrapper(reference)
+    train(reference, ref_opt, DATA[:stop])
+    reference[0].weight.requires_grad_(False)
+    train(reference, ref_opt, DATA[stop:])
+    model = make_model()
+    opt = wrapper(model)
+    train(model, opt, DATA[:stop])
+    ckpt = copy.deepcopy(get_state_dict(model, opt))
+    resumed = make_model(seed=5)
+    resumed[0].weight.requires_grad_(False)
+    opt2 = wrapper(resumed)
+    before = snapshot(opt2, resumed)
+    with pytest.raises(ValueError, match="make it trainable for the load"):
+        set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1])
+    assert_unchanged(before, opt2, resumed)
+    resumed = make_model(seed=5)
+    opt2 = wrapper(resumed)
+    set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1])
+    resumed[0].weight.requires_grad_(False)
+    train(resumed, opt2, DATA[stop:])
+    assert_same(params_of(resumed), params_of(reference))

@@ -379,6 +379,12 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
         layout = lo.layout_of(opt._live.tx_state, params)
         window = lo.window_sum_keys(layout)
         first = entries[0] if isinstance(entries[0], dict) else {}
+        if not any(isinstance(e, dict) and GLOBAL in e for e in entries):
+            raise ValueError(
+                f"{what}: no param's gradtx entry has the transform's {GLOBAL!r} state, which the save put on its "
+                "first trainable param. torch's set_state_dict keeps no state for a param that does not require "
+                "grad: if that param is frozen here, make it trainable for the load and freeze it after"
+            )
         saved_open = any(lo.saved_window_open(first.get(GLOBAL), key) for key in window)
         for key in window:
             if not saved_open:
