@@ -593,3 +593,26 @@ def test_set_state_dict_of_a_layer_trainable_at_the_save_into_a_frozen_first_lay
     resumed[0].weight.requires_grad_(False)
     train(resumed, opt2, DATA[stop:])
     assert_same(params_of(resumed), params_of(reference))
+
+
+@pytest.mark.parametrize("make_tx", [lambda: gtx.trace(0.9), lambda: gtx.adaptive_clip(0.05)], ids=["trace", "agc"])
+def test_flattened_set_state_dict_of_a_chain_with_no_global_state(make_tx):
+    # A chain with no global state shows "global": {} on its first param; torch's flattened checkpoint drops an empty
+    # dict, so the load finds no "global" key. The run resumes exactly, as through the nested layout.
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    stop = 5
+
+    def build(model):
+        return gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), make_tx())
+
+    reference = make_model()
+    train(reference, build(reference), DATA)
+    model = make_model()
+    opt = build(model)
+    train(model, opt, DATA[:stop])
+    ckpt = copy.deepcopy(get_state_dict(model, opt, options=options))
+    resumed = make_model(seed=5)
+    opt2 = build(resumed)
+    set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
+    train(resumed, opt2, DATA[stop:])
+    assert_same(params_of(resumed), params_of(reference))

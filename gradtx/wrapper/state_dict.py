@@ -379,7 +379,9 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
         layout = lo.layout_of(opt._live.tx_state, params)
         window = lo.window_sum_keys(layout)
         first = entries[0] if isinstance(entries[0], dict) else {}
-        if not any(isinstance(e, dict) and GLOBAL in e for e in entries):
+        if not layout.globals_ and isinstance(entries[0], dict):  # torch's flattened checkpoint drops an empty dict
+            entries[0] = first = {GLOBAL: {}, **first}
+        elif not any(isinstance(e, dict) and GLOBAL in e for e in entries):
             raise ValueError(
                 f"{what}: no param's gradtx entry has the transform's {GLOBAL!r} state, which the save put on its "
                 "first trainable param. torch's set_state_dict keeps no state for a param that does not require "
