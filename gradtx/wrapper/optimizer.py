@@ -142,7 +142,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
         self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]
         self._lists = [list(g["params"]) for g in self.optimizer.param_groups]
-        self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
+        # Fused kernels read grad_scale as fp32. Read at the next step: torch.optim allows a cast (model.double())
+        # after it is built, up to its first step, where it makes its state.
+        self._fp64: bool | None = None
         self._device = tu.device_of(self._flat)
 
     # torch.optim.Optimizer surface ----------------------------------------------------------------
@@ -382,6 +384,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             # are copied, so nothing that writes .grad (a scaling, zero_grad, the next backward) writes the state.
             updates = grads.not_holding(updates, (state, self._flat))
             replaced = grads.write(self._tree, updates)
+        if self._fp64 is None:
+            self._fp64 = any(p.dtype == torch.float64 for p in self._flat)
         try:
             rules.step_inner(self.optimizer, self._fused, self._tree, self._flat, factor, skip, fp64=self._fp64)
         except BaseException:
