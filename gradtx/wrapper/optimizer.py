@@ -106,7 +106,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         wrapper's to make). Otherwise GradScaler does what it does for the inner optimizer alone, which
         accelerate and the Hugging Face Trainer read: a step it does not call was skipped, and their schedulers
         hold."""
-        return "_plan" in self.__dict__ and (self._plan.window is not None or rules.scales_in_kernel(self.optimizer))
+        # getattr: a framework's proxy of the wrapper (see add_param_group) reads the wrapper's plan and answer.
+        plan = getattr(self, "_plan", None)
+        return plan is not None and (plan.window is not None or rules.scales_in_kernel(self.optimizer))
 
     def __init__(self, optimizer: torch.optim.Optimizer, tx: GradientTransformation) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -211,6 +213,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
         Args:
           param_group: as for ``torch.optim.Optimizer.add_param_group``.
         """
+        if isinstance(self.optimizer, TransformedOptimizer):
+            # A framework's proxy of the wrapper (Lightning's self.optimizers(), Fabric's): an instance of a subclass
+            # of this class made around it (its .optimizer), forwarding only what it lacks. The wrapper acts.
+            return self.optimizer.add_param_group(param_group)
         if "_live" not in self.__dict__:  # torch.optim.Optimizer.__init__ registering the inner groups
             return
         if self._live.window_open:
@@ -470,6 +476,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             (they sit inside DDP/FSDP2 after a :meth:`maybe_no_sync` backward
             that did not sync).
         """
+        if isinstance(self.optimizer, TransformedOptimizer):  # a framework's proxy (see add_param_group)
+            return self.optimizer.state_dict()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # hooks registered on the wrapper, as torch
             pre_hook(self)
         self._follow_groups()
@@ -490,6 +498,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         open when saved is open again, its partial sums in ``.grad``; one saved
         at a boundary leaves every ``.grad`` ``None``.
         """
+        if isinstance(self.optimizer, TransformedOptimizer):  # a framework's proxy (see add_param_group)
+            return self.optimizer.load_state_dict(state_dict)
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # as torch: a pre-hook may change the dict, never the caller's
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
