@@ -2,6 +2,7 @@
 
 import logging
 import warnings
+import weakref
 
 import lightning as L
 import pytest
@@ -204,3 +205,27 @@ def test_a_checkpoint_and_the_amp_flag_through_self_optimizers_are_the_wrappers(
     assert_trees_close(params_of(model), params_of(ref), rtol=1e-5, atol=1e-6)
     torch_flag = getattr(LightningOptimizer(ref_opt), "_step_supports_amp_scaling", False)  # what Lightning reads
     assert LightningOptimizer(opt)._step_supports_amp_scaling is opt._step_supports_amp_scaling is torch_flag is fused
+
+
+class CountsStandIns(Automatic):
+    """Records, inside the inner optimizer's first step, how many stand-ins made before it are still alive."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        opt.optimizer.register_step_post_hook(lambda *_: self.alive.append(sum(r() is not None for r in self.refs)))
+        return opt
+
+    def on_fit_start(self):  # after Lightning's setup moved the optimizer's state to the device, through opt.state
+        opt = self.trainer.optimizers[0]
+        self.alive = []
+        self.refs = [weakref.ref(opt.state[p][k]) for p in self.model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+
+
+def test_the_stand_ins_lightnings_setup_makes_are_freed_before_the_inner_optimizer_makes_its_state():
+    """Lightning's setup iterates opt.state before the first step, which makes stand-ins of the whole inner state
+    (AdamW: two tensors per param). Held while the inner optimizer makes its own at the first step, they would make
+    the optimizer's memory there twice a torch optimizer's, which holds one state."""
+    module = CountsStandIns(gtx.clip_by_global_norm(MAX_NORM))
+    fit(module)
+    assert len(module.refs) == 2 * len(list(module.model.parameters()))
+    assert module.alive[0] == 0

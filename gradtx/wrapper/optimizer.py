@@ -392,6 +392,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
             replaced = grads.write(self._tree, updates)
         if self._fp64 is None:
             self._fp64 = any(p.dtype == torch.float64 for p in self._flat)
+        # The inner optimizer makes its own state for the params it steps: their stand-ins go first, so that state is
+        # never held twice (Lightning's setup reads opt.state, which makes stand-ins of the whole inner state).
+        if self._live.stand_ins:
+            self._live.stand_ins = {p: s for p, s in self._live.stand_ins.items() if p.grad is None}
         try:
             rules.step_inner(self.optimizer, self._fused, self._tree, self._flat, factor, skip, fp64=self._fp64)
         except BaseException:
