@@ -66,15 +66,21 @@ def test_fp64_optimizers_match_torch_to_fp64_rounding(opt):
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZER_PAIRS))
-@pytest.mark.parametrize("path", ["functional", "wrapper"])
+@pytest.mark.parametrize("path", ["functional", "wrapper", "wrapper_cast_after_build"])
 def test_fp64_clip_then_fused_step_keeps_fp64(opt, path):
-    """torch's fused kernels read grad_scale as fp32: a folded fp64 clip factor must not round through it."""
+    """torch's fused kernels read grad_scale as fp32: a folded fp64 clip factor must not round through it.
+
+    Also when the params become fp64 after the wrapper is built (``model.double()``, which torch.optim allows
+    before the first step: it makes its state then): torch's optimizer, built on fp32 params, is cast alike.
+    """
     make_torch, make_tx = OPTIMIZER_PAIRS[opt]
     start = _params(torch.float64)
-    ref = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
+    cast_later = path == "wrapper_cast_after_build"
+    dtype = torch.float32 if cast_later else torch.float64
+    ref = {k: torch.nn.Parameter(v.to(dtype)) for k, v in start.items()}
     torch_opt = make_torch(list(ref.values()))
-    ours = {k: torch.nn.Parameter(v.clone()) for k, v in start.items()}
-    if path == "wrapper":
+    ours = {k: torch.nn.Parameter(v.to(dtype)) for k, v in start.items()}
+    if path != "functional":
         inner = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[opt]
         kwargs = {k: v for k, v in torch_opt.defaults.items() if k in ("lr", "weight_decay", "momentum", "nesterov")}
         wrapper = gtx.TransformedOptimizer(
@@ -84,6 +90,9 @@ def test_fp64_clip_then_fused_step_keeps_fp64(opt, path):
         tx = gtx.chain(gtx.clip_by_global_norm(0.5), make_tx())
         params = {k: v.detach().clone() for k, v in ours.items()}
         state = tx.init(params)
+    if cast_later:  # as model.double() does: each param's data replaced, the param object kept
+        for k in start:
+            ref[k].data, ours[k].data = start[k].clone(), start[k].clone()
     gen = torch.Generator().manual_seed(3)
     for _ in range(5):
         grads = {k: torch.randn(v.shape, dtype=v.dtype, generator=gen) for k, v in start.items()}
@@ -91,13 +100,13 @@ def test_fp64_clip_then_fused_step_keeps_fp64(opt, path):
             p.grad = grads[k].clone()
         torch.nn.utils.clip_grad_norm_(list(ref.values()), 0.5)
         torch_opt.step()
-        if path == "wrapper":
+        if path != "functional":
             for k, p in ours.items():
                 p.grad = grads[k].clone()
             wrapper.step()
         else:
             params, state = gtx.update_and_apply(tx, {k: g.clone() for k, g in grads.items()}, state, params)
-    got = {k: p.detach() for k, p in ours.items()} if path == "wrapper" else params
+    got = {k: p.detach() for k, p in ours.items()} if path != "functional" else params
     for k, r in ref.items():
         torch.testing.assert_close(got[k], r.detach(), rtol=1e-12, atol=1e-14)
 

@@ -2,6 +2,7 @@
 
 import logging
 import warnings
+import weakref
 
 import lightning as L
 import pytest
@@ -145,3 +146,86 @@ def test_16_mixed_with_gradscaler_equals_lightnings_own_clipping():
     assert t.global_step == t_ref.global_step == STEPS
     assert t.precision_plugin.scaler.get_scale() == t_ref.precision_plugin.scaler.get_scale()
     assert_trees_close(params_of(ours.model), params_of(ref.model), rtol=1e-6, atol=1e-7)
+
+
+class GradualUnfreezing(Automatic):
+    """The last layer trains from the start; the first joins at the second epoch, added through self.optimizers()."""
+
+    def __init__(self, make_optimizer):
+        super().__init__(None)
+        self.make_optimizer = make_optimizer
+        self.model[0].requires_grad_(False)
+
+    def configure_optimizers(self):
+        return self.make_optimizer(self.model[2].parameters())
+
+    def on_train_epoch_start(self):
+        if self.current_epoch == 1:
+            self.model[0].requires_grad_(True)
+            self.optimizers().add_param_group({"params": list(self.model[0].parameters()), "lr": 1e-3})
+
+
+def test_a_group_added_through_self_optimizers_trains_as_with_a_torch_optimizer():
+    """self.optimizers() is Lightning's proxy of the wrapper (an instance of a subclass of its class, made around it);
+    a group added through it is the wrapper's, as one added through the proxy of a torch optimizer is that one's."""
+    ours = GradualUnfreezing(
+        lambda ps: gtx.TransformedOptimizer(torch.optim.AdamW(ps, lr=1e-2), gtx.clip_by_global_norm(MAX_NORM))
+    )
+    ref = GradualUnfreezing(lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    fit(ours, limit_train_batches=STEPS // 2)  # two epochs
+    fit(ref, limit_train_batches=STEPS // 2, gradient_clip_val=MAX_NORM)
+    assert len(ours.trainer.optimizers[0].param_tree()) == 2
+    assert not torch.equal(ours.model[0].weight, make_model()[0].weight)  # the first layer trained
+    assert_trees_close(params_of(ours.model), params_of(ref.model), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_checkpoint_and_the_amp_flag_through_self_optimizers_are_the_wrappers(fused):
+    """Saved through the proxy before the first step, loaded through another, the run goes on as torch's AdamW with
+    clip_grad_norm_ from the start; GradScaler's flag reads as on the proxy of a torch optimizer."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    def wrapper(model):
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+        return gtx.TransformedOptimizer(inner, gtx.clip_by_global_norm(MAX_NORM))
+
+    saved = LightningOptimizer(wrapper(make_model())).state_dict()
+    model, ref = make_model(), make_model()
+    opt, ref_opt = wrapper(model), torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=fused)
+    LightningOptimizer(opt).load_state_dict(saved)
+    x, y = data()
+    for i in range(3):
+        F.cross_entropy(model(x[8 * i : 8 * i + 8]), y[8 * i : 8 * i + 8]).backward()
+        F.cross_entropy(ref(x[8 * i : 8 * i + 8]), y[8 * i : 8 * i + 8]).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    assert_trees_close(params_of(model), params_of(ref), rtol=1e-5, atol=1e-6)
+    torch_flag = getattr(LightningOptimizer(ref_opt), "_step_supports_amp_scaling", False)  # what Lightning reads
+    assert LightningOptimizer(opt)._step_supports_amp_scaling is opt._step_supports_amp_scaling is torch_flag is fused
+
+
+class CountsStandIns(Automatic):
+    """Records, inside the inner optimizer's first step, how many stand-ins made before it are still alive."""
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        opt.optimizer.register_step_post_hook(lambda *_: self.alive.append(sum(r() is not None for r in self.refs)))
+        return opt
+
+    def on_fit_start(self):  # after Lightning's setup moved the optimizer's state to the device, through opt.state
+        opt = self.trainer.optimizers[0]
+        self.alive = []
+        self.refs = [weakref.ref(opt.state[p][k]) for p in self.model.parameters() for k in ("exp_avg", "exp_avg_sq")]
+
+
+def test_the_stand_ins_lightnings_setup_makes_are_freed_before_the_inner_optimizer_makes_its_state():
+    """Lightning's setup iterates opt.state before the first step, which makes stand-ins of the whole inner state
+    (AdamW: two tensors per param). Held while the inner optimizer makes its own at the first step, they would make
+    the optimizer's memory there twice a torch optimizer's, which holds one state."""
+    module = CountsStandIns(gtx.clip_by_global_norm(MAX_NORM))
+    fit(module)
+    assert len(module.refs) == 2 * len(list(module.model.parameters()))
+    assert module.alive[0] == 0

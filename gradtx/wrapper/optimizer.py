@@ -106,7 +106,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         wrapper's to make). Otherwise GradScaler does what it does for the inner optimizer alone, which
         accelerate and the Hugging Face Trainer read: a step it does not call was skipped, and their schedulers
         hold."""
-        return "_plan" in self.__dict__ and (self._plan.window is not None or rules.scales_in_kernel(self.optimizer))
+        # getattr: a framework's proxy of the wrapper (see add_param_group) reads the wrapper's plan and answer.
+        plan = getattr(self, "_plan", None)
+        return plan is not None and (plan.window is not None or rules.scales_in_kernel(self.optimizer))
 
     def __init__(self, optimizer: torch.optim.Optimizer, tx: GradientTransformation) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -142,7 +144,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # The groups' params the transform does not see (frozen when they joined the groups): checked at each step.
         self._frozen = [p for g in self.optimizer.param_groups for p in g["params"] if p not in self._position]
         self._lists = [list(g["params"]) for g in self.optimizer.param_groups]
-        self._fp64 = any(p.dtype == torch.float64 for p in self._flat)  # fused kernels read grad_scale as fp32
+        # Fused kernels read grad_scale as fp32. Read at the next step: torch.optim allows a cast (model.double())
+        # after it is built, up to its first step, where it makes its state.
+        self._fp64: bool | None = None
         self._device = tu.device_of(self._flat)
 
     # torch.optim.Optimizer surface ----------------------------------------------------------------
@@ -209,6 +213,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
         Args:
           param_group: as for ``torch.optim.Optimizer.add_param_group``.
         """
+        if isinstance(self.optimizer, TransformedOptimizer):
+            # A framework's proxy of the wrapper (Lightning's self.optimizers(), Fabric's): an instance of a subclass
+            # of this class made around it (its .optimizer), forwarding only what it lacks. The wrapper acts.
+            return self.optimizer.add_param_group(param_group)
         if "_live" not in self.__dict__:  # torch.optim.Optimizer.__init__ registering the inner groups
             return
         if self._live.window_open:
@@ -382,6 +390,12 @@ class TransformedOptimizer(torch.optim.Optimizer):
             # are copied, so nothing that writes .grad (a scaling, zero_grad, the next backward) writes the state.
             updates = grads.not_holding(updates, (state, self._flat))
             replaced = grads.write(self._tree, updates)
+        if self._fp64 is None:
+            self._fp64 = any(p.dtype == torch.float64 for p in self._flat)
+        # The inner optimizer makes its own state for the params it steps: their stand-ins go first, so that state is
+        # never held twice (Lightning's setup reads opt.state, which makes stand-ins of the whole inner state).
+        if self._live.stand_ins:
+            self._live.stand_ins = {p: s for p, s in self._live.stand_ins.items() if p.grad is None}
         try:
             rules.step_inner(self.optimizer, self._fused, self._tree, self._flat, factor, skip, fp64=self._fp64)
         except BaseException:
@@ -466,6 +480,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
             (they sit inside DDP/FSDP2 after a :meth:`maybe_no_sync` backward
             that did not sync).
         """
+        if isinstance(self.optimizer, TransformedOptimizer):  # a framework's proxy (see add_param_group)
+            return self.optimizer.state_dict()
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():  # hooks registered on the wrapper, as torch
             pre_hook(self)
         self._follow_groups()
@@ -486,6 +502,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         open when saved is open again, its partial sums in ``.grad``; one saved
         at a boundary leaves every ``.grad`` ``None``.
         """
+        if isinstance(self.optimizer, TransformedOptimizer):  # a framework's proxy (see add_param_group)
+            return self.optimizer.load_state_dict(state_dict)
         if isinstance(state_dict, dict):
             state_dict = state_dict.copy()  # as torch: a pre-hook may change the dict, never the caller's
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

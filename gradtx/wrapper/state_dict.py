@@ -59,8 +59,8 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
     """The stand-in inner state of every param the inner optimizer holds none for (made once, when asked for).
 
     One step of the optimizer's own ``step`` (no hooks) on zero grads, with
-    ``lr = 0`` in every group and every other param's grad hidden, so no param
-    moves; the state it makes is taken back out, and the groups and every
+    ``lr = 0`` and no weight decay in every group and every other param's grad
+    hidden, so no param moves; the state it makes is taken back out, and the groups and every
     other param's state entries are put back as they were (LBFGS counts its
     evaluations on its first param, some optimizers count steps in a group).
     An optimizer that cannot step on dense zero grads (``SparseAdam``) shows
@@ -78,8 +78,8 @@ def stand_ins(opt: Any) -> dict[torch.Tensor, dict[str, Any]]:
         for p in every:
             p.grad = torch.zeros_like(p) if p in missing else None
         for g in optimizer.param_groups:
-            if "lr" in g:
-                g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
+            for k in {"lr", "weight_decay"} & g.keys():  # no step, nor decay (Adafactor's relative step ignores lr)
+                g[k] = torch.tensor(0.0) if isinstance(g[k], torch.Tensor) else 0.0
         with torch.no_grad():
             rules.unwrapped(optimizer)((lambda: torch.zeros(())) if opt._needs_closure else None)
     except RuntimeError:  # e.g. SparseAdam refuses dense grads: no stand-ins to show
