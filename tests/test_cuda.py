@@ -88,3 +88,31 @@ def test_a_clipped_adamw_step_on_cuda_never_syncs_with_the_host():
             params = gtx.apply_updates(params, updates)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_wrapper_built_on_the_cpu_follows_the_model_through_accelerates_prepare():
+    # accelerate's prepare moves the model after the optimizer was built on it, then round-trips the optimizer's
+    # state_dict through its move_to_device and load_state_dict: the transform's state follows, as the inner one does.
+    from accelerate.optimizer import move_to_device
+
+    k, steps = 2, 3
+    batches = _batches(k * steps)
+    ref_model = _model()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    model = _model().cpu()
+    tx = gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(0.5), gtx.trace(0.9))
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)
+    model.cuda()
+    opt.load_state_dict(move_to_device(opt.state_dict(), torch.device("cuda")))
+    for s in range(steps):
+        for x, y in batches[s * k : (s + 1) * k]:
+            (torch.nn.functional.cross_entropy(ref_model(x), y) / k).backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for x, y in batches[s * k : (s + 1) * k]:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.emitted
+    assert_trees_close(list(model.parameters()), list(ref_model.parameters()), rtol=1e-5, atol=1e-6)

@@ -147,7 +147,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # Fused kernels read grad_scale as fp32. Read at the next step: torch.optim allows a cast (model.double())
         # after it is built, up to its first step, where it makes its state.
         self._fp64: bool | None = None
-        self._device = tu.device_of(self._flat)
+
+    @property
+    def _device(self) -> torch.device:
+        # Read each time: accelerate's prepare moves the model after the optimizer is built (see load_state_dict).
+        return tu.device_of(self._flat[:1])
 
     # torch.optim.Optimizer surface ----------------------------------------------------------------
 
