@@ -372,3 +372,22 @@ def test_a_matrix_with_an_empty_reduction_axis_gets_an_empty_update_as_in_optax(
     torch.testing.assert_close(got["v"], alone["v"], rtol=0, atol=0)
     shaped, _ = gtx.scale_by_shape().update(g, gtx.EmptyState())
     assert shaped["w"].shape == (8, 0)
+
+
+@pytest.mark.parametrize("preconditioning", ["frobenius", "spectral", "aol", "schatten"])
+def test_fp64_muon_matches_optax_in_fp64(preconditioning):
+    """fp64 params iterate in fp64 throughout: the spectral norm of the first step too (not in fp32)."""
+    params = {k: v.double() for k, v in _tree().items()}
+    grads = [{k: v.double() for k, v in g.items()} for g in _grads(3)]
+    dims = {k: DN(*v) if v else None for k, v in OPTAX_LAYOUT.items()}
+    odims = {k: OptaxDN(*v) if v else None for k, v in OPTAX_LAYOUT.items()}
+    got, _ = _run_gtx(
+        gtx.muon(0.02, preconditioning=preconditioning, muon_weight_dimension_numbers=dims), params, grads
+    )
+    with jax.enable_x64(True):
+        want, _ = _run_optax(
+            optax_muon(0.02, preconditioning=preconditioning, muon_weight_dimension_numbers=odims), params, grads
+        )
+    for k in got:
+        assert want[k].dtype == torch.float64
+        torch.testing.assert_close(got[k], want[k], rtol=1e-12, atol=1e-13, msg=lambda m, k=k: f"{k}: {m}")

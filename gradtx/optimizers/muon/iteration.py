@@ -290,7 +290,8 @@ def _ns(x: torch.Tensor, rows: Sequence[tuple[float, float, float]], pre: str, e
     if pre == "frobenius":
         x = x / (torch.linalg.matrix_norm(x, keepdim=True) + e)
     elif pre == "spectral":
-        x = x / (torch.linalg.matrix_norm(x.float(), ord=2, keepdim=True).to(x.dtype) + e)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # the SVD has no fp16/bf16; fp64 stays fp64
+        x = x / (torch.linalg.matrix_norm(wide, ord=2, keepdim=True).to(x.dtype) + e)
     for i, (a, b, c) in enumerate(rows):
         gram = x @ x.mT
         if i == 0 and pre == "aol":
