@@ -645,3 +645,34 @@ def test_an_optimizer_in_the_chain_is_refused_naming_it(opt_tx):
     model = make_model()
     with pytest.raises(TypeError, match=r"the chain holds gtx\.(sgd|adamw|adam)\(\.\.\.\), an optimizer"):
         gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), opt_tx)
+
+
+@pytest.mark.parametrize("window", [1, 2], ids=["every_step", "accumulate_2"])
+def test_a_param_left_out_of_a_step_keeps_its_transform_state_as_torch_keeps_its_buffer(window):
+    # An expert not routed to on some steps has no grad there: torch's SGD leaves its momentum buffer as it was, and
+    # so does the transform (a None leaf passes every member untouched, as in a functional step), here gtx.trace.
+    def run(wrapped: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        shared, expert = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+        params = [*shared.parameters(), *expert.parameters()]
+        if wrapped:
+            tx = gtx.chain(gtx.accumulate(window), gtx.clip_by_global_norm(0.5), gtx.trace(0.9))
+            opt = gtx.TransformedOptimizer(torch.optim.SGD(params, lr=0.1), tx)
+        else:
+            opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(1)
+        for step in range(5):
+            for _ in range(window):
+                x = torch.randn(8, 4, generator=g)
+                out = shared(x) + (expert(x) if step not in (1, 2) else 0)
+                loss = out.pow(2).mean()
+                (loss if wrapped else loss / window).backward()
+                if wrapped:
+                    opt.step()
+            if not wrapped:
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
+                opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in params]
+
+    assert_trees_close(run(True), run(False), rtol=1e-6, atol=1e-7)
