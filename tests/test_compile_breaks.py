@@ -31,6 +31,9 @@ CHAINS = {
         gtx.sgd(gtx.cosine_onecycle_schedule(4, 0.1), momentum=0.9),
         gtx.scale_by_schedule(gtx.linear_onecycle_schedule(4, 1.0)),
     ),
+    # Muon's transforms: which leaves are matrices is host work on shapes, done while tracing
+    "muon-transforms": lambda: gtx.chain(gtx.scale_by_muon(), gtx.scale_by_shape(), gtx.scale_by_learning_rate(0.02)),
+    "trace+orthogonalize": lambda: gtx.chain(gtx.trace(0.9), gtx.orthogonalize(), gtx.scale(-0.1)),
 }
 
 

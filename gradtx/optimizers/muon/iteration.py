@@ -118,7 +118,7 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
     batch = tuple(ax for ax in range(len(split)) if ax not in red and ax not in outp)
     perm = batch + red + outp
     inv = tuple(sorted(range(len(split)), key=lambda i: perm[i]))
-    size = lambda group: math.prod(split[ax] for ax in group)
+    size = lambda group: math.prod([split[ax] for ax in group])
     flat = (size(batch), size(red), size(outp))
     return _Layout(tuple(split), perm, inv, flat, tuple(split[ax] for ax in perm), own_batch)
 
@@ -348,6 +348,8 @@ def _selector(dims_arg: Any, *, name: str) -> Callable[[PyTree, list[Any], Any],
 
 def cached(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
     """``cache[key]``, made by ``make()`` when missing; the cache is emptied when it holds more than 8 entries."""
+    if torch.compiler.is_compiling():  # dynamo's treespec in the key is unhashable; a trace runs make() once anyway
+        return make()
     value = cache.get(key)
     if value is None:
         value = make()
