@@ -24,9 +24,14 @@ from torch._functorch import pyfunctorch
 
 
 def under_vmap() -> bool:
-    """True inside ``torch.func.vmap`` (at any depth of functorch transforms)."""
-    if _functorch.maybe_current_level() is None:
+    """True inside ``torch.func.vmap`` (at any depth of functorch transforms).
+
+    Traced, any transform counts: dynamo cannot read which, and per-tensor ops are right under each.
+    """
+    if not torch._C._are_functorch_transforms_active():
         return False
+    if torch.compiler.is_compiling():
+        return True
     return any(i.key() == _functorch.TransformType.Vmap for i in pyfunctorch.retrieve_all_functorch_interpreters())
 
 

@@ -263,7 +263,7 @@ def _plain_ops_only() -> bool:
     At any depth: under ``vmap(grad(f))`` a shard is a grad-tracking tensor whose batched one is inside it.
     (Autograd and ``torch.func.grad`` alone go through the foreach norm: it has a derivative.)
     """
-    return not torch.compiler.is_compiling() and fe.under_vmap()
+    return fe.under_vmap()
 
 
 def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
