@@ -34,6 +34,8 @@ CHAINS = {
     # Muon's transforms: which leaves are matrices is host work on shapes, done while tracing
     "muon-transforms": lambda: gtx.chain(gtx.scale_by_muon(), gtx.scale_by_shape(), gtx.scale_by_learning_rate(0.02)),
     "trace+orthogonalize": lambda: gtx.chain(gtx.trace(0.9), gtx.orthogonalize(), gtx.scale(-0.1)),
+    # the alias: a partition of Muon and Adam by a labels function of the params
+    "muon": lambda: gtx.muon(gtx.warmup_cosine_decay_schedule(0.0, 0.02, 2, 10), weight_decay=0.01),
 }
 
 

@@ -365,6 +365,8 @@ def _resolve_dims(dims: Any, updates: PyTree, *, name: str) -> list[MuonDimensio
         return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(updates)[0]]
     if callable(dims):
         dims = dims(updates)
+    if isinstance(dims, MuonDimensionNumbers):  # one for every leaf (no tree of constants for dynamo to build)
+        return [dims] * len(tu.flatten(updates)[0])
     entry = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # one leaf, though a NamedTuple
     try:
         spread = optree.tree_broadcast_prefix(dims, updates, is_leaf=entry)
