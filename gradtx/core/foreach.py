@@ -28,10 +28,9 @@ def under_vmap() -> bool:
 
     Traced, any transform counts: dynamo cannot read which, and per-tensor ops are right under each.
     """
-    if not torch._C._are_functorch_transforms_active():
-        return False
-    if torch.compiler.is_compiling():
-        return True
+    active = torch._C._are_functorch_transforms_active()
+    if not active or torch.compiler.is_compiling():
+        return active
     return any(i.key() == _functorch.TransformType.Vmap for i in pyfunctorch.retrieve_all_functorch_interpreters())
 
 
