@@ -34,6 +34,9 @@ CHAINS = {
     # Muon's transforms: which leaves are matrices is host work on shapes, done while tracing
     "muon-transforms": lambda: gtx.chain(gtx.scale_by_muon(), gtx.scale_by_shape(), gtx.scale_by_learning_rate(0.02)),
     "trace+orthogonalize": lambda: gtx.chain(gtx.trace(0.9), gtx.orthogonalize(), gtx.scale(-0.1)),
+    # guards whose state starts as zeros: one tensor shared by two fields would be a guarded alias
+    "zclip+sgd": lambda: gtx.chain(gtx.zclip(warmup_steps=2), gtx.sgd(0.1)),
+    "skip_spikes-adamw": lambda: gtx.skip_spikes(gtx.adamw(1e-2), warmup_steps=2),
     # the alias: a partition of Muon and Adam by a labels function of the params
     "muon": lambda: gtx.muon(gtx.warmup_cosine_decay_schedule(0.0, 0.02, 2, 10), weight_decay=0.01),
 }
