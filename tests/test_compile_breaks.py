@@ -31,6 +31,14 @@ CHAINS = {
         gtx.sgd(gtx.cosine_onecycle_schedule(4, 0.1), momentum=0.9),
         gtx.scale_by_schedule(gtx.linear_onecycle_schedule(4, 1.0)),
     ),
+    # Muon's transforms: which leaves are matrices is host work on shapes, done while tracing
+    "muon-transforms": lambda: gtx.chain(gtx.scale_by_muon(), gtx.scale_by_shape(), gtx.scale_by_learning_rate(0.02)),
+    "trace+orthogonalize": lambda: gtx.chain(gtx.trace(0.9), gtx.orthogonalize(), gtx.scale(-0.1)),
+    # guards whose state starts as zeros: one tensor shared by two fields would be a guarded alias
+    "zclip+sgd": lambda: gtx.chain(gtx.zclip(warmup_steps=2), gtx.sgd(0.1)),
+    "skip_spikes-adamw": lambda: gtx.skip_spikes(gtx.adamw(1e-2), warmup_steps=2),
+    # the alias: a partition of Muon and Adam by a labels function of the params
+    "muon": lambda: gtx.muon(gtx.warmup_cosine_decay_schedule(0.0, 0.02, 2, 10), weight_decay=0.01),
 }
 
 
@@ -202,3 +210,57 @@ def test_a_norm_inside_torch_func_grad_compiles_with_no_graph_break(fullgraph):
     got = torch.compile(torch.func.grad(clipped_sum), fullgraph=fullgraph)(w)
     assert sum(counters["graph_break"].values()) == 0
     torch.testing.assert_close(got, torch.func.grad(clipped_sum)(w), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_compiled_vmap_of_a_step_has_no_graph_break_and_gives_the_loop_numbers(fullgraph):
+    """jax.jit(jax.vmap(step)) in torch: independent runs batched by vmap, compiled, against a loop over the runs."""
+    tx = CHAINS["clip+adamw"]()
+    g = torch.Generator().manual_seed(2)
+    params = {k: torch.randn(4, *v.shape, generator=g) for k, v in _params("plain").items()}
+    grads = [{k: torch.randn(v.shape, generator=g) for k, v in params.items()} for _ in range(2)]
+
+    def step(params, grads, state):
+        updates, state = tx.update(grads, state, params)
+        return gtx.apply_updates(params, updates), state
+
+    got, state = params, torch.func.vmap(tx.init)(params)
+    compiled = torch.compile(torch.func.vmap(step), fullgraph=fullgraph)
+    for gr in grads:
+        got, state = compiled(got, gr, state)
+    assert _breaks() == 0, dict(counters["graph_break"])
+    for i in range(4):
+        want = {k: v[i] for k, v in params.items()}
+        s = tx.init(want)
+        for gr in grads:
+            want, s = step(want, {k: v[i] for k, v in gr.items()}, s)
+        assert_trees_close({k: v[i] for k, v in got.items()}, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_compiled_hypergradient_through_injected_adamw_has_no_graph_break(fullgraph):
+    """d(loss after 2 steps)/d(learning rate), compiled, against a central finite difference (fp64)."""
+    g = torch.Generator().manual_seed(3)
+    p0 = {
+        "w": torch.randn(5, 3, generator=g, dtype=torch.float64),
+        "b": torch.randn(5, generator=g, dtype=torch.float64),
+    }
+    x, y = torch.randn(7, 3, generator=g, dtype=torch.float64), torch.randn(7, 5, generator=g, dtype=torch.float64)
+    tx = gtx.inject_hyperparams(gtx.adamw)(learning_rate=0.05, weight_decay=0.1)
+
+    def loss(p):
+        return ((x @ p["w"].T + p["b"] - y) ** 2).mean()
+
+    def loss_after_steps(lr):
+        p, state = p0, tx.init(p0)
+        state = state._replace(hyperparams={**state.hyperparams, "learning_rate": lr})
+        for _ in range(2):
+            updates, state = tx.update(torch.func.grad(loss)(p), state, p)
+            p = gtx.apply_updates(p, updates)
+        return loss(p)
+
+    lr, h = torch.tensor(0.05, dtype=torch.float64), 1e-6
+    got = torch.compile(torch.func.grad(loss_after_steps), fullgraph=fullgraph)(lr)
+    assert _breaks() == 0, dict(counters["graph_break"])
+    want = (loss_after_steps(lr + h) - loss_after_steps(lr - h)) / (2 * h)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)

@@ -24,9 +24,13 @@ from torch._functorch import pyfunctorch
 
 
 def under_vmap() -> bool:
-    """True inside ``torch.func.vmap`` (at any depth of functorch transforms)."""
-    if _functorch.maybe_current_level() is None:
-        return False
+    """True inside ``torch.func.vmap`` (at any depth of functorch transforms).
+
+    Traced, any transform counts: dynamo cannot read which, and per-tensor ops are right under each.
+    """
+    active = torch._C._are_functorch_transforms_active()
+    if not active or torch.compiler.is_compiling():
+        return active
     return any(i.key() == _functorch.TransformType.Vmap for i in pyfunctorch.retrieve_all_functorch_interpreters())
 
 

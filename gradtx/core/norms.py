@@ -261,9 +261,10 @@ def _plain_ops_only() -> bool:
     """Under ``torch.func.vmap``: the foreach norm has no batching rule (torch 2.13); ``vector_norm`` has one.
 
     At any depth: under ``vmap(grad(f))`` a shard is a grad-tracking tensor whose batched one is inside it.
-    (Autograd and ``torch.func.grad`` alone go through the foreach norm: it has a derivative.)
+    (Autograd and ``torch.func.grad`` alone go through the foreach norm: it has a derivative. Traced, any
+    functorch transform takes the plain ops, see :func:`~gradtx.core.foreach.under_vmap`.)
     """
-    return not torch.compiler.is_compiling() and fe.under_vmap()
+    return fe.under_vmap()
 
 
 def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:

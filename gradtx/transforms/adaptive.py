@@ -175,7 +175,7 @@ def zclip(
     def init_fn(params: Params) -> ZClipState:
         count = lw.zero_count(params)
         zero = count.float()  # count, buffer, mean, var, grad_norm, clip_coef
-        return ZClipState(count, zero.repeat(window), zero, zero, zero, zero + 1)
+        return ZClipState(count, zero.repeat(window), zero, zero.clone(), zero.clone(), zero + 1)
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, ZClipState, name=name)
@@ -294,7 +294,7 @@ def autoclip(
     def init_fn(params: Params) -> AutoClipState:
         count = lw.zero_count(params)
         zero = count.float()  # norms, count, grad_norm, clip_value, clip_coef
-        return AutoClipState(zero.new_full((size,), torch.nan), count, zero, zero, zero + 1)
+        return AutoClipState(zero.new_full((size,), torch.nan), count, zero, zero.clone(), zero + 1)
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, AutoClipState, name=name)

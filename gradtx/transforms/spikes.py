@@ -384,8 +384,9 @@ def skip_spikes(
 
     def init_fn(params: Params) -> SkipSpikesState:
         count = lw.zero_count(params)
-        zero = count.float()  # count, mean, var, value, zscore, skipped, consecutive, total_skipped, inner
-        return SkipSpikesState(count, zero, zero, zero, zero, count.bool(), count, count, inner.init(params))
+        # mean, var, value, zscore; then skipped, consecutive, total_skipped. No two alias: dynamo guards an alias.
+        z = [count.float() for _ in range(4)]
+        return SkipSpikesState(count, z[0], z[1], z[2], z[3], count.bool(), count + 0, count + 0, inner.init(params))
 
     def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":

@@ -118,7 +118,7 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
     batch = tuple(ax for ax in range(len(split)) if ax not in red and ax not in outp)
     perm = batch + red + outp
     inv = tuple(sorted(range(len(split)), key=lambda i: perm[i]))
-    size = lambda group: math.prod(split[ax] for ax in group)
+    size = lambda group: math.prod([split[ax] for ax in group])
     flat = (size(batch), size(red), size(outp))
     return _Layout(tuple(split), perm, inv, flat, tuple(split[ax] for ax in perm), own_batch)
 
@@ -349,6 +349,8 @@ def _selector(dims_arg: Any, *, name: str) -> Callable[[PyTree, list[Any], Any],
 
 def cached(cache: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
     """``cache[key]``, made by ``make()`` when missing; the cache is emptied when it holds more than 8 entries."""
+    if torch.compiler.is_compiling():  # dynamo's treespec in the key is unhashable; a trace runs make() once anyway
+        return make()
     value = cache.get(key)
     if value is None:
         value = make()
@@ -364,6 +366,8 @@ def _resolve_dims(dims: Any, updates: PyTree, *, name: str) -> list[MuonDimensio
         return [MuonDimensionNumbers() if x.ndim == 2 else None for x in tu.flatten(updates)[0]]
     if callable(dims):
         dims = dims(updates)
+    if isinstance(dims, MuonDimensionNumbers):  # one for every leaf (no tree of constants for dynamo to build)
+        return [dims] * len(tu.flatten(updates)[0])
     entry = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # one leaf, though a NamedTuple
     try:
         spread = optree.tree_broadcast_prefix(dims, updates, is_leaf=entry)
