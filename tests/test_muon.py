@@ -143,6 +143,32 @@ def test_scale_by_muon_matches_optax_with_mu_dtype():
     torch.testing.assert_close(u["b"], g[-1]["b"])  # a None leaf passes through
 
 
+def test_a_lower_mu_dtype_only_stores_the_first_moments_as_in_optax():
+    """mu_dtype=bf16 on fp32 grads: optax computes both members in fp32 and keeps only their first moments in bf16.
+
+    Adam's second moment stays fp32: in bf16, ``0.999 * v`` rounds back to ``v`` and it would stop decaying.
+    """
+    params = {"w": _tree()["w"], "b": torch.zeros(8)}
+    g = torch.Generator().manual_seed(5)
+    grads = [{"w": torch.randn(16, 8, generator=g), "b": torch.full((8,), 10.0 if i < 5 else 1.0)} for i in range(60)]
+    kw = {"mu_dtype": torch.bfloat16, "muon_weight_dimension_numbers": {"w": DN(0, 1), "b": None}}
+    tx = gtx.muon(0.02, **kw)
+    otx = optax_muon(
+        0.02, **{**kw, "mu_dtype": jnp.bfloat16, "muon_weight_dimension_numbers": {"w": OptaxDN(), "b": None}}
+    )
+    state, ostate, oupdate = tx.init(params), otx.init(_jax(params)), jax.jit(otx.update)
+    for i, step in enumerate(grads):
+        u, state = tx.update(step, state, params)
+        ou, ostate = oupdate(_jax(step), ostate, _jax(params))
+        if i == 0:  # one step: the same update (a bf16 momentum is rounded only when it is stored)
+            for k in u:
+                torch.testing.assert_close(u[k], torch.from_numpy(np.asarray(ou[k]).copy()), rtol=1e-5, atol=1e-7)
+    muon, adam = state[0].inner_states["muon"][0], state[0].inner_states["adam"][0]
+    assert muon.mu["w"].dtype == adam.mu["b"].dtype == torch.bfloat16 and adam.nu["b"].dtype == torch.float32
+    onu = np.asarray(ostate.inner_states["adam"].inner_state[0].nu["b"]).copy()
+    torch.testing.assert_close(adam.nu["b"], torch.from_numpy(onu), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("adjust_lr_fn, rms", [(None, None), ("match_rms_adamw", 0.2)])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_matches_torch_optim_muon(adjust_lr_fn, rms, nesterov):
