@@ -404,7 +404,9 @@ def exchange_plan(
     same owner assignment the step uses.
 
     Args:
-      updates: the tree of (DTensor) updates, or params of the same layout.
+      updates: the tree of (DTensor) updates, or params of the same layout. Bytes count in its dtypes:
+        :func:`scale_by_muon` exchanges its direction (fp32 for bf16/fp16 params: see ``ns_dtype``), so pass
+        the tree in that dtype (``x.float()``) to count Muon's.
       weight_dimension_numbers: as for :func:`scale_by_muon`.
       ns_steps: the number of Newton–Schulz iterations.
       rank: the global rank to report bytes for.

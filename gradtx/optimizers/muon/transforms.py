@@ -141,7 +141,8 @@ def scale_by_muon(
         momentum is not kept), or a function of the updates returning one.
         ``None``: every 2-d leaf is an ``(out, in)`` matrix, and the other leaves pass through.
       bias_correction: divide the momentum by ``1 - beta**t`` (optax); False as ``torch.optim.Muon``.
-      ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the update's.
+      ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the direction's
+        (the momentum's dtype, or the grads' where higher: fp32 for bf16/fp16 params).
       comm: the :class:`~gradtx.comm.ExchangeComm` for sharded leaves; ``None``
         derives one from the DTensors' meshes.
       ns_batch: at most this many local matrices of one shape and dtype are
