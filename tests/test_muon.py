@@ -374,6 +374,10 @@ def test_bad_input_raises_and_names_it():
         gtx.newton_schulz(torch.randn(3, 4), dimension_numbers=(1, 0))
     with pytest.raises(ValueError, match="newton_schulz: eps must be >= 0"):  # as every transform checks it
         gtx.newton_schulz(torch.randn(3, 4), eps=-1.0)
+    bad = {"v": torch.randn(3, 3), "w": torch.randn(4, 3, dtype=torch.complex64)}
+    for tx in (gtx.muon(0.1), gtx.orthogonalize()):  # a complex leaf, named
+        with pytest.raises(TypeError, match=r"update at \['w'\] is complex"):
+            tx.update(bad, tx.init(bad), bad)
 
 
 def test_axes_given_as_lists_are_the_same_as_tuples():

@@ -265,6 +265,8 @@ def _routes(
     by_mesh: dict[int, tuple[Any, list[int]]] = {}
     for j, (x, lay, where) in enumerate(zip(leaves, mats.layouts, mats.paths)):
         sharded: set[int] = set()
+        if x.is_complex():
+            raise TypeError(f"muon: the update at {where} is complex; Muon takes real matrices, as torch.optim.Muon")
         if DTensor is not None and isinstance(x, DTensor):
             if any(p.is_partial() for p in x.placements):
                 raise ValueError(
