@@ -450,12 +450,13 @@ def assert_matches_single_device(
         d_params = distribute(params, on, layout)
         d_state = tx.init(d_params)
         for i in range(steps):
-            g = grads_seq[i % len(grads_seq)]
-            # Laid out with the params in place of the missing (None) grads: a preset places each matrix by its
-            # position among the matrices ("tp"), which a missing one would shift.
-            full = optree.tree_map(lambda x, p: p if x is None else x, g, params, none_is_leaf=True)
+            grads = g = grads_seq[i % len(grads_seq)]
+            if any(x is None for x in optree.tree_leaves(g, none_is_leaf=True)):
+                # A preset places each matrix by its position among them ("tp"): the params fill the missing
+                # grads' places, so the others are laid out as their params.
+                grads = optree.tree_map(lambda x, p: p if x is None else x, g, params, none_is_leaf=True)
             grads = optree.tree_map(
-                lambda x, d: None if x is None else d, g, distribute(full, on, layout), none_is_leaf=True
+                lambda x, d: None if x is None else d, g, distribute(grads, on, layout), none_is_leaf=True
             )
             u, d_state = tx.update(grads, d_state, d_params, **extra)
             _check_placements(f"step {i}: updates", u, grads)
