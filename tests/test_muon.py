@@ -13,6 +13,7 @@ import torch
 from optax.contrib import MuonDimensionNumbers as OptaxDN
 from optax.contrib import muon as optax_muon
 from optax.contrib import scale_by_muon as optax_scale_by_muon
+from optax.contrib._muon import scale_by_shape as optax_scale_by_shape
 from torch.distributed.tensor import Shard
 
 import gradtx as gtx
@@ -309,6 +310,49 @@ def test_functional_step_and_checkpoint_roundtrip(tmp_path):
     got, _ = _run_gtx(restored, params, grads)
     for k in want:
         torch.testing.assert_close(got[k], want[k])
+
+
+def test_muon_steps_compile_in_one_graph():
+    """torch.compile(fullgraph=True): a functional step of Muon's transforms on a dict (against optax), and the
+    wrapper's Muon direction before SGD (against torch.optim.Muon)."""
+    params = {k: v for k, v in _tree().items() if k in ("w", "v", "b")}
+    grads = [{k: g[k] for k in params} for g in _grads(3)]
+    dims = {"w": DN(0, 1), "v": DN(0, 1), "b": None}
+    tx = gtx.chain(
+        gtx.scale_by_muon(weight_dimension_numbers=dims), gtx.scale_by_shape(dims), gtx.scale_by_learning_rate(0.02)
+    )
+    step = torch.compile(lambda g, s, p: gtx.update_and_apply(tx, g, s, p), backend="aot_eager", fullgraph=True)
+    p, state = params, tx.init(params)
+    for g in grads:
+        p, state = step(g, state, p)
+    odims = {"w": OptaxDN(), "v": OptaxDN()}
+    otx = optax.chain(
+        optax_scale_by_muon(weight_dimension_numbers=odims),
+        optax_scale_by_shape(weight_dimension_numbers=odims),
+        optax.scale_by_learning_rate(0.02),
+    )
+    mats = lambda t: {k: v for k, v in t.items() if k != "b"}
+    want, _ = _run_optax(otx, mats(params), [mats(g) for g in grads])
+    for k in want:
+        torch.testing.assert_close(p[k], want[k], rtol=1e-5, atol=2e-6, msg=k)
+    torch.testing.assert_close(p["b"], params["b"] - 0.02 * sum(g["b"] for g in grads))  # passed through
+
+    w = [params["w"], params["v"]]
+    ref = [x.clone().requires_grad_() for x in w]
+    opt = torch.optim.Muon(ref, lr=0.02, momentum=0.9, weight_decay=0.1)
+    mine = [torch.nn.Parameter(x.clone()) for x in w]
+    muon_dir = gtx.chain(
+        gtx.scale_by_muon(beta=0.9, eps=1e-7, bias_correction=False, ns_dtype=torch.bfloat16), gtx.scale_by_shape()
+    )
+    wrapped = gtx.TransformedOptimizer(torch.optim.SGD(mine, lr=0.02, weight_decay=0.1), muon_dir)
+    compiled = torch.compile(wrapped.step, backend="aot_eager", fullgraph=True)
+    for g in grads:
+        for a, b, k in zip(ref, mine, ("w", "v")):
+            a.grad, b.grad = g[k].clone(), g[k].clone()
+        opt.step()
+        compiled()
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.detach(), b.detach())
 
 
 def test_wrapper_refuses_muon_and_takes_the_direction():

@@ -41,6 +41,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def per_rank(fn: _F) -> _F:
     """``fn``, run once per simulated rank on that rank's values (torch's ``maybe_run_for_local_tensor``)."""
+    if torch.compiler.is_compiling():  # no simulated ranks in a trace, and dynamo cannot trace torch's wrapper
+        return fn
     return maybe_run_for_local_tensor(fn)  # type: ignore[return-value]
 
 

@@ -118,7 +118,7 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
     batch = tuple(ax for ax in range(len(split)) if ax not in red and ax not in outp)
     perm = batch + red + outp
     inv = tuple(sorted(range(len(split)), key=lambda i: perm[i]))
-    size = lambda group: math.prod(split[ax] for ax in group)
+    size = lambda group: math.prod([split[ax] for ax in group])
     flat = (size(batch), size(red), size(outp))
     return _Layout(tuple(split), perm, inv, flat, tuple(split[ax] for ax in perm), own_batch)
 
@@ -341,6 +341,8 @@ def _selector(dims_arg: Any, *, name: str) -> Callable[[PyTree, list[Any], Any],
     cache: dict[Any, _Matrices] = {}
 
     def select(updates: PyTree, leaves: list[Any], spec: Any) -> _Matrices:
+        if torch.compiler.is_compiling():  # once per trace: dynamo's treespec is no dict key
+            return _matrices(dims_arg, updates, leaves, name=name)
         key = (spec, tuple(x.shape for x in leaves))
         return cached(cache, key, lambda: _matrices(dims_arg, updates, leaves, name=name))
 
