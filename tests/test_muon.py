@@ -13,6 +13,7 @@ import torch
 from optax.contrib import MuonDimensionNumbers as OptaxDN
 from optax.contrib import muon as optax_muon
 from optax.contrib import scale_by_muon as optax_scale_by_muon
+from optax.contrib._muon import scale_by_shape as optax_scale_by_shape
 from torch.distributed.tensor import Shard
 
 import gradtx as gtx
@@ -141,6 +142,32 @@ def test_scale_by_muon_matches_optax_with_mu_dtype():
     for k in ou:
         torch.testing.assert_close(u[k], torch.from_numpy(np.asarray(ou[k]).copy()), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(u["b"], g[-1]["b"])  # a None leaf passes through
+
+
+def test_a_lower_mu_dtype_only_stores_the_first_moments_as_in_optax():
+    """mu_dtype=bf16 on fp32 grads: optax computes both members in fp32 and keeps only their first moments in bf16.
+
+    Adam's second moment stays fp32: in bf16, ``0.999 * v`` rounds back to ``v`` and it would stop decaying.
+    """
+    params = {"w": _tree()["w"], "b": torch.zeros(8)}
+    g = torch.Generator().manual_seed(5)
+    grads = [{"w": torch.randn(16, 8, generator=g), "b": torch.full((8,), 10.0 if i < 5 else 1.0)} for i in range(60)]
+    kw = {"mu_dtype": torch.bfloat16, "muon_weight_dimension_numbers": {"w": DN(0, 1), "b": None}}
+    tx = gtx.muon(0.02, **kw)
+    otx = optax_muon(
+        0.02, **{**kw, "mu_dtype": jnp.bfloat16, "muon_weight_dimension_numbers": {"w": OptaxDN(), "b": None}}
+    )
+    state, ostate, oupdate = tx.init(params), otx.init(_jax(params)), jax.jit(otx.update)
+    for i, step in enumerate(grads):
+        u, state = tx.update(step, state, params)
+        ou, ostate = oupdate(_jax(step), ostate, _jax(params))
+        if i == 0:  # one step: the same update (a bf16 momentum is rounded only when it is stored)
+            for k in u:
+                torch.testing.assert_close(u[k], torch.from_numpy(np.asarray(ou[k]).copy()), rtol=1e-5, atol=1e-7)
+    muon, adam = state[0].inner_states["muon"][0], state[0].inner_states["adam"][0]
+    assert muon.mu["w"].dtype == adam.mu["b"].dtype == torch.bfloat16 and adam.nu["b"].dtype == torch.float32
+    onu = np.asarray(ostate.inner_states["adam"].inner_state[0].nu["b"]).copy()
+    torch.testing.assert_close(adam.nu["b"], torch.from_numpy(onu), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("adjust_lr_fn, rms", [(None, None), ("match_rms_adamw", 0.2)])
@@ -285,6 +312,49 @@ def test_functional_step_and_checkpoint_roundtrip(tmp_path):
         torch.testing.assert_close(got[k], want[k])
 
 
+def test_muon_steps_compile_in_one_graph():
+    """torch.compile(fullgraph=True): a functional step of Muon's transforms on a dict (against optax), and the
+    wrapper's Muon direction before SGD (against torch.optim.Muon)."""
+    params = {k: v for k, v in _tree().items() if k in ("w", "v", "b")}
+    grads = [{k: g[k] for k in params} for g in _grads(3)]
+    dims = {"w": DN(0, 1), "v": DN(0, 1), "b": None}
+    tx = gtx.chain(
+        gtx.scale_by_muon(weight_dimension_numbers=dims), gtx.scale_by_shape(dims), gtx.scale_by_learning_rate(0.02)
+    )
+    step = torch.compile(lambda g, s, p: gtx.update_and_apply(tx, g, s, p), backend="aot_eager", fullgraph=True)
+    p, state = params, tx.init(params)
+    for g in grads:
+        p, state = step(g, state, p)
+    odims = {"w": OptaxDN(), "v": OptaxDN()}
+    otx = optax.chain(
+        optax_scale_by_muon(weight_dimension_numbers=odims),
+        optax_scale_by_shape(weight_dimension_numbers=odims),
+        optax.scale_by_learning_rate(0.02),
+    )
+    mats = lambda t: {k: v for k, v in t.items() if k != "b"}
+    want, _ = _run_optax(otx, mats(params), [mats(g) for g in grads])
+    for k in want:
+        torch.testing.assert_close(p[k], want[k], rtol=1e-5, atol=2e-6, msg=k)
+    torch.testing.assert_close(p["b"], params["b"] - 0.02 * sum(g["b"] for g in grads))  # passed through
+
+    w = [params["w"], params["v"]]
+    ref = [x.clone().requires_grad_() for x in w]
+    opt = torch.optim.Muon(ref, lr=0.02, momentum=0.9, weight_decay=0.1)
+    mine = [torch.nn.Parameter(x.clone()) for x in w]
+    muon_dir = gtx.chain(
+        gtx.scale_by_muon(beta=0.9, eps=1e-7, bias_correction=False, ns_dtype=torch.bfloat16), gtx.scale_by_shape()
+    )
+    wrapped = gtx.TransformedOptimizer(torch.optim.SGD(mine, lr=0.02, weight_decay=0.1), muon_dir)
+    compiled = torch.compile(wrapped.step, backend="aot_eager", fullgraph=True)
+    for g in grads:
+        for a, b, k in zip(ref, mine, ("w", "v")):
+            a.grad, b.grad = g[k].clone(), g[k].clone()
+        opt.step()
+        compiled()
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.detach(), b.detach())
+
+
 def test_wrapper_refuses_muon_and_takes_the_direction():
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3, bias=False))
     with pytest.raises(TypeError, match="gtx.muon"):
@@ -348,6 +418,10 @@ def test_bad_input_raises_and_names_it():
         gtx.newton_schulz(torch.randn(3, 4), dimension_numbers=(1, 0))
     with pytest.raises(ValueError, match="newton_schulz: eps must be >= 0"):  # as every transform checks it
         gtx.newton_schulz(torch.randn(3, 4), eps=-1.0)
+    bad = {"v": torch.randn(3, 3), "w": torch.randn(4, 3, dtype=torch.complex64)}
+    for tx in (gtx.muon(0.1), gtx.orthogonalize()):  # a complex leaf, named
+        with pytest.raises(TypeError, match=r"update at \['w'\] is complex"):
+            tx.update(bad, tx.init(bad), bad)
 
 
 def test_axes_given_as_lists_are_the_same_as_tuples():

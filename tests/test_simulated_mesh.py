@@ -291,3 +291,16 @@ def test_a_layout_placement_is_checked_against_its_leaf_and_a_negative_dim_count
             testing.distribute(full, mesh, {"s": [Shard(0)]})
         with pytest.raises(TypeError, match="gives w a str"):
             testing.distribute(full, mesh, {"w": ["Shard(0)"]})
+
+
+def test_a_missing_grad_leaves_every_other_grad_laid_out_as_its_param():
+    """The "tp" presets place matrices by position (Shard(0), Shard(1), ...): a missing grad must not shift the rest.
+
+    Muon with params that miss a grad on some steps, on TP x FSDP2, against one device.
+    """
+    params = _tree(a=(6, 4), b=(4, 6), c=(5, 3), v=(4,))
+    grads = [_tree(1 + i, a=(6, 4), b=(4, 6), c=(5, 3), v=(4,)) for i in range(3)]
+    grads[1]["a"], grads[2]["b"], grads[2]["v"] = None, None, None
+    testing.assert_matches_single_device(
+        gtx.muon(0.1, weight_decay=0.1), grads, params, mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp"
+    )

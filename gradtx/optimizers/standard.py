@@ -13,6 +13,7 @@ first param's device, so nothing is read back to the host.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self
@@ -70,6 +71,13 @@ def _zeros_moments(params: PyTree, dtype: torch.dtype | None = None, *, what: st
     # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
     zeros = [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
     return tu.unflatten(spec, zeros)
+
+
+def _promoted(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """A group's grads and moments, all in the dtype they promote to: optax computes a moment in the grads'
+    precision and only stores it in ``mu_dtype``."""
+    work = functools.reduce(torch.promote_types, {x.dtype for xs in lists for x in xs})
+    return [[x.to(work) for x in xs] for xs in lists]
 
 
 def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
@@ -297,7 +305,8 @@ def _scale_by_adam(
 
     def init_fn(params: Params) -> ScaleByAdamState:
         mu = _zeros_moments(params, mu_dtype, what=f"{name}: params")
-        return ScaleByAdamState(count=lw.zero_count(params), mu=mu, nu=lw.zeros_like_tree(mu))
+        nu = lw.zeros_like_tree(mu) if mu_dtype is None else _zeros_moments(params, what=f"{name}: params")
+        return ScaleByAdamState(count=lw.zero_count(params), mu=mu, nu=nu)  # mu_dtype is mu's alone, as optax
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ScaleByAdamState, name=name)
@@ -306,6 +315,9 @@ def _scale_by_adam(
 
         def step(key, idx, g, trees):
             (device, dtype), (mus, nus) = key, trees
+            if mu_dtype is not None:  # as optax: mu_dtype only stores the first moment
+                g, mus, nus = _promoted([tu.local(ms.leaves[j]) for j in idx], mus, nus)
+                dtype = g[0].dtype
             if dtype.is_complex:  # pairs of reals, as torch.optim.Adam: the second moment is |re|^2 and |im|^2
                 g, mus, nus = ([torch.view_as_real(x) for x in xs] for xs in (g, mus, nus))
             real = mus[0].dtype
@@ -328,6 +340,8 @@ def _scale_by_adam(
                 u = fe.div(m, fe.add_(denom, [bc1 * _on(eps, device, bc1.dtype)] * len(denom)))
             if dtype.is_complex:
                 m, v, u = ([torch.view_as_complex(x) for x in xs] for xs in (m, v, u))
+            if mu_dtype is not None:
+                m, v = [x.to(key[1]) for x in m], [x.to(y.dtype) for x, y in zip(v, trees[1])]
             ms.put(0, idx, m)
             ms.put(1, idx, v)
             ms.put_updates(idx, u)

@@ -450,7 +450,14 @@ def assert_matches_single_device(
         d_params = distribute(params, on, layout)
         d_state = tx.init(d_params)
         for i in range(steps):
-            grads = distribute(grads_seq[i % len(grads_seq)], on, layout)
+            grads = g = grads_seq[i % len(grads_seq)]
+            if any(x is None for x in optree.tree_leaves(g, none_is_leaf=True)):
+                # A preset places each matrix by its position among them ("tp"): the params fill the missing
+                # grads' places, so the others are laid out as their params.
+                grads = optree.tree_map(lambda x, p: p if x is None else x, g, params, none_is_leaf=True)
+            grads = optree.tree_map(
+                lambda x, d: None if x is None else d, g, distribute(grads, on, layout), none_is_leaf=True
+            )
             u, d_state = tx.update(grads, d_state, d_params, **extra)
             _check_placements(f"step {i}: updates", u, grads)
             d_params = apply_updates(d_params, u)

@@ -265,6 +265,8 @@ def _routes(
     by_mesh: dict[int, tuple[Any, list[int]]] = {}
     for j, (x, lay, where) in enumerate(zip(leaves, mats.layouts, mats.paths)):
         sharded: set[int] = set()
+        if x.is_complex():
+            raise TypeError(f"muon: the update at {where} is complex; Muon takes real matrices, as torch.optim.Muon")
         if DTensor is not None and isinstance(x, DTensor):
             if any(p.is_partial() for p in x.placements):
                 raise ValueError(
@@ -404,7 +406,9 @@ def exchange_plan(
     same owner assignment the step uses.
 
     Args:
-      updates: the tree of (DTensor) updates, or params of the same layout.
+      updates: the tree of (DTensor) updates, or params of the same layout. Bytes count in its dtypes:
+        :func:`scale_by_muon` exchanges its direction (fp32 for bf16/fp16 params: see ``ns_dtype``), so pass
+        the tree in that dtype (``x.float()``) to count Muon's.
       weight_dimension_numbers: as for :func:`scale_by_muon`.
       ns_steps: the number of Newton–Schulz iterations.
       rank: the global rank to report bytes for.

@@ -175,7 +175,8 @@ def newton_schulz(
       x: a dense tensor holding whole matrices (a DTensor's full value, not a shard).
       ns_coeffs: ``(a, b, c)``, a sequence of such rows (one per iteration), or
         a preset name (``"standard"``, ``"dion"``).
-      ns_steps: the number of iterations (ignored for a sequence of rows).
+      ns_steps: the number of iterations; a sequence of rows runs each row once and needs ``ns_steps`` at least
+        its length (as optax's ``scale_by_muon``).
       preconditioning: ``"frobenius"`` (divide by the Frobenius norm plus
         ``eps``), ``"spectral"``, ``"aol"`` or ``"schatten"``, as optax.
       eps: added to the normalising norm.

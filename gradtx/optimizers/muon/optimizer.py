@@ -70,7 +70,8 @@ def muon(
       ns_steps: Newton–Schulz iterations.
       beta: the momentum decay.
       eps: added to the normalising norm, and Adam's denominator.
-      mu_dtype: the moments' dtype (both members).
+      mu_dtype: the dtype both members store their first moment in (Adam's second moment keeps the default);
+        the step computes in the grads' precision, as optax.
       nesterov: Nesterov momentum (both members, as optax).
       adaptive: as for :func:`scale_by_muon`.
       preconditioning: as for :func:`scale_by_muon`.

@@ -16,7 +16,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.optimizers.muon.exchange import _make_orthogonalizer
 from gradtx.optimizers.muon.iteration import _DEFAULT_NS_COEFFS, Preconditioning, Scalar, _Matrices, _selector
-from gradtx.optimizers.standard import _debiased, _zeros_moments
+from gradtx.optimizers.standard import _debiased, _promoted, _zeros_moments
 
 
 def _on_matrices(
@@ -131,7 +131,8 @@ def scale_by_muon(
       ns_steps: Newton–Schulz iterations.
       beta: the momentum decay; in ``[0, 1)``, or a 0-d tensor.
       eps: added to the normalising norm; ``>= 0``, or a 0-d tensor.
-      mu_dtype: the momentum's dtype; ``None``: fp32 for fp16/bf16 params, the param's otherwise.
+      mu_dtype: the dtype the momentum is stored in (the step computes in the grads' precision, as optax);
+        ``None``: fp32 for fp16/bf16 params, the param's otherwise.
       nesterov: use Nesterov momentum.
       adaptive: scale each leaf's update by the dual norm of its direction (Bernstein & Newhouse).
       preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or ``"schatten"``.
@@ -140,7 +141,8 @@ def scale_by_muon(
         momentum is not kept), or a function of the updates returning one.
         ``None``: every 2-d leaf is an ``(out, in)`` matrix, and the other leaves pass through.
       bias_correction: divide the momentum by ``1 - beta**t`` (optax); False as ``torch.optim.Muon``.
-      ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the update's.
+      ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the direction's
+        (the momentum's dtype, or the grads' where higher: fp32 for bf16/fp16 params).
       comm: the :class:`~gradtx.comm.ExchangeComm` for sharded leaves; ``None``
         derives one from the DTensors' meshes.
       ns_batch: at most this many local matrices of one shape and dtype are
@@ -185,13 +187,15 @@ def scale_by_muon(
             if not ks:
                 return
             mu, g = [trees[0][i] for i in ks], [g[i] for i in ks]
+            if mu_dtype is not None:  # as optax: mu_dtype only stores the momentum, computed in the grads' precision
+                g, mu = _promoted([tu.local(ms.leaves[idx[i]]) for i in ks], mu)
             b = lw.as_tensor(beta, mu[0])  # a tensor beta (inject_hyperparams) stays on the device
             m = fe.lerp(mu, g, 1 - b)  # (1 - beta) g + beta mu, as torch.optim.Muon's buffer
             if bias_correction:
-                d = _debiased(m, g, beta, count.to(key[0], tu.acc_dtype(key[1])), nesterov)
+                d = _debiased(m, g, beta, count.to(key[0], tu.acc_dtype(m[0].dtype)), nesterov)
             else:
                 d = fe.lerp(g, m, b) if nesterov else m
-            ms.put(0, [idx[i] for i in ks], m)
+            ms.put(0, [idx[i] for i in ks], m if mu_dtype is None else [x.to(key[1]) for x in m])
             for i, dk in zip(ks, d):
                 directions[slot[idx[i]]] = dk
 
