@@ -676,3 +676,38 @@ def test_a_param_left_out_of_a_step_keeps_its_transform_state_as_torch_keeps_its
         return [p.detach().clone() for p in params]
 
     assert_trees_close(run(True), run(False), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda plan: gtx.zclip(mesh_groups=plan),
+        lambda plan: gtx.autoclip(mesh_groups=plan),
+        lambda plan: gtx.clip_by_block_rms(0.05, mesh_groups=plan),
+        lambda plan: gtx.normalize_by_update_norm(mesh_groups=plan),
+        lambda plan: gtx.chain(gtx.track_norms(mesh_groups=plan), gtx.clip_by_global_norm(0.5, mesh_groups=plan)),
+        lambda plan: gtx.skip_spikes(gtx.trace(0.9), warmup_steps=1, z_thresh=0.5, mesh_groups=plan),
+        lambda plan: gtx.skip_if(
+            gtx.trace(0.9), lambda u, s, p: gtx.skip_large_updates(u, s, p, 4.0, mesh_groups=plan)
+        ),
+    ],
+    ids=["zclip", "autoclip", "clip_by_block_rms", "normalize", "track_norms", "skip_spikes", "skip_large_updates"],
+)
+def test_a_declared_plan_reads_a_param_left_out_of_a_step_as_zeros(make):
+    # A declared plan covers every param (a pipeline stage's); the wrapper gives None for one without a grad, which
+    # joins the plan's norm as zeros. On one process, the plan's norm is the plain one: the run without a plan.
+    def run(planned: bool) -> tuple[list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        shared, expert = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+        params = [*shared.parameters(), *expert.parameters()]
+        plan = gtx.mesh_groups([params], plain="replicated") if planned else None
+        opt = gtx.TransformedOptimizer(torch.optim.SGD(params, lr=0.1), make(plan))
+        g = torch.Generator().manual_seed(1)
+        for step in range(4):
+            x = torch.randn(8, 4, generator=g)
+            (shared(x) + (expert(x) if step != 2 else 0)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in params], opt.metrics
+
+    assert_trees_close(run(True), run(False), rtol=1e-6, atol=1e-7)

@@ -246,6 +246,16 @@ def zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> l
     return [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
 
 
+def planned(leaves: list[Any], updates: Any, params: Any, mesh_groups: Any, what: str) -> tuple[list[Any], Any, Any]:
+    """``(leaves, tree, index)`` as a declared plan reads ``updates``' leaves: it covers every param, so one with no
+    gradient (``None``) joins the collectives as zeros and every rank issues the same ones; ``leaves[index[j]]`` is
+    the ``j``-th given leaf (``index`` is ``None`` when nothing was filled)."""
+    if mesh_groups is None or params is None or len(leaves) == len(mesh_groups):
+        return leaves, updates, None
+    index, leaves, _ = tu.align(params, updates, what=f"{what}: updates", against="params")
+    return zero_filled(index, leaves, tu.flatten(params)[0]), params, index
+
+
 def paired_norms(
     updates: PyTree, params: PyTree, *, unitwise: bool, mesh_groups: MeshGroups | None, slot: PlanSlot, what: str
 ) -> tuple[list[torch.Tensor], Any, list[torch.Tensor], list[torch.Tensor]]:

@@ -32,7 +32,7 @@ from gradtx.core.base import (
     init_empty_state,
     scalar_transformation,
 )
-from gradtx.distributed.global_norm import PlanSlot, global_norm_of, leaf_norms_of
+from gradtx.distributed.global_norm import PlanSlot, global_norm_of, leaf_norms_of, planned
 from gradtx.distributed.plan import check_plan, reads_tied
 
 __all__ = [
@@ -47,10 +47,12 @@ __all__ = [
 ]
 
 
-def updates_norm(updates: Any, norm_type: float, mesh_groups: Any, name: str, **kwargs: Any) -> torch.Tensor:
+def updates_norm(
+    updates: Any, norm_type: float, mesh_groups: Any, name: str, params: Any = None, **kwargs: Any
+) -> torch.Tensor:
     """The global norm of ``updates`` (:func:`global_norm_of`'s keywords), naming ``name`` on a non-tensor leaf."""
-    leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-    return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=updates, **kwargs)
+    leaves, tree, _ = planned(tu.tensor_leaves(updates, what=f"{name}: updates")[0], updates, params, mesh_groups, name)
+    return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, **kwargs)
 
 
 # --- ZClip ---------------------------------------------------------------------------------
@@ -179,7 +181,9 @@ def zclip(
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, ZClipState, name=name)
-        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.mean.device, slot=plans)
+        g = updates_norm(
+            updates, norm_type, mesh_groups, name, params, scale=scale, device=state.mean.device, slot=plans
+        )
         finite = torch.isfinite(g)
         ready = state.count >= window  # the EMA was seeded on an earlier step
 
@@ -298,7 +302,9 @@ def autoclip(
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, AutoClipState, name=name)
-        g = updates_norm(updates, norm_type, mesh_groups, name, scale=scale, device=state.norms.device, slot=plans)
+        g = updates_norm(
+            updates, norm_type, mesh_groups, name, params, scale=scale, device=state.norms.device, slot=plans
+        )
         finite = torch.isfinite(g)
         slot = torch.remainder(state.count, size).reshape(1)
         recorded = torch.where(finite, state.norms.scatter(0, slot, g.reshape(1)), state.norms)
@@ -344,7 +350,9 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans)
+        full, tree, index = planned(leaves, updates, params, mesh_groups, name)
+        l2 = leaf_norms_of(full, mesh_groups=mesh_groups, what=name, tree=tree, slot=plans)
+        l2 = l2 if index is None else [l2[i] for i in index]
         out = []
         for u, n in zip(leaves, l2):
             local = tu.local(u)
@@ -415,7 +423,9 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         tu.require_state(state, TrackNormsState, name=name)
         leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         names = names_of(updates)
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans)
+        full, tree, index = planned(leaves, updates, params, mesh_groups, name)
+        l2 = leaf_norms_of(full, mesh_groups=mesh_groups, what=name, tree=tree, slot=plans)
+        l2 = l2 if index is None else [l2[i] for i in index]
         grouped: dict[str, list[torch.Tensor]] = {}
         for n, v in zip(names, l2):
             grouped.setdefault(n, []).append(v)

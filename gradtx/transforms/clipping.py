@@ -22,7 +22,7 @@ from gradtx.core.base import (
 )
 from gradtx.core.norms import norm_dtype, unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 from gradtx.distributed import plan
-from gradtx.distributed.global_norm import PlanSlot, global_norm_of, paired_norms, zero_filled
+from gradtx.distributed.global_norm import PlanSlot, global_norm_of, paired_norms, planned
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -124,12 +124,7 @@ def clip_by_global_norm(
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, ClipByGlobalNormState, name=name)
         leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        tree = updates
-        if mesh_groups is not None and params is not None and len(leaves) != len(mesh_groups):
-            # A declared plan covers every param; one with no gradient (None) joins the collectives as
-            # zeros, so every rank still issues the same ones.
-            index, leaves, _ = tu.align(params, updates, what=f"{name}: updates", against="params")
-            leaves, tree = zero_filled(index, leaves, tu.flatten(params)[0]), params
+        leaves, tree, _ = planned(leaves, updates, params, mesh_groups, name)
         # Of the true updates, leaves * scale.
         norm = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, scale=scale, slot=slot)
         coef = torch.clamp(lw.as_tensor(max_norm, norm) / (norm + 1e-6), max=1.0)

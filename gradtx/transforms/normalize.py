@@ -64,7 +64,7 @@ def normalize_by_update_norm(
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
         # Of the true updates, leaves * scale.
-        norm = updates_norm(updates, 2.0, mesh_groups, name, scale=scale, slot=plans)
+        norm = updates_norm(updates, 2.0, mesh_groups, name, params, scale=scale, slot=plans)
         return lw.as_tensor(scale_factor, norm) / (norm + lw.as_tensor(eps, norm)), state
 
     return plan.reads_tied(scalar_transformation(init_empty_state, factor_fn), mesh_groups)

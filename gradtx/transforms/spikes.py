@@ -158,7 +158,7 @@ def skip_large_updates(
     """
     fn = "skip_large_updates"
     max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False, tensor=True)
-    norm_sq = updates_norm(updates, 2.0, mesh_groups, fn).square()
+    norm_sq = updates_norm(updates, 2.0, mesh_groups, fn, params).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
@@ -388,9 +388,9 @@ def skip_spikes(
         z = [count.float() for _ in range(4)]
         return SkipSpikesState(count, z[0], z[1], z[2], z[3], count.bool(), count + 0, count + 0, inner.init(params))
 
-    def watched(updates: Updates, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
+    def watched(updates: Updates, params: Any, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
-            return updates_norm(updates, norm_type, mesh_groups, name, device=device, slot=plan_slot)
+            return updates_norm(updates, norm_type, mesh_groups, name, params, device=device, slot=plan_slot)
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
@@ -402,7 +402,7 @@ def skip_spikes(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SkipSpikesState, name=name)
-        x = watched(updates, extra, state.mean.device)
+        x = watched(updates, params, extra, state.mean.device)
         finite = torch.isfinite(x)
         warm = state.count < warmup_steps
         z = (x - state.mean) / (state.var.sqrt() + eps)
