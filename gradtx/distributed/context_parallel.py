@@ -91,4 +91,6 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
                 checked.add((mesh, g.placements))
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, group)), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    tx = GradientTransformation(init_empty_state, update_fn)
+    vars(tx)["sums_over_ranks"] = True  # a param with no grad here may have one on another rank (the wrapper reads it)
+    return tx

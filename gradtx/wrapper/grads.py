@@ -108,9 +108,9 @@ def read(params: ParamTree, emitting: bool, *, summed: bool, tied: frozenset[int
     passes it through and keeps its state, as a torch optimizer keeps a
     param's without a grad), and an empty tensor on a held one (the window
     only counts: a missing grad there, as under FSDP2's no-sync, costs no
-    allocation). Its ``.grad`` stays ``None``,
-    so the inner optimizer skips it, unless the window sums ``.grad`` over the
-    ranks (``summed``), or it is a copy of a weight tied across stages (its
+    allocation). Its ``.grad`` stays ``None``, so the inner optimizer skips
+    it, unless the grads are summed over the ranks (``summed``: a window's,
+    or ``cp_reduce``), or it is a copy of a weight tied across stages (its
     flat index in ``tied``, summed by ``pp_reduce``): the param may have a grad
     on another rank, so on an emitting step it takes zeros into ``.grad`` and
     steps on the sum as it does there.

@@ -335,7 +335,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         plan = self._plan
         emitting = plan.emits_next(self._live.tx_state, flush=extra.get("flush", False))
         amp.check_unscale(found_inf, grad_scale, emitting=emitting)
-        tree = grads.read(self._tree, emitting, summed=plan.reduce_grads, tied=plan.tied)
+        tree = grads.read(self._tree, emitting, summed=plan.summed, tied=plan.tied)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip
         emitted = result.updates is not None
@@ -371,7 +371,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
             with torch.no_grad():
-                tree = grads.read(self._tree, True, summed=self._plan.reduce_grads, tied=self._plan.tied)
+                tree = grads.read(self._tree, True, summed=self._plan.summed, tied=self._plan.tied)
                 result = self._plan.run(tree, self._live.tx_state, self._tree, extra, None, self._device)
                 factor = result.factor
                 if result.skip is not None:  # a guard's skip: this evaluation's grads count as zero

@@ -54,6 +54,7 @@ class Plan:
       window: the leading :class:`Accumulation`, or ``None``.
       start: the index of the first member after it (0 without one).
       reduce_grads: the window sums ``.grad`` over the data-parallel ranks when it closes.
+      summed: the grads are summed over ranks (that window, or a :func:`~gradtx.cp_reduce`).
       body: the members run as they are, with their indices.
       tail: the trailing :class:`ScalarTransformation` s, with their indices.
     """
@@ -67,6 +68,7 @@ class Plan:
         self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
         self.start = 1 if self.window is not None else 0
         self.reduce_grads = self.window is not None and self.window.window.reduce_grads
+        self.summed = self.reduce_grads or any(getattr(m, "__dict__", {}).get("sums_over_ranks") for m in members)
         # The flat indices of tied copies that a pp_reduce sums over the stages (grads.read gives them .grad).
         ties = [reduced_plan(m) for m in members]
         self.tied = frozenset(i for plan in ties if plan is not None for idx in plan.tied.values() for i in idx)

@@ -146,3 +146,41 @@ def test_wrapper_steps_a_tied_copy_without_a_grad_on_the_holders_sum(ranks):
         torch.testing.assert_close(got, tied.detach(), rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(stage1["params"]["w"], w.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(stage0["params"]["unused"], unused.detach(), rtol=0, atol=0)  # no grad: not stepped
+
+
+def _cp_grads(rank: int) -> dict:
+    """A context-parallel rank's grads: its token chunk reaches the expert only on rank 1 (an MoE route)."""
+    gen = torch.Generator().manual_seed(10 + rank)
+    return {"shared": torch.randn(4, 3, generator=gen), "expert": torch.randn(5, generator=gen) if rank else None}
+
+
+def _wrapped_cp(rank: int, world_size: int) -> dict:
+    del world_size
+    live = {"shared": torch.nn.Parameter(torch.full((4, 3), 0.5)), "expert": torch.nn.Parameter(torch.full((5,), 0.5))}
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(live.values(), lr=0.1, momentum=0.9),
+        gtx.chain(gtx.cp_reduce(dist.group.WORLD), gtx.clip_by_global_norm(1.0)),
+    )
+    for _ in range(2):
+        for n, g in _cp_grads(rank).items():
+            live[n].grad = None if g is None else g.clone()
+        opt.step()
+    return {n: p.detach().clone() for n, p in live.items()}
+
+
+def test_wrapper_cp_reduce_sums_a_grad_that_one_rank_lacks():
+    """An expert reached by rank 1's chunk only: rank 0 has no ``.grad`` for it. The wrapper gave ``cp_reduce`` a
+    ``None`` there and the ranks' all-reduces differed (gloo failed); before, the sum was written only where a
+    ``.grad`` existed, so rank 0 did not step the expert and the replicas drifted apart. The reference is one
+    device holding the whole sequence: each grad is the chunks' sum."""
+    ranks = run_distributed(_wrapped_cp, world_size=2, timeout=60.0)
+    ref = {n: torch.nn.Parameter(torch.full(s, 0.5)) for n, s in (("shared", (4, 3)), ("expert", (5,)))}
+    sgd = torch.optim.SGD(ref.values(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        for n, p in ref.items():
+            p.grad = sum(g for r in range(2) if (g := _cp_grads(r)[n]) is not None)
+        torch.nn.utils.clip_grad_norm_(list(ref.values()), 1.0)
+        sgd.step()
+    for rank in ranks:
+        for n, p in ref.items():
+            torch.testing.assert_close(rank[n], p.detach(), rtol=1e-6, atol=1e-7)
