@@ -194,12 +194,17 @@ def leaf_norms_of(
     what: str,
     tree: Any = None,
     slot: PlanSlot | None = None,
+    params: Any = None,
 ) -> list[torch.Tensor]:
-    """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank."""
-    plan = plan_of(leaves, mesh_groups, slot, what, tree)
+    """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank.
+
+    With ``params``, a declared plan reads a ``None`` leaf of ``tree`` as zeros (see :func:`planned`)."""
+    full, tree, index = planned(list(leaves), tree, params, mesh_groups, what)
+    plan = plan_of(full, mesh_groups, slot, what, tree)
     if plan is None:
-        return norms.tensor_norms(leaves, 2.0)
-    return unitwise_norms(plan, [leaves], unitwise=False, what=what)[0]  # one unit per leaf: 0-d each
+        return norms.tensor_norms(full, 2.0)
+    out = unitwise_norms(plan, [full], unitwise=False, what=what)[0]  # one unit per leaf: 0-d each
+    return out if index is None else [out[i] for i in index]
 
 
 def unitwise_norms(

@@ -350,9 +350,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
-        full, tree, index = planned(leaves, updates, params, mesh_groups, name)
-        l2 = leaf_norms_of(full, mesh_groups=mesh_groups, what=name, tree=tree, slot=plans)
-        l2 = l2 if index is None else [l2[i] for i in index]
+        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans, params=params)
         out = []
         for u, n in zip(leaves, l2):
             local = tu.local(u)
@@ -423,9 +421,7 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
         tu.require_state(state, TrackNormsState, name=name)
         leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         names = names_of(updates)
-        full, tree, index = planned(leaves, updates, params, mesh_groups, name)
-        l2 = leaf_norms_of(full, mesh_groups=mesh_groups, what=name, tree=tree, slot=plans)
-        l2 = l2 if index is None else [l2[i] for i in index]
+        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans, params=params)
         grouped: dict[str, list[torch.Tensor]] = {}
         for n, v in zip(names, l2):
             grouped.setdefault(n, []).append(v)
