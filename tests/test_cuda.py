@@ -116,3 +116,20 @@ def test_wrapper_built_on_the_cpu_follows_the_model_through_accelerates_prepare(
             opt.zero_grad()
         assert opt.emitted
     assert_trees_close(list(model.parameters()), list(ref_model.parameters()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make_tx", [gtx.zclip, lambda: gtx.chain(gtx.accumulate(2), gtx.trace(0.9))], ids=["zclip", "acc"]
+)
+def test_after_accelerates_prepare_the_state_is_where_a_wrapper_built_on_the_device_has_it(make_tx):
+    # zclip's state is all global (its running mean and variance live on the params' device); accumulate's counters
+    # live on the host. The round trip places each as a wrapper built on the moved model does.
+    from accelerate.optimizer import move_to_device
+
+    model = _model().cpu()
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_tx())
+    model.cuda()
+    opt.load_state_dict(move_to_device(opt.state_dict(), torch.device("cuda")))
+    built_there = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), make_tx())
+    devices = [t.device for t in gtx.tree.flatten(opt.tx_state)[0] if isinstance(t, torch.Tensor)]
+    assert devices == [t.device for t in gtx.tree.flatten(built_there.tx_state)[0] if isinstance(t, torch.Tensor)]

@@ -32,8 +32,9 @@ class _Live:
     writes to a plain object (tests/test_wrapper_compile.py).
     """
 
-    def __init__(self, tx_state: OptState) -> None:
+    def __init__(self, tx_state: OptState, device: torch.device) -> None:
         self.tx_state = tx_state
+        self.device = device  # the params' when the state was made: a load makes it again where they moved
         self.window_open = False
         self.emitted = False
         # GradScaler's scale inside a window, and whether it saw an inf.
@@ -128,7 +129,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer's own set-up (hooks, step profiling); the groups are then the inner optimizer's list.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._set_tree(grads.trainable(optimizer.param_groups))
-        self._live = _Live(self.tx.init(self._tree))
+        self._live = _Live(self.tx.init(self._tree), self._device)
 
     def _setup_tx(self) -> None:
         self.tx = chain(self._user_tx)

@@ -377,13 +377,9 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
         new_state = opt.tx.init(params)
     else:
         # The state goes where the params are, as torch's load puts the inner state: a model moved after the
-        # wrapper was built (accelerate's prepare, which round-trips the state_dict) gets its state there.
-        live = opt._live.tx_state
+        # state was made (accelerate's prepare, which round-trips the state_dict) gets it made there again.
+        live = opt._live.tx_state if opt._live.device == opt._device else opt.tx.init(params)
         layout = lo.layout_of(live, params)
-        held = [(t, p) for v in layout.per_param.values() for t, p in zip(tu.flatten(v)[0], flat)]
-        if any(isinstance(t, torch.Tensor) and tu.local(t).device != tu.local(p).device for t, p in held):
-            live = opt.tx.init(params)
-            layout = lo.layout_of(live, params)
         window = lo.window_sum_keys(layout)
         first = entries[0] if isinstance(entries[0], dict) else {}
         if not layout.globals_ and isinstance(entries[0], dict):  # torch's flattened checkpoint drops an empty dict
@@ -432,7 +428,7 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
     # Everything checked; the inner optimizer validates its own part before it changes anything.
     optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
     window_open = opt._plan.window_open(new_state)
-    opt._live = live = type(opt._live)(new_state)  # a fresh record: nothing emitted, synced, no stand-ins
+    opt._live = live = type(opt._live)(new_state, opt._device)  # a fresh record: nothing emitted, synced, no stand-ins
     live.window_open = window_open
     if record is not None and window_open:
         live.amp_scale, live.amp_inf = record
