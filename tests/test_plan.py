@@ -14,7 +14,7 @@ import torch
 import gradtx as gtx
 from gradtx.comm import LocalComm
 from gradtx.distributed.global_norm import from_placements, global_norm_of
-from gradtx.testing import RecordingComm, assert_pure
+from gradtx.testing import RecordingComm, assert_pure, assert_trees_close
 
 NORM_TYPES = [1.0, 2.0, 3.0, math.inf]
 
@@ -189,3 +189,41 @@ def test_a_transform_reads_the_placements_plan_once_per_layout(name, monkeypatch
         assert len(built) == 1
         tx.update(distribute(full, mesh, second), state, distribute(full, mesh, second))
         assert len(built) == 2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda plan: gtx.zclip(mesh_groups=plan),
+        lambda plan: gtx.autoclip(mesh_groups=plan),
+        lambda plan: gtx.clip_by_block_rms(0.05, mesh_groups=plan),
+        lambda plan: gtx.normalize_by_update_norm(mesh_groups=plan),
+        lambda plan: gtx.chain(gtx.track_norms(mesh_groups=plan), gtx.clip_by_global_norm(0.5, mesh_groups=plan)),
+        lambda plan: gtx.skip_spikes(gtx.trace(0.9), warmup_steps=1, z_thresh=0.5, mesh_groups=plan),
+        lambda plan: gtx.skip_if(
+            gtx.trace(0.9), lambda u, s, p: gtx.skip_large_updates(u, s, p, 4.0, mesh_groups=plan)
+        ),
+    ],
+    ids=["zclip", "autoclip", "clip_by_block_rms", "normalize", "track_norms", "skip_spikes", "skip_large_updates"],
+)
+def test_a_declared_plan_reads_a_none_grad_as_zeros(make):
+    # A declared plan covers every param (a pipeline stage's); a param without a grad on a step (None) joins the
+    # plan's norm as zeros, so every rank issues the same collectives. On one process, the plan's norm is the plain
+    # one: the run without a plan, where the None leaf is left out.
+    def run(planned: bool) -> tuple[dict, object]:
+        gen = torch.Generator().manual_seed(0)
+        params = {
+            n: torch.randn(*s, generator=gen) for n, s in {"w": (2, 4), "b": (2,), "ew": (2, 4), "eb": (2,)}.items()
+        }
+        tx = make(gtx.mesh_groups(params, plain="replicated") if planned else None)
+        state = tx.init(params)
+        for step in range(4):
+            grads = {
+                n: None if step == 2 and n.startswith("e") else torch.randn(p.shape, generator=gen)
+                for n, p in params.items()
+            }
+            updates, state = tx.update(grads, state, params)
+            params = gtx.apply_updates(params, updates)
+        return params, state
+
+    assert_trees_close(run(True), run(False), rtol=1e-6, atol=1e-7)

@@ -104,13 +104,13 @@ def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
 def read(params: ParamTree, emitting: bool, *, summed: bool, tied: frozenset[int] = frozenset()) -> Any:
     """The params' grads as the transform's tree.
 
-    A param without a grad reads ``None`` on an emitting step (every member
-    passes it through and keeps its state, as a torch optimizer keeps a
-    param's without a grad), and an empty tensor on a held one (the window
-    only counts: a missing grad there, as under FSDP2's no-sync, costs no
-    allocation). Its ``.grad`` stays ``None``, so the inner optimizer skips
-    it, unless the grads are summed over the ranks (``summed``: a window's,
-    or ``cp_reduce``), or it is a copy of a weight tied across stages (its
+    A param without a grad reads zeros on an emitting step (so a member's
+    per-param state moves for it as for a zero grad: a user's transform
+    written as optax writes them takes no ``None``), and an empty tensor on
+    a held one (the window only counts: a missing grad there, as under
+    FSDP2's no-sync, costs no allocation). Its ``.grad`` stays ``None``, so
+    the inner optimizer skips it, unless the grads are summed over the ranks
+    (``summed``: a window's, or ``cp_reduce``), or it is a copy of a weight tied across stages (its
     flat index in ``tied``, summed by ``pp_reduce``): the param may have a grad
     on another rank, so on an emitting step it takes zeros into ``.grad`` and
     steps on the sum as it does there.
@@ -129,9 +129,9 @@ def read(params: ParamTree, emitting: bool, *, summed: bool, tied: frozenset[int
     ]
 
 
-def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor | None:
-    """What :func:`read` gives a param without a grad: ``None`` on an emitting step, an empty tensor on a held one."""
-    return None if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
+def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:
+    """What :func:`read` gives a param without a grad: zeros on an emitting step, an empty tensor on a held one."""
+    return torch.zeros_like(p) if emitting else torch.empty(0, dtype=p.dtype, device=tu.local(p).device)
 
 
 def write(params: ParamTree, updates: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -162,7 +162,7 @@ def not_holding(updates: ParamTree, held: Any) -> ParamTree:
     if torch.compiler.is_compiling():
         return updates
     storages = {_storage(t) for t in tu.flatten(held)[0] if isinstance(t, torch.Tensor)} - {None}
-    return [[u.clone() if u is not None and _storage(u) in storages else u for u in group] for group in updates]
+    return [[u.clone() if _storage(u) in storages else u for u in group] for group in updates]
 
 
 def _storage(t: torch.Tensor) -> int | None:
