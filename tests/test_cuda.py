@@ -26,6 +26,22 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def _train_both(ref_model, ref_opt, model, opt, batches, k: int) -> None:
+    """torch's clip(0.5) + step on each window of ``k`` batches, the wrapper on each batch: the same params after."""
+    for s in range(len(batches) // k):
+        for x, y in batches[s * k : (s + 1) * k]:
+            (torch.nn.functional.cross_entropy(ref_model(x), y) / k).backward()
+        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for x, y in batches[s * k : (s + 1) * k]:
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert opt.emitted
+    assert_trees_close(list(model.parameters()), list(ref_model.parameters()), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, float("inf")])
 def test_global_norm_and_clip_match_torch_on_cuda(dtype: torch.dtype, norm_type: float):
@@ -60,18 +76,7 @@ def test_wrapper_with_accumulation_and_clip_matches_torch_on_cuda(fused: bool):
         torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused),
         gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(0.5)),
     )
-    for s in range(steps):
-        for x, y in batches[s * k : (s + 1) * k]:
-            (torch.nn.functional.cross_entropy(ref_model(x), y) / k).backward()
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        for x, y in batches[s * k : (s + 1) * k]:
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        assert opt.emitted
-    assert_trees_close(list(model.parameters()), list(ref_model.parameters()), rtol=1e-5, atol=1e-6)
+    _train_both(ref_model, ref_opt, model, opt, batches, k)
 
 
 def test_a_clipped_adamw_step_on_cuda_never_syncs_with_the_host():
@@ -104,18 +109,7 @@ def test_wrapper_built_on_the_cpu_follows_the_model_through_accelerates_prepare(
     opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)
     model.cuda()
     opt.load_state_dict(move_to_device(opt.state_dict(), torch.device("cuda")))
-    for s in range(steps):
-        for x, y in batches[s * k : (s + 1) * k]:
-            (torch.nn.functional.cross_entropy(ref_model(x), y) / k).backward()
-        torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.5)
-        ref_opt.step()
-        ref_opt.zero_grad()
-        for x, y in batches[s * k : (s + 1) * k]:
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        assert opt.emitted
-    assert_trees_close(list(model.parameters()), list(ref_model.parameters()), rtol=1e-5, atol=1e-6)
+    _train_both(ref_model, ref_opt, model, opt, batches, k)
 
 
 @pytest.mark.parametrize(
