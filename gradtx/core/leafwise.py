@@ -7,6 +7,7 @@ reads a tensor value back to the host.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import Any
@@ -68,6 +69,28 @@ def lmap_updates(
 def zeros_like_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:
     """Zeros mirroring ``tree`` (a DTensor stays one, with its placements), in ``dtype`` or each leaf's own."""
     return tu.tree_map(lambda x: torch.zeros_like(x, dtype=dtype or x.dtype, requires_grad=False), tree)
+
+
+def moment_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for low-precision floating params, the param's own dtype otherwise."""
+    if dtype.is_floating_point and dtype.itemsize < 4:
+        return torch.float32
+    return dtype
+
+
+def zeros_moments(params: PyTree, dtype: torch.dtype | None = None, *, what: str) -> PyTree:
+    """Zeros mirroring ``params`` (checked to be tensors; ``what`` names them), in ``dtype`` or :func:`moment_dtype`."""
+    leaves, spec = tu.tensor_leaves(params, what=what)
+    # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
+    zeros = [torch.zeros_like(p, dtype=dtype or moment_dtype(p.dtype), requires_grad=False) for p in leaves]
+    return tu.unflatten(spec, zeros)
+
+
+def promoted(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """A group's grads and moments, all in the dtype they promote to: optax computes a moment in the grads'
+    precision and only stores it in ``mu_dtype``."""
+    work = functools.reduce(torch.promote_types, {x.dtype for xs in lists for x in xs})
+    return [[x.to(work) for x in xs] for xs in lists]
 
 
 def clone_tree(tree: PyTree, dtype: torch.dtype | None = None) -> PyTree:

@@ -13,7 +13,6 @@ first param's device, so nothing is read back to the host.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Self
@@ -56,28 +55,6 @@ __all__ = [
 
 
 # --- validation and small helpers --------------------------------------------------------
-
-
-def _moment_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for low-precision floating params, the param's own dtype otherwise."""
-    if dtype.is_floating_point and dtype.itemsize < 4:
-        return torch.float32
-    return dtype
-
-
-def _zeros_moments(params: PyTree, dtype: torch.dtype | None = None, *, what: str) -> PyTree:
-    """Zeros mirroring ``params`` (checked to be tensors; ``what`` names them), in ``dtype`` or :func:`_moment_dtype`."""
-    leaves, spec = tu.tensor_leaves(params, what=what)
-    # zeros_like keeps a DTensor a DTensor (same mesh and placements) and keeps strides.
-    zeros = [torch.zeros_like(p, dtype=dtype or _moment_dtype(p.dtype), requires_grad=False) for p in leaves]
-    return tu.unflatten(spec, zeros)
-
-
-def _promoted(*lists: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """A group's grads and moments, all in the dtype they promote to: optax computes a moment in the grads'
-    precision and only stores it in ``mu_dtype``."""
-    work = functools.reduce(torch.promote_types, {x.dtype for xs in lists for x in xs})
-    return [[x.to(work) for x in xs] for xs in lists]
 
 
 def _on(value: Scalar, device: torch.device, dtype: torch.dtype) -> Scalar:
@@ -304,8 +281,8 @@ def _scale_by_adam(
     optax_form = nesterov or not _is_zero(eps_root)
 
     def init_fn(params: Params) -> ScaleByAdamState:
-        mu = _zeros_moments(params, mu_dtype, what=f"{name}: params")
-        nu = lw.zeros_like_tree(mu) if mu_dtype is None else _zeros_moments(params, what=f"{name}: params")
+        mu = lw.zeros_moments(params, mu_dtype, what=f"{name}: params")
+        nu = lw.zeros_like_tree(mu) if mu_dtype is None else lw.zeros_moments(params, what=f"{name}: params")
         return ScaleByAdamState(count=lw.zero_count(params), mu=mu, nu=nu)  # mu_dtype is mu's alone, as optax
 
     def update_fn(updates, state, params=None, **extra):
@@ -316,7 +293,7 @@ def _scale_by_adam(
         def step(key, idx, g, trees):
             (device, dtype), (mus, nus) = key, trees
             if mu_dtype is not None:  # as optax: mu_dtype only stores the first moment
-                g, mus, nus = _promoted([tu.local(ms.leaves[j]) for j in idx], mus, nus)
+                g, mus, nus = lw.promoted([tu.local(ms.leaves[j]) for j in idx], mus, nus)
                 dtype = g[0].dtype
             if dtype.is_complex:  # pairs of reals, as torch.optim.Adam: the second moment is |re|^2 and |im|^2
                 g, mus, nus = ([torch.view_as_real(x) for x in xs] for xs in (g, mus, nus))
@@ -449,7 +426,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
     nesterov = check.flag(nesterov, arg="nesterov", name="trace")
 
     def init_fn(params: Params) -> TraceState:
-        return TraceState(trace=_zeros_moments(params, what="trace: params"))
+        return TraceState(trace=lw.zeros_moments(params, what="trace: params"))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, TraceState, name="trace")

@@ -16,7 +16,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.optimizers.muon.exchange import _make_orthogonalizer
 from gradtx.optimizers.muon.iteration import _DEFAULT_NS_COEFFS, Preconditioning, Scalar, _Matrices, _selector
-from gradtx.optimizers.standard import _debiased, _promoted, _zeros_moments
+from gradtx.optimizers.standard import _debiased
 
 
 def _on_matrices(
@@ -172,7 +172,7 @@ def scale_by_muon(
     select = _selector(weight_dimension_numbers, name=name)
 
     def init_fn(params: Params) -> MuonState:
-        return MuonState(count=lw.zero_count(params), mu=_zeros_moments(params, mu_dtype, what=f"{name}: params"))
+        return MuonState(count=lw.zero_count(params), mu=lw.zeros_moments(params, mu_dtype, what=f"{name}: params"))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, MuonState, name=name)
@@ -188,7 +188,7 @@ def scale_by_muon(
                 return
             mu, g = [trees[0][i] for i in ks], [g[i] for i in ks]
             if mu_dtype is not None:  # as optax: mu_dtype only stores the momentum, computed in the grads' precision
-                g, mu = _promoted([tu.local(ms.leaves[idx[i]]) for i in ks], mu)
+                g, mu = lw.promoted([tu.local(ms.leaves[idx[i]]) for i in ks], mu)
             b = lw.as_tensor(beta, mu[0])  # a tensor beta (inject_hyperparams) stays on the device
             m = fe.lerp(mu, g, 1 - b)  # (1 - beta) g + beta mu, as torch.optim.Muon's buffer
             if bias_correction:
