@@ -3,8 +3,8 @@
 Its parts: :mod:`gradtx.wrapper.rules` (the chain read by type, and the speed
 rules), :mod:`gradtx.wrapper.amp` (GradScaler across a window),
 :mod:`gradtx.wrapper.state_dict` (the checkpoint format, ``opt.state``, copies),
-:mod:`gradtx.wrapper.grads` (which params, their ``.grad``) and
-:mod:`gradtx.wrapper.sync` (data-parallel sync).
+:mod:`gradtx.wrapper.grads` (which params, their ``.grad``), :mod:`gradtx.wrapper.live`
+(what a step writes) and :mod:`gradtx.wrapper.sync` (data-parallel sync).
 """
 
 from __future__ import annotations
@@ -21,29 +21,8 @@ from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.transforms.combine import chain
 from gradtx.wrapper import amp, grads, loop_checks, rules
 from gradtx.wrapper import state_dict as _sd
+from gradtx.wrapper.live import Live
 from gradtx.wrapper.sync import data_parallel_modules, no_sync
-
-
-class _Live:
-    """What a step writes, held apart from the optimizer object.
-
-    torch.compile drops attribute writes to a ``torch.optim.Optimizer``
-    instance inside a graph (dynamo treats optimizers specially), but tracks
-    writes to a plain object (tests/test_wrapper_compile.py).
-    """
-
-    def __init__(self, tx_state: OptState, device: torch.device) -> None:
-        self.tx_state = tx_state
-        self.device = device  # the params' when the state was made: a load makes it again where they moved
-        self.window_open = False
-        self.emitted = False
-        # GradScaler's scale inside a window, and whether it saw an inf.
-        self.amp_scale: torch.Tensor | None = None
-        self.amp_inf: torch.Tensor | None = None
-        self.synced = True  # False after a backward that skipped the data-parallel sync
-        self.stand_ins: dict[torch.Tensor, dict[str, Any]] = {}  # inner states shown before the inner's first step
-        self.lrs: list[Any] | None = None  # the lrs at the last step, while a window is open
-        self.lr_prev = (False, False)  # whether the lr changed at the last step, and inside a window
 
 
 class TransformedOptimizer(torch.optim.Optimizer):
@@ -129,7 +108,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         # torch.optim.Optimizer's own set-up (hooks, step profiling); the groups are then the inner optimizer's list.
         super().__init__(optimizer.param_groups, optimizer.defaults)
         self._set_tree(grads.trainable(optimizer.param_groups))
-        self._live = _Live(self.tx.init(self._tree), self._device)
+        self._live = Live(self.tx.init(self._tree), self._device)
 
     def _setup_tx(self) -> None:
         self.tx = chain(self._user_tx)

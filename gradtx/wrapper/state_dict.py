@@ -40,6 +40,7 @@ from gradtx.checkpoint import layout as lo
 from gradtx.core import tree as tu
 from gradtx.transforms.window import empty_sums
 from gradtx.wrapper import amp, grads, rules
+from gradtx.wrapper.live import Live
 
 GTX = "gradtx"  # the transform's entry in each param's state
 GLOBAL = "global"
@@ -428,7 +429,7 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
     # Everything checked; the inner optimizer validates its own part before it changes anything.
     optimizer.load_state_dict({"state": inner_state, "param_groups": saved_groups})
     window_open = opt._plan.window_open(new_state)
-    opt._live = live = type(opt._live)(new_state, opt._device)  # a fresh record: nothing emitted, synced, no stand-ins
+    opt._live = live = Live(new_state, opt._device)  # a fresh record: nothing emitted, synced, no stand-ins
     live.window_open = window_open
     if record is not None and window_open:
         live.amp_scale, live.amp_inf = record
