@@ -227,3 +227,14 @@ def test_a_declared_plan_reads_a_none_grad_as_zeros(make):
         return params, state
 
     assert_trees_close(run(True), run(False), rtol=1e-6, atol=1e-7)
+
+
+def test_a_plan_given_a_none_grad_without_params_says_so():
+    # gtx.global_norm takes no params to fill a missing grad from: the count check names the None as the likely cause.
+    params = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+    plan = gtx.mesh_groups(params, plain="replicated")
+    with pytest.raises(ValueError, match="built for 2 leaves, got 1.*a None leaf, a param without a grad"):
+        gtx.global_norm({"w": torch.ones(2, 2), "b": None}, mesh_groups=plan)
+    torch.testing.assert_close(
+        gtx.global_norm({"w": torch.ones(2, 2), "b": torch.zeros(2)}, mesh_groups=plan), torch.tensor(2.0)
+    )

@@ -206,7 +206,8 @@ class MeshGroups:
         if len(leaves) != len(self._leaves):
             raise ValueError(
                 f"{what}: the mesh_groups plan was built for {len(self._leaves)} leaves, got {len(leaves)}; "
-                "build the plan from the same params tree the transform sees"
+                "build the plan from the same params tree the transform sees (a None leaf, a param without a "
+                "grad, is not one: give zeros in its place, or the params to a transform's update)"
             )
         for leaf, info in zip(leaves, self._leaves):
             if not isinstance(leaf, torch.Tensor):
