@@ -41,8 +41,13 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 def per_rank(fn: _F) -> _F:
     """``fn``, run once per simulated rank on that rank's values (torch's ``maybe_run_for_local_tensor``)."""
-    # torch's wrapper only when ranks are simulated: dynamo cannot trace it (its guard on the ParamSpec fails).
-    return lambda *a, **k: (fn if enabled_local_tensor_mode() is None else maybe_run_for_local_tensor(fn))(*a, **k)  # type: ignore[return-value]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if enabled_local_tensor_mode() is None:  # no simulated ranks (nor, traced, torch's wrapper: dynamo cannot)
+            return fn(*args, **kwargs)
+        return maybe_run_for_local_tensor(fn)(*args, **kwargs)
+
+    return run  # type: ignore[return-value]
 
 
 def shared_to_ranks(flat: torch.Tensor) -> torch.Tensor:

@@ -379,8 +379,8 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
     else:
         # The state goes where the params are, as torch's load puts the inner state: a model moved after the
         # state was made (accelerate's prepare, which round-trips the state_dict) gets it made there again.
-        live = opt._live.tx_state if opt._live.device == opt._device else opt.tx.init(params)
-        layout = lo.layout_of(live, params)
+        template = opt._live.tx_state if opt._live.device == opt._device else opt.tx.init(params)
+        layout = lo.layout_of(template, params)
         window = lo.window_sum_keys(layout)
         first = entries[0] if isinstance(entries[0], dict) else {}
         if not layout.globals_ and isinstance(entries[0], dict):  # torch's flattened checkpoint drops an empty dict
@@ -419,7 +419,7 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
                 inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         per_param = {key: [e[key] for e in entries] for key in layout.per_param}
-        new_state = _ckpt.import_layout(layout, live, params, per_param, first[GLOBAL], opt.tx, names, what=what)
+        new_state = _ckpt.import_layout(layout, template, params, per_param, first[GLOBAL], opt.tx, names, what=what)
         if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
             states = opt._plan.states(new_state)
             sums = tu.flatten(states[0].acc)[0]
