@@ -73,6 +73,12 @@ def _is_zero(value: Scalar) -> bool:
     return not isinstance(value, torch.Tensor) and value == 0.0
 
 
+def _add_scaled(xs: list[torch.Tensor], ys: list[torch.Tensor], value: Scalar) -> list[torch.Tensor]:
+    """``xs + value * ys`` by foreach ops, out of place; a tensor ``value`` (already :func:`_on` the group) stays on
+    the device."""
+    return fe.add(xs, fe.mul(ys, value)) if isinstance(value, torch.Tensor) else fe.add(xs, ys, alpha=value)
+
+
 # --- scale ---------------------------------------------------------------------------------
 
 
@@ -379,11 +385,7 @@ def add_decayed_weights(
             return updates, state
 
         def step(key, idx, g, trees):
-            (device, dtype), (p,) = key, trees
-            if isinstance(weight_decay, torch.Tensor):
-                ms.put_updates(idx, fe.add(g, fe.mul(p, weight_decay.to(device, dtype, non_blocking=True))))
-            else:
-                ms.put_updates(idx, fe.add(g, p, alpha=weight_decay))
+            ms.put_updates(idx, _add_scaled(g, trees[0], _on(weight_decay, *key)))
 
         ms.each(step)
         return ms.updates(), state
@@ -437,7 +439,7 @@ def trace(decay: Scalar, nesterov: bool = False) -> GradientTransformation:
             tr = fe.add(fe.mul(trees[0], _scalar(d, key[0], key[1])), g)  # torch.optim.SGD's buffer, out of place
             ms.put(0, idx, tr)
             if nesterov:
-                ms.put_updates(idx, fe.add(g, fe.mul(tr, d)) if isinstance(d, torch.Tensor) else fe.add(g, tr, alpha=d))
+                ms.put_updates(idx, _add_scaled(g, tr, d))
             else:  # a copy: the updates never share storage with the state
                 ms.put_updates(idx, [x.clone() for x in tr])
 
