@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -148,18 +149,19 @@ class ExchangePlan(NamedTuple):
     owners: dict[int, int]
 
 
-def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], load: dict[int, int]) -> list[int]:
+def _greedy_owners(costs: Sequence[int], ranks: Sequence[int], start: Counter[int]) -> tuple[list[int], Counter[int]]:
     """Largest first, each to the least-loaded rank (lowest on ties): the same answer on every rank.
 
-    ``ranks`` are the global ranks by group rank; ``load`` (by global rank, every one
-    of ``ranks``) carries the work already given out on other meshes, and is added to.
+    ``ranks`` are the global ranks by group rank; ``start`` (by global rank) is the work already
+    given out on other meshes. Returns each cost's owner (a group rank) and the work given out
+    here, by global rank (every one of ``ranks``, 0 where none).
     """
-    owners = [0] * len(costs)
+    owners, given = [0] * len(costs), Counter(dict.fromkeys(ranks, 0))
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(len(ranks)), key=lambda r: (load[ranks[r]], ranks[r]))
+        r = min(range(len(ranks)), key=lambda r: (start[ranks[r]] + given[ranks[r]], ranks[r]))
         owners[i] = r
-        load[ranks[r]] += costs[i]
-    return owners
+        given[ranks[r]] += costs[i]
+    return owners, given
 
 
 def _exchange(
@@ -255,7 +257,7 @@ def _cat(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
 
 def _routes(
     leaves: Sequence[Any], mats: _Matrices, *, whole_leaf: bool, steps: int
-) -> tuple[list[int], list[_MeshPlan], dict[int, int]]:
+) -> tuple[list[int], list[_MeshPlan], Counter[int]]:
     """The leaves orthogonalized where they are, the plans of those exchanged through owners, by mesh,
     and the Newton–Schulz flops each mesh rank owns (by global rank).
 
@@ -279,21 +281,17 @@ def _routes(
         else:
             local.append(j)
     plans = []
-    load: dict[int, int] = {}  # by global rank, over every mesh
-    done: list[tuple[frozenset[int], dict[int, int]]] = []  # each earlier mesh's group here, and what it gave out
+    load: Counter[int] = Counter()  # by global rank, over every mesh
+    done: list[tuple[frozenset[int], Counter[int]]] = []  # each earlier mesh's group here, and what it gave out
     for mesh, js in by_mesh.values():
         ranks = sorted(mesh_ranks(mesh))
         # An earlier mesh's load carries over only where its group here holds this whole group: then every
         # member of this group is in that same group and knows the same load. Another member of a sub-mesh
         # (dp beside the whole dp x tp mesh) is in another group of it, whose load this rank does not see.
-        carried = [given for group, given in done if group >= set(ranks)]
-        start = {r: sum(given.get(r, 0) for given in carried) for r in ranks}
-        here = dict(start)
-        owners = _greedy_owners([_ns_flops(mats.layouts[j], steps) for j in js], ranks, here)
-        mine = {r: here[r] - start[r] for r in ranks}
-        done.append((frozenset(ranks), mine))
-        for r, work in mine.items():
-            load[r] = load.get(r, 0) + work
+        start = sum((given for group, given in done if group >= set(ranks)), Counter())
+        owners, given = _greedy_owners([_ns_flops(mats.layouts[j], steps) for j in js], ranks, start)
+        done.append((frozenset(ranks), given))
+        load.update(given)
         items = [_Owned(j, o, tuple(_pieces(leaves[j])), tuple(leaves[j].shape)) for j, o in zip(js, owners)]
         plans.append(_MeshPlan(mesh, ranks, tuple(items)))
     return local, plans, load
@@ -358,7 +356,7 @@ def _make_orthogonalizer(
         check_exchange_comm(comm, name=name)
     ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)
     batch = 1 if adaptive else ns_batch  # adaptive leaves are iterated one at a time
-    cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan], dict[int, int]]] = {}
+    cache: dict[tuple[Any, ...], tuple[list[int], list[_MeshPlan], Counter[int]]] = {}
     local_cache: dict[tuple[Any, ...], tuple[list[_Layout], list[list[int]]]] = {}
 
     def run(leaves: Sequence[Any], locs: Sequence[torch.Tensor], mats: _Matrices) -> list[Any]:
