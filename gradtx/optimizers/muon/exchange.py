@@ -23,7 +23,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import PyTree
 from gradtx.distributed.plan import _is_shard  # Shard or _StridedShard (FSDP2 over TP): the placements with a dim
 from gradtx.optimizers.muon.iteration import (
-    _coeff_rows,
+    _iteration_args,
     _Layout,
     _layout,
     _Matrices,
@@ -349,9 +349,7 @@ def _make_orthogonalizer(
         raise TypeError(
             f"{name}: ns_steps must be an int, got a tensor (under inject_hyperparams pass static_args=('ns_steps',))"
         )
-    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name=name)
-    eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
+    rows, eps = _iteration_args(ns_coeffs, ns_steps, preconditioning, eps, ns_dtype, name=name)
     if comm is not None:
         check_exchange_comm(comm, name=name)
     ns_batch = check.integer(ns_batch, arg="ns_batch", name=name, minimum=1)

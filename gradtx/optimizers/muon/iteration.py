@@ -126,10 +126,11 @@ def _layout(shape: Sequence[int], dn: MuonDimensionNumbers, *, where: str) -> _L
 # --- the Newton–Schulz iteration on local tensors ------------------------------------------------
 
 
-def _coeff_rows(
-    ns_coeffs: Any, ns_steps: Any, preconditioning: Any, *, name: str
-) -> tuple[tuple[float, float, float], ...]:
-    """One ``(a, b, c)`` row per iteration, as optax reads ``ns_coeffs`` and ``ns_steps``; checks ``preconditioning``."""
+def _iteration_args(
+    ns_coeffs: Any, ns_steps: Any, preconditioning: Any, eps: Any, ns_dtype: Any, *, name: str
+) -> tuple[tuple[tuple[float, float, float], ...], Scalar]:
+    """The iteration's arguments, checked: one ``(a, b, c)`` row per iteration (as optax reads ``ns_coeffs`` and
+    ``ns_steps``), and ``eps``; checks ``preconditioning`` and ``ns_dtype`` too."""
     ns_steps = check.integer(ns_steps, arg="ns_steps", name=name, minimum=0)
     if preconditioning not in _PRECONDITIONINGS:
         raise ValueError(f"{name}: preconditioning must be one of {_PRECONDITIONINGS}, got {preconditioning!r}")
@@ -150,7 +151,9 @@ def _coeff_rows(
         raise ValueError(f"{name}: ns_coeffs must have shape (3,) or (n, 3), got {tuple(rows.shape)}")
     if rows.ndim == 2 and rows.shape[0] > ns_steps:
         raise ValueError(f"{name}: {rows.shape[0]} rows of ns_coeffs need ns_steps >= {rows.shape[0]}, got {ns_steps}")
-    return tuple(map(tuple, (rows.expand(ns_steps, 3) if rows.ndim == 1 else rows).tolist()))  # type: ignore[return-value]
+    eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
+    check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
+    return tuple(map(tuple, (rows.expand(ns_steps, 3) if rows.ndim == 1 else rows).tolist())), eps  # type: ignore[return-value]
 
 
 def newton_schulz(
@@ -196,10 +199,8 @@ def newton_schulz(
       >>> o = newton_schulz(torch.randn(64, 32))
       >>> torch.linalg.svdvals(o)  # all close to 1 (within the iteration's 0.7..1.2 band)
     """
-    rows = _coeff_rows(ns_coeffs, ns_steps, preconditioning, name="newton_schulz")
-    eps = check.non_negative(eps, arg="eps", name="newton_schulz", tensor=True)
+    rows, eps = _iteration_args(ns_coeffs, ns_steps, preconditioning, eps, ns_dtype, name="newton_schulz")
     tu.check_tensors([x], [()], what="newton_schulz: x")
-    check.dtype(ns_dtype, arg="ns_dtype", name="newton_schulz", floating=True)
     dn = dimension_numbers if dimension_numbers is not None else MuonDimensionNumbers()
     if not isinstance(dn, MuonDimensionNumbers):
         raise TypeError(f"newton_schulz: dimension_numbers must be a MuonDimensionNumbers, got {type(dn).__name__}")
