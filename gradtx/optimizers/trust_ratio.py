@@ -20,13 +20,12 @@ from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan
-from gradtx.optimizers.aliases import _adam_checked, _checked
+from gradtx.optimizers.aliases import ScalarOrSchedule, _adam_checked, _checked
 from gradtx.optimizers.standard import _scale_by_adam, add_decayed_weights, scale_by_learning_rate, trace
 from gradtx.transforms.combine import chain, masked
 
 __all__ = ["lamb", "lars", "scale_by_trust_ratio"]
 
-ScalarOrSchedule = float | torch.Tensor | Callable[[torch.Tensor], Any]
 MaskOrFn = PyTree | Callable[[Params], PyTree] | None
 
 
