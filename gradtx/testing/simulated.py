@@ -166,10 +166,9 @@ def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, me
     if preset == "tp":
         return [tp]
     if preset == "tp_fsdp":
-        if leaf.ndim == 0:
-            return [Replicate(), Replicate()]
-        # FSDP2 over a TP Shard(0) splits each TP shard's rows again: a _StridedShard on the fsdp dim.
-        return [_StridedShard(0, split_factor=1) if tp == Shard(0) else Shard(0), tp]
+        # FSDP2 over a TP Shard(0) splits each TP shard's rows again: a _StridedShard on the fsdp dim (a 0-d
+        # leaf, which neither splits, is replicated over both).
+        return [_StridedShard(0, split_factor=1) if tp == Shard(0) else fsdp, tp]
     # ep_fsdp: experts split over ep (dim 0, the expert dim) and FSDP-sharded over fsdp along dim 1.
     if "expert" in path and leaf.ndim >= 1:
         return [Shard(1) if leaf.ndim >= 2 else Replicate(), Shard(0)]
