@@ -76,8 +76,7 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     checked: set[Any] = set()
 
     def update_fn(updates, state, params=None, **extra):
-        leaves, spec = tu.flatten(updates)
-        tu.check_tensors(leaves, tree=updates, what="cp_reduce: updates")
+        leaves, spec = tu.tensor_leaves(updates, what="cp_reduce: updates")
         for i, g in enumerate(leaves):
             if cp_ranks and isinstance(g, DTensor) and (g.device_mesh, g.placements) not in checked:
                 mesh = g.device_mesh

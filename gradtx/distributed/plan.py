@@ -31,8 +31,6 @@ try:  # FSDP2 over TP shards dim 0 twice; the second split is a _StridedShard (p
 except ImportError:  # pragma: no cover
     _StridedShard = None  # type: ignore[assignment,misc]
 
-# Labels for undeclared plain leaves (mesh_groups(..., plain=...)), shown by norm_audit; counted alike.
-PLAIN_KINDS = ("replicated", "local")
 # Mesh dim names read as a pipeline dim: stages hold different weights, which placements cannot say.
 _PP_NAMES = ("pp", "pipeline", "pipe")
 
@@ -160,12 +158,10 @@ class MeshGroups:
                     (0, b.weight / r) if b.groups else (1, b.weight) for b, r in zip(self._buckets, self.flat[1])
                 ]
             shape = (len(self._leaves), len(self._buckets) if self.flat is None else 2)
-            mask = torch.zeros(shape, dtype=torch.bool, device=device)
             weights = torch.zeros(shape, dtype=dtype, device=device)
             for b, (j, w) in zip(self._buckets, targets):
-                mask[list(b.leaves), j] = True
                 weights[list(b.leaves), j] = w
-            self._columns[key] = (mask, weights)
+            self._columns[key] = (weights > 0, weights)  # every weight is positive: 1 / copies / replicas
         return self._columns[key]
 
     def __len__(self) -> int:
@@ -347,7 +343,8 @@ def _build(
     plain: str | None = None,
     flat: GroupKey | None = None,
 ) -> MeshGroups:
-    if plain is not None and (not isinstance(plain, str) or plain not in PLAIN_KINDS):
+    # plain: a label for the undeclared plain leaves, shown by norm_audit; they are counted alike.
+    if plain is not None and (not isinstance(plain, str) or plain not in ("replicated", "local")):
         raise ValueError(
             f"{what}: plain must be 'replicated' or 'local' (a pipeline stage is pp_group=...), got {plain!r}"
         )
@@ -370,15 +367,14 @@ def _build(
             raise TypeError(
                 f"{what}: {arg} must be a dict {{path_or_glob_or_predicate: group}}, got {type(value).__name__}"
             )
-    sharded = dict(sharded or {})
-    tied = dict(tied or {})
-    for arg, keys in (("sharded", sharded), ("tied", tied)):
-        for key in keys:
+        for key in value or {}:
             if not (isinstance(key, str) or callable(key)):
                 raise TypeError(
                     f"mesh_groups: {arg} keys must be a dotted path, a glob, or a predicate (path, leaf) -> bool; "
                     f"got {type(key).__name__}"
                 )
+    sharded = dict(sharded or {})
+    tied = dict(tied or {})
 
     dotted = [tu.dotted(p) for p in paths]
     seen: dict[Any, GroupKey] = {}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -31,31 +31,27 @@ def _leaves(tree: PyTree) -> tuple[list[tuple[str, Any]], Any]:
     return [(tu.path_str(p), leaf) for p, leaf in zip(paths, leaves)], spec
 
 
-class _Snapshot(NamedTuple):
-    tree: PyTree
-    spec: Any
-    leaves: list[Any]  # the leaf objects themselves: one replaced in a container shows by identity
-    tensors: list[tuple[str, torch.Tensor, torch.Tensor, int]]  # path, tensor, copy of its value, version
-
-
-def _snapshot(tree: PyTree) -> _Snapshot:
+def _snapshot(tree: PyTree) -> Callable[[str], None]:
+    """A check that ``tree`` is as it is now: its structure, its leaf objects (one replaced in a container
+    shows by identity), and its tensors' version counters and values; it fails naming ``what`` and the path."""
     entries, spec = _leaves(tree)
+    leaves = [leaf for _, leaf in entries]
     tensors = [(path, t, tu.local(t).detach().clone(), t._version) for path, t in entries if torch.is_tensor(t)]
-    return _Snapshot(tree, spec, [leaf for _, leaf in entries], tensors)
 
+    def check_unchanged(what: str) -> None:
+        entries_now, spec_now = _leaves(tree)
+        if spec_now != spec:
+            raise AssertionError(f"{what} changed structure in place: {spec} became {spec_now}")
+        for (path, now), before in zip(entries_now, leaves):
+            if now is not before:
+                raise AssertionError(f"{what} at {path} was replaced in place (its container was modified)")
+        for path, t, copy, version in tensors:
+            if t._version != version:
+                raise AssertionError(f"{what} at {path} was modified in place (its version counter moved)")
+            if not torch.equal(torch.nan_to_num(tu.local(t).detach()), torch.nan_to_num(copy)):  # NaNs equal
+                raise AssertionError(f"{what} at {path} changed value")
 
-def _check_unchanged(snapshot: _Snapshot, what: str) -> None:
-    entries, spec = _leaves(snapshot.tree)
-    if spec != snapshot.spec:
-        raise AssertionError(f"{what} changed structure in place: {snapshot.spec} became {spec}")
-    for (path, now), before in zip(entries, snapshot.leaves):
-        if now is not before:
-            raise AssertionError(f"{what} at {path} was replaced in place (its container was modified)")
-    for path, t, copy, version in snapshot.tensors:
-        if t._version != version:
-            raise AssertionError(f"{what} at {path} was modified in place (its version counter moved)")
-        if not torch.equal(torch.nan_to_num(tu.local(t).detach()), torch.nan_to_num(copy)):  # NaNs equal
-            raise AssertionError(f"{what} at {path} changed value")
+    return check_unchanged
 
 
 def assert_pure(
@@ -78,17 +74,17 @@ def assert_pure(
     """
     steps = check.integer(steps, arg="steps", name="assert_pure", minimum=1)
     check.transform(tx, arg="tx", name="assert_pure")
-    params_snap = _snapshot(params)
+    params_check = _snapshot(params)
     if state is None:
         state = tx.init(params if params is not None else updates)
-        _check_unchanged(params_snap, "init: params")
+        params_check("init: params")
     result: tuple[PyTree, PyTree] = (None, state)
     for _ in range(steps):
-        snaps = [(_snapshot(updates), "update: updates"), (_snapshot(state), "update: state"), (params_snap, "params")]
+        snaps = [(_snapshot(updates), "update: updates"), (_snapshot(state), "update: state"), (params_check, "params")]
         first = tx.update(updates, state, params, **extra)
         again = tx.update(updates, state, params, **extra)
-        for snap, what in snaps:
-            _check_unchanged(snap, what)
+        for check_unchanged, what in snaps:
+            check_unchanged(what)
         assert_trees_equal(first, again, msg="update is not deterministic: ")
         result, state = first, first[1]
     return result

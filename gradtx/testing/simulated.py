@@ -166,10 +166,9 @@ def preset_placements(preset: str, path: str, leaf: torch.Tensor, index: int, me
     if preset == "tp":
         return [tp]
     if preset == "tp_fsdp":
-        if leaf.ndim == 0:
-            return [Replicate(), Replicate()]
-        # FSDP2 over a TP Shard(0) splits each TP shard's rows again: a _StridedShard on the fsdp dim.
-        return [_StridedShard(0, split_factor=1) if tp == Shard(0) else Shard(0), tp]
+        # FSDP2 over a TP Shard(0) splits each TP shard's rows again: a _StridedShard on the fsdp dim (a 0-d
+        # leaf, which neither splits, is replicated over both).
+        return [_StridedShard(0, split_factor=1) if tp == Shard(0) else fsdp, tp]
     # ep_fsdp: experts split over ep (dim 0, the expert dim) and FSDP-sharded over fsdp along dim 1.
     if "expert" in path and leaf.ndim >= 1:
         return [Shard(1) if leaf.ndim >= 2 else Replicate(), Shard(0)]
@@ -338,23 +337,21 @@ def _check_placements(what: str, got: PyTree, given: PyTree) -> None:
 
 def _check_ranks(name: str, ranks: dict[int, tuple[torch.Tensor, torch.Tensor]], *, rtol: float, atol: float) -> None:
     # Ranks that hold the same part of the value must agree bitwise; a rank-inconsistent value names them.
-    by_part: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+    # Per part of one device's value (a view of it): that part, and each value ranks hold (NaNs as numbers) and who.
+    parts: dict[tuple[Any, ...], tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, list[int]]]]] = {}
     for r, (t, ref) in ranks.items():
         key = (tuple(ref.shape), ref.data_ptr(), ref.storage_offset(), tuple(ref.stride()))
-        by_part.setdefault(key, []).append((r, t, ref))
-    for part in by_part.values():
-        groups: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = []  # (a rank's value, NaNs as numbers, ranks)
-        for r, t, _ in part:
-            n = torch.nan_to_num(t)
-            same = (m for _, v, m in groups if v.shape == n.shape and v.dtype == n.dtype and torch.equal(v, n))
-            members = next(same, None)
-            if members is None:
-                groups.append((t, n, [r]))
-            else:
-                members.append(r)
-        ref = part[0][2]
-        if len(groups) > 1:
-            values = "; ".join(f"ranks {m} hold {_short(v)}" for v, _, m in groups)
+        _, held = parts.setdefault(key, (ref, []))
+        n = torch.nan_to_num(t)
+        same = (m for _, v, m in held if v.shape == n.shape and v.dtype == n.dtype and torch.equal(v, n))
+        members = next(same, None)
+        if members is None:
+            held.append((t, n, [r]))
+        else:
+            members.append(r)
+    for ref, held in parts.values():
+        if len(held) > 1:
+            values = "; ".join(f"ranks {m} hold {_short(v)}" for v, _, m in held)
             raise AssertionError(f"{name}: the ranks disagree ({values}); one device has {_short(ref)}")
     for r, (t, ref) in ranks.items():
         if t.dtype != ref.dtype or t.shape != ref.shape:
