@@ -47,12 +47,23 @@ __all__ = [
 ]
 
 
-def updates_norm(
-    updates: Any, norm_type: float, mesh_groups: Any, name: str, params: Any = None, **kwargs: Any
-) -> torch.Tensor:
-    """The global norm of ``updates`` (:func:`global_norm_of`'s keywords), naming ``name`` on a non-tensor leaf."""
-    leaves, tree, _ = planned(tu.tensor_leaves(updates, what=f"{name}: updates")[0], updates, params, mesh_groups, name)
-    return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, **kwargs)
+def global_norm_fn(name: str, mesh_groups: Any, norm_type: float = 2.0) -> Callable[..., torch.Tensor]:
+    """Check ``norm_type`` and ``mesh_groups`` for the transform ``name``; return ``norm(updates, params, **kwargs)``.
+
+    ``norm`` is the global norm of ``updates`` (:func:`global_norm_of`'s keywords), naming ``name`` on a
+    non-tensor leaf, over ``mesh_groups`` or, when it is ``None``, the plan read from the updates'
+    placements, which it keeps from one call to the next (each transform its own).
+    """
+    norm_type = check.norm_type(norm_type, name=name)
+    check_plan(mesh_groups, name=name)
+    slot = PlanSlot()
+
+    def norm(updates: Any, params: Any, **kwargs: Any) -> torch.Tensor:
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
+        leaves, tree, _ = planned(leaves, updates, params, mesh_groups, name)
+        return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, slot=slot, **kwargs)
+
+    return norm
 
 
 # --- ZClip ---------------------------------------------------------------------------------
@@ -169,10 +180,8 @@ def zclip(
         )
     clip_factor = check.positive(clip_factor, arg="clip_factor", name=name)
     skip_update_on_spike = check.flag(skip_update_on_spike, arg="skip_update_on_spike", name=name)
-    norm_type = check.norm_type(norm_type, name=name)
-    check_plan(mesh_groups, name=name)
+    norm_of = global_norm_fn(name, mesh_groups, norm_type)
     window = max(1, warmup_steps)
-    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def init_fn(params: Params) -> ZClipState:
         count = lw.zero_count(params)
@@ -181,9 +190,7 @@ def zclip(
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, ZClipState, name=name)
-        g = updates_norm(
-            updates, norm_type, mesh_groups, name, params, scale=scale, device=state.mean.device, slot=plans
-        )
+        g = norm_of(updates, params, scale=scale, device=state.mean.device)
         finite = torch.isfinite(g)
         ready = state.count >= window  # the EMA was seeded on an earlier step
 
@@ -290,10 +297,8 @@ def autoclip(
     if history is not None:
         history = check.integer(history, arg="history", name=name, minimum=1)
     size = AUTOCLIP_DEFAULT_HISTORY if history is None else history
-    norm_type = check.norm_type(norm_type, name=name)
-    check_plan(mesh_groups, name=name)
+    norm_of = global_norm_fn(name, mesh_groups, norm_type)
     q = percentile / 100.0
-    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def init_fn(params: Params) -> AutoClipState:
         count = lw.zero_count(params)
@@ -302,9 +307,7 @@ def autoclip(
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, AutoClipState, name=name)
-        g = updates_norm(
-            updates, norm_type, mesh_groups, name, params, scale=scale, device=state.norms.device, slot=plans
-        )
+        g = norm_of(updates, params, scale=scale, device=state.norms.device)
         finite = torch.isfinite(g)
         slot = torch.remainder(state.count, size).reshape(1)
         recorded = torch.where(finite, state.norms.scatter(0, slot, g.reshape(1)), state.norms)

@@ -22,7 +22,8 @@ from gradtx.core.base import (
 )
 from gradtx.core.norms import norm_dtype, unitwise_norm  # noqa: F401  (gradtx.unitwise_norm, re-exported from here)
 from gradtx.distributed import plan
-from gradtx.distributed.global_norm import PlanSlot, global_norm_of, paired_norms, planned
+from gradtx.distributed.global_norm import PlanSlot, paired_norms
+from gradtx.transforms.adaptive import global_norm_fn
 
 # --- clip by value ---------------------------------------------------------------------
 
@@ -112,9 +113,7 @@ def clip_by_global_norm(
     """
     name = "clip_by_global_norm"
     max_norm = check.positive(max_norm, arg="max_norm", name=name, finite=False, tensor=True)
-    norm_type = check.norm_type(norm_type, name=name)
-    plan.check_plan(mesh_groups, name=name)
-    slot = PlanSlot()  # the plan read from the grads' placements, this transform's own
+    norm_of = global_norm_fn(name, mesh_groups, norm_type)
 
     def init_fn(params: Params) -> ClipByGlobalNormState:
         # fp32, or fp64 when a param is: a finite fp64 norm (1e200) must not overflow in the state.
@@ -123,10 +122,7 @@ def clip_by_global_norm(
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         tu.require_state(state, ClipByGlobalNormState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        leaves, tree, _ = planned(leaves, updates, params, mesh_groups, name)
-        # Of the true updates, leaves * scale.
-        norm = global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, scale=scale, slot=slot)
+        norm = norm_of(updates, params, scale=scale)  # of the true updates, leaves * scale
         coef = torch.clamp(lw.as_tensor(max_norm, norm) / (norm + 1e-6), max=1.0)
         dtype = state.grad_norm.dtype  # the state keeps one dtype across steps (checkpoints, compiled steps)
         return coef, ClipByGlobalNormState(grad_norm=norm.to(dtype), clip_coef=coef.to(dtype))

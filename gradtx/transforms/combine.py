@@ -173,9 +173,8 @@ def _resolve(labels: Any, tree: PyTree, *, name: str, what: str) -> list[Any]:
     return tu.prefix_leaves(resolved, tree, what=f"{name}: {what}", against="the params/updates tree")
 
 
-def _hide(flat: tuple[list[Any], Any], keep: Sequence[bool]) -> PyTree:
-    """The tree of ``flat`` (leaves, structure) with ``None`` at every leaf not kept."""
-    leaves, spec = flat
+def _hide(leaves: list[Any], spec: Any, keep: Sequence[bool]) -> PyTree:
+    """The tree of ``leaves`` (flattened with ``spec``) with ``None`` at every leaf not kept."""
     return tu.unflatten(spec, [x if k else None for x, k in zip(leaves, keep)])
 
 
@@ -191,8 +190,8 @@ def _routed_update(name: str, updates: Updates, params: Params | None, parts: Se
     full = tu.scatter(len(ref_leaves), index, leaves)
     out, states = list(leaves), []
     for tx, state, keep in parts:
-        sub_params = None if params is None else _hide((ref_leaves, spec), keep)
-        new, new_state = tx.update(_hide((full, spec), keep), state, sub_params, **extra)
+        sub_params = None if params is None else _hide(ref_leaves, spec, keep)
+        new, new_state = tx.update(_hide(full, spec, keep), state, sub_params, **extra)
         if new is None:
             raise ValueError(f"{name}: an inner transform held (returned None); put accumulate() in the outer chain")
         try:
@@ -262,7 +261,7 @@ def masked(inner: GradientTransformation, mask: PyTree | Callable[[Params], PyTr
         return [bool(f) for f in flags]
 
     def init_fn(params: Params) -> MaskedState:
-        return MaskedState(inner.init(_hide(tu.flatten(params), keep_of(params))))
+        return MaskedState(inner.init(_hide(*tu.flatten(params), keep_of(params))))
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, MaskedState, name="masked")
@@ -329,7 +328,7 @@ def partition(
 
     def init_fn(params: Params) -> PartitionState:
         leaf_labels, flat = label_of(params), tu.flatten(params)
-        return PartitionState({n: transforms[n].init(_hide(flat, [lab == n for lab in leaf_labels])) for n in names})
+        return PartitionState({n: transforms[n].init(_hide(*flat, [lab == n for lab in leaf_labels])) for n in names})
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, PartitionState, name="partition")

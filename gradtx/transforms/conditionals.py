@@ -108,12 +108,11 @@ def apply_if_finite(
     Example:
       >>> tx = chain(accumulate(4), apply_if_finite(chain(clip_by_global_norm(1.0), adamw(3e-4)), 5))
     """
-    max_consecutive_errors = check.integer(
-        max_consecutive_errors, arg="max_consecutive_errors", name="apply_if_finite", minimum=0
-    )
-    check.transform(inner, arg="inner", name="apply_if_finite")
+    name = "apply_if_finite"
+    max_consecutive_errors = check.integer(max_consecutive_errors, arg="max_consecutive_errors", name=name, minimum=0)
+    check.transform(inner, arg="inner", name=name)
     if comm is not None:
-        check_comm(comm, name="apply_if_finite")
+        check_comm(comm, name=name)
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         count = lw.zero_count(params)  # beside the grads, so the per-step verdict never crosses to the host
@@ -121,15 +120,15 @@ def apply_if_finite(
         return ApplyIfFiniteState(count, ~count.bool(), count.bool(), count.clone(), inner.init(params))
 
     def update_fn(updates, state, params=None, **extra):
-        tu.require_state(state, ApplyIfFiniteState, name="apply_if_finite")
-        leaves, _ = tu.tensor_leaves(updates, what="apply_if_finite: updates")
+        tu.require_state(state, ApplyIfFiniteState, name=name)
+        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
         # The inf-norm is finite exactly when every element is (NaN propagates through max); no host sync.
         local = torch.isfinite(norms.local_norm(leaves, float("inf")))  # no leaves: a norm of 0
         finite = inferred.agree_finite(local, leaves, comm=comm, group=group).to(state.notfinite_count.device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)
 
-        out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name="apply_if_finite")
+        out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name=name)
         return out, ApplyIfFiniteState(
             notfinite_count=notfinite_count,
             last_finite=finite,

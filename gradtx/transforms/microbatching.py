@@ -151,9 +151,7 @@ def microbatch(
             if kind in (AccumulationType.MEAN, AccumulationType.RUNNING_MEAN) and not leaf.is_floating_point():
                 raise ValueError("microbatch: MEAN and RUNNING_MEAN accumulators need floating-point outputs")
         carry = [
-            torch.zeros((num, *leaf.shape), dtype=leaf.dtype, device=leaf.device)
-            if kind is AccumulationType.CONCAT
-            else torch.zeros_like(leaf)
+            leaf.new_zeros((num, *leaf.shape)) if kind is AccumulationType.CONCAT else torch.zeros_like(leaf)
             for kind, leaf in zip(kinds, leaves)
         ]
         for index in range(steps):

@@ -20,8 +20,7 @@ from gradtx.core.base import (
     scalar_transformation,
 )
 from gradtx.distributed import plan
-from gradtx.distributed.global_norm import PlanSlot
-from gradtx.transforms.adaptive import updates_norm
+from gradtx.transforms.adaptive import global_norm_fn
 
 __all__ = ["centralize", "normalize_by_update_norm"]
 
@@ -57,14 +56,12 @@ def normalize_by_update_norm(
     name = "normalize_by_update_norm"
     scale_factor = check.number(scale_factor, arg="scale_factor", name=name, tensor=True)
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
-    plan.check_plan(mesh_groups, name=name)
-    plans = PlanSlot()  # the plan read from the updates' placements, this transform's own
+    norm_of = global_norm_fn(name, mesh_groups)
 
     def factor_fn(updates, state, params=None, *, scale=None, **extra):
         if state is not None:
             tu.require_state(state, EmptyState, name=name)
-        # Of the true updates, leaves * scale.
-        norm = updates_norm(updates, 2.0, mesh_groups, name, params, scale=scale, slot=plans)
+        norm = norm_of(updates, params, scale=scale)  # of the true updates, leaves * scale
         return lw.as_tensor(scale_factor, norm) / (norm + lw.as_tensor(eps, norm)), state
 
     return plan.reads_tied(scalar_transformation(init_empty_state, factor_fn), mesh_groups)

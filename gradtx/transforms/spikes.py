@@ -22,7 +22,7 @@ from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, Guard, OptState, Params, Updates, export_metrics, factory
 from gradtx.distributed import global_norm as inferred
 from gradtx.distributed import plan as plans
-from gradtx.transforms.adaptive import updates_norm
+from gradtx.transforms.adaptive import global_norm_fn
 from gradtx.transforms.conditionals import select_step
 
 __all__ = [
@@ -158,7 +158,7 @@ def skip_large_updates(
     """
     fn = "skip_large_updates"
     max_squared_norm = check.number(max_squared_norm, arg="max_squared_norm", name=fn, finite=False, tensor=True)
-    norm_sq = updates_norm(updates, 2.0, mesh_groups, fn, params).square()
+    norm_sq = global_norm_fn(fn, mesh_groups)(updates, params).square()
     should_skip = ~(norm_sq < max_squared_norm)
     return should_skip, {"should_skip": should_skip, "norm_squared": norm_sq}
 
@@ -376,11 +376,9 @@ def skip_spikes(
     if max_consecutive_skips is not None:
         max_consecutive_skips = check.integer(max_consecutive_skips, arg="max_consecutive_skips", name=name, minimum=0)
     eps = check.non_negative(eps, arg="eps", name=name)
-    norm_type = check.norm_type(norm_type, name=name)
-    plans.check_plan(mesh_groups, name=name)
+    norm_of = global_norm_fn(name, mesh_groups, norm_type)
     if comm is not None:
         check_comm(comm, name=name)
-    plan_slot = inferred.PlanSlot()  # the plan read from the updates' placements, this transform's own
 
     def init_fn(params: Params) -> SkipSpikesState:
         count = lw.zero_count(params)
@@ -390,7 +388,7 @@ def skip_spikes(
 
     def watched(updates: Updates, params: Any, extra: dict[str, Any], device: torch.device) -> torch.Tensor:
         if metric == "grad_norm":
-            return updates_norm(updates, norm_type, mesh_groups, name, params, device=device, slot=plan_slot)
+            return norm_of(updates, params, device=device)
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")

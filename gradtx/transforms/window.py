@@ -260,19 +260,18 @@ class Window:
             loss_sum = loss_sum.to(loss_value.device) + loss_value
             loss_weight += n if self.token_weighted else 1
         micro_step = int(state.micro_step) + 1
-        window_tokens = int(state.tokens) + n
+        total = int(state.tokens) + n  # the open window's tokens on this rank (over every rank once reduced)
         if micro_step < self.window_k(state) and not flush:
             return WindowStep(
                 None,
                 state._replace(
                     micro_step=torch.tensor(micro_step),
-                    tokens=torch.tensor(window_tokens),
+                    tokens=torch.tensor(total),
                     emitted=torch.tensor(False),
                     loss_sum=loss_sum,
                     loss_weight=torch.tensor(loss_weight),
                 ),
             )
-        total = window_tokens
         if self.token_weighted and self.comm is not None:
             # One collective, on the grads' device (a GPU process group, NCCL, reduces device tensors only), in
             # fp64 (exact for counts below 2**53): the tokens, and the window's loss with its weight, so the loss
