@@ -39,16 +39,6 @@ __all__ = [
 ]
 
 
-# ``delta`` is the segment's fp32 difference, as optax holds it (``end - start`` for linear, ``start - end`` for
-# cosine), computed when the schedule is built: read back at each call, it would be a graph break under compile.
-def _linear_interpolate(start: float, end: float, delta: float, pct: torch.Tensor) -> torch.Tensor:
-    return delta * pct + start
-
-
-def _cosine_interpolate(start: float, end: float, delta: float, pct: torch.Tensor) -> torch.Tensor:
-    return end + delta / 2.0 * (torch.cos(math.pi * pct) + 1)
-
-
 @factory
 def piecewise_interpolate_schedule(
     interpolate_type: str, init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
@@ -76,7 +66,6 @@ def piecewise_interpolate_schedule(
       0.55
     """
     name = "piecewise_interpolate_schedule"
-    interpolate = _linear_interpolate if interpolate_type == "linear" else _cosine_interpolate
     if interpolate_type not in ("linear", "cosine"):
         raise ValueError(f"{name}: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")
     init_value = check.number(init_value, arg="init_value", name=name)
@@ -84,9 +73,13 @@ def piecewise_interpolate_schedule(
     bounds = [0] + [b for b, _ in items]
     # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
-    sign = 1.0 if interpolate_type == "linear" else -1.0
+    # Each segment moves from ``base`` (its start for linear, its end for cosine) by ``delta``, its fp32 difference
+    # as optax holds it (``end - start`` for linear, ``start - end`` for cosine), computed when the schedule is
+    # built: read back at each call, it would be a graph break under compile.
+    linear = interpolate_type == "linear"
+    sign = 1.0 if linear else -1.0
     segments = [
-        (lo, hi, max(hi - lo, 1), v0, v1, float(torch.tensor(sign * (v1 - v0), dtype=torch.float32)))
+        (lo, hi, max(hi - lo, 1), v0 if linear else v1, float(torch.tensor(sign * (v1 - v0), dtype=torch.float32)))
         for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])
     ]
 
@@ -94,10 +87,11 @@ def piecewise_interpolate_schedule(
         c = _count(count)
         # The selected segment contributes its value, the others exactly 0 (optax's indicator.dot).
         out = torch.where(bounds[-1] <= c, values[-1], 0.0).to(torch.float32)
-        for lo, hi, size, v0, v1, delta in segments:
+        for lo, hi, size, base, delta in segments:
             pct = (c - lo).float() / size
+            moved = delta * pct if linear else delta / 2.0 * (torch.cos(math.pi * pct) + 1)
             inside = (lo <= c) & (c < hi)
-            out = out + torch.where(inside, interpolate(v0, v1, delta, pct), 0.0)
+            out = out + torch.where(inside, base + moved, 0.0)
         return out
 
     return schedule
