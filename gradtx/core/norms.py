@@ -61,11 +61,10 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
     return (x.abs() if x.is_complex() else x).to(tu.acc_dtype(x.dtype))
 
 
-def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
-    """Add up contributions from :func:`tensor_powsums` (``max`` for ``inf``) into one 0-d tensor; 0 if none."""
+def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Add up contributions from :func:`tensor_powsums` (``max`` for ``inf``) into one 0-d tensor on ``device``; 0 if none."""
     if not sums:
         return torch.zeros((), dtype=torch.float64, device=device)
-    device = device if device is not None else sums[0].device
     dtype = sums[0].dtype if all(s.dtype == sums[0].dtype for s in sums) else torch.float64
     stacked = torch.stack([s if s.device == device and s.dtype == dtype else s.to(device, dtype) for s in sums])
     return stacked.max() if math.isinf(norm_type) else stacked.sum()

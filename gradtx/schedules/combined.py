@@ -97,16 +97,39 @@ def piecewise_interpolate_schedule(
     return schedule
 
 
-def _onecycle(transition_steps: Any, peak_value: Any, *, name: str, **fractions_and_factors: Any) -> tuple[int, float]:
+def _onecycle(
+    name: str,
+    interpolate_type: str,
+    transition_steps: Any,
+    peak_value: Any,
+    pct_start: Any,
+    pct_final: Any,
+    div_factor: Any,
+    final_div_factor: Any,
+) -> Schedule:
+    """The one-cycle ``name`` builds, its arguments checked first (the cosine one has no ``pct_final``).
+
+    From ``peak_value / div_factor`` up to ``peak_value`` at ``pct_start`` of the cycle; then linear goes back to
+    the start value at ``pct_final`` and on to it ``/ final_div_factor`` at the end, and cosine goes straight to
+    that final value.
+    """
     transition_steps = check.integer(transition_steps, arg="transition_steps", name=name)
     if transition_steps <= 0:
         raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
-    for arg, value in fractions_and_factors.items():  # pct_* in [0, 1], *div_factor > 0
-        if arg.startswith("pct_"):
-            check.within(value, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", arg=arg, name=name)
-        else:
-            check.positive(value, arg=arg, name=name)
-    return transition_steps, check.number(peak_value, arg="peak_value", name=name)
+    linear = interpolate_type == "linear"
+    pcts = {"pct_start": pct_start, "pct_final": pct_final} if linear else {"pct_start": pct_start}
+    for arg, value in pcts.items():
+        check.within(value, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", arg=arg, name=name)
+    for arg, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+        check.positive(value, arg=arg, name=name)
+    peak_value = check.number(peak_value, arg="peak_value", name=name)
+    scales = {int(pct_start * transition_steps): div_factor}
+    if linear:
+        scales[int(pct_final * transition_steps)] = 1.0 / div_factor
+        scales[transition_steps] = 1.0 / final_div_factor
+    else:
+        scales[transition_steps] = 1.0 / (div_factor * final_div_factor)
+    return piecewise_interpolate_schedule(interpolate_type, peak_value / div_factor, scales)
 
 
 @factory
@@ -138,24 +161,8 @@ def linear_onecycle_schedule(
       >>> round(float(linear_onecycle_schedule(100, 1.0)(30)), 6)
       1.0
     """
-    transition_steps, peak_value = _onecycle(
-        transition_steps,
-        peak_value,
-        name="linear_onecycle_schedule",
-        pct_start=pct_start,
-        pct_final=pct_final,
-        div_factor=div_factor,
-        final_div_factor=final_div_factor,
-    )
-    return piecewise_interpolate_schedule(
-        "linear",
-        peak_value / div_factor,
-        {
-            int(pct_start * transition_steps): div_factor,
-            int(pct_final * transition_steps): 1.0 / div_factor,
-            transition_steps: 1.0 / final_div_factor,
-        },
-    )
+    name = "linear_onecycle_schedule"
+    return _onecycle(name, "linear", transition_steps, peak_value, pct_start, pct_final, div_factor, final_div_factor)
 
 
 @factory
@@ -187,22 +194,8 @@ def cosine_onecycle_schedule(
     Example:
       >>> lr = cosine_onecycle_schedule(1000, peak_value=1e-3)
     """
-    transition_steps, peak_value = _onecycle(
-        transition_steps,
-        peak_value,
-        name="cosine_onecycle_schedule",
-        pct_start=pct_start,
-        div_factor=div_factor,
-        final_div_factor=final_div_factor,
-    )
-    return piecewise_interpolate_schedule(
-        "cosine",
-        peak_value / div_factor,
-        {
-            int(pct_start * transition_steps): div_factor,
-            int(transition_steps): 1.0 / (div_factor * final_div_factor),
-        },
-    )
+    name = "cosine_onecycle_schedule"
+    return _onecycle(name, "cosine", transition_steps, peak_value, pct_start, None, div_factor, final_div_factor)
 
 
 @factory
