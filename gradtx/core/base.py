@@ -236,7 +236,7 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
 
 def _records(leaves: list[torch.Tensor], factor: torch.Tensor) -> bool:
     """Whether autograd records the multiply (a hypergradient, or grads through the step): scale_leaves' case."""
-    return torch.is_grad_enabled() and (factor.requires_grad or any(lw.attrs(leaves, "requires_grad")))
+    return torch.is_grad_enabled() and (factor.requires_grad or any(tu.attrs(leaves, "requires_grad")))
 
 
 class Guard(GradientTransformation):
