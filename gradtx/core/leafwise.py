@@ -133,9 +133,7 @@ def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
 
     Read without a Python loop per leaf: the check a fast path makes before one foreach launch over all leaves.
     """
-    if not leaves:
-        return None
-    types = set(map(type, leaves))
+    types = set(map(type, leaves))  # (no leaves: no dtype, so None below)
     if not all(
         issubclass(t, torch.Tensor) and not (tu.DTensor is not None and issubclass(t, tu.DTensor)) for t in types
     ):
