@@ -81,6 +81,8 @@ def _rebuild(build: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 
 
 def _restore(cls: type[Any], fields: tuple[Any, ...], attrs: dict[str, Any]) -> Any:
+    """A ``cls`` with the fields ``(init, update)`` and the attributes ``attrs``: how a transform is built, copied
+    and unpickled (by this name: a pickle stores it)."""
     new = tuple.__new__(cls, fields)
     new.__dict__.update(attrs)
     return new
@@ -201,9 +203,7 @@ class ScalarTransformation(GradientTransformation):
     factor: FactorFn
 
     def __new__(cls, init: InitFn, update: UpdateFn, factor: FactorFn) -> Self:
-        self = super().__new__(cls, init, update)
-        self.factor = factor
-        return self
+        return _restore(cls, (init, update), {"factor": factor})
 
 
 @factory
@@ -236,7 +236,7 @@ def scalar_transformation(init: InitFn, factor: FactorFn) -> ScalarTransformatio
 
 def _records(leaves: list[torch.Tensor], factor: torch.Tensor) -> bool:
     """Whether autograd records the multiply (a hypergradient, or grads through the step): scale_leaves' case."""
-    return torch.is_grad_enabled() and (factor.requires_grad or any(lw.attrs(leaves, "requires_grad")))
+    return torch.is_grad_enabled() and (factor.requires_grad or any(tu.attrs(leaves, "requires_grad")))
 
 
 class Guard(GradientTransformation):
@@ -259,9 +259,7 @@ class Guard(GradientTransformation):
     def __new__(cls, init: InitFn, update: UpdateFn, verdict: VerdictFn) -> Self:
         if not callable(verdict):
             raise TypeError(f"Guard: verdict must be a function of the state, got {type(verdict).__name__}")
-        self = super().__new__(cls, init, update)
-        self.verdict = verdict
-        return self
+        return _restore(cls, (init, update), {"verdict": verdict})
 
 
 _StateType = TypeVar("_StateType", bound=type)

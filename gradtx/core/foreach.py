@@ -77,19 +77,32 @@ def _rebind(xs: list[torch.Tensor], results: list[torch.Tensor]) -> list[torch.T
     return xs
 
 
-def mul(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+_Op = Callable[..., Any]
+
+
+def _binary(op: _Op, foreach_op: _Op, xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+    """``op(x, other)`` for each of ``xs`` (``other`` a scalar, a 0-d tensor or a list of them), as new tensors."""
     other = computed_once(other)
     if _per_tensor(other):
-        return _each(torch.mul, list(xs), other)
-    return list(torch._foreach_mul(xs, other))
+        return _each(op, list(xs), other)
+    return list(foreach_op(xs, other))
+
+
+def _binary_(op: _Op, foreach_op_: _Op, xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+    """:func:`_binary` into ``xs``: in place, or by rebinding its elements where it runs one op per tensor."""
+    other = computed_once(other)
+    if _per_tensor(other):
+        return _rebind(xs, _each(op, list(xs), other))
+    foreach_op_(xs, other)
+    return xs
+
+
+def mul(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+    return _binary(torch.mul, torch._foreach_mul, xs, other)
 
 
 def mul_(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
-    other = computed_once(other)
-    if _per_tensor(other):
-        return _rebind(xs, _each(torch.mul, list(xs), other))
-    torch._foreach_mul_(xs, other)
-    return xs
+    return _binary_(torch.mul, torch._foreach_mul_, xs, other)
 
 
 def add(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.Tensor]:
@@ -100,11 +113,11 @@ def add(xs: list[torch.Tensor], other: Any, *, alpha: float = 1) -> list[torch.T
 
 
 def add_(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
-    other = computed_once(other)
-    if _per_tensor(other):
-        return _rebind(xs, _each(torch.add, list(xs), other))
-    torch._foreach_add_(xs, other)
-    return xs
+    return _binary_(torch.add, torch._foreach_add_, xs, other)
+
+
+def div(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
+    return _binary(torch.div, torch._foreach_div, xs, other)
 
 
 def addcmul_(
@@ -114,13 +127,6 @@ def addcmul_(
         return _rebind(xs, _each(lambda x, y, z: torch.addcmul(x, y, z, value=value), list(xs), list(a), list(b)))
     torch._foreach_addcmul_(xs, a, b, value=value)
     return xs
-
-
-def div(xs: list[torch.Tensor], other: Any) -> list[torch.Tensor]:
-    other = computed_once(other)
-    if _per_tensor(other):
-        return _each(torch.div, list(xs), other)
-    return list(torch._foreach_div(xs, other))
 
 
 def lerp(xs: list[torch.Tensor], ends: list[torch.Tensor], weight: Any) -> list[torch.Tensor]:

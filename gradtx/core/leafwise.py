@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -129,25 +128,18 @@ def _float_dtypes(tree: PyTree) -> list[torch.dtype]:
     return [t.dtype for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
-def attrs(xs: Sequence[Any], name: str) -> Any:
-    """``xs``' attribute ``name``: read in C (``map`` with ``attrgetter``) eagerly; traced once under compile."""
-    return [getattr(x, name) for x in xs] if torch.compiler.is_compiling() else map(attrgetter(name), xs)
-
-
 def one_group(leaves: Sequence[Any]) -> tuple[torch.device, torch.dtype] | None:
     """``(device, dtype)`` when every leaf is a plain dense tensor, all on one device in one dtype, else ``None``.
 
     Read without a Python loop per leaf: the check a fast path makes before one foreach launch over all leaves.
     """
-    if not leaves:
-        return None
-    types = set(map(type, leaves))
+    types = set(map(type, leaves))  # (no leaves: no dtype, so None below)
     if not all(
         issubclass(t, torch.Tensor) and not (tu.DTensor is not None and issubclass(t, tu.DTensor)) for t in types
     ):
         return None
-    dtypes, devices = set(attrs(leaves, "dtype")), set(attrs(leaves, "device"))
-    if len(dtypes) == 1 and len(devices) == 1 and set(attrs(leaves, "layout")) == {torch.strided}:
+    dtypes, devices = set(tu.attrs(leaves, "dtype")), set(tu.attrs(leaves, "device"))
+    if len(dtypes) == 1 and len(devices) == 1 and set(tu.attrs(leaves, "layout")) == {torch.strided}:
         return devices.pop(), dtypes.pop()
     return None
 
@@ -208,12 +200,12 @@ class Moments:
         # leaf a plain dense tensor with an update shaped as its moments', in one (device, dtype), this way.
         types = set(map(type, leaves)).union(*(map(type, xs) for xs in held))
         tensors = all(issubclass(t, torch.Tensor) for t in types)
-        dtypes = set(attrs(leaves, "dtype")) if tensors else set()
+        dtypes = set(tu.attrs(leaves, "dtype")) if tensors else set()
         self.plain = tu.DTensor is None or not any(issubclass(t, tu.DTensor) for t in types)
         self.full = (  # every leaf has an update, checked; else tu.align matches them and names a bad one
             tensors
             and spec == ref_spec
-            and (not leaves or set(attrs(leaves, "layout")) == {torch.strided})
+            and (not leaves or set(tu.attrs(leaves, "layout")) == {torch.strided})
             and all(d.is_floating_point or d.is_complex for d in dtypes)
             and same_shapes(leaves, ref)
         )

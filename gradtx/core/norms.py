@@ -61,11 +61,10 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
     return (x.abs() if x.is_complex() else x).to(tu.acc_dtype(x.dtype))
 
 
-def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device | None = None) -> torch.Tensor:
-    """Add up contributions from :func:`tensor_powsums` (``max`` for ``inf``) into one 0-d tensor; 0 if none."""
+def total(sums: Sequence[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Add up contributions from :func:`tensor_powsums` (``max`` for ``inf``) into one 0-d tensor on ``device``; 0 if none."""
     if not sums:
         return torch.zeros((), dtype=torch.float64, device=device)
-    device = device if device is not None else sums[0].device
     dtype = sums[0].dtype if all(s.dtype == sums[0].dtype for s in sums) else torch.float64
     stacked = torch.stack([s if s.device == device and s.dtype == dtype else s.to(device, dtype) for s in sums])
     return stacked.max() if math.isinf(norm_type) else stacked.sum()
@@ -91,7 +90,7 @@ def tensor_powsums(tensors: Sequence[torch.Tensor], norm_type: float) -> torch.T
 def _powsums(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     device = locals_[0].device
     part = partial_dtype(device)
-    if _plain_ops_only():
+    if fe.under_vmap():
         vec = torch.stack([_plain_norm(t, norm_type).to(device) for t in locals_])
     else:
         pieces = [(idx, norms.to(device, part)) for idx, norms in _group_norms(locals_, norm_type, with_indices=True)]
@@ -120,7 +119,7 @@ def local_norm(leaves: Sequence[torch.Tensor], norm_type: float) -> torch.Tensor
 @per_rank  # simulated ranks hold shards of different sizes, empty ones included
 def _local_norm(locals_: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     device = locals_[0].device
-    if _plain_ops_only():
+    if fe.under_vmap():
         norms = [_plain_norm(t, norm_type).to(device) for t in locals_]
         return torch.linalg.vector_norm(torch.stack(norms), norm_type).to(norm_dtype(locals_))
     parts = [norms for _, norms in _group_norms(locals_, norm_type, with_indices=False)]
@@ -143,7 +142,7 @@ def _tensor_norms(locals_: list[torch.Tensor], norm_type: float) -> list[torch.T
     """Each tensor's norm, 0-d in the partial dtype of its device."""
     if not locals_:
         return []
-    if _plain_ops_only():
+    if fe.under_vmap():
         return [_plain_norm(t, norm_type) for t in locals_]
     out: list[torch.Tensor] = [None] * len(locals_)  # type: ignore[list-item]
     for idx, norms in _group_norms(locals_, norm_type, with_indices=True):
@@ -257,16 +256,12 @@ def _rows_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.cat(parts), norm_type, dtype=torch.float64)
 
 
-def _plain_ops_only() -> bool:
-    """Under ``torch.func.vmap``: the foreach norm has no batching rule (torch 2.13); ``vector_norm`` has one.
-
-    At any depth: under ``vmap(grad(f))`` a shard is a grad-tracking tensor whose batched one is inside it.
-    (Autograd and ``torch.func.grad`` alone go through the foreach norm: it has a derivative. Traced, any
-    functorch transform takes the plain ops, see :func:`~gradtx.core.foreach.under_vmap`.)
-    """
-    return fe.under_vmap()
-
-
 def _plain_norm(t: torch.Tensor, norm_type: float) -> torch.Tensor:
-    """One tensor's norm with ops that have batching rules, in the partial dtype."""
+    """One tensor's norm with ops that have batching rules, in the partial dtype: the path under ``torch.func.vmap``.
+
+    The foreach norm has no batching rule (torch 2.13); ``vector_norm`` has one. At any depth: under
+    ``vmap(grad(f))`` a shard is a grad-tracking tensor whose batched one is inside it. (Autograd and
+    ``torch.func.grad`` alone go through the foreach norm: it has a derivative. Traced, any functorch
+    transform takes the plain ops, see :func:`~gradtx.core.foreach.under_vmap`.)
+    """
     return torch.linalg.vector_norm(magnitudes(t), norm_type).to(partial_dtype(t.device))

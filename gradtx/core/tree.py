@@ -7,8 +7,8 @@ which names the first pytree path that differs.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any
 
 import optree
@@ -125,8 +125,8 @@ def check_tensors(
     # cannot trace an attrgetter).
     if not torch.compiler.is_compiling() and (
         all(issubclass(t, torch.Tensor) for t in set(map(type, leaves)))
-        and set(map(_DTYPE, leaves)) <= _GRAD_DTYPES
-        and set(map(_LAYOUT, leaves)) <= {torch.strided}
+        and set(attrs(leaves, "dtype")) <= _GRAD_DTYPES
+        and set(attrs(leaves, "layout")) <= {torch.strided}
     ):
         return
     for i, leaf in enumerate(leaves):
@@ -136,8 +136,6 @@ def check_tensors(
             raise TypeError(f"{what} leaf at {path} {problem}")
 
 
-_DTYPE = operator.attrgetter("dtype")
-_LAYOUT = operator.attrgetter("layout")
 _GRAD_DTYPES = frozenset(
     {torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64, torch.complex128}
 )
@@ -171,6 +169,11 @@ def check_devices(expected: Sequence[Any], got: Sequence[Any], tree: PyTree, *, 
                 f"{what} leaf at {path_str(paths(tree)[i])} is on {local(g).device}, {against} on "
                 f"{local(e).device}; move them to one device"
             )
+
+
+def attrs(xs: Sequence[Any], name: str) -> Any:
+    """``xs``' attribute ``name``: read in C (``map`` with ``attrgetter``) eagerly; traced once under compile."""
+    return [getattr(x, name) for x in xs] if torch.compiler.is_compiling() else map(attrgetter(name), xs)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

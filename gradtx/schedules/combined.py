@@ -39,16 +39,6 @@ __all__ = [
 ]
 
 
-# ``delta`` is the segment's fp32 difference, as optax holds it (``end - start`` for linear, ``start - end`` for
-# cosine), computed when the schedule is built: read back at each call, it would be a graph break under compile.
-def _linear_interpolate(start: float, end: float, delta: float, pct: torch.Tensor) -> torch.Tensor:
-    return delta * pct + start
-
-
-def _cosine_interpolate(start: float, end: float, delta: float, pct: torch.Tensor) -> torch.Tensor:
-    return end + delta / 2.0 * (torch.cos(math.pi * pct) + 1)
-
-
 @factory
 def piecewise_interpolate_schedule(
     interpolate_type: str, init_value: float, boundaries_and_scales: Mapping[int, float] | None = None
@@ -76,7 +66,6 @@ def piecewise_interpolate_schedule(
       0.55
     """
     name = "piecewise_interpolate_schedule"
-    interpolate = _linear_interpolate if interpolate_type == "linear" else _cosine_interpolate
     if interpolate_type not in ("linear", "cosine"):
         raise ValueError(f"{name}: interpolate_type must be 'linear' or 'cosine', got {interpolate_type!r}")
     init_value = check.number(init_value, arg="init_value", name=name)
@@ -84,9 +73,13 @@ def piecewise_interpolate_schedule(
     bounds = [0] + [b for b, _ in items]
     # The values at the boundaries: a cumulative product in fp32, as optax's jnp.cumprod does.
     values = torch.tensor([init_value] + [s for _, s in items], dtype=torch.float32).cumprod(0).tolist()
-    sign = 1.0 if interpolate_type == "linear" else -1.0
+    # Each segment moves from ``base`` (its start for linear, its end for cosine) by ``delta``, its fp32 difference
+    # as optax holds it (``end - start`` for linear, ``start - end`` for cosine), computed when the schedule is
+    # built: read back at each call, it would be a graph break under compile.
+    linear = interpolate_type == "linear"
+    sign = 1.0 if linear else -1.0
     segments = [
-        (lo, hi, max(hi - lo, 1), v0, v1, float(torch.tensor(sign * (v1 - v0), dtype=torch.float32)))
+        (lo, hi, max(hi - lo, 1), v0 if linear else v1, float(torch.tensor(sign * (v1 - v0), dtype=torch.float32)))
         for lo, hi, v0, v1 in zip(bounds, bounds[1:], values, values[1:])
     ]
 
@@ -94,25 +87,49 @@ def piecewise_interpolate_schedule(
         c = _count(count)
         # The selected segment contributes its value, the others exactly 0 (optax's indicator.dot).
         out = torch.where(bounds[-1] <= c, values[-1], 0.0).to(torch.float32)
-        for lo, hi, size, v0, v1, delta in segments:
+        for lo, hi, size, base, delta in segments:
             pct = (c - lo).float() / size
+            moved = delta * pct if linear else delta / 2.0 * (torch.cos(math.pi * pct) + 1)
             inside = (lo <= c) & (c < hi)
-            out = out + torch.where(inside, interpolate(v0, v1, delta, pct), 0.0)
+            out = out + torch.where(inside, base + moved, 0.0)
         return out
 
     return schedule
 
 
-def _onecycle(transition_steps: Any, peak_value: Any, *, name: str, **fractions_and_factors: Any) -> tuple[int, float]:
+def _onecycle(
+    name: str,
+    interpolate_type: str,
+    transition_steps: Any,
+    peak_value: Any,
+    pct_start: Any,
+    pct_final: Any,
+    div_factor: Any,
+    final_div_factor: Any,
+) -> Schedule:
+    """The one-cycle ``name`` builds, its arguments checked first (the cosine one has no ``pct_final``).
+
+    From ``peak_value / div_factor`` up to ``peak_value`` at ``pct_start`` of the cycle; then linear goes back to
+    the start value at ``pct_final`` and on to it ``/ final_div_factor`` at the end, and cosine goes straight to
+    that final value.
+    """
     transition_steps = check.integer(transition_steps, arg="transition_steps", name=name)
     if transition_steps <= 0:
         raise ValueError(f"{name}: transition_steps must be > 0, got {transition_steps}")
-    for arg, value in fractions_and_factors.items():  # pct_* in [0, 1], *div_factor > 0
-        if arg.startswith("pct_"):
-            check.within(value, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", arg=arg, name=name)
-        else:
-            check.positive(value, arg=arg, name=name)
-    return transition_steps, check.number(peak_value, arg="peak_value", name=name)
+    linear = interpolate_type == "linear"
+    pcts = {"pct_start": pct_start, "pct_final": pct_final} if linear else {"pct_start": pct_start}
+    for arg, value in pcts.items():
+        check.within(value, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", arg=arg, name=name)
+    for arg, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+        check.positive(value, arg=arg, name=name)
+    peak_value = check.number(peak_value, arg="peak_value", name=name)
+    scales = {int(pct_start * transition_steps): div_factor}
+    if linear:
+        scales[int(pct_final * transition_steps)] = 1.0 / div_factor
+        scales[transition_steps] = 1.0 / final_div_factor
+    else:
+        scales[transition_steps] = 1.0 / (div_factor * final_div_factor)
+    return piecewise_interpolate_schedule(interpolate_type, peak_value / div_factor, scales)
 
 
 @factory
@@ -144,24 +161,8 @@ def linear_onecycle_schedule(
       >>> round(float(linear_onecycle_schedule(100, 1.0)(30)), 6)
       1.0
     """
-    transition_steps, peak_value = _onecycle(
-        transition_steps,
-        peak_value,
-        name="linear_onecycle_schedule",
-        pct_start=pct_start,
-        pct_final=pct_final,
-        div_factor=div_factor,
-        final_div_factor=final_div_factor,
-    )
-    return piecewise_interpolate_schedule(
-        "linear",
-        peak_value / div_factor,
-        {
-            int(pct_start * transition_steps): div_factor,
-            int(pct_final * transition_steps): 1.0 / div_factor,
-            transition_steps: 1.0 / final_div_factor,
-        },
-    )
+    name = "linear_onecycle_schedule"
+    return _onecycle(name, "linear", transition_steps, peak_value, pct_start, pct_final, div_factor, final_div_factor)
 
 
 @factory
@@ -193,22 +194,8 @@ def cosine_onecycle_schedule(
     Example:
       >>> lr = cosine_onecycle_schedule(1000, peak_value=1e-3)
     """
-    transition_steps, peak_value = _onecycle(
-        transition_steps,
-        peak_value,
-        name="cosine_onecycle_schedule",
-        pct_start=pct_start,
-        div_factor=div_factor,
-        final_div_factor=final_div_factor,
-    )
-    return piecewise_interpolate_schedule(
-        "cosine",
-        peak_value / div_factor,
-        {
-            int(pct_start * transition_steps): div_factor,
-            int(transition_steps): 1.0 / (div_factor * final_div_factor),
-        },
-    )
+    name = "cosine_onecycle_schedule"
+    return _onecycle(name, "cosine", transition_steps, peak_value, pct_start, None, div_factor, final_div_factor)
 
 
 @factory
