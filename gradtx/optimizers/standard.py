@@ -30,6 +30,7 @@ from gradtx.core.base import (
     PyTree,
     ScalarTransformation,
     Schedule,
+    _restore,
     factory,
     init_empty_state,
     scalar_transformation,
@@ -486,6 +487,4 @@ class OptimizerChain(GradientTransformation):
     spec: OptimizerSpec
 
     def __new__(cls, init: Any, update: Any, members: Sequence[GradientTransformation], spec: OptimizerSpec) -> Self:
-        self = super().__new__(cls, init, update)
-        self.members, self.spec = tuple(members), spec
-        return self
+        return _restore(cls, (init, update), {"members": tuple(members), "spec": spec})

@@ -16,7 +16,7 @@ import torch
 from gradtx.comm.base import Comm, GroupKey, check_comm
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, factory
+from gradtx.core.base import GradientTransformation, _restore, factory
 from gradtx.transforms.window import AccumulateState, Window, WindowStep, empty_sums
 
 __all__ = ["AccumulateState", "Accumulation", "Window", "WindowStep", "accumulate", "empty_sums"]
@@ -32,9 +32,7 @@ class Accumulation(GradientTransformation):
     window: Window
 
     def __new__(cls, init: Any, update: Any, window: Window) -> Self:
-        self = super().__new__(cls, init, update)
-        self.window = window
-        return self
+        return _restore(cls, (init, update), {"window": window})
 
     def downstream_extra(self, state: AccumulateState, extra: dict[str, Any]) -> dict[str, Any]:
         """The extras the members after the window see, once it has emitted with ``state``.

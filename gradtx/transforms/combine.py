@@ -11,7 +11,7 @@ from gradtx.core import foreach as fe
 from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
-from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, Updates, factory
+from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, Updates, _restore, factory
 from gradtx.distributed.pipeline import check_chain
 from gradtx.distributed.plan import NO_PLAN, plan_read_by, reads_plan
 
@@ -35,10 +35,8 @@ class Chain(GradientTransformation):
         members: Sequence[GradientTransformation],
         names: Sequence[str] | None = None,
     ) -> Self:
-        self = super().__new__(cls, init, update)
-        self.members = tuple(members)
-        self.names = None if names is None else tuple(names)
-        return self
+        names = None if names is None else tuple(names)
+        return _restore(cls, (init, update), {"members": tuple(members), "names": names})
 
     def member_states(self, state: OptState) -> list[OptState]:
         """The members' states, in member order, from this chain's state (checked like ``update`` checks it)."""
