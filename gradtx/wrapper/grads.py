@@ -122,11 +122,7 @@ def read(params: ParamTree, emitting: bool, *, summed: bool, tied: frozenset[int
         for i, p in enumerate(tu.flatten(params)[0]):
             if p.grad is None and (summed or i in tied):
                 p.grad = torch.zeros_like(p)
-        tree = [[p.grad for p in group] for group in params]
-    return [
-        [g if g is not None else missing(p, emitting) for p, g in zip(group, grads)]
-        for group, grads in zip(params, tree)
-    ]
+    return [[p.grad if p.grad is not None else missing(p, emitting) for p in group] for group in params]
 
 
 def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:
