@@ -46,7 +46,7 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     """
     fresh = tx.init(new)
     old_layout = lo.layout_of(state, old)
-    index = {id(p): i for i, p in enumerate(tu.flatten(old)[0])}
+    old_ids = [id(p) for p in tu.flatten(old)[0]]
     new_flat = tu.flatten(new)[0]
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
@@ -56,11 +56,9 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
             return prev if same else node
         if kind == "acc" or old_layout.per_param.get(key) is None:
             return node
-        prev_leaves = tu.flatten(old_layout.per_param[key])[0]
+        old_leaf = dict(zip(old_ids, tu.flatten(old_layout.per_param[key])[0]))  # by param identity
         leaves, spec = tu.flatten(node)
-        return tu.unflatten(
-            spec, [prev_leaves[index[id(p)]] if id(p) in index else t for p, t in zip(new_flat, leaves)]
-        )
+        return tu.unflatten(spec, [old_leaf.get(id(p), t) for p, t in zip(new_flat, leaves)])
 
     return lo.walk(fresh, new, rebuild)[1]
 
@@ -122,11 +120,7 @@ def read(params: ParamTree, emitting: bool, *, summed: bool, tied: frozenset[int
         for i, p in enumerate(tu.flatten(params)[0]):
             if p.grad is None and (summed or i in tied):
                 p.grad = torch.zeros_like(p)
-        tree = [[p.grad for p in group] for group in params]
-    return [
-        [g if g is not None else missing(p, emitting) for p, g in zip(group, grads)]
-        for group, grads in zip(params, tree)
-    ]
+    return [[p.grad if p.grad is not None else missing(p, emitting) for p in group] for group in params]
 
 
 def missing(p: torch.Tensor, emitting: bool) -> torch.Tensor:

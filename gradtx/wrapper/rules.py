@@ -21,6 +21,7 @@ lists cached per (group, device, dtype), with the optimizer's own state.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from itertools import repeat
 from operator import is_, itemgetter
@@ -63,8 +64,7 @@ class Plan:
         self.tx = tx
         members = members_of(tx)  # _split_states and _join_states flatten alike
         self.members = members
-        first = members[0] if members else None
-        self.window: Accumulation | None = first if isinstance(first, Accumulation) else None
+        self.window: Accumulation | None = members[0] if members and isinstance(members[0], Accumulation) else None
         self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
         self.start = 1 if self.window is not None else 0
         self.reduce_grads = self.window is not None and self.window.window.reduce_grads
@@ -214,10 +214,7 @@ def scales_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
 
 def unwrapped(optimizer: torch.optim.Optimizer, name: str = "step") -> Callable[..., Any]:
     """The optimizer's own method ``name``, bound, without torch's wrappers (profiling, hooks, dynamo's opt-out)."""
-    raw: Any = getattr(type(optimizer), name)
-    while hasattr(raw, "__wrapped__"):
-        raw = raw.__wrapped__
-    return functools.partial(raw, optimizer)
+    return functools.partial(inspect.unwrap(getattr(type(optimizer), name)), optimizer)
 
 
 def has_hooks(optimizer: torch.optim.Optimizer) -> bool:
