@@ -26,9 +26,10 @@ Accumulation windows need care, and get it here:
   stands, which is what DCP's load needs: the dict it loads into is made
   before the checkpoint is read.
 * State that differs between data-parallel ranks is reduced on save: the
-  window's token count (``token_weighted`` with a ``comm``) and the running
-  sum of a functional data-parallel step (``reduce_grads=True``) are summed
-  over the group (one coalesced collective through the transform's ``comm``),
+  window's token count and its loss's sum and weight (``token_weighted``
+  with a ``comm``) and the running sum of a functional data-parallel step
+  (``reduce_grads=True``) are summed over the group (one collective each,
+  through the transform's ``comm``),
   and on load the group's first rank holds the total and the others zero. The
   window then closes with the same sums on any number of ranks. This needs
   ``tx=``; without it, a save from several processes with an open window raises.
@@ -124,9 +125,10 @@ def export_layout(
             continue  # a window at a boundary holds nothing
         if key == w.key("acc"):
             per_param[key] = tu.all_reduce_leaves(acc.window.comm, per_param[key], ReduceOp.SUM, acc.window.group)
-        else:
-            (total,) = acc.window.comm.all_reduce([w.state.tokens.clone()], ReduceOp.SUM, acc.window.group)
-            globals_[key] = total.to(w.state.tokens.dtype).cpu()
+        else:  # the tokens, the loss sum or its weight, summed on the host with the tokens
+            value = getattr(w.state, key.rsplit("/", 1)[-1])
+            (total,) = acc.window.comm.all_reduce([value.to(w.state.tokens.device)], ReduceOp.SUM, acc.window.group)
+            globals_[key] = total.to(value.dtype).cpu()
     return per_param, globals_
 
 

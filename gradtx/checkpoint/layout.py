@@ -150,9 +150,10 @@ def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tens
 def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any]]:
     """The per-rank pieces of ``layout``'s windows: (key, window, its windowed member of ``tx``).
 
-    A window with a ``comm`` counts its tokens per rank (``token_weighted``)
-    and sums its grads per rank (``reduce_grads``). Without ``tx`` there are
-    none to find, which is refused while a window is open in several processes.
+    A window with a ``comm`` counts its tokens and its loss per rank
+    (``token_weighted``) and sums its grads per rank (``reduce_grads``).
+    Without ``tx`` there are none to find, which is refused while a window is
+    open in several processes.
     """
     if tx is None:
         if multi_process() and any(int(w.state.micro_step) > 0 for w in layout.windows):
@@ -171,8 +172,8 @@ def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) ->
     return [
         (w.key(name), w, acc)
         for w, acc in zip(layout.windows, accs)
-        for name, flag in (("tokens", acc.window.token_weighted), ("acc", acc.window.reduce_grads))
-        if flag and acc.window.comm is not None
+        for name in ("tokens", "loss_sum", "loss_weight", "acc")  # the window's loss is a global token mean too
+        if (acc.window.reduce_grads if name == "acc" else acc.window.token_weighted) and acc.window.comm is not None
     ]
 
 

@@ -314,6 +314,39 @@ def _ddp_flush_not_told_to_maybe_no_sync(rank: int) -> list[dict[str, Any]]:
     return results
 
 
+def _window_loss_resumed_mid_window(rank: int) -> dict[str, Any]:
+    """Functional token-weighted window with each micro-step's summed loss, checkpointed with DCP after 2 of its K
+    micro-steps and resumed in a fresh state; the window's loss (what a loss guard after it sees) after the last."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import gradtx as gtx
+    from gradtx.comm.torch_dist import TorchComm
+
+    comm = TorchComm(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",)))
+    model = lm()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    tx = gtx.chain(gtx.accumulate(K, token_weighted=True, comm=comm, group="dp"), gtx.sgd(LR))
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    state = tx.init(params)
+    for i in range(K):
+        if i == 2:
+            saved = {"tx": gtx.checkpoint.state_dict(state, params, tx=tx)}
+            dcp.save(saved, checkpoint_id=path[0])
+            loaded = {"tx": gtx.checkpoint.state_dict(tx.init(params), params, tx=tx)}
+            dcp.load(loaded, checkpoint_id=path[0])
+            state = gtx.checkpoint.load_state_dict(loaded["tx"], tx.init(params), params, tx=tx)
+        x, y = micro_batch(rank, 0, i)
+        with torch.no_grad():
+            loss = sum_loss(model(x), y)
+        grads = {n: torch.zeros_like(p) for n, p in params.items()}  # the loss is what is checked here
+        _, state = tx.update(grads, state, params, tokens=n_valid(y), loss=loss)
+    return {"window_loss": float(state[0].last_loss), "emitted": bool(state[0].emitted)}
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "functional": _functional,
     "global_zero_tokens": _global_zero_tokens,
@@ -321,6 +354,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "fsdp2": _fsdp2,
     "ddp_resumed_mid_window": _ddp_resumed_mid_window,
     "ddp_flush_not_told": _ddp_flush_not_told_to_maybe_no_sync,
+    "window_loss_resumed": _window_loss_resumed_mid_window,
 }
 
 
@@ -418,3 +452,16 @@ def test_a_flush_whose_backward_skipped_the_sync_is_refused_on_every_rank(ranks:
         for res in rank_results:
             assert res["refused"] is not None and "maybe_no_sync(model, flush=True)" in res["refused"]
             assert res["unchanged"] and res["window_open"]
+
+
+def test_a_window_loss_resumed_mid_window_is_still_the_global_token_mean(ranks: list[dict[str, Any]]) -> None:
+    """The open window's loss sum and weight are per rank, as its tokens are: a checkpoint sums them over the ranks
+    and hands the totals to the first rank. Kept as they were, every rank restored the saved copy (DCP keeps one of
+    a tensor that is not a DTensor), and the resumed window's loss counted it once per rank."""
+    model = lm()
+    with torch.no_grad():
+        summed = sum(sum_loss(model(x), y) for x, y in (micro_batch(r, 0, i) for r in range(WORLD) for i in range(K)))
+    want = float(summed) / global_tokens(0)
+    for res in part_results(ranks, "window_loss_resumed"):
+        assert res["emitted"]
+        assert res["window_loss"] == pytest.approx(want, rel=1e-6)
