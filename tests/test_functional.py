@@ -219,3 +219,21 @@ def test_every_k_schedule_and_k_are_exclusive_and_a_bad_schedule_fails_at_once()
         gtx.accumulate(every_k_schedule=lambda n: 0)
     with pytest.raises(TypeError, match="every_k_schedule"):
         gtx.accumulate(every_k_schedule=3)
+
+
+@pytest.mark.parametrize("value", [torch.tensor(2.5), torch.tensor(1.5), torch.tensor(True)])
+def test_a_schedule_tensor_that_is_not_a_whole_count_is_refused_as_the_python_number_is(value):
+    # int() of a tensor truncates: 2.5 made windows of 2 (optax's MultiSteps closes one at mini_step >= k - 1: 3).
+    with pytest.raises(ValueError, match=r"every_k_schedule\(0\) must be an integer >= 1"):
+        gtx.accumulate(every_k_schedule=lambda n: value)
+    with pytest.raises(ValueError, match="every_k_schedule"):
+        gtx.accumulate(every_k_schedule=lambda n: value.tolist())
+    tx = gtx.accumulate(every_k_schedule=lambda n: torch.tensor(3.0) if n == 0 else value)  # a whole float: fine
+    state = tx.init({"w": torch.zeros(())})
+    emitted = []
+    for _ in range(3):
+        out, state = tx.update({"w": torch.tensor(1.0)}, state)
+        emitted.append(out is not None)
+    assert emitted == [False, False, True]
+    with pytest.raises(ValueError, match=r"every_k_schedule\(1\)"):  # the next window's length is checked too
+        tx.update({"w": torch.tensor(1.0)}, state)

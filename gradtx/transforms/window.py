@@ -178,7 +178,8 @@ class Window:
         if self.every_k_schedule is None:
             return self.k
         value = self.every_k_schedule(state.windows)
-        k = int(value) if isinstance(value, torch.Tensor) else value  # host counters in, a host count out
+        # Host counters in, a host count out; tolist keeps a float or bool tensor's value for the check (int() truncates).
+        k: Any = value.tolist() if isinstance(value, torch.Tensor) else value
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) and not float(k).is_integer() or k < 1:
             raise ValueError(
                 f"accumulate: every_k_schedule({int(state.windows)}) must be an integer >= 1, got {value!r}"
