@@ -475,6 +475,33 @@ def test_functional_window_sums_keep_their_dtype_fp64():
     assert torch.equal(loaded[0].acc["w"], state[0].acc["w"]) and int(loaded[0].micro_step) == 1
 
 
+class _AcceleratorComm:
+    """One rank whose grads live on an accelerator (``meta`` stands in for it): records each collective's devices and
+    hands back host zeros of the same shape (a meta tensor holds no values)."""
+
+    def __init__(self) -> None:
+        self.devices: list[list[str]] = []
+
+    def all_reduce(self, tensors, op, group):
+        self.devices.append([t.device.type for t in tensors])
+        return [torch.zeros(t.shape, dtype=t.dtype) for t in tensors]
+
+    def size(self, group):
+        return 2
+
+
+def test_a_mid_window_save_sums_the_per_rank_counts_on_the_params_device():
+    """The window's own token collective runs on the grads' device, since a GPU process group (NCCL) reduces device
+    tensors only; the save's sums of the same per-rank counts ran on the host, where such a group raises."""
+    params = {"w": torch.zeros(4, 3, device="meta")}
+    comm = _AcceleratorComm()
+    tx = gtx.chain(gtx.accumulate(2, token_weighted=True, comm=comm), gtx.sgd(0.1))
+    _, state = tx.update({"w": torch.ones(4, 3, device="meta")}, tx.init(params), params, tokens=3, loss=1.0)
+    assert comm.devices == []  # a held micro-step issues nothing
+    gtx.checkpoint.state_dict(state, params, tx=tx)
+    assert comm.devices and all(d == ["meta"] for d in comm.devices), comm.devices
+
+
 def test_an_open_window_whose_grads_are_gone_is_refused():
     model = make_model()
     opt = wrapper(model)

@@ -125,9 +125,9 @@ def export_layout(
             continue  # a window at a boundary holds nothing
         if key == w.key("acc"):
             per_param[key] = tu.all_reduce_leaves(acc.window.comm, per_param[key], ReduceOp.SUM, acc.window.group)
-        else:  # the tokens, the loss sum or its weight, summed on the host with the tokens
+        else:  # the tokens, the loss sum or its weight: on the params' device, as the window's own collective (NCCL)
             value = getattr(w.state, key.rsplit("/", 1)[-1])
-            (total,) = acc.window.comm.all_reduce([value.to(w.state.tokens.device)], ReduceOp.SUM, acc.window.group)
+            (total,) = acc.window.comm.all_reduce([value.to(tu.device_of(p_leaves))], ReduceOp.SUM, acc.window.group)
             globals_[key] = total.to(value.dtype).cpu()
     return per_param, globals_
 
