@@ -314,6 +314,8 @@ class TransformedOptimizer(torch.optim.Optimizer):
         found_inf: torch.Tensor | None = self.__dict__.get("found_inf")
         plan = self._plan
         emitting = plan.emits_next(self._live.tx_state, flush=extra.get("flush", False))
+        if found_inf is not None and plan.summed:  # read from this rank's grads before the chain sums them
+            raise ValueError(amp.SUMMED_IN_STEP)
         amp.check_unscale(found_inf, grad_scale, emitting=emitting)
         tree = grads.read(self._tree, emitting, summed=plan.summed, tied=plan.tied)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)

@@ -347,6 +347,44 @@ def _window_loss_resumed_mid_window(rank: int) -> dict[str, Any]:
     return {"window_loss": float(state[0].last_loss), "emitted": bool(state[0].emitted)}
 
 
+def _gradscaler_with_grads_summed_in_the_step(rank: int) -> list[dict[str, Any]]:
+    """GradScaler on every micro-step of a wrapper whose chain sums .grad over the ranks inside the step; rank 0's
+    loss is inf on one micro-step. GradScaler's inf flag is each rank's own (read before the step sums), so rank 0
+    skipped the window and rank 1 stepped: the replicas parted (and their scales)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import gradtx as gtx
+    from gradtx.comm.torch_dist import TorchComm
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
+    results = []
+    for summing, inf_at in (("reduce_grads", 0), ("reduce_grads", 1), ("cp_reduce", 1)):
+        if summing == "reduce_grads":
+            tx = gtx.chain(gtx.accumulate(2, comm=TorchComm(mesh), reduce_grads=True), gtx.clip_by_global_norm(1.0))
+        else:
+            tx = gtx.chain(gtx.accumulate(2), gtx.cp_reduce(mesh))
+        model = lm()
+        opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), tx)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        refused = None
+        for i in range(2):
+            x, y = micro_batch(rank, 0, i)
+            loss = sum_loss(model(x), y) * (float("inf") if rank == 0 and i == inf_at else 1.0)
+            scaler.scale(loss).backward()
+            try:
+                scaler.step(opt)
+            except ValueError as err:
+                refused = str(err)
+                break
+            scaler.update()
+            opt.zero_grad()
+        params = [p.detach().clone() for p in model.parameters()]
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, params))
+        results.append({"params": params, "unchanged": unchanged, "refused": refused, "scale": scaler.get_scale()})
+    return results
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "functional": _functional,
     "global_zero_tokens": _global_zero_tokens,
@@ -355,6 +393,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "ddp_resumed_mid_window": _ddp_resumed_mid_window,
     "ddp_flush_not_told": _ddp_flush_not_told_to_maybe_no_sync,
     "window_loss_resumed": _window_loss_resumed_mid_window,
+    "gradscaler_summed": _gradscaler_with_grads_summed_in_the_step,
 }
 
 
@@ -465,3 +504,15 @@ def test_a_window_loss_resumed_mid_window_is_still_the_global_token_mean(ranks: 
     for res in part_results(ranks, "window_loss_resumed"):
         assert res["emitted"]
         assert res["window_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_gradscaler_is_refused_where_the_chain_sums_the_grads_over_the_ranks(ranks: list[dict[str, Any]]) -> None:
+    """GradScaler's inf check sees each rank's grads before the step sums them: refused with the params as they were
+    on every rank, where the replicas used to part (rank 0 skipped the window, rank 1 stepped, the scales differed)."""
+    per_rank = part_results(ranks, "gradscaler_summed")
+    for rank_results in per_rank:
+        for res in rank_results:
+            assert res["refused"] is not None and "GradScaler" in res["refused"] and "DDP or FSDP2" in res["refused"]
+            assert res["unchanged"]
+    for a, b in zip(*per_rank):  # the replicas agree, whatever happened
+        assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])) and a["scale"] == b["scale"]
