@@ -296,6 +296,11 @@ REFUSED_AT_CONSTRUCTION = {  # found by review: each was accepted, or failed lat
         ),
         r"differentially_private_aggregate: grads leaf at \['w'\] is complex",
     ),
+    # before: Python's own TypeError ("'<=' not supported", "'float' object is not iterable"), or, for an int
+    # in argnames, that positional argument batched in silence
+    "microbatch in_axes str": (lambda: gtx.microbatch(lambda x: x, 0, 2, in_axes="0"), "microbatch: in_axes must be"),
+    "microbatch in_axes float": (lambda: gtx.microbatch(lambda x: x, 0, 2, in_axes=0.0), "microbatch: in_axes must be"),
+    "microbatch argnames int": (lambda: gtx.microbatch(lambda x: x, (), 2, argnames=[0]), "microbatch: argnames must"),
 }
 
 

@@ -92,7 +92,10 @@ def microbatch(
         check.integer(n, arg="argnums", name="microbatch", minimum=0)
     # The batch arguments: positions, then keyword names.
     keys: list[Any] = [*nums, *((argnames,) if isinstance(argnames, str) else argnames)]
-    axes = (in_axes,) * len(keys) if isinstance(in_axes, int) else tuple(in_axes)
+    if not all(isinstance(k, str) for k in keys[len(nums) :]):  # an int here would batch a positional argument
+        raise TypeError(f"microbatch: argnames must be str keyword names, got {argnames!r}")
+    given = in_axes if isinstance(in_axes, (list, tuple)) else (in_axes,) * len(keys)
+    axes = tuple(check.integer(ax, arg="in_axes", name="microbatch") for ax in given)
     if len(axes) != len(keys):
         raise ValueError(f"microbatch: in_axes needs one axis per batch argument ({len(keys)}), got {len(axes)}")
     if num_real_microbatches is not None:

@@ -137,14 +137,23 @@ def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[l
     """Standard normal noise shaped like each leaf (in its dtype, on its device), and the generator's next state.
 
     The noise is drawn on the CPU, from the generator the state holds, and moved
-    to each leaf's device: the same seed gives the same numbers on any device.
+    to each leaf's device: the same seed gives the same numbers on any device. A
+    DTensor's shard gets its part of the whole tensor's noise (the single-device
+    noise; each rank draws the whole leaf's), not a copy of every other shard's.
     """
     gen = torch.Generator()
     gen.set_state(rng_state)
-    locals_ = [tu.local(t) for t in leaves]
-    dtypes = [x.dtype if x.is_complex() else tu.acc_dtype(x.dtype) for x in locals_]  # complex noise for complex x
-    noise = [torch.randn(x.shape, generator=gen, dtype=d) for x, d in zip(locals_, dtypes)]
-    return [n.to(x.device, non_blocking=True) for n, x in zip(noise, locals_)], gen.get_state()
+    out = []
+    for t in leaves:
+        x = tu.local(t)  # complex noise for complex x
+        n = torch.randn(t.shape, generator=gen, dtype=x.dtype if x.is_complex() else tu.acc_dtype(x.dtype))
+        if x is not t:  # narrow, not a slice: on a simulated mesh the offsets are per-rank SymInts
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_part
+
+            for dim, (size, start) in enumerate(zip(*local_part(t.shape, t.device_mesh, t.placements))):  # type: ignore[attr-defined]
+                n = n.narrow(dim, start, size)
+        out.append(n.to(x.device, non_blocking=True))
+    return out, gen.get_state()
 
 
 class AddNoiseState(NamedTuple):
@@ -169,7 +178,8 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
     optax's ``add_noise``, with an int ``seed`` where optax takes a key: the
     same seed gives the same noise. The state holds the generator's state, so
     the noise neither reads nor advances torch's global generator, and a
-    restored state continues the same sequence.
+    restored state continues the same sequence. On DTensor grads each shard
+    gets its part of the single-device noise.
 
     Args:
       eta: the base variance; ``>= 0``.

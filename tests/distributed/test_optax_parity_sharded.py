@@ -4,8 +4,9 @@ scale_by_trust_ratio, lars and lamb need each param's whole norm, and
 normalize_by_update_norm the whole model's: on shards split along dim 0 and
 dim 1 (and replicated) they must scale every shard by the single-device
 factor, with the norms read from the placements. centralize sums a row cut
-over tp (Shard(1)) before taking its mean. Every rank also runs the same steps on the full tensors, and the
-parent compares the gathered results with that.
+over tp (Shard(1)) before taking its mean. add_noise gives each shard its
+part of the one-device noise. Every rank also runs the same steps on the full
+tensors, and the parent compares the gathered results with that.
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def _centralize(rank: int) -> dict[str, Any]:
     return _run(lambda: gtx.chain(gtx.centralize(), gtx.sgd(0.1)))  # v's rows are cut: summed over tp
 
 
+def _noise(rank: int) -> dict[str, Any]:
+    # every shard its part of the single-device noise, not a copy of shard 0's (the same seed on every rank)
+    return _run(lambda: gtx.chain(gtx.add_noise(0.5, 0.55, seed=3), gtx.sgd(0.1)))
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "trust_ratio": _trust_ratio,
     "lamb": _lamb,
@@ -85,6 +91,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "normalize": _normalize,
     "elementwise": _elementwise,
     "centralize": _centralize,
+    "noise": _noise,
 }
 
 _SHARED = share_spawn(PARTS, WORLD, prefix="optax_parity_sharded")
