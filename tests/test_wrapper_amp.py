@@ -33,8 +33,8 @@ def test_a_scale_changed_inside_the_window_skips_the_step():
 
 def test_unscale_on_a_held_micro_step_is_refused():
     with pytest.raises(ValueError, match=r"unscale_\(opt\) was called on a micro-step that does not emit"):
-        amp.check_unscale(F_, None, emitting=False)
-    amp.check_unscale(F_, None, emitting=True)
+        amp.check_flags(F_, None, emitting=False, summed=False)
+    amp.check_flags(F_, None, emitting=True, summed=False)
 
 
 def test_the_record_round_trips_and_zero_means_none():

@@ -35,16 +35,18 @@ class AmpVerdict(NamedTuple):
     drop_partial_sum: bool
 
 
-SUMMED_IN_STEP = (
-    "TransformedOptimizer.step: torch.amp.GradScaler checked this rank's own grads for an inf, but the chain sums "
-    "them over the ranks inside the step (accumulate(reduce_grads=True), cp_reduce): one rank would skip the step "
-    "and another take it, and their scales would part. Let DDP or FSDP2 sum the grads in the backward, or train "
-    "without GradScaler (bf16 needs none)"
-)
-
-
-def check_unscale(found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None, *, emitting: bool) -> None:
-    """Refuse ``scaler.unscale_(opt)`` on a micro-step that does not emit (it would unscale a partial sum)."""
+def check_flags(
+    found_inf: torch.Tensor | None, grad_scale: torch.Tensor | None, *, emitting: bool, summed: bool
+) -> None:
+    """Refuse GradScaler's flags where they would be wrong: an inf flag read from this rank's grads alone when the
+    chain sums them over the ranks, and ``scaler.unscale_(opt)`` on a micro-step that does not emit."""
+    if found_inf is not None and summed:
+        raise ValueError(
+            "TransformedOptimizer.step: torch.amp.GradScaler checked this rank's own grads for an inf, but the chain "
+            "sums them over the ranks inside the step (accumulate(reduce_grads=True), cp_reduce): one rank would skip "
+            "the step and another take it, and their scales would part. Let DDP or FSDP2 sum the grads in the "
+            "backward, or train without GradScaler (bf16 needs none)"
+        )
     if found_inf is not None and grad_scale is None and not emitting:
         raise ValueError(
             "TransformedOptimizer.step: scaler.unscale_(opt) was called on a micro-step that does not emit, "

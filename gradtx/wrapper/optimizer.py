@@ -83,12 +83,13 @@ class TransformedOptimizer(torch.optim.Optimizer):
         """Whether GradScaler hands the wrapper its scale and inf flag rather than unscaling ``.grad`` and not
         calling a step it skips: when the inner optimizer takes them itself (fused: the scale rides in the kernel)
         or the chain accumulates (a window sums micro-steps that GradScaler would each unscale, and its skip is the
-        wrapper's to make). Otherwise GradScaler does what it does for the inner optimizer alone, which
+        wrapper's to make), or sums the grads over the ranks (GradScaler's skip would be this rank's alone, so the
+        step refuses it, where a skipped call would leave the other ranks waiting in the sum). Otherwise GradScaler does what it does for the inner optimizer alone, which
         accelerate and the Hugging Face Trainer read: a step it does not call was skipped, and their schedulers
         hold."""
         # getattr: a framework's proxy of the wrapper (see add_param_group) reads the wrapper's plan and answer.
         plan = getattr(self, "_plan", None)
-        return plan is not None and (plan.window is not None or rules.scales_in_kernel(self.optimizer))
+        return plan is not None and (plan.window is not None or plan.summed or rules.scales_in_kernel(self.optimizer))
 
     def __init__(self, optimizer: torch.optim.Optimizer, tx: GradientTransformation) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -314,9 +315,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         found_inf: torch.Tensor | None = self.__dict__.get("found_inf")
         plan = self._plan
         emitting = plan.emits_next(self._live.tx_state, flush=extra.get("flush", False))
-        if found_inf is not None and plan.summed:  # read from this rank's grads before the chain sums them
-            raise ValueError(amp.SUMMED_IN_STEP)
-        amp.check_unscale(found_inf, grad_scale, emitting=emitting)
+        amp.check_flags(found_inf, grad_scale, emitting=emitting, summed=plan.summed)
         tree = grads.read(self._tree, emitting, summed=plan.summed, tied=plan.tied)
         result = plan.run(tree, self._live.tx_state, self._tree, extra, amp.inv_scale(grad_scale), self._device)
         new_state, skip = result.state, result.skip

@@ -358,11 +358,14 @@ def _gradscaler_with_grads_summed_in_the_step(rank: int) -> list[dict[str, Any]]
 
     mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
     results = []
-    for summing, inf_at in (("reduce_grads", 0), ("reduce_grads", 1), ("cp_reduce", 1)):
+    # The last: no window, so GradScaler itself skipped rank 0's step, and rank 1 waited in cp_reduce's sum (a hang).
+    for summing, inf_at in (("reduce_grads", 0), ("reduce_grads", 1), ("cp_reduce", 1), ("cp_reduce alone", 0)):
         if summing == "reduce_grads":
             tx = gtx.chain(gtx.accumulate(2, comm=TorchComm(mesh), reduce_grads=True), gtx.clip_by_global_norm(1.0))
-        else:
+        elif summing == "cp_reduce":
             tx = gtx.chain(gtx.accumulate(2), gtx.cp_reduce(mesh))
+        else:
+            tx = gtx.cp_reduce(mesh)
         model = lm()
         opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), tx)
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
