@@ -386,10 +386,15 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
         if not layout.globals_ and isinstance(entries[0], dict):  # torch's flattened checkpoint drops an empty dict
             entries[0] = first = {GLOBAL: {}, **first}
         elif not any(isinstance(e, dict) and GLOBAL in e for e in entries):
-            raise ValueError(
-                f"{what}: no param's gradtx entry has the transform's {GLOBAL!r} state, which the save put on its "
-                "first trainable param. torch's set_state_dict keeps no state for a param that does not require "
-                "grad: if that param is frozen here, make it trainable for the load and freeze it after"
+            raise ValueError(  # torch drops a frozen param's state, or the saved chain had none (flattened: no key)
+                f"{what}: no param's gradtx entry has the transform's {GLOBAL!r} state ({list(layout.globals_)}), "
+                + (
+                    "which the save put on its first trainable param. torch's set_state_dict keeps no state for a "
+                    "param that does not require grad: if that param is frozen here, make it trainable for the load "
+                    "and freeze it after"
+                    if opt._frozen
+                    else f"so {lo.HINT}"
+                )
             )
         saved_open = any(lo.saved_window_open(first.get(GLOBAL), key) for key in window)
         for key in window:
