@@ -4,7 +4,9 @@ import copy
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import gradtx as gtx
 from gradtx.testing import assert_trees_close, assert_trees_equal
@@ -171,12 +173,16 @@ def test_a_run_resumed_after_gradual_unfreezing_goes_on_as_the_uninterrupted_run
     assert_trees_equal(resumed.tx_state, opt.tx_state)
 
 
+@pytest.mark.parametrize("route", ["torch.save", "dcp"])
 @pytest.mark.parametrize("masking", ["masked", "partition"])
-def test_a_masked_members_state_follows_its_param_when_a_layer_unfreezes_and_across_a_resume(masking):
+def test_a_masked_members_state_follows_its_param_when_a_layer_unfreezes_and_across_a_resume(masking, route, tmp_path):
     """A masked (partitioned) member keeps no state for its masked params, so its state for the others is not
-    shaped like the params and is keyed by each param's place in the groups. A layer unfrozen in the middle shifts
-    the places after it: each param keeps its own momentum (not the one of the param that had its place, nor a fresh
-    one), as in torch.optim.SGD with momentum on the weights only; through a save and a resume too."""
+    shaped like the params and is keyed by each param's place. A layer unfrozen in the middle shifts the places after
+    it in the transform's tree: each param keeps its own momentum (not the one of the param that had its place, nor
+    a fresh one), as in torch.optim.SGD with momentum on the weights only; also across a resume by a script that
+    freezes the layer again before it builds the optimizer. Through torch.save the layer joins with its saved state;
+    through dcp.load into a template of that optimizer (torchtitan's flattened dicts) its state is dropped and it
+    restarts fresh (docs/wrapper.md), and every other param keeps its own."""
     data = [torch.Generator().manual_seed(s) for s in range(7)]
 
     def make():
@@ -214,11 +220,25 @@ def test_a_masked_members_state_follows_its_param_when_a_layer_unfreezes_and_acr
             ref[1].requires_grad_(True)
             model[1].requires_grad_(True)
         if t == 4:  # resumed by the same script, which freezes the layer before building the optimizer
-            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-            model = make()
-            opt = wrap(model)
-            model.load_state_dict(saved["model"])
-            opt.load_state_dict(saved["opt"])
+            if route == "torch.save":
+                saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+                model = make()
+                opt = wrap(model)
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+            else:
+                options = StateDictOptions(flatten_optimizer_state_dict=True)
+                dcp.save(
+                    dict(zip(("model", "optim"), get_state_dict(model, opt, options=options))), checkpoint_id=tmp_path
+                )
+                model = make()
+                opt = wrap(model)
+                state = dict(zip(("model", "optim"), get_state_dict(model, opt, options=options)))
+                dcp.load(state, checkpoint_id=tmp_path)
+                set_state_dict(
+                    model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+                )
+                del ref_opt.state[ref[1].weight]  # the layer restarts fresh
             model[1].requires_grad_(True)
         step(ref, ref_opt, copy.deepcopy(g))
         step(model, opt, g)
