@@ -643,3 +643,23 @@ def test_flattened_set_state_dict_of_a_chain_with_no_global_state(make_tx):
     set_state_dict(resumed, opt2, model_state_dict=ckpt[0], optim_state_dict=ckpt[1], options=options)
     train(resumed, opt2, DATA[stop:])
     assert_same(params_of(resumed), params_of(reference))
+
+
+def test_flattened_set_state_dict_of_a_chain_with_no_global_state_into_one_with_is_refused_as_a_different_chain():
+    # The flattened checkpoint of a chain without global state has no "global" key at all (torch drops the empty
+    # dict). Loaded into a chain that has some, with every param trainable, the load names the chain, not a frozen
+    # param, and changes nothing.
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    model = make_model()
+    opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), gtx.trace(0.9))
+    train(model, opt, DATA[:2])
+    ckpt = copy.deepcopy(get_optimizer_state_dict(model, opt, options=options))
+    resumed = make_model(seed=5)
+    other = gtx.TransformedOptimizer(
+        torch.optim.AdamW(resumed.parameters(), lr=1e-2), gtx.chain(gtx.trace(0.9), gtx.clip_by_global_norm(1.0))
+    )
+    before = snapshot(other, resumed)
+    with pytest.raises(ValueError, match=r"'0/1/grad_norm'.*different chain") as err:
+        set_optimizer_state_dict(resumed, other, ckpt, options=options)
+    assert "trainable" not in str(err.value)
+    assert_unchanged(before, other, resumed)

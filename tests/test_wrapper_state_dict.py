@@ -4,7 +4,9 @@ import copy
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import gradtx as gtx
 from gradtx.testing import assert_trees_close, assert_trees_equal
@@ -169,6 +171,78 @@ def test_a_run_resumed_after_gradual_unfreezing_goes_on_as_the_uninterrupted_run
         step(resumed_model, resumed, seed)
     assert_trees_close(dict(resumed_model.named_parameters()), dict(model.named_parameters()), rtol=0, atol=0)
     assert_trees_equal(resumed.tx_state, opt.tx_state)
+
+
+@pytest.mark.parametrize("route", ["torch.save", "dcp"])
+@pytest.mark.parametrize("masking", ["masked", "partition"])
+def test_a_masked_members_state_follows_its_param_when_a_layer_unfreezes_and_across_a_resume(masking, route, tmp_path):
+    """A masked (partitioned) member keeps no state for its masked params, so its state for the others is not
+    shaped like the params and is keyed by each param's place. A layer unfrozen in the middle shifts the places after
+    it in the transform's tree: each param keeps its own momentum (not the one of the param that had its place, nor
+    a fresh one), as in torch.optim.SGD with momentum on the weights only; also across a resume by a script that
+    freezes the layer again before it builds the optimizer. Through torch.save the layer joins with its saved state;
+    through dcp.load into a template of that optimizer (torchtitan's flattened dicts) its state is dropped and it
+    restarts fresh (docs/wrapper.md), and every other param keeps its own."""
+    data = [torch.Generator().manual_seed(s) for s in range(7)]
+
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        model[1].requires_grad_(False)  # unfrozen at step 2: its params join between layer 0's and layer 2's
+        return model
+
+    def weights(model, on):
+        return [p for n, p in model.named_parameters() if n.endswith("weight") == on]
+
+    def wrap(model):
+        on_weights = lambda ps: [[p.ndim == 2 for p in g] for g in ps]
+        labels = lambda ps: [["w" if p.ndim == 2 else "b" for p in g] for g in ps]
+        tx = (
+            gtx.masked(gtx.trace(0.9), on_weights)
+            if masking == "masked"
+            else gtx.partition({"w": gtx.trace(0.9), "b": gtx.scale(1.0)}, labels)
+        )
+        return gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)
+
+    def step(model, opt, g):
+        model(torch.randn(8, 4, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    ref = make()
+    ref_opt = torch.optim.SGD(
+        [{"params": weights(ref, True), "momentum": 0.9}, {"params": weights(ref, False)}], lr=0.1
+    )
+    model = make()
+    opt = wrap(model)
+    for t, g in enumerate(data):
+        if t == 2:
+            ref[1].requires_grad_(True)
+            model[1].requires_grad_(True)
+        if t == 4:  # resumed by the same script, which freezes the layer before building the optimizer
+            if route == "torch.save":
+                saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+                model = make()
+                opt = wrap(model)
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+            else:
+                options = StateDictOptions(flatten_optimizer_state_dict=True)
+                dcp.save(
+                    dict(zip(("model", "optim"), get_state_dict(model, opt, options=options))), checkpoint_id=tmp_path
+                )
+                model = make()
+                opt = wrap(model)
+                state = dict(zip(("model", "optim"), get_state_dict(model, opt, options=options)))
+                dcp.load(state, checkpoint_id=tmp_path)
+                set_state_dict(
+                    model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options
+                )
+                del ref_opt.state[ref[1].weight]  # the layer restarts fresh
+            model[1].requires_grad_(True)
+        step(ref, ref_opt, copy.deepcopy(g))
+        step(model, opt, g)
+    assert_trees_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("read", [False, True])  # opt.state[p] read for every param first: {} for the frozen one

@@ -48,9 +48,17 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     old_layout = lo.layout_of(state, old)
     old_ids = [id(p) for p in tu.flatten(old)[0]]
     new_flat = tu.flatten(new)[0]
+    new_at = {f"{g}/{i}": p for g, ps in enumerate(new) for i, p in enumerate(ps)}
+    old_at = {id(p): f"{g}/{i}" for g, ps in enumerate(old) for i, p in enumerate(ps)}
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
+            # A masked member's state for a param is global (its tree has None where masked), keyed by the param's
+            # place ("<path>/<group>/<index>"): it follows the param, as per-param state does, not the place.
+            head, g, i = key.rsplit("/", 2) if key.count("/") > 1 else ("", "", "")
+            p = new_at.get(f"{g}/{i}")
+            if p is not None and getattr(node, "shape", None) == p.shape:
+                key = f"{head}/{old_at[id(p)]}" if id(p) in old_at else ""  # a param new here starts fresh
             prev = old_layout.globals_.get(key)
             same = isinstance(prev, torch.Tensor) and isinstance(node, torch.Tensor) and prev.shape == node.shape
             return prev if same else node

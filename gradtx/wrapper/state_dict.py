@@ -115,13 +115,13 @@ def entry(opt: Any, i: int) -> dict[str, Any]:
     window = lo.window_sum_keys(layout)
     out = {key: tu.flatten(sub)[0][i] for key, sub in layout.per_param.items() if key not in window}
     if i == 0:
-        out[GLOBAL] = dict(layout.globals_)
+        out[GLOBAL] = in_groups(opt, dict(layout.globals_))
     return out
 
 
 def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     """Write param ``i``'s ``"gradtx"`` entry back into the live state (e.g. a state moved to another device)."""
-    glob = value.get(GLOBAL, {}) if i == 0 else {}
+    glob = in_groups(opt, value.get(GLOBAL, {}), out=False) if i == 0 else {}
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -133,6 +133,26 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
         return node
 
     opt._live.tx_state = lo.walk(opt._live.tx_state, opt._tree, rebuild)[1]
+
+
+def in_groups(opt: Any, globals_: Any, *, out: bool = True) -> Any:
+    """``globals_`` with each key ending in a param's place in the transform's tree keyed by its place in the param
+    groups instead (``out``), or back.
+
+    A masked (partitioned) member's state has None where masked, so it is global, keyed by the param's place
+    (``"<path>/<group>/<index>"``). Places in the tree move when a frozen param joins it; in the groups they do not,
+    so a checkpoint keyed by them loads into a template made before the param joined (``dcp.load``).
+    """
+    if not isinstance(globals_, dict):
+        return globals_
+    index = [{id(q): j for j, q in enumerate(g["params"])} for g in opt.optimizer.param_groups]
+    place = {f"{n}/{i}": f"{n}/{index[n].get(id(p))}" for n, ps in enumerate(opt._tree) for i, p in enumerate(ps)}
+    place = place if out else {v: k for k, v in place.items()}
+    renamed = {}
+    for key, value in globals_.items():
+        head, g, i = key.rsplit("/", 2) if key.count("/") > 1 else (key, "", "")
+        renamed[f"{head}/{place[f'{g}/{i}']}" if f"{g}/{i}" in place else key] = value
+    return renamed
 
 
 class _View(MutableMapping[Any, Any]):
@@ -281,7 +301,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
         if window:  # at a boundary too, so a template holds the key (torch's full_state_dict loads need it)
             gtx[HAS_GRAD] = torch.tensor(float(open_ and p.grad is not None))
         if i == 0:
-            gtx[GLOBAL] = globals_
+            gtx[GLOBAL] = in_groups(opt, globals_)
             if window:
                 gtx[AMP] = amp.record(opt._live.amp_scale, opt._live.amp_inf)
         out[pid][GTX] = gtx
@@ -386,10 +406,15 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
         if not layout.globals_ and isinstance(entries[0], dict):  # torch's flattened checkpoint drops an empty dict
             entries[0] = first = {GLOBAL: {}, **first}
         elif not any(isinstance(e, dict) and GLOBAL in e for e in entries):
-            raise ValueError(
-                f"{what}: no param's gradtx entry has the transform's {GLOBAL!r} state, which the save put on its "
-                "first trainable param. torch's set_state_dict keeps no state for a param that does not require "
-                "grad: if that param is frozen here, make it trainable for the load and freeze it after"
+            raise ValueError(  # torch drops a frozen param's state, or the saved chain had none (flattened: no key)
+                f"{what}: no param's gradtx entry has the transform's {GLOBAL!r} state ({list(layout.globals_)}), "
+                + (
+                    "which the save put on its first trainable param. torch's set_state_dict keeps no state for a "
+                    "param that does not require grad: if that param is frozen here, make it trainable for the load "
+                    "and freeze it after"
+                    if opt._frozen
+                    else f"so {lo.HINT}"
+                )
             )
         saved_open = any(lo.saved_window_open(first.get(GLOBAL), key) for key in window)
         for key in window:
@@ -419,7 +444,9 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
                 inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         per_param = {key: [e[key] for e in entries] for key in layout.per_param}
-        new_state = _ckpt.import_layout(layout, template, params, per_param, first[GLOBAL], opt.tx, names, what=what)
+        new_state = _ckpt.import_layout(
+            layout, template, params, per_param, in_groups(opt, first[GLOBAL], out=False), opt.tx, names, what=what
+        )
         if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
             states = opt._plan.states(new_state)
             sums = tu.flatten(states[0].acc)[0]
