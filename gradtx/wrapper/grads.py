@@ -37,6 +37,16 @@ def joined(tree: ParamTree, groups: list[dict[str, Any]]) -> ParamTree:
     return [[p for p in g["params"] if id(p) in seen or p.grad is not None] for g in groups]
 
 
+def _place(key: str) -> tuple[str, str]:
+    """A global state key split into its head and the ``"<group>/<index>"`` it may end in.
+
+    A masked (partitioned) member's state has None where masked, so it is global, not per-param: each param's
+    piece is keyed by the param's place in the tree (``"<path>/<group>/<index>"``).
+    """
+    head, group, index = key.rsplit("/", 2) if key.count("/") > 1 else (key, "", "")
+    return head, f"{group}/{index}"
+
+
 def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: ParamTree) -> OptState:
     """The state for the tree ``new``: each param of ``old`` keeps its per-param state, new params start fresh.
 
@@ -53,10 +63,8 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
-            # A masked member's state for a param is global (its tree has None where masked), keyed by the param's
-            # place ("<path>/<group>/<index>"): it follows the param, as per-param state does, not the place.
-            head, g, i = key.rsplit("/", 2) if key.count("/") > 1 else ("", "", "")
-            p = new_at.get(f"{g}/{i}")
+            head, at = _place(key)  # a masked member's state follows its param, as per-param state does
+            p = new_at.get(at)
             if p is not None and getattr(node, "shape", None) == p.shape:
                 key = f"{head}/{old_at[id(p)]}" if id(p) in old_at else ""  # a param new here starts fresh
             prev = old_layout.globals_.get(key)
@@ -69,6 +77,25 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
         return tu.unflatten(spec, [old_leaf.get(id(p), t) for p, t in zip(new_flat, leaves)])
 
     return lo.walk(fresh, new, rebuild)[1]
+
+
+def in_groups(opt: Any, globals_: Any, *, out: bool = True) -> Any:
+    """``globals_`` with each key ending in a param's place in the transform's tree keyed by its place in the param
+    groups instead (``out``), or back.
+
+    Places in the tree move when a frozen param joins it; in the groups they do not, so a checkpoint keyed by them
+    loads into a template made before the param joined (``dcp.load``).
+    """
+    if not isinstance(globals_, dict):
+        return globals_
+    index = [{id(q): j for j, q in enumerate(g["params"])} for g in opt.optimizer.param_groups]
+    place = {f"{n}/{i}": f"{n}/{index[n].get(id(p))}" for n, ps in enumerate(opt._tree) for i, p in enumerate(ps)}
+    place = place if out else {v: k for k, v in place.items()}
+    renamed = {}
+    for key, value in globals_.items():
+        head, at = _place(key)
+        renamed[f"{head}/{place[at]}" if at in place else key] = value
+    return renamed
 
 
 def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:

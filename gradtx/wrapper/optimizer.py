@@ -19,7 +19,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, metrics
 from gradtx.transforms.combine import chain
-from gradtx.wrapper import amp, grads, loop_checks, rules
+from gradtx.wrapper import amp, copies, grads, loop_checks, rules
 from gradtx.wrapper import state_dict as _sd
 from gradtx.wrapper.live import Live
 from gradtx.wrapper.sync import data_parallel_modules, no_sync
@@ -182,9 +182,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
 
     # copies: pickle and deepcopy --------------------------------------------------------------------
 
-    __getstate__ = _sd.getstate
-    __setstate__ = _sd.setstate
-    __deepcopy__ = _sd.deepcopy
+    __getstate__ = copies.getstate
+    __setstate__ = copies.setstate
+    __deepcopy__ = copies.deepcopy
 
     # the params the transform sees -------------------------------------------------------------------
 

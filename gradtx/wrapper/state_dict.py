@@ -1,4 +1,4 @@
-"""The wrapper's checkpoint format, its ``opt.state``, and its copies (pickle, deepcopy).
+"""The wrapper's checkpoint format and its ``opt.state`` (its copies are in :mod:`gradtx.wrapper.copies`).
 
 A :class:`gradtx.TransformedOptimizer` checkpoint is ``torch.optim``'s layout:
 ``{"state": {param_id: {...}}, "param_groups": [...]}``. Each param's entry
@@ -28,8 +28,6 @@ initialises its own state at its first real step, as without the wrapper.
 
 from __future__ import annotations
 
-import copy
-import pickle
 from collections.abc import Iterator, MutableMapping
 from typing import Any
 
@@ -115,13 +113,13 @@ def entry(opt: Any, i: int) -> dict[str, Any]:
     window = lo.window_sum_keys(layout)
     out = {key: tu.flatten(sub)[0][i] for key, sub in layout.per_param.items() if key not in window}
     if i == 0:
-        out[GLOBAL] = in_groups(opt, dict(layout.globals_))
+        out[GLOBAL] = grads.in_groups(opt, dict(layout.globals_))
     return out
 
 
 def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     """Write param ``i``'s ``"gradtx"`` entry back into the live state (e.g. a state moved to another device)."""
-    glob = in_groups(opt, value.get(GLOBAL, {}), out=False) if i == 0 else {}
+    glob = grads.in_groups(opt, value.get(GLOBAL, {}), out=False) if i == 0 else {}
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -133,26 +131,6 @@ def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
         return node
 
     opt._live.tx_state = lo.walk(opt._live.tx_state, opt._tree, rebuild)[1]
-
-
-def in_groups(opt: Any, globals_: Any, *, out: bool = True) -> Any:
-    """``globals_`` with each key ending in a param's place in the transform's tree keyed by its place in the param
-    groups instead (``out``), or back.
-
-    A masked (partitioned) member's state has None where masked, so it is global, keyed by the param's place
-    (``"<path>/<group>/<index>"``). Places in the tree move when a frozen param joins it; in the groups they do not,
-    so a checkpoint keyed by them loads into a template made before the param joined (``dcp.load``).
-    """
-    if not isinstance(globals_, dict):
-        return globals_
-    index = [{id(q): j for j, q in enumerate(g["params"])} for g in opt.optimizer.param_groups]
-    place = {f"{n}/{i}": f"{n}/{index[n].get(id(p))}" for n, ps in enumerate(opt._tree) for i, p in enumerate(ps)}
-    place = place if out else {v: k for k, v in place.items()}
-    renamed = {}
-    for key, value in globals_.items():
-        head, g, i = key.rsplit("/", 2) if key.count("/") > 1 else (key, "", "")
-        renamed[f"{head}/{place[f'{g}/{i}']}" if f"{g}/{i}" in place else key] = value
-    return renamed
 
 
 class _View(MutableMapping[Any, Any]):
@@ -301,7 +279,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
         if window:  # at a boundary too, so a template holds the key (torch's full_state_dict loads need it)
             gtx[HAS_GRAD] = torch.tensor(float(open_ and p.grad is not None))
         if i == 0:
-            gtx[GLOBAL] = in_groups(opt, globals_)
+            gtx[GLOBAL] = grads.in_groups(opt, globals_)
             if window:
                 gtx[AMP] = amp.record(opt._live.amp_scale, opt._live.amp_inf)
         out[pid][GTX] = gtx
@@ -444,9 +422,8 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
                 inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         per_param = {key: [e[key] for e in entries] for key in layout.per_param}
-        new_state = _ckpt.import_layout(
-            layout, template, params, per_param, in_groups(opt, first[GLOBAL], out=False), opt.tx, names, what=what
-        )
+        saved_globals = grads.in_groups(opt, first[GLOBAL], out=False)
+        new_state = _ckpt.import_layout(layout, template, params, per_param, saved_globals, opt.tx, names, what=what)
         if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
             states = opt._plan.states(new_state)
             sums = tu.flatten(states[0].acc)[0]
@@ -463,60 +440,3 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
     for i, p in enumerate(flat):
         # An open window's partial sums are the grads; at a boundary no stale partial sum survives.
         p.grad = sums[i] if sums is not None and window_open and has_grad[i] else None
-
-
-# --- copies: pickle and deepcopy, as for any torch.optim optimizer -------------------------------------
-#
-# A copy carries everything but what is rebuilt from the user's transform (the chain around it, its plan,
-# the fused rule's cache) and what belongs to the moment (GradScaler's flags, an lr scheduler's patched
-# ``step``). An open accumulation window's partial sums are the params' ``.grad``, which pickle leaves out
-# of a Parameter, so they travel beside it.
-
-_PICKLED_GRADS = "_pickled_window_grads"
-# Rebuilt rather than copied; an lr scheduler patches `step` on the instance with a wrapper bound to the original.
-_REBUILT = ("grad_scale", "found_inf", "step", "tx", "_plan", "_fused", "_state_view")
-
-
-def _copied(opt: Any, what: str) -> dict[str, Any]:
-    """What a copy carries: the instance's attributes but the rebuilt ones and the hooks (torch.optim's copies
-    leave them out too), and an open window's partial sums."""
-    state = {k: v for k, v in opt.__dict__.items() if k not in _REBUILT and not _is_hooks(k)}
-    if opt._live.window_open:
-        check_sums_visible(opt, what)
-        state[_PICKLED_GRADS] = [None if p.grad is None else p.grad.detach() for p in opt._flat]
-    return state
-
-
-def _is_hooks(name: str) -> bool:
-    return name.startswith("_optimizer_") and name.endswith("_hooks")
-
-
-def getstate(opt: Any) -> dict[str, Any]:
-    try:
-        pickle.dumps(opt._user_tx)
-    except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise TypeError(
-            f"TransformedOptimizer cannot be pickled: its transform cannot be ({e}). Save opt.state_dict() "
-            "with torch.save and rebuild the wrapper with the same chain, or copy.deepcopy(opt) in-process"
-        ) from None
-    return _copied(opt, "pickle")
-
-
-def setstate(opt: Any, state: dict[str, Any]) -> None:
-    window = state.pop(_PICKLED_GRADS, [])
-    torch.optim.Optimizer.__setstate__(opt, state)  # the attributes, and empty hook dicts
-    opt._setup_tx()
-    for p, g in zip(opt._flat, window):
-        if p.grad is None:
-            p.grad = g
-
-
-def deepcopy(opt: Any, memo: dict[int, Any]) -> Any:
-    """An in-process copy: shares the user's transform (pure functions), copies everything else."""
-    cls: Any = type(opt)
-    new = cls.__new__(cls)
-    memo[id(opt)] = new
-    memo[id(opt._user_tx)] = opt._user_tx
-    setstate(new, copy.deepcopy(_copied(opt, "deepcopy"), memo))
-    new.tx, new._plan = opt.tx, opt._plan
-    return new
