@@ -5,6 +5,9 @@
   buffers held different params (here of one size, so they were silently added to each other).
 * ``pp_reduce(plan)`` first in a pipeline chain, where the clip on the same plan already allowed a
   ``None`` grad: it refused the update on that stage, and the other stage's collective failed.
+* ``clip_by_global_norm`` and ``adaptive_clip`` with no plan on DTensor grads, an expert without a grad on
+  one rank: that rank's plan (read from the grads it has) left the expert's group out, so the other rank
+  waited in its all-reduce for ever.
 
 The references are worked on one device from the same grads, a missing one read as zeros.
 """
@@ -14,6 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
@@ -83,6 +88,30 @@ def _stage_data(rank: int, tied_none: bool) -> tuple[dict, dict]:
     return params, grads
 
 
+def _expert_data() -> tuple[dict, dict]:
+    gen = torch.Generator().manual_seed(7)
+    return ({n: torch.randn(4, 6, generator=gen) for n in ("dense", "expert")},
+            {n: torch.randn(4, 6, generator=gen) for n in ("dense", "expert")})  # fmt: skip
+
+
+def _zero_config(rank: int) -> dict:
+    """DTensor grads and no plan, functional: a rowwise expert (``Shard(1)`` over both ranks, so its units and its
+    norm span them) that no token reached on rank 0."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    weights, grads = _expert_data()
+    placements = {"dense": [Replicate()], "expert": [Shard(1)]}
+    params = {n: distribute_tensor(w, mesh, placements[n]) for n, w in weights.items()}
+    grads = {n: distribute_tensor(g, mesh, placements[n]) for n, g in grads.items()}  # (a scatter: on every rank)
+    if rank == 0:
+        grads["expert"] = None
+    out = {}
+    for name, tx in (("clip", gtx.clip_by_global_norm(0.1)), ("agc", gtx.adaptive_clip(0.01))):
+        new, state = tx.update(grads, tx.init(params), params)
+        out[name] = {n: None if u is None else u.to_local() for n, u in new.items()}
+        out.setdefault("norm", gtx.metrics(state).get("grad_norm"))
+    return out
+
+
 def _body(rank: int, world_size: int) -> dict:
     del world_size
     # One spawn of its own, so that a rank that raises ends its process and the other rank's collective fails
@@ -92,6 +121,7 @@ def _body(rank: int, world_size: int) -> dict:
         "pp_reduce": _stage(rank, tied_none=False),
         "pp_reduce_tied_none": _stage(rank, tied_none=True),
         "wrapper_tied_none": _wrapped_stage(rank),
+        "zero_config": _zero_config(rank),
     }
 
 
@@ -146,6 +176,32 @@ def test_wrapper_steps_a_tied_copy_without_a_grad_on_the_holders_sum(ranks):
         torch.testing.assert_close(got, tied.detach(), rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
     torch.testing.assert_close(stage1["params"]["w"], w.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(stage0["params"]["unused"], unused.detach(), rtol=0, atol=0)  # no grad: not stepped
+
+
+def test_zero_config_norms_take_a_missing_dtensor_grad_as_zeros(ranks):
+    """The reference is one device holding the whole expert, whose grad has zeros in rank 0's columns."""
+    weights, grads = _expert_data()
+    grads["expert"][:, :3] = 0
+    ref = [torch.nn.Parameter(w) for w in weights.values()]
+    for p, g in zip(ref, grads.values()):
+        p.grad = g.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 0.1)
+    ref = [p.grad for p in ref]
+
+    def agc(g, w):  # by hand: rows are the units
+        limit = 0.01 * w.norm(dim=1, keepdim=True).clamp(min=1e-3)
+        norm = g.norm(dim=1, keepdim=True)
+        return torch.where(norm > limit, g * limit / norm.clamp(min=1e-6), g)
+
+    for rank, r in enumerate(ranks):
+        got = r["zero_config"]
+        torch.testing.assert_close(got["norm"], ref_norm, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["clip"]["dense"], ref[0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["agc"]["dense"], agc(grads["dense"], weights["dense"]), rtol=1e-6, atol=1e-7)
+    assert ranks[0]["zero_config"]["clip"]["expert"] is None and ranks[0]["zero_config"]["agc"]["expert"] is None
+    torch.testing.assert_close(ranks[1]["zero_config"]["clip"]["expert"], ref[1][:, 3:], rtol=1e-6, atol=1e-7)
+    expert = agc(grads["expert"], weights["expert"])[:, 3:]
+    torch.testing.assert_close(ranks[1]["zero_config"]["agc"]["expert"], expert, rtol=1e-6, atol=1e-7)
 
 
 def _cp_grads(rank: int) -> dict:
