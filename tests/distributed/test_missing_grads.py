@@ -8,6 +8,8 @@
 * ``clip_by_global_norm`` and ``adaptive_clip`` with no plan on DTensor grads, an expert without a grad on
   one rank: that rank's plan (read from the grads it has) left the expert's group out, so the other rank
   waited in its all-reduce for ever.
+* ``cp_reduce`` in a functional step, an expert reached by one CP rank's chunk only: the ranks' coalesced
+  all-reduces held different buffers (gloo aborted on the sizes, or, on equal sizes, summed other params).
 
 The references are worked on one device from the same grads, a missing one read as zeros.
 """
@@ -112,6 +114,18 @@ def _zero_config(rank: int) -> dict:
     return out
 
 
+def _functional_cp(rank: int) -> dict:
+    params = {"shared": torch.zeros(4, 3), "expert": torch.zeros(5)}
+    tx = gtx.chain(gtx.cp_reduce(dist.group.WORLD), gtx.clip_by_global_norm(1.0))
+    out, state = tx.update(_cp_grads(rank), tx.init(params), params)
+    error = None
+    if rank == 0:  # no params: no shape for the zeros; refused before any collective
+        with pytest.raises(ValueError, match=r"update\(\.\.\., params\)") as err:
+            tx.update(_cp_grads(rank), state)
+        error = str(err.value)
+    return {"out": out, "refused": error}
+
+
 def _body(rank: int, world_size: int) -> dict:
     del world_size
     # One spawn of its own, so that a rank that raises ends its process and the other rank's collective fails
@@ -122,6 +136,7 @@ def _body(rank: int, world_size: int) -> dict:
         "pp_reduce_tied_none": _stage(rank, tied_none=True),
         "wrapper_tied_none": _wrapped_stage(rank),
         "zero_config": _zero_config(rank),
+        "functional_cp": _functional_cp(rank),
     }
 
 
@@ -240,3 +255,15 @@ def test_wrapper_cp_reduce_sums_a_grad_that_one_rank_lacks():
     for rank in ranks:
         for n, p in ref.items():
             torch.testing.assert_close(rank[n], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_functional_cp_reduce_sums_a_grad_that_one_rank_lacks(ranks):
+    """As the wrapper above, in a functional step: the reference is one device, each grad the chunks' sum."""
+    ref = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
+    for p, n in zip(ref, ("shared", "expert")):
+        p.grad = sum(g for r in range(2) if (g := _cp_grads(r)[n]) is not None)
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    for r in ranks:
+        for p, n in zip(ref, ("shared", "expert")):
+            torch.testing.assert_close(r["functional_cp"]["out"][n], p.grad, rtol=1e-6, atol=1e-7)
+    assert "cp_reduce: a None update" in ranks[0]["functional_cp"]["refused"]
