@@ -8,6 +8,9 @@
 * ``clip_by_global_norm`` and ``adaptive_clip`` with no plan on DTensor grads, an expert without a grad on
   one rank: that rank's plan (read from the grads it has) left the expert's group out, so the other rank
   waited in its all-reduce for ever.
+* ``TransformedOptimizer`` with ``cp_reduce``, an expert frozen at the build and unfrozen later, reached by
+  one CP rank's chunk only at that step: it joined the transform on that rank alone, so the ranks' all-reduces
+  held different buffers (gloo aborted).
 * ``cp_reduce`` in a functional step, an expert reached by one CP rank's chunk only: the ranks' coalesced
   all-reduces held different buffers (gloo aborted on the sizes, or, on equal sizes, summed other params).
 
@@ -126,6 +129,21 @@ def _functional_cp(rank: int) -> dict:
     return {"out": out, "refused": error}
 
 
+def _wrapped_cp_unfrozen(rank: int) -> dict:
+    live = {"shared": torch.nn.Parameter(torch.full((4, 3), 0.5)), "expert": torch.nn.Parameter(torch.full((5,), 0.5))}
+    live["expert"].requires_grad_(False)  # frozen when the wrapper is built
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(live.values(), lr=0.1, momentum=0.9),
+        gtx.chain(gtx.cp_reduce(dist.group.WORLD), gtx.clip_by_global_norm(1.0)),
+    )
+    for step in range(3):
+        live["expert"].requires_grad_(step > 0)  # unfrozen at step 1, on every rank
+        for n, g in _cp_grads(rank).items():
+            live[n].grad = None if g is None or not live[n].requires_grad else g.clone()
+        opt.step()
+    return {n: p.detach().clone() for n, p in live.items()}
+
+
 def _body(rank: int, world_size: int) -> dict:
     del world_size
     # One spawn of its own, so that a rank that raises ends its process and the other rank's collective fails
@@ -137,6 +155,7 @@ def _body(rank: int, world_size: int) -> dict:
         "wrapper_tied_none": _wrapped_stage(rank),
         "zero_config": _zero_config(rank),
         "functional_cp": _functional_cp(rank),
+        "wrapper_cp_unfrozen": _wrapped_cp_unfrozen(rank),
     }
 
 
@@ -267,3 +286,19 @@ def test_functional_cp_reduce_sums_a_grad_that_one_rank_lacks(ranks):
         for p, n in zip(ref, ("shared", "expert")):
             torch.testing.assert_close(r["functional_cp"]["out"][n], p.grad, rtol=1e-6, atol=1e-7)
     assert "cp_reduce: a None update" in ranks[0]["functional_cp"]["refused"]
+
+
+def test_wrapper_cp_reduce_joins_an_unfrozen_expert_on_every_rank(ranks):
+    """One device holds the whole sequence: the expert, unfrozen at step 1, steps from then on by the chunks' sum."""
+    ref = {n: torch.nn.Parameter(torch.full(s, 0.5)) for n, s in (("shared", (4, 3)), ("expert", (5,)))}
+    sgd = torch.optim.SGD(ref.values(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for n, p in ref.items():
+            p.grad = (
+                None if n == "expert" and step == 0 else sum(g for r in range(2) if (g := _cp_grads(r)[n]) is not None)
+            )
+        torch.nn.utils.clip_grad_norm_(list(ref.values()), 1.0)
+        sgd.step()
+    for rank in ranks:
+        for n, p in ref.items():
+            torch.testing.assert_close(rank["wrapper_cp_unfrozen"][n], p.detach(), rtol=1e-6, atol=1e-7)
