@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
+
 from gradtx.comm.base import Comm, ReduceOp, check_comm
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, factory, init_empty_state
+from gradtx.distributed.global_norm import zero_filled
 from gradtx.distributed.plan import DTensor, _is_shard
 
 
@@ -24,7 +27,8 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
     keep their placements; their local shards are summed), and the norm
     downstream (``clip_by_global_norm(max_norm)``) is read from the
     placements as usual: after the sum the grads are replicated over ``cp``,
-    which is never summed in the norm.
+    which is never summed in the norm. A ``None`` grad (a param another CP rank's chunk reached, this one's
+    did not) joins the sum as zeros of its param's shape: pass ``params`` to ``update``.
 
     One coalesced all-reduce (SUM) per step for all the grads (one per dtype
     under :class:`~gradtx.comm.TorchComm`); no host sync.
@@ -77,13 +81,18 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.tensor_leaves(updates, what="cp_reduce: updates")
+        if len(leaves) < len(optree.tree_leaves(updates, none_is_leaf=True)):  # another CP rank may hold the grad
+            if params is None:
+                raise ValueError("cp_reduce: a None update (a param with no grad) needs update(..., params)")
+            index, given, _ = tu.align(params, updates, what="cp_reduce: updates", against="params")
+            leaves, spec = zero_filled(index, given, tu.flatten(params)[0]), tu.flatten(params)[1]
         for i, g in enumerate(leaves):
             if cp_ranks and isinstance(g, DTensor) and (g.device_mesh, g.placements) not in checked:
                 mesh = g.device_mesh
                 for d, p in enumerate(g.placements):
                     if _is_shard(p) and len(cp_ranks & set(dist.get_process_group_ranks(mesh.get_group(d)))) > 1:
                         raise ValueError(
-                            f"cp_reduce: the grad at {tu.path_str(tu.paths(updates)[i])} is sharded ({g.placements}) "
+                            f"cp_reduce: the grad at {tu.path_str(spec.paths()[i])} is sharded ({g.placements}) "
                             f"over mesh dim {d} of {mesh}, which holds CP ranks: CP is folded into its sharding, "
                             "which already summed it; drop cp_reduce (see docs/distributed.md)"
                         )

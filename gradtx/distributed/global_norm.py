@@ -252,13 +252,17 @@ def zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> l
 
 
 def planned(leaves: list[Any], updates: Any, params: Any, mesh_groups: Any, what: str) -> tuple[list[Any], Any, Any]:
-    """``(leaves, tree, index)`` as a declared plan reads ``updates``' leaves: it covers every param, so one with no
-    gradient (``None``) joins the collectives as zeros and every rank issues the same ones; ``leaves[index[j]]`` is
-    the ``j``-th given leaf (``index`` is ``None`` when nothing was filled)."""
-    if mesh_groups is None or params is None or len(leaves) == len(mesh_groups):
+    """``(leaves, tree, index)`` as a declared plan, or DTensor params' placements, read ``updates``' leaves: they
+    cover every param, so one with no gradient (``None``, an expert no token reached on this rank) joins the
+    collectives as zeros and every rank issues the same ones; ``leaves[index[j]]`` is the ``j``-th given leaf
+    (``index`` is ``None`` when nothing was filled)."""
+    if params is None or (mesh_groups is None and leaves and not tu.has_dtensor(leaves)):
+        return leaves, updates, None  # plain grads and no plan: each rank's local norm, no collective to join
+    all_params = tu.flatten(params)[0]
+    if len(leaves) == len(all_params) or not (mesh_groups is not None or tu.has_dtensor(all_params)):
         return leaves, updates, None
     index, leaves, _ = tu.align(params, updates, what=f"{what}: updates", against="params")
-    return zero_filled(index, leaves, tu.flatten(params)[0]), params, index
+    return zero_filled(index, leaves, all_params), params, index
 
 
 def paired_norms(
@@ -269,8 +273,8 @@ def paired_norms(
     The plan is ``mesh_groups``, else the one the updates' placements define, else none (every unit is
     local); where a unit spans ranks, its norm is reduced over them. Units follow PyTorch layouts: see
     :func:`gradtx.unitwise_norm`. A ``None`` update (a param with no gradient) is left out, and its param
-    is not read. A declared plan covers every param: one with no update joins its collectives as zeros,
-    so every rank issues the same ones.
+    is not read. A declared plan, or DTensor params, cover every param: one with no update joins the
+    collectives as zeros, so every rank issues the same ones.
 
     Returns:
       The updates' leaves and treespec (as :func:`gradtx.core.tree.align` gives them), their norms and
@@ -278,17 +282,18 @@ def paired_norms(
     """
     index, leaves, spec = tu.align(params, updates, what=f"{what}: updates", against="params")
     all_params = tu.flatten(params)[0]
-    if mesh_groups is None:
-        grads, weights = leaves, [all_params[i] for i in index]
-    else:
+    filled = mesh_groups is not None or tu.has_dtensor(all_params)  # every rank joins the same collectives
+    if filled:
         grads, weights = zero_filled(index, leaves, all_params), all_params
-    plan = plan_of(grads, mesh_groups, slot, what, updates)
+    else:
+        grads, weights = leaves, [all_params[i] for i in index]
+    plan = plan_of(grads, mesh_groups, slot, what, params if filled else updates)
     if plan is None:  # every unit is local: the plain single-device formula
         u_norms = [norms.unitwise_norm(x, unitwise=unitwise) for x in grads]
         p_norms = [norms.unitwise_norm(x, unitwise=unitwise) for x in weights]
         return leaves, spec, u_norms, p_norms
     u_norms, p_norms = unitwise_norms(plan, [grads, weights], unitwise=unitwise, what=what)
-    if mesh_groups is not None:
+    if filled:
         u_norms, p_norms = [u_norms[i] for i in index], [p_norms[i] for i in index]
     return leaves, spec, u_norms, p_norms
 

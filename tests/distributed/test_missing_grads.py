@@ -5,6 +5,14 @@
   buffers held different params (here of one size, so they were silently added to each other).
 * ``pp_reduce(plan)`` first in a pipeline chain, where the clip on the same plan already allowed a
   ``None`` grad: it refused the update on that stage, and the other stage's collective failed.
+* ``clip_by_global_norm`` and ``adaptive_clip`` with no plan on DTensor grads, an expert without a grad on
+  one rank: that rank's plan (read from the grads it has) left the expert's group out, so the other rank
+  waited in its all-reduce for ever.
+* ``TransformedOptimizer`` with ``cp_reduce``, an expert frozen at the build and unfrozen later, reached by
+  one CP rank's chunk only at that step: it joined the transform on that rank alone, so the ranks' all-reduces
+  held different buffers (gloo aborted).
+* ``cp_reduce`` in a functional step, an expert reached by one CP rank's chunk only: the ranks' coalesced
+  all-reduces held different buffers (gloo aborted on the sizes, or, on equal sizes, summed other params).
 
 The references are worked on one device from the same grads, a missing one read as zeros.
 """
@@ -14,6 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
@@ -83,6 +93,57 @@ def _stage_data(rank: int, tied_none: bool) -> tuple[dict, dict]:
     return params, grads
 
 
+def _expert_data() -> tuple[dict, dict]:
+    gen = torch.Generator().manual_seed(7)
+    return ({n: torch.randn(4, 6, generator=gen) for n in ("dense", "expert")},
+            {n: torch.randn(4, 6, generator=gen) for n in ("dense", "expert")})  # fmt: skip
+
+
+def _zero_config(rank: int) -> dict:
+    """DTensor grads and no plan, functional: a rowwise expert (``Shard(1)`` over both ranks, so its units and its
+    norm span them) that no token reached on rank 0."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    weights, grads = _expert_data()
+    placements = {"dense": [Replicate()], "expert": [Shard(1)]}
+    params = {n: distribute_tensor(w, mesh, placements[n]) for n, w in weights.items()}
+    grads = {n: distribute_tensor(g, mesh, placements[n]) for n, g in grads.items()}  # (a scatter: on every rank)
+    if rank == 0:
+        grads["expert"] = None
+    out = {}
+    for name, tx in (("clip", gtx.clip_by_global_norm(0.1)), ("agc", gtx.adaptive_clip(0.01))):
+        new, state = tx.update(grads, tx.init(params), params)
+        out[name] = {n: None if u is None else u.to_local() for n, u in new.items()}
+        out.setdefault("norm", gtx.metrics(state).get("grad_norm"))
+    return out
+
+
+def _functional_cp(rank: int) -> dict:
+    params = {"shared": torch.zeros(4, 3), "expert": torch.zeros(5)}
+    tx = gtx.chain(gtx.cp_reduce(dist.group.WORLD), gtx.clip_by_global_norm(1.0))
+    out, state = tx.update(_cp_grads(rank), tx.init(params), params)
+    error = None
+    if rank == 0:  # no params: no shape for the zeros; refused before any collective
+        with pytest.raises(ValueError, match=r"update\(\.\.\., params\)") as err:
+            tx.update(_cp_grads(rank), state)
+        error = str(err.value)
+    return {"out": out, "refused": error}
+
+
+def _wrapped_cp_unfrozen(rank: int) -> dict:
+    live = {"shared": torch.nn.Parameter(torch.full((4, 3), 0.5)), "expert": torch.nn.Parameter(torch.full((5,), 0.5))}
+    live["expert"].requires_grad_(False)  # frozen when the wrapper is built
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(live.values(), lr=0.1, momentum=0.9),
+        gtx.chain(gtx.cp_reduce(dist.group.WORLD), gtx.clip_by_global_norm(1.0)),
+    )
+    for step in range(3):
+        live["expert"].requires_grad_(step > 0)  # unfrozen at step 1, on every rank
+        for n, g in _cp_grads(rank).items():
+            live[n].grad = None if g is None or not live[n].requires_grad else g.clone()
+        opt.step()
+    return {n: p.detach().clone() for n, p in live.items()}
+
+
 def _body(rank: int, world_size: int) -> dict:
     del world_size
     # One spawn of its own, so that a rank that raises ends its process and the other rank's collective fails
@@ -92,6 +153,9 @@ def _body(rank: int, world_size: int) -> dict:
         "pp_reduce": _stage(rank, tied_none=False),
         "pp_reduce_tied_none": _stage(rank, tied_none=True),
         "wrapper_tied_none": _wrapped_stage(rank),
+        "zero_config": _zero_config(rank),
+        "functional_cp": _functional_cp(rank),
+        "wrapper_cp_unfrozen": _wrapped_cp_unfrozen(rank),
     }
 
 
@@ -148,6 +212,32 @@ def test_wrapper_steps_a_tied_copy_without_a_grad_on_the_holders_sum(ranks):
     torch.testing.assert_close(stage0["params"]["unused"], unused.detach(), rtol=0, atol=0)  # no grad: not stepped
 
 
+def test_zero_config_norms_take_a_missing_dtensor_grad_as_zeros(ranks):
+    """The reference is one device holding the whole expert, whose grad has zeros in rank 0's columns."""
+    weights, grads = _expert_data()
+    grads["expert"][:, :3] = 0
+    ref = [torch.nn.Parameter(w) for w in weights.values()]
+    for p, g in zip(ref, grads.values()):
+        p.grad = g.clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, 0.1)
+    ref = [p.grad for p in ref]
+
+    def agc(g, w):  # by hand: rows are the units
+        limit = 0.01 * w.norm(dim=1, keepdim=True).clamp(min=1e-3)
+        norm = g.norm(dim=1, keepdim=True)
+        return torch.where(norm > limit, g * limit / norm.clamp(min=1e-6), g)
+
+    for rank, r in enumerate(ranks):
+        got = r["zero_config"]
+        torch.testing.assert_close(got["norm"], ref_norm, rtol=1e-6, atol=0)
+        torch.testing.assert_close(got["clip"]["dense"], ref[0], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(got["agc"]["dense"], agc(grads["dense"], weights["dense"]), rtol=1e-6, atol=1e-7)
+    assert ranks[0]["zero_config"]["clip"]["expert"] is None and ranks[0]["zero_config"]["agc"]["expert"] is None
+    torch.testing.assert_close(ranks[1]["zero_config"]["clip"]["expert"], ref[1][:, 3:], rtol=1e-6, atol=1e-7)
+    expert = agc(grads["expert"], weights["expert"])[:, 3:]
+    torch.testing.assert_close(ranks[1]["zero_config"]["agc"]["expert"], expert, rtol=1e-6, atol=1e-7)
+
+
 def _cp_grads(rank: int) -> dict:
     """A context-parallel rank's grads: its token chunk reaches the expert only on rank 1 (an MoE route)."""
     gen = torch.Generator().manual_seed(10 + rank)
@@ -184,3 +274,31 @@ def test_wrapper_cp_reduce_sums_a_grad_that_one_rank_lacks():
     for rank in ranks:
         for n, p in ref.items():
             torch.testing.assert_close(rank[n], p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_functional_cp_reduce_sums_a_grad_that_one_rank_lacks(ranks):
+    """As the wrapper above, in a functional step: the reference is one device, each grad the chunks' sum."""
+    ref = [torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(5))]
+    for p, n in zip(ref, ("shared", "expert")):
+        p.grad = sum(g for r in range(2) if (g := _cp_grads(r)[n]) is not None)
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    for r in ranks:
+        for p, n in zip(ref, ("shared", "expert")):
+            torch.testing.assert_close(r["functional_cp"]["out"][n], p.grad, rtol=1e-6, atol=1e-7)
+    assert "cp_reduce: a None update" in ranks[0]["functional_cp"]["refused"]
+
+
+def test_wrapper_cp_reduce_joins_an_unfrozen_expert_on_every_rank(ranks):
+    """One device holds the whole sequence: the expert, unfrozen at step 1, steps from then on by the chunks' sum."""
+    ref = {n: torch.nn.Parameter(torch.full(s, 0.5)) for n, s in (("shared", (4, 3)), ("expert", (5,)))}
+    sgd = torch.optim.SGD(ref.values(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for n, p in ref.items():
+            p.grad = (
+                None if n == "expert" and step == 0 else sum(g for r in range(2) if (g := _cp_grads(r)[n]) is not None)
+            )
+        torch.nn.utils.clip_grad_norm_(list(ref.values()), 1.0)
+        sgd.step()
+    for rank in ranks:
+        for n, p in ref.items():
+            torch.testing.assert_close(rank["wrapper_cp_unfrozen"][n], p.detach(), rtol=1e-6, atol=1e-7)
