@@ -25,10 +25,8 @@ from gradtx.transforms.window import multi_process
 
 try:
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
-    compute_local_shape_and_global_offset = None  # type: ignore[assignment]
 
 
 # --- walking a state: which subtrees are per parameter -------------------------------------------
@@ -193,12 +191,7 @@ def onto(value: torch.Tensor, template: torch.Tensor, *, what: str) -> torch.Ten
                     f"{tuple(template.placements)}; load through torch.distributed.checkpoint (dcp.load), which reshards"
                 )
             return value
-        shape, offset = compute_local_shape_and_global_offset(template.shape, template.device_mesh, template.placements)
-        # narrow, not a slice: on a simulated mesh the offsets are per-rank SymInts, which slicing refuses
-        chunk = value
-        for dim, (n, start) in enumerate(zip(shape, offset)):
-            chunk = chunk.narrow(dim, start, n)
-        local = chunk.to(tu.local(template).device, tu.local(template).dtype).clone()
+        local = tu.local_part(value, template).to(tu.local(template).device, tu.local(template).dtype).clone()
         return tu.like(template, local)
     if DTensor is not None and isinstance(value, DTensor):
         raise ValueError(

@@ -18,8 +18,10 @@ from gradtx.core import foreach as fe
 
 try:  # DTensor is optional: a CPU-only or old build may lack torch.distributed.
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover
     DTensor = None  # type: ignore[assignment,misc]
+    compute_local_shape_and_global_offset = None  # type: ignore[assignment]
 
 PyTree = Any
 Path = tuple[Any, ...]
@@ -216,6 +218,14 @@ def local_shards(xs: Sequence[Any]) -> list[Any]:
         return list(xs)
     with torch.no_grad():
         return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
+
+
+def local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """The part of ``full`` (a whole tensor) this rank holds of the DTensor ``like``, cut out with no communication."""
+    shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
+    for dim, (n, start) in enumerate(zip(shape, offset)):
+        full = full.narrow(dim, start, n)  # narrow, not a slice: on a simulated mesh the offsets are per-rank SymInts
+    return full
 
 
 def like(template: torch.Tensor, local_result: torch.Tensor) -> torch.Tensor:

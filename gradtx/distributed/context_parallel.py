@@ -85,7 +85,8 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
             if params is None:
                 raise ValueError("cp_reduce: a None update (a param with no grad) needs update(..., params)")
             index, given, _ = tu.align(params, updates, what="cp_reduce: updates", against="params")
-            leaves, spec = zero_filled(index, given, tu.flatten(params)[0]), tu.flatten(params)[1]
+            p_leaves, spec = tu.flatten(params)
+            leaves = zero_filled(index, given, p_leaves)
         for i, g in enumerate(leaves):
             if cp_ranks and isinstance(g, DTensor) and (g.device_mesh, g.placements) not in checked:
                 mesh = g.device_mesh

@@ -147,12 +147,7 @@ def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[l
     for t in leaves:
         x = tu.local(t)  # complex noise for complex x
         n = torch.randn(t.shape, generator=gen, dtype=x.dtype if x.is_complex() else tu.acc_dtype(x.dtype))
-        if x is not t:  # narrow, not a slice: on a simulated mesh the offsets are per-rank SymInts
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset as local_part
-
-            for dim, (size, start) in enumerate(zip(*local_part(t.shape, t.device_mesh, t.placements))):  # type: ignore[attr-defined]
-                n = n.narrow(dim, start, size)
-        out.append(n.to(x.device, non_blocking=True))
+        out.append((n if x is t else tu.local_part(n, t)).to(x.device, non_blocking=True))
     return out, gen.get_state()
 
 

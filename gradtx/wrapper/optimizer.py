@@ -2,8 +2,8 @@
 
 Its parts: :mod:`gradtx.wrapper.rules` (the chain read by type, and the speed
 rules), :mod:`gradtx.wrapper.amp` (GradScaler across a window),
-:mod:`gradtx.wrapper.state_dict` (the checkpoint format, ``opt.state``, copies),
-:mod:`gradtx.wrapper.grads` (which params, their ``.grad``), :mod:`gradtx.wrapper.live`
+:mod:`gradtx.wrapper.state_dict` (the checkpoint format, ``opt.state``), :mod:`gradtx.wrapper.copies`
+(pickle, deepcopy), :mod:`gradtx.wrapper.grads` (which params, their ``.grad``), :mod:`gradtx.wrapper.live`
 (what a step writes) and :mod:`gradtx.wrapper.sync` (data-parallel sync).
 """
 
@@ -81,10 +81,10 @@ class TransformedOptimizer(torch.optim.Optimizer):
     @property
     def _step_supports_amp_scaling(self) -> bool:  # read by GradScaler.step (and Lightning)
         """Whether GradScaler hands the wrapper its scale and inf flag rather than unscaling ``.grad`` and not
-        calling a step it skips: when the inner optimizer takes them itself (fused: the scale rides in the kernel)
-        or the chain accumulates (a window sums micro-steps that GradScaler would each unscale, and its skip is the
-        wrapper's to make), or sums the grads over the ranks (GradScaler's skip would be this rank's alone, so the
-        step refuses it, where a skipped call would leave the other ranks waiting in the sum). Otherwise GradScaler does what it does for the inner optimizer alone, which
+        calling a step it skips: when the inner optimizer takes them (fused: the scale rides in the kernel), the
+        chain accumulates (a window sums micro-steps GradScaler would each unscale; its skip is the wrapper's), or
+        it sums the grads over ranks (the step refuses a skip read from this rank's grads alone, which would leave
+        the others waiting in the sum). Otherwise GradScaler does what it does for the inner optimizer alone, which
         accelerate and the Hugging Face Trainer read: a step it does not call was skipped, and their schedulers
         hold."""
         # getattr: a framework's proxy of the wrapper (see add_param_group) reads the wrapper's plan and answer.
