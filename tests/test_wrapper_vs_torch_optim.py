@@ -638,10 +638,18 @@ def test_a_copy_with_its_lr_scheduler_trains_itself_not_the_original(how):
 
 
 @pytest.mark.parametrize(
-    "opt_tx", [gtx.sgd(0.1), gtx.adamw(1e-2), gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adam(1e-3))]
+    "opt_tx",
+    [
+        gtx.sgd(0.1),
+        gtx.adamw(1e-2),
+        gtx.chain(gtx.clip_by_global_norm(1.0), gtx.adam(1e-3)),
+        gtx.inject_hyperparams(gtx.adamw)(1e-2),  # built anew on every update, an optimizer all the same
+        gtx.chain(gtx.clip_by_global_norm(1.0), gtx.inject_hyperparams(gtx.sgd)(lambda count: 0.1)),
+        gtx.inject_hyperparams(gtx.muon)(0.02),
+    ],
 )
 def test_an_optimizer_in_the_chain_is_refused_naming_it(opt_tx):
     """gtx.adamw's output is an update, not a gradient: the inner optimizer would step against it (ascent)."""
     model = make_model()
-    with pytest.raises(TypeError, match=r"the chain holds gtx\.(sgd|adamw|adam)\(\.\.\.\), an optimizer"):
+    with pytest.raises(TypeError, match=r"the chain holds gtx\.(sgd|adamw|adam|muon)\(\.\.\.\), an optimizer"):
         gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), opt_tx)

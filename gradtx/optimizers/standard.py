@@ -478,7 +478,9 @@ class OptimizerChain(GradientTransformation):
     """What :func:`gradtx.sgd`, :func:`gradtx.adam` and :func:`gradtx.adamw` return: their chain, and its :class:`OptimizerSpec`.
 
     It runs as the plain :func:`gradtx.chain` of its ``members``, and its state
-    is that chain's (a tuple of member states). It is not a :class:`gradtx.Chain`
+    is that chain's (a tuple of member states); :func:`gradtx.inject_hyperparams`
+    of an alias returns one too, whose only member is the injected transform
+    itself, with its own state. It is not a :class:`gradtx.Chain`
     itself, so code that walks nested chains keeps it whole: ``spec`` says
     which optimizer it is (the wrapper refuses one in its chain by name).
     """

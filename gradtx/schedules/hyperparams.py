@@ -23,6 +23,7 @@ import torch
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, OptState, Params, PyTree, export_metrics, remember
+from gradtx.optimizers.standard import OptimizerChain
 
 __all__ = ["InjectHyperparamsState", "inject_hyperparams"]
 
@@ -132,7 +133,9 @@ def inject_hyperparams(
                 fixed[arg] = value
         # Build once with the values as given: bad numbers fail here, with the factory's own message.
         zero = torch.zeros((), dtype=torch.int64)
-        inner_factory(**fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()})
+        probe = inner_factory(
+            **fixed, **numeric, **{k: _as_tensor(f(zero), torch.float32, None) for k, f in schedules.items()}
+        )
 
         def float_dtype(tree: PyTree) -> torch.dtype:
             """``hyperparam_dtype``, else fp64 when a leaf is fp64 (or complex128), else fp32."""
@@ -190,6 +193,8 @@ def inject_hyperparams(
 
         options = (inner_factory, tuple(sorted(static)), hyperparam_dtype)
         out = GradientTransformation(init_fn, update_fn)
+        if isinstance(probe, OptimizerChain):  # an optimizer still: the wrapper refuses it by its spec's name
+            out = OptimizerChain(init_fn, update_fn, (out,), probe.spec)
         return remember(out, _injected, (options, args, kwargs), {})
 
     return wrapped
