@@ -39,6 +39,10 @@ CHAINS = {
     "skip_spikes-adamw": lambda: gtx.skip_spikes(gtx.adamw(1e-2), warmup_steps=2),
     # the alias: a partition of Muon and Adam by a labels function of the params
     "muon": lambda: gtx.muon(gtx.warmup_cosine_decay_schedule(0.0, 0.02, 2, 10), weight_decay=0.01),
+    # injected: the factory (and its checks of ns_coeffs) runs again inside every traced step
+    "injected-muon": lambda: gtx.inject_hyperparams(gtx.muon, static_args=("ns_steps",))(
+        gtx.warmup_cosine_decay_schedule(0.0, 0.02, 2, 10), weight_decay=0.01
+    ),
 }
 
 

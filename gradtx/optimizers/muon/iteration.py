@@ -8,6 +8,7 @@ Everything here works on local (whole) tensors; the sharded exchange is in
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -138,22 +139,25 @@ def _iteration_args(
         if ns_coeffs not in _NS_COEFFS_PRESETS:
             raise ValueError(f"{name}: unknown ns_coeffs preset {ns_coeffs!r}; known: {sorted(_NS_COEFFS_PRESETS)}")
         ns_coeffs = _NS_COEFFS_PRESETS[ns_coeffs]
+    # Plain Python, no tensor: under inject_hyperparams this runs again inside every (compiled) step.
+    c = ns_coeffs.tolist() if hasattr(ns_coeffs, "tolist") else ns_coeffs
+    num = lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool)  # (True, False, True) is not 1, 0, 1
     try:
-        has_bool = torch.as_tensor(ns_coeffs).dtype == torch.bool  # (True, False, True) would read as 1, 0, 1
-        rows = torch.as_tensor(ns_coeffs, dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError):
-        has_bool, rows = True, torch.empty(0)
-    if has_bool:
+        flat = all(map(num, c))
+        rows = [tuple(c)] if flat else [tuple(r) for r in c]
+    except TypeError:
+        flat, rows = False, [(None,)]
+    if not all(num(v) for r in rows for v in r):
         raise TypeError(f"{name}: ns_coeffs must be three numbers or a sequence of triples, got {ns_coeffs!r}")
-    if not bool(rows.isfinite().all()):
+    if not all(math.isfinite(v) for r in rows for v in r):
         raise ValueError(f"{name}: ns_coeffs must be finite, got {ns_coeffs!r}")
-    if rows.ndim not in (1, 2) or rows.shape[-1] != 3:
-        raise ValueError(f"{name}: ns_coeffs must have shape (3,) or (n, 3), got {tuple(rows.shape)}")
-    if rows.ndim == 2 and rows.shape[0] > ns_steps:
-        raise ValueError(f"{name}: {rows.shape[0]} rows of ns_coeffs need ns_steps >= {rows.shape[0]}, got {ns_steps}")
+    if not rows or any(len(r) != 3 for r in rows):
+        raise ValueError(f"{name}: ns_coeffs must have shape (3,) or (n, 3), got {ns_coeffs!r}")
+    if not flat and len(rows) > ns_steps:
+        raise ValueError(f"{name}: {len(rows)} rows of ns_coeffs need ns_steps >= {len(rows)}, got {ns_steps}")
     eps = check.non_negative(eps, arg="eps", name=name, tensor=True)
     check.dtype(ns_dtype, arg="ns_dtype", name=name, floating=True)
-    return tuple(map(tuple, (rows.expand(ns_steps, 3) if rows.ndim == 1 else rows).tolist())), eps  # type: ignore[return-value]
+    return tuple(tuple(map(float, r)) for r in (rows * ns_steps if flat else rows)), eps  # type: ignore[misc]
 
 
 def newton_schulz(

@@ -88,7 +88,9 @@ def muon(
       adam_learning_rate: the fallback's learning rate; ``None``: ``learning_rate``.
       muon_weight_dimension_numbers: a tree of :class:`MuonDimensionNumbers`
         (``None`` for Adam leaves), a prefix of the params, or a function of
-        the params returning one.
+        the params returning one. The Muon member calls a function (this one or
+        ``weight_decay_mask``) with ``None`` at the Adam leaves, as optax with its
+        ``MaskedNode``: map over the tree (``gtx.tree.tree_map`` skips ``None``).
       consistent_rms: ``None`` for width scaling, else the target RMS (see :func:`scale_by_shape`).
 
     Returns:

@@ -137,8 +137,9 @@ def scale_by_muon(
       adaptive: scale each leaf's update by the dual norm of its direction (Bernstein & Newhouse).
       preconditioning: ``"frobenius"``, ``"spectral"``, ``"aol"`` or ``"schatten"``.
       weight_dimension_numbers: a :class:`MuonDimensionNumbers` for every
-        leaf, a tree of them (a ``None`` leaf passes through untouched, and its
-        momentum is not kept), or a function of the updates returning one.
+        leaf, a tree of them (a ``None`` leaf passes through untouched; its
+        momentum stays zero, yet takes a param's memory: give this transform the
+        matrices alone, as :func:`muon` does), or a function of the updates returning one.
         ``None``: every 2-d leaf is an ``(out, in)`` matrix, and the other leaves pass through.
       bias_correction: divide the momentum by ``1 - beta**t`` (optax); False as ``torch.optim.Muon``.
       ns_dtype: iterate in this dtype (``torch.bfloat16`` as ``torch.optim.Muon``); ``None``: the direction's
