@@ -162,7 +162,7 @@ def load_state_dict(
 
     Checks before it builds anything: the same parameter names, the same
     per-parameter and global keys (the same chain), shapes and dtypes, and the
-    same accumulation ``k``; the first difference raises a ``ValueError`` that
+    same accumulation ``k`` and ``token_weighted``; the first difference raises a ``ValueError`` that
     names it. Tensors are placed like the live state's (a plain full tensor is
     cut to a DTensor's local shard with no communication; a DTensor must
     already have the live placement, which ``dcp.load`` into a
@@ -233,12 +233,13 @@ def import_layout(
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     per_rank = lo.per_rank(layout, tx, what=what) if tx is not None else []
     for w in layout.windows:
-        saved_k, k = int(globals_[w.key("k")]), int(w.state.k)
-        if saved_k != k:
-            raise ValueError(
-                f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "
-                f"k={k}; resume with the same k (or save at a boundary and start a fresh state)"
-            )
+        for name in ("k", "token_weighted"):  # the two sum different grads (summed or mean losses)
+            saved, live = globals_[w.key(name)].tolist(), getattr(w.state, name).tolist()
+            if saved != live:
+                raise ValueError(
+                    f"{what}: the accumulation window at {w.prefix!r} was saved with {name}={saved}, this transform "
+                    f"has {name}={live}; resume with the same {name} (or save at a boundary and start a fresh state)"
+                )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
     first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
     for key, _, acc in per_rank:
