@@ -120,6 +120,13 @@ def export_layout(
     """Per-parameter leaves (key -> one tensor per param) and global leaves of ``layout``, per-rank parts reduced."""
     per_param = {key: [t.detach() for t in _templates(layout, key, p_leaves)] for key in layout.per_param}
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
+    for w in layout.windows:  # a plain window's loss is this rank's own; a checkpoint's global slot holds one rank's
+        if lo.multi_process() and int(w.state.loss_weight) > 0 and not bool(w.state.token_weighted):
+            raise ValueError(
+                f"{what}: an accumulation window is open (micro-step {int(w.state.micro_step)}) and holds each rank's "
+                "own loss (given as loss=), which a checkpoint cannot keep per rank: the resumed window's loss would "
+                "be another rank's. Save at a window boundary, or end the window early with flush=True"
+            )
     for key, w, acc in lo.per_rank(layout, tx, what=what):
         if int(w.state.micro_step) == 0:
             continue  # a window at a boundary holds nothing
