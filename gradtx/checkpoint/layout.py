@@ -55,6 +55,9 @@ class Layout(NamedTuple):
     per_param: dict[str, Any]  # key -> subtree shaped like the params
     globals_: dict[str, Any]  # key -> leaf
     windows: list[Window]
+    # A global leaf inside a tree like the params with holes (a masked member's state, None where masked) or with a
+    # subtree per param: key -> (the param's flat index, the key before and after the param's place in it).
+    places: dict[str, tuple[int, str, str]]
 
 
 def is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
@@ -74,19 +77,38 @@ def walk(
     for an accumulation window's running sum). Without it, the state is returned as it is.
     """
     p_leaves, p_spec = tu.flatten(params)
-    layout = Layout({}, {}, [])
+    layout = Layout({}, {}, [], {})
+    at = [key_of(a) for a in optree.treespec_accessors(p_spec)]  # each param's place in the params' tree
 
     def piece(kind: str, node: Any, key: str) -> Any:
         (layout.globals_ if kind == "global" else layout.per_param)[key] = node
         return rebuild(kind, node, key) if rebuild else node
 
+    def placed(node: Any) -> list[Any] | None:
+        """A subtree per param (None in a hole) where ``node`` is a tree like the params, else None."""
+        try:
+            return None if isinstance(node, torch.Tensor) or p_spec.is_leaf() else p_spec.flatten_up_to(node)
+        except ValueError:
+            return None
+
     def is_piece(node: Any) -> bool:
-        return isinstance(node, AccumulateState) or is_per_param(node, p_spec, p_leaves)
+        return isinstance(node, AccumulateState) or placed(node) is not None
 
     accessors, nodes, spec = optree.tree_flatten_with_accessor(state, is_leaf=is_piece)
-    new = []
+    new: list[Any] = []
     for accessor, node in zip(accessors, nodes):
         key = key_of(accessor)
+        subtrees = placed(node)
+        if subtrees is not None and not is_per_param(node, p_spec, p_leaves):  # each global leaf keeps its param
+            head, rebuilt = "" if key == "<root>" else key, []
+            for i, sub in enumerate(subtrees):
+                sub_accessors, leaves, sub_spec = optree.tree_flatten_with_accessor(sub)
+                tails = ["/" + key_of(a) if len(a) else "" for a in sub_accessors]
+                keys = [f"{head}/{at[i]}{tail}".lstrip("/") for tail in tails]
+                layout.places.update({k: (i, head, tail) for k, tail in zip(keys, tails)})
+                rebuilt.append(optree.tree_unflatten(sub_spec, [piece("global", v, k) for v, k in zip(leaves, keys)]))
+            new.append(p_spec.unflatten(rebuilt))
+            continue
         if not isinstance(node, AccumulateState):
             new.append(piece("param" if is_per_param(node, p_spec, p_leaves) else "global", node, key))
             continue
