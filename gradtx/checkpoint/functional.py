@@ -28,8 +28,8 @@ Accumulation windows need care, and get it here:
 * State that differs between data-parallel ranks is reduced on save: the
   window's token count and its loss's sum and weight (``token_weighted``
   with a ``comm``) and the running sum of a functional data-parallel step
-  (``reduce_grads=True``) are summed over the group (one collective each,
-  through the transform's ``comm``),
+  (``reduce_grads=True``, or a :func:`gradtx.cp_reduce` after the window) are
+  summed over the group (one collective each, through the transform's ``comm``),
   and on load the group's first rank holds the total and the others zero. The
   window then closes with the same sums on any number of ranks. This needs
   ``tx=``; without it, a save from several processes with an open window raises.
@@ -78,8 +78,8 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     per-rank reductions below.
 
     Per-rank state is reduced: with ``tx`` given, an open window's token count
-    (``token_weighted`` with a ``comm``) and its running sum (``reduce_grads``)
-    are summed over the accumulation's group, one coalesced collective each
+    (``token_weighted`` with a ``comm``) and its running sum (``reduce_grads``, or
+    a ``cp_reduce`` after the window) are summed over the accumulation's group, one coalesced collective each
     through its ``comm``; call this on every rank. Without ``tx``, a save from
     several processes while a window is open raises.
 
@@ -127,14 +127,14 @@ def export_layout(
                 "own loss (given as loss=), which a checkpoint cannot keep per rank: the resumed window's loss would "
                 "be another rank's. Save at a window boundary, or end the window early with flush=True"
             )
-    for key, w, acc in lo.per_rank(layout, tx, what=what):
+    for key, w, comm, group in lo.per_rank(layout, tx, what=what):
         if int(w.state.micro_step) == 0:
             continue  # a window at a boundary holds nothing
         if key == w.key("acc"):
-            per_param[key] = tu.all_reduce_leaves(acc.window.comm, per_param[key], ReduceOp.SUM, acc.window.group)
+            per_param[key] = tu.all_reduce_leaves(comm, per_param[key], ReduceOp.SUM, group)
         else:  # the tokens, the loss sum or its weight: on the params' device, as the window's own collective (NCCL)
             value = getattr(w.state, key.rsplit("/", 1)[-1])
-            (total,) = acc.window.comm.all_reduce([value.to(tu.device_of(p_leaves))], ReduceOp.SUM, acc.window.group)
+            (total,) = comm.all_reduce([value.to(tu.device_of(p_leaves))], ReduceOp.SUM, group)
             globals_[key] = total.to(value.dtype).cpu()
     return per_param, globals_
 
@@ -249,10 +249,10 @@ def import_layout(
                 )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
     first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
-    for key, _, acc in per_rank:
+    for key, _, comm, group in per_rank:
         # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
         # size is rank 0 of a one-rank group, and raises in a larger one.
-        rank = as_comm(acc.window.comm, name="gradtx.checkpoint.functional").rank(acc.window.group)
+        rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
         first[key] = rank_equals(rank, 0)
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:

@@ -167,11 +167,12 @@ def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tens
     return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
 
 
-def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any]]:
-    """The per-rank pieces of ``layout``'s windows: (key, window, its windowed member of ``tx``).
+def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any, Any]]:
+    """The per-rank pieces of ``layout``'s windows: (key, window, the comm and group they are summed over).
 
     A window with a ``comm`` counts its tokens and its loss per rank
-    (``token_weighted``) and sums its grads per rank (``reduce_grads``).
+    (``token_weighted``) and sums its grads per rank (``reduce_grads``, or a
+    member after it that sums the grads over ranks, :func:`gradtx.cp_reduce`).
     Without ``tx`` there are none to find, which is refused while a window is
     open in several processes.
     """
@@ -183,18 +184,24 @@ def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) ->
                 "or save at a window boundary"
             )
         return []
-    accs = [m for m in members(tx) if isinstance(m, Accumulation)]
+    chain = members(tx)
+    accs = [i for i, m in enumerate(chain) if isinstance(m, Accumulation)]
     if len(accs) != len(layout.windows):
         raise ValueError(
             f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
             "window states; pass the transform this state was made by"
         )
-    return [
-        (w.key(name), w, acc)
-        for w, acc in zip(layout.windows, accs)
-        for name in ("tokens", "loss_sum", "loss_weight", "acc")  # the window's loss is a global token mean too
-        if (acc.window.reduce_grads if name == "acc" else acc.window.token_weighted) and acc.window.comm is not None
-    ]
+    out = []
+    for w, i in zip(layout.windows, accs):
+        window = chain[i].window
+        own = (window.comm, window.group) if window.comm is not None else None
+        later = [getattr(m, "__dict__", {}).get("sums_over_ranks") for m in chain[i + 1 :]]  # cp_reduce's (comm, group)
+        sums = own if window.reduce_grads else next((s for s in later if isinstance(s, tuple)), None)
+        for name in ("tokens", "loss_sum", "loss_weight", "acc"):  # the window's loss is a global token mean too
+            by = sums if name == "acc" else own if window.token_weighted else None
+            if by is not None:
+                out.append((w.key(name), w, *by))
+    return out
 
 
 # --- tensors onto a template ---------------------------------------------------------------------
