@@ -284,6 +284,41 @@ def test_changed_k_is_refused_and_nothing_changes():
     assert_unchanged(before, target, target_model)
 
 
+@pytest.mark.parametrize("saved_weighted", [True, False])
+def test_a_window_saved_token_weighted_or_not_is_refused_by_the_other_and_nothing_changes(saved_weighted):
+    # The two windows sum different grads (of summed or of mean losses) and divide by different counts.
+    def run(weighted):
+        model = make_model()
+        tx = gtx.chain(gtx.accumulate(K, token_weighted=weighted), gtx.clip_by_global_norm(0.5))
+        opt = gtx.TransformedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), tx)
+        for x, y in DATA[:4]:
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            opt.step(tokens=len(y))
+        return model, opt
+
+    (src_model, src), (model, opt) = run(saved_weighted), run(not saved_weighted)
+    match = f"saved with token_weighted={saved_weighted}, this transform has token_weighted={not saved_weighted}"
+    before = snapshot(opt, model)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(src.state_dict())
+    with pytest.raises(ValueError, match=match):  # torch's flattened DCP route
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        set_optimizer_state_dict(model, opt, get_optimizer_state_dict(src_model, src, options=options), options=options)
+    assert_unchanged(before, opt, model)
+    params = {n: p.detach().clone() for n, p in src_model.named_parameters()}
+    grads = {n: torch.ones_like(p) for n, p in params.items()}
+    saved_tx, tx = (
+        gtx.chain(gtx.accumulate(K, token_weighted=w), gtx.sgd(0.1)) for w in (saved_weighted, not saved_weighted)
+    )
+    state = saved_tx.update(grads, saved_tx.init(params), params, tokens=5)[1]
+    with pytest.raises(ValueError, match=match):
+        gtx.checkpoint.load_state_dict(
+            gtx.checkpoint.state_dict(state, params, tx=saved_tx), tx.init(params), params, tx=tx
+        )
+    with pytest.raises(ValueError, match=r"made for \(k, token_weighted\)"):  # a state handed over by hand
+        tx.update(grads, state, params, tokens=5)
+
+
 def test_changed_chain_is_refused_naming_the_key_and_nothing_changes():
     model = make_model()
     src = gtx.TransformedOptimizer(

@@ -117,6 +117,34 @@ def test_a_scheduler_stepped_on_every_micro_step_is_still_refused_naming_both_fi
             opt.zero_grad()
 
 
+def test_a_refused_step_does_not_count_in_the_scheduler_check():
+    """A step refused for its arguments (here tokens=-1) changes nothing: the per-call scheduler is refused at the
+    same call as in the run without it. It used to record that call's lrs, and the next good call saw no change."""
+
+    def refused_at(bad_call):
+        model = make_model()
+        opt = gtx.TransformedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1.0), gtx.accumulate(4, token_weighted=True)
+        )
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        for i, (x, y) in enumerate(batches(4)):
+            F.mse_loss(model(x), y, reduction="sum").backward()
+            if bad_call and i == 1:
+                with pytest.raises(ValueError, match="tokens must be >= 0"):
+                    opt.step(tokens=-1)
+            try:
+                opt.step(tokens=len(x))
+            except ValueError as err:
+                assert "inside an accumulation window" in str(err)
+                return i, params_of(model)
+            sched.step()
+        return None, params_of(model)
+
+    want, got = refused_at(False), refused_at(True)
+    assert want[0] == got[0] == 2
+    assert_trees_close(got[1], want[1], rtol=0, atol=0)
+
+
 # --- item 9: nanoGPT's loss / grad_accum_steps ---------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import gradtx as gtx
+from gradtx.core import tree as tu
 from gradtx.testing import assert_trees_close, assert_trees_equal
 
 
@@ -173,8 +174,19 @@ def test_a_run_resumed_after_gradual_unfreezing_goes_on_as_the_uninterrupted_run
     assert_trees_equal(resumed.tx_state, opt.tx_state)
 
 
+def _trace_in_pairs(decay):
+    """gtx.trace written with a tuple per param in its state (a user's transform may): a tree like the params with a
+    subtree per param, whose keys end in the place of a param and then the tuple's index."""
+
+    def update(updates, state, params=None, **extra):
+        new = tu.tree_map(lambda u, s: (decay * s[0] + u,), updates, state)
+        return tu.tree_map(lambda u, s: s[0], updates, new), new
+
+    return gtx.GradientTransformation(lambda params: tu.tree_map(lambda p: (torch.zeros_like(p),), params), update)
+
+
 @pytest.mark.parametrize("route", ["torch.save", "dcp"])
-@pytest.mark.parametrize("masking", ["masked", "partition"])
+@pytest.mark.parametrize("masking", ["masked", "partition", "pairs"])
 def test_a_masked_members_state_follows_its_param_when_a_layer_unfreezes_and_across_a_resume(masking, route, tmp_path):
     """A masked (partitioned) member keeps no state for its masked params, so its state for the others is not
     shaped like the params and is keyed by each param's place. A layer unfrozen in the middle shifts the places after
@@ -198,8 +210,8 @@ def test_a_masked_members_state_follows_its_param_when_a_layer_unfreezes_and_acr
         on_weights = lambda ps: [[p.ndim == 2 for p in g] for g in ps]
         labels = lambda ps: [["w" if p.ndim == 2 else "b" for p in g] for g in ps]
         tx = (
-            gtx.masked(gtx.trace(0.9), on_weights)
-            if masking == "masked"
+            gtx.masked(gtx.trace(0.9) if masking == "masked" else _trace_in_pairs(0.9), on_weights)
+            if masking != "partition"
             else gtx.partition({"w": gtx.trace(0.9), "b": gtx.scale(1.0)}, labels)
         )
         return gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)

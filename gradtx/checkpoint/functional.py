@@ -28,8 +28,8 @@ Accumulation windows need care, and get it here:
 * State that differs between data-parallel ranks is reduced on save: the
   window's token count and its loss's sum and weight (``token_weighted``
   with a ``comm``) and the running sum of a functional data-parallel step
-  (``reduce_grads=True``) are summed over the group (one collective each,
-  through the transform's ``comm``),
+  (``reduce_grads=True``, or a :func:`gradtx.cp_reduce` after the window) are
+  summed over the group (one collective each, through the transform's ``comm``),
   and on load the group's first rank holds the total and the others zero. The
   window then closes with the same sums on any number of ranks. This needs
   ``tx=``; without it, a save from several processes with an open window raises.
@@ -78,8 +78,8 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     per-rank reductions below.
 
     Per-rank state is reduced: with ``tx`` given, an open window's token count
-    (``token_weighted`` with a ``comm``) and its running sum (``reduce_grads``)
-    are summed over the accumulation's group, one coalesced collective each
+    (``token_weighted`` with a ``comm``) and its running sum (``reduce_grads``, or
+    a ``cp_reduce`` after the window) are summed over the accumulation's group, one coalesced collective each
     through its ``comm``; call this on every rank. Without ``tx``, a save from
     several processes while a window is open raises.
 
@@ -120,14 +120,21 @@ def export_layout(
     """Per-parameter leaves (key -> one tensor per param) and global leaves of ``layout``, per-rank parts reduced."""
     per_param = {key: [t.detach() for t in _templates(layout, key, p_leaves)] for key in layout.per_param}
     globals_ = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in layout.globals_.items()}
-    for key, w, acc in lo.per_rank(layout, tx, what=what):
+    for w in layout.windows:  # a plain window's loss is this rank's own; a checkpoint's global slot holds one rank's
+        if lo.multi_process() and int(w.state.loss_weight) > 0 and not bool(w.state.token_weighted):
+            raise ValueError(
+                f"{what}: an accumulation window is open (micro-step {int(w.state.micro_step)}) and holds each rank's "
+                "own loss (given as loss=), which a checkpoint cannot keep per rank: the resumed window's loss would "
+                "be another rank's. Save at a window boundary, or end the window early with flush=True"
+            )
+    for key, w, comm, group in lo.per_rank(layout, tx, what=what):
         if int(w.state.micro_step) == 0:
             continue  # a window at a boundary holds nothing
         if key == w.key("acc"):
-            per_param[key] = tu.all_reduce_leaves(acc.window.comm, per_param[key], ReduceOp.SUM, acc.window.group)
+            per_param[key] = tu.all_reduce_leaves(comm, per_param[key], ReduceOp.SUM, group)
         else:  # the tokens, the loss sum or its weight: on the params' device, as the window's own collective (NCCL)
             value = getattr(w.state, key.rsplit("/", 1)[-1])
-            (total,) = acc.window.comm.all_reduce([value.to(tu.device_of(p_leaves))], ReduceOp.SUM, acc.window.group)
+            (total,) = comm.all_reduce([value.to(tu.device_of(p_leaves))], ReduceOp.SUM, group)
             globals_[key] = total.to(value.dtype).cpu()
     return per_param, globals_
 
@@ -162,7 +169,7 @@ def load_state_dict(
 
     Checks before it builds anything: the same parameter names, the same
     per-parameter and global keys (the same chain), shapes and dtypes, and the
-    same accumulation ``k``; the first difference raises a ``ValueError`` that
+    same accumulation ``k`` and ``token_weighted``; the first difference raises a ``ValueError`` that
     names it. Tensors are placed like the live state's (a plain full tensor is
     cut to a DTensor's local shard with no communication; a DTensor must
     already have the live placement, which ``dcp.load`` into a
@@ -233,18 +240,19 @@ def import_layout(
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     per_rank = lo.per_rank(layout, tx, what=what) if tx is not None else []
     for w in layout.windows:
-        saved_k, k = int(globals_[w.key("k")]), int(w.state.k)
-        if saved_k != k:
-            raise ValueError(
-                f"{what}: the accumulation window at {w.prefix!r} was saved with k={saved_k}, this transform has "
-                f"k={k}; resume with the same k (or save at a boundary and start a fresh state)"
-            )
+        for name in ("k", "token_weighted"):  # the two sum different grads (summed or mean losses)
+            saved, live = globals_[w.key(name)].tolist(), getattr(w.state, name).tolist()
+            if saved != live:
+                raise ValueError(
+                    f"{what}: the accumulation window at {w.prefix!r} was saved with {name}={saved}, this transform "
+                    f"has {name}={live}; resume with the same {name} (or save at a boundary and start a fresh state)"
+                )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
     first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
-    for key, _, acc in per_rank:
+    for key, _, comm, group in per_rank:
         # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
         # size is rank 0 of a one-rank group, and raises in a larger one.
-        rank = as_comm(acc.window.comm, name="gradtx.checkpoint.functional").rank(acc.window.group)
+        rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
         first[key] = rank_equals(rank, 0)
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:

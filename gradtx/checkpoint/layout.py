@@ -55,6 +55,9 @@ class Layout(NamedTuple):
     per_param: dict[str, Any]  # key -> subtree shaped like the params
     globals_: dict[str, Any]  # key -> leaf
     windows: list[Window]
+    # A global leaf inside a tree like the params with holes (a masked member's state, None where masked) or with a
+    # subtree per param: key -> (the param's flat index, the key before and after the param's place in it).
+    places: dict[str, tuple[int, str, str]]
 
 
 def is_per_param(node: Any, p_spec: Any, p_leaves: list[torch.Tensor]) -> bool:
@@ -74,19 +77,38 @@ def walk(
     for an accumulation window's running sum). Without it, the state is returned as it is.
     """
     p_leaves, p_spec = tu.flatten(params)
-    layout = Layout({}, {}, [])
+    layout = Layout({}, {}, [], {})
+    at = [key_of(a) for a in optree.treespec_accessors(p_spec)]  # each param's place in the params' tree
 
     def piece(kind: str, node: Any, key: str) -> Any:
         (layout.globals_ if kind == "global" else layout.per_param)[key] = node
         return rebuild(kind, node, key) if rebuild else node
 
+    def placed(node: Any) -> list[Any] | None:
+        """A subtree per param (None in a hole) where ``node`` is a tree like the params, else None."""
+        try:
+            return None if isinstance(node, torch.Tensor) or p_spec.is_leaf() else p_spec.flatten_up_to(node)
+        except ValueError:
+            return None
+
     def is_piece(node: Any) -> bool:
-        return isinstance(node, AccumulateState) or is_per_param(node, p_spec, p_leaves)
+        return isinstance(node, AccumulateState) or placed(node) is not None
 
     accessors, nodes, spec = optree.tree_flatten_with_accessor(state, is_leaf=is_piece)
-    new = []
+    new: list[Any] = []
     for accessor, node in zip(accessors, nodes):
         key = key_of(accessor)
+        subtrees = placed(node)
+        if subtrees is not None and not is_per_param(node, p_spec, p_leaves):  # each global leaf keeps its param
+            head, rebuilt = "" if key == "<root>" else key, []
+            for i, sub in enumerate(subtrees):
+                sub_accessors, leaves, sub_spec = optree.tree_flatten_with_accessor(sub)
+                tails = ["/" + key_of(a) if len(a) else "" for a in sub_accessors]
+                keys = [f"{head}/{at[i]}{tail}".lstrip("/") for tail in tails]
+                layout.places.update({k: (i, head, tail) for k, tail in zip(keys, tails)})
+                rebuilt.append(optree.tree_unflatten(sub_spec, [piece("global", v, k) for v, k in zip(leaves, keys)]))
+            new.append(p_spec.unflatten(rebuilt))
+            continue
         if not isinstance(node, AccumulateState):
             new.append(piece("param" if is_per_param(node, p_spec, p_leaves) else "global", node, key))
             continue
@@ -145,11 +167,12 @@ def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tens
     return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
 
 
-def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any]]:
-    """The per-rank pieces of ``layout``'s windows: (key, window, its windowed member of ``tx``).
+def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any, Any]]:
+    """The per-rank pieces of ``layout``'s windows: (key, window, the comm and group they are summed over).
 
     A window with a ``comm`` counts its tokens and its loss per rank
-    (``token_weighted``) and sums its grads per rank (``reduce_grads``).
+    (``token_weighted``) and sums its grads per rank (``reduce_grads``, or a
+    member after it that sums the grads over ranks, :func:`gradtx.cp_reduce`).
     Without ``tx`` there are none to find, which is refused while a window is
     open in several processes.
     """
@@ -161,18 +184,24 @@ def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) ->
                 "or save at a window boundary"
             )
         return []
-    accs = [m for m in members(tx) if isinstance(m, Accumulation)]
+    chain = members(tx)
+    accs = [i for i, m in enumerate(chain) if isinstance(m, Accumulation)]
     if len(accs) != len(layout.windows):
         raise ValueError(
             f"{what}: tx has {len(accs)} windowed members but the state has {len(layout.windows)} "
             "window states; pass the transform this state was made by"
         )
-    return [
-        (w.key(name), w, acc)
-        for w, acc in zip(layout.windows, accs)
-        for name in ("tokens", "loss_sum", "loss_weight", "acc")  # the window's loss is a global token mean too
-        if (acc.window.reduce_grads if name == "acc" else acc.window.token_weighted) and acc.window.comm is not None
-    ]
+    out = []
+    for w, i in zip(layout.windows, accs):
+        window = chain[i].window
+        own = (window.comm, window.group) if window.comm is not None else None
+        later = [getattr(m, "__dict__", {}).get("sums_over_ranks") for m in chain[i + 1 :]]  # cp_reduce's (comm, group)
+        sums = own if window.reduce_grads else next((s for s in later if isinstance(s, tuple)), None)
+        for name in ("tokens", "loss_sum", "loss_weight", "acc"):  # the window's loss is a global token mean too
+            by = sums if name == "acc" else own if window.token_weighted else None
+            if by is not None:
+                out.append((w.key(name), w, *by))
+    return out
 
 
 # --- tensors onto a template ---------------------------------------------------------------------

@@ -101,5 +101,7 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, group)), state
 
     tx = GradientTransformation(init_empty_state, update_fn)
-    vars(tx)["sums_over_ranks"] = True  # a param with no grad here may have one on another rank (the wrapper reads it)
+    # A param with no grad here may have one on another rank (the wrapper reads it); a window before this holds each
+    # rank's own sums, which a checkpoint sums over the group (gradtx.checkpoint reads it).
+    vars(tx)["sums_over_ranks"] = (comm, group)
     return tx

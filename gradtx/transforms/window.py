@@ -42,6 +42,8 @@ class AccumulateState(NamedTuple):
         over all ranks (int64).
       k: the window length this state was made for (int64), checked on every
         update so a state cannot be resumed under another ``k`` by mistake.
+      token_weighted: whether this state was made for a token-weighted window
+        (bool), checked as ``k`` is: the two sum different grads (summed or mean losses).
       acc: the fp32 running sum, a tree like the params, from ``init`` on (so the
         state's structure never changes): a leaf is the sum of its grads while a
         window is open in :func:`accumulate`, else a 0-element placeholder
@@ -64,6 +66,7 @@ class AccumulateState(NamedTuple):
     last_tokens: torch.Tensor
     empty_windows: torch.Tensor
     k: torch.Tensor
+    token_weighted: torch.Tensor
     acc: PyTree
     loss_sum: torch.Tensor
     loss_weight: torch.Tensor
@@ -196,6 +199,7 @@ class Window:
             last_tokens=zero.clone(),
             empty_windows=zero.clone(),
             k=torch.tensor(self.k, dtype=torch.int64),
+            token_weighted=torch.tensor(self.token_weighted),
             acc=empty_sums(params),
             loss_sum=torch.zeros((), dtype=torch.float32),
             loss_weight=zero.clone(),
@@ -204,12 +208,13 @@ class Window:
         )
 
     def check(self, state: Any) -> None:
-        """Raise unless ``state`` is an :class:`AccumulateState` made for this window's ``k``."""
+        """Raise unless ``state`` is an :class:`AccumulateState` made for this window's ``k`` and weighting."""
         tu.require_state(state, AccumulateState, name="accumulate")
-        if int(state.k) != self.k:
+        made, this = (int(state.k), bool(state.token_weighted)), (self.k, self.token_weighted)
+        if made != this:
             raise ValueError(
-                f"accumulate: the state was made for k={int(state.k)}, this transform has k={self.k}; "
-                "resume with the same k, or start from init()"
+                f"accumulate: the state was made for (k, token_weighted)={made}, this transform has {this}; "
+                "resume with the same k and token_weighted, or start from init()"
             )
 
     def is_open(self, state: AccumulateState) -> bool:

@@ -40,36 +40,26 @@ def joined(tree: ParamTree, groups: list[dict[str, Any]], summed: bool = False) 
     ]
 
 
-def _place(key: str) -> tuple[str, str]:
-    """A global state key split into its head and the ``"<group>/<index>"`` it may end in.
-
-    A masked (partitioned) member's state has None where masked, so it is global, not per-param: each param's
-    piece is keyed by the param's place in the tree (``"<path>/<group>/<index>"``).
-    """
-    head, group, index = key.rsplit("/", 2) if key.count("/") > 1 else (key, "", "")
-    return head, f"{group}/{index}"
-
-
 def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: ParamTree) -> OptState:
     """The state for the tree ``new``: each param of ``old`` keeps its per-param state, new params start fresh.
 
     Params are matched by identity, not position, so a param joining in the
-    middle of a group shifts nothing. Global state (counters, the window's
-    bookkeeping) is kept as it is.
+    middle of a group shifts nothing; a global leaf in a tree like the params
+    (a masked member's state, None where masked) follows its param too. Other
+    global state (counters, the window's bookkeeping) is kept as it is.
     """
     fresh = tx.init(new)
     old_layout = lo.layout_of(state, old)
-    old_ids = [id(p) for p in tu.flatten(old)[0]]
-    new_flat = tu.flatten(new)[0]
-    new_at = {f"{g}/{i}": p for g, ps in enumerate(new) for i, p in enumerate(ps)}
-    old_at = {id(p): f"{g}/{i}" for g, ps in enumerate(old) for i, p in enumerate(ps)}
+    old_flat, new_flat = tu.flatten(old)[0], tu.flatten(new)[0]
+    old_ids = [id(p) for p in old_flat]
+    old_key = {(id(old_flat[i]), head, tail): key for key, (i, head, tail) in old_layout.places.items()}
+    places = lo.layout_of(fresh, new).places
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
-            head, at = _place(key)  # a masked member's state follows its param, as per-param state does
-            p = new_at.get(at)
-            if p is not None and getattr(node, "shape", None) == p.shape:
-                key = f"{head}/{old_at[id(p)]}" if id(p) in old_at else ""  # a param new here starts fresh
+            if key in places:  # its param's piece where the param was, none for a param new here
+                i, head, tail = places[key]
+                key = old_key.get((id(new_flat[i]), head, tail), "")
             prev = old_layout.globals_.get(key)
             same = isinstance(prev, torch.Tensor) and isinstance(node, torch.Tensor) and prev.shape == node.shape
             return prev if same else node
@@ -82,9 +72,9 @@ def regrow(tx: GradientTransformation, state: OptState, old: ParamTree, new: Par
     return lo.walk(fresh, new, rebuild)[1]
 
 
-def in_groups(opt: Any, globals_: Any, *, out: bool = True) -> Any:
-    """``globals_`` with each key ending in a param's place in the transform's tree keyed by its place in the param
-    groups instead (``out``), or back.
+def in_groups(opt: Any, places: dict[str, tuple[int, str, str]], globals_: Any, *, out: bool = True) -> Any:
+    """``globals_`` with each key at a param's place in the transform's tree (``places``, from the state's
+    :class:`~gradtx.checkpoint.layout.Layout`) keyed by the param's place in the param groups instead (``out``), or back.
 
     Places in the tree move when a frozen param joins it; in the groups they do not, so a checkpoint keyed by them
     loads into a template made before the param joined (``dcp.load``).
@@ -92,13 +82,10 @@ def in_groups(opt: Any, globals_: Any, *, out: bool = True) -> Any:
     if not isinstance(globals_, dict):
         return globals_
     index = [{id(q): j for j, q in enumerate(g["params"])} for g in opt.optimizer.param_groups]
-    place = {f"{n}/{i}": f"{n}/{index[n].get(id(p))}" for n, ps in enumerate(opt._tree) for i, p in enumerate(ps)}
-    place = place if out else {v: k for k, v in place.items()}
-    renamed = {}
-    for key, value in globals_.items():
-        head, at = _place(key)
-        renamed[f"{head}/{place[at]}" if at in place else key] = value
-    return renamed
+    grouped = [f"{n}/{index[n].get(id(p))}" for n, ps in enumerate(opt._tree) for p in ps]
+    name = {key: f"{head}/{grouped[i]}{tail}".lstrip("/") for key, (i, head, tail) in places.items()}
+    name = name if out else {v: k for k, v in name.items()}
+    return {name.get(key, key): value for key, value in globals_.items()}
 
 
 def check_groups(groups: list[dict[str, Any]], tree: ParamTree) -> None:

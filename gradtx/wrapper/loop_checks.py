@@ -53,7 +53,7 @@ def check_no_optimizer(members: list[GradientTransformation], optimizer: torch.o
             )
 
 
-def check_lrs(live: Any, groups: list[dict[str, Any]]) -> None:
+def check_lrs(live: Any, groups: list[dict[str, Any]], window: Any, *, record: bool = False) -> None:
     """Refuse an lr that changes on every micro-step: a scheduler stepped on every ``step()`` call.
 
     A scheduler stepped once per epoch (``ReduceLROnPlateau``, ``StepLR``) may
@@ -66,17 +66,24 @@ def check_lrs(live: Any, groups: list[dict[str, Any]]) -> None:
     Args:
       live: the wrapper's step record: ``lrs`` (the lrs at its last step),
         ``window_open``, and ``lr_prev`` (whether the lr changed at the last
-        step, and whether inside a window); updated here.
+        step, and whether inside a window).
       groups: the param groups.
+      window: the chain's accumulation window; without one (``None``) nothing is checked or recorded.
+      record: record this step's lrs in ``live`` instead of checking them: when the step commits, so a step
+        refused later (a bad ``tokens=``) leaves the record as it was.
     """
+    if window is None:
+        return
     lrs = [g.get("lr") for g in groups]
-    before, live.lrs = live.lrs, lrs
     changed = [
         (i, a, b)
-        for i, (a, b) in enumerate(zip(before or (), lrs))
+        for i, (a, b) in enumerate(zip(live.lrs or (), lrs))
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a != b
     ]
-    (prev_changed, prev_inside), live.lr_prev = live.lr_prev, (bool(changed), live.window_open)
+    if record:
+        live.lrs, live.lr_prev = lrs, (bool(changed), live.window_open)
+        return
+    prev_changed, prev_inside = live.lr_prev
     if not (changed and prev_changed and (live.window_open or prev_inside)):
         return
     i, a, b = changed[0]

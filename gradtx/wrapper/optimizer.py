@@ -302,8 +302,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         if self._frozen and any(p.grad is not None or (self._plan.summed and p.requires_grad) for p in self._frozen):
             # Params frozen at the build, now with a grad (summed over ranks: needing one), join with a fresh state.
             self._grow(grads.joined(self._tree, self.optimizer.param_groups, self._plan.summed))
-        if self._plan.window is not None:
-            loop_checks.check_lrs(self._live, self.optimizer.param_groups)
+        loop_checks.check_lrs(self._live, self.optimizer.param_groups, self._plan.window)
 
     def _step(self, extra: dict[str, Any]) -> None:
         if not self._live.synced and self._plan.emits_next(self._live.tx_state, flush=extra.get("flush", False)):
@@ -339,6 +338,7 @@ class TransformedOptimizer(torch.optim.Optimizer):
         self._live.amp_scale, self._live.amp_inf = verdict.scale, verdict.inf
 
     def _commit(self, new_state: OptState, window_open: bool, emitted: bool) -> None:
+        loop_checks.check_lrs(self._live, self.optimizer.param_groups, self._plan.window, record=True)
         self._live.tx_state = new_state
         self._live.window_open = window_open
         self._live.emitted = emitted

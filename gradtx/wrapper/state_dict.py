@@ -113,13 +113,14 @@ def entry(opt: Any, i: int) -> dict[str, Any]:
     window = lo.window_sum_keys(layout)
     out = {key: tu.flatten(sub)[0][i] for key, sub in layout.per_param.items() if key not in window}
     if i == 0:
-        out[GLOBAL] = grads.in_groups(opt, dict(layout.globals_))
+        out[GLOBAL] = grads.in_groups(opt, layout.places, dict(layout.globals_))
     return out
 
 
 def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     """Write param ``i``'s ``"gradtx"`` entry back into the live state (e.g. a state moved to another device)."""
-    glob = grads.in_groups(opt, value.get(GLOBAL, {}), out=False) if i == 0 else {}
+    places = lo.layout_of(opt._live.tx_state, opt._tree).places
+    glob = grads.in_groups(opt, places, value.get(GLOBAL, {}), out=False) if i == 0 else {}
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
@@ -279,7 +280,7 @@ def state_dict(opt: Any) -> dict[str, Any]:
         if window:  # at a boundary too, so a template holds the key (torch's full_state_dict loads need it)
             gtx[HAS_GRAD] = torch.tensor(float(open_ and p.grad is not None))
         if i == 0:
-            gtx[GLOBAL] = grads.in_groups(opt, globals_)
+            gtx[GLOBAL] = grads.in_groups(opt, layout.places, globals_)
             if window:
                 gtx[AMP] = amp.record(opt._live.amp_scale, opt._live.amp_inf)
         out[pid][GTX] = gtx
@@ -422,7 +423,7 @@ def _load(opt: Any, state_dict: dict[str, Any], saved_of: dict[int, Any], what: 
                 inner_state.pop(saved_of[id(p)], None)
             has_grad[i] = _flag(e, HAS_GRAD, True, what=f"{what}: {name}")
         per_param = {key: [e[key] for e in entries] for key in layout.per_param}
-        saved_globals = grads.in_groups(opt, first[GLOBAL], out=False)
+        saved_globals = grads.in_groups(opt, layout.places, first[GLOBAL], out=False)
         new_state = _ckpt.import_layout(layout, template, params, per_param, saved_globals, opt.tx, names, what=what)
         if saved_open and opt._plan.window is not None:  # the partial sums go to .grad, the state keeps none
             states = opt._plan.states(new_state)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from gradtx.testing import assert_trees_close
 from tests.distributed.harness import part_results, share_spawn
 
 WORLD, K, STEPS = 2, 4, 2
@@ -347,6 +348,88 @@ def _window_loss_resumed_mid_window(rank: int) -> dict[str, Any]:
     return {"window_loss": float(state[0].last_loss), "emitted": bool(state[0].emitted)}
 
 
+def _plain_window_loss_saved_mid_window(rank: int) -> dict[str, Any]:
+    """A plain window's loss is each rank's own mean, which a checkpoint cannot keep per rank (DCP writes one copy
+    of a tensor that is not a DTensor): a mid-window save through DCP (functional, reduce_grads) and the DDP
+    wrapper's state_dict are refused; the same run without the save gives each rank its own loss."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradtx as gtx
+    from gradtx.comm.torch_dist import TorchComm
+
+    comm = TorchComm(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",)))
+    model = lm()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    tx = gtx.chain(gtx.accumulate(K, comm=comm, group="dp", reduce_grads=True), gtx.sgd(LR))
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    out: dict[str, Any] = {"refused": None, "wrapper_refused": None}
+    for save in (False, True):
+        state = tx.init(params)
+        try:
+            for i in range(K):
+                if save and i == 2:
+                    dcp.save({"tx": gtx.checkpoint.state_dict(state, params, tx=tx)}, checkpoint_id=path[0])
+                    loaded = {"tx": gtx.checkpoint.state_dict(tx.init(params), params, tx=tx)}
+                    dcp.load(loaded, checkpoint_id=path[0])
+                    state = gtx.checkpoint.load_state_dict(loaded["tx"], tx.init(params), params, tx=tx)
+                x, y = micro_batch(rank, 0, i)
+                with torch.no_grad():
+                    loss = sum_loss(model(x), y) / max(n_valid(y), 1)
+                _, state = tx.update({n: torch.zeros_like(p) for n, p in params.items()}, state, params, loss=loss)
+            out["resumed" if save else "own"] = float(state[0].last_loss)
+        except ValueError as err:
+            out["refused"] = str(err)
+    ddp = DDP(lm())
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(ddp.parameters(), lr=LR), gtx.accumulate(K))
+    for i in range(2):
+        x, y = micro_batch(rank, 0, i)
+        loss = sum_loss(ddp(x), y) / max(n_valid(y), 1)
+        loss.backward()
+        opt.step(loss=loss.detach())
+    try:
+        opt.state_dict()
+    except ValueError as err:
+        out["wrapper_refused"] = str(err)
+    return out
+
+
+def _window_summed_by_cp_reduce_resumed_mid_window(rank: int) -> dict[str, Any]:
+    """chain(accumulate(k), cp_reduce(mesh)): the window holds each rank's own sums, which cp_reduce sums over the
+    ranks when it emits. Saved mid-window through DCP, which writes one copy of a plain tensor, every rank used to
+    resume with rank 0's sums."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import gradtx as gtx
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+    tx = gtx.chain(gtx.accumulate(K), gtx.cp_reduce(mesh["cp"]), gtx.sgd(LR))
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    params = {n: p.detach() for n, p in lm().named_parameters()}
+    state, model = tx.init(params), lm()
+
+    def loss(p, x, y):
+        return sum_loss(torch.func.functional_call(model, p, (x,)), y)
+
+    for i in range(K):
+        if i == 2:
+            dcp.save({"tx": gtx.checkpoint.state_dict(state, params, tx=tx)}, checkpoint_id=path[0])
+            loaded = {"tx": gtx.checkpoint.state_dict(tx.init(params), params, tx=tx)}
+            dcp.load(loaded, checkpoint_id=path[0])
+            state = gtx.checkpoint.load_state_dict(loaded["tx"], tx.init(params), params, tx=tx)
+        grads = torch.func.grad(loss)(params, *micro_batch(rank, 0, i))
+        params, state = gtx.update_and_apply(tx, grads, state, params)
+    return {"params": params}
+
+
 def _gradscaler_with_grads_summed_in_the_step(rank: int) -> list[dict[str, Any]]:
     """GradScaler on every micro-step of a wrapper whose chain sums .grad over the ranks inside the step; rank 0's
     loss is inf on one micro-step. GradScaler's inf flag is each rank's own (read before the step sums), so rank 0
@@ -396,6 +479,8 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "ddp_resumed_mid_window": _ddp_resumed_mid_window,
     "ddp_flush_not_told": _ddp_flush_not_told_to_maybe_no_sync,
     "window_loss_resumed": _window_loss_resumed_mid_window,
+    "plain_window_loss_saved": _plain_window_loss_saved_mid_window,
+    "cp_reduce_window_resumed": _window_summed_by_cp_reduce_resumed_mid_window,
     "gradscaler_summed": _gradscaler_with_grads_summed_in_the_step,
 }
 
@@ -507,6 +592,31 @@ def test_a_window_loss_resumed_mid_window_is_still_the_global_token_mean(ranks: 
     for res in part_results(ranks, "window_loss_resumed"):
         assert res["emitted"]
         assert res["window_loss"] == pytest.approx(want, rel=1e-6)
+
+
+def test_a_plain_window_loss_is_each_ranks_own_and_a_mid_window_save_of_it_is_refused(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Saved and resumed, rank 1's window took rank 0's partial loss (DCP keeps one copy of the window's loss sum)."""
+    model = lm()
+    for rank, res in enumerate(part_results(ranks, "plain_window_loss_saved")):
+        with torch.no_grad():
+            own = [sum_loss(model(x), y) / max(n_valid(y), 1) for x, y in (micro_batch(rank, 0, i) for i in range(K))]
+        assert res["own"] == pytest.approx(float(sum(own)) / K, rel=1e-6)
+        for refused in (res["refused"], res["wrapper_refused"]):
+            assert refused is not None and "own loss" in refused and "flush=True" in refused, res
+
+
+def test_a_window_summed_by_cp_reduce_resumed_mid_window_equals_the_global_sum(ranks: list[dict[str, Any]]) -> None:
+    """One process, no gradtx: SGD on the sum over the ranks of each rank's mean over its micro-steps' summed losses."""
+    model = lm()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    sum(sum_loss(model(x), y) for x, y in (micro_batch(r, 0, i) for r in range(WORLD) for i in range(K))).div(
+        K
+    ).backward()
+    opt.step()
+    for res in part_results(ranks, "cp_reduce_window_resumed"):
+        assert_trees_close(res["params"], dict(model.named_parameters()), rtol=1e-5, atol=1e-6)
 
 
 def test_gradscaler_is_refused_where_the_chain_sums_the_grads_over_the_ranks(ranks: list[dict[str, Any]]) -> None:
