@@ -304,3 +304,41 @@ def test_a_missing_grad_leaves_every_other_grad_laid_out_as_its_param():
     testing.assert_matches_single_device(
         gtx.muon(0.1, weight_decay=0.1), grads, params, mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp"
     )
+
+
+# --- gtx.testing's checkers on DTensors of a simulated mesh ---------------------------------------------
+
+
+def _scale_local(rank1_only: bool):
+    def update(updates, state, params=None, **extra):
+        local = updates["w"].to_local()
+        if rank1_only:  # a change one rank sees: rank 0's values stay as they were
+            local._local_tensors[1].mul_(3.0)
+        else:  # in place through the local tensor, writing the same values (a clip whose coefficient is 1)
+            local.mul_(torch.ones(()))
+        return updates, state
+
+    return gtx.GradientTransformation(lambda p: gtx.EmptyState(), update)
+
+
+@pytest.mark.parametrize("rank1_only", [False, True], ids=["same-values-via-to_local", "one-rank-only"])
+def test_assert_pure_sees_every_rank_and_the_local_tensor_of_a_dtensor(rank1_only):
+    """Before: assert_pure passed both. An in-place op on a DTensor's local tensor does not move the DTensor's
+    version counter, and torch.equal on a LocalTensor compares rank 0's values alone."""
+    full = _tree(0, w=(4, 3))
+    with testing.simulated_mesh((2,), ("dp",)) as mesh:
+        grads = testing.distribute(full, mesh, "fsdp")
+        with pytest.raises(AssertionError, match=r"update: updates at \['w'\] (was modified in place|changed value)"):
+            testing.assert_pure(_scale_local(rank1_only), grads, steps=1)
+
+
+def test_tree_comparisons_of_dtensors_fail_naming_the_path_and_the_rank():
+    """Before: assert_trees_equal on two simulated DTensors that differ raised torch's internal RuntimeError
+    ("Comparing TensorLikePair ... resulted in the unexpected exception"), not an AssertionError naming the path."""
+    full = _tree(0, w=(4, 3))
+    other = {"w": torch.cat([full["w"][:2], full["w"][2:] + 1.0])}  # rank 1's shard differs, rank 0's does not
+    with testing.simulated_mesh((2,), ("dp",)) as mesh:
+        a, b = testing.distribute(full, mesh, "fsdp"), testing.distribute(other, mesh, "fsdp")
+        testing.assert_trees_equal(a, testing.distribute(full, mesh, "fsdp"))
+        with pytest.raises(AssertionError, match=r"\['w'\] \(simulated rank 1\): Tensor-likes are not equal"):
+            testing.assert_trees_equal(a, b)

@@ -37,6 +37,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
 from gradtx.core.base import metrics as _metrics
+from gradtx.testing import _mode_off
 from gradtx.transforms.combine import apply_updates
 
 PRESETS = ("ddp", "fsdp", "hsdp", "tp", "tp_fsdp", "ep_fsdp", "cp")
@@ -117,11 +118,6 @@ def _coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
 # Reading a mesh's rank layout costs ~0.1 s here, and every shard of every leaf needs it. Weak keys: an
 # entry lives as long as its mesh (equal meshes have equal coordinates, so a hit is always right).
 _COORDS: weakref.WeakKeyDictionary[DeviceMesh, dict[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
-
-
-def _mode_off() -> contextlib.AbstractContextManager:
-    mode = local_tensor_mode()  # (disabling a disabled mode leaves it disabled)
-    return mode.disable() if mode is not None else contextlib.nullcontext()
 
 
 def _local_shard(
