@@ -95,14 +95,16 @@ def assert_pure(
     """
     steps = check.integer(steps, arg="steps", name="assert_pure", minimum=1)
     check.transform(tx, arg="tx", name="assert_pure")
-    params_check = _snapshot(params)
+    params_check, updates_check = _snapshot(params), _snapshot(updates)
     if state is None:
         state = tx.init(params if params is not None else updates)
         params_check("init: params")
+        updates_check("init: updates")  # init(updates) when params is None
     result: tuple[PyTree, PyTree] = (None, state)
     for _ in range(steps):
         snaps = [(_snapshot(updates), "update: updates"), (_snapshot(state), "update: state"), (params_check, "params")]
         first = tx.update(updates, state, params, **extra)
+        snaps.append((_snapshot(first), "the first run's result (a buffer kept between calls),"))
         again = tx.update(updates, state, params, **extra)
         for check_unchanged, what in snaps:
             check_unchanged(what)
