@@ -188,6 +188,8 @@ class RecordingComm:
         return self.inner.all_to_all(tensors, recv_numels, group)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
+        if name == "inner":  # unpickling and copy look attributes up before there is one
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def reset(self) -> None:
