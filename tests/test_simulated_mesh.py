@@ -63,6 +63,17 @@ def test_plans_do_not_outlive_their_process_groups():
     assert not dist.is_initialized()
 
 
+def test_one_transform_runs_in_one_simulated_world_after_another():
+    """Before: a transform reused in a later world (a module-level tx in two tests, each with its own mesh) kept
+    the plan of the first world, whose meshes equal the new ones, and reduced over its destroyed process groups:
+    "ValueError: Process group ... is not initialized in the world group map"."""
+    grads = _tree(w=(6, 4), b=(4,))
+    txs = (gtx.clip_by_global_norm(1.0), gtx.adaptive_clip(0.01), gtx.track_norms(), gtx.lars(0.1))
+    for shape, layout in [((2,), "fsdp"), ((2,), "fsdp"), ((2, 2), "tp_fsdp")]:
+        for tx in txs:
+            testing.assert_matches_single_device(tx, [grads], grads, mesh_shape=shape, layout=layout)
+
+
 # --- the layouts ------------------------------------------------------------------------------------
 
 
