@@ -353,3 +353,33 @@ def test_tree_comparisons_of_dtensors_fail_naming_the_path_and_the_rank():
         testing.assert_trees_equal(a, testing.distribute(full, mesh, "fsdp"))
         with pytest.raises(AssertionError, match=r"\['w'\] \(simulated rank 1\): Tensor-likes are not equal"):
             testing.assert_trees_equal(a, b)
+
+
+def test_assert_matches_single_device_names_a_bad_argument_before_it_runs():
+    """Before: the factory for tx raised AttributeError ('function' object has no attribute 'init'), one grads tree
+    for grads_seq a KeyError (0), a negative rtol torch's RuntimeError after both runs, and mesh= with a
+    mesh_shape= that differs passed on the mesh given: a 2x2 check that ran on 2 ranks."""
+    grads = _tree(w=(6, 4), b=(4,))
+    check = testing.assert_matches_single_device
+    tx = gtx.clip_by_global_norm(1.0)
+    with pytest.raises(TypeError, match="assert_matches_single_device: tx must be a GradientTransformation"):
+        check(gtx.clip_by_global_norm, [grads], grads, mesh_shape=(2,), layout="fsdp")
+    for bad in (grads, [], torch.ones(3)):
+        with pytest.raises(ValueError, match="assert_matches_single_device: grads_seq must be a non-empty list"):
+            check(tx, bad, grads, mesh_shape=(2,), layout="fsdp")
+    with pytest.raises(ValueError, match="assert_matches_single_device: rtol must be >= 0"):
+        check(tx, [grads], grads, mesh_shape=(2,), layout="fsdp", rtol=-1.0)
+    with testing.simulated_mesh((2,)) as mesh, pytest.raises(ValueError, match="pass mesh= or mesh_shape= and names="):
+        check(tx, [grads], grads, mesh=mesh, mesh_shape=(2, 2), layout="tp_fsdp")
+
+
+def test_distribute_refuses_a_partial_placement():
+    """Before: every rank held the whole tensor as a Partial(sum), a DTensor whose value is world times the one
+    given (full_tensor() doubled it on 2 ranks)."""
+    from torch.distributed.tensor import Partial
+
+    with (
+        testing.simulated_mesh((2,)) as mesh,
+        pytest.raises(ValueError, match=r"gives b P\(sum\); a full tensor is no"),
+    ):
+        testing.distribute(_tree(b=(4,)), mesh, {"b": [Partial()]})

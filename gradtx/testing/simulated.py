@@ -244,6 +244,8 @@ def _checked(placement: Any, dotted: str, leaf: torch.Tensor) -> Placement:
     counts from the end, as in torch's ``distribute_tensor``."""
     if not isinstance(placement, Placement):
         raise TypeError(f"distribute: layout gives {dotted} a {type(placement).__name__}, not a Placement (Shard(0))")
+    if placement.is_partial():  # every rank would hold the whole tensor: a pending sum of world copies of it
+        raise ValueError(f"distribute: layout gives {dotted} {placement}; a full tensor is no pending sum")
     if not isinstance(placement, Shard):
         return placement
     dim = placement.dim + leaf.ndim if placement.dim < 0 else placement.dim
@@ -410,9 +412,14 @@ def assert_matches_single_device(
       ...     gtx.clip_by_global_norm(1.0), grads_seq, {"w": torch.randn(5, 3)},
       ...     mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp")
     """
-    if not grads_seq:
-        raise ValueError("assert_matches_single_device: grads_seq is empty; pass one grads tree per step")
     name = "assert_matches_single_device"
+    check.transform(tx, arg="tx", name=name)
+    if not isinstance(grads_seq, Sequence) or not grads_seq:  # a dict: one grads tree, not a list of them
+        given = grads_seq if isinstance(grads_seq, Sequence) else type(grads_seq).__name__
+        raise ValueError(f"{name}: grads_seq must be a non-empty list of grads trees, one per step, got {given}")
+    if mesh is not None and (mesh_shape, names) != (None, None):
+        raise ValueError(f"{name}: pass mesh= or mesh_shape= and names=, not both (mesh {mesh} is used as it is)")
+    rtol, atol = (check.non_negative(v, arg=a, name=name) for v, a in ((rtol, "rtol"), (atol, "atol")))
     steps = len(grads_seq) if steps is None else check.integer(steps, arg="steps", name=name, minimum=1)
     real = dist.is_initialized() and local_tensor_mode() is None
     mesh_cm: Any = contextlib.nullcontext(mesh)
