@@ -256,3 +256,19 @@ def test_assert_pure_checks_init_on_the_updates_when_there_are_no_params():
     tx = gtx.GradientTransformation(init, lambda u, s, p=None, **e: (u, s))
     with pytest.raises(AssertionError, match=r"init: updates at \['b'\] was modified in place"):
         assert_pure(tx, {"b": torch.randn(4), "w": torch.randn(4, 3)})
+
+
+@pytest.mark.parametrize("where", ["init keeps the params", "update keeps the updates"])
+def test_assert_pure_catches_a_state_that_holds_an_input(where):
+    """Before: passed. An optax-style state that holds an input tensor itself (an anchor at the initial params, the
+    last grad) is fine with JAX's immutable arrays, not in torch: the wrapper's inputs are the live params and
+    .grad, which the inner optimizer and the next backward write in place, so the state moves with them."""
+
+    def init(params):
+        return {"kept": params["w"] if where.startswith("init") else torch.zeros(4, 3)}
+
+    def update(updates, state, params=None, **extra):
+        return updates, {"kept": state["kept"] if where.startswith("init") else updates["w"]}
+
+    with pytest.raises(AssertionError, match=r"state at \['kept'\] shares memory with an input"):
+        assert_pure(gtx.GradientTransformation(init, update), _tree(0), _tree(1))

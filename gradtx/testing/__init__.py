@@ -75,6 +75,21 @@ def _snapshot(tree: PyTree) -> Callable[[str], None]:
     return check_unchanged
 
 
+def _check_unaliased(what: str, state: PyTree, inputs: PyTree) -> None:
+    """Fail where ``state`` holds the memory of an input tensor, which its caller may write in place (a backward
+    accumulating into ``.grad``, an optimizer stepping a param) behind the transform's back."""
+
+    def memory(t: torch.Tensor) -> int:  # its storage, or on a simulated mesh (no storage to read) the object
+        local = tu.local(t)
+        simulated = LocalTensor is not None and isinstance(local, LocalTensor)
+        return id(t) if simulated else local.untyped_storage().data_ptr()
+
+    held = {memory(t) for t in optree.tree_leaves(inputs) if torch.is_tensor(t)}
+    for path, t in _leaves(state)[0]:
+        if torch.is_tensor(t) and t.numel() and memory(t) in held:
+            raise AssertionError(f"{what} at {path} shares memory with an input (updates or params): copy it")
+
+
 def assert_pure(
     tx: GradientTransformation,
     updates: PyTree,
@@ -100,10 +115,12 @@ def assert_pure(
         state = tx.init(params if params is not None else updates)
         params_check("init: params")
         updates_check("init: updates")  # init(updates) when params is None
+        _check_unaliased("init: the state", state, (params, updates))
     result: tuple[PyTree, PyTree] = (None, state)
     for _ in range(steps):
         snaps = [(_snapshot(updates), "update: updates"), (_snapshot(state), "update: state"), (params_check, "params")]
         first = tx.update(updates, state, params, **extra)
+        _check_unaliased("update: the new state", first[1], (updates, params))
         snaps.append((_snapshot(first), "the first run's result (a buffer kept between calls),"))
         again = tx.update(updates, state, params, **extra)
         for check_unchanged, what in snaps:
