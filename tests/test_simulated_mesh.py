@@ -378,8 +378,38 @@ def test_distribute_refuses_a_partial_placement():
     given (full_tensor() doubled it on 2 ranks)."""
     from torch.distributed.tensor import Partial
 
+    tree = _tree(b=(4,))
     with (
         testing.simulated_mesh((2,)) as mesh,
         pytest.raises(ValueError, match=r"gives b P\(sum\); a full tensor is no"),
     ):
-        testing.distribute(_tree(b=(4,)), mesh, {"b": [Partial()]})
+        testing.distribute(tree, mesh, {"b": [Partial()]})
+
+
+def test_distribute_takes_a_tensor_made_inside_the_block_as_one_full_tensor():
+    """Before: a tensor made inside simulated_mesh (torch's factories give it a copy per simulated rank, as in
+    distribute's own docstring example) was split copy by copy, so each rank's shard held a copy per rank again:
+    every op on it ran world**2 times (30x slower on 4x4), and a Generator's draws, which differ per rank, made a
+    DTensor that shards no one tensor (gtx's rank_values then failed on its norm)."""
+    reference = torch.arange(12.0).reshape(4, 3)
+    with testing.simulated_mesh((2,), ("dp",)) as mesh:
+        made_inside = torch.arange(12.0).reshape(4, 3)
+        assert isinstance(made_inside, LocalTensor)  # torch's simulation: a copy per rank
+        shards = _shards(testing.distribute({"w": made_inside}, mesh, "fsdp")["w"])
+        assert all(type(s) is torch.Tensor for s in shards.values())
+        torch.testing.assert_close(shards, dict(enumerate(reference.chunk(2))), rtol=0, atol=0)
+        drawn = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))  # each rank draws its own numbers
+        with pytest.raises(ValueError, match="distribute: the tensor at w differs across the simulated ranks"):
+            testing.distribute({"w": drawn}, mesh, "fsdp")
+
+
+def test_assert_matches_single_device_on_a_reused_mesh_takes_tensors_made_inside_it():
+    """Before: grads and params made inside the mesh the check reuses (a copy per simulated rank) crashed it with
+    torch's "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"."""
+    with testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        params = {"w": torch.linspace(-1.0, 2.0, 24).reshape(6, 4), "b": torch.linspace(0.5, 3.0, 4)}
+        grads = [{k: (v * 3.0).flip(0) for k, v in params.items()}]
+        assert isinstance(params["w"], LocalTensor)
+        testing.assert_matches_single_device(gtx.clip_by_global_norm(1.0), grads, params, mesh=mesh, layout="tp_fsdp")
+        with pytest.raises(AssertionError, match=r"step 0: updates at \['b'\]: the ranks disagree"):
+            testing.assert_matches_single_device(_local_norm_clip(1.0), grads, params, mesh=mesh, layout="tp_fsdp")

@@ -217,7 +217,7 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
         raise TypeError(
             f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
         )
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    paths, leaves, spec = optree.tree_flatten_with_path(_full(tree))
     out: list[Any] = []
     matrices = 0
     for path, leaf in zip(paths, leaves):
@@ -237,6 +237,27 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
                 )
         out.append(_put(leaf.detach(), mesh, None if placements is None else _strided(list(placements), mesh)))
     return optree.tree_unflatten(spec, out)
+
+
+def _full(tree: PyTree) -> PyTree:
+    """``tree`` with each tensor made inside the simulation (torch's factories give each rank a copy) as the one full
+    tensor it holds: split copy by copy, each rank's shard would hold a copy per rank again (world**2 work per op)."""
+
+    def whole(path: Any, x: Any) -> Any:
+        if not isinstance(x, LocalTensor):
+            return x
+        with _mode_off():
+            first, *rest = (t for _, t in sorted(x._local_tensors.items()))
+            if all(
+                torch.equal(t.isnan(), first.isnan()) and torch.equal(t.nan_to_num(), first.nan_to_num()) for t in rest
+            ):
+                return first
+        raise ValueError(
+            f"distribute: the tensor at {tu.dotted(path)} differs across the simulated ranks (drawn inside "
+            "simulated_mesh from a torch.Generator, each rank draws its own); make the full tensors before the block"
+        )
+
+    return optree.tree_map_with_path(whole, tree, none_is_leaf=True)
 
 
 def _checked(placement: Any, dotted: str, leaf: torch.Tensor) -> Placement:
@@ -421,6 +442,7 @@ def assert_matches_single_device(
         raise ValueError(f"{name}: pass mesh= or mesh_shape= and names=, not both (mesh {mesh} is used as it is)")
     rtol, atol = (check.non_negative(v, arg=a, name=name) for v, a in ((rtol, "rtol"), (atol, "atol")))
     steps = len(grads_seq) if steps is None else check.integer(steps, arg="steps", name=name, minimum=1)
+    params, grads_seq = _full(params), _full(list(grads_seq))  # made inside a reused mesh: one device has them whole
     real = dist.is_initialized() and local_tensor_mode() is None
     mesh_cm: Any = contextlib.nullcontext(mesh)
     if mesh is None:
