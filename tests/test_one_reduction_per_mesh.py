@@ -11,6 +11,7 @@ every simulated rank, and against the per-dim rounds of the declared plan of the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import pickle
@@ -53,8 +54,11 @@ def calls(monkeypatch):
 
 
 def _randn(seed: int, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    # One full tensor: under a simulated mesh each rank would draw its own numbers from the generator in turn.
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    mode = local_tensor_mode()
+    with mode.disable() if mode is not None else contextlib.nullcontext():
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
 
 
 def _on(full: torch.Tensor, root, dims: Sequence[str], placements: Sequence, *, flatten: str | None = None) -> DTensor:

@@ -230,3 +230,45 @@ def test_tree_comparisons_compare_leaves_that_are_not_tensors(actual, expected):
         with pytest.raises(AssertionError, match="n|s"):
             compare(actual, expected)
     assert_trees_equal({"n": float("nan"), "k": 3}, {"n": float("nan"), "k": 3})  # NaNs equal, as for tensors
+
+
+def test_assert_pure_catches_a_buffer_kept_between_calls():
+    """Before: a transform that writes its result into a buffer it keeps across calls (an in-place "speed-up")
+    passed, since both runs of a step returned the same object; the second run overwrote the first's result."""
+    buffers: dict[str, torch.Tensor] = {}
+
+    def cached_update(updates, state, params=None, **extra):
+        out = buffers.setdefault("w", torch.empty_like(updates["w"]))
+        torch.mul(updates["w"], 0.5, out=out)
+        return {**updates, "w": out}, state
+
+    with pytest.raises(AssertionError, match=r"first run's result .* at \[0\]\['w'\] was modified in place"):
+        assert_pure(gtx.GradientTransformation(lambda p: gtx.EmptyState(), cached_update), _tree(0), _tree(1))
+
+
+def test_assert_pure_checks_init_on_the_updates_when_there_are_no_params():
+    """Before: with params=None, init(updates) zeroing a detached alias of the updates (``u.detach().zero_()``
+    for a zero state) passed; the caller's grads were zeros afterwards."""
+
+    def init(params):
+        return {k: v.detach().zero_() for k, v in params.items()}  # the bug: zeros_like, not an alias
+
+    tx = gtx.GradientTransformation(init, lambda u, s, p=None, **e: (u, s))
+    with pytest.raises(AssertionError, match=r"init: updates at \['b'\] was modified in place"):
+        assert_pure(tx, {"b": torch.randn(4), "w": torch.randn(4, 3)})
+
+
+@pytest.mark.parametrize("where", ["init keeps the params", "update keeps the updates"])
+def test_assert_pure_catches_a_state_that_holds_an_input(where):
+    """Before: passed. An optax-style state that holds an input tensor itself (an anchor at the initial params, the
+    last grad) is fine with JAX's immutable arrays, not in torch: the wrapper's inputs are the live params and
+    .grad, which the inner optimizer and the next backward write in place, so the state moves with them."""
+
+    def init(params):
+        return {"kept": params["w"] if where.startswith("init") else torch.zeros(4, 3)}
+
+    def update(updates, state, params=None, **extra):
+        return updates, {"kept": state["kept"] if where.startswith("init") else updates["w"]}
+
+    with pytest.raises(AssertionError, match=r"state at \['kept'\] shares memory with an input"):
+        assert_pure(gtx.GradientTransformation(init, update), _tree(0), _tree(1))

@@ -63,6 +63,17 @@ def test_plans_do_not_outlive_their_process_groups():
     assert not dist.is_initialized()
 
 
+def test_one_transform_runs_in_one_simulated_world_after_another():
+    """Before: a transform reused in a later world (a module-level tx in two tests, each with its own mesh) kept
+    the plan of the first world, whose meshes equal the new ones, and reduced over its destroyed process groups:
+    "ValueError: Process group ... is not initialized in the world group map"."""
+    grads = _tree(w=(6, 4), b=(4,))
+    txs = (gtx.clip_by_global_norm(1.0), gtx.adaptive_clip(0.01), gtx.track_norms(), gtx.lars(0.1))
+    for shape, layout in [((2,), "fsdp"), ((2,), "fsdp"), ((2, 2), "tp_fsdp")]:
+        for tx in txs:
+            testing.assert_matches_single_device(tx, [grads], grads, mesh_shape=shape, layout=layout)
+
+
 # --- the layouts ------------------------------------------------------------------------------------
 
 
@@ -304,3 +315,101 @@ def test_a_missing_grad_leaves_every_other_grad_laid_out_as_its_param():
     testing.assert_matches_single_device(
         gtx.muon(0.1, weight_decay=0.1), grads, params, mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp"
     )
+
+
+# --- gtx.testing's checkers on DTensors of a simulated mesh ---------------------------------------------
+
+
+def _scale_local(rank1_only: bool):
+    def update(updates, state, params=None, **extra):
+        local = updates["w"].to_local()
+        if rank1_only:  # a change one rank sees: rank 0's values stay as they were
+            local._local_tensors[1].mul_(3.0)
+        else:  # in place through the local tensor, writing the same values (a clip whose coefficient is 1)
+            local.mul_(torch.ones(()))
+        return updates, state
+
+    return gtx.GradientTransformation(lambda p: gtx.EmptyState(), update)
+
+
+@pytest.mark.parametrize("rank1_only", [False, True], ids=["same-values-via-to_local", "one-rank-only"])
+def test_assert_pure_sees_every_rank_and_the_local_tensor_of_a_dtensor(rank1_only):
+    """Before: assert_pure passed both. An in-place op on a DTensor's local tensor does not move the DTensor's
+    version counter, and torch.equal on a LocalTensor compares rank 0's values alone."""
+    full = _tree(0, w=(4, 3))
+    with testing.simulated_mesh((2,), ("dp",)) as mesh:
+        grads = testing.distribute(full, mesh, "fsdp")
+        with pytest.raises(AssertionError, match=r"update: updates at \['w'\] (was modified in place|changed value)"):
+            testing.assert_pure(_scale_local(rank1_only), grads, steps=1)
+
+
+def test_tree_comparisons_of_dtensors_fail_naming_the_path_and_the_rank():
+    """Before: assert_trees_equal on two simulated DTensors that differ raised torch's internal RuntimeError
+    ("Comparing TensorLikePair ... resulted in the unexpected exception"), not an AssertionError naming the path."""
+    full = _tree(0, w=(4, 3))
+    other = {"w": torch.cat([full["w"][:2], full["w"][2:] + 1.0])}  # rank 1's shard differs, rank 0's does not
+    with testing.simulated_mesh((2,), ("dp",)) as mesh:
+        a, b = testing.distribute(full, mesh, "fsdp"), testing.distribute(other, mesh, "fsdp")
+        testing.assert_trees_equal(a, testing.distribute(full, mesh, "fsdp"))
+        with pytest.raises(AssertionError, match=r"\['w'\] \(simulated rank 1\): Tensor-likes are not equal"):
+            testing.assert_trees_equal(a, b)
+
+
+def test_assert_matches_single_device_names_a_bad_argument_before_it_runs():
+    """Before: the factory for tx raised AttributeError ('function' object has no attribute 'init'), one grads tree
+    for grads_seq a KeyError (0), a negative rtol torch's RuntimeError after both runs, and mesh= with a
+    mesh_shape= that differs passed on the mesh given: a 2x2 check that ran on 2 ranks."""
+    grads = _tree(w=(6, 4), b=(4,))
+    check = testing.assert_matches_single_device
+    tx = gtx.clip_by_global_norm(1.0)
+    with pytest.raises(TypeError, match="assert_matches_single_device: tx must be a GradientTransformation"):
+        check(gtx.clip_by_global_norm, [grads], grads, mesh_shape=(2,), layout="fsdp")
+    for bad in (grads, [], torch.ones(3)):
+        with pytest.raises(ValueError, match="assert_matches_single_device: grads_seq must be a non-empty list"):
+            check(tx, bad, grads, mesh_shape=(2,), layout="fsdp")
+    with pytest.raises(ValueError, match="assert_matches_single_device: rtol must be >= 0"):
+        check(tx, [grads], grads, mesh_shape=(2,), layout="fsdp", rtol=-1.0)
+    with testing.simulated_mesh((2,)) as mesh, pytest.raises(ValueError, match="pass mesh= or mesh_shape= and names="):
+        check(tx, [grads], grads, mesh=mesh, mesh_shape=(2, 2), layout="tp_fsdp")
+
+
+def test_distribute_refuses_a_partial_placement():
+    """Before: every rank held the whole tensor as a Partial(sum), a DTensor whose value is world times the one
+    given (full_tensor() doubled it on 2 ranks)."""
+    from torch.distributed.tensor import Partial
+
+    tree = _tree(b=(4,))
+    with (
+        testing.simulated_mesh((2,)) as mesh,
+        pytest.raises(ValueError, match=r"gives b P\(sum\); a full tensor is no"),
+    ):
+        testing.distribute(tree, mesh, {"b": [Partial()]})
+
+
+def test_distribute_takes_a_tensor_made_inside_the_block_as_one_full_tensor():
+    """Before: a tensor made inside simulated_mesh (torch's factories give it a copy per simulated rank, as in
+    distribute's own docstring example) was split copy by copy, so each rank's shard held a copy per rank again:
+    every op on it ran world**2 times (30x slower on 4x4), and a Generator's draws, which differ per rank, made a
+    DTensor that shards no one tensor (gtx's rank_values then failed on its norm)."""
+    reference = torch.arange(12.0).reshape(4, 3)
+    with testing.simulated_mesh((2,), ("dp",)) as mesh:
+        made_inside = torch.arange(12.0).reshape(4, 3)
+        assert isinstance(made_inside, LocalTensor)  # torch's simulation: a copy per rank
+        shards = _shards(testing.distribute({"w": made_inside}, mesh, "fsdp")["w"])
+        assert all(type(s) is torch.Tensor for s in shards.values())
+        torch.testing.assert_close(shards, dict(enumerate(reference.chunk(2))), rtol=0, atol=0)
+        drawn = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))  # each rank draws its own numbers
+        with pytest.raises(ValueError, match="distribute: the tensor at w differs across the simulated ranks"):
+            testing.distribute({"w": drawn}, mesh, "fsdp")
+
+
+def test_assert_matches_single_device_on_a_reused_mesh_takes_tensors_made_inside_it():
+    """Before: grads and params made inside the mesh the check reuses (a copy per simulated rank) crashed it with
+    torch's "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"."""
+    with testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        params = {"w": torch.linspace(-1.0, 2.0, 24).reshape(6, 4), "b": torch.linspace(0.5, 3.0, 4)}
+        grads = [{k: (v * 3.0).flip(0) for k, v in params.items()}]
+        assert isinstance(params["w"], LocalTensor)
+        testing.assert_matches_single_device(gtx.clip_by_global_norm(1.0), grads, params, mesh=mesh, layout="tp_fsdp")
+        with pytest.raises(AssertionError, match=r"step 0: updates at \['b'\]: the ranks disagree"):
+            testing.assert_matches_single_device(_local_norm_clip(1.0), grads, params, mesh=mesh, layout="tp_fsdp")

@@ -90,7 +90,11 @@ class PlanSlot:
         """The plan for ``leaves`` (``None`` without DTensors)."""
         if not tu.has_dtensor(leaves):
             return None
-        key = tuple((t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else None for t in leaves)
+        # The world too: a mesh of a later process group (a re-init, a new simulated mesh) equals the old one.
+        key = (
+            dist.group.WORLD,
+            *((t.device_mesh, t.placements, t.shape) if isinstance(t, DTensor) else None for t in leaves),
+        )
         if key != self.key:
             self.plan = from_placements(leaves, what=what, tree=tree)
             self.key = key

@@ -20,6 +20,7 @@ import optree
 import torch
 
 from gradtx.comm.base import Comm, GroupKey, LocalComm, ReduceOp, as_comm, check_comm
+from gradtx.comm.local_ranks import LocalTensor, enabled_local_tensor_mode
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
@@ -31,12 +32,30 @@ def _leaves(tree: PyTree) -> tuple[list[tuple[str, Any]], Any]:
     return [(tu.path_str(p), leaf) for p, leaf in zip(paths, leaves)], spec
 
 
+def _mode_off() -> contextlib.AbstractContextManager:
+    mode = enabled_local_tensor_mode()
+    return mode.disable() if mode is not None else contextlib.nullcontext()
+
+
+def _values(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t``'s (local) values as plain tensors, one per simulated rank: a ``LocalTensor``'s ``torch.equal`` reads rank
+    0's alone, and torch's ``assert_close`` fails on one with an internal error. Compare them with the mode off."""
+    t = tu.local(t).detach()
+    if LocalTensor is not None and isinstance(t, LocalTensor):
+        return [v for _, v in sorted(t._local_tensors.items())]
+    mode = enabled_local_tensor_mode()
+    return [t] * (len(mode.ranks) if mode is not None else 1)
+
+
 def _snapshot(tree: PyTree) -> Callable[[str], None]:
     """A check that ``tree`` is as it is now: its structure, its leaf objects (one replaced in a container
-    shows by identity), and its tensors' version counters and values; it fails naming ``what`` and the path."""
+    shows by identity), and its tensors' version counters (a DTensor's and its local tensor's) and values (every
+    simulated rank's); it fails naming ``what`` and the path."""
     entries, spec = _leaves(tree)
     leaves = [leaf for _, leaf in entries]
-    tensors = [(path, t, tu.local(t).detach().clone(), t._version) for path, t in entries if torch.is_tensor(t)]
+    tensors = [(path, t, (t._version, tu.local(t)._version), _values(t)) for path, t in entries if torch.is_tensor(t)]
+    with _mode_off():
+        tensors = [(path, t, version, [v.clone() for v in values]) for path, t, version, values in tensors]
 
     def check_unchanged(what: str) -> None:
         entries_now, spec_now = _leaves(tree)
@@ -45,13 +64,30 @@ def _snapshot(tree: PyTree) -> Callable[[str], None]:
         for (path, now), before in zip(entries_now, leaves):
             if now is not before:
                 raise AssertionError(f"{what} at {path} was replaced in place (its container was modified)")
-        for path, t, copy, version in tensors:
-            if t._version != version:
+        for path, t, version, copies in tensors:
+            if (t._version, tu.local(t)._version) != version:
                 raise AssertionError(f"{what} at {path} was modified in place (its version counter moved)")
-            if not torch.equal(torch.nan_to_num(tu.local(t).detach()), torch.nan_to_num(copy)):  # NaNs equal
-                raise AssertionError(f"{what} at {path} changed value")
+            values = _values(t)
+            with _mode_off():
+                if not all(torch.equal(torch.nan_to_num(v), torch.nan_to_num(c)) for v, c in zip(values, copies)):
+                    raise AssertionError(f"{what} at {path} changed value")  # (NaNs equal)
 
     return check_unchanged
+
+
+def _check_unaliased(what: str, state: PyTree, inputs: PyTree) -> None:
+    """Fail where ``state`` holds the memory of an input tensor, which its caller may write in place (a backward
+    accumulating into ``.grad``, an optimizer stepping a param) behind the transform's back."""
+
+    def memory(t: torch.Tensor) -> int:  # its storage, or on a simulated mesh (no storage to read) the object
+        local = tu.local(t)
+        simulated = LocalTensor is not None and isinstance(local, LocalTensor)
+        return id(t) if simulated else local.untyped_storage().data_ptr()
+
+    held = {memory(t) for t in optree.tree_leaves(inputs) if torch.is_tensor(t)}
+    for path, t in _leaves(state)[0]:
+        if torch.is_tensor(t) and t.numel() and memory(t) in held:
+            raise AssertionError(f"{what} at {path} shares memory with an input (updates or params): copy it")
 
 
 def assert_pure(
@@ -74,14 +110,18 @@ def assert_pure(
     """
     steps = check.integer(steps, arg="steps", name="assert_pure", minimum=1)
     check.transform(tx, arg="tx", name="assert_pure")
-    params_check = _snapshot(params)
+    params_check, updates_check = _snapshot(params), _snapshot(updates)
     if state is None:
         state = tx.init(params if params is not None else updates)
         params_check("init: params")
+        updates_check("init: updates")  # init(updates) when params is None
+        _check_unaliased("init: the state", state, (params, updates))
     result: tuple[PyTree, PyTree] = (None, state)
     for _ in range(steps):
         snaps = [(_snapshot(updates), "update: updates"), (_snapshot(state), "update: state"), (params_check, "params")]
         first = tx.update(updates, state, params, **extra)
+        _check_unaliased("update: the new state", first[1], (updates, params))
+        snaps.append((_snapshot(first), "the first run's result (a buffer kept between calls),"))
         again = tx.update(updates, state, params, **extra)
         for check_unchanged, what in snaps:
             check_unchanged(what)
@@ -104,11 +144,14 @@ def assert_trees_close(
             if type(a) is not type(e) or not (both_nan or a == e):
                 raise AssertionError(f"{msg}{path}: {a!r} ({type(a).__name__}) != {e!r} ({type(e).__name__})")
             continue
-        a, e = tu.local(a).detach(), tu.local(e).detach()
-        try:  # (it checks dtypes too: "The values for attribute 'dtype' do not match")
-            torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
-        except AssertionError as err:
-            raise AssertionError(f"{msg}{path}: {err}") from None
+        pairs = list(enumerate(zip(_values(a), _values(e))))
+        with _mode_off():
+            for rank, (a, e) in pairs:
+                try:  # (it checks dtypes too: "The values for attribute 'dtype' do not match")
+                    torch.testing.assert_close(a, e, rtol=rtol, atol=atol, equal_nan=True)
+                except AssertionError as err:
+                    where = f" (simulated rank {rank})" if len(pairs) > 1 else ""
+                    raise AssertionError(f"{msg}{path}{where}: {err}") from None
 
 
 def assert_trees_equal(actual: PyTree, expected: PyTree, *, msg: str = "") -> None:
@@ -162,6 +205,8 @@ class RecordingComm:
         return self.inner.all_to_all(tensors, recv_numels, group)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:  # forward the rest of a richer inner comm
+        if name == "inner":  # unpickling and copy look attributes up before there is one
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def reset(self) -> None:

@@ -37,6 +37,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
 from gradtx.core.base import metrics as _metrics
+from gradtx.testing import _mode_off
 from gradtx.transforms.combine import apply_updates
 
 PRESETS = ("ddp", "fsdp", "hsdp", "tp", "tp_fsdp", "ep_fsdp", "cp")
@@ -117,11 +118,6 @@ def _coords(mesh: DeviceMesh) -> dict[int, tuple[int, ...]]:
 # Reading a mesh's rank layout costs ~0.1 s here, and every shard of every leaf needs it. Weak keys: an
 # entry lives as long as its mesh (equal meshes have equal coordinates, so a hit is always right).
 _COORDS: weakref.WeakKeyDictionary[DeviceMesh, dict[int, tuple[int, ...]]] = weakref.WeakKeyDictionary()
-
-
-def _mode_off() -> contextlib.AbstractContextManager:
-    mode = local_tensor_mode()  # (disabling a disabled mode leaves it disabled)
-    return mode.disable() if mode is not None else contextlib.nullcontext()
 
 
 def _local_shard(
@@ -221,7 +217,7 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
         raise TypeError(
             f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
         )
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    paths, leaves, spec = optree.tree_flatten_with_path(_full(tree))
     out: list[Any] = []
     matrices = 0
     for path, leaf in zip(paths, leaves):
@@ -243,11 +239,34 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
     return optree.tree_unflatten(spec, out)
 
 
+def _full(tree: PyTree) -> PyTree:
+    """``tree`` with each tensor made inside the simulation (torch's factories give each rank a copy) as the one full
+    tensor it holds: split copy by copy, each rank's shard would hold a copy per rank again (world**2 work per op)."""
+
+    def whole(path: Any, x: Any) -> Any:
+        if not isinstance(x, LocalTensor):
+            return x
+        with _mode_off():
+            first, *rest = (t for _, t in sorted(x._local_tensors.items()))
+            if all(
+                torch.equal(t.isnan(), first.isnan()) and torch.equal(t.nan_to_num(), first.nan_to_num()) for t in rest
+            ):
+                return first
+        raise ValueError(
+            f"distribute: the tensor at {tu.dotted(path)} differs across the simulated ranks (drawn inside "
+            "simulated_mesh from a torch.Generator, each rank draws its own); make the full tensors before the block"
+        )
+
+    return optree.tree_map_with_path(whole, tree, none_is_leaf=True)
+
+
 def _checked(placement: Any, dotted: str, leaf: torch.Tensor) -> Placement:
     """A placement the layout gives, refused naming the path unless it fits the leaf; a negative ``Shard`` dim
     counts from the end, as in torch's ``distribute_tensor``."""
     if not isinstance(placement, Placement):
         raise TypeError(f"distribute: layout gives {dotted} a {type(placement).__name__}, not a Placement (Shard(0))")
+    if placement.is_partial():  # every rank would hold the whole tensor: a pending sum of world copies of it
+        raise ValueError(f"distribute: layout gives {dotted} {placement}; a full tensor is no pending sum")
     if not isinstance(placement, Shard):
         return placement
     dim = placement.dim + leaf.ndim if placement.dim < 0 else placement.dim
@@ -414,10 +433,16 @@ def assert_matches_single_device(
       ...     gtx.clip_by_global_norm(1.0), grads_seq, {"w": torch.randn(5, 3)},
       ...     mesh_shape=(2, 2), names=("dp", "tp"), layout="tp_fsdp")
     """
-    if not grads_seq:
-        raise ValueError("assert_matches_single_device: grads_seq is empty; pass one grads tree per step")
     name = "assert_matches_single_device"
+    check.transform(tx, arg="tx", name=name)
+    if not isinstance(grads_seq, Sequence) or not grads_seq:  # a dict: one grads tree, not a list of them
+        given = grads_seq if isinstance(grads_seq, Sequence) else type(grads_seq).__name__
+        raise ValueError(f"{name}: grads_seq must be a non-empty list of grads trees, one per step, got {given}")
+    if mesh is not None and (mesh_shape, names) != (None, None):
+        raise ValueError(f"{name}: pass mesh= or mesh_shape= and names=, not both (mesh {mesh} is used as it is)")
+    rtol, atol = (check.non_negative(v, arg=a, name=name) for v, a in ((rtol, "rtol"), (atol, "atol")))
     steps = len(grads_seq) if steps is None else check.integer(steps, arg="steps", name=name, minimum=1)
+    params, grads_seq = _full(params), _full(list(grads_seq))  # made inside a reused mesh: one device has them whole
     real = dist.is_initialized() and local_tensor_mode() is None
     mesh_cm: Any = contextlib.nullcontext(mesh)
     if mesh is None:
