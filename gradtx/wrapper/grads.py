@@ -33,7 +33,8 @@ def trainable(groups: list[dict[str, Any]]) -> ParamTree:
 def joined(tree: ParamTree, groups: list[dict[str, Any]], summed: bool = False) -> ParamTree:
     """The tree grown by the params that have a grad since it was built (unfrozen, or holding one from before:
     torch.optim steps every param with a grad, whatever its ``requires_grad``); with ``summed`` (grads summed over
-    ranks), by those that require one, which every rank grows by at the same step whichever ranks hold a grad."""
+    ranks, or DTensor params), by those that require one, which every rank grows by at the same step whichever
+    ranks hold a grad."""
     seen = {id(p) for p in tu.flatten(tree)[0]}
     return [
         [p for p in g["params"] if id(p) in seen or p.grad is not None or (summed and p.requires_grad)] for g in groups

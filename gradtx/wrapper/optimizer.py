@@ -299,9 +299,11 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def _prepare(self) -> None:
         grads.check_groups(self.optimizer.param_groups, self._tree)
         self._follow_groups()
-        if self._frozen and any(p.grad is not None or (self._plan.summed and p.requires_grad) for p in self._frozen):
-            # Params frozen at the build, now with a grad (summed over ranks: needing one), join with a fresh state.
-            self._grow(grads.joined(self._tree, self.optimizer.param_groups, self._plan.summed))
+        # Params frozen at the build, now with a grad, join with a fresh state; where every rank must grow alike
+        # (grads summed over ranks, or DTensors, whose norms all-reduce), once they need one.
+        alike = self._plan.summed or tu.has_dtensor(self._frozen)
+        if self._frozen and any(p.grad is not None or (alike and p.requires_grad) for p in self._frozen):
+            self._grow(grads.joined(self._tree, self.optimizer.param_groups, alike))
         if self._plan.window is not None:
             loop_checks.check_lrs(self._live, self.optimizer.param_groups)
 

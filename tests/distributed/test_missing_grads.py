@@ -8,6 +8,9 @@
 * ``clip_by_global_norm`` and ``adaptive_clip`` with no plan on DTensor grads, an expert without a grad on
   one rank: that rank's plan (read from the grads it has) left the expert's group out, so the other rank
   waited in its all-reduce for ever.
+* The same with the expert's rank holding only plain grads (a plain dense layer beside a DTensor expert): that
+  rank took the local norm, with no collective. Under the wrapper, the expert frozen at the build and unfrozen
+  later joined the transform only on the rank where it had a grad, with the same result.
 * ``TransformedOptimizer`` with ``cp_reduce``, an expert frozen at the build and unfrozen later, reached by
   one CP rank's chunk only at that step: it joined the transform on that rank alone, so the ranks' all-reduces
   held different buffers (gloo aborted).
@@ -23,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
@@ -236,6 +239,66 @@ def test_zero_config_norms_take_a_missing_dtensor_grad_as_zeros(ranks):
     torch.testing.assert_close(ranks[1]["zero_config"]["clip"]["expert"], ref[1][:, 3:], rtol=1e-6, atol=1e-7)
     expert = agc(grads["expert"], weights["expert"])[:, 3:]
     torch.testing.assert_close(ranks[1]["zero_config"]["agc"]["expert"], expert, rtol=1e-6, atol=1e-7)
+
+
+def _mixed(rank: int, world_size: int) -> dict:
+    """A plain dense layer and a ``Shard(0)`` expert that no token reached on rank 0, whose present grads are then all
+    plain: functional (clip and per-leaf norms), and wrapped with the expert frozen at step 0, unfrozen at step 1."""
+    del world_size
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    weights, grads = _expert_data()
+    expert = DTensor.from_local(grads["expert"].chunk(2)[rank], mesh, [Shard(0)])
+    params = {"dense": weights["dense"], "expert": distribute_tensor(weights["expert"], mesh, [Shard(0)])}
+    tx = gtx.chain(gtx.track_norms(), gtx.clip_by_global_norm(0.1))
+    new, state = tx.update({"dense": grads["dense"], "expert": expert if rank else None}, tx.init(params), params)
+    out = {"clip": {n: None if u is None else _local(u) for n, u in new.items()}, "metrics": gtx.metrics(state)}
+    live = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    live["expert"].requires_grad_(False)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(live.values(), lr=0.1), gtx.clip_by_global_norm(0.1))
+    for step in range(2):
+        live["expert"].requires_grad_(step > 0)
+        live["dense"].grad = grads["dense"].clone()
+        live["expert"].grad = expert.clone() if step and rank else None
+        opt.step()
+    out["wrapped"] = {n: _local(p.detach()).clone() for n, p in live.items()}
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def test_a_rank_with_only_plain_grads_joins_a_missing_dtensor_grads_norm():
+    """One device holds the whole expert, its grad zero in rank 0's rows; on 3fc4e57 rank 0 took its local norm and
+    left rank 1 in the all-reduce (the spawn failed)."""
+    ranks = run_distributed(_mixed, world_size=2, timeout=60.0)
+    weights, grads = _expert_data()
+    grads["expert"][:2] = 0
+    ref = {n: torch.nn.Parameter(w.clone()) for n, w in weights.items()}
+    for n, p in ref.items():
+        p.grad = grads[n].clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.values(), 0.1)
+    for rank, r in enumerate(ranks):
+        torch.testing.assert_close(r["metrics"]["grad_norm"], ref_norm, rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            r["metrics"]["grad_norm_by_layer"]["dense"], grads["dense"].norm(), rtol=1e-6, atol=0
+        )
+        torch.testing.assert_close(r["clip"]["dense"], ref["dense"].grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ranks[1]["clip"]["expert"], ref["expert"].grad[2:], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        ranks[1]["metrics"]["grad_norm_by_layer"]["expert"], grads["expert"].norm(), rtol=1e-6, atol=0
+    )
+    wrapped = {n: torch.nn.Parameter(w.clone()) for n, w in weights.items()}
+    sgd = torch.optim.SGD(wrapped.values(), lr=0.1)
+    for step in range(2):
+        wrapped["dense"].grad = grads["dense"].clone()
+        wrapped["expert"].grad = grads["expert"].clone() if step else None
+        torch.nn.utils.clip_grad_norm_([p for p in wrapped.values() if p.grad is not None], 0.1)
+        sgd.step()
+    for rank, r in enumerate(ranks):
+        torch.testing.assert_close(r["wrapped"]["dense"], wrapped["dense"].detach(), rtol=1e-6, atol=1e-7)
+        rows = wrapped["expert"].detach()[2 * rank : 2 * rank + 2]
+        torch.testing.assert_close(r["wrapped"]["expert"], rows, rtol=1e-6, atol=1e-7)
 
 
 def _cp_grads(rank: int) -> dict:
