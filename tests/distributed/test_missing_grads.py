@@ -14,6 +14,8 @@
 * ``apply_if_finite`` there: rank 0 took its local verdict while rank 1, whose expert shard is NaN, waited
   in the MAX. ``centralize`` on rowwise (``Shard(1)``) weights, one without a grad on rank 0 (set to ``None`` by
   the user's code): the ranks' all-reduces of the row sums held different leaves.
+* ``orthogonalize`` and ``scale_by_muon`` on ``Shard(0)`` (FSDP-style) matrices, one without a grad on rank 0 for
+  a step: the ranks' all-to-alls held different matrices (gloo aborted).
 * ``TransformedOptimizer`` with ``cp_reduce``, an expert frozen at the build and unfrozen later, reached by
   one CP rank's chunk only at that step: it joined the transform on that rank alone, so the ranks' all-reduces
   held different buffers (gloo aborted).
@@ -337,6 +339,56 @@ def test_guard_and_centralize_join_a_missing_dtensor_grad_as_zeros():
         torch.testing.assert_close(r["centralized"]["a"], ref["a"][:, 3 * rank : 3 * rank + 3], rtol=1e-6, atol=1e-7)
     assert "b" not in ranks[0]["centralized"]
     torch.testing.assert_close(ranks[1]["centralized"]["b"], ref["b"][:, 3:], rtol=1e-6, atol=1e-7)
+
+
+def _muon_grads(step: int) -> dict:
+    gen = torch.Generator().manual_seed(20 + step)
+    return {n: torch.randn(4, 6, generator=gen) for n in "ab"}
+
+
+def _muon(rank: int, world_size: int) -> dict:
+    """Two steps on two ``Shard(0)`` matrices; at step 1 rank 0 has no grad for ``"b"``."""
+    del world_size
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    weights = _expert_data()[0]
+    params = {n: distribute_tensor(weights[m], mesh, [Shard(0)]) for n, m in (("a", "dense"), ("b", "expert"))}
+    out: dict = {}
+    for name, tx in (("orthogonalize", gtx.orthogonalize()), ("scale_by_muon", gtx.scale_by_muon())):
+        state = tx.init(params)
+        for step in range(2):
+            grads = {n: distribute_tensor(g, mesh, [Shard(0)]) for n, g in _muon_grads(step).items()}
+            if step == 1 and rank == 0:
+                grads["b"] = None
+            new, state = tx.update(grads, state, params)
+        out[name] = {n: None if u is None else _local(u) for n, u in new.items()}
+        out[name + "_mu"] = {n: _local(m) for n, m in getattr(state, "mu", {}).items()}
+    return out
+
+
+def test_muon_exchanges_a_missing_matrix_as_zeros():
+    """One device holds both matrices, ``"b"``'s grad zero in rank 0's rows at step 1. Rank 0's update for it stays
+    None and its momentum is kept (as for any None update). On 3fc4e57 gloo aborts."""
+    ranks = run_distributed(_muon, world_size=2, timeout=60.0)
+    weights = _expert_data()[0]
+    params = {"a": weights["dense"], "b": weights["expert"]}
+    for name, tx in (("orthogonalize", gtx.orthogonalize()), ("scale_by_muon", gtx.scale_by_muon())):
+        state = tx.init(params)
+        _, state = tx.update(_muon_grads(0), state, params)
+        before = state
+        grads = _muon_grads(1)
+        grads["b"][:2] = 0
+        ref, state = tx.update(grads, state, params)
+        assert ranks[0][name]["b"] is None
+        for rank, r in enumerate(ranks):
+            rows = slice(2 * rank, 2 * rank + 2)
+            for n, u in r[name].items():
+                if u is not None:
+                    torch.testing.assert_close(
+                        u, ref[n][rows], rtol=1e-5, atol=1e-6, msg=lambda m, w=(name, n): f"{w} {m}"
+                    )
+            for n, mu in r[name + "_mu"].items():
+                want = (before if rank == 0 and n == "b" else state).mu[n][rows]
+                torch.testing.assert_close(mu, want, rtol=1e-6, atol=1e-7, msg=lambda m, w=(rank, n): f"mu {w} {m}")
 
 
 def _cp_grads(rank: int) -> dict:
