@@ -11,8 +11,8 @@
 * The same with the expert's rank holding only plain grads (a plain dense layer beside a DTensor expert): that
   rank took the local norm, with no collective. Under the wrapper, the expert frozen at the build and unfrozen
   later joined the transform only on the rank where it had a grad, with the same result.
-* ``apply_if_finite`` there: rank 0 took its local verdict while rank 1, whose expert shard is NaN, waited
-  in the MAX. ``centralize`` on rowwise (``Shard(1)``) weights, one without a grad on rank 0 (set to ``None`` by
+* ``apply_if_finite``, ``skip_if`` and ``skip_spikes(metric="loss")`` there: rank 0 took its local verdict while
+  rank 1, whose expert shard (or loss) is NaN, waited in the MAX. ``centralize`` on rowwise (``Shard(1)``) weights, one without a grad on rank 0 (set to ``None`` by
   the user's code): the ranks' all-reduces of the row sums held different leaves.
 * ``orthogonalize`` and ``scale_by_muon`` on ``Shard(0)`` (FSDP-style) matrices, one without a grad on rank 0 for
   a step: the ranks' all-to-alls held different matrices (gloo aborted).
@@ -307,24 +307,29 @@ def test_a_rank_with_only_plain_grads_joins_a_missing_dtensor_grads_norm():
 
 
 def _guards(rank: int, world_size: int) -> dict:
-    """apply_if_finite on the plain dense layer and ``Shard(0)`` expert above, rank 1's expert shard NaN; centralize
-    on two rowwise weights, ``"b"``'s grad ``None`` on rank 0."""
+    """The guards on the plain dense layer and ``Shard(0)`` expert above, rank 1's expert shard (and loss) NaN;
+    centralize on two rowwise weights, ``"b"``'s grad ``None`` on rank 0."""
     del world_size
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     weights, grads = _expert_data()
     params = {"dense": weights["dense"], "expert": distribute_tensor(weights["expert"], mesh, [Shard(0)])}
     nan = DTensor.from_local(torch.full((2, 6), float("nan")), mesh, [Shard(0)])
-    tx = gtx.apply_if_finite(gtx.sgd(0.1), 3)
-    _, state = tx.update({"dense": grads["dense"], "expert": nan if rank else None}, tx.init(params), params)
+    skipped = {}
+    for name, tx in (
+        ("apply_if_finite", gtx.apply_if_finite(gtx.sgd(0.1), 3)),
+        ("skip_if", gtx.skip_if(gtx.sgd(0.1), gtx.skip_not_finite)),
+        ("skip_spikes", gtx.skip_spikes(gtx.sgd(0.1), metric="loss")),  # rank 1's loss NaN
+    ):
+        loss = torch.tensor(float("nan") if rank else 1.0)
+        grads_r = {"dense": grads["dense"], "expert": nan if rank else None}
+        _, state = tx.update(grads_r, tx.init(params), params, loss=loss)
+        skipped[name] = gtx.metrics(state)["skipped"]
     rows = {n: distribute_tensor(w, mesh, [Shard(1)]) for n, w in (("a", weights["dense"]), ("b", weights["expert"]))}
     cols = {n: distribute_tensor(g, mesh, [Shard(1)]) for n, g in (("a", grads["dense"]), ("b", grads["expert"]))}
     if rank == 0:
         cols["b"] = None
     out, _ = gtx.centralize().update(cols, gtx.EmptyState(), rows)
-    return {
-        "skipped": gtx.metrics(state)["skipped"],
-        "centralized": {n: _local(u) for n, u in out.items() if u is not None},
-    }
+    return {"skipped": skipped, "centralized": {n: _local(u) for n, u in out.items() if u is not None}}
 
 
 def test_guard_and_centralize_join_a_missing_dtensor_grad_as_zeros():
@@ -335,7 +340,7 @@ def test_guard_and_centralize_join_a_missing_dtensor_grad_as_zeros():
     grads["expert"][:, :3] = 0
     ref = {n: g - g.mean(dim=1, keepdim=True) for n, g in (("a", grads["dense"]), ("b", grads["expert"]))}
     for rank, r in enumerate(ranks):
-        assert bool(r["skipped"])
+        assert all(map(bool, r["skipped"].values())), r["skipped"]
         torch.testing.assert_close(r["centralized"]["a"], ref["a"][:, 3 * rank : 3 * rank + 3], rtol=1e-6, atol=1e-7)
     assert "b" not in ranks[0]["centralized"]
     torch.testing.assert_close(ranks[1]["centralized"]["b"], ref["b"][:, 3:], rtol=1e-6, atol=1e-7)
