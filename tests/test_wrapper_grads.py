@@ -16,9 +16,9 @@ def test_a_param_joining_mid_group_keeps_everyone_elses_state_by_identity():
     tx = gtx.chain(gtx.clip_by_global_norm(1.0), gtx.trace(0.5))
     state = tx.update([[torch.ones(2), torch.full((2,), 2.0)]], tx.init(old), old)[1]
     b.requires_grad_(True)
-    assert grads.joined(old, groups) == old  # no grad yet: not joined
+    assert grads.joined(old, groups, [b]) is None  # no grad yet: not joined
     b.grad = torch.ones(2)
-    new = grads.joined(old, groups)
+    new = grads.joined(old, groups, [b])
     assert new == [[a, b, c]]
     grown = grads.regrow(tx, state, old, new)
     old_trace, new_trace = state[1].trace[0], grown[1].trace[0]

@@ -85,6 +85,7 @@ class PlanSlot:
     def __init__(self) -> None:
         self.key: tuple[Any, ...] | None = None
         self.plan: MeshGroups | None = None
+        self.full: Any = None  # the last updates treespec seen to cover every param (see planned)
 
     def get(self, leaves: Sequence[Any], *, what: str, tree: PyTree | None = None) -> MeshGroups | None:
         """The plan for ``leaves`` (``None`` without DTensors)."""
@@ -101,7 +102,7 @@ class PlanSlot:
         return self.plan
 
     def __getstate__(self) -> dict[str, Any]:  # a plan holds process groups: rebuilt after a copy or a load
-        return {"key": None, "plan": None}
+        return {"key": None, "plan": None, "full": None}
 
 
 def plan_of(leaves: Sequence[Any], mesh_groups: Any, slot: PlanSlot | None, what: str, tree: PyTree) -> Any:
@@ -193,17 +194,19 @@ def global_norm_of(
 
 def leaf_norms_of(
     leaves: Sequence[torch.Tensor],
+    spec: Any,
     *,
     mesh_groups: Any = None,
     what: str,
     tree: Any = None,
-    slot: PlanSlot | None = None,
+    slot: PlanSlot,
     params: Any = None,
 ) -> list[torch.Tensor]:
     """The fp32 L2 norm of each whole leaf (0-d each), of the unsharded tensor, the same on every rank.
 
-    With ``params``, a declared plan reads a ``None`` leaf of ``tree`` as zeros (see :func:`planned`)."""
-    full, tree, index = planned(list(leaves), tree, params, mesh_groups, what)
+    With ``params``, a declared plan reads a ``None`` leaf of ``tree`` (treespec ``spec``) as zeros (see
+    :func:`planned`)."""
+    full, tree, index = planned(list(leaves), tree, params, mesh_groups, what, slot, spec)
     plan = plan_of(full, mesh_groups, slot, what, tree)
     if plan is None:
         return norms.tensor_norms(full, 2.0)
@@ -255,16 +258,20 @@ def zero_filled(index: list[int], leaves: list[Any], all_params: list[Any]) -> l
     return [torch.zeros_like(p) if g is None else g for g, p in zip(full, all_params)]
 
 
-def planned(leaves: list[Any], updates: Any, params: Any, mesh_groups: Any, what: str) -> tuple[list[Any], Any, Any]:
+def planned(
+    leaves: list[Any], updates: Any, params: Any, mesh_groups: Any, what: str, slot: PlanSlot, spec: Any
+) -> tuple[list[Any], Any, Any]:
     """``(leaves, tree, index)`` as a declared plan, or DTensor params' placements, read ``updates``' leaves: they
-    cover every param, so one with no gradient (``None``, an expert no token reached on this rank) joins the
-    collectives as zeros and every rank issues the same ones; ``leaves[index[j]]`` is the ``j``-th given leaf
-    (``index`` is ``None`` when nothing was filled)."""
-    if params is None or (mesh_groups is None and leaves and not tu.has_dtensor(leaves)):
-        return leaves, updates, None  # plain grads and no plan: each rank's local norm, no collective to join
+    cover every param, so one with no gradient (``None``, an expert no token reached on this rank, even where its
+    other grads are plain) joins the collectives as zeros and every rank issues the same ones; ``leaves[index[j]]``
+    is the ``j``-th given leaf (``index`` is ``None`` when nothing was filled). ``spec``, the updates' treespec, is
+    kept in ``slot`` once it covers every param, so a step with the same one does not read the params again."""
+    if params is None or (not torch.compiler.is_compiling() and spec == slot.full):  # (dynamo compares no specs)
+        return leaves, updates, None
     all_params = tu.flatten(params)[0]
     if len(leaves) == len(all_params) or not (mesh_groups is not None or tu.has_dtensor(all_params)):
-        return leaves, updates, None
+        slot.full = spec if len(leaves) == len(all_params) else None
+        return leaves, updates, None  # (plain params and no plan: each rank's local norm, no collective to join)
     index, leaves, _ = tu.align(params, updates, what=f"{what}: updates", against="params")
     return zero_filled(index, leaves, all_params), params, index
 

@@ -59,8 +59,8 @@ def global_norm_fn(name: str, mesh_groups: Any, norm_type: float = 2.0) -> Calla
     slot = PlanSlot()
 
     def norm(updates: Any, params: Any, **kwargs: Any) -> torch.Tensor:
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
-        leaves, tree, _ = planned(leaves, updates, params, mesh_groups, name)
+        leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
+        leaves, tree, _ = planned(leaves, updates, params, mesh_groups, name, slot, spec)
         return global_norm_of(leaves, norm_type, mesh_groups=mesh_groups, what=name, tree=tree, slot=slot, **kwargs)
 
     return norm
@@ -353,7 +353,7 @@ def clip_by_block_rms(threshold: float, *, mesh_groups: Any = None) -> GradientT
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans, params=params)
+        l2 = leaf_norms_of(leaves, spec, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans, params=params)
         out = []
         for u, n in zip(leaves, l2):
             local = tu.local(u)
@@ -422,9 +422,9 @@ def track_norms(group_by: Callable[[str], str] | None = None, *, mesh_groups: An
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, TrackNormsState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
+        leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         names = names_of(updates)
-        l2 = leaf_norms_of(leaves, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans, params=params)
+        l2 = leaf_norms_of(leaves, spec, mesh_groups=mesh_groups, what=name, tree=updates, slot=plans, params=params)
         grouped: dict[str, list[torch.Tensor]] = {}
         for n, v in zip(names, l2):
             grouped.setdefault(n, []).append(v)

@@ -84,7 +84,8 @@ def apply_if_finite(
     On DTensor grads (FSDP2, TP, HSDP, EP, and mixes) the verdict is agreed,
     with no argument, over every rank of the DTensors' root mesh: one scalar
     MAX reduction per step, so if any rank sees a non-finite value in its
-    shard, every rank skips and the shards stay consistent. With a ``comm``,
+    shard, every rank skips and the shards stay consistent. Given the params,
+    a DTensor param whose grad this rank lacks (``None``) counts among them. With a ``comm``,
     the verdict is agreed over ``group`` instead (e.g. rank-local plain
     grads in a functional step; ``group`` must span every rank that holds a
     piece of the model, usually ``"world"``). Plain tensors with no ``comm``
@@ -113,6 +114,7 @@ def apply_if_finite(
     check.transform(inner, arg="inner", name=name)
     if comm is not None:
         check_comm(comm, name=name)
+    slot = inferred.PlanSlot()  # whether the updates cover the params (see planned)
 
     def init_fn(params: Params) -> ApplyIfFiniteState:
         count = lw.zero_count(params)  # beside the grads, so the per-step verdict never crosses to the host
@@ -121,10 +123,12 @@ def apply_if_finite(
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ApplyIfFiniteState, name=name)
-        leaves, _ = tu.tensor_leaves(updates, what=f"{name}: updates")
+        leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         # The inf-norm is finite exactly when every element is (NaN propagates through max); no host sync.
         local = torch.isfinite(norms.local_norm(leaves, float("inf")))  # no leaves: a norm of 0
-        finite = inferred.agree_finite(local, leaves, comm=comm, group=group).to(state.notfinite_count.device)
+        # Agreed over the meshes of the DTensor params too: a rank may lack a grad another holds (zeros: finite).
+        full = leaves if comm is not None else inferred.planned(leaves, updates, params, None, name, slot, spec)[0]
+        finite = inferred.agree_finite(local, full, comm=comm, group=group).to(state.notfinite_count.device)
         notfinite_count = torch.where(finite, 0, state.notfinite_count + 1)
         accept = finite | (notfinite_count > max_consecutive_errors)
 

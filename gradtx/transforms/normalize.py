@@ -20,6 +20,7 @@ from gradtx.core.base import (
     scalar_transformation,
 )
 from gradtx.distributed import plan
+from gradtx.distributed.global_norm import PlanSlot, planned
 from gradtx.transforms.adaptive import global_norm_fn
 
 __all__ = ["centralize", "normalize_by_update_norm"]
@@ -103,7 +104,8 @@ def centralize() -> GradientTransformation:
     ``_StridedShard(0)``: FSDP2, colwise TP, FSDP2 over TP) is centralized where
     it is. A row cut over a mesh dim (rowwise TP's ``Shard(1)``) takes its sum
     over that mesh dim's group: one all-reduce per group for all such leaves,
-    on the DTensors' own meshes. A ``Partial`` update is refused, naming the path.
+    on the DTensors' own meshes; given the params, a DTensor param whose update this
+    rank lacks (``None``) joins it as zeros. A ``Partial`` update is refused, naming the path.
 
     Returns:
       A stateless :class:`GradientTransformation`.
@@ -115,14 +117,17 @@ def centralize() -> GradientTransformation:
       >>> tx = chain(centralize(), sgd(0.1, momentum=0.9))
     """
 
+    slot = PlanSlot()  # whether the updates cover the params (see planned)
+
     def update_fn(updates, state, params=None, **extra):
         if state is not None:
             tu.require_state(state, EmptyState, name="centralize")
         leaves, spec = tu.tensor_leaves(updates, what="centralize: updates")
+        leaves, tree, index = planned(leaves, updates, params, None, "centralize", slot, spec)
         out = list(leaves)
         cut: dict[Any, list[int]] = {}  # process group -> the leaves whose rows it cuts
         sums: dict[int, torch.Tensor] = {}
-        for i, (path, g) in enumerate(zip(tu.paths(updates), leaves)):
+        for i, (path, g) in enumerate(zip(tu.paths(tree), leaves)):
             if g.ndim <= 1:
                 continue
             local, dims = tu.local(g), tuple(range(1, g.ndim))
@@ -140,6 +145,6 @@ def centralize() -> GradientTransformation:
         for i, total in sums.items():
             g, local = leaves[i], tu.local(leaves[i])
             out[i] = tu.like(g, local - (total / math.prod(g.shape[1:])).to(local.dtype))
-        return tu.unflatten(spec, out), state
+        return tu.unflatten(spec, out if index is None else [out[i] for i in index]), state
 
     return GradientTransformation(init_empty_state, update_fn)

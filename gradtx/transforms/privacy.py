@@ -133,19 +133,29 @@ def per_example_layer_norm_clip(
 # --- noise ----------------------------------------------------------------------------------
 
 
-def _normal_like(leaves: list[torch.Tensor], rng_state: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _normal_like(
+    leaves: list[torch.Tensor], rng_state: torch.Tensor, tree: PyTree, name: str
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Standard normal noise shaped like each leaf (in its dtype, on its device), and the generator's next state.
 
     The noise is drawn on the CPU, from the generator the state holds, and moved
     to each leaf's device: the same seed gives the same numbers on any device. A
     DTensor's shard gets its part of the whole tensor's noise (the single-device
     noise; each rank draws the whole leaf's), not a copy of every other shard's.
+    A ``Partial`` one (a pending sum, whose every rank would add the whole noise) is
+    refused, naming its path in ``tree``.
     """
     gen = torch.Generator()
     gen.set_state(rng_state)
     out = []
-    for t in leaves:
+    for i, t in enumerate(leaves):
         x = tu.local(t)  # complex noise for complex x
+        if x is not t and any(p.is_partial() for p in t.placements):  # type: ignore[attr-defined]
+            raise ValueError(
+                f"{name}: the update at {tu.path_str(tu.paths(tree)[i])} is a Partial DTensor (a pending sum): each "
+                "rank would add the whole noise, so the sum would carry it once per rank; reduce it first "
+                "(redistribute to Replicate or Shard)"
+            )
         n = torch.randn(t.shape, generator=gen, dtype=x.dtype if x.is_complex() else tu.acc_dtype(x.dtype))
         out.append((n if x is t else tu.local_part(n, t)).to(x.device, non_blocking=True))
     return out, gen.get_state()
@@ -203,7 +213,7 @@ def add_noise(eta: float, gamma: float, seed: int) -> GradientTransformation:
         tu.require_state(state, AddNoiseState, name=name)
         leaves, spec = tu.tensor_leaves(updates, what=f"{name}: updates")
         count = state.count + 1
-        noise, rng_state = _normal_like(leaves, state.rng_state)
+        noise, rng_state = _normal_like(leaves, state.rng_state, updates, name)
         std = torch.sqrt(eta / count.to(torch.float64) ** gamma)
         out = [
             tu.like(t, (tu.local(t).to(n.dtype) + std.to(n.device, n.dtype, non_blocking=True) * n).to(t.dtype))
@@ -264,7 +274,7 @@ def differentially_private_aggregate(l2_norm_clip: float, noise_multiplier: floa
         leaves, spec = _batched_leaves(updates, name=name)
         batch = leaves[0].shape[0]
         summed, _ = _clip_and_sum(leaves, l2_norm_clip)
-        noise, rng_state = _normal_like(summed, state.rng_state)
+        noise, rng_state = _normal_like(summed, state.rng_state, updates, name)
         out = [((s.to(n.dtype) + noise_std * n) / batch).to(s.dtype) for s, n in zip(summed, noise)]
         return tu.unflatten(spec, out), DifferentiallyPrivateAggregateState(rng_state=rng_state)
 

@@ -185,9 +185,14 @@ class SkipIfState(NamedTuple):
     inner_state: OptState
 
 
-def _agree(flag: torch.Tensor, updates: Updates, comm: Comm | None, group: GroupKey) -> torch.Tensor:
-    """True on every rank when it is True on any rank: over ``group`` with ``comm``, else over DTensors' meshes."""
-    return ~inferred.agree_finite(~flag, tu.flatten(updates)[0], comm=comm, group=group).to(flag.device)
+def _agree(
+    flag: torch.Tensor, updates: Updates, comm: Comm | None, group: GroupKey, params: Any, slot: Any, name: str
+) -> torch.Tensor:
+    """True on every rank when it is True on any rank: over ``group`` with ``comm``, else over DTensors' meshes (the
+    params' too: a rank may lack a grad another holds; see ``planned``)."""
+    leaves, spec = tu.flatten(updates)
+    full = leaves if comm is not None else inferred.planned(leaves, updates, params, None, name, slot, spec)[0]
+    return ~inferred.agree_finite(~flag, full, comm=comm, group=group).to(flag.device)
 
 
 @factory
@@ -234,6 +239,7 @@ def skip_if(
     check.function(should_skip_update_fn, arg="should_skip_update_fn", name="skip_if")
     if comm is not None:
         check_comm(comm, name="skip_if")
+    slot = inferred.PlanSlot()  # whether the updates cover the params (see planned)
 
     def judge(updates: Updates, step: torch.Tensor, params: Params) -> tuple[Any, Any]:
         out = should_skip_update_fn(updates, step, params)
@@ -255,7 +261,7 @@ def skip_if(
         if not isinstance(verdict, torch.Tensor) or verdict.dtype != torch.bool or verdict.ndim != 0:
             got = f"{verdict.dtype} {tuple(verdict.shape)}" if isinstance(verdict, torch.Tensor) else type(verdict)
             raise ValueError(f"skip_if: should_skip_update_fn must return a 0-d bool tensor first, got {got}")
-        skip = _agree(verdict.to(state.gradient_step.device), updates, comm, group)
+        skip = _agree(verdict.to(state.gradient_step.device), updates, comm, group, params, slot, "skip_if")
         accept = ~skip
         out, inner_state = select_step(inner, accept, updates, state.inner_state, params, extra, name="skip_if")
         return out, SkipIfState(
@@ -379,6 +385,7 @@ def skip_spikes(
     norm_of = global_norm_fn(name, mesh_groups, norm_type)
     if comm is not None:
         check_comm(comm, name=name)
+    slot = inferred.PlanSlot()  # whether the updates cover the params (see planned)
 
     def init_fn(params: Params) -> SkipSpikesState:
         count = lw.zero_count(params)
@@ -406,7 +413,7 @@ def skip_spikes(
         z = (x - state.mean) / (state.var.sqrt() + eps)
         outlier = ~finite | (~warm & (z > z_thresh))
         if comm is not None or metric == "loss":  # a global grad norm already agrees; a loss may not
-            outlier = _agree(outlier, updates, comm, group)
+            outlier = _agree(outlier, updates, comm, group, params, slot, name)
         consecutive = state.consecutive + 1
         accept = ~outlier
         if max_consecutive_skips is not None:

@@ -30,10 +30,16 @@ def trainable(groups: list[dict[str, Any]]) -> ParamTree:
     return [[p for p in g["params"] if p.requires_grad] for g in groups]
 
 
-def joined(tree: ParamTree, groups: list[dict[str, Any]], summed: bool = False) -> ParamTree:
-    """The tree grown by the params that have a grad since it was built (unfrozen, or holding one from before:
-    torch.optim steps every param with a grad, whatever its ``requires_grad``); with ``summed`` (grads summed over
-    ranks), by those that require one, which every rank grows by at the same step whichever ranks hold a grad."""
+def joined(
+    tree: ParamTree, groups: list[dict[str, Any]], frozen: list[torch.Tensor], summed: bool = False
+) -> ParamTree | None:
+    """The tree grown by the params frozen at its build (``frozen``) that have a grad since (unfrozen, or holding
+    one from before: torch.optim steps every param with a grad, whatever its ``requires_grad``), or None if none has.
+    Where every rank must grow alike, with ``summed`` (grads summed over ranks) or DTensor params (whose norms
+    all-reduce), it grows by those that require a grad, at the same step on every rank whichever ranks hold one."""
+    summed = summed or tu.has_dtensor(frozen)
+    if not any(p.grad is not None or (summed and p.requires_grad) for p in frozen):
+        return None
     seen = {id(p) for p in tu.flatten(tree)[0]}
     return [
         [p for p in g["params"] if id(p) in seen or p.grad is not None or (summed and p.requires_grad)] for g in groups

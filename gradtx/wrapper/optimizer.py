@@ -299,9 +299,9 @@ class TransformedOptimizer(torch.optim.Optimizer):
     def _prepare(self) -> None:
         grads.check_groups(self.optimizer.param_groups, self._tree)
         self._follow_groups()
-        if self._frozen and any(p.grad is not None or (self._plan.summed and p.requires_grad) for p in self._frozen):
-            # Params frozen at the build, now with a grad (summed over ranks: needing one), join with a fresh state.
-            self._grow(grads.joined(self._tree, self.optimizer.param_groups, self._plan.summed))
+        grown = grads.joined(self._tree, self.optimizer.param_groups, self._frozen, self._plan.summed)
+        if grown is not None:  # params frozen at the build, now with a grad, join with a fresh state
+            self._grow(grown)
         loop_checks.check_lrs(self._live, self.optimizer.param_groups, self._plan.window)
 
     def _step(self, extra: dict[str, Any]) -> None:

@@ -8,6 +8,14 @@
 * ``clip_by_global_norm`` and ``adaptive_clip`` with no plan on DTensor grads, an expert without a grad on
   one rank: that rank's plan (read from the grads it has) left the expert's group out, so the other rank
   waited in its all-reduce for ever.
+* The same with the expert's rank holding only plain grads (a plain dense layer beside a DTensor expert): that
+  rank took the local norm, with no collective. Under the wrapper, the expert frozen at the build and unfrozen
+  later joined the transform only on the rank where it had a grad, with the same result.
+* ``apply_if_finite``, ``skip_if`` and ``skip_spikes(metric="loss")`` there: rank 0 took its local verdict while
+  rank 1, whose expert shard (or loss) is NaN, waited in the MAX. ``centralize`` on rowwise (``Shard(1)``) weights, one without a grad on rank 0 (set to ``None`` by
+  the user's code): the ranks' all-reduces of the row sums held different leaves.
+* ``orthogonalize`` and ``scale_by_muon`` on ``Shard(0)`` (FSDP-style) matrices, one without a grad on rank 0 for
+  a step: the ranks' all-to-alls held different matrices (gloo aborted).
 * ``TransformedOptimizer`` with ``cp_reduce``, an expert frozen at the build and unfrozen later, reached by
   one CP rank's chunk only at that step: it joined the transform on that rank alone, so the ranks' all-reduces
   held different buffers (gloo aborted).
@@ -23,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import gradtx as gtx
 from gradtx.comm import TorchComm
@@ -236,6 +244,156 @@ def test_zero_config_norms_take_a_missing_dtensor_grad_as_zeros(ranks):
     torch.testing.assert_close(ranks[1]["zero_config"]["clip"]["expert"], ref[1][:, 3:], rtol=1e-6, atol=1e-7)
     expert = agc(grads["expert"], weights["expert"])[:, 3:]
     torch.testing.assert_close(ranks[1]["zero_config"]["agc"]["expert"], expert, rtol=1e-6, atol=1e-7)
+
+
+def _mixed(rank: int, world_size: int) -> dict:
+    """A plain dense layer and a ``Shard(0)`` expert that no token reached on rank 0, whose present grads are then all
+    plain: functional (clip and per-leaf norms), and wrapped with the expert frozen at step 0, unfrozen at step 1."""
+    del world_size
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))
+    weights, grads = _expert_data()
+    expert = DTensor.from_local(grads["expert"].chunk(2)[rank], mesh, [Shard(0)])
+    params = {"dense": weights["dense"], "expert": distribute_tensor(weights["expert"], mesh, [Shard(0)])}
+    tx = gtx.chain(gtx.track_norms(), gtx.clip_by_global_norm(0.1))
+    new, state = tx.update({"dense": grads["dense"], "expert": expert if rank else None}, tx.init(params), params)
+    out = {"clip": {n: None if u is None else _local(u) for n, u in new.items()}, "metrics": gtx.metrics(state)}
+    live = {n: torch.nn.Parameter(p.detach().clone()) for n, p in params.items()}
+    live["expert"].requires_grad_(False)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(live.values(), lr=0.1), gtx.clip_by_global_norm(0.1))
+    for step in range(2):
+        live["expert"].requires_grad_(step > 0)
+        live["dense"].grad = grads["dense"].clone()
+        live["expert"].grad = expert.clone() if step and rank else None
+        opt.step()
+    out["wrapped"] = {n: _local(p.detach()).clone() for n, p in live.items()}
+    return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def test_a_rank_with_only_plain_grads_joins_a_missing_dtensor_grads_norm():
+    """One device holds the whole expert, its grad zero in rank 0's rows; on 3fc4e57 rank 0 took its local norm and
+    left rank 1 in the all-reduce (the spawn failed)."""
+    ranks = run_distributed(_mixed, world_size=2, timeout=60.0)
+    weights, grads = _expert_data()
+    grads["expert"][:2] = 0
+    ref = {n: torch.nn.Parameter(w.clone()) for n, w in weights.items()}
+    for n, p in ref.items():
+        p.grad = grads[n].clone()
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.values(), 0.1)
+    for rank, r in enumerate(ranks):
+        torch.testing.assert_close(r["metrics"]["grad_norm"], ref_norm, rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            r["metrics"]["grad_norm_by_layer"]["dense"], grads["dense"].norm(), rtol=1e-6, atol=0
+        )
+        torch.testing.assert_close(r["clip"]["dense"], ref["dense"].grad, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(ranks[1]["clip"]["expert"], ref["expert"].grad[2:], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        ranks[1]["metrics"]["grad_norm_by_layer"]["expert"], grads["expert"].norm(), rtol=1e-6, atol=0
+    )
+    wrapped = {n: torch.nn.Parameter(w.clone()) for n, w in weights.items()}
+    sgd = torch.optim.SGD(wrapped.values(), lr=0.1)
+    for step in range(2):
+        wrapped["dense"].grad = grads["dense"].clone()
+        wrapped["expert"].grad = grads["expert"].clone() if step else None
+        torch.nn.utils.clip_grad_norm_([p for p in wrapped.values() if p.grad is not None], 0.1)
+        sgd.step()
+    for rank, r in enumerate(ranks):
+        torch.testing.assert_close(r["wrapped"]["dense"], wrapped["dense"].detach(), rtol=1e-6, atol=1e-7)
+        rows = wrapped["expert"].detach()[2 * rank : 2 * rank + 2]
+        torch.testing.assert_close(r["wrapped"]["expert"], rows, rtol=1e-6, atol=1e-7)
+
+
+def _guards(rank: int, world_size: int) -> dict:
+    """The guards on the plain dense layer and ``Shard(0)`` expert above, rank 1's expert shard (and loss) NaN;
+    centralize on two rowwise weights, ``"b"``'s grad ``None`` on rank 0."""
+    del world_size
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    weights, grads = _expert_data()
+    params = {"dense": weights["dense"], "expert": distribute_tensor(weights["expert"], mesh, [Shard(0)])}
+    nan = DTensor.from_local(torch.full((2, 6), float("nan")), mesh, [Shard(0)])
+    skipped = {}
+    for name, tx in (
+        ("apply_if_finite", gtx.apply_if_finite(gtx.sgd(0.1), 3)),
+        ("skip_if", gtx.skip_if(gtx.sgd(0.1), gtx.skip_not_finite)),
+        ("skip_spikes", gtx.skip_spikes(gtx.sgd(0.1), metric="loss")),  # rank 1's loss NaN
+    ):
+        loss = torch.tensor(float("nan") if rank else 1.0)
+        grads_r = {"dense": grads["dense"], "expert": nan if rank else None}
+        _, state = tx.update(grads_r, tx.init(params), params, loss=loss)
+        skipped[name] = gtx.metrics(state)["skipped"]
+    rows = {n: distribute_tensor(w, mesh, [Shard(1)]) for n, w in (("a", weights["dense"]), ("b", weights["expert"]))}
+    cols = {n: distribute_tensor(g, mesh, [Shard(1)]) for n, g in (("a", grads["dense"]), ("b", grads["expert"]))}
+    if rank == 0:
+        cols["b"] = None
+    out, _ = gtx.centralize().update(cols, gtx.EmptyState(), rows)
+    return {"skipped": skipped, "centralized": {n: _local(u) for n, u in out.items() if u is not None}}
+
+
+def test_guard_and_centralize_join_a_missing_dtensor_grad_as_zeros():
+    """Every rank skips the step whose only NaN is in the shard rank 0 has no grad for; centralize's reference is
+    one device, ``"b"``'s grad zero in rank 0's columns. On 3fc4e57 rank 1 fails in the all-reduce (the spawn fails)."""
+    ranks = run_distributed(_guards, world_size=2, timeout=60.0)
+    _, grads = _expert_data()
+    grads["expert"][:, :3] = 0
+    ref = {n: g - g.mean(dim=1, keepdim=True) for n, g in (("a", grads["dense"]), ("b", grads["expert"]))}
+    for rank, r in enumerate(ranks):
+        assert all(map(bool, r["skipped"].values())), r["skipped"]
+        torch.testing.assert_close(r["centralized"]["a"], ref["a"][:, 3 * rank : 3 * rank + 3], rtol=1e-6, atol=1e-7)
+    assert "b" not in ranks[0]["centralized"]
+    torch.testing.assert_close(ranks[1]["centralized"]["b"], ref["b"][:, 3:], rtol=1e-6, atol=1e-7)
+
+
+def _muon_grads(step: int) -> dict:
+    gen = torch.Generator().manual_seed(20 + step)
+    return {n: torch.randn(4, 6, generator=gen) for n in "ab"}
+
+
+def _muon(rank: int, world_size: int) -> dict:
+    """Two steps on two ``Shard(0)`` matrices; at step 1 rank 0 has no grad for ``"b"``."""
+    del world_size
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    weights = _expert_data()[0]
+    params = {n: distribute_tensor(weights[m], mesh, [Shard(0)]) for n, m in (("a", "dense"), ("b", "expert"))}
+    out: dict = {}
+    for name, tx in (("orthogonalize", gtx.orthogonalize()), ("scale_by_muon", gtx.scale_by_muon())):
+        state = tx.init(params)
+        for step in range(2):
+            grads = {n: distribute_tensor(g, mesh, [Shard(0)]) for n, g in _muon_grads(step).items()}
+            if step == 1 and rank == 0:
+                grads["b"] = None
+            new, state = tx.update(grads, state, params)
+        out[name] = {n: None if u is None else _local(u) for n, u in new.items()}
+        out[name + "_mu"] = {n: _local(m) for n, m in getattr(state, "mu", {}).items()}
+    return out
+
+
+def test_muon_exchanges_a_missing_matrix_as_zeros():
+    """One device holds both matrices, ``"b"``'s grad zero in rank 0's rows at step 1. Rank 0's update for it stays
+    None and its momentum is kept (as for any None update). On 3fc4e57 gloo aborts."""
+    ranks = run_distributed(_muon, world_size=2, timeout=60.0)
+    weights = _expert_data()[0]
+    params = {"a": weights["dense"], "b": weights["expert"]}
+    for name, tx in (("orthogonalize", gtx.orthogonalize()), ("scale_by_muon", gtx.scale_by_muon())):
+        state = tx.init(params)
+        _, state = tx.update(_muon_grads(0), state, params)
+        before = state
+        grads = _muon_grads(1)
+        grads["b"][:2] = 0
+        ref, state = tx.update(grads, state, params)
+        assert ranks[0][name]["b"] is None
+        for rank, r in enumerate(ranks):
+            rows = slice(2 * rank, 2 * rank + 2)
+            for n, u in r[name].items():
+                if u is not None:
+                    torch.testing.assert_close(
+                        u, ref[n][rows], rtol=1e-5, atol=1e-6, msg=lambda m, w=(name, n): f"{w} {m}"
+                    )
+            for n, mu in r[name + "_mu"].items():
+                want = (before if rank == 0 and n == "b" else state).mu[n][rows]
+                torch.testing.assert_close(mu, want, rtol=1e-6, atol=1e-7, msg=lambda m, w=(rank, n): f"mu {w} {m}")
 
 
 def _cp_grads(rank: int) -> dict:

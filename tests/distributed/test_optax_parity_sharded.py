@@ -6,7 +6,8 @@ dim 1 (and replicated) they must scale every shard by the single-device
 factor, with the norms read from the placements. centralize sums a row cut
 over tp (Shard(1)) before taking its mean. add_noise gives each shard its
 part of the one-device noise. Every rank also runs the same steps on the full
-tensors, and the parent compares the gathered results with that.
+tensors, and the parent compares the gathered results with that. On a Partial grad
+(a pending sum) the noise transforms refuse, on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import gradtx as gtx
 from tests.distributed.harness import part_results, share_spawn
@@ -84,6 +85,22 @@ def _noise(rank: int) -> dict[str, Any]:
     return _run(lambda: gtx.chain(gtx.add_noise(0.5, 0.55, seed=3), gtx.sgd(0.1)))
 
 
+def _noise_partial(rank: int) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    grads = {"w": DTensor.from_local(torch.full((2, 3), rank + 1.0), mesh, [Partial()])}  # each rank's term
+    out = {}
+    for name, tx in (
+        ("add_noise", gtx.add_noise(1.0, 0.0, seed=0)),
+        ("differentially_private_aggregate", gtx.differentially_private_aggregate(1e3, 1.0, seed=0)),
+    ):
+        try:
+            tx.update(grads, tx.init(grads))
+            out[name] = "no error"
+        except Exception as e:  # noqa: BLE001 - which error, for the parent
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "trust_ratio": _trust_ratio,
     "lamb": _lamb,
@@ -92,6 +109,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "elementwise": _elementwise,
     "centralize": _centralize,
     "noise": _noise,
+    "noise_partial": _noise_partial,
 }
 
 _SHARED = share_spawn(PARTS, WORLD, prefix="optax_parity_sharded")
@@ -102,9 +120,17 @@ def ranks() -> list[dict[str, Any]]:
     return _SHARED()
 
 
-@pytest.mark.parametrize("part", sorted(PARTS))
+@pytest.mark.parametrize("part", sorted(set(PARTS) - {"noise_partial"}))
 def test_sharded_run_matches_one_device(ranks: list[dict[str, Any]], part: str) -> None:
     for res in part_results(ranks, part):
         assert set(res["params"]) == set(res["ref"])
         for k, v in res["params"].items():
             torch.testing.assert_close(v, res["ref"][k], rtol=1e-5, atol=1e-6, msg=f"{part} {k}")
+
+
+def test_noise_on_a_partial_grad_is_refused_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    """Each rank adds the whole noise, from one seed, to its term of the pending sum: the sum carried W times the
+    single-device noise (the same draw; std W times as large). Refused, naming the path, as the norms refuse."""
+    for res in part_results(ranks, "noise_partial"):
+        for name, message in res.items():
+            assert message.startswith(f"ValueError: {name}: the update at ['w'] is a Partial DTensor"), message

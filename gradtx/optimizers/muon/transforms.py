@@ -14,9 +14,31 @@ from gradtx.core import leafwise as lw
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import EmptyState, GradientTransformation, Params, PyTree, factory, init_empty_state
+from gradtx.distributed.global_norm import PlanSlot, planned
 from gradtx.optimizers.muon.exchange import _make_orthogonalizer
 from gradtx.optimizers.muon.iteration import _DEFAULT_NS_COEFFS, Preconditioning, Scalar, _Matrices, _selector
 from gradtx.optimizers.standard import _debiased
+
+
+def _filling(update_fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``update_fn`` on updates that cover the DTensor params (see :func:`planned`): one with no update on this rank
+    (``None``) is fed zeros, so every rank exchanges the same matrices (its part of the matrix is what a zero grad
+    gives); its update stays ``None`` and its momentum as it was, as for any ``None`` update."""
+    slot = PlanSlot()
+
+    def filled(updates, state, params=None, **extra):
+        leaves, spec = tu.flatten(updates)
+        full, _, index = planned(leaves, updates, params, None, name, slot, spec)
+        if index is None:
+            return update_fn(updates, state, params, **extra)
+        out, new = update_fn(tu.unflatten(tu.flatten(params)[1], full), state, params, **extra)
+        if isinstance(new, MuonState):
+            mu, mu_spec = tu.flatten(new.mu)
+            kept = [m if j in index else old for j, (m, old) in enumerate(zip(mu, tu.flatten(state.mu)[0]))]
+            new = new._replace(mu=tu.unflatten(mu_spec, kept))
+        return tu.unflatten(spec, [tu.flatten(out)[0][i] for i in index]), new
+
+    return filled
 
 
 def _on_matrices(
@@ -40,7 +62,7 @@ def _on_matrices(
             out[j] = tu.like(leaves[j], y)
         return tu.unflatten(spec, out), state
 
-    return GradientTransformation(init_empty_state, update_fn)
+    return GradientTransformation(init_empty_state, _filling(update_fn, name))
 
 
 @factory
@@ -204,7 +226,7 @@ def scale_by_muon(
         ms.put_updates(mats.idx, run([ms.leaves[j] for j in mats.idx], directions, mats))
         return ms.updates(), MuonState(count=count, mu=ms.tree(0))
 
-    return GradientTransformation(init_fn, update_fn)
+    return GradientTransformation(init_fn, _filling(update_fn, name))
 
 
 @factory
