@@ -302,6 +302,8 @@ def test_a_layout_placement_is_checked_against_its_leaf_and_a_negative_dim_count
             testing.distribute(full, mesh, {"s": [Shard(0)]})
         with pytest.raises(TypeError, match="gives w a str"):
             testing.distribute(full, mesh, {"w": ["Shard(0)"]})
+        with pytest.raises(ValueError, match=r"keys \['v', 'x\*'\] match no leaf"):  # a typo is not "replicated"
+            testing.distribute(full, mesh, {"w": [Shard(0)], "v": [Shard(0)], "x*": [Shard(0)]})
 
 
 def test_a_missing_grad_leaves_every_other_grad_laid_out_as_its_param():

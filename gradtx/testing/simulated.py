@@ -198,7 +198,7 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
         ``Shard(0)``/``Shard(1)``, vectors replicated), ``"hsdp"`` (replicate, shard), ``"tp_fsdp"`` (fsdp, tp:
         FSDP2 over TP, ``_StridedShard`` included), ``"ep_fsdp"`` (fsdp, ep: leaves whose path contains
         ``"expert"`` split over ep) or ``"cp"`` (dp, cp); or a mapping from dotted path or glob to placements
-        (unmatched leaves are replicated), or a function ``(path, leaf) -> placements or None``. Shapes need not
+        (unmatched leaves are replicated, a key matching no leaf is an error), or a function ``(path, leaf) -> placements or None``. Shapes need not
         divide: ranks past the last chunk hold empty shards, as with FSDP2.
 
     Returns:
@@ -218,6 +218,12 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
             f"distribute: layout must be a preset name, a mapping or a function, got {type(layout).__name__}"
         )
     paths, leaves, spec = optree.tree_flatten_with_path(_full(tree))
+    names = [tu.dotted(path) for path in paths]
+    unused = (
+        [k for k in layout if k not in names and not fnmatch.filter(names, k)] if isinstance(layout, Mapping) else []
+    )
+    if unused:  # a typo'd key would leave its leaf replicated, silently
+        raise ValueError(f"distribute: layout keys {unused} match no leaf; paths look like {names[:3]}")
     out: list[Any] = []
     matrices = 0
     for path, leaf in zip(paths, leaves):
