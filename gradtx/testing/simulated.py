@@ -198,8 +198,9 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
         ``Shard(0)``/``Shard(1)``, vectors replicated), ``"hsdp"`` (replicate, shard), ``"tp_fsdp"`` (fsdp, tp:
         FSDP2 over TP, ``_StridedShard`` included), ``"ep_fsdp"`` (fsdp, ep: leaves whose path contains
         ``"expert"`` split over ep) or ``"cp"`` (dp, cp); or a mapping from dotted path or glob to placements
-        (unmatched leaves are replicated, a key matching no leaf is an error), or a function ``(path, leaf) -> placements or None``. Shapes need not
-        divide: ranks past the last chunk hold empty shards, as with FSDP2.
+        (unmatched leaves are replicated, a key matching no leaf is an error), or a function
+        ``(path, leaf) -> placements or None``. Shapes need not divide: ranks past the last chunk hold empty
+        shards, as with FSDP2.
 
     Returns:
       The same tree with DTensor leaves (plain per-rank replicas under ``"ddp"``). Every rank holds its own copy
