@@ -220,10 +220,7 @@ def distribute(tree: PyTree, mesh: DeviceMesh, layout: Layout) -> PyTree:
         )
     paths, leaves, spec = optree.tree_flatten_with_path(_full(tree))
     names = [tu.dotted(path) for path in paths]
-    unused = (
-        [k for k in layout if k not in names and not fnmatch.filter(names, k)] if isinstance(layout, Mapping) else []
-    )
-    if unused:  # a typo'd key would leave its leaf replicated, silently
+    if unused := [k for k in (layout if isinstance(layout, Mapping) else ()) if not fnmatch.filter(names, k)]:  # typos
         raise ValueError(f"distribute: layout keys {unused} match no leaf; paths look like {names[:3]}")
     out: list[Any] = []
     matrices = 0
