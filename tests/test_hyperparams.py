@@ -177,6 +177,15 @@ def test_an_argument_that_takes_no_tensor_says_to_make_it_static():
     assert_trees_equal(tx.update(grads, state)[0], {"w": torch.tensor([-1.0, 0.5, 1.0])})
 
 
+def test_an_injected_count_says_to_make_it_static():
+    """A count (reduce_on_plateau's patience, injected from its default) takes no tensor: the error says the fix."""
+    params = {"w": torch.ones(2)}
+    with pytest.raises(TypeError, match=r"reduce_on_plateau: patience must be an int.*static_args=\('patience',\)"):
+        gtx.inject_hyperparams(gtx.reduce_on_plateau, static_args=("factor",))().init(params)
+    with pytest.raises(TypeError, match=r"zclip: warmup_steps must be an int.*static_args=\('warmup_steps',\)"):
+        gtx.inject_hyperparams(gtx.zclip, static_args=("alpha", "z_thresh", "max_grad_norm", "eps"))().init(params)
+
+
 @pytest.mark.parametrize("factory", [gtx.adam, gtx.sgd])
 def test_an_injected_default_weight_decay_needs_params_unless_static(factory):
     """The injected default weight_decay (0) may be changed in the state, so the L2 term stays and needs params."""

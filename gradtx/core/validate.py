@@ -89,6 +89,8 @@ def beta(value: Any, *, arg: str, name: str, tensor: bool = False) -> Any:
 
 def integer(value: Any, *, arg: str, name: str, minimum: int | None = None) -> int:
     """An integer (not a bool), ``>= minimum`` when given."""
+    if isinstance(value, torch.Tensor):  # inject_hyperparams made it one: a count shapes the computation
+        raise TypeError(f"{name}: {arg} must be an int, got a tensor (with inject_hyperparams, static_args=({arg!r},))")
     if _is_bool(value) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: {arg} must be an int, got {type(value).__name__}")
     value = int(value)
