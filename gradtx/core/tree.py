@@ -220,6 +220,17 @@ def local_shards(xs: Sequence[Any]) -> list[Any]:
         return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
 
 
+def refuse_partial(what: str, tree: PyTree, index: Sequence[int], xs: Sequence[Any]) -> None:
+    """Raise naming the first of ``xs`` (the leaves ``index`` of ``tree``) that is a ``Partial`` DTensor: a pending
+    sum, whose local term every rank would take for the whole (right only for a stateless map linear in it)."""
+    for i, x in zip(index, xs) if has_dtensor(xs) else ():
+        if isinstance(x, DTensor) and any(p.is_partial() for p in x.placements):
+            raise ValueError(
+                f"{what} leaf at {path_str(paths(tree)[i])} is a Partial DTensor (a pending sum), whose local term "
+                "each rank would take for the whole; reduce it first (redistribute to Replicate or Shard)"
+            )
+
+
 def local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
     """The part of ``full`` (a whole tensor) this rank holds of the DTensor ``like``, cut out with no communication."""
     shape, offset = compute_local_shape_and_global_offset(like.shape, like.device_mesh, like.placements)
