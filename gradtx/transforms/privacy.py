@@ -145,17 +145,12 @@ def _normal_like(
     A ``Partial`` one (a pending sum, whose every rank would add the whole noise) is
     refused, naming its path in ``tree``.
     """
+    tu.refuse_partial(f"{name}: updates", tree, range(len(leaves)), leaves)  # each rank would add the whole noise
     gen = torch.Generator()
     gen.set_state(rng_state)
     out = []
-    for i, t in enumerate(leaves):
+    for t in leaves:
         x = tu.local(t)  # complex noise for complex x
-        if x is not t and any(p.is_partial() for p in t.placements):  # type: ignore[attr-defined]
-            raise ValueError(
-                f"{name}: the update at {tu.path_str(tu.paths(tree)[i])} is a Partial DTensor (a pending sum): each "
-                "rank would add the whole noise, so the sum would carry it once per rank; reduce it first "
-                "(redistribute to Replicate or Shard)"
-            )
         n = torch.randn(t.shape, generator=gen, dtype=x.dtype if x.is_complex() else tu.acc_dtype(x.dtype))
         out.append((n if x is t else tu.local_part(n, t)).to(x.device, non_blocking=True))
     return out, gen.get_state()

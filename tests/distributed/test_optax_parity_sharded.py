@@ -101,6 +101,44 @@ def _noise_partial(rank: int) -> dict[str, str]:
     return out
 
 
+def _partial(rank: int) -> dict[str, Any]:
+    """Each rank holds one term of a Partial grad (a pending sum, as TP leaves on a SequenceParallel norm's weight)."""
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    terms = [torch.tensor([1.0, 0.5]), torch.tensor([2.0, -3.0])]
+    p0 = torch.tensor([1.0, -2.0])
+
+    def grad() -> DTensor:
+        return DTensor.from_local(terms[rank].clone(), mesh, [Partial()], run_check=False)
+
+    params = {"w": distribute_tensor(p0.clone(), mesh, [Replicate()])}
+    out: dict[str, Any] = {"sum": sum(terms), "p0": p0, "term": terms[rank]}
+    for name, tx in (("scale", gtx.scale(-0.1)), ("sgd", gtx.sgd(0.1))):  # linear and stateless: exact
+        out[name] = tx.update({"w": grad()}, tx.init(params), params)[0]["w"].full_tensor()
+    for name, tx in (
+        ("adam", gtx.adam(0.1)),
+        ("sgd_momentum", gtx.sgd(0.1, momentum=0.9)),  # the update is exact, the Replicate trace would not be
+        ("add_decayed_weights", gtx.add_decayed_weights(0.5)),
+        ("clip", gtx.clip(2.0)),
+        ("lion", gtx.lion(0.1)),
+        ("ema", gtx.ema(0.5)),
+    ):
+        try:
+            tx.update({"w": grad()}, tx.init(params), params)
+            out[name] = "no error"
+        except ValueError as e:
+            out[name] = str(e)
+    for name, tx in (("wrapper_scale", gtx.scale(1.0)), ("wrapper_clip", gtx.clip(2.0))):
+        w = torch.nn.Parameter(distribute_tensor(p0.clone(), mesh, [Replicate()]))
+        opt = gtx.TransformedOptimizer(torch.optim.SGD([w], lr=0.1), tx)
+        w.grad = grad()
+        try:
+            opt.step()
+            out[name] = w.detach().full_tensor()
+        except ValueError as e:
+            out[name] = (str(e), w.detach().to_local().clone(), w.grad.placements, w.grad.to_local().clone())
+    return out
+
+
 PARTS: dict[str, Callable[[int], Any]] = {
     "trust_ratio": _trust_ratio,
     "lamb": _lamb,
@@ -110,6 +148,7 @@ PARTS: dict[str, Callable[[int], Any]] = {
     "centralize": _centralize,
     "noise": _noise,
     "noise_partial": _noise_partial,
+    "partial": _partial,
 }
 
 _SHARED = share_spawn(PARTS, WORLD, prefix="optax_parity_sharded")
@@ -120,7 +159,7 @@ def ranks() -> list[dict[str, Any]]:
     return _SHARED()
 
 
-@pytest.mark.parametrize("part", sorted(set(PARTS) - {"noise_partial"}))
+@pytest.mark.parametrize("part", sorted(set(PARTS) - {"noise_partial", "partial"}))
 def test_sharded_run_matches_one_device(ranks: list[dict[str, Any]], part: str) -> None:
     for res in part_results(ranks, part):
         assert set(res["params"]) == set(res["ref"])
@@ -133,4 +172,23 @@ def test_noise_on_a_partial_grad_is_refused_on_every_rank(ranks: list[dict[str, 
     single-device noise (the same draw; std W times as large). Refused, naming the path, as the norms refuse."""
     for res in part_results(ranks, "noise_partial"):
         for name, message in res.items():
-            assert message.startswith(f"ValueError: {name}: the update at ['w'] is a Partial DTensor"), message
+            assert message.startswith(f"ValueError: {name}: updates leaf at ['w'] is a Partial DTensor"), message
+
+
+def test_a_partial_grad_passes_a_linear_map_exactly_and_is_refused_elsewhere(ranks: list[dict[str, Any]]) -> None:
+    """Each rank's transform sees only its term P_i of G = sum P_i, and the result is read as the sum of the ranks'
+    outputs: right for scale (sum(-0.1 P_i) = -0.1 G), wrong for anything else (weight decay gives G + 2 * 0.5 w,
+    clip(2.0) clips each term: 3.0 where one device gives 2.0; Adam and Lion sum two normalized steps; a momentum
+    or EMA buffer, stored Replicate, would hold each rank's own term). Those refuse on every rank, naming the path,
+    through the wrapper too, which leaves the param and its Partial grad as they were."""
+    for res in part_results(ranks, "partial"):
+        g, p0 = res["sum"], res["p0"]
+        torch.testing.assert_close(res["scale"], -0.1 * g)
+        torch.testing.assert_close(res["sgd"], -0.1 * g)
+        torch.testing.assert_close(res["wrapper_scale"], p0 - 0.1 * g)  # torch.optim.SGD on the one-device grad
+        for name in ("adam", "sgd_momentum", "add_decayed_weights", "clip", "lion", "ema"):
+            assert "['w'] is a Partial DTensor" in res[name], (name, res[name])
+        message, w, placements, term = res["wrapper_clip"]
+        assert message.startswith("clip: updates leaf at [0][0] is a Partial DTensor"), message
+        torch.testing.assert_close(w, p0)
+        assert placements == (Partial(),) and torch.equal(term, res["term"])

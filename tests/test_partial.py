@@ -1,0 +1,49 @@
+"""A Partial DTensor update (a pending sum) in transforms that work on local parts, on a simulated mesh.
+
+Each rank holds one term P_i of G = sum P_i, and a transform's result is read as the sum of the ranks' outputs:
+right only for a stateless map linear in G. Everything else refuses, naming the path, with its inputs untouched.
+The numbers on real ranks, against one device, are in tests/distributed/test_optax_parity_sharded.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+import gradtx as gtx
+
+REFUSED = {
+    "adam": lambda: gtx.adam(0.1),
+    "adamw": lambda: gtx.adamw(0.1, weight_decay=0.1),
+    "sgd_momentum": lambda: gtx.sgd(0.1, momentum=0.9),
+    "sgd_weight_decay": lambda: gtx.sgd(0.1, weight_decay=0.5),
+    "add_decayed_weights": lambda: gtx.add_decayed_weights(0.5),
+    "clip": lambda: gtx.clip(2.0),
+    "lion": lambda: gtx.lion(0.1),
+    "ema": lambda: gtx.ema(0.5),
+    "schedule_free_adamw": lambda: gtx.schedule_free_adamw(0.1),
+    "sam": lambda: gtx.sam(gtx.sgd(0.1), gtx.sgd(0.05), sync_period=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_partial_update_is_refused_naming_its_path(name):
+    with gtx.testing.simulated_mesh(2, ("tp",)) as mesh:
+        term = torch.tensor([[1.0, -2.0], [0.5, 3.0]])
+        g = {"b": torch.ones(2), "w": DTensor.from_local(term.clone(), mesh, [Partial()], run_check=False)}
+        params = {"b": torch.zeros(2), "w": DTensor.from_local(torch.ones(2, 2), mesh, [Replicate()], run_check=False)}
+        tx = REFUSED[name]()
+        state = tx.init(params)
+        with pytest.raises(ValueError, match=r"leaf at \['w'\] is a Partial DTensor \(a pending sum\)"):
+            tx.update(g, state, params)
+        assert torch.equal(g["w"].to_local(), term) and g["w"].placements == (Partial(),)
+        assert torch.equal(params["w"].to_local(), torch.ones(2, 2))
+
+
+def test_a_stateless_linear_map_passes_a_partial_update_on():
+    with gtx.testing.simulated_mesh(2, ("tp",)) as mesh:
+        g = {"w": DTensor.from_local(torch.tensor([1.0, -2.0]), mesh, [Partial()], run_check=False)}
+        for tx in (gtx.scale(-0.5), gtx.sgd(0.5)):
+            u = tx.update(g, tx.init(g))[0]["w"]
+            assert u.placements == (Partial(),) and torch.equal(u.to_local(), torch.tensor([-0.5, 1.0]))
