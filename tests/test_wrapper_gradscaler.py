@@ -291,3 +291,31 @@ def test_a_copy_takes_gradscalers_scale_as_the_original_does(how, build, declare
     opt = gtx.TransformedOptimizer(build(list(make_model().parameters())), gtx.clip_by_global_norm(1.0))
     other = pickle.loads(pickle.dumps(opt)) if how == "pickle" else copy.deepcopy(opt)
     assert opt._step_supports_amp_scaling is other._step_supports_amp_scaling is declared
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_fused", "adamw_fused"])
+def test_the_inner_optimizer_is_left_for_gradscaler_as_torch_leaves_it(opt_name):
+    """A fused step through the wrapper hands the kernel grad_scale and found_inf as attributes of the inner
+    optimizer; GradScaler, which multiplies a grad_scale it finds there into its own, must later step that
+    optimizer (training on without the wrapper) exactly as one that was never wrapped."""
+    ref, ours = make_model(), make_model()
+    ref_opt = OPTS[opt_name](ref.parameters())
+    inner = OPTS[opt_name](ours.parameters())
+    opt = gtx.TransformedOptimizer(inner, gtx.clip_by_global_norm(MAX_NORM))
+    opt.optimizer.register_step_pre_hook(lambda *a: None)  # so the wrapper steps through inner.step()
+    (x, y), *rest = batches(3)
+    F.cross_entropy(ref(x), y).backward()
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    ref_opt.step()
+    ref_opt.zero_grad()
+    F.cross_entropy(ours(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    s_ref, s_ours = scaler(), scaler()
+    for x, y in rest:
+        for model, o, s in ((ref, ref_opt, s_ref), (ours, inner, s_ours)):
+            s.scale(F.cross_entropy(model(x), y)).backward()
+            s.step(o)
+            s.update()
+            o.zero_grad()
+    assert_trees_close(params_of(ours), params_of(ref), rtol=1e-5, atol=1e-6)

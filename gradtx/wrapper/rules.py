@@ -186,8 +186,8 @@ def step_inner(
         opt.found_inf = found_inf
         try:
             opt.step()
-        finally:
-            opt.grad_scale = opt.found_inf = None
+        finally:  # gone, as GradScaler leaves them: it multiplies a grad_scale it finds into its own
+            del opt.grad_scale, opt.found_inf
         return
     if torch.compiler.is_compiling() and not has_hooks(optimizer):
         # torch.optim's step wrappers insert graph breaks (to keep the optimizer graph an inference
