@@ -646,6 +646,9 @@ def test_a_copy_with_its_lr_scheduler_trains_itself_not_the_original(how):
         gtx.inject_hyperparams(gtx.adamw)(1e-2),  # built anew on every update, an optimizer all the same
         gtx.chain(gtx.clip_by_global_norm(1.0), gtx.inject_hyperparams(gtx.sgd)(lambda count: 0.1)),
         gtx.inject_hyperparams(gtx.muon)(0.02),
+        gtx.apply_if_finite(gtx.adamw(1e-2), 5),  # inside another transform, as optax users write it
+        gtx.chain(gtx.clip(1.0), gtx.masked(gtx.adam(1e-3), lambda groups: [[True for _ in g] for g in groups])),
+        gtx.partition({"a": gtx.sgd(0.1), "b": gtx.identity()}, lambda groups: [["a" for _ in g] for g in groups]),
     ],
 )
 def test_an_optimizer_in_the_chain_is_refused_naming_it(opt_tx):

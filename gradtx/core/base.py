@@ -154,6 +154,20 @@ def remember(out: Any, build: Callable[..., Any], args: tuple[Any, ...], kwargs:
     return out
 
 
+def built_from(tx: GradientTransformation) -> list[GradientTransformation]:
+    """The transforms among the arguments of the factory call that built ``tx`` (``gtx.adamw(...)`` in
+    ``apply_if_finite(gtx.adamw(...), 5)``), in lists, tuples and dicts too, as ``tx`` pickles: see :func:`factory`."""
+    found: list[GradientTransformation] = []
+    todo = list(tx.__dict__.get(_RECIPE, ())[1:])
+    while todo:
+        x = todo.pop()
+        if isinstance(x, GradientTransformation):
+            found.append(x)
+        elif type(x) in (dict, list, tuple):
+            todo.extend(x.values() if isinstance(x, dict) else x)
+    return found
+
+
 def _copy_containers(value: Any, held: list[Any]) -> Any:
     """``value`` with its plain dicts, lists and tuples copied, all the way down; what they hold goes to ``held``."""
     if type(value) is dict:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gradtx.core.base import GradientTransformation
+from gradtx.core.base import GradientTransformation, built_from
 from gradtx.optimizers.standard import OptimizerChain
 
 CLOSURE_WITH_WINDOW = (
@@ -41,7 +41,8 @@ def closure_optimizer_with_window(optimizer: torch.optim.Optimizer) -> str:
 
 
 def check_no_optimizer(members: list[GradientTransformation], optimizer: torch.optim.Optimizer) -> None:
-    """Refuse a gradtx optimizer among the chain's members: the inner optimizer would step against its update."""
+    """Refuse a gradtx optimizer among the chain's members, or inside one (``apply_if_finite(gtx.adamw(...))``, as
+    the member was built): the inner optimizer would step against its update."""
     for member in members:
         if isinstance(member, OptimizerChain):
             kind, inner = member.spec.kind, type(optimizer).__name__
@@ -51,6 +52,7 @@ def check_no_optimizer(members: list[GradientTransformation], optimizer: torch.o
                 f"(the loss would climb). The chain transforms the gradients the inner optimizer steps on: "
                 f"leave gtx.{kind} out and let {inner} take the step, or run gtx.{kind} functionally"
             )
+        check_no_optimizer(built_from(member), optimizer)
 
 
 def check_lrs(live: Any, groups: list[dict[str, Any]], window: Any, *, record: bool = False) -> None:
