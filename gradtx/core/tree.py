@@ -8,8 +8,7 @@ which names the first pytree path that differs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import chain, repeat
-from operator import attrgetter, methodcaller
+from operator import attrgetter
 from typing import Any
 
 import optree
@@ -224,16 +223,14 @@ def local_shards(xs: Sequence[Any]) -> list[Any]:
 def refuse_partial(what: str, tree: PyTree, index: Sequence[int], xs: Sequence[Any]) -> None:
     """Raise naming the first of ``xs`` (the leaves ``index`` of ``tree``) that is a ``Partial`` DTensor: a pending
     sum, whose local term every rank would take for the whole (right only for a stateless map linear in it)."""
-    placements = map(getattr, xs, repeat("placements"), repeat(()))  # read in C (a plain tensor has none)
-    if has_dtensor(xs) and any(map(_is_partial, chain.from_iterable(placements))):
-        i = next(i for i, x in zip(index, xs) if any(map(_is_partial, getattr(x, "placements", ()))))
-        raise ValueError(
-            f"{what} leaf at {path_str(paths(tree)[i])} is a Partial DTensor (a pending sum), whose local term "
-            "each rank would take for the whole; reduce it first (redistribute to Replicate or Shard)"
-        )
-
-
-_is_partial = methodcaller("is_partial")
+    if not has_dtensor(xs):
+        return
+    for i, x in zip(index, xs):
+        if any(p.is_partial() for p in getattr(x, "placements", ())):
+            raise ValueError(
+                f"{what} leaf at {path_str(paths(tree)[i])} is a Partial DTensor (a pending sum), whose local term "
+                "each rank would take for the whole; reduce it first (redistribute to Replicate or Shard)"
+            )
 
 
 def local_part(full: torch.Tensor, like: Any) -> torch.Tensor:
