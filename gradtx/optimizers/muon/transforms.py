@@ -33,8 +33,8 @@ def _filling(update_fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             return update_fn(updates, state, params, **extra)
         out, new = update_fn(tu.unflatten(tu.flatten(params)[1], full), state, params, **extra)
         if isinstance(new, MuonState):
-            mu, mu_spec = tu.flatten(new.mu)
-            kept = [m if j in index else old for j, (m, old) in enumerate(zip(mu, tu.flatten(state.mu)[0]))]
+            (mu, mu_spec), given = tu.flatten(new.mu), set(index)
+            kept = [m if j in given else old for j, (m, old) in enumerate(zip(mu, tu.flatten(state.mu)[0]))]
             new = new._replace(mu=tu.unflatten(mu_spec, kept))
         return tu.unflatten(spec, [tu.flatten(out)[0][i] for i in index]), new
 
