@@ -19,6 +19,7 @@ import torch
 
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, OptState, Params
+from gradtx.distributed.context_parallel import sums_over
 from gradtx.transforms.accumulation import AccumulateState, Accumulation
 from gradtx.transforms.combine import Chain
 from gradtx.transforms.window import multi_process
@@ -195,8 +196,8 @@ def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) ->
     for w, i in zip(layout.windows, accs):
         window = chain[i].window
         own = (window.comm, window.group) if window.comm is not None else None
-        later = [getattr(m, "__dict__", {}).get("sums_over_ranks") for m in chain[i + 1 :]]  # cp_reduce's (comm, group)
-        sums = own if window.reduce_grads else next((s for s in later if isinstance(s, tuple)), None)
+        later = (sums_over(m) for m in chain[i + 1 :])  # a cp_reduce's (comm, group)
+        sums = own if window.reduce_grads else next((s for s in later if s is not None), None)
         for name in ("tokens", "loss_sum", "loss_weight", "acc"):  # the window's loss is a global token mean too
             by = sums if name == "acc" else own if window.token_weighted else None
             if by is not None:

@@ -101,7 +101,14 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, group)), state
 
     tx = GradientTransformation(init_empty_state, update_fn)
-    # A param with no grad here may have one on another rank (the wrapper reads it); a window before this holds each
-    # rank's own sums, which a checkpoint sums over the group (gradtx.checkpoint reads it).
     vars(tx)["sums_over_ranks"] = (comm, group)
     return tx
+
+
+def sums_over(tx: GradientTransformation) -> tuple[Any, Any] | None:
+    """The ``(comm, group)`` a :func:`cp_reduce` sums the grads over; None for any other transform.
+
+    A param with no grad on this rank may have one on another (the wrapper joins it on every rank), and a window
+    before it holds each rank's own sums, which a checkpoint sums over the group.
+    """
+    return vars(tx).get("sums_over_ranks")

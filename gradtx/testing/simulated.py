@@ -37,7 +37,7 @@ from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import GradientTransformation, PyTree
 from gradtx.core.base import metrics as _metrics
-from gradtx.testing import _mode_off
+from gradtx.testing import _mode_off, _values
 from gradtx.transforms.combine import apply_updates
 
 PRESETS = ("ddp", "fsdp", "hsdp", "tp", "tp_fsdp", "ep_fsdp", "cp")
@@ -251,7 +251,7 @@ def _full(tree: PyTree) -> PyTree:
         if not isinstance(x, LocalTensor):
             return x
         with _mode_off():
-            first, *rest = (t for _, t in sorted(x._local_tensors.items()))
+            first, *rest = _values(x)
             if all(
                 torch.equal(t.isnan(), first.isnan()) and torch.equal(t.nan_to_num(), first.nan_to_num()) for t in rest
             ):

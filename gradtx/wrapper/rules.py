@@ -34,6 +34,7 @@ from gradtx.checkpoint.layout import members as members_of
 from gradtx.core import foreach as fe
 from gradtx.core import tree as tu
 from gradtx.core.base import GradientTransformation, Guard, OptState, ScalarTransformation
+from gradtx.distributed.context_parallel import sums_over
 from gradtx.distributed.pipeline import reduced_plan
 from gradtx.transforms.accumulation import Accumulation
 from gradtx.transforms.combine import Chain
@@ -68,7 +69,7 @@ class Plan:
         self.late = [i for i, m in enumerate(members) if i > 0 and isinstance(m, Accumulation)]
         self.start = 1 if self.window is not None else 0
         self.reduce_grads = self.window is not None and self.window.window.reduce_grads
-        self.summed = self.reduce_grads or any(getattr(m, "__dict__", {}).get("sums_over_ranks") for m in members)
+        self.summed = self.reduce_grads or any(sums_over(m) for m in members)
         # The flat indices of tied copies that a pp_reduce sums over the stages (grads.read gives them .grad).
         ties = [reduced_plan(m) for m in members]
         self.tied = frozenset(i for plan in ties if plan is not None for idx in plan.tied.values() for i in idx)

@@ -119,8 +119,8 @@ def entry(opt: Any, i: int) -> dict[str, Any]:
 
 def set_entry(opt: Any, i: int, value: dict[str, Any]) -> None:
     """Write param ``i``'s ``"gradtx"`` entry back into the live state (e.g. a state moved to another device)."""
-    places = lo.layout_of(opt._live.tx_state, opt._tree).places
-    glob = grads.in_groups(opt, places, value.get(GLOBAL, {}), out=False) if i == 0 else {}
+    layout = lo.layout_of(opt._live.tx_state, opt._tree) if i == 0 else None  # the global entry is param 0's
+    glob = grads.in_groups(opt, layout.places, value.get(GLOBAL, {}), out=False) if layout is not None else {}
 
     def rebuild(kind: str, node: Any, key: str) -> Any:
         if kind == "global":
