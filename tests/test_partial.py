@@ -24,6 +24,7 @@ REFUSED = {
     "ema": lambda: gtx.ema(0.5),
     "schedule_free_adamw": lambda: gtx.schedule_free_adamw(0.1),
     "sam": lambda: gtx.sam(gtx.sgd(0.1), gtx.sgd(0.05), sync_period=2),
+    "zero_nans": gtx.zero_nans,  # a NaN term makes the whole sum NaN, which one rank's zeroing would not see
 }
 
 
@@ -47,3 +48,17 @@ def test_a_stateless_linear_map_passes_a_partial_update_on():
         for tx in (gtx.scale(-0.5), gtx.sgd(0.5)):
             u = tx.update(g, tx.init(g))[0]["w"]
             assert u.placements == (Partial(),) and torch.equal(u.to_local(), torch.tensor([-0.5, 1.0]))
+
+
+def test_applying_a_partial_update_keeps_the_params_placements():
+    # sgd passes a Partial grad on; the param it updates stays Replicate, every rank holding p - lr * (the sum of the
+    # terms). Left Partial, it would be a pending sum of world copies of p, which the next step reads as such.
+    with gtx.testing.simulated_mesh(2, ("tp",)) as mesh:
+        term = torch.tensor([1.0, -2.0])
+        g = {"w": DTensor.from_local(term.clone(), mesh, [Partial()], run_check=False)}  # each of the 2 ranks: term
+        params = gtx.testing.distribute({"w": torch.ones(2)}, mesh, {"w": [Replicate()]})
+        tx = gtx.sgd(0.5)
+        new = gtx.apply_updates(params, tx.update(g, tx.init(params), params)[0])["w"]
+        assert new.placements == (Replicate(),)
+        gtx.testing.assert_trees_close(new.to_local(), torch.ones(2) - 0.5 * (term + term), rtol=0, atol=0)
+        assert params["w"].placements == (Replicate(),) and torch.equal(params["w"].full_tensor(), torch.ones(2))
