@@ -68,3 +68,17 @@ def test_eval_params_found_inside_a_chain_and_in_the_wrapper():
 def test_state_round_trips_and_is_pure():
     round_trip(gtx.schedule_free_adamw(1e-2), params_tree())
     assert_pure(gtx.schedule_free_adamw(1e-2), grads_like(params_tree(), 0), params_tree(), steps=3)
+
+
+def test_adamw_second_moment_is_fp32_for_bf16_params():
+    # As scale_by_adam's moments (docs/optax.md): in bf16, b2=0.999's increments round away once the moment reaches
+    # half of g**2, and it stuck there (0.5, where the recurrence gives 1 - 0.999**t; and it no longer decayed).
+    tx = gtx.schedule_free_adamw(1e-3)
+    y = {"w": torch.zeros(3, dtype=torch.bfloat16)}
+    state = tx.init(y)
+    ones = {"w": torch.ones(3, dtype=torch.bfloat16)}
+    for _ in range(1000):
+        updates, state = tx.update(ones, state, y)
+    nu = state.base_optimizer_state[0].nu["w"]
+    assert nu.dtype == torch.float32 and updates["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(nu, torch.full((3,), 1 - 0.999**1000), rtol=1e-4, atol=0)

@@ -187,7 +187,8 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
     """optax's ``scale_by_rms(decay, eps, eps_in_sqrt=False, bias_correction=True)``: Adam without momentum."""
 
     def init_fn(params: Params) -> ScaleByRmsWithCountState:
-        return ScaleByRmsWithCountState(count=lw.zero_count(params), nu=lw.zeros_like_tree(params))
+        nu = lw.zeros_moments(params, what="schedule_free_adamw: params")  # fp32 for bf16/fp16, as Adam's moments
+        return ScaleByRmsWithCountState(count=lw.zero_count(params), nu=nu)
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ScaleByRmsWithCountState, name="schedule_free_adamw")
@@ -197,10 +198,11 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
             if g.is_complex():  # pairs of reals, as scale_by_adam takes them (docs/optax.md)
                 u, nu = step(torch.view_as_real(g), torch.view_as_real(v))
                 return torch.view_as_complex(u), torch.view_as_complex(nu)
-            nu = (1 - decay) * g * g + decay * v
+            w = g.to(v.dtype)
+            nu = (1 - decay) * w * w + decay * v
             t = count.to(nu.device, tu.acc_dtype(nu.dtype))
             v_hat = nu / (1 - decay**t).to(nu.dtype)
-            return g * (1 / (torch.sqrt(v_hat) + eps)), nu
+            return (w * (1 / (torch.sqrt(v_hat) + eps))).to(g.dtype), nu
 
         out, (nu,) = lw.lmap_updates(
             step, updates, [state.nu], what="schedule_free_adamw: updates", against="its second moment"
