@@ -82,3 +82,15 @@ def test_adamw_second_moment_is_fp32_for_bf16_params():
     nu = state.base_optimizer_state[0].nu["w"]
     assert nu.dtype == torch.float32 and updates["w"].dtype == torch.bfloat16
     torch.testing.assert_close(nu, torch.full((3,), 1 - 0.999**1000), rtol=1e-4, atol=0)
+
+
+def test_the_average_weights_are_fp32_for_bf16_params():
+    # In bf16 (optax's dtype here) the weight sum stopped growing at 4.0 (about 400 steps of lr**2 = 0.01), so
+    # ck = lr**2 / weight_sum stayed near 1/400 where schedule-free averages with 1/t.
+    tx = gtx.schedule_free_sgd(0.1)
+    y = {"w": torch.zeros(2, dtype=torch.bfloat16)}
+    state = tx.init(y)
+    for _ in range(2000):
+        _, state = tx.update({"w": torch.ones(2, dtype=torch.bfloat16)}, state, y)
+    assert state.weight_sum.dtype == state.max_lr.dtype == state.b1.dtype == torch.float32
+    torch.testing.assert_close(state.weight_sum, torch.tensor(2000 * 0.1**2), rtol=1e-4, atol=0)

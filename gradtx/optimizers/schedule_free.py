@@ -35,7 +35,10 @@ __all__ = [
 
 @export_metrics(("max_lr", "max_lr"))
 class ScheduleFreeState(NamedTuple):
-    """optax's fields: ``b1``, the weight sum, the step count (from 1), the largest learning rate, the base state, ``z``."""
+    """optax's fields: ``b1``, the weight sum, the step count (from 1), the largest learning rate, the base state, ``z``.
+
+    The scalars are in the params' lowest dtype, fp32 for bf16/fp16 params (optax keeps them in bf16).
+    """
 
     b1: torch.Tensor
     weight_sum: torch.Tensor
@@ -92,7 +95,8 @@ def schedule_free(
 
     def init_fn(params: Params) -> ScheduleFreeState:
         tu.tensor_leaves(params, what="schedule_free: params")
-        device, dtype = tu.device_of(params), lw.lowest_dtype(params)
+        # fp32 for bf16/fp16 params (optax: the params' lowest dtype, where a bf16 weight sum stops growing at ~400 steps)
+        device, dtype = tu.device_of(params), lw.moment_dtype(lw.lowest_dtype(params))
         return ScheduleFreeState(
             b1=torch.tensor(b1, dtype=dtype, device=device),
             weight_sum=torch.zeros((), dtype=dtype, device=device),
