@@ -57,3 +57,24 @@ def test_ema_of_params_is_an_eval_copy():
         avg, state = tx.update(p, state)
     expected = {k: 0.5 * seq[2][k] + 0.25 * seq[1][k] + 0.125 * seq[0][k] for k in params}
     assert_trees_close(avg, expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("tensor_step", [False, True])
+def test_periodic_update_of_params_trained_in_place_is_a_copy(tensor_step):
+    """A DQN target network beside a model torch.optim trains in place: it holds the params of the last update step.
+
+    With int steps it was the model's own tensors, so it followed the model on every step after the first update."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = {k: v.detach().clone() for k, v in model.named_parameters()}
+    for step in range(4):
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 2 == 0:
+            expected = {k: v.detach().clone() for k, v in model.named_parameters()}
+        target = gtx.periodic_update(
+            dict(model.named_parameters()), target, torch.tensor(step) if tensor_step else step, update_period=2
+        )
+        assert_trees_equal({k: v.detach() for k, v in target.items()}, expected)

@@ -104,3 +104,17 @@ def test_in_the_wrapper_measurements_reach_opt_metrics():
         assert abs(float(opt.metrics["raw_norm"]) - float(total)) <= 1e-5 * float(total)
         assert abs(float(opt.metrics["clipped"]) - min(float(total), 0.1)) < 1e-5
     gtx.testing.assert_trees_close(dict(model.named_parameters()), dict(ref.named_parameters()), rtol=1e-5, atol=1e-6)
+
+
+def test_a_measurement_of_the_updates_themselves_is_a_copy():
+    # A measure may return the updates (the raw grads ahead of a clip); the state held them, shared with the input.
+    tx = gtx.chain(gtx.monitor({"raw": lambda u: u}), gtx.snapshot("raw_too", lambda u: u), gtx.scale(2.0))
+    assert_pure(tx, grads_like(params_tree(), 0), params_tree(), steps=2)
+    # In the wrapper, the chain's result is written into .grad: the raw grads recorded must stay the raw grads.
+    weight = torch.nn.Parameter(torch.ones(3))
+    opt = gtx.TransformedOptimizer(torch.optim.SGD([weight], lr=0.1), tx)
+    weight.grad = torch.tensor([1.0, -2.0, 3.0])
+    opt.step()
+    torch.testing.assert_close(weight.grad, torch.tensor([2.0, -4.0, 6.0]))
+    for name in ("raw", "raw_too"):
+        torch.testing.assert_close(opt.metrics[name][0][0], torch.tensor([1.0, -2.0, 3.0]))

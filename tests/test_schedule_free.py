@@ -68,3 +68,29 @@ def test_eval_params_found_inside_a_chain_and_in_the_wrapper():
 def test_state_round_trips_and_is_pure():
     round_trip(gtx.schedule_free_adamw(1e-2), params_tree())
     assert_pure(gtx.schedule_free_adamw(1e-2), grads_like(params_tree(), 0), params_tree(), steps=3)
+
+
+def test_adamw_second_moment_is_fp32_for_bf16_params():
+    # As scale_by_adam's moments (docs/optax.md): in bf16, b2=0.999's increments round away once the moment reaches
+    # half of g**2, and it stuck there (0.5, where the recurrence gives 1 - 0.999**t; and it no longer decayed).
+    tx = gtx.schedule_free_adamw(1e-3)
+    y = {"w": torch.zeros(3, dtype=torch.bfloat16)}
+    state = tx.init(y)
+    ones = {"w": torch.ones(3, dtype=torch.bfloat16)}
+    for _ in range(1000):
+        updates, state = tx.update(ones, state, y)
+    nu = state.base_optimizer_state[0].nu["w"]
+    assert nu.dtype == torch.float32 and updates["w"].dtype == torch.bfloat16
+    torch.testing.assert_close(nu, torch.full((3,), 1 - 0.999**1000), rtol=1e-4, atol=0)
+
+
+def test_the_average_weights_are_fp32_for_bf16_params():
+    # In bf16 (optax's dtype here) the weight sum stopped growing at 4.0 (about 400 steps of lr**2 = 0.01), so
+    # ck = lr**2 / weight_sum stayed near 1/400 where schedule-free averages with 1/t.
+    tx = gtx.schedule_free_sgd(0.1)
+    y = {"w": torch.zeros(2, dtype=torch.bfloat16)}
+    state = tx.init(y)
+    for _ in range(2000):
+        _, state = tx.update({"w": torch.ones(2, dtype=torch.bfloat16)}, state, y)
+    assert state.weight_sum.dtype == state.max_lr.dtype == state.b1.dtype == torch.float32
+    torch.testing.assert_close(state.weight_sum, torch.tensor(2000 * 0.1**2), rtol=1e-4, atol=0)

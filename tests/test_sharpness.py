@@ -46,6 +46,27 @@ def test_transparent_sam_matches_optax(sync_period, reset_state):
         assert_trees_close(p, to_torch(rp), rtol=1e-5, atol=1e-5, msg=f"step {i}: ")
 
 
+@pytest.mark.parametrize("reset_state", [True, False])
+def test_sync_period_one_is_the_outer_optimizer(reset_state):
+    # No adversarial step: every step is the outer optimizer's, as opaque mode and plain adam take it (optax's
+    # transparent mode lags here: it measures each step from the previous step's params, so they never accumulate).
+    p = q = r = params_tree()
+    tx, opaque, ref = (
+        gtx.sam(gtx.adam(0.05), _adv(), sync_period=1, reset_state=reset_state),
+        gtx.sam(gtx.adam(0.05), _adv(), sync_period=1, reset_state=reset_state, opaque_mode=True),
+        gtx.adam(0.05),
+    )
+    state, opaque_state, ref_state = tx.init(p), opaque.init(q), ref.init(r)
+    grad = torch.func.grad(_loss)
+    for i in range(4):
+        u, state = tx.update(grad(p), state, p)
+        v, opaque_state = opaque.update(grad(q), opaque_state, q, grad_fn=lambda x, _: grad(x))
+        w, ref_state = ref.update(grad(r), ref_state, r)
+        p, q, r = gtx.apply_updates(p, u), gtx.apply_updates(q, v), gtx.apply_updates(r, w)
+        assert_trees_close(q, r, rtol=1e-6, atol=1e-6, msg=f"opaque, step {i}: ")
+        assert_trees_close(p, r, rtol=1e-6, atol=1e-6, msg=f"transparent, step {i}: ")
+
+
 def test_opaque_sam_matches_optax():
     tx = gtx.sam(gtx.sgd(0.1), _adv(), sync_period=3, opaque_mode=True)
     ref = optax.contrib.sam(optax.sgd(0.1), _adv_jax(), sync_period=3, opaque_mode=True)

@@ -35,7 +35,10 @@ __all__ = [
 
 @export_metrics(("max_lr", "max_lr"))
 class ScheduleFreeState(NamedTuple):
-    """optax's fields: ``b1``, the weight sum, the step count (from 1), the largest learning rate, the base state, ``z``."""
+    """optax's fields: ``b1``, the weight sum, the step count (from 1), the largest learning rate, the base state, ``z``.
+
+    The scalars are in the params' lowest dtype, fp32 for bf16/fp16 params (optax keeps them in bf16).
+    """
 
     b1: torch.Tensor
     weight_sum: torch.Tensor
@@ -92,7 +95,8 @@ def schedule_free(
 
     def init_fn(params: Params) -> ScheduleFreeState:
         tu.tensor_leaves(params, what="schedule_free: params")
-        device, dtype = tu.device_of(params), lw.lowest_dtype(params)
+        # fp32 for bf16/fp16 params (optax: the params' lowest dtype, where a bf16 weight sum stops growing at ~400 steps)
+        device, dtype = tu.device_of(params), lw.moment_dtype(lw.lowest_dtype(params))
         return ScheduleFreeState(
             b1=torch.tensor(b1, dtype=dtype, device=device),
             weight_sum=torch.zeros((), dtype=dtype, device=device),
@@ -187,7 +191,8 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
     """optax's ``scale_by_rms(decay, eps, eps_in_sqrt=False, bias_correction=True)``: Adam without momentum."""
 
     def init_fn(params: Params) -> ScaleByRmsWithCountState:
-        return ScaleByRmsWithCountState(count=lw.zero_count(params), nu=lw.zeros_like_tree(params))
+        nu = lw.zeros_moments(params, what="schedule_free_adamw: params")  # fp32 for bf16/fp16, as Adam's moments
+        return ScaleByRmsWithCountState(count=lw.zero_count(params), nu=nu)
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ScaleByRmsWithCountState, name="schedule_free_adamw")
@@ -197,10 +202,11 @@ def _scale_by_rms_debiased(decay: float, eps: float) -> GradientTransformation:
             if g.is_complex():  # pairs of reals, as scale_by_adam takes them (docs/optax.md)
                 u, nu = step(torch.view_as_real(g), torch.view_as_real(v))
                 return torch.view_as_complex(u), torch.view_as_complex(nu)
-            nu = (1 - decay) * g * g + decay * v
+            w = g.to(v.dtype)
+            nu = (1 - decay) * w * w + decay * v
             t = count.to(nu.device, tu.acc_dtype(nu.dtype))
             v_hat = nu / (1 - decay**t).to(nu.dtype)
-            return g * (1 / (torch.sqrt(v_hat) + eps)), nu
+            return (w * (1 / (torch.sqrt(v_hat) + eps))).to(g.dtype), nu
 
         out, (nu,) = lw.lmap_updates(
             step, updates, [state.nu], what="schedule_free_adamw: updates", against="its second moment"

@@ -142,7 +142,8 @@ def periodic_update(
       update_period: copy every this many steps; ``>= 1``.
 
     Returns:
-      One of the two trees (copied leaf by leaf when ``steps`` is a tensor).
+      A copy of ``new_tensors`` on an update step, else ``old_tensors`` (with a
+      tensor ``steps``, a copy of either).
 
     References:
       Mnih et al., "Human-level control through deep reinforcement learning", 2015.
@@ -156,6 +157,7 @@ def periodic_update(
         steps = check.integer(steps, arg="steps", name="periodic_update")
     tu.check_structure(new_tensors, old_tensors, what="periodic_update: old_tensors", against="new_tensors")
     if not isinstance(steps, torch.Tensor) and not isinstance(update_period, torch.Tensor):
-        return new_tensors if steps % update_period == 0 else old_tensors
+        # A copy: params trained in place (torch.optim) would otherwise carry the target along on every step.
+        return lw.lmap(torch.clone, new_tensors) if steps % update_period == 0 else old_tensors
     now = torch.remainder(torch.as_tensor(steps), torch.as_tensor(update_period)) == 0
     return lw.where_tree(now, new_tensors, old_tensors)

@@ -70,7 +70,8 @@ def microbatch(
       in_axes: the batch axis of each batch argument (``argnums`` then
         ``argnames``), or one int for all.
       num_real_microbatches: run only the first this many micro-batches
-        (``MEAN`` still divides by the total; ``RUNNING_MEAN`` by this).
+        (``MEAN`` still divides by the total; ``RUNNING_MEAN`` by this); ``0``
+        raises a ``ValueError`` (optax returns zeros).
 
     Returns:
       A function with ``fun``'s signature.

@@ -34,8 +34,10 @@ __all__ = ["MonitorState", "SnapshotState", "measure_with_ema", "monitor", "snap
 Measure = Callable[[PyTree], PyTree]
 
 
-def _zeros_like(tree: PyTree) -> PyTree:
-    return tu.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, tree)
+def _tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: PyTree) -> PyTree:
+    # fn of each tensor leaf: zeros of a measurement, or a copy. A measure may return the updates themselves (or
+    # params), and the state must not share their storage: the wrapper writes the chain's result into that .grad.
+    return tu.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
 
 
 @export_metrics(("measurement", "*"))
@@ -75,11 +77,11 @@ def snapshot(measure_name: str, measure: Measure) -> GradientTransformation:
     check.function(measure, arg="measure", name="snapshot")
 
     def init_fn(params: Params) -> SnapshotState:
-        return SnapshotState({measure_name: measure(params)})
+        return SnapshotState({measure_name: _tensors(torch.clone, measure(params))})
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SnapshotState, name="snapshot")
-        return updates, SnapshotState({measure_name: measure(updates)})
+        return updates, SnapshotState({measure_name: _tensors(torch.clone, measure(updates))})
 
     return GradientTransformation(init_fn, update_fn)
 
@@ -142,8 +144,8 @@ def monitor(measures: Mapping[str, GradientTransformation | Measure]) -> Gradien
     def init_fn(params: Params) -> MonitorState:
         states = tuple(txs[n].init(params) for n in names)
         # A zero of each measurement, shaped by measuring the params, so the state's structure is fixed from the start.
-        measurements = {n: _zeros_like(txs[n].update(params, s, params)[0]) for n, s in zip(names, states)}
-        return MonitorState(measurements, states)
+        measured = (txs[n].update(params, s, params)[0] for n, s in zip(names, states))
+        return MonitorState({n: _tensors(torch.zeros_like, m) for n, m in zip(names, measured)}, states)
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, MonitorState, name="monitor")
@@ -152,8 +154,8 @@ def monitor(measures: Mapping[str, GradientTransformation | Measure]) -> Gradien
                 f"monitor: the state holds {len(state.measure_states)} measures, this monitor {len(names)}"
             )
         results = [txs[n].update(updates, s, params, **extra) for n, s in zip(names, state.measure_states)]
-        new_states = tuple(s for _, s in results)
-        return updates, MonitorState(dict(zip(names, (m for m, _ in results))), new_states)  # updates pass on
+        measurements = {n: _tensors(torch.clone, m) for n, (m, _) in zip(names, results)}
+        return updates, MonitorState(measurements, tuple(s for _, s in results))  # updates pass on
 
     return GradientTransformation(init_fn, update_fn)
 

@@ -104,17 +104,20 @@ def sam(
         adv_updates, adv_state = adv_optimizer.update(updates, state.adv_state, params, **extra)
         held(adv_updates, "adv_optimizer")
         adv_updates = lw.lmap(torch.neg, adv_updates)
-        opt_updates, opt_state = optimizer.update(updates, state.opt_state, state.cache, **extra)
+        # The period's start: these params on its first step (with sync_period=1, also its last; optax reads the
+        # previous period's start there, so its steps lag and the params never accumulate).
+        tu.check_structure(state.cache, params, what="sam: params", against="the state's cache")
+        cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
+        opt_updates, opt_state = optimizer.update(updates, state.opt_state, cache, **extra)
         held(opt_updates, "optimizer")
         opt_updates, _ = lw.lmap_updates(  # a None update (no grad) stays None
             lambda u, c, p: (c - p + u.to(c.dtype),),
             opt_updates,
-            [state.cache, params],
+            [cache, params],
             what="sam: updates",
             against="the state's cache",
             names=["sam: params"],
         )
-        cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
         out = lw.where_tree(last, opt_updates, adv_updates)
         at_sync = adv_optimizer.init(params) if reset_state else state.adv_state  # the end of a period
         adv_state = lw.where_tree(last, at_sync, adv_state)
