@@ -486,3 +486,16 @@ def test_microbatch_names_the_argument_a_call_gets_wrong(call, match):
     mb = gtx.microbatch(lambda x: x.sum(), 0, 2, num_real_microbatches=5)
     with pytest.raises(ValueError, match=match):
         call(mb)
+
+
+@pytest.mark.parametrize("name", sorted(SECOND_TREE))
+def test_a_params_tree_on_another_device_is_refused_naming_the_path(name):
+    build, init_arg, params_of, who = SECOND_TREE[name]
+    p = {"a": torch.ones(2), "b": torch.full((2,), 5.0)}
+    tx = build()
+    state = tx.init(init_arg(p))
+    before = copy.deepcopy(state)
+    elsewhere = {"a": torch.ones(2), "b": torch.empty(2, device="meta")}  # meta stands in for another device
+    with pytest.raises(ValueError, match=rf"\['b'\] is on cpu, {who} on meta"):
+        tx.update({"a": torch.ones(2), "b": torch.ones(2)}, state, params_of(p, elsewhere))
+    assert_trees_equal(state, before)

@@ -60,8 +60,9 @@ def lmap_updates(
             out.append(tu.like(g, u))
             for k, r in enumerate(results):
                 new[k][j] = tu.like(olds[k], r)
-    except RuntimeError:  # a leaf on another device than its state: a ValueError naming it, as Moments.each
-        tu.check_devices([flat[0][0][j] for j in index], leaves, updates, what=what, against=against)
+    except RuntimeError:  # a leaf on another device than its state or params: a ValueError naming it, as Moments.each
+        for (xs, _), name in zip(flat, [against, *names]):
+            tu.check_devices([xs[j] for j in index], leaves, updates, what=what, against=name)
         raise
     return tu.unflatten(spec, out), [tu.unflatten(s, xs) for xs, (_, s) in zip(new, flat)]
 
