@@ -499,3 +499,12 @@ def test_a_params_tree_on_another_device_is_refused_naming_the_path(name):
     with pytest.raises(ValueError, match=rf"\['b'\] is on cpu, {who} on meta"):
         tx.update({"a": torch.ones(2), "b": torch.ones(2)}, state, params_of(p, elsewhere))
     assert_trees_equal(state, before)
+
+
+def test_apply_updates_names_an_update_on_another_device_than_its_param():
+    params = _params()
+    before = copy.deepcopy(params)
+    updates = {"w": torch.ones(3, 4), "b": torch.empty(4, device="meta")}  # meta stands in for another device
+    with pytest.raises(ValueError, match=r"updates leaf at \['b'\] is on meta, its param on cpu"):
+        gtx.apply_updates(params, updates)
+    assert_trees_equal(params, before)

@@ -368,7 +368,11 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     present = [p_leaves[i] for i in index]
     # One foreach call: torch groups by device and dtype itself (and refuses an empty list: every update None).
     if present and not (tu.has_dtensor(p_leaves) or tu.has_dtensor(u_leaves)):
-        added = fe.add(present, u_leaves)
+        try:
+            added = fe.add(present, u_leaves)
+        except RuntimeError:  # an update on another device than its param: a ValueError naming it
+            tu.check_devices(present, u_leaves, updates, what="updates", against="its param")
+            raise
     else:  # DTensors, whose placements may differ: leaf by leaf
         added = [p + u for p, u in zip(present, u_leaves)]
     out = list(p_leaves)
