@@ -103,6 +103,20 @@ def test_int_bool_and_sparse_grads_are_refused_naming_the_path(name, bad):
     assert_trees_equal(state, before)
 
 
+@pytest.mark.parametrize("bad", ["int", "bool", "sparse"])
+def test_skip_spikes_on_the_loss_refuses_int_bool_and_sparse_grads_naming_the_path(bad):
+    """metric="loss" reads no grad norm, which is what checks the grads; with an inner that checks nothing (the
+    wrapper's usual identity) a sparse grad reached torch.where's NotImplementedError."""
+    tx = gtx.skip_spikes(gtx.identity(), metric="loss")
+    params = _params()
+    state = tx.init(params)
+    before = copy.deepcopy(state)
+    grads = {"w": {"int": params["w"].to(torch.int64), "bool": params["w"] > 0, "sparse": params["w"].to_sparse()}[bad]}
+    with pytest.raises(TypeError, match=r"skip_spikes: updates leaf at \['w'\].*(dtype torch\.(int64|bool)|sparse)"):
+        tx.update({**grads, "b": params["b"]}, state, params, loss=1.0)
+    assert_trees_equal(state, before)
+
+
 LEAFWISE = {  # transforms that step leaf by leaf (not through foreach groups): before, torch's RuntimeError
     "ema": lambda: gtx.ema(0.9),
     "scale_by_lion": lambda: gtx.scale_by_lion(),
