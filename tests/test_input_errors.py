@@ -522,3 +522,15 @@ def test_apply_updates_names_an_update_on_another_device_than_its_param():
     with pytest.raises(ValueError, match=r"updates leaf at \['b'\] is on meta, its param on cpu"):
         gtx.apply_updates(params, updates)
     assert_trees_equal(params, before)
+
+
+def test_a_chain_refuses_a_members_state_as_long_as_the_chain_naming_both():
+    """A member's NamedTuple state is a tuple: one as long as the chain passed the chain's check and reached the
+    members field by field ("clip: expected state of type EmptyState, got Tensor", about the wrong transform)."""
+    params = _params()
+    tx = gtx.chain(gtx.clip(1.0), gtx.scale_by_adam(), gtx.scale(-0.1))
+    state = gtx.scale_by_adam().init(params)  # count, mu, nu: three fields
+    before = copy.deepcopy(state)
+    with pytest.raises(ValueError, match="chain: expected a state tuple of 3 member states, got ScaleByAdamState"):
+        tx.update(params, state, params)
+    assert_trees_equal(state, before)

@@ -47,7 +47,7 @@ class Chain(GradientTransformation):
             if not isinstance(state, dict) or list(state) != list(self.names):
                 raise ValueError(f"named_chain: expected a state dict with keys {list(self.names)}, got {state!r:.200}")
             return [state[n] for n in self.names]
-        if not isinstance(state, tuple) or len(state) != len(self.members):
+        if type(state) is not tuple or len(state) != len(self.members):  # not a member's NamedTuple of that length
             raise ValueError(
                 f"chain: expected a state tuple of {len(self.members)} member states, got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, tuple) else "")
