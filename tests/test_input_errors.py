@@ -534,3 +534,20 @@ def test_a_chain_refuses_a_members_state_as_long_as_the_chain_naming_both():
     with pytest.raises(ValueError, match="chain: expected a state tuple of 3 member states, got ScaleByAdamState"):
         tx.update(params, state, params)
     assert_trees_equal(state, before)
+
+
+@pytest.mark.parametrize("bad", [torch.ones(3, dtype=torch.int64), "1"])
+def test_a_corrupt_window_count_in_a_wrapper_checkpoint_is_named_and_nothing_changes(bad):
+    model = torch.nn.Linear(3, 2)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(2))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()  # micro-step 1 of 2: the window is open, its partial sums in .grad
+    saved, grads = copy.deepcopy(opt.state_dict()), [p.grad.clone() for p in model.parameters()]
+    corrupt = copy.deepcopy(saved)
+    counts = corrupt["state"][0]["gradtx"]["global"]
+    (key,) = [k for k in counts if k.endswith("micro_step")]
+    counts[key] = bad  # before: int() of it, "only one element tensors can be converted to Python scalars"
+    with pytest.raises(ValueError, match=rf"global state '{key}' must be a one-element tensor"):
+        opt.load_state_dict(corrupt)
+    assert_trees_equal(opt.state_dict(), saved)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
