@@ -145,8 +145,25 @@ def test_the_wrapper_sums_the_window_in_grad_over_ranks_and_divides_by_the_globa
     tx = gtx.accumulate(1, token_weighted=True, comm=comm, reduce_grads=True)
     opt = gtx.TransformedOptimizer(torch.optim.SGD([p], lr=1.0), tx)
     opt.step(tokens=1)
-    assert p.grad is grad and torch.equal(grad, torch.tensor([3.0, 5.0]) / 4)  # summed in place, then the mean
+    assert torch.equal(p.grad, torch.tensor([3.0, 5.0]) / 4)  # summed over the ranks, then the mean
     assert torch.equal(p.detach(), -torch.tensor([3.0, 5.0]) / 4)
+
+
+def test_a_step_that_raises_after_the_window_closes_leaves_grad_unreduced_for_the_retry():
+    """The wrapper sums .grad over the ranks before the chain's other members run: one that then raises (a forgotten
+    value=) must leave .grad as autograd made it, or the retried step sums it over the ranks a second time."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([2.0, 4.0])
+    peer = [torch.tensor([1.0, 1.0])]
+    comm = PeerComm(peer, peer)  # the failed step's collective, then the retry's
+    tx = gtx.chain(gtx.accumulate(1, comm=comm, reduce_grads=True), gtx.reduce_on_plateau())
+    opt = gtx.TransformedOptimizer(torch.optim.SGD([p], lr=1.0), tx)
+    with pytest.raises(ValueError, match="reduce_on_plateau: update\\(\\) needs value="):
+        opt.step()
+    assert torch.equal(p.grad, torch.tensor([2.0, 4.0])) and torch.equal(p.detach(), torch.zeros(2))
+    opt.step(value=1.0)
+    # The two ranks' sum (2 + 1, 4 + 1), divided by the window's k * ranks = 2: once, not twice.
+    assert torch.equal(p.detach(), -torch.tensor([3.0, 5.0]) / 2)
 
 
 def test_a_param_without_a_grad_here_steps_on_the_other_ranks_sum():

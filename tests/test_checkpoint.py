@@ -239,6 +239,16 @@ def test_a_gradtx_checkpoint_goes_to_a_plain_optimizer_at_a_boundary_only():
         gtx.checkpoint.to_torch_optimizer(opt.state_dict())
 
 
+def test_to_torch_optimizer_names_what_it_takes_when_given_a_functional_checkpoint():
+    """gradtx.checkpoint.state_dict's dict has "state" too (and "global", no "param_groups"): it raised KeyError."""
+    params = {"w": torch.ones(2)}
+    tx = gtx.adam(0.1)
+    with pytest.raises(
+        ValueError, match=r"to_torch_optimizer: expected an optimizer state dict \('state', 'param_groups'\)"
+    ):
+        gtx.checkpoint.to_torch_optimizer(gtx.checkpoint.state_dict(tx.init(params), params, tx=tx))
+
+
 def test_a_param_the_wrapper_had_not_stepped_starts_fresh_in_the_plain_optimizer():
     """Its saved stand-in is no state: a plain AdamW resumed from the checkpoint steps it as AdamW throughout."""
     torch.manual_seed(0)

@@ -103,6 +103,20 @@ def test_int_bool_and_sparse_grads_are_refused_naming_the_path(name, bad):
     assert_trees_equal(state, before)
 
 
+@pytest.mark.parametrize("bad", ["int", "bool", "sparse"])
+def test_skip_spikes_on_the_loss_refuses_int_bool_and_sparse_grads_naming_the_path(bad):
+    """metric="loss" reads no grad norm, which is what checks the grads; with an inner that checks nothing (the
+    wrapper's usual identity) a sparse grad reached torch.where's NotImplementedError."""
+    tx = gtx.skip_spikes(gtx.identity(), metric="loss")
+    params = _params()
+    state = tx.init(params)
+    before = copy.deepcopy(state)
+    grads = {"w": {"int": params["w"].to(torch.int64), "bool": params["w"] > 0, "sparse": params["w"].to_sparse()}[bad]}
+    with pytest.raises(TypeError, match=r"skip_spikes: updates leaf at \['w'\].*(dtype torch\.(int64|bool)|sparse)"):
+        tx.update({**grads, "b": params["b"]}, state, params, loss=1.0)
+    assert_trees_equal(state, before)
+
+
 LEAFWISE = {  # transforms that step leaf by leaf (not through foreach groups): before, torch's RuntimeError
     "ema": lambda: gtx.ema(0.9),
     "scale_by_lion": lambda: gtx.scale_by_lion(),
@@ -486,3 +500,54 @@ def test_microbatch_names_the_argument_a_call_gets_wrong(call, match):
     mb = gtx.microbatch(lambda x: x.sum(), 0, 2, num_real_microbatches=5)
     with pytest.raises(ValueError, match=match):
         call(mb)
+
+
+@pytest.mark.parametrize("name", sorted(SECOND_TREE))
+def test_a_params_tree_on_another_device_is_refused_naming_the_path(name):
+    build, init_arg, params_of, who = SECOND_TREE[name]
+    p = {"a": torch.ones(2), "b": torch.full((2,), 5.0)}
+    tx = build()
+    state = tx.init(init_arg(p))
+    before = copy.deepcopy(state)
+    elsewhere = {"a": torch.ones(2), "b": torch.empty(2, device="meta")}  # meta stands in for another device
+    with pytest.raises(ValueError, match=rf"\['b'\] is on cpu, {who} on meta"):
+        tx.update({"a": torch.ones(2), "b": torch.ones(2)}, state, params_of(p, elsewhere))
+    assert_trees_equal(state, before)
+
+
+def test_apply_updates_names_an_update_on_another_device_than_its_param():
+    params = _params()
+    before = copy.deepcopy(params)
+    updates = {"w": torch.ones(3, 4), "b": torch.empty(4, device="meta")}  # meta stands in for another device
+    with pytest.raises(ValueError, match=r"updates leaf at \['b'\] is on meta, its param on cpu"):
+        gtx.apply_updates(params, updates)
+    assert_trees_equal(params, before)
+
+
+def test_a_chain_refuses_a_members_state_as_long_as_the_chain_naming_both():
+    """A member's NamedTuple state is a tuple: one as long as the chain passed the chain's check and reached the
+    members field by field ("clip: expected state of type EmptyState, got Tensor", about the wrong transform)."""
+    params = _params()
+    tx = gtx.chain(gtx.clip(1.0), gtx.scale_by_adam(), gtx.scale(-0.1))
+    state = gtx.scale_by_adam().init(params)  # count, mu, nu: three fields
+    before = copy.deepcopy(state)
+    with pytest.raises(ValueError, match="chain: expected a state tuple of 3 member states, got ScaleByAdamState"):
+        tx.update(params, state, params)
+    assert_trees_equal(state, before)
+
+
+@pytest.mark.parametrize("bad", [torch.ones(3, dtype=torch.int64), "1"])
+def test_a_corrupt_window_count_in_a_wrapper_checkpoint_is_named_and_nothing_changes(bad):
+    model = torch.nn.Linear(3, 2)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), gtx.accumulate(2))
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()  # micro-step 1 of 2: the window is open, its partial sums in .grad
+    saved, grads = copy.deepcopy(opt.state_dict()), [p.grad.clone() for p in model.parameters()]
+    corrupt = copy.deepcopy(saved)
+    counts = corrupt["state"][0]["gradtx"]["global"]
+    (key,) = [k for k in counts if k.endswith("micro_step")]
+    counts[key] = bad  # before: int() of it, "only one element tensors can be converted to Python scalars"
+    with pytest.raises(ValueError, match=rf"global state '{key}' must be a one-element tensor"):
+        opt.load_state_dict(corrupt)
+    assert_trees_equal(opt.state_dict(), saved)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import optree
 import torch
 
@@ -54,6 +56,18 @@ def test_snapshot_matches_optax_and_is_read_through_metrics():
         metrics = gtx.metrics(state)
         assert float(metrics["raw_norm"]) == got
         assert abs(float(metrics["clipped"]) - float(ref_state[2].measurement["clipped"])) < 1e-5
+
+
+def test_snapshot_of_params_that_require_grad_holds_no_graph():
+    """init measures the params; of a model's nn.Parameters (the usual params) the state must hold a value, not an
+    autograd graph back to the weights: a graph keeps them alive, and a state that holds one cannot be deep-copied."""
+    model = torch.nn.Linear(4, 3)
+    params = dict(model.named_parameters())
+    state = gtx.chain(gtx.snapshot("param_norm", gtx.global_norm), gtx.sgd(0.1)).init(params)
+    norm = state[0].measurement["param_norm"]
+    assert not norm.requires_grad and norm.grad_fn is None
+    expected = torch.linalg.vector_norm(torch.cat([model.weight.detach().flatten(), model.bias.detach()]))
+    torch.testing.assert_close(copy.deepcopy(state)[0].measurement["param_norm"], expected)
 
 
 def test_monitor_and_measure_with_ema_match_optax():

@@ -7,11 +7,13 @@ The numbers on real ranks, against one device, are in tests/distributed/test_opt
 
 from __future__ import annotations
 
+import optree
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import gradtx as gtx
+from gradtx.testing import assert_trees_equal
 
 REFUSED = {
     "adam": lambda: gtx.adam(0.1),
@@ -62,3 +64,22 @@ def test_applying_a_partial_update_keeps_the_params_placements():
         assert new.placements == (Replicate(),)
         gtx.testing.assert_trees_close(new.to_local(), torch.ones(2) - 0.5 * (term + term), rtol=0, atol=0)
         assert params["w"].placements == (Replicate(),) and torch.equal(params["w"].full_tensor(), torch.ones(2))
+
+
+@pytest.mark.parametrize("name", sorted(set(REFUSED) - {"clip", "zero_nans"}))  # elementwise and stateless
+def test_an_update_placed_otherwise_than_its_state_is_refused_naming_its_path(name):
+    """Grads sharded otherwise than the state (or params) a transform combines them with, shard by shard: where the
+    local shapes agree, as (Shard(0), Replicate()) against (Replicate(), Shard(0)) for a 4x4 weight on a 2x2 mesh,
+    each rank combined two different parts of the tensor and stepped wrong, silently."""
+    with gtx.testing.simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        full = torch.arange(16.0).reshape(4, 4)
+        params = {"w": distribute_tensor(full, mesh, [Shard(0), Replicate()])}
+        g = {"w": distribute_tensor(full / 10, mesh, [Replicate(), Shard(0)])}
+        tx = REFUSED[name]()
+        state = tx.init(params)
+        before = optree.tree_map(torch.clone, state)
+        with pytest.raises(
+            ValueError, match=r"updates leaf at \['w'\] has placements \(Replicate\(\), Shard\(dim=0\)\)"
+        ):
+            tx.update(g, state, params)
+        assert_trees_equal(state, before)

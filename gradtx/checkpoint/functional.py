@@ -298,7 +298,7 @@ def to_torch_optimizer(optimizer_state_dict: dict[str, Any]) -> dict[str, Any]:
       >>> plain = torch.optim.AdamW(model.parameters())
       >>> plain.load_state_dict(gtx.checkpoint.to_torch_optimizer(ckpt["optim"]))
     """
-    if not isinstance(optimizer_state_dict, dict) or "state" not in optimizer_state_dict:
+    if not isinstance(optimizer_state_dict, dict) or not {"state", "param_groups"} <= optimizer_state_dict.keys():
         raise ValueError("to_torch_optimizer: expected an optimizer state dict ('state', 'param_groups')")
     state = {}
     for pid, entry in optimizer_state_dict["state"].items():

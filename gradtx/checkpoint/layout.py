@@ -158,7 +158,7 @@ def saved_window_open(globals_: Any, sum_key: str) -> bool:
     """Whether the saved global state says the window whose running sum is ``sum_key`` was open."""
     micro_step = sum_key.removesuffix("acc") + "micro_step"  # the window's field beside its sum: "0/micro_step"
     value = globals_.get(micro_step) if isinstance(globals_, dict) else None
-    return isinstance(value, torch.Tensor) and int(value) > 0
+    return value is not None and flag(value, what=f"gradtx checkpoint: global state {micro_step!r}")  # a count >= 0
 
 
 def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,8 @@ def lmap_updates(
     ``updates`` must match ``trees[0]`` (``what`` and ``against`` name them in the error), and each later
     tree must match it leaf for leaf (``names`` names them: ``"sam: params"``)."""
     index, leaves, spec = tu.align(trees[0], updates, what=what, against=against)
-    tu.refuse_partial(what, trees[0], index, leaves)
     flat = [tu.flatten(tree) for tree in trees]
+    tu.refuse_partial(what, trees[0], index, leaves, flat[0][0])
     for tree, (xs, other), name in zip(trees[1:], flat[1:], names, strict=True):
         if other != flat[0][1] or not same_shapes(xs, flat[0][0]):
             tu.check_structure(trees[0], tree, what=name, against=against)
@@ -60,8 +60,9 @@ def lmap_updates(
             out.append(tu.like(g, u))
             for k, r in enumerate(results):
                 new[k][j] = tu.like(olds[k], r)
-    except RuntimeError:  # a leaf on another device than its state: a ValueError naming it, as Moments.each
-        tu.check_devices([flat[0][0][j] for j in index], leaves, updates, what=what, against=against)
+    except RuntimeError:  # a leaf on another device than its state or params: a ValueError naming it, as Moments.each
+        for (xs, _), name in zip(flat, [against, *names]):
+            tu.check_devices([xs[j] for j in index], leaves, updates, what=what, against=name)
         raise
     return tu.unflatten(spec, out), [tu.unflatten(s, xs) for xs, (_, s) in zip(new, flat)]
 
@@ -215,7 +216,7 @@ class Moments:
         else:  # (the present leaves of the updates, as flattened above)
             self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
         if not self.plain:
-            tu.refuse_partial(f"{name}: updates", trees[0], self.index, self.leaves)
+            tu.refuse_partial(f"{name}: updates", trees[0], self.index, self.leaves, ref)
         self.new = [list(xs) for xs in held]
         self.out = list(self.leaves)
         kept = held if self.full else [[xs[i] for i in self.index] for xs in held]  # those with an update

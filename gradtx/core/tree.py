@@ -220,16 +220,25 @@ def local_shards(xs: Sequence[Any]) -> list[Any]:
         return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
 
 
-def refuse_partial(what: str, tree: PyTree, index: Sequence[int], xs: Sequence[Any]) -> None:
+def refuse_partial(what: str, tree: PyTree, index: Sequence[int], xs: Sequence[Any], like: Sequence[Any] = ()) -> None:
     """Raise naming the first of ``xs`` (the leaves ``index`` of ``tree``) that is a ``Partial`` DTensor: a pending
-    sum, whose local term every rank would take for the whole (right only for a stateless map linear in it)."""
-    if not has_dtensor(xs):
+    sum, whose local term every rank would take for the whole (right only for a stateless map linear in it); or,
+    given ``like`` (``tree``'s leaves), one placed otherwise than its leaf there, whose local shard a local op would
+    combine with another part of the tensor (silently, where the local shapes agree)."""
+    if not (has_dtensor(xs) or has_dtensor(like)):
         return
     for i, x in zip(index, xs):
-        if any(p.is_partial() for p in getattr(x, "placements", ())):
+        placements = tuple(getattr(x, "placements", ()))
+        if any(p.is_partial() for p in placements):
             raise ValueError(
                 f"{what} leaf at {path_str(paths(tree)[i])} is a Partial DTensor (a pending sum), whose local term "
                 "each rank would take for the whole; reduce it first (redistribute to Replicate or Shard)"
+            )
+        if like and placements != tuple(getattr(like[i], "placements", ())):
+            raise ValueError(
+                f"{what} leaf at {path_str(paths(tree)[i])} has placements {placements or 'none (a plain tensor)'}, "
+                f"the state or params it is combined with {tuple(getattr(like[i], 'placements', ())) or 'none'}; "
+                "shard them alike (init the state from the params as they are sharded now)"
             )
 
 

@@ -47,7 +47,7 @@ class Chain(GradientTransformation):
             if not isinstance(state, dict) or list(state) != list(self.names):
                 raise ValueError(f"named_chain: expected a state dict with keys {list(self.names)}, got {state!r:.200}")
             return [state[n] for n in self.names]
-        if not isinstance(state, tuple) or len(state) != len(self.members):
+        if type(state) is not tuple or len(state) != len(self.members):  # not a member's NamedTuple of that length
             raise ValueError(
                 f"chain: expected a state tuple of {len(self.members)} member states, got {type(state).__name__}"
                 + (f" of length {len(state)}" if isinstance(state, tuple) else "")
@@ -368,7 +368,11 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
     present = [p_leaves[i] for i in index]
     # One foreach call: torch groups by device and dtype itself (and refuses an empty list: every update None).
     if present and not (tu.has_dtensor(p_leaves) or tu.has_dtensor(u_leaves)):
-        added = fe.add(present, u_leaves)
+        try:
+            added = fe.add(present, u_leaves)
+        except RuntimeError:  # an update on another device than its param: a ValueError naming it
+            tu.check_devices(present, u_leaves, updates, what="updates", against="its param")
+            raise
     else:  # DTensors, whose placements may differ: leaf by leaf, each sum placed as its param (as torch's p.add_(u))
         added = [_placed_as(p + u, p) for p, u in zip(present, u_leaves)]
     out = list(p_leaves)

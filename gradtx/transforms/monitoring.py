@@ -77,7 +77,8 @@ def snapshot(measure_name: str, measure: Measure) -> GradientTransformation:
     check.function(measure, arg="measure", name="snapshot")
 
     def init_fn(params: Params) -> SnapshotState:
-        return SnapshotState({measure_name: _tensors(torch.clone, measure(params))})
+        with torch.no_grad():  # of params that require grad: a state holds no graph (and deep-copies)
+            return SnapshotState({measure_name: _tensors(torch.clone, measure(params))})
 
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, SnapshotState, name="snapshot")

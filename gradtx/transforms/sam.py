@@ -107,7 +107,12 @@ def sam(
         # The period's start: these params on its first step (with sync_period=1, also its last; optax reads the
         # previous period's start there, so its steps lag and the params never accumulate).
         tu.check_structure(state.cache, params, what="sam: params", against="the state's cache")
-        cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
+        try:
+            cache = lw.where_tree(first, lw.clone_tree(params), state.cache)
+        except RuntimeError:  # params on another device than the cache: a ValueError naming the leaf
+            cached, given = tu.flatten(state.cache)[0], tu.flatten(params)[0]
+            tu.check_devices(given, cached, state.cache, what="sam: the state's cache", against="sam: params")
+            raise
         opt_updates, opt_state = optimizer.update(updates, state.opt_state, cache, **extra)
         held(opt_updates, "optimizer")
         opt_updates, _ = lw.lmap_updates(  # a None update (no grad) stays None

@@ -400,6 +400,7 @@ def skip_spikes(
         loss = extra.get("loss")
         if loss is None:
             raise ValueError(f"{name}(metric='loss'): update() needs the step's loss, as update(..., loss=loss)")
+        tu.tensor_leaves(updates, what=f"{name}: updates")  # as the grad norm checks them: dense float tensors
         loss = check.scalar(loss, arg="loss", name=name, dtype=torch.float32, device=device)
         if comm is not None:
             (total,) = comm.all_reduce([loss], ReduceOp.SUM, group)

@@ -120,8 +120,9 @@ class Plan:
             states[0] = stepped.state
             if stepped.factor is None:
                 return Result(None, self.join(states), None, None)
-            if self.reduce_grads:
-                self.window.window.reduce([g for group in grads for g in group], write_back=True)
+            if self.reduce_grads:  # into new tensors: a member that raises below leaves .grad unreduced for a retry
+                leaves, spec = tu.flatten(grads)
+                grads = tu.unflatten(spec, self.window.window.reduce(leaves, write_back=False))
             mean = stepped.factor.to(device, non_blocking=True)
             pending = mean if pending is None else pending * mean
             extra = self.window.downstream_extra(states[0], extra)
