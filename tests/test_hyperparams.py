@@ -359,6 +359,23 @@ def test_a_tensor_set_by_hand_takes_inits_dtype_and_its_checkpoint_loads(params_
     assert_trees_equal(loaded, state)
 
 
+def test_a_scheduled_value_written_by_hand_leaves_the_dtype_init_gave():
+    """Writing a scheduled hyperparameter has no effect, as in optax; but update took the schedule's dtype from the
+    value written, so after a number written there an fp64 run's lr was fp32 for good, and every later checkpoint
+    failed to load: 'the checkpoint has dtype torch.float32, this state torch.float64'."""
+    params = {"w": torch.randn(5, dtype=torch.float64)}
+    tx = gtx.inject_hyperparams(gtx.sgd)(learning_rate=gtx.exponential_decay(0.1, 10, 0.5))
+    state = tx.init(params)
+    state.hyperparams["learning_rate"] = 0.05
+    for step in range(3):
+        updates, state = tx.update(params, state, params)
+        assert state.hyperparams["learning_rate"].dtype == torch.float64
+        lr = torch.tensor(0.1 * 0.5 ** (step / 10), dtype=torch.float32).to(torch.float64)  # the fp32 schedule's value
+        torch.testing.assert_close(updates["w"], -lr * params["w"])
+    loaded = gtx.checkpoint.load_state_dict(gtx.checkpoint.state_dict(state, params), tx.init(params), params)
+    assert_trees_equal(loaded, state)
+
+
 def test_a_number_set_by_hand_and_saved_before_the_next_update_loads(tmp_path):
     """optax users write numbers into the state. Saved before the next update made them tensors (set the lr at an
     epoch's end, save, resume), the checkpoint held a float where a fresh state holds a tensor and did not load:

@@ -171,11 +171,8 @@ def inject_hyperparams(
                 if not isinstance(v, torch.Tensor):
                     v = v if isinstance(given, numbers.Integral) else float(v)
                 hparams[k] = _as_tensor(v, dtype, state.count.device)
-            for k, f in schedules.items():
-                old = state.hyperparams[k]
-                hparams[k] = _as_tensor(
-                    f(state.count), old.dtype if isinstance(old, torch.Tensor) else None, state.count.device
-                )
+            for k, f in schedules.items():  # as init stores them (whatever was written there is recomputed)
+                hparams[k] = _as_tensor(f(state.count), dtype, state.count.device)
             for k, v in hparams.items() if not torch.is_grad_enabled() else ():  # autograd records no step
                 if v.requires_grad:
                     raise ValueError(
