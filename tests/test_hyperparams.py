@@ -341,6 +341,79 @@ def test_a_number_set_by_hand_keeps_the_dtype_init_gave(params_dtype, hyperparam
     torch.testing.assert_close(updates["w"], -lr * grads["w"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("params_dtype", "hyperparam_dtype"), [(torch.float64, None), (torch.float32, torch.bfloat16)])
+def test_a_tensor_set_by_hand_takes_inits_dtype_and_its_checkpoint_loads(params_dtype, hyperparam_dtype):
+    """optax casts every float hyperparameter to hyperparam_dtype (else the params' dtype) at each update. A tensor set
+    by hand kept its own (fp32 in an fp64 run, fp32 under hyperparam_dtype=bf16), and every later checkpoint failed to
+    load into a fresh state: 'the checkpoint has dtype torch.float32, this state torch.float64'."""
+    params = {"w": torch.randn(5, dtype=params_dtype)}
+    tx = gtx.inject_hyperparams(gtx.sgd, hyperparam_dtype=hyperparam_dtype)(learning_rate=0.5)
+    state = tx.init(params)
+    expected = state.hyperparams["learning_rate"].dtype
+    state.hyperparams["learning_rate"] = torch.tensor(0.1)  # fp32, torch's default
+    updates, state = tx.update(params, state, params)
+    assert state.hyperparams["learning_rate"].dtype == expected
+    lr = torch.tensor(0.1).to(expected).to(params_dtype)  # optax's cast, then sgd's into the params' dtype
+    torch.testing.assert_close(updates["w"], -lr * params["w"], rtol=0, atol=0)
+    loaded = gtx.checkpoint.load_state_dict(gtx.checkpoint.state_dict(state, params), tx.init(params), params)
+    assert_trees_equal(loaded, state)
+
+
+def test_a_scheduled_value_written_by_hand_leaves_the_dtype_init_gave():
+    """Writing a scheduled hyperparameter has no effect, as in optax; but update took the schedule's dtype from the
+    value written, so after a number written there an fp64 run's lr was fp32 for good, and every later checkpoint
+    failed to load: 'the checkpoint has dtype torch.float32, this state torch.float64'."""
+    params = {"w": torch.randn(5, dtype=torch.float64)}
+    tx = gtx.inject_hyperparams(gtx.sgd)(learning_rate=gtx.exponential_decay(0.1, 10, 0.5))
+    state = tx.init(params)
+    state.hyperparams["learning_rate"] = 0.05
+    for step in range(3):
+        updates, state = tx.update(params, state, params)
+        assert state.hyperparams["learning_rate"].dtype == torch.float64
+        lr = torch.tensor(0.1 * 0.5 ** (step / 10), dtype=torch.float32).to(torch.float64)  # the fp32 schedule's value
+        torch.testing.assert_close(updates["w"], -lr * params["w"])
+    loaded = gtx.checkpoint.load_state_dict(gtx.checkpoint.state_dict(state, params), tx.init(params), params)
+    assert_trees_equal(loaded, state)
+
+
+def test_a_number_set_by_hand_and_saved_before_the_next_update_loads(tmp_path):
+    """optax users write numbers into the state. Saved before the next update made them tensors (set the lr at an
+    epoch's end, save, resume), the checkpoint held a float where a fresh state holds a tensor and did not load:
+    "global state '0/hyperparams/learning_rate': the checkpoint has a float, this state a tensor"."""
+    torch.manual_seed(0)
+
+    def make():
+        model = torch.nn.Linear(3, 2).double()
+        tx = gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=1)  # an int: int64 in the state
+        return model, gtx.TransformedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), tx)
+
+    _, opt = make()
+    opt.tx_state[0].hyperparams["max_norm"] = 3  # an int for an int
+    torch.save(opt.state_dict(), tmp_path / "a.pt")
+    _, opt2 = make()
+    opt2.load_state_dict(torch.load(tmp_path / "a.pt"))
+    assert_trees_equal(opt2.tx_state, (opt.tx_state[0]._replace(hyperparams={"max_norm": torch.tensor(3)}),))
+
+    params = {"w": torch.randn(5, dtype=torch.float64)}
+    tx = gtx.inject_hyperparams(gtx.sgd)(learning_rate=0.5, momentum=0.9)
+    state = tx.init(params)
+    state.hyperparams["learning_rate"] = 0.1
+    state.hyperparams["momentum"] = 0  # an int for a float: 0.0
+    torch.save(gtx.checkpoint.state_dict(state, params), tmp_path / "b.pt")
+    loaded = gtx.checkpoint.load_state_dict(torch.load(tmp_path / "b.pt"), tx.init(params), params)
+    assert (
+        loaded.hyperparams["learning_rate"].dtype == torch.float64 and float(loaded.hyperparams["learning_rate"]) == 0.1
+    )
+    for a, b in zip(tx.update(params, state, params), tx.update(params, loaded, params)):
+        assert_trees_equal(a, b)  # resumed, it steps as the run it was saved from
+
+    opt.tx_state[0].hyperparams["max_norm"] = (
+        0.5  # a float for an int is refused: truncated to 0, it would stop the run
+    )
+    with pytest.raises(TypeError, match=r"'0/hyperparams/max_norm': the checkpoint has a float, this state a tensor"):
+        opt2.load_state_dict(opt.state_dict())
+
+
 @pytest.mark.parametrize("later", [0.5, torch.tensor(0.5)])
 def test_a_schedule_that_gives_an_int_then_a_float_is_not_truncated(later):
     """init stored the schedule's first value, an int, as int64; the later 0.5 was cast into that dtype: 0, and the

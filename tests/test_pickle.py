@@ -210,6 +210,18 @@ def test_a_pickled_schedule_computes_what_the_original_does(name):
     assert repr(other) == repr(schedule) and repr(schedule).startswith(name + "(")
 
 
+def test_a_schedule_built_from_a_generator_pickles_and_copies_with_its_items():
+    """sgdr_schedule takes its cycles as any iterable, as optax's does; from a generator (periods that double), the
+    remembered call held the spent generator: pickle and copy.deepcopy raised "cannot pickle 'generator' object"."""
+    cycles = [{"init_value": 0.0, "peak_value": 1.0, "warmup_steps": 2, "decay_steps": 4 * 2**i} for i in range(3)]
+    schedule = gtx.sgdr_schedule(dict(c) for c in cycles)
+    counts = torch.arange(30)
+    expected = torch.stack([gtx.sgdr_schedule(cycles)(c) for c in counts])
+    for other in (schedule, copy.deepcopy(schedule), pickle.loads(pickle.dumps(schedule))):
+        assert torch.equal(torch.stack([other(c) for c in counts]), expected)
+    _side_by_side(gtx.sgd(schedule), pickle.loads(pickle.dumps(gtx.sgd(schedule))))
+
+
 def test_torch_save_of_a_transform_and_its_state_resumes_the_run(tmp_path):
     tx = TRANSFORMS["chain"]()
     params = _grads(100)

@@ -36,6 +36,19 @@ def test_reduce_on_plateau_matches_optax(kwargs):
     assert float(gtx.metrics(state)["plateau_scale"]) == float(got.scale)
 
 
+def test_a_nan_value_given_as_a_number_is_no_improvement_as_in_optax():
+    """A NaN loss given as a number (a diverged batch's loss.item()) raised 'value must not be NaN'; optax (and a NaN
+    tensor here) take it as a value that does not improve."""
+    losses = [3.0, 2.0, float("nan"), 2.0, float("nan"), 1.0, float("nan"), float("nan"), float("nan")]
+    kwargs = {"patience": 2, "cooldown": 1, "accumulation_size": 1}
+    tx = gtx.chain(gtx.sgd(0.1), gtx.reduce_on_plateau(**kwargs))
+    ref = optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(**kwargs))
+    state, ref_state, _, _ = run_both(tx, ref, params_tree(), steps=len(losses), extra=lambda i: {"value": losses[i]})
+    for field in ("scale", "best_value", "plateau_count", "cooldown_count"):
+        assert float(getattr(state[1], field)) == pytest.approx(float(to_torch(getattr(ref_state[1], field)))), field
+    assert float(state[1].scale) == pytest.approx(0.01)  # cut twice: after a NaN and a 2.0, then after two NaNs
+
+
 def test_value_is_required_and_named():
     tx = gtx.reduce_on_plateau()
     with pytest.raises(ValueError, match="reduce_on_plateau: update\\(\\) needs value="):

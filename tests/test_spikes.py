@@ -240,9 +240,10 @@ def reference_skip_spikes(values, *, z_thresh, alpha, warmup_steps, max_consecut
     return decisions
 
 
+@pytest.mark.parametrize("as_number", [False, True])  # loss.item(): a NaN number raised instead of being skipped
 @pytest.mark.parametrize("max_consecutive_skips", [None, 2])
 @pytest.mark.parametrize("warmup_steps", [1, 5])
-def test_skip_spikes_matches_its_formulas_on_a_loss_series(warmup_steps, max_consecutive_skips):
+def test_skip_spikes_matches_its_formulas_on_a_loss_series(warmup_steps, max_consecutive_skips, as_number):
     rng = np.random.default_rng(0)
     losses = list(3.0 - 0.01 * np.arange(40) + 0.05 * rng.standard_normal(40))
     losses[3] = 9.0  # inside or after warm-up depending on warmup_steps
@@ -255,7 +256,7 @@ def test_skip_spikes_matches_its_formulas_on_a_loss_series(warmup_steps, max_con
     params = tree(0)
     state = tx.init(params)
     for step, loss in enumerate(losses):
-        _, state = tx.update(tree(step), state, params, loss=torch.tensor(loss))
+        _, state = tx.update(tree(step), state, params, loss=float(loss) if as_number else torch.tensor(loss))
         skip, mean, var = expected[step]
         assert bool(state.skipped) == skip, step
         np.testing.assert_allclose(float(state.mean), mean, rtol=1e-5, err_msg=f"mean at {step}")

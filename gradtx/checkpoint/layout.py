@@ -213,6 +213,8 @@ def onto(value: torch.Tensor, template: torch.Tensor, *, what: str) -> torch.Ten
 
     ``value`` has passed :func:`check_tensor` against ``template`` (the checkpoint loads check everything first).
     """
+    if not isinstance(value, torch.Tensor):  # a number set by hand (inject_hyperparams' state), in the template's dtype
+        value = torch.tensor(value, dtype=template.dtype)
     if DTensor is not None and isinstance(template, DTensor):
         if isinstance(value, DTensor):
             if value.device_mesh != template.device_mesh or tuple(value.placements) != tuple(template.placements):
@@ -232,6 +234,9 @@ def onto(value: torch.Tensor, template: torch.Tensor, *, what: str) -> torch.Ten
 
 
 def check_tensor(value: Any, template: torch.Tensor, *, what: str) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and template.ndim == 0
+    if number and (isinstance(value, int) or template.is_floating_point()):  # a float into an int would truncate
+        return
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{what}: the checkpoint has a {type(value).__name__}, this state a tensor")
     if tuple(value.shape) != tuple(template.shape):

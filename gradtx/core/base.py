@@ -24,7 +24,7 @@ fused optimizer kernel; a transform that is neither is simply run.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Self, TypeVar
 
 import torch
@@ -133,6 +133,9 @@ def factory(fn: _Factory) -> _Factory:
 
     @functools.wraps(fn)
     def build(*args: Any, **kwargs: Any) -> Any:
+        # A one-shot iterator (sgdr_schedule's cycles as a generator) is read here, so the call remembered keeps it.
+        args = tuple(list(a) if isinstance(a, Iterator) else a for a in args)
+        kwargs = {k: list(v) if isinstance(v, Iterator) else v for k, v in kwargs.items()}
         out = fn(*args, **kwargs)
         if torch.compiler.is_compiling():  # nothing traced is pickled (inject_hyperparams builds inside a step)
             return out

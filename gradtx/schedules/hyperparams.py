@@ -159,23 +159,20 @@ def inject_hyperparams(
                     f"got {sorted(state.hyperparams) if isinstance(state.hyperparams, dict) else state.hyperparams!r}"
                 )
             hparams: dict[str, torch.Tensor] = {}
+            dtype = float_dtype(params if params is not None else updates)
             for k, given in numeric.items():
                 v = state.hyperparams[k]
                 if isinstance(v, torch.Tensor):
                     check.scalar_tensor(v, arg=f"state.hyperparams[{k!r}]", name=name)
                 elif not _is_number(v):
                     raise TypeError(f"{name}: state.hyperparams[{k!r}] must be a number or a 0-d tensor, got {v!r:.80}")
-                # A Python number set by hand is welcome (in init's dtype: 0 for a float one is 0.0), but a compiled
-                # step would specialise on it: use a tensor.
+                # A number or tensor set by hand is welcome, in init's float dtype and device (0 for a float one is
+                # 0.0; optax casts to hyperparam_dtype too), but a compiled step would specialise on a number.
                 if not isinstance(v, torch.Tensor):
                     v = v if isinstance(given, numbers.Integral) else float(v)
-                    v = _as_tensor(v, float_dtype(params if params is not None else updates), state.count.device)
-                hparams[k] = v
-            for k, f in schedules.items():
-                old = state.hyperparams[k]
-                hparams[k] = _as_tensor(
-                    f(state.count), old.dtype if isinstance(old, torch.Tensor) else None, state.count.device
-                )
+                hparams[k] = _as_tensor(v, dtype, state.count.device)
+            for k, f in schedules.items():  # as init stores them (whatever was written there is recomputed)
+                hparams[k] = _as_tensor(f(state.count), dtype, state.count.device)
             for k, v in hparams.items() if not torch.is_grad_enabled() else ():  # autograd records no step
                 if v.requires_grad:
                     raise ValueError(
