@@ -158,3 +158,20 @@ def test_a_bad_loss_raises_naming_it_and_leaves_the_state():
     with pytest.raises(TypeError, match="loss"):
         tx.update({"w": torch.ones(2)}, state, params, loss="high")
     assert int(state.micro_step) == 0 and float(state.loss_sum) == 0.0
+
+
+def test_a_nan_loss_given_as_a_number_is_data_as_a_nan_tensor_is():
+    """A diverged micro-batch's loss.item() is NaN: the window takes it as it takes the NaN tensor, and the guard after
+    it skips that window (a ValueError would stop the run on the very batch the guard is there for)."""
+    params = {"w": torch.ones(3)}
+    g = {"w": torch.full((3,), 0.5)}
+    runs = {}
+    for kind, nan in (("number", float("nan")), ("tensor", torch.tensor(float("nan")))):
+        tx = gtx.chain(gtx.accumulate(2), gtx.skip_spikes(gtx.sgd(0.1), metric="loss"))
+        p, state = params, tx.init(params)
+        for loss in (1.0, nan, 1.0, 1.0):  # the first window holds the NaN, the second does not
+            updates, state = tx.update(g, state, p, loss=loss)
+            p = gtx.apply_updates(p, updates)
+        runs[kind] = (p, state)
+    assert_trees_close(runs["number"], runs["tensor"], rtol=0, atol=0)
+    assert torch.allclose(runs["number"][0]["w"], params["w"] - 0.1 * 0.5)  # the NaN window stepped nothing

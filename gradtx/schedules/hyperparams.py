@@ -139,9 +139,10 @@ def inject_hyperparams(
 
         def float_dtype(tree: PyTree) -> torch.dtype:
             """``hyperparam_dtype``, else fp64 when a leaf is fp64 (or complex128), else fp32."""
-            tensors = [t for t in tu.flatten(tree)[0] if isinstance(t, torch.Tensor)]
-            wide = any(t.dtype in (torch.float64, torch.complex128) for t in tensors)
-            return hyperparam_dtype or (torch.float64 if wide else torch.float32)
+            if hyperparam_dtype is not None:
+                return hyperparam_dtype
+            dtypes = {getattr(t, "dtype", None) for t in tu.flatten(tree)[0]}  # (read on every update: one pass)
+            return torch.float64 if dtypes & {torch.float64, torch.complex128} else torch.float32
 
         def init_fn(params: Params) -> InjectHyperparamsState:
             device = tu.device_of(params)

@@ -122,11 +122,10 @@ def _loss_value(loss: Any) -> torch.Tensor | None:
     """A micro-batch's loss as a detached fp32 0-d tensor (no host read), or ``None`` when none was given."""
     if loss is None:
         return None
-    if not isinstance(loss, torch.Tensor):
-        return torch.tensor(check.number(loss, arg="loss", name="accumulate", finite=False), dtype=torch.float32)
-    if not loss.dtype.is_floating_point:
+    if isinstance(loss, torch.Tensor) and not loss.dtype.is_floating_point:
         raise TypeError(f"accumulate: loss must be a real floating-point number, got a {loss.dtype} tensor")
-    return check.scalar(loss, arg="loss", name="accumulate", dtype=torch.float32, device=loss.device)
+    device = loss.device if isinstance(loss, torch.Tensor) else torch.device("cpu")  # a number: a NaN one is data too
+    return check.scalar(loss, arg="loss", name="accumulate", dtype=torch.float32, device=device)
 
 
 def empty_sums(tree: Any) -> Any:
