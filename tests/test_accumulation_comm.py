@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -89,6 +90,49 @@ def test_plain_mean_reduce_grads_divides_by_micro_steps_times_ranks():
     out, state = tx.update({"w": torch.tensor([2.0, 4.0])}, state)
     assert_trees_close(out, {"w": (torch.tensor([3.0, 6.0]) + peer) / 4}, rtol=1e-6)
     assert [(c.op, c.num_tensors) for c in comm.calls] == [("sum", 1)]  # no token collective when not weighted
+
+
+class _RankedPeerComm(PeerComm):
+    """:class:`PeerComm` as rank 0 of its two ranks (what a checkpoint load asks)."""
+
+    def rank(self, group: object) -> int:
+        del group
+        return 0
+
+    def group_id(self, group: object) -> object:
+        return group
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
+def test_a_plain_reduce_grads_window_resumed_on_another_number_of_ranks_is_the_mean_over_its_micro_batches(
+    saved_on, resumed_on
+):
+    # Micro-batch i of the global batch is split over the ranks; each rank feeds its rows' mean-loss grad. A
+    # window saved after micro-step 1 on `saved_on` ranks and closed on `resumed_on` must emit what one device
+    # gets: the mean over the window of each whole micro-batch's mean-loss grad.
+    g = torch.Generator().manual_seed(0)
+    w0, batches = torch.randn(3, 4, generator=g), [(torch.randn(8, 4, generator=g), torch.randn(8, 3)) for _ in "ab"]
+
+    def grad(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = w0.clone().requires_grad_()
+        return {"w": torch.autograd.grad(F.mse_loss(x @ w.T, y), w)[0]}
+
+    def rows(i: int, rank: int, ranks: int) -> dict[str, torch.Tensor]:
+        x, y = batches[i]
+        return grad(x[rank * 8 // ranks : (rank + 1) * 8 // ranks], y[rank * 8 // ranks : (rank + 1) * 8 // ranks])
+
+    def comm(ranks: int, peer: dict[str, torch.Tensor]) -> Any:  # rank 0 of `ranks`; the peer's sum when two
+        return LocalComm() if ranks == 1 else _RankedPeerComm([peer["w"]])
+
+    params = {"w": w0}
+    saving = gtx.accumulate(2, comm=comm(saved_on, rows(0, 1, 2)), reduce_grads=True)
+    _, state = saving.update(rows(0, 0, saved_on), saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    resuming = gtx.accumulate(2, comm=comm(resumed_on, rows(1, 1, 2)), reduce_grads=True)
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update(rows(1, 0, resumed_on), state, params)
+    one_device = [grad(*batch)["w"] for batch in batches]
+    assert_trees_close(out, {"w": (one_device[0] + one_device[1]) / 2}, rtol=1e-5, atol=1e-6)
 
 
 def test_reduce_grads_runs_in_fp32_and_emits_the_grads_dtype():

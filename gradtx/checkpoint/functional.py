@@ -127,11 +127,15 @@ def export_layout(
                 "own loss (given as loss=), which a checkpoint cannot keep per rank: the resumed window's loss would "
                 "be another rank's. Save at a window boundary, or end the window early with flush=True"
             )
-    for key, w, comm, group in lo.per_rank(layout, tx, what=what):
+    for key, w, comm, group, mean in lo.per_rank(layout, tx, what=what):
         if int(w.state.micro_step) == 0:
             continue  # a window at a boundary holds nothing
         if key == w.key("acc"):
             per_param[key] = tu.all_reduce_leaves(comm, per_param[key], ReduceOp.SUM, group)
+            if mean:
+                per_param[key] = tu.scale_leaves(
+                    per_param[key], torch.tensor(1 / comm.size(group), dtype=torch.float64)
+                )
         else:  # the tokens, the loss sum or its weight: on the params' device, as the window's own collective (NCCL)
             value = getattr(w.state, key.rsplit("/", 1)[-1])
             (total,) = comm.all_reduce([value.to(tu.device_of(p_leaves))], ReduceOp.SUM, group)
@@ -248,16 +252,16 @@ def import_layout(
                     f"has {name}={live}; resume with the same {name} (or save at a boundary and start a fresh state)"
                 )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
-    first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
-    for key, _, comm, group in per_rank:
+    first: dict[str, tuple[bool | torch.Tensor, int]] = {}  # key -> whether this rank is its group's first, ranks
+    for key, _, comm, group, mean in per_rank:
         # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
         # size is rank 0 of a one-rank group, and raises in a larger one.
         rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
-        first[key] = rank_equals(rank, 0)
+        first[key] = rank_equals(rank, 0), comm.size(group) if mean else 1  # a mean saved: the sum over these ranks
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
         restored = lo.onto(value, template, what=f"{what}: {label}")
-        return lo.first_only(restored, first[key]) if key in first else restored
+        return lo.first_only(restored * first[key][1], first[key][0]) if key in first else restored
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "global":
