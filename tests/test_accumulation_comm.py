@@ -399,3 +399,27 @@ def test_the_token_weighted_window_loss_is_the_global_token_mean():
         _, state = tx.update(g, state, tokens=0, loss=torch.tensor(0.0))
     assert float(state.last_loss) == pytest.approx(20 / 5, rel=1e-6)
     assert [c.num_tensors for c in comm.calls] == [1, 1]  # one collective per window
+
+
+def test_reduce_grads_refuses_grads_sharded_over_its_own_ranks_and_sums_those_sharded_over_others():
+    # FSDP2 reduce-scatters over dp: each dp rank holds another shard of the summed grad, and a sum of the shards
+    # over dp mixes rows of different params' pieces. What one device gets is the grad itself.
+    pytest.importorskip("torch.distributed._local_tensor")
+    from torch.distributed.tensor import Shard
+
+    from gradtx.testing import distribute, simulated_mesh
+
+    full = {"w": torch.arange(8.0).reshape(4, 2)}
+    with simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        tx = gtx.accumulate(1, comm=gtx.comm.TorchComm(mesh), group="dp", reduce_grads=True)
+        tp_only = distribute(full, mesh["tp"], {"w": (Shard(0),)})  # the same on both dp ranks: summed, then / 2
+        out, _ = tx.update(tp_only, tx.init(tp_only), tp_only)
+        torch.testing.assert_close(out["w"].full_tensor(), full["w"])
+        for sharded in (
+            distribute(full, mesh["dp"], {"w": (Shard(0),)}),
+            distribute(full, mesh, {"w": (Shard(1), Shard(0))}),
+        ):
+            state = tx.init(sharded)
+            with pytest.raises(ValueError, match=r"reduce_grads=True sums the grads over 'dp', but grad 0 is sharded"):
+                tx.update(sharded, state, sharded)
+            assert int(state.micro_step) == 0 and not bool(state.emitted)

@@ -96,7 +96,8 @@ def accumulate(
     * A functional step (``torch.func.grad`` on each rank) does not: pass
       ``reduce_grads=True`` and gradtx sums the window's accumulated grads
       over ``group`` once, at emission, in one coalesced collective (in fp32
-      unless autograd is the accumulator, then in the grads' dtype). The
+      unless autograd is the accumulator, then in the grads' dtype); a DTensor
+      grad sharded over those ranks (FSDP2's, summed already) is refused. The
       emitted update is then ``sum over ranks and micro-steps of grad /
       global token total`` (token-weighted) or ``... / (micro-steps * ranks)``
       (plain mean), identical on every rank. A param whose grad is ``None`` on
