@@ -423,3 +423,62 @@ def test_reduce_grads_refuses_grads_sharded_over_its_own_ranks_and_sums_those_sh
             with pytest.raises(ValueError, match=r"reduce_grads=True sums the grads over 'dp', but grad 0 is sharded"):
                 tx.update(sharded, state, sharded)
             assert int(state.micro_step) == 0 and not bool(state.emitted)
+
+
+def _peer_grads(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"b": torch.randn(2, generator=g), "c": torch.randn(2, generator=g)}
+
+
+def test_a_reduce_grads_window_resumed_keeps_the_sum_of_a_param_that_has_no_grad_on_the_saving_rank():
+    # This rank never reaches "c" (its grad is None); the peer rank does. The window's sum over the ranks holds the
+    # peer's "c", which a checkpoint must keep whichever rank's flags it saves: a window reading "c" as never held
+    # dropped it (silently here; on the peer rank, its next "c" grad was refused, and this rank hung in the sum).
+    mine, peer = [_peer_grads(s) for s in (1, 2)], [_peer_grads(s) for s in (3, 4)]
+    params = {"b": torch.zeros(2), "c": torch.zeros(2)}
+    saving = gtx.accumulate(2, comm=PeerComm([peer[0]["b"], peer[0]["c"]]), reduce_grads=True)
+    _, state = saving.update({"b": mine[0]["b"], "c": None}, saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    # The peer resumes with zeros (its total is on this rank) and adds its second micro-batch.
+    resuming = gtx.accumulate(2, comm=_RankedPeerComm([peer[1]["b"], peer[1]["c"]]), reduce_grads=True)
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update({"b": mine[1]["b"], "c": None}, state, params)
+    want = {
+        "b": (mine[0]["b"] + mine[1]["b"] + peer[0]["b"] + peer[1]["b"]) / 4,
+        "c": (peer[0]["c"] + peer[1]["c"]) / 4,
+    }
+    assert_trees_close(out, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_wrapped_reduce_grads_window_resumed_keeps_the_sum_of_a_param_without_grad_on_the_saving_rank():
+    def model() -> torch.nn.ModuleDict:
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"b": torch.nn.Linear(2, 1), "c": torch.nn.Linear(2, 1)})
+
+    x = [torch.randn(3, 2), torch.randn(3, 2)]
+    peer = [[torch.randn(p.shape) for p in model().parameters()] for _ in range(2)]  # the peer's b and c grads
+
+    def step(m: torch.nn.ModuleDict, opt: gtx.TransformedOptimizer, i: int) -> None:
+        m["b"](x[i]).sum().backward()  # this rank never reaches "c"
+        opt.step()
+
+    m = model()
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=1.0), gtx.accumulate(2, comm=PeerComm(peer[0]), reduce_grads=True)
+    )
+    step(m, opt, 0)
+    saved = opt.state_dict()
+    m2 = model()
+    opt2 = gtx.TransformedOptimizer(
+        torch.optim.SGD(m2.parameters(), lr=1.0), gtx.accumulate(2, comm=_RankedPeerComm(peer[1]), reduce_grads=True)
+    )
+    opt2.load_state_dict(saved)
+    step(m2, opt2, 1)
+    assert opt2.emitted
+    ref = model()  # one device: this rank's two micro-batches through b, the peer's grads added, mean of 4
+    for xi in x:
+        ref["b"](xi).sum().backward()
+    with torch.no_grad():
+        for p, *peers in zip(ref.parameters(), *peer):
+            p -= ((p.grad if p.grad is not None else 0) + sum(peers)) / 4
+    assert_trees_close(dict(m2.named_parameters()), dict(ref.named_parameters()), rtol=1e-6, atol=1e-7)
