@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -89,6 +90,49 @@ def test_plain_mean_reduce_grads_divides_by_micro_steps_times_ranks():
     out, state = tx.update({"w": torch.tensor([2.0, 4.0])}, state)
     assert_trees_close(out, {"w": (torch.tensor([3.0, 6.0]) + peer) / 4}, rtol=1e-6)
     assert [(c.op, c.num_tensors) for c in comm.calls] == [("sum", 1)]  # no token collective when not weighted
+
+
+class _RankedPeerComm(PeerComm):
+    """:class:`PeerComm` as rank 0 of its two ranks (what a checkpoint load asks)."""
+
+    def rank(self, group: object) -> int:
+        del group
+        return 0
+
+    def group_id(self, group: object) -> object:
+        return group
+
+
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)])
+def test_a_plain_reduce_grads_window_resumed_on_another_number_of_ranks_is_the_mean_over_its_micro_batches(
+    saved_on, resumed_on
+):
+    # Micro-batch i of the global batch is split over the ranks; each rank feeds its rows' mean-loss grad. A
+    # window saved after micro-step 1 on `saved_on` ranks and closed on `resumed_on` must emit what one device
+    # gets: the mean over the window of each whole micro-batch's mean-loss grad.
+    g = torch.Generator().manual_seed(0)
+    w0, batches = torch.randn(3, 4, generator=g), [(torch.randn(8, 4, generator=g), torch.randn(8, 3)) for _ in "ab"]
+
+    def grad(x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        w = w0.clone().requires_grad_()
+        return {"w": torch.autograd.grad(F.mse_loss(x @ w.T, y), w)[0]}
+
+    def rows(i: int, rank: int, ranks: int) -> dict[str, torch.Tensor]:
+        x, y = batches[i]
+        return grad(x[rank * 8 // ranks : (rank + 1) * 8 // ranks], y[rank * 8 // ranks : (rank + 1) * 8 // ranks])
+
+    def comm(ranks: int, peer: dict[str, torch.Tensor]) -> Any:  # rank 0 of `ranks`; the peer's sum when two
+        return LocalComm() if ranks == 1 else _RankedPeerComm([peer["w"]])
+
+    params = {"w": w0}
+    saving = gtx.accumulate(2, comm=comm(saved_on, rows(0, 1, 2)), reduce_grads=True)
+    _, state = saving.update(rows(0, 0, saved_on), saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    resuming = gtx.accumulate(2, comm=comm(resumed_on, rows(1, 1, 2)), reduce_grads=True)
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update(rows(1, 0, resumed_on), state, params)
+    one_device = [grad(*batch)["w"] for batch in batches]
+    assert_trees_close(out, {"w": (one_device[0] + one_device[1]) / 2}, rtol=1e-5, atol=1e-6)
 
 
 def test_reduce_grads_runs_in_fp32_and_emits_the_grads_dtype():
@@ -372,3 +416,86 @@ def test_the_token_weighted_window_loss_is_the_global_token_mean():
         _, state = tx.update(g, state, tokens=0, loss=torch.tensor(0.0))
     assert float(state.last_loss) == pytest.approx(20 / 5, rel=1e-6)
     assert [c.num_tensors for c in comm.calls] == [1, 1]  # one collective per window
+
+
+def test_reduce_grads_refuses_grads_sharded_over_its_own_ranks_and_sums_those_sharded_over_others():
+    # FSDP2 reduce-scatters over dp: each dp rank holds another shard of the summed grad, and a sum of the shards
+    # over dp mixes rows of different params' pieces. What one device gets is the grad itself.
+    pytest.importorskip("torch.distributed._local_tensor")
+    from torch.distributed.tensor import Shard
+
+    from gradtx.testing import distribute, simulated_mesh
+
+    full = {"w": torch.arange(8.0).reshape(4, 2)}
+    with simulated_mesh((2, 2), ("dp", "tp")) as mesh:
+        tx = gtx.accumulate(1, comm=gtx.comm.TorchComm(mesh), group="dp", reduce_grads=True)
+        tp_only = distribute(full, mesh["tp"], {"w": (Shard(0),)})  # the same on both dp ranks: summed, then / 2
+        out, _ = tx.update(tp_only, tx.init(tp_only), tp_only)
+        torch.testing.assert_close(out["w"].full_tensor(), full["w"])
+        for sharded in (
+            distribute(full, mesh["dp"], {"w": (Shard(0),)}),
+            distribute(full, mesh, {"w": (Shard(1), Shard(0))}),
+        ):
+            state = tx.init(sharded)
+            with pytest.raises(ValueError, match=r"reduce_grads=True sums the grads over 'dp', but grad 0 is sharded"):
+                tx.update(sharded, state, sharded)
+            assert int(state.micro_step) == 0 and not bool(state.emitted)
+
+
+def _peer_grads(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"b": torch.randn(2, generator=g), "c": torch.randn(2, generator=g)}
+
+
+def test_a_reduce_grads_window_resumed_keeps_the_sum_of_a_param_that_has_no_grad_on_the_saving_rank():
+    # This rank never reaches "c" (its grad is None); the peer rank does. The window's sum over the ranks holds the
+    # peer's "c", which a checkpoint must keep whichever rank's flags it saves: a window reading "c" as never held
+    # dropped it (silently here; on the peer rank, its next "c" grad was refused, and this rank hung in the sum).
+    mine, peer = [_peer_grads(s) for s in (1, 2)], [_peer_grads(s) for s in (3, 4)]
+    params = {"b": torch.zeros(2), "c": torch.zeros(2)}
+    saving = gtx.accumulate(2, comm=PeerComm([peer[0]["b"], peer[0]["c"]]), reduce_grads=True)
+    _, state = saving.update({"b": mine[0]["b"], "c": None}, saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    # The peer resumes with zeros (its total is on this rank) and adds its second micro-batch.
+    resuming = gtx.accumulate(2, comm=_RankedPeerComm([peer[1]["b"], peer[1]["c"]]), reduce_grads=True)
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update({"b": mine[1]["b"], "c": None}, state, params)
+    want = {
+        "b": (mine[0]["b"] + mine[1]["b"] + peer[0]["b"] + peer[1]["b"]) / 4,
+        "c": (peer[0]["c"] + peer[1]["c"]) / 4,
+    }
+    assert_trees_close(out, want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_wrapped_reduce_grads_window_resumed_keeps_the_sum_of_a_param_without_grad_on_the_saving_rank():
+    def model() -> torch.nn.ModuleDict:
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"b": torch.nn.Linear(2, 1), "c": torch.nn.Linear(2, 1)})
+
+    x = [torch.randn(3, 2), torch.randn(3, 2)]
+    peer = [[torch.randn(p.shape) for p in model().parameters()] for _ in range(2)]  # the peer's b and c grads
+
+    def step(m: torch.nn.ModuleDict, opt: gtx.TransformedOptimizer, i: int) -> None:
+        m["b"](x[i]).sum().backward()  # this rank never reaches "c"
+        opt.step()
+
+    m = model()
+    opt = gtx.TransformedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=1.0), gtx.accumulate(2, comm=PeerComm(peer[0]), reduce_grads=True)
+    )
+    step(m, opt, 0)
+    saved = opt.state_dict()
+    m2 = model()
+    opt2 = gtx.TransformedOptimizer(
+        torch.optim.SGD(m2.parameters(), lr=1.0), gtx.accumulate(2, comm=_RankedPeerComm(peer[1]), reduce_grads=True)
+    )
+    opt2.load_state_dict(saved)
+    step(m2, opt2, 1)
+    assert opt2.emitted
+    ref = model()  # one device: this rank's two micro-batches through b, the peer's grads added, mean of 4
+    for xi in x:
+        ref["b"](xi).sum().backward()
+    with torch.no_grad():
+        for p, *peers in zip(ref.parameters(), *peer):
+            p -= ((p.grad if p.grad is not None else 0) + sum(peers)) / 4
+    assert_trees_close(dict(m2.named_parameters()), dict(ref.named_parameters()), rtol=1e-6, atol=1e-7)

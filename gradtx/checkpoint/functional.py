@@ -101,9 +101,13 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     p_leaves, _ = tu.flatten(params)
     layout = lo.layout_of(state, params)
     per_param, globals_ = export_layout(layout, p_leaves, tx, what="gradtx.checkpoint.functional.state_dict")
+    # A reduce_grads window's sum is over the ranks (a None grad as zeros), so every param holds one: a rank's own
+    # None pattern, which the saved flag would take from one rank, is not kept.
+    own = {key for key, *_, summing in lo.per_rank(layout, tx, what="gradtx.checkpoint") if summing}
     for w in layout.windows:  # 1 where the open window holds a sum (a param whose grads were None holds none)
         sums = _per_param_leaves(layout, w.key("acc"), p_leaves)
-        per_param[w.key("held")] = [torch.tensor(float(t is not None)) for t in sums]
+        every = w.key("acc") in own and int(w.state.micro_step) > 0
+        per_param[w.key("held")] = [torch.tensor(float(t is not None or every)) for t in sums]
     return {
         "state": {n: {k: v[i] for k, v in per_param.items()} for i, n in enumerate(names)},
         "global": globals_,
@@ -127,11 +131,15 @@ def export_layout(
                 "own loss (given as loss=), which a checkpoint cannot keep per rank: the resumed window's loss would "
                 "be another rank's. Save at a window boundary, or end the window early with flush=True"
             )
-    for key, w, comm, group in lo.per_rank(layout, tx, what=what):
+    for key, w, comm, group, own in lo.per_rank(layout, tx, what=what):
         if int(w.state.micro_step) == 0:
             continue  # a window at a boundary holds nothing
         if key == w.key("acc"):
             per_param[key] = tu.all_reduce_leaves(comm, per_param[key], ReduceOp.SUM, group)
+            if own and not bool(w.state.token_weighted):
+                per_param[key] = tu.scale_leaves(
+                    per_param[key], torch.tensor(1 / comm.size(group), dtype=torch.float64)
+                )
         else:  # the tokens, the loss sum or its weight: on the params' device, as the window's own collective (NCCL)
             value = getattr(w.state, key.rsplit("/", 1)[-1])
             (total,) = comm.all_reduce([value.to(tu.device_of(p_leaves))], ReduceOp.SUM, group)
@@ -248,16 +256,17 @@ def import_layout(
                     f"has {name}={live}; resume with the same {name} (or save at a boundary and start a fresh state)"
                 )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
-    first: dict[str, bool | torch.Tensor] = {}  # key -> whether this rank is its group's first
-    for key, _, comm, group in per_rank:
+    first: dict[str, tuple[bool | torch.Tensor, int]] = {}  # key -> whether this rank is its group's first, ranks
+    for key, w, comm, group, own in per_rank:
         # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
         # size is rank 0 of a one-rank group, and raises in a larger one.
         rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
-        first[key] = rank_equals(rank, 0)
+        ranks = comm.size(group) if own and not bool(w.state.token_weighted) else 1  # a mean saved: their sum
+        first[key] = rank_equals(rank, 0), ranks
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
         restored = lo.onto(value, template, what=f"{what}: {label}")
-        return lo.first_only(restored, first[key]) if key in first else restored
+        return lo.first_only(restored * first[key][1], first[key][0]) if key in first else restored
 
     def rebuild(kind: str, old: Any, key: str) -> Any:
         if kind == "global":

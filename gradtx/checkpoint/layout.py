@@ -168,8 +168,14 @@ def first_only(value: torch.Tensor, on_first: bool | torch.Tensor) -> torch.Tens
     return torch.where(on_first.to(value.device), value, torch.zeros_like(value))
 
 
-def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) -> list[tuple[str, Window, Any, Any]]:
-    """The per-rank pieces of ``layout``'s windows: (key, window, the comm and group they are summed over).
+def per_rank(
+    layout: Layout, tx: GradientTransformation | None, *, what: str
+) -> list[tuple[str, Window, Any, Any, bool]]:
+    """The per-rank pieces of ``layout``'s windows: (key, window, the comm and group they are summed over, own).
+
+    ``own`` marks the sums of a ``reduce_grads`` window (it sums them over the ranks itself, a ``None`` grad as
+    zeros). A plain one divides by micro-steps times ranks, so they are saved as their mean over the ranks,
+    which a load scales by its own rank count (another world size keeps every micro-step's weight).
 
     A window with a ``comm`` counts its tokens and its loss per rank
     (``token_weighted``) and sums its grads per rank (``reduce_grads``, or a
@@ -201,7 +207,7 @@ def per_rank(layout: Layout, tx: GradientTransformation | None, *, what: str) ->
         for name in ("tokens", "loss_sum", "loss_weight", "acc"):  # the window's loss is a global token mean too
             by = sums if name == "acc" else own if window.token_weighted else None
             if by is not None:
-                out.append((w.key(name), w, *by))
+                out.append((w.key(name), w, *by, name == "acc" and window.reduce_grads))
     return out
 
 

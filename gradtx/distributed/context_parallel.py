@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -71,13 +72,8 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
         )
 
     # A grad sharded over a mesh dim that holds several CP ranks is no chunk's partial grad: CP is folded
-    # into its sharding, which summed it already, and a sum of different shards is garbage. Read once per layout.
-    cp_ranks = (
-        set(dist.get_process_group_ranks(comm.resolve(group) or dist.group.WORLD))
-        if isinstance(comm, TorchComm)
-        else set()
-    )
-    checked: set[Any] = set()
+    # into its sharding, which summed it already, and a sum of different shards is garbage.
+    sharded = sharded_over(comm, group)
 
     def update_fn(updates, state, params=None, **extra):
         leaves, spec = tu.tensor_leaves(updates, what="cp_reduce: updates")
@@ -88,21 +84,38 @@ def cp_reduce(group: Any, *, comm: Comm | None = None) -> GradientTransformation
             p_leaves, spec = tu.flatten(params)
             leaves = zero_filled(index, given, p_leaves)
         for i, g in enumerate(leaves):
-            if cp_ranks and isinstance(g, DTensor) and (g.device_mesh, g.placements) not in checked:
-                mesh = g.device_mesh
-                for d, p in enumerate(g.placements):
-                    if _is_shard(p) and len(cp_ranks & set(dist.get_process_group_ranks(mesh.get_group(d)))) > 1:
-                        raise ValueError(
-                            f"cp_reduce: the grad at {tu.path_str(spec.paths()[i])} is sharded ({g.placements}) "
-                            f"over mesh dim {d} of {mesh}, which holds CP ranks: CP is folded into its sharding, "
-                            "which already summed it; drop cp_reduce (see docs/distributed.md)"
-                        )
-                checked.add((mesh, g.placements))
+            if (where := sharded(g)) is not None:
+                raise ValueError(
+                    f"cp_reduce: the grad at {tu.path_str(spec.paths()[i])} is sharded {where}, which holds CP ranks: "
+                    "CP is folded into its sharding, which already summed it; drop cp_reduce (see docs/distributed.md)"
+                )
         return tu.unflatten(spec, tu.all_reduce_leaves(comm, leaves, ReduceOp.SUM, group)), state
 
     tx = GradientTransformation(init_empty_state, update_fn)
     vars(tx)["sums_over_ranks"] = (comm, group)
     return tx
+
+
+def sharded_over(comm: Any, group: Any) -> Callable[[Any], str | None]:
+    """For a grad: where a DTensor is sharded over several ranks of ``group`` (they hold different shards, whose
+    sum over ``group`` is no grad), else None. Read once per mesh and placements; ranks are known by a TorchComm.
+    """
+    import torch.distributed as dist
+
+    from gradtx.comm.torch_dist import TorchComm
+
+    seen: dict[Any, str | None] = {}
+
+    def where(g: Any) -> str | None:
+        key = (g.device_mesh, g.placements) if isinstance(g, DTensor) and isinstance(comm, TorchComm) else None
+        if key is not None and key not in seen:
+            ranks = set(dist.get_process_group_ranks(comm.resolve(group) or dist.group.WORLD))
+            over = [set(dist.get_process_group_ranks(g.device_mesh.get_group(d))) for d in range(g.device_mesh.ndim)]
+            dims = [d for d, p in enumerate(g.placements) if _is_shard(p) and len(ranks & over[d]) > 1]
+            seen[key] = f"({g.placements}) over mesh dim {dims[0]} of {g.device_mesh}" if dims else None
+        return seen.get(key)
+
+    return where
 
 
 def sums_over(tx: GradientTransformation) -> tuple[Any, Any] | None:

@@ -96,7 +96,8 @@ def accumulate(
     * A functional step (``torch.func.grad`` on each rank) does not: pass
       ``reduce_grads=True`` and gradtx sums the window's accumulated grads
       over ``group`` once, at emission, in one coalesced collective (in fp32
-      unless autograd is the accumulator, then in the grads' dtype). The
+      unless autograd is the accumulator, then in the grads' dtype); a DTensor
+      grad sharded over those ranks (FSDP2's, summed already) is refused. The
       emitted update is then ``sum over ranks and micro-steps of grad /
       global token total`` (token-weighted) or ``... / (micro-steps * ranks)``
       (plain mean), identical on every rank. A param whose grad is ``None`` on
@@ -172,7 +173,8 @@ def accumulate(
         sums, sum_spec = tu.flatten(held)
         opened = window.is_open(state)
         against = "the open window's running sum" if opened else "params"
-        # A None grad (a param with no gradient) is allowed; the window keeps that pattern to its end.
+        # A None grad (a param with no gradient) is allowed; the window keeps that pattern to its end (with
+        # reduce_grads, a None is zeros: the ranks' sums are summed, a rank's None pattern may change).
         index, _, _ = tu.align(  # structure only: shapes are compared on local shards below
             tu.tree_map(lambda _: 0, held),
             tu.tree_map(lambda _: 0, updates),
@@ -191,7 +193,8 @@ def accumulate(
         if opened:
             given = {i: j for j, i in enumerate(index)}
             for i, path in enumerate(sum_paths):
-                if summed[i] != (i in given) and (summed[i] or tu.local(leaves[given[i]]).numel() > 0):
+                mismatch = summed[i] != (i in given) and not window.reduce_grads
+                if mismatch and (summed[i] or tu.local(leaves[given[i]]).numel() > 0):
                     where = "missing" if summed[i] else "unexpected"
                     raise ValueError(f"accumulate: updates does not match {against} at {tu.path_str(path)}: {where}")
             tu.check_devices(
@@ -222,7 +225,7 @@ def accumulate(
             # so every rank sums the same buffer and the replicas stay equal (as the wrapper fills .grad).
             given = dict(zip(index, leaves))
             new = [
-                n if i in given else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
+                n if i in given or summed[i] else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
                 for i, (n, p) in enumerate(zip(new, p_leaves))
             ]
             leaves, index, spec = [given.get(i, p) for i, p in enumerate(p_leaves)], list(range(len(new))), sum_spec

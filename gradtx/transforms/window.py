@@ -18,6 +18,7 @@ from gradtx.comm.base import Comm, GroupKey, ReduceOp
 from gradtx.core import tree as tu
 from gradtx.core import validate as check
 from gradtx.core.base import Params, PyTree, export_metrics
+from gradtx.distributed.context_parallel import sharded_over
 
 
 @export_metrics(
@@ -324,4 +325,12 @@ class Window:
         """
         if not self.reduce_grads or self.comm is None:
             return leaves
+        sharded = sharded_over(self.comm, self.group)  # a DTensor's sharding over these ranks summed them already
+        for i, g in enumerate(leaves):
+            if (where := sharded(g)) is not None:
+                raise ValueError(
+                    f"accumulate: reduce_grads=True sums the grads over {self.group!r}, but grad {i} is sharded "
+                    f"{where}, which holds several of its ranks: its sharding (FSDP2) summed it over them already, "
+                    "and a sum of different shards is no grad; drop reduce_grads (see docs/distributed.md)"
+                )
         return tu.all_reduce_leaves(self.comm, leaves, ReduceOp.SUM, self.group, write_back=write_back)

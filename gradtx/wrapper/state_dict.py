@@ -278,7 +278,8 @@ def state_dict(opt: Any) -> dict[str, Any]:
         gtx: dict[str, Any] = {key: values[i] for key, values in per_param.items()}
         gtx[INNER_FRESH] = torch.tensor(float(fresh))
         if window:  # at a boundary too, so a template holds the key (torch's full_state_dict loads need it)
-            gtx[HAS_GRAD] = torch.tensor(float(open_ and p.grad is not None))
+            # Summed over the ranks (a None as zeros), an open window's sum is every param's, whatever this .grad.
+            gtx[HAS_GRAD] = torch.tensor(float(open_ and (p.grad is not None or opt._plan.summed)))
         if i == 0:
             gtx[GLOBAL] = grads.in_groups(opt, layout.places, globals_)
             if window:
