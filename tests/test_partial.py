@@ -10,6 +10,7 @@ from __future__ import annotations
 import optree
 import pytest
 import torch
+from torch.distributed._local_tensor import rank_map
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import gradtx as gtx
@@ -52,15 +53,20 @@ def test_a_stateless_linear_map_passes_a_partial_update_on():
             assert u.placements == (Partial(),) and torch.equal(u.to_local(), torch.tensor([-0.5, 1.0]))
 
 
-def test_applying_a_partial_update_keeps_the_params_placements():
-    # sgd passes a Partial grad on; the param it updates stays Replicate, every rank holding p - lr * (the sum of the
-    # terms). Left Partial, it would be a pending sum of world copies of p, which the next step reads as such.
+def test_applying_a_partial_update_is_refused_naming_its_path():
+    # sgd passes a Partial grad on, exactly; applied to a Replicate param, the sum would leave the param a pending sum
+    # of world copies of itself. Reducing it is a collective, which the caller names: apply_updates refuses.
     with gtx.testing.simulated_mesh(2, ("tp",)) as mesh:
         term = torch.tensor([1.0, -2.0])
-        g = {"w": DTensor.from_local(term.clone(), mesh, [Partial()], run_check=False)}  # each of the 2 ranks: term
+        # Each of the 2 simulated ranks holds its own copy of the term (a plain tensor would be one for all ranks).
+        g = {"w": DTensor.from_local(rank_map(lambda r: term.clone()), mesh, [Partial()], run_check=False)}
         params = gtx.testing.distribute({"w": torch.ones(2)}, mesh, {"w": [Replicate()]})
         tx = gtx.sgd(0.5)
-        new = gtx.apply_updates(params, tx.update(g, tx.init(params), params)[0])["w"]
+        updates = tx.update(g, tx.init(params), params)[0]
+        with pytest.raises(ValueError, match=r"apply_updates: updates leaf at \['w'\] is a Partial DTensor"):
+            gtx.apply_updates(params, updates)
+        reduced = {"w": updates["w"].redistribute(placements=[Replicate()])}  # the user's collective
+        new = gtx.apply_updates(params, reduced)["w"]
         assert new.placements == (Replicate(),)
         gtx.testing.assert_trees_close(new.to_local(), torch.ones(2) - 0.5 * (term + term), rtol=0, atol=0)
         assert params["w"].placements == (Replicate(),) and torch.equal(params["w"].full_tensor(), torch.ones(2))

@@ -344,7 +344,7 @@ def partition(
 
 
 def apply_updates(params: Params, updates: Updates | None) -> Params:
-    """Return ``params + updates`` as a new tree, in each param's dtype and, for a DTensor, its placements. Pure.
+    """Return ``params + updates`` as a new tree, in each param's dtype (a DTensor update placed as its param). Pure.
 
     ``updates`` of ``None`` (a held accumulation step) returns ``params`` itself.
     A ``None`` inside ``updates`` where ``params`` has a tensor (a param that got
@@ -373,19 +373,13 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
         except RuntimeError:  # an update on another device than its param: a ValueError naming it
             tu.check_devices(present, u_leaves, updates, what="updates", against="its param")
             raise
-    else:  # DTensors, whose placements may differ: leaf by leaf, each sum placed as its param (as torch's p.add_(u))
-        added = [_placed_as(p + u, p) for p, u in zip(present, u_leaves)]
+    else:  # DTensors, leaf by leaf, each update placed as its param: a Partial one would leave the param a pending sum
+        tu.refuse_partial("apply_updates: updates", params, index, u_leaves, p_leaves)
+        added = [p + u for p, u in zip(present, u_leaves)]
     out = list(p_leaves)
     for i, r in zip(index, added):
         out[i] = r if r.dtype == p_leaves[i].dtype else r.to(p_leaves[i].dtype)
     return tu.unflatten(spec, out)
-
-
-def _placed_as(x: Any, param: Any) -> Any:
-    # A Partial update (a pending sum, which sgd passes on) would leave a Replicate param Partial: reduce it.
-    if tu.has_dtensor([param]) and tuple(x.placements) != tuple(param.placements):
-        return x.redistribute(param.device_mesh, param.placements)
-    return x
 
 
 def update_and_apply(

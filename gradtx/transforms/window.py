@@ -326,7 +326,7 @@ class Window:
         if not self.reduce_grads or self.comm is None:
             return leaves
         sharded = sharded_over(self.comm, self.group)  # a DTensor's sharding over these ranks summed them already
-        for i, g in enumerate(leaves):
+        for i, g in enumerate(leaves if tu.has_dtensor(leaves) else ()):
             if (where := sharded(g)) is not None:
                 raise ValueError(
                     f"accumulate: reduce_grads=True sums the grads over {self.group!r}, but grad {i} is sharded "
