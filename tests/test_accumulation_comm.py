@@ -499,3 +499,14 @@ def test_a_wrapped_reduce_grads_window_resumed_keeps_the_sum_of_a_param_without_
         for p, *peers in zip(ref.parameters(), *peer):
             p -= ((p.grad if p.grad is not None else 0) + sum(peers)) / 4
     assert_trees_close(dict(m2.named_parameters()), dict(ref.named_parameters()), rtol=1e-6, atol=1e-7)
+
+
+def test_a_reduce_grads_window_closing_on_a_none_grad_leaves_the_held_sum_in_the_input_state_untouched():
+    # The last micro-step has no grad for "b": the window emits the sum it holds, which is the input state's own
+    # tensor; the reduction and the 1/n scaling wrote into it, so the state passed in changed (and a rerun differed).
+    tx = gtx.accumulate(2, comm=LocalComm(), reduce_grads=True)
+    params = {"a": torch.zeros(3), "b": torch.zeros(3)}
+    _, state = tx.update({"a": torch.ones(3), "b": torch.full((3,), 2.0)}, tx.init(params), params)
+    out, _ = assert_pure(tx, {"a": torch.full((3,), 3.0), "b": None}, params, state=state, steps=1)
+    assert_trees_equal(out, {"a": torch.full((3,), 2.0), "b": torch.full((3,), 1.0)})  # (1 + 3) / 2, (2 + 0) / 2
+    assert_trees_equal(state.acc, {"a": torch.ones(3), "b": torch.full((3,), 2.0)})

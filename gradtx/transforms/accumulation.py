@@ -222,10 +222,11 @@ def accumulate(
             return None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
         if window.reduce_grads and len(index) < len(new):
             # A param with no grad here may have one on another rank: it joins the sum as zeros and emits it,
-            # so every rank sums the same buffer and the replicas stay equal (as the wrapper fills .grad).
+            # so every rank sums the same buffer and the replicas stay equal (as the wrapper fills .grad). A sum held
+            # from an earlier micro-step is the input state's own: copied, as it is reduced in place below.
             given = dict(zip(index, leaves))
             new = [
-                n if i in given or summed[i] else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
+                n if i in given else n.clone() if summed[i] else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
                 for i, (n, p) in enumerate(zip(new, p_leaves))
             ]
             leaves, index, spec = [given.get(i, p) for i, p in enumerate(p_leaves)], list(range(len(new))), sum_spec
