@@ -510,3 +510,18 @@ def test_a_reduce_grads_window_closing_on_a_none_grad_leaves_the_held_sum_in_the
     out, _ = assert_pure(tx, {"a": torch.full((3,), 3.0), "b": None}, params, state=state, steps=1)
     assert_trees_equal(out, {"a": torch.full((3,), 2.0), "b": torch.full((3,), 1.0)})  # (1 + 3) / 2, (2 + 0) / 2
     assert_trees_equal(state.acc, {"a": torch.ones(3), "b": torch.full((3,), 2.0)})
+
+
+def test_the_wrapper_steps_on_autograds_own_grad_summed_in_place_when_no_member_makes_new_grads():
+    # Only scalar members after the window (a clip): the ranks' sum goes into .grad itself once the chain has run. A
+    # new buffer rebound to .grad kept autograd's grads alive through the inner step: one more grad-sized copy at
+    # the step's peak memory (torch.optim's foreach Adam adds its temporaries on top).
+    p = torch.nn.Parameter(torch.zeros(2))
+    grad = p.grad = torch.tensor([2.0, 4.0])
+    window = gtx.accumulate(1, comm=PeerComm([torch.tensor([1.0, 1.0])]), reduce_grads=True)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD([p], lr=1.0), gtx.chain(window, gtx.clip_by_global_norm(100.0)))
+    stepped: list[bool] = []
+    opt.optimizer.register_step_pre_hook(lambda *_: stepped.append(p.grad is grad))
+    opt.step()
+    assert stepped == [True] and p.grad is grad
+    assert torch.equal(p.detach(), -torch.tensor([3.0, 5.0]) / 2)  # (2 + 1, 4 + 1) over k * ranks = 2, not clipped

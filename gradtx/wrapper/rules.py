@@ -104,7 +104,8 @@ class Plan:
         pending: torch.Tensor | None,
         device: torch.device,
     ) -> Result:
-        """One step on ``grads`` (autograd's ``.grad``, never written here); ``pending`` a factor they still carry."""
+        """One step on ``grads`` (autograd's ``.grad``, written only with the window's sum over the ranks, once every
+        member ran); ``pending`` a factor they still carry."""
         if self.late:
             # Autograd's sum in .grad is the sum of the micro-batch grads only before anything touches it.
             raise ValueError(
@@ -112,6 +113,7 @@ class Plan:
                 "(TransformedOptimizer), so accumulate() must be the first transform of the chain"
             )
         states = self.states(state)
+        reduced = None
         if self.window is not None:
             loss = {"loss": extra["loss"]} if extra.get("loss") is not None else {}
             stepped = self.window.window.step(
@@ -121,8 +123,8 @@ class Plan:
             if stepped.factor is None:
                 return Result(None, self.join(states), None, None)
             if self.reduce_grads:  # into new tensors: a member that raises below leaves .grad unreduced for a retry
-                leaves, spec = tu.flatten(grads)
-                grads = tu.unflatten(spec, self.window.window.reduce(leaves, write_back=False))
+                leaves, spec = tu.flatten(read := grads)
+                grads = reduced = tu.unflatten(spec, self.window.window.reduce(leaves, write_back=False))
             mean = stepped.factor.to(device, non_blocking=True)
             pending = mean if pending is None else pending * mean
             extra = self.window.downstream_extra(states[0], extra)
@@ -141,6 +143,9 @@ class Plan:
         for i, member in self.tail:
             f, states[i] = member.factor(grads, states[i], params, scale=pending, **extra)
             pending = f if pending is None else pending * f.to(pending.device)
+        if grads is reduced:  # no member made new grads: the sums go into .grad, as no copy of them is kept to the step
+            torch._foreach_copy_(tu.local_shards(leaves), tu.local_shards(tu.flatten(grads)[0]))
+            grads = read
         return Result(grads, self.join(states), pending, skip)
 
 
