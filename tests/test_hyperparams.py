@@ -424,3 +424,20 @@ def test_a_schedule_that_gives_an_int_then_a_float_is_not_truncated(later):
     for lr in (1.0, 1.0, 0.5, 0.5):
         updates, state = tx.update(params, state, params)
         torch.testing.assert_close(updates["w"], -lr * params["w"], rtol=0, atol=0)
+
+
+def test_an_update_without_params_keeps_the_dtype_init_gave():
+    """init reads fp64 from the params; an update without params read the grads, where the fp64 param's grad was None,
+    and made the hyperparameter fp32: the state changed dtype and its checkpoint no longer loaded into init's."""
+    params = {"a": torch.zeros(2, dtype=torch.float64), "b": torch.zeros(2)}
+    tx = gtx.inject_hyperparams(gtx.clip_by_global_norm)(max_norm=1.0)
+    state = tx.init(params)
+    assert state.hyperparams["max_norm"].dtype == torch.float64
+    updates, state = tx.update({"a": None, "b": torch.full((2,), 3.0)}, state)
+    assert state.hyperparams["max_norm"].dtype == torch.float64
+    ref = torch.nn.Parameter(torch.zeros(2))
+    ref.grad = torch.full((2,), 3.0)
+    torch.nn.utils.clip_grad_norm_([ref], 1.0)  # torch's clip of the one grad there is
+    torch.testing.assert_close(updates["b"], ref.grad)
+    loaded = gtx.checkpoint.load_state_dict(gtx.checkpoint.state_dict(state, params), tx.init(params), params)
+    assert_trees_equal(loaded, state)

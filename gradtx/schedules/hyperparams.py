@@ -160,7 +160,7 @@ def inject_hyperparams(
                     f"got {sorted(state.hyperparams) if isinstance(state.hyperparams, dict) else state.hyperparams!r}"
                 )
             hparams: dict[str, torch.Tensor] = {}
-            dtype = float_dtype(params if params is not None else updates)
+            dtype = float_dtype(params if params is not None else (updates, state.hyperparams))  # no params: init's too
             for k, given in numeric.items():
                 v = state.hyperparams[k]
                 if isinstance(v, torch.Tensor):
