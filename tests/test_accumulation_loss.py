@@ -6,6 +6,7 @@ window left out (its micro-batches never fed), computed with plain torch math.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,7 +167,8 @@ def test_a_nan_loss_given_as_a_number_is_data_as_a_nan_tensor_is():
     params = {"w": torch.ones(3)}
     g = {"w": torch.full((3,), 0.5)}
     runs = {}
-    for kind, nan in (("number", float("nan")), ("tensor", torch.tensor(float("nan")))):
+    nans = {"number": float("nan"), "numpy": np.float32("nan"), "tensor": torch.tensor(float("nan"))}
+    for kind, nan in nans.items():
         tx = gtx.chain(gtx.accumulate(2), gtx.skip_spikes(gtx.sgd(0.1), metric="loss"))
         p, state = params, tx.init(params)
         for loss in (1.0, nan, 1.0, 1.0):  # the first window holds the NaN, the second does not
@@ -174,4 +176,5 @@ def test_a_nan_loss_given_as_a_number_is_data_as_a_nan_tensor_is():
             p = gtx.apply_updates(p, updates)
         runs[kind] = (p, state)
     assert_trees_close(runs["number"], runs["tensor"], rtol=0, atol=0)
+    assert_trees_close(runs["numpy"], runs["tensor"], rtol=0, atol=0)  # np.float32 is not a float: it raised
     assert torch.allclose(runs["number"][0]["w"], params["w"] - 0.1 * 0.5)  # the NaN window stepped nothing

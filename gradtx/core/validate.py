@@ -147,7 +147,7 @@ def open_unit(value: Any, *, arg: str, name: str) -> float:
 
 def scalar(value: Any, *, arg: str, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A monitored value (a loss): a number or a one-element tensor, as a detached 0-d tensor of ``dtype`` on ``device``."""
-    if isinstance(value, float) and math.isnan(value):  # data here, as in a tensor (a diverged batch's loss.item())
+    if isinstance(value, numbers.Real) and math.isnan(value):  # data, as in a tensor (loss.item(), a numpy float32)
         return torch.tensor(value, dtype=dtype, device=device)
     if not isinstance(value, torch.Tensor):
         return torch.tensor(number(value, arg=arg, name=name, finite=False), dtype=dtype, device=device)
