@@ -123,7 +123,8 @@ class Plan:
             if stepped.factor is None:
                 return Result(None, self.join(states), None, None)
             if self.reduce_grads:  # into new tensors: a member that raises below leaves .grad unreduced for a retry
-                leaves, spec = tu.flatten(read := grads)
+                read = grads
+                leaves, spec = tu.flatten(grads)
                 grads = reduced = tu.unflatten(spec, self.window.window.reduce(leaves, write_back=False))
             mean = stepped.factor.to(device, non_blocking=True)
             pending = mean if pending is None else pending * mean
