@@ -499,3 +499,40 @@ def test_a_wrapped_reduce_grads_window_resumed_keeps_the_sum_of_a_param_without_
         for p, *peers in zip(ref.parameters(), *peer):
             p -= ((p.grad if p.grad is not None else 0) + sum(peers)) / 4
     assert_trees_close(dict(m2.named_parameters()), dict(ref.named_parameters()), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("lacking", [0, 1])
+def test_a_window_that_cp_reduce_sums_resumes_mid_window_where_one_cp_rank_has_no_grad_for_a_param(lacking):
+    # chain(accumulate(2), cp_reduce): each CP rank's window sums its chunk's grads; "c" is reached by one rank's
+    # chunk only. Rank 0 saves after micro-step 1 (the checkpoint sums the windows over the CP ranks and keeps its
+    # flags); the rank without "c" resumes, its peer's half of cp_reduce's sum given. Keeping rank 0's 'held' flag
+    # dropped the peer's sum of "c" when rank 0 lacked it (silently), and made rank 1 refuse its next None
+    # ('missing') while rank 0 waited in cp_reduce's all-reduce when rank 1 lacked it.
+    g = [[_peer_grads(10 * r + m) for m in range(2)] for r in range(2)]  # rank -> micro-step -> grads
+    for grads in g[lacking]:
+        grads["c"] = None
+    params = {"b": torch.zeros(2), "c": torch.zeros(2)}
+
+    def total(*trees: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {n: sum((t[n] for t in trees if t[n] is not None), torch.zeros(2)) for n in params}
+
+    saved_total = total(g[0][0], g[1][0])
+    saving = gtx.chain(gtx.accumulate(2), gtx.cp_reduce("cp", comm=PeerComm(list(total(g[1][0]).values()))))
+    _, state = saving.update(g[0][0], saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    other = 1 - lacking  # the peer: rank 0 resumes with the saved total, rank 1 with zeros
+    peer_emits = {n: v / 2 for n, v in total(g[other][1], saved_total if other == 0 else total()).items()}
+    comm = (_RankedPeerComm if lacking == 0 else _SecondPeerComm)(list(peer_emits.values()))
+    resuming = gtx.chain(gtx.accumulate(2), gtx.cp_reduce("cp", comm=comm))
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update(g[lacking][1], state, params)
+    want = {n: v / 2 for n, v in total(*g[0], *g[1]).items()}  # one device: the sum of the chunks, mean of 2
+    assert_trees_close(out, want, rtol=1e-6, atol=1e-7)
+
+
+class _SecondPeerComm(_RankedPeerComm):
+    """:class:`PeerComm` as rank 1 of its two ranks."""
+
+    def rank(self, group: object) -> int:
+        del group
+        return 1

@@ -101,12 +101,12 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     p_leaves, _ = tu.flatten(params)
     layout = lo.layout_of(state, params)
     per_param, globals_ = export_layout(layout, p_leaves, tx, what="gradtx.checkpoint.functional.state_dict")
-    # A reduce_grads window's sum is over the ranks (a None grad as zeros), so every param holds one: a rank's own
-    # None pattern, which the saved flag would take from one rank, is not kept.
-    own = {key for key, *_, summing in lo.per_rank(layout, tx, what="gradtx.checkpoint") if summing}
+    # A window's sum saved as its total over the ranks (reduce_grads, or a cp_reduce after it) is every param's: a
+    # rank's own None pattern, which the saved flag would take from one rank, is not kept (a None adds zeros).
+    summed = {key for key, *_ in lo.per_rank(layout, tx, what="gradtx.checkpoint")}
     for w in layout.windows:  # 1 where the open window holds a sum (a param whose grads were None holds none)
         sums = _per_param_leaves(layout, w.key("acc"), p_leaves)
-        every = w.key("acc") in own and int(w.state.micro_step) > 0
+        every = w.key("acc") in summed and int(w.state.micro_step) > 0
         per_param[w.key("held")] = [torch.tensor(float(t is not None or every)) for t in sums]
     return {
         "state": {n: {k: v[i] for k, v in per_param.items()} for i, n in enumerate(names)},
