@@ -536,3 +536,29 @@ class _SecondPeerComm(_RankedPeerComm):
     def rank(self, group: object) -> int:
         del group
         return 1
+
+
+def test_a_reduce_grads_window_that_cp_reduce_also_sums_resumes_mid_window_with_every_cp_rank_s_sums():
+    # A functional step on a (dp, cp) mesh: accumulate(2, reduce_grads=True) sums over "dp", cp_reduce over "cp",
+    # so the update is the mean over dp ranks and micro-steps of the sum over cp ranks. A mid-window checkpoint
+    # summed the sums over "dp" only: the ranks of a cp group held different sums, and the checkpoint kept one.
+    # This rank is (dp 0, cp 0); g[d][c][m] is rank (d, c)'s grad on micro-step m.
+    gen = torch.Generator().manual_seed(0)
+    g = [[[torch.randn(3, generator=gen) for _ in range(2)] for _ in range(2)] for _ in range(2)]
+    params = {"w": torch.zeros(3)}
+
+    def tx(dp_peer: list[torch.Tensor], cp_peer: list[torch.Tensor], comm: type[PeerComm]) -> Any:
+        return gtx.chain(
+            gtx.accumulate(2, comm=comm(dp_peer), reduce_grads=True), gtx.cp_reduce("cp", comm=comm(cp_peer))
+        )
+
+    # The save: this rank's sum plus its dp peer's, over 2 (a mean over dp), plus its cp peer's likewise.
+    saving = tx([g[1][0][0]], [(g[0][1][0] + g[1][1][0]) / 2], PeerComm)
+    _, state = saving.update({"w": g[0][0][0]}, saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    # Resumed as the first rank of both groups, it holds the total; its peers hold zeros and add micro-step 1.
+    resuming = tx([g[1][0][1]], [(g[0][1][1] + g[1][1][1]) / 4], _RankedPeerComm)
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update({"w": g[0][0][1]}, state, params)
+    want = sum(g[d][c][m] for d in range(2) for c in range(2) for m in range(2)) / 4
+    assert_trees_close(out, {"w": want}, rtol=1e-6, atol=1e-7)

@@ -28,7 +28,7 @@ Accumulation windows need care, and get it here:
 * State that differs between data-parallel ranks is reduced on save: the
   window's token count and its loss's sum and weight (``token_weighted``
   with a ``comm``) and the running sum of a functional data-parallel step
-  (``reduce_grads=True``, or a :func:`gradtx.cp_reduce` after the window) are
+  (``reduce_grads=True``, and/or a :func:`gradtx.cp_reduce` after the window) are
   summed over the group (one collective each, through the transform's ``comm``),
   and on load the group's first rank holds the total and the others zero. The
   window then closes with the same sums on any number of ranks. This needs
@@ -256,13 +256,14 @@ def import_layout(
                     f"has {name}={live}; resume with the same {name} (or save at a boundary and start a fresh state)"
                 )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
-    first: dict[str, tuple[bool | torch.Tensor, int]] = {}  # key -> whether this rank is its group's first, ranks
-    for key, w, comm, group, own in per_rank:
+    first: dict[str, tuple[Any, int]] = {}  # key -> whether this rank is its groups' first, ranks
+    for key, w, comm, group, own in per_rank:  # a key summed over two groups goes to the first rank of both
         # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
         # size is rank 0 of a one-rank group, and raises in a larger one.
         rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
         ranks = comm.size(group) if own and not bool(w.state.token_weighted) else 1  # a mean saved: their sum
-        first[key] = rank_equals(rank, 0), ranks
+        on_first, before = first.get(key, (True, 1))
+        first[key] = rank_equals(rank, 0) & on_first, ranks * before
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
         restored = lo.onto(value, template, what=f"{what}: {label}")
