@@ -9,6 +9,7 @@ the collectives. The real multi-process runs are in ``tests/distributed/``.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -562,3 +563,18 @@ def test_a_reduce_grads_window_that_cp_reduce_also_sums_resumes_mid_window_with_
     out, _ = resuming.update({"w": g[0][0][1]}, state, params)
     want = sum(g[d][c][m] for d in range(2) for c in range(2) for m in range(2)) / 4
     assert_trees_close(out, {"w": want}, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduce_grads", [False, True])
+def test_a_window_emitting_a_sum_without_this_micro_step_s_grad_leaves_the_state_it_was_given(reduce_grads):
+    # "b" has no grad on the emitting micro-step: the window emits the sum it holds, and it scaled the state's own
+    # tensor in place, so the state passed in changed and a retry from it emitted half of "b" again.
+    tx = gtx.accumulate(2, comm=LocalComm() if reduce_grads else None, reduce_grads=reduce_grads)
+    params = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    g = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}
+    _, state = tx.update(g, tx.init(params), params)
+    kept = copy.deepcopy(state)
+    for _ in range(2):  # the second: a retry from the same state
+        out, _ = tx.update({"a": g["a"], "b": None}, state, params)
+        assert_trees_equal(out, {"a": g["a"], "b": g["b"] / 2})  # (a + a) / 2 and (b + 0) / 2
+        assert_trees_equal(state, kept)

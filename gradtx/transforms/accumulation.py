@@ -222,18 +222,15 @@ def accumulate(
             if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted
                 return None, stepped.state
             return None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
-        kept = [i for i in range(len(new)) if window.reduce_grads or i in index or summed[i]]
+        given = dict(zip(index, leaves))
+        kept = [i for i, held_sum in enumerate(summed) if held_sum or i in given or window.reduce_grads]
         if filled := len(kept) > len(index):
-            # A param with no grad here emits the sum the window holds; with reduce_grads another rank may hold its
-            # grad: it joins the sum as zeros and emits it, so every rank sums the same buffer and the replicas
-            # stay equal (as the wrapper fills .grad).
-            given = dict(zip(index, leaves))
-            new = [
-                n
-                if i in given or summed[i] or not window.reduce_grads
-                else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
-                for i, (n, p) in enumerate(zip(new, p_leaves))
-            ]
+            # A param with no grad here emits the sum the window holds (a copy: the input state's own tensor, which
+            # the sums below overwrite); with reduce_grads another rank may hold its grad: it joins the sum as zeros
+            # and emits it, so every rank sums the same buffer and the replicas stay equal (as the wrapper fills .grad).
+            for i in set(kept) - given.keys():
+                p = p_leaves[i]
+                new[i] = new[i].clone() if summed[i] else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
             leaves, index, spec = [given.get(i, p_leaves[i]) for i in kept], kept, sum_spec
         total = window.reduce([new[i] for i in index], write_back=True)  # the sums are ours
         scaled = tu.scale_leaves(total, stepped.factor, write_back=True)  # the sums are ours: fp32 sum times 1/n
