@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtx as gtx
+import gradtx.checkpoint.layout as checkpoint_layout
 from gradtx.comm import LocalComm, ReduceOp
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close, assert_trees_equal
 from gradtx.wrapper import sum_grad_reduction
@@ -578,3 +579,17 @@ def test_a_window_emitting_a_sum_without_this_micro_step_s_grad_leaves_the_state
         out, _ = tx.update({"a": g["a"], "b": None}, state, params)
         assert_trees_equal(out, {"a": g["a"], "b": g["b"] / 2})  # (a + a) / 2 and (b + 0) / 2
         assert_trees_equal(state, kept)
+
+
+def test_loading_an_open_window_without_tx_in_several_processes_is_refused(monkeypatch):
+    # Saved with tx=, the window holds its group's totals (tokens, sums), which a load hands to the group's first
+    # rank; without tx= every rank took them, counting them once per rank (2 gloo ranks, token-weighted
+    # reduce_grads, DCP: the resumed update 0.10 off the uninterrupted one, silently).
+    tx = gtx.accumulate(2, comm=LocalComm(), token_weighted=True, reduce_grads=True)
+    params = {"w": torch.zeros(2)}
+    _, state = tx.update({"w": torch.ones(2)}, tx.init(params), params, tokens=3)
+    saved = gtx.checkpoint.state_dict(state, params, tx=tx)
+    monkeypatch.setattr(checkpoint_layout, "multi_process", lambda: 2)  # torch.distributed would say 2 processes
+    with pytest.raises(ValueError, match="open accumulation window, in a run of several processes; pass tx="):
+        gtx.checkpoint.load_state_dict(saved, tx.init(params), params)
+    assert_trees_equal(gtx.checkpoint.load_state_dict(saved, tx.init(params), params, tx=tx), state)

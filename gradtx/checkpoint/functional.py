@@ -32,7 +32,7 @@ Accumulation windows need care, and get it here:
   summed over the group (one collective each, through the transform's ``comm``),
   and on load the group's first rank holds the total and the others zero. The
   window then closes with the same sums on any number of ranks. This needs
-  ``tx=``; without it, a save from several processes with an open window raises.
+  ``tx=``; without it, a save or load from several processes with an open window raises.
 
 :class:`gradtx.TransformedOptimizer` uses the same split for its own
 ``state_dict`` (torch.optim's layout, see ``docs/checkpointing.md``).
@@ -247,6 +247,11 @@ def import_layout(
         for name, value, template in zip(names, per_param[key], _templates(layout, key, p_leaves, device="meta")):
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     per_rank = lo.per_rank(layout, tx, what=what) if tx is not None else []
+    if tx is None and lo.multi_process() and any(lo.saved_window_open(globals_, k) for k in lo.window_sum_keys(layout)):
+        raise ValueError(  # its per-rank totals would go to every rank: counted once per rank
+            f"{what}: the checkpoint holds an open accumulation window, in a run of several processes; pass tx= "
+            "(the transform), so the window's totals over the ranks go to one rank of each group"
+        )
     for w in layout.windows:
         for name in ("k", "token_weighted"):  # the two sum different grads (summed or mean losses)
             saved, live = globals_[w.key(name)].tolist(), getattr(w.state, name).tolist()
