@@ -176,15 +176,32 @@ def test_chain_state_structure_is_the_same_at_init_mid_window_and_after_emit():
     assert_trees_close(emitted[-1]["a"], expected["a"], rtol=1e-6, atol=1e-7)
 
 
-def test_a_window_keeps_its_none_pattern_to_its_end():
+def test_a_window_refuses_a_grad_it_holds_no_sum_of_and_adds_zeros_for_a_none_where_it_holds_one():
     tx = gtx.accumulate(3)
     params = {"a": torch.ones(3), "b": torch.ones(2)}
     state = tx.init(params)
     _, state = tx.update({"a": torch.ones(3), "b": None}, state, params)
     with pytest.raises(ValueError, match=r"\['b'\]: unexpected"):
         tx.update({"a": torch.ones(3), "b": torch.ones(2)}, state, params)
-    with pytest.raises(ValueError, match=r"\['a'\]: missing"):
-        tx.update({"a": None, "b": None}, state, params)
+    with pytest.raises(ValueError, match=r"\['a'\]: missing \(pass update\(\.\.\., params\)"):
+        tx.update({"a": None, "b": None}, state)  # no params: no dtype for a's zeros
+    # A micro-batch that does not reach "a" adds nothing to its sum, as autograd keeps a .grad: the reference is
+    # three backward passes into .grad (the last not reaching "a") and their mean.
+    xs, ys = torch.randn(3, 3), torch.randn(3, 2)
+    ref = {n: p.clone().requires_grad_() for n, p in params.items()}
+    state, outs = tx.init(params), []
+    for i in range(3):
+        p = {n: v.clone().requires_grad_() for n, v in params.items()}
+        losses = [(ref["b"] * ys[i]).sum() ** 2, (p["b"] * ys[i]).sum() ** 2]
+        if i < 2:
+            losses = [loss + (q["a"] * xs[i]).sum() ** 2 for loss, q in zip(losses, (ref, p))]
+        losses[0].backward()
+        out, state = tx.update(
+            dict(zip(p, torch.autograd.grad(losses[1], list(p.values()), allow_unused=True))), state, params
+        )
+        outs.append(out)
+    assert outs[:2] == [None, None]
+    assert_trees_close(outs[2], {n: v.grad / 3 for n, v in ref.items()}, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("k", [0, -1])

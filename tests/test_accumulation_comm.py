@@ -9,6 +9,7 @@ the collectives. The real multi-process runs are in ``tests/distributed/``.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import gradtx as gtx
+import gradtx.checkpoint.layout as checkpoint_layout
 from gradtx.comm import LocalComm, ReduceOp
 from gradtx.testing import RecordingComm, assert_pure, assert_trees_close, assert_trees_equal
 from gradtx.wrapper import sum_grad_reduction
@@ -525,3 +527,95 @@ def test_the_wrapper_steps_on_autograds_own_grad_summed_in_place_when_no_member_
     opt.step()
     assert stepped == [True] and p.grad is grad
     assert torch.equal(p.detach(), -torch.tensor([3.0, 5.0]) / 2)  # (2 + 1, 4 + 1) over k * ranks = 2, not clipped
+
+
+@pytest.mark.parametrize("lacking", [0, 1])
+def test_a_window_that_cp_reduce_sums_resumes_mid_window_where_one_cp_rank_has_no_grad_for_a_param(lacking):
+    # chain(accumulate(2), cp_reduce): each CP rank's window sums its chunk's grads; "c" is reached by one rank's
+    # chunk only. Rank 0 saves after micro-step 1 (the checkpoint sums the windows over the CP ranks and keeps its
+    # flags); the rank without "c" resumes, its peer's half of cp_reduce's sum given. Keeping rank 0's 'held' flag
+    # dropped the peer's sum of "c" when rank 0 lacked it (silently), and made rank 1 refuse its next None
+    # ('missing') while rank 0 waited in cp_reduce's all-reduce when rank 1 lacked it.
+    g = [[_peer_grads(10 * r + m) for m in range(2)] for r in range(2)]  # rank -> micro-step -> grads
+    for grads in g[lacking]:
+        grads["c"] = None
+    params = {"b": torch.zeros(2), "c": torch.zeros(2)}
+
+    def total(*trees: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return {n: sum((t[n] for t in trees if t[n] is not None), torch.zeros(2)) for n in params}
+
+    saved_total = total(g[0][0], g[1][0])
+    saving = gtx.chain(gtx.accumulate(2), gtx.cp_reduce("cp", comm=PeerComm(list(total(g[1][0]).values()))))
+    _, state = saving.update(g[0][0], saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    other = 1 - lacking  # the peer: rank 0 resumes with the saved total, rank 1 with zeros
+    peer_emits = {n: v / 2 for n, v in total(g[other][1], saved_total if other == 0 else total()).items()}
+    comm = (_RankedPeerComm if lacking == 0 else _SecondPeerComm)(list(peer_emits.values()))
+    resuming = gtx.chain(gtx.accumulate(2), gtx.cp_reduce("cp", comm=comm))
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update(g[lacking][1], state, params)
+    want = {n: v / 2 for n, v in total(*g[0], *g[1]).items()}  # one device: the sum of the chunks, mean of 2
+    assert_trees_close(out, want, rtol=1e-6, atol=1e-7)
+
+
+class _SecondPeerComm(_RankedPeerComm):
+    """:class:`PeerComm` as rank 1 of its two ranks."""
+
+    def rank(self, group: object) -> int:
+        del group
+        return 1
+
+
+def test_a_reduce_grads_window_that_cp_reduce_also_sums_resumes_mid_window_with_every_cp_rank_s_sums():
+    # A functional step on a (dp, cp) mesh: accumulate(2, reduce_grads=True) sums over "dp", cp_reduce over "cp",
+    # so the update is the mean over dp ranks and micro-steps of the sum over cp ranks. A mid-window checkpoint
+    # summed the sums over "dp" only: the ranks of a cp group held different sums, and the checkpoint kept one.
+    # This rank is (dp 0, cp 0); g[d][c][m] is rank (d, c)'s grad on micro-step m.
+    gen = torch.Generator().manual_seed(0)
+    g = [[[torch.randn(3, generator=gen) for _ in range(2)] for _ in range(2)] for _ in range(2)]
+    params = {"w": torch.zeros(3)}
+
+    def tx(dp_peer: list[torch.Tensor], cp_peer: list[torch.Tensor], comm: type[PeerComm]) -> Any:
+        return gtx.chain(
+            gtx.accumulate(2, comm=comm(dp_peer), reduce_grads=True), gtx.cp_reduce("cp", comm=comm(cp_peer))
+        )
+
+    # The save: this rank's sum plus its dp peer's, over 2 (a mean over dp), plus its cp peer's likewise.
+    saving = tx([g[1][0][0]], [(g[0][1][0] + g[1][1][0]) / 2], PeerComm)
+    _, state = saving.update({"w": g[0][0][0]}, saving.init(params), params)
+    saved = gtx.checkpoint.state_dict(state, params, tx=saving)
+    # Resumed as the first rank of both groups, it holds the total; its peers hold zeros and add micro-step 1.
+    resuming = tx([g[1][0][1]], [(g[0][1][1] + g[1][1][1]) / 4], _RankedPeerComm)
+    state = gtx.checkpoint.load_state_dict(saved, resuming.init(params), params, tx=resuming)
+    out, _ = resuming.update({"w": g[0][0][1]}, state, params)
+    want = sum(g[d][c][m] for d in range(2) for c in range(2) for m in range(2)) / 4
+    assert_trees_close(out, {"w": want}, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduce_grads", [False, True])
+def test_a_window_emitting_a_sum_without_this_micro_step_s_grad_leaves_the_state_it_was_given(reduce_grads):
+    # "b" has no grad on the emitting micro-step: the window emits the sum it holds, and it scaled the state's own
+    # tensor in place, so the state passed in changed and a retry from it emitted half of "b" again.
+    tx = gtx.accumulate(2, comm=LocalComm() if reduce_grads else None, reduce_grads=reduce_grads)
+    params = {"a": torch.zeros(2), "b": torch.zeros(2)}
+    g = {"a": torch.tensor([1.0, 2.0]), "b": torch.tensor([3.0, 4.0])}
+    _, state = tx.update(g, tx.init(params), params)
+    kept = copy.deepcopy(state)
+    for _ in range(2):  # the second: a retry from the same state
+        out, _ = tx.update({"a": g["a"], "b": None}, state, params)
+        assert_trees_equal(out, {"a": g["a"], "b": g["b"] / 2})  # (a + a) / 2 and (b + 0) / 2
+        assert_trees_equal(state, kept)
+
+
+def test_loading_an_open_window_without_tx_in_several_processes_is_refused(monkeypatch):
+    # Saved with tx=, the window holds its group's totals (tokens, sums), which a load hands to the group's first
+    # rank; without tx= every rank took them, counting them once per rank (2 gloo ranks, token-weighted
+    # reduce_grads, DCP: the resumed update 0.10 off the uninterrupted one, silently).
+    tx = gtx.accumulate(2, comm=LocalComm(), token_weighted=True, reduce_grads=True)
+    params = {"w": torch.zeros(2)}
+    _, state = tx.update({"w": torch.ones(2)}, tx.init(params), params, tokens=3)
+    saved = gtx.checkpoint.state_dict(state, params, tx=tx)
+    monkeypatch.setattr(checkpoint_layout, "multi_process", lambda: 2)  # torch.distributed would say 2 processes
+    with pytest.raises(ValueError, match="open accumulation window, in a run of several processes; pass tx="):
+        gtx.checkpoint.load_state_dict(saved, tx.init(params), params)
+    assert_trees_equal(gtx.checkpoint.load_state_dict(saved, tx.init(params), params, tx=tx), state)

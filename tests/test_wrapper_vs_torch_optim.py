@@ -1,6 +1,7 @@
 """TransformedOptimizer against plain torch.optim loops."""
 
 import copy
+from typing import Any
 
 import optree
 import pytest
@@ -375,6 +376,38 @@ def test_a_step_that_raises_leaves_grads_and_state_as_they_were(fused):
             o.step()
             o.zero_grad()
     assert_trees_equal(state_of(ours), state_of(ref))
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_a_step_retried_after_the_inner_step_raised_equals_a_run_that_never_raised(clip):
+    # A non-fused inner optimizer gets the window's mean (and the clip's coefficient) multiplied into .grad before
+    # its step: when that step raised (here a step pre-hook), .grad stayed scaled and the retry scaled it again.
+    k = 2
+    tx = gtx.chain(gtx.accumulate(k), gtx.clip_by_global_norm(0.5)) if clip else gtx.accumulate(k)
+    ref, ours = make_model(), make_model()
+    ref_opt = gtx.TransformedOptimizer(torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), tx)
+    opt = gtx.TransformedOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9), tx)
+    failing = []
+
+    def hook(*_: Any) -> None:
+        if failing:
+            raise RuntimeError(failing.pop())
+
+    opt.optimizer.register_step_pre_hook(hook)
+    for i, (x, y) in enumerate(batches(3 * k)):
+        for model, o in ((ref, ref_opt), (ours, opt)):
+            F.cross_entropy(model(x), y).backward()
+        if i % k == k - 1:  # the emitting micro-step raises once, then is retried
+            grads = [p.grad.clone() for p in ours.parameters()]
+            failing.append("pre-hook")
+            with pytest.raises(RuntimeError, match="pre-hook"):
+                opt.step()
+            # The mean of 2 is divided back out exactly; a clip's coefficient to an ulp.
+            assert_trees_close([p.grad for p in ours.parameters()], grads, rtol=1.2e-7 if clip else 0, atol=0)
+        for o in (ref_opt, opt):
+            o.step()
+            o.zero_grad()
+    assert_trees_close(state_of(ours), state_of(ref), rtol=1e-6 if clip else 0, atol=1e-9 if clip else 0)
 
 
 def test_a_step_with_bad_extras_leaves_the_window_as_it_was():

@@ -28,11 +28,11 @@ Accumulation windows need care, and get it here:
 * State that differs between data-parallel ranks is reduced on save: the
   window's token count and its loss's sum and weight (``token_weighted``
   with a ``comm``) and the running sum of a functional data-parallel step
-  (``reduce_grads=True``, or a :func:`gradtx.cp_reduce` after the window) are
+  (``reduce_grads=True``, and/or a :func:`gradtx.cp_reduce` after the window) are
   summed over the group (one collective each, through the transform's ``comm``),
   and on load the group's first rank holds the total and the others zero. The
   window then closes with the same sums on any number of ranks. This needs
-  ``tx=``; without it, a save from several processes with an open window raises.
+  ``tx=``; without it, a save or load from several processes with an open window raises.
 
 :class:`gradtx.TransformedOptimizer` uses the same split for its own
 ``state_dict`` (torch.optim's layout, see ``docs/checkpointing.md``).
@@ -101,12 +101,12 @@ def state_dict(state: OptState, params: Params, *, tx: GradientTransformation | 
     p_leaves, _ = tu.flatten(params)
     layout = lo.layout_of(state, params)
     per_param, globals_ = export_layout(layout, p_leaves, tx, what="gradtx.checkpoint.functional.state_dict")
-    # A reduce_grads window's sum is over the ranks (a None grad as zeros), so every param holds one: a rank's own
-    # None pattern, which the saved flag would take from one rank, is not kept.
-    own = {key for key, *_, summing in lo.per_rank(layout, tx, what="gradtx.checkpoint") if summing}
+    # A window's sum saved as its total over the ranks (reduce_grads, or a cp_reduce after it) is every param's: a
+    # rank's own None pattern, which the saved flag would take from one rank, is not kept (a None adds zeros).
+    summed = {key for key, *_ in lo.per_rank(layout, tx, what="gradtx.checkpoint")}
     for w in layout.windows:  # 1 where the open window holds a sum (a param whose grads were None holds none)
         sums = _per_param_leaves(layout, w.key("acc"), p_leaves)
-        every = w.key("acc") in own and int(w.state.micro_step) > 0
+        every = w.key("acc") in summed and int(w.state.micro_step) > 0
         per_param[w.key("held")] = [torch.tensor(float(t is not None or every)) for t in sums]
     return {
         "state": {n: {k: v[i] for k, v in per_param.items()} for i, n in enumerate(names)},
@@ -247,6 +247,11 @@ def import_layout(
         for name, value, template in zip(names, per_param[key], _templates(layout, key, p_leaves, device="meta")):
             lo.check_tensor(value, template, what=f"{what}: {key!r} of param {name!r}")
     per_rank = lo.per_rank(layout, tx, what=what) if tx is not None else []
+    if tx is None and lo.multi_process() and any(lo.saved_window_open(globals_, k) for k in lo.window_sum_keys(layout)):
+        raise ValueError(  # its per-rank totals would go to every rank: counted once per rank
+            f"{what}: the checkpoint holds an open accumulation window, in a run of several processes; pass tx= "
+            "(the transform), so the window's totals over the ranks go to one rank of each group"
+        )
     for w in layout.windows:
         for name in ("k", "token_weighted"):  # the two sum different grads (summed or mean losses)
             saved, live = globals_[w.key(name)].tolist(), getattr(w.state, name).tolist()
@@ -256,13 +261,14 @@ def import_layout(
                     f"has {name}={live}; resume with the same {name} (or save at a boundary and start a fresh state)"
                 )
     # Everything checked: build the new state. A per-rank total saved goes to the group's first rank.
-    first: dict[str, tuple[bool | torch.Tensor, int]] = {}  # key -> whether this rank is its group's first, ranks
-    for key, w, comm, group, own in per_rank:
+    first: dict[str, tuple[Any, int]] = {}  # key -> whether this rank is its groups' first, ranks
+    for key, w, comm, group, own in per_rank:  # a key summed over two groups goes to the first rank of both
         # A bool, or on a simulated mesh a per-rank 0-d bool tensor. A comm with only all_reduce and
         # size is rank 0 of a one-rank group, and raises in a larger one.
         rank = as_comm(comm, name="gradtx.checkpoint.functional").rank(group)
         ranks = comm.size(group) if own and not bool(w.state.token_weighted) else 1  # a mean saved: their sum
-        first[key] = rank_equals(rank, 0), ranks
+        on_first, before = first.get(key, (True, 1))
+        first[key] = rank_equals(rank, 0) & on_first, ranks * before
 
     def restore(value: Any, template: torch.Tensor, key: str, label: str) -> torch.Tensor:
         restored = lo.onto(value, template, what=f"{what}: {label}")

@@ -178,8 +178,8 @@ def per_rank(
     which a load scales by its own rank count (another world size keeps every micro-step's weight).
 
     A window with a ``comm`` counts its tokens and its loss per rank
-    (``token_weighted``) and sums its grads per rank (``reduce_grads``, or a
-    member after it that sums the grads over ranks, :func:`gradtx.cp_reduce`).
+    (``token_weighted``) and sums its grads per rank (``reduce_grads``, and/or a
+    member after it that sums the grads over ranks, :func:`gradtx.cp_reduce`: one entry per group).
     Without ``tx`` there are none to find, which is refused while a window is
     open in several processes.
     """
@@ -202,12 +202,13 @@ def per_rank(
     for w, i in zip(layout.windows, accs):
         window = chain[i].window
         own = (window.comm, window.group) if window.comm is not None else None
-        later = (sums_over(m) for m in chain[i + 1 :])  # a cp_reduce's (comm, group)
-        sums = own if window.reduce_grads else next((s for s in later if s is not None), None)
-        for name in ("tokens", "loss_sum", "loss_weight", "acc"):  # the window's loss is a global token mean too
-            by = sums if name == "acc" else own if window.token_weighted else None
-            if by is not None:
-                out.append((w.key(name), w, *by, name == "acc" and window.reduce_grads))
+        for name in ("tokens", "loss_sum", "loss_weight"):  # the window's loss is a global token mean too
+            if own is not None and window.token_weighted:
+                out.append((w.key(name), w, *own, False))
+        if own is not None and window.reduce_grads:
+            out.append((w.key("acc"), w, *own, True))
+        # A cp_reduce after the window sums its sums over its group too (over both, where the window sums them).
+        out += [(w.key("acc"), w, *s, False) for m in chain[i + 1 :] if (s := sums_over(m)) is not None]
     return out
 
 

@@ -173,7 +173,8 @@ def accumulate(
         sums, sum_spec = tu.flatten(held)
         opened = window.is_open(state)
         against = "the open window's running sum" if opened else "params"
-        # A None grad (a param with no gradient) is allowed; the window keeps that pattern to its end (with
+        # A None grad (a param with no gradient) is allowed; a param the open window holds no sum of gets none
+        # until it closes, and a None adds zeros to a sum it holds (as autograd's .grad keeps its sum; with
         # reduce_grads, a None is zeros: the ranks' sums are summed, a rank's None pattern may change).
         index, _, _ = tu.align(  # structure only: shapes are compared on local shards below
             tu.tree_map(lambda _: 0, held),
@@ -193,9 +194,10 @@ def accumulate(
         if opened:
             given = {i: j for j, i in enumerate(index)}
             for i, path in enumerate(sum_paths):
-                mismatch = summed[i] != (i in given) and not window.reduce_grads
-                if mismatch and (summed[i] or tu.local(leaves[given[i]]).numel() > 0):
-                    where = "missing" if summed[i] else "unexpected"
+                missing = summed[i] and i not in given and len(p_leaves) != len(sums)  # zeros of what dtype?
+                unexpected = not summed[i] and i in given and not window.reduce_grads
+                if missing or (unexpected and tu.local(leaves[given[i]]).numel() > 0):
+                    where = "missing (pass update(..., params) to add zeros)" if missing else "unexpected"
                     raise ValueError(f"accumulate: updates does not match {against} at {tu.path_str(path)}: {where}")
             tu.check_devices(
                 [sums[i] for i in index], leaves, updates, what="accumulate: updates", against="the open window's sum"
@@ -220,19 +222,21 @@ def accumulate(
             if int(stepped.state.micro_step) == 0:  # an empty window: dropped, nothing emitted
                 return None, stepped.state
             return None, stepped.state._replace(acc=tu.unflatten(sum_spec, new))
-        if window.reduce_grads and len(index) < len(new):
-            # A param with no grad here may have one on another rank: it joins the sum as zeros and emits it,
-            # so every rank sums the same buffer and the replicas stay equal (as the wrapper fills .grad). A sum held
-            # from an earlier micro-step is the input state's own: copied, as it is reduced in place below.
-            given = dict(zip(index, leaves))
-            new = [
-                n if i in given else n.clone() if summed[i] else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
-                for i, (n, p) in enumerate(zip(new, p_leaves))
-            ]
-            leaves, index, spec = [given.get(i, p) for i, p in enumerate(p_leaves)], list(range(len(new))), sum_spec
+        given = dict(zip(index, leaves))
+        kept = [i for i, held_sum in enumerate(summed) if held_sum or i in given or window.reduce_grads]
+        filled = len(kept) > len(index)
+        if filled:
+            # A param with no grad here emits the sum the window holds (a copy: the input state's own tensor, which
+            # the sums below overwrite); with reduce_grads another rank may hold its grad: it joins the sum as zeros
+            # and emits it, so every rank sums the same buffer and the replicas stay equal (as the wrapper fills .grad).
+            for i in set(kept) - given.keys():
+                p = p_leaves[i]
+                new[i] = new[i].clone() if summed[i] else tu.like(p, empty_sums(p).new_zeros(tu.local(p).shape))
+            leaves, index, spec = [given.get(i, p_leaves[i]) for i in kept], kept, sum_spec
         total = window.reduce([new[i] for i in index], write_back=True)  # the sums are ours
         scaled = tu.scale_leaves(total, stepped.factor, write_back=True)  # the sums are ours: fp32 sum times 1/n
-        return tu.unflatten(spec, [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]), stepped.state
+        out = [tu.like(g, tu.local(s).to(g.dtype)) for g, s in zip(leaves, scaled)]
+        return tu.unflatten(spec, tu.scatter(len(new), index, out) if filled else out), stepped.state
 
     # Whether the window emits is decided on the host: traced, that is a graph break inside the window's
     # bookkeeping, and dynamo (torch 2.13) then hands optree specs built by its polyfill to eager code,

@@ -181,9 +181,16 @@ def step_inner(
     if skip is not None and not (kernel_scales and fused is not None) and bool(skip):
         return
     if factor is not None and (fp64 or not kernel_scales):
-        # Into .grad where the kernel cannot take it: torch's fused kernels read grad_scale as fp32.
-        tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
-        factor = None
+        # Into .grad where the kernel cannot take it: torch's fused kernels read grad_scale as fp32. A step that
+        # raises (a step pre-hook) divides it back out, so a retried opt.step() reads the grads it was given:
+        # exactly for a power of two (a window's mean over 2^n micro-steps), to an ulp otherwise.
+        scaled = tu.scale_leaves([g for g in grads if g is not None], factor, write_back=True)
+        skip = skip if kernel_scales and fused is not None else None  # else read above
+        try:
+            return step_inner(optimizer, fused, tree, params, None, skip, fp64=fp64)
+        except BaseException:
+            tu.scale_leaves(scaled, torch.reciprocal(factor), write_back=True)
+            raise
     if kernel_scales:
         grad_scale = None if factor is None else torch.reciprocal(factor.to(torch.float32))
         found_inf = None if skip is None else skip.to(torch.float32)

@@ -21,15 +21,22 @@
   held different buffers (gloo aborted).
 * ``cp_reduce`` in a functional step, an expert reached by one CP rank's chunk only: the ranks' coalesced
   all-reduces held different buffers (gloo aborted on the sizes, or, on equal sizes, summed other params).
+* ``accumulate`` before that ``cp_reduce``, saved with DCP mid-window and resumed: the checkpoint kept one rank's
+  flags (whether the window held a sum of the expert), so the other rank refused its next micro-step and the first
+  died in the all-reduce.
 
 The references are worked on one device from the same grads, a missing one read as zeros.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -137,6 +144,26 @@ def _functional_cp(rank: int) -> dict:
     return {"out": out, "refused": error}
 
 
+def _functional_cp_resumed(rank: int) -> dict:
+    """chain(accumulate(2), cp_reduce) saved with DCP after micro-step 1 and resumed from a fresh state; rank 0's
+    chunk never reaches the expert. DCP kept one rank's 'held' flags, so the other refused its next micro-step
+    (rank 0 its None: 'missing', or rank 1 its grad: 'unexpected') and the first died in cp_reduce's all-reduce."""
+    params = {"shared": torch.zeros(4, 3), "expert": torch.zeros(5)}
+    tx = gtx.chain(gtx.accumulate(2), gtx.cp_reduce(dist.group.WORLD))
+    micro = [_cp_grads(rank), {n: None if g is None else 2 * g for n, g in _cp_grads(rank).items()}]
+    _, state = tx.update(micro[0], tx.init(params), params)
+    path = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(path)
+    dcp.save({"tx": gtx.checkpoint.state_dict(state, params, tx=tx)}, checkpoint_id=path[0])
+    saved = {"tx": gtx.checkpoint.state_dict(tx.init(params), params, tx=tx)}
+    dcp.load(saved, checkpoint_id=path[0])
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path[0])
+    out, _ = tx.update(micro[1], gtx.checkpoint.load_state_dict(saved["tx"], tx.init(params), params, tx=tx), params)
+    return out
+
+
 def _wrapped_cp_unfrozen(rank: int) -> dict:
     live = {"shared": torch.nn.Parameter(torch.full((4, 3), 0.5)), "expert": torch.nn.Parameter(torch.full((5,), 0.5))}
     live["expert"].requires_grad_(False)  # frozen when the wrapper is built
@@ -163,6 +190,7 @@ def _body(rank: int, world_size: int) -> dict:
         "wrapper_tied_none": _wrapped_stage(rank),
         "zero_config": _zero_config(rank),
         "functional_cp": _functional_cp(rank),
+        "functional_cp_resumed": _functional_cp_resumed(rank),
         "wrapper_cp_unfrozen": _wrapped_cp_unfrozen(rank),
     }
 
@@ -444,6 +472,15 @@ def test_functional_cp_reduce_sums_a_grad_that_one_rank_lacks(ranks):
         for p, n in zip(ref, ("shared", "expert")):
             torch.testing.assert_close(r["functional_cp"]["out"][n], p.grad, rtol=1e-6, atol=1e-7)
     assert "cp_reduce: a None update" in ranks[0]["functional_cp"]["refused"]
+
+
+def test_functional_cp_window_resumed_mid_window_from_dcp_where_one_rank_lacks_a_grad(ranks):
+    """The reference is one device holding the whole sequence: each micro-step's grad is the chunks' sum (the
+    second twice the first), and the window emits their mean."""
+    for r in ranks:
+        for n in ("shared", "expert"):
+            want = 1.5 * sum(g for k in range(2) if (g := _cp_grads(k)[n]) is not None)
+            torch.testing.assert_close(r["functional_cp_resumed"][n], want, rtol=1e-6, atol=1e-7)
 
 
 def test_wrapper_cp_reduce_joins_an_unfrozen_expert_on_every_rank(ranks):
