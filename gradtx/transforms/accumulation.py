@@ -194,7 +194,7 @@ def accumulate(
         if opened:
             given = {i: j for j, i in enumerate(index)}
             for i, path in enumerate(sum_paths):
-                missing = summed[i] and i not in given and len(p_leaves) != len(sums)  # zeros of what dtype?
+                missing = summed[i] and i not in given and len(p_leaves) != len(sums)  # no param: no dtype to emit in
                 unexpected = not summed[i] and i in given and not window.reduce_grads
                 if missing or (unexpected and tu.local(leaves[given[i]]).numel() > 0):
                     where = "missing (pass update(..., params) to add zeros)" if missing else "unexpected"
