@@ -551,3 +551,18 @@ def test_a_corrupt_window_count_in_a_wrapper_checkpoint_is_named_and_nothing_cha
         opt.load_state_dict(corrupt)
     assert_trees_equal(opt.state_dict(), saved)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+@pytest.mark.parametrize(
+    "name, init, who",
+    [
+        ("muon", lambda p: gtx.muon(0.1).init(p), r"muon \(adam\)"),
+        ("sam", lambda p: gtx.sam(gtx.sgd(0.1), gtx.sgd(0.05)).init(p), "sam"),
+        ("zero_nans", lambda p: gtx.zero_nans().init(p), "zero_nans"),
+        ("init_synced", gtx.LookaheadParams.init_synced, r"LookaheadParams\.init_synced"),
+    ],
+)
+def test_init_names_a_params_leaf_that_is_not_a_tensor(name, init, who):
+    # Before: AttributeError ('int' object has no attribute 'ndim' / 'detach' / 'device'), naming no leaf.
+    with pytest.raises(TypeError, match=rf"{who}: params leaf at \['n'\] is a int, not a torch.Tensor"):
+        init({"w": torch.ones(2, 2), "n": 3})

@@ -34,6 +34,7 @@ class LookaheadParams(NamedTuple):
     @classmethod
     def init_synced(cls, params: Params) -> LookaheadParams:
         """A pair whose fast and slow params both start at ``params`` (two copies, sharing no storage)."""
+        tu.tensor_leaves(params, what="LookaheadParams.init_synced: params")
         return cls(fast=lw.clone_tree(params), slow=lw.clone_tree(params))
 
 

@@ -81,6 +81,7 @@ def sam(
         )
 
     def init_fn(params: Params) -> SAMState:
+        tu.tensor_leaves(params, what="sam: params")
         return SAMState(
             steps_since_sync=lw.zero_count(params),
             opt_state=optimizer.init(params),

@@ -69,6 +69,7 @@ def zero_nans() -> GradientTransformation:
     """
 
     def init_fn(params: Params) -> ZeroNansState:
+        tu.tensor_leaves(params, what="zero_nans: params")
         return ZeroNansState(
             found_nan=tu.tree_map(lambda p: torch.zeros((), dtype=torch.bool, device=tu.local(p).device), params)
         )

@@ -119,7 +119,8 @@ def muon(
 
     def labels(params: PyTree) -> PyTree:
         if dims_arg is None:  # the 2-d rule leaf by leaf: no tree of constants for dynamo to unflatten
-            return tu.tree_map(lambda x: "muon" if x.ndim == 2 else "adam", params)
+            # (a leaf that is no tensor goes to adam, whose init names it)
+            return tu.tree_map(lambda x: "muon" if getattr(x, "ndim", 0) == 2 else "adam", params)
         _, spec = tu.flatten(params)
         dims = _resolve_dims(dims_arg, params, name="muon")  # None: every 2-d leaf
         return tu.unflatten(spec, ["muon" if d is not None else "adam" for d in dims])
