@@ -47,7 +47,7 @@ def lmap_updates(
     tree must match it leaf for leaf (``names`` names them: ``"sam: params"``)."""
     index, leaves, spec = tu.align(trees[0], updates, what=what, against=against)
     flat = [tu.flatten(tree) for tree in trees]
-    tu.refuse_partial(what, trees[0], index, leaves, flat[0][0])
+    tu.check_placed(what, trees[0], index, leaves, flat[0][0])
     for tree, (xs, other), name in zip(trees[1:], flat[1:], names, strict=True):
         if other != flat[0][1] or not same_shapes(xs, flat[0][0]):
             tu.check_structure(trees[0], tree, what=name, against=against)
@@ -216,7 +216,7 @@ class Moments:
         else:  # (the present leaves of the updates, as flattened above)
             self.index, self.leaves, self.spec = tu.align(trees[0], updates, what=f"{name}: updates", against=against)
         if not self.plain:
-            tu.refuse_partial(f"{name}: updates", trees[0], self.index, self.leaves, ref)
+            tu.check_placed(f"{name}: updates", trees[0], self.index, self.leaves, ref)
         self.new = [list(xs) for xs in held]
         self.out = list(self.leaves)
         kept = held if self.full else [[xs[i] for i in self.index] for xs in held]  # those with an update

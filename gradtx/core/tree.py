@@ -220,7 +220,7 @@ def local_shards(xs: Sequence[Any]) -> list[Any]:
         return [x.to_local() if isinstance(x, DTensor) else x for x in xs]
 
 
-def refuse_partial(what: str, tree: PyTree, index: Sequence[int], xs: Sequence[Any], like: Sequence[Any] = ()) -> None:
+def check_placed(what: str, tree: PyTree, index: Sequence[int], xs: Sequence[Any], like: Sequence[Any] = ()) -> None:
     """Raise naming the first of ``xs`` (the leaves ``index`` of ``tree``) that is a ``Partial`` DTensor: a pending
     sum, whose local term every rank would take for the whole (right only for a stateless map linear in it); or,
     given ``like`` (``tree``'s leaves), one placed otherwise than its leaf there, whose local shard a local op would

@@ -50,7 +50,7 @@ def clip(max_delta: float) -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, EmptyState, name="clip")  # as every transform: the state init() returned
         leaves, spec = tu.tensor_leaves(updates, what="clip: updates")
-        tu.refuse_partial("clip: updates", updates, range(len(leaves)), leaves)
+        tu.check_placed("clip: updates", updates, range(len(leaves)), leaves)
         # One foreach call: torch groups the leaves by device and dtype itself (and refuses an empty list).
         try:
             clamped = fe.clamp([tu.local(t) for t in leaves], -max_delta, max_delta) if leaves else []

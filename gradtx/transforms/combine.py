@@ -374,7 +374,7 @@ def apply_updates(params: Params, updates: Updates | None) -> Params:
             tu.check_devices(present, u_leaves, updates, what="updates", against="its param")
             raise
     else:  # DTensors, leaf by leaf, each update placed as its param: a Partial one would leave the param a pending sum
-        tu.refuse_partial("apply_updates: updates", params, index, u_leaves, p_leaves)
+        tu.check_placed("apply_updates: updates", params, index, u_leaves, p_leaves)
         added = [p + u for p, u in zip(present, u_leaves)]
     out = list(p_leaves)
     for i, r in zip(index, added):

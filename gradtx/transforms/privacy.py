@@ -145,7 +145,7 @@ def _normal_like(
     A ``Partial`` one (a pending sum, whose every rank would add the whole noise) is
     refused, naming its path in ``tree``.
     """
-    tu.refuse_partial(f"{name}: updates", tree, range(len(leaves)), leaves)  # each rank would add the whole noise
+    tu.check_placed(f"{name}: updates", tree, range(len(leaves)), leaves)  # each rank would add the whole noise
     gen = torch.Generator()
     gen.set_state(rng_state)
     out = []

@@ -77,7 +77,7 @@ def zero_nans() -> GradientTransformation:
     def update_fn(updates, state, params=None, **extra):
         tu.require_state(state, ZeroNansState, name="zero_nans")
         leaves, spec = tu.tensor_leaves(updates, what="zero_nans: updates")
-        tu.refuse_partial("zero_nans: updates", updates, range(len(leaves)), leaves)  # a NaN term makes the sum NaN
+        tu.check_placed("zero_nans: updates", updates, range(len(leaves)), leaves)  # a NaN term makes the sum NaN
         nans = [torch.isnan(tu.local(u)) for u in leaves]
         out = [tu.like(u, torch.where(nan, 0, tu.local(u))) for u, nan in zip(leaves, nans)]
         olds, old_spec = tu.flatten(state.found_nan)
